@@ -1,0 +1,443 @@
+//! Triton `config.pbtxt` loading: protobuf text format of `inference.ModelConfig`, parsed against
+//! the real message schema (a descriptor compiled from `proto/`), so every valid Triton config
+//! parses, an unknown field is an error naming it and its line, and a field Nereid does not
+//! implement is reported by name.
+//!
+//! Fields Nereid does not implement fall in two groups (see [`unsupported_fields`]):
+//! - **errors**: fields that would change results or the request protocol if ignored
+//!   (`sequence_batching`, `ensemble_scheduling`, decoupled transactions, ragged batching, shape
+//!   tensors, `reshape`, `batch_input`/`batch_output`): the model fails to load and the reason
+//!   names the field;
+//! - **warnings**: fields that only tune a backend Nereid does not have (`optimization`,
+//!   `response_cache`, `rate_limiter`, `model_repository_agents`, ...): the model loads, the
+//!   warning is logged and shown in the repository index.
+
+use std::sync::OnceLock;
+
+use nereid_proto::inference::ModelConfig;
+use prost::Message;
+use nereid_proto::inference::ModelDynamicBatching;
+use nereid_proto::inference::model_config::SchedulingChoice;
+use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor, Value};
+
+use crate::dtype::DataType;
+
+/// A config that failed to parse or validate, with the line (1-based) when it is known.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}{message}", line.map(|l| format!("line {l}: ")).unwrap_or_default())]
+pub struct ConfigError {
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+impl ConfigError {
+    pub fn new(message: impl Into<String>) -> Self {
+        ConfigError { line: None, message: message.into() }
+    }
+}
+
+/// How a field Nereid does not implement is treated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Severity {
+    Warning,
+    Error,
+}
+
+/// A set field that Nereid does not implement, by its dotted path (`input.reshape`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnsupportedField {
+    pub path: String,
+    pub severity: Severity,
+}
+
+fn pool() -> &'static DescriptorPool {
+    static POOL: OnceLock<DescriptorPool> = OnceLock::new();
+    POOL.get_or_init(|| {
+        DescriptorPool::decode(nereid_proto::FILE_DESCRIPTOR_SET)
+            .expect("descriptor set compiled into nereid-proto is valid")
+    })
+}
+
+fn model_config_descriptor() -> MessageDescriptor {
+    pool()
+        .get_message_by_name("inference.ModelConfig")
+        .expect("inference.ModelConfig is in the descriptor set")
+}
+
+/// Parses `config.pbtxt` text into a `ModelConfig`.
+pub fn parse_model_config(text: &str) -> Result<ModelConfig, ConfigError> {
+    let message = parse_dynamic(text)?;
+    message
+        .transcode_to::<ModelConfig>()
+        .map_err(|e| ConfigError::new(format!("config does not decode as ModelConfig: {e}")))
+}
+
+/// Parses a config given as JSON (the repository load API's `config` parameter), with the
+/// protobuf JSON mapping Triton uses (proto or camelCase field names).
+pub fn parse_model_config_json(text: &str) -> Result<ModelConfig, ConfigError> {
+    let mut de = serde_json::Deserializer::from_str(text);
+    let message = DynamicMessage::deserialize(model_config_descriptor(), &mut de).map_err(|e| ConfigError {
+        line: Some(e.line()),
+        message: format!("invalid JSON model config: {e}"),
+    })?;
+    message
+        .transcode_to::<ModelConfig>()
+        .map_err(|e| ConfigError::new(format!("config does not decode as ModelConfig: {e}")))
+}
+
+fn parse_dynamic(text: &str) -> Result<DynamicMessage, ConfigError> {
+    let prepared = insert_list_colons(text);
+    DynamicMessage::parse_text_format(model_config_descriptor(), &prepared).map_err(|e| {
+        use miette::Diagnostic;
+        // The pre-pass inserts only ':' characters, so line numbers are unchanged.
+        let offset = e
+            .labels()
+            .and_then(|mut labels| labels.next())
+            .map(|label| label.offset())
+            // Errors at the end of input carry no span: they point past the last line.
+            .unwrap_or(prepared.trim_end().len());
+        let line = Some(prepared[..offset.min(prepared.len())].matches('\n').count() + 1);
+        ConfigError { line, message: e.to_string() }
+    })
+}
+
+/// Protobuf text format allows `field [ ... ]` without a colon for repeated fields, and every
+/// Triton config uses it; prost-reflect only accepts `field: [ ... ]`. Insert the colon where a
+/// `[` directly follows an identifier, skipping strings and `#` comments. Inserts nothing else.
+pub fn insert_list_colons(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 16);
+    let mut chars = text.chars().peekable();
+    let mut last_significant: Option<char> = None;
+    while let Some(c) = chars.next() {
+        match c {
+            '#' => {
+                out.push(c);
+                for c in chars.by_ref() {
+                    out.push(c);
+                    if c == '\n' {
+                        break;
+                    }
+                }
+            }
+            '"' | '\'' => {
+                out.push(c);
+                let quote = c;
+                while let Some(c) = chars.next() {
+                    out.push(c);
+                    if c == '\\' {
+                        if let Some(escaped) = chars.next() {
+                            out.push(escaped);
+                        }
+                    } else if c == quote || c == '\n' {
+                        break;
+                    }
+                }
+                last_significant = Some(quote);
+            }
+            '[' => {
+                if last_significant.is_some_and(|p| p.is_ascii_alphanumeric() || p == '_') {
+                    out.push(':');
+                }
+                out.push(c);
+                last_significant = Some(c);
+            }
+            c if c.is_whitespace() => out.push(c),
+            c => {
+                out.push(c);
+                last_significant = Some(c);
+            }
+        }
+    }
+    out
+}
+
+/// Lists the fields set in `config` that Nereid does not implement.
+pub fn unsupported_fields(config: &ModelConfig) -> Vec<UnsupportedField> {
+    let dynamic = config.transcode_to_dynamic();
+    let mut found = Vec::new();
+    walk(&dynamic, "", &mut found);
+    found
+}
+
+fn classify(path: &str) -> Option<Severity> {
+    use Severity::*;
+    Some(match path {
+        "sequence_batching" | "ensemble_scheduling" | "batch_input" | "batch_output" => Error,
+        "input.reshape" | "output.reshape" | "input.is_shape_tensor" | "output.is_shape_tensor" => Error,
+        "input.allow_ragged_batch" | "input.is_non_linear_format_io" => Error,
+        "output.is_non_linear_format_io" | "output.label_filename" => Warning,
+        "model_transaction_policy.decoupled" => Error,
+        "instance_group.secondary_devices" | "instance_group.profile" | "instance_group.passive" => Warning,
+        "instance_group.rate_limiter" | "instance_group.host_policy" => Warning,
+        "input.format" | "optimization" | "response_cache" | "model_repository_agents" => Warning,
+        "cc_model_filenames" | "metric_tags" | "model_operations" | "model_metrics" => Warning,
+        "dynamic_batching.priority_queue_policy.max_queue_size"
+        | "dynamic_batching.default_queue_policy.max_queue_size" => return None,
+        "runtime" => Warning,
+        _ => return None,
+    })
+}
+
+fn walk(message: &DynamicMessage, prefix: &str, found: &mut Vec<UnsupportedField>) {
+    for (field, value) in message.fields() {
+        let path = if prefix.is_empty() {
+            field.name().to_string()
+        } else {
+            format!("{prefix}.{}", field.name())
+        };
+        // A field set to its default ("decoupled: false") changes nothing.
+        if is_default(value) {
+            continue;
+        }
+        if let Some(severity) = classify(&path) {
+            found.push(UnsupportedField { path, severity });
+            continue;
+        }
+        match value {
+            Value::Message(m) => walk(m, &path, found),
+            Value::List(items) => {
+                for item in items {
+                    if let Value::Message(m) = item {
+                        walk(m, &path, found);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn is_default(value: &Value) -> bool {
+    match value {
+        Value::Bool(b) => !*b,
+        Value::I32(v) | Value::EnumNumber(v) => *v == 0,
+        Value::I64(v) => *v == 0,
+        Value::U32(v) => *v == 0,
+        Value::U64(v) => *v == 0,
+        Value::F32(v) => *v == 0.0,
+        Value::F64(v) => *v == 0.0,
+        Value::String(s) => s.is_empty(),
+        Value::Bytes(b) => b.is_empty(),
+        Value::List(l) => l.is_empty(),
+        Value::Map(m) => m.is_empty(),
+        Value::Message(_) => false,
+    }
+}
+
+/// Renders a config as Triton does on `GET .../config`: protobuf JSON with the proto field
+/// names and default values included.
+pub fn config_to_json(config: &ModelConfig) -> serde_json::Value {
+    let dynamic = config.transcode_to_dynamic();
+    let options = prost_reflect::SerializeOptions::new()
+        .use_proto_field_name(true)
+        .skip_default_fields(false);
+    let mut serializer = serde_json::Serializer::new(Vec::new());
+    match dynamic.serialize_with_options(&mut serializer, &options) {
+        Ok(()) => serde_json::from_slice(&serializer.into_inner()).unwrap_or_default(),
+        Err(_) => serde_json::Value::Null,
+    }
+}
+
+/// Renders a config back to protobuf text format (for writing generated configs).
+pub fn config_to_text(config: &ModelConfig) -> String {
+    config.transcode_to_dynamic().to_text_format_with_options(
+        &prost_reflect::text_format::FormatOptions::new().pretty(true),
+    )
+}
+
+trait TranscodeToDynamic {
+    fn transcode_to_dynamic(&self) -> DynamicMessage;
+}
+
+impl TranscodeToDynamic for ModelConfig {
+    fn transcode_to_dynamic(&self) -> DynamicMessage {
+        let bytes = self.encode_to_vec();
+        DynamicMessage::decode(model_config_descriptor(), bytes.as_slice())
+            .expect("a ModelConfig re-decodes against its own descriptor")
+    }
+}
+
+/// The `dynamic_batching` member of the `scheduling_choice` oneof, when that is the one set.
+pub fn dynamic_batching(config: &ModelConfig) -> Option<&ModelDynamicBatching> {
+    match &config.scheduling_choice {
+        Some(SchedulingChoice::DynamicBatching(db)) => Some(db),
+        _ => None,
+    }
+}
+
+/// Checks the config's own consistency (not against a model file). Messages name the field.
+pub fn validate_model_config(config: &ModelConfig) -> Result<(), ConfigError> {
+    let err = |m: String| Err(ConfigError::new(m));
+    if config.max_batch_size < 0 {
+        return err(format!("max_batch_size must be >= 0, got {}", config.max_batch_size));
+    }
+    let mut names = std::collections::HashSet::new();
+    for (kind, tensors) in [
+        ("input", config.input.iter().map(|t| (&t.name, t.data_type, &t.dims)).collect::<Vec<_>>()),
+        ("output", config.output.iter().map(|t| (&t.name, t.data_type, &t.dims)).collect()),
+    ] {
+        for (name, data_type, dims) in tensors {
+            if name.is_empty() {
+                return err(format!("{kind}: every {kind} needs a name"));
+            }
+            if !names.insert((kind, name.clone())) {
+                return err(format!("{kind} '{name}' is declared twice"));
+            }
+            if DataType::from_config_value(data_type).is_none() {
+                return err(format!("{kind} '{name}': data_type must be set to a valid TYPE_*"));
+            }
+            if let Some(d) = dims.iter().find(|&&d| d < -1 || d == 0) {
+                return err(format!("{kind} '{name}': dims must be -1 or positive, got {d}"));
+            }
+        }
+    }
+    if let Some(db) = dynamic_batching(config) {
+        if config.max_batch_size == 0 {
+            return err("dynamic_batching requires max_batch_size > 0".to_string());
+        }
+        for &p in &db.preferred_batch_size {
+            if p <= 0 || p > config.max_batch_size {
+                return err(format!(
+                    "dynamic_batching.preferred_batch_size {p} must be in 1..={}",
+                    config.max_batch_size
+                ));
+            }
+        }
+        if db.priority_levels > 0
+            && (db.default_priority_level == 0 || db.default_priority_level > db.priority_levels)
+        {
+            return err(format!(
+                "dynamic_batching.default_priority_level must be in 1..={} when priority_levels is set, got {}",
+                db.priority_levels, db.default_priority_level
+            ));
+        }
+        for &level in db.priority_queue_policy.keys() {
+            if level == 0 || level > db.priority_levels {
+                return err(format!(
+                    "dynamic_batching.priority_queue_policy key {level} must be in 1..={}",
+                    db.priority_levels
+                ));
+            }
+        }
+    }
+    for (i, group) in config.instance_group.iter().enumerate() {
+        if group.count < 0 {
+            return err(format!("instance_group[{i}].count must be >= 0, got {}", group.count));
+        }
+        if group.gpus.iter().any(|&g| g < 0) {
+            return err(format!("instance_group[{i}].gpus must be >= 0"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TRITON_STYLE: &str = r#"
+name: "mlp"   # a comment with [brackets]
+backend: "onnxruntime"
+max_batch_size: 64
+input [
+  {
+    name: "INPUT0"
+    data_type: TYPE_FP32
+    dims: [ 256 ]
+  }
+]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims [ 10 ] } ]
+instance_group [ { count: 2 kind: KIND_CPU } ]
+dynamic_batching {
+  preferred_batch_size [ 16, 32 ]
+  max_queue_delay_microseconds: 500
+  priority_levels: 2
+  default_priority_level: 1
+  default_queue_policy { timeout_action: DELAY default_timeout_microseconds: 1000 }
+  priority_queue_policy { key: 2 value: { max_queue_size: 8 } }
+}
+parameters { key: "intra_op_thread_count" value: { string_value: "1" } }
+version_policy: { latest: { num_versions: 2 } }
+"#;
+
+    #[test]
+    fn parses_triton_style_config() {
+        let c = parse_model_config(TRITON_STYLE).unwrap();
+        assert_eq!(c.name, "mlp");
+        assert_eq!(c.max_batch_size, 64);
+        assert_eq!(c.input[0].dims, vec![256]);
+        assert_eq!(c.output[0].dims, vec![10]);
+        assert_eq!(c.instance_group[0].count, 2);
+        let db = dynamic_batching(&c).unwrap();
+        assert_eq!(db.preferred_batch_size, vec![16, 32]);
+        assert_eq!(db.max_queue_delay_microseconds, 500);
+        assert_eq!(db.priority_queue_policy[&2].max_queue_size, 8);
+        assert_eq!(db.default_queue_policy.as_ref().unwrap().timeout_action, 1);
+        assert_eq!(c.parameters["intra_op_thread_count"].string_value, "1");
+        validate_model_config(&c).unwrap();
+        assert!(unsupported_fields(&c).is_empty(), "{:?}", unsupported_fields(&c));
+    }
+
+    #[test]
+    fn unknown_field_names_field_and_line() {
+        let e = parse_model_config("name: \"a\"\nmax_batch_size: 4\nbogus_field: 3\n").unwrap_err();
+        assert_eq!(e.line, Some(3), "{e}");
+        assert!(e.message.contains("bogus_field"), "{e}");
+    }
+
+    #[test]
+    fn syntax_error_has_line() {
+        let e = parse_model_config("name: \"a\"\ninput [ { name: \"x\" \n").unwrap_err();
+        assert!(e.line.is_some(), "{e}");
+        let e = parse_model_config("name: \"a\"\nmax_batch_size: \"x\"\n").unwrap_err();
+        assert_eq!(e.line, Some(2), "{e}");
+    }
+
+    #[test]
+    fn colon_insertion_skips_strings_and_comments() {
+        assert_eq!(insert_list_colons("dims [ 1 ]"), "dims :[ 1 ]");
+        assert_eq!(insert_list_colons("dims: [ 1 ]"), "dims: [ 1 ]");
+        assert_eq!(insert_list_colons("name: \"a [b\" # c [d\n"), "name: \"a [b\" # c [d\n");
+        assert_eq!(insert_list_colons("a { b[1] }"), "a { b:[1] }");
+    }
+
+    #[test]
+    fn reports_unsupported_fields() {
+        let c = parse_model_config(
+            "name: \"s\"\nmax_batch_size: 2\nsequence_batching {}\nresponse_cache { enable: true }\n\
+             model_transaction_policy { decoupled: false }\n",
+        )
+        .unwrap();
+        let found = unsupported_fields(&c);
+        assert!(found.contains(&UnsupportedField { path: "sequence_batching".into(), severity: Severity::Error }));
+        assert!(found.contains(&UnsupportedField { path: "response_cache".into(), severity: Severity::Warning }));
+        assert!(!found.iter().any(|f| f.path.contains("decoupled")));
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let c = parse_model_config(
+            "name: \"v\"\nmax_batch_size: 8\ndynamic_batching { preferred_batch_size: [ 16 ] }\n",
+        )
+        .unwrap();
+        let e = validate_model_config(&c).unwrap_err();
+        assert!(e.message.contains("preferred_batch_size"), "{e}");
+        let c = parse_model_config("name: \"v\"\ninput [ { name: \"x\" dims: [ 0 ] data_type: TYPE_FP32 } ]").unwrap();
+        assert!(validate_model_config(&c).unwrap_err().message.contains("dims"));
+    }
+
+    #[test]
+    fn json_uses_proto_field_names() {
+        let c = parse_model_config(TRITON_STYLE).unwrap();
+        let j = config_to_json(&c);
+        assert_eq!(j["max_batch_size"], 64);
+        assert_eq!(j["input"][0]["data_type"], "TYPE_FP32");
+        assert_eq!(j["dynamic_batching"]["max_queue_delay_microseconds"], "500");
+        let back = parse_model_config_json(&j.to_string()).unwrap();
+        assert_eq!(back, c);
+        assert!(parse_model_config_json("{\"max_batch_size\": \"x\"}").is_err());
+        assert!(parse_model_config_json("{\"bogus\": 1}").unwrap_err().message.contains("bogus"));
+        let text = config_to_text(&c);
+        assert_eq!(parse_model_config(&text).unwrap(), c);
+    }
+}

@@ -1,0 +1,9 @@
+//! Shared vocabulary of Nereid: tensor data types, model configuration loading, and errors
+//! rendered once to gRPC and HTTP status.
+
+pub mod config;
+pub mod dtype;
+pub mod status;
+
+pub use dtype::DataType;
+pub use status::{Code, Status};

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Installs everything Nereid needs to build, run and test, into the system (apt) or into
+# project-local, git-ignored folders (.deps/, .venv/). Idempotent: a second run does nothing
+# that the first already did.
+#
+#   protoc                 apt: protobuf-compiler (tonic/prost codegen)
+#   ONNX Runtime 1.31.1    the official PyPI wheel's shared library → .deps/onnxruntime/
+#   Python test clients    tritonclient[http,grpc], onnx, onnxruntime, numpy → .venv/
+#   example models         examples/generate_models.py → examples/models/*/<version>/model.onnx
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+ORT_VERSION="${ORT_VERSION:-1.31.1}"
+PY="${PYTHON:-python3}"
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+apt_install() {
+  local missing=()
+  for pkg in "$@"; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+  done
+  if [ "${#missing[@]}" -gt 0 ]; then
+    log "apt-get install ${missing[*]}"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+}
+
+apt_install protobuf-compiler ${NEREID_EXTRA_APT:-}
+
+# ONNX Runtime: the shared library out of the official wheel (no unversioned .so inside).
+ort_dir="$root/.deps/onnxruntime"
+ort_lib="$ort_dir/libonnxruntime.so.$ORT_VERSION"
+if [ ! -f "$ort_lib" ]; then
+  log "fetching onnxruntime==$ORT_VERSION wheel"
+  tmp="$(mktemp -d)"
+  "$PY" -m pip download -q --no-deps --only-binary=:all: "onnxruntime==$ORT_VERSION" -d "$tmp"
+  (cd "$tmp" && "$PY" -m zipfile -e ./*.whl x)
+  mkdir -p "$ort_dir"
+  cp "$tmp/x/onnxruntime/capi/libonnxruntime.so.$ORT_VERSION" "$ort_lib.part"
+  mv "$ort_lib.part" "$ort_lib"
+  rm -rf "$tmp"
+fi
+ln -sf "libonnxruntime.so.$ORT_VERSION" "$ort_dir/libonnxruntime.so"
+
+# Python venv with the real clients used by the compatibility tests.
+venv="$root/.venv"
+stamp="$venv/.nereid-requirements"
+req="$root/scripts/requirements.txt"
+if [ ! -f "$stamp" ] || ! cmp -s "$req" "$stamp"; then
+  log "python venv at .venv"
+  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
+  "$venv/bin/python" -m pip install -q -r "$req"
+  cp "$req" "$stamp"
+fi
+
+# Example models (deterministic; regenerated only when the generator changes).
+gen="$root/examples/generate_models.py"
+if [ -f "$gen" ]; then
+  gstamp="$root/examples/models/.generated"
+  if [ ! -f "$gstamp" ] || ! cmp -s "$gen" "$gstamp"; then
+    log "generating example models"
+    "$venv/bin/python" "$gen" --out "$root/examples/models"
+    cp "$gen" "$gstamp"
+  fi
+fi
+
+log "ready: ORT=$ort_lib venv=$venv"

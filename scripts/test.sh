@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what it needs (scripts/setup.sh), builds,
+# runs the Rust tests (unit, property, integration against real ONNX Runtime and real worker
+# processes) and the Python compatibility tests (real tritonclient against a real worker).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+bash scripts/setup.sh
+export NEREID_ORT_LIB="$root/.deps/onnxruntime/libonnxruntime.so"
+
+echo "== cargo build"
+cargo build --workspace --all-targets --locked
+
+echo "== rust tests"
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --locked --no-fail-fast
+else
+  cargo test --workspace --locked --no-fail-fast
+fi
+
+if [ -d tests/python ] && ls tests/python/test_*.py >/dev/null 2>&1; then
+  echo "== python compatibility tests (tritonclient)"
+  NEREID_WORKER_BIN="$root/target/debug/nereid-worker" \
+    .venv/bin/python -m pytest -q tests/python examples/test_generated_models.py
+fi

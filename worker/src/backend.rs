@@ -1,0 +1,540 @@
+//! ONNX Runtime backend through `ort`: one process-wide environment (the official runtime
+//! library loaded dynamically), one `Session` per model instance, each driven by its own OS
+//! thread (see `scheduler`). Also introspects models for config validation and auto-complete.
+//!
+//! Batches arrive as per-request input bytes; [`InstanceSession::run`] copies each input once
+//! into a buffer the instance reuses across batches (or borrows the request's bytes directly for
+//! a single aligned request), runs the session, and splits each output back per request.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use nereid_common::{DataType, Status};
+use ort::session::Session;
+use ort::session::builder::GraphOptimizationLevel;
+use ort::value::{DynValue, TensorElementType, TensorRef, ValueType};
+
+use crate::tensor::{OutputTensor, serialize_bytes_elements, split_bytes_elements};
+
+static ENVIRONMENT: OnceLock<ort::environment::Environment> = OnceLock::new();
+
+/// Loads the ONNX Runtime library at `path` and creates the process-wide environment.
+/// Idempotent: later calls return `Ok` without loading again.
+pub fn init_runtime(path: &Path) -> Result<(), String> {
+    if ENVIRONMENT.get().is_some() {
+        return Ok(());
+    }
+    static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = INIT.lock().unwrap_or_else(|e| e.into_inner());
+    if ENVIRONMENT.get().is_some() {
+        return Ok(());
+    }
+    if !path.is_file() {
+        return Err(format!(
+            "ONNX Runtime library not found at '{}' (run scripts/setup.sh, or pass --onnxruntime-lib)",
+            path.display()
+        ));
+    }
+    let env = ort::init_from(path)
+        .map_err(|e| format!("cannot load ONNX Runtime from '{}': {e}", path.display()))?
+        .with_name("nereid")
+        .build()
+        .map_err(|e| format!("cannot create the ONNX Runtime environment: {e}"))?;
+    let _ = ENVIRONMENT.set(env);
+    Ok(())
+}
+
+/// The library path used when none is given: `$NEREID_ORT_LIB`, else the project-local copy
+/// that `scripts/setup.sh` installs next to the workspace.
+pub fn default_runtime_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("NEREID_ORT_LIB") {
+        return PathBuf::from(p);
+    }
+    let candidates = [
+        PathBuf::from(".deps/onnxruntime/libonnxruntime.so"),
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../.deps/onnxruntime/libonnxruntime.so"),
+    ];
+    candidates.iter().find(|p| p.is_file()).cloned().unwrap_or_else(|| candidates[0].clone())
+}
+
+fn environment() -> Result<&'static ort::environment::Environment, Status> {
+    ENVIRONMENT
+        .get()
+        .ok_or_else(|| Status::internal("ONNX Runtime is not initialised"))
+}
+
+/// Where an instance runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Gpu(i32),
+}
+
+/// Per-instance session options, from the model config's `parameters` and instance group.
+#[derive(Clone, Debug)]
+pub struct SessionOptions {
+    pub device: Device,
+    pub intra_op_threads: usize,
+    pub inter_op_threads: usize,
+    pub intra_op_spinning: bool,
+    pub optimization_level: u8,
+}
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        SessionOptions {
+            device: Device::Cpu,
+            intra_op_threads: 1,
+            inter_op_threads: 1,
+            intra_op_spinning: false,
+            optimization_level: 3,
+        }
+    }
+}
+
+/// Number of CUDA devices, probed without panicking when no driver is present.
+pub fn gpu_count() -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: only checks whether the driver library can be opened.
+        if unsafe { cudarc::driver::sys::is_culib_present() } {
+            return cudarc::driver::CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0);
+        }
+        0
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        0
+    }
+}
+
+/// Creates one session for `model_path`.
+pub fn create_session(model_path: &Path, options: &SessionOptions) -> Result<Session, String> {
+    let env = environment().map_err(|e| e.message)?;
+    build_session(env, model_path, options).map_err(|e| format!("{e}"))
+}
+
+fn build_session(
+    env: &ort::environment::Environment,
+    model_path: &Path,
+    options: &SessionOptions,
+) -> ort::Result<Session> {
+    let level = match options.optimization_level {
+        0 => GraphOptimizationLevel::Disable,
+        1 => GraphOptimizationLevel::Level1,
+        2 => GraphOptimizationLevel::Level2,
+        _ => GraphOptimizationLevel::All,
+    };
+    let mut builder = Session::builder(env)?;
+    builder = builder.with_optimization_level(level)?;
+    builder = builder.with_intra_threads(options.intra_op_threads)?;
+    builder = builder.with_inter_threads(options.inter_op_threads)?;
+    builder = builder.with_intra_op_spinning(options.intra_op_spinning)?;
+    if let Device::Gpu(_id) = options.device {
+        #[cfg(feature = "cuda")]
+        {
+            builder = builder
+                .with_execution_providers([ort::ep::CUDA::default()
+                    .with_device_id(_id)
+                    .build()
+                    .error_on_failure()])?;
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            return Err(ort::Error::new("this build has no CUDA support (cargo feature `cuda`)"));
+        }
+    }
+    builder.commit_from_file(model_path)
+}
+
+/// A tensor the model declares: name, element type, dims (-1 where dynamic).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelTensor {
+    pub name: String,
+    /// `None` when the element type has no KServe equivalent (or is not a tensor).
+    pub datatype: Option<DataType>,
+    pub type_name: String,
+    pub dims: Vec<i64>,
+}
+
+/// The inputs and outputs an ONNX model declares.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelIo {
+    pub inputs: Vec<ModelTensor>,
+    pub outputs: Vec<ModelTensor>,
+}
+
+pub fn model_io(session: &Session) -> ModelIo {
+    let convert = |outlets: &[ort::value::Outlet]| {
+        outlets
+            .iter()
+            .map(|o| match o.dtype() {
+                ValueType::Tensor { ty, shape, .. } => ModelTensor {
+                    name: o.name().to_string(),
+                    datatype: from_ort_type(*ty),
+                    type_name: format!("{ty:?}"),
+                    dims: shape.iter().copied().collect(),
+                },
+                other => ModelTensor {
+                    name: o.name().to_string(),
+                    datatype: None,
+                    type_name: format!("{other:?}"),
+                    dims: vec![],
+                },
+            })
+            .collect()
+    };
+    ModelIo { inputs: convert(session.inputs()), outputs: convert(session.outputs()) }
+}
+
+fn from_ort_type(ty: TensorElementType) -> Option<DataType> {
+    use TensorElementType as T;
+    Some(match ty {
+        T::Bool => DataType::Bool,
+        T::Uint8 => DataType::Uint8,
+        T::Uint16 => DataType::Uint16,
+        T::Uint32 => DataType::Uint32,
+        T::Uint64 => DataType::Uint64,
+        T::Int8 => DataType::Int8,
+        T::Int16 => DataType::Int16,
+        T::Int32 => DataType::Int32,
+        T::Int64 => DataType::Int64,
+        T::Float16 => DataType::Fp16,
+        T::Float32 => DataType::Fp32,
+        T::Float64 => DataType::Fp64,
+        T::String => DataType::Bytes,
+        T::Bfloat16 => DataType::Bf16,
+        _ => return None,
+    })
+}
+
+/// One tensor of the model as the scheduler and validator use it (config view).
+#[derive(Clone, Debug)]
+pub struct TensorSpec {
+    pub name: String,
+    pub datatype: DataType,
+    /// Dims without the batch dimension (-1 = any).
+    pub dims: Vec<i64>,
+}
+
+/// What a request of one job carries into a batch.
+pub struct JobInputs<'a> {
+    /// Rows this request contributes (1 for models without batching).
+    pub rows: usize,
+    /// One entry per model input, in the spec's order: full shape and raw bytes.
+    pub inputs: &'a [(Vec<i64>, Bytes)],
+}
+
+/// Time spent in each phase of one batch.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PhaseTimes {
+    pub input: Duration,
+    pub infer: Duration,
+    pub output: Duration,
+}
+
+/// A session plus the buffers it reuses from batch to batch.
+pub struct InstanceSession {
+    session: Session,
+    inputs: Vec<TensorSpec>,
+    outputs: Vec<TensorSpec>,
+    batching: bool,
+    buffers: Vec<AlignedBuf>,
+}
+
+/// A byte buffer aligned to 8 bytes, so it can be viewed as any element type.
+#[derive(Default)]
+struct AlignedBuf {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl AlignedBuf {
+    fn reset(&mut self, len: usize) -> &mut [u8] {
+        let words = len.div_ceil(8);
+        if self.words.len() < words {
+            self.words.resize(words, 0);
+        }
+        self.len = len;
+        &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..len]
+    }
+    fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.len]
+    }
+}
+
+impl InstanceSession {
+    pub fn new(session: Session, inputs: Vec<TensorSpec>, outputs: Vec<TensorSpec>, batching: bool) -> Self {
+        let buffers = inputs.iter().map(|_| AlignedBuf::default()).collect();
+        InstanceSession { session, inputs, outputs, batching, buffers }
+    }
+
+    /// Runs one batch. Returns, per job, the outputs selected by `wanted(job, output_index)`.
+    pub fn run(
+        &mut self,
+        jobs: &[JobInputs<'_>],
+        wanted: &dyn Fn(usize, usize) -> bool,
+    ) -> Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status> {
+        let t0 = Instant::now();
+        let total_rows: usize = jobs.iter().map(|j| j.rows).sum();
+        let single = jobs.len() == 1;
+
+        // Gather inputs: borrow a single request's bytes, else copy each once into the buffer.
+        let mut strings: Vec<Vec<String>> = Vec::new();
+        for (i, spec) in self.inputs.iter().enumerate() {
+            if spec.datatype == DataType::Bytes {
+                let mut all = Vec::new();
+                for job in jobs {
+                    for e in split_bytes_elements(&spec.name, &job.inputs[i].1)? {
+                        all.push(String::from_utf8(e.to_vec()).map_err(|_| {
+                            Status::invalid(format!(
+                                "input '{}': BYTES elements must be UTF-8 for ONNX string tensors",
+                                spec.name
+                            ))
+                        })?);
+                    }
+                }
+                strings.push(all);
+            } else {
+                strings.push(Vec::new());
+                if !single {
+                    let total: usize = jobs.iter().map(|j| j.inputs[i].1.len()).sum();
+                    let buf = self.buffers[i].reset(total);
+                    let mut at = 0;
+                    for job in jobs {
+                        let src = &job.inputs[i].1;
+                        buf[at..at + src.len()].copy_from_slice(src);
+                        at += src.len();
+                    }
+                }
+            }
+        }
+
+        let mut values: Vec<(&str, ort::session::SessionInputValue<'_>)> = Vec::with_capacity(self.inputs.len());
+        let mut bool_holders: Vec<Vec<bool>> = Vec::new();
+        let mut unaligned: Vec<AlignedBuf> = Vec::new();
+        // Resolve each input's byte view first (borrows end before values are built).
+        let mut views: Vec<(usize, Vec<i64>, &[u8])> = Vec::new();
+        for (i, spec) in self.inputs.iter().enumerate() {
+            let shape = batch_shape(&jobs[0].inputs[i].0, total_rows, self.batching);
+            if spec.datatype == DataType::Bytes {
+                continue;
+            }
+            let bytes: &[u8] = if single { &jobs[0].inputs[i].1 } else { self.buffers[i].bytes() };
+            views.push((i, shape, bytes));
+        }
+        // Misaligned single-request data gets copied into an aligned buffer.
+        for (_, _, bytes) in views.iter_mut() {
+            if (bytes.as_ptr() as usize) % 8 != 0 {
+                let mut b = AlignedBuf::default();
+                b.reset(bytes.len()).copy_from_slice(bytes);
+                unaligned.push(b);
+            }
+        }
+        let mut next_unaligned = 0;
+        let mut prepared: Vec<(usize, Vec<i64>, &[u8])> = Vec::with_capacity(views.len());
+        for (i, shape, bytes) in views {
+            if (bytes.as_ptr() as usize) % 8 != 0 {
+                prepared.push((i, shape, unaligned[next_unaligned].bytes()));
+                next_unaligned += 1;
+            } else {
+                prepared.push((i, shape, bytes));
+            }
+        }
+        for (i, _, bytes) in &prepared {
+            if self.inputs[*i].datatype == DataType::Bool {
+                bool_holders.push(bytes.iter().map(|&b| b != 0).collect());
+            }
+        }
+        let mut bool_iter = bool_holders.iter();
+        for (i, shape, bytes) in &prepared {
+            let name = self.inputs[*i].name.as_str();
+            let value = tensor_view(self.inputs[*i].datatype, shape, bytes, &mut bool_iter)
+                .map_err(|e| Status::invalid(format!("input '{name}': {e}")))?;
+            values.push((name, value));
+        }
+        let mut string_values = Vec::new();
+        for (i, spec) in self.inputs.iter().enumerate() {
+            if spec.datatype == DataType::Bytes {
+                let shape = batch_shape(&jobs[0].inputs[i].0, total_rows, self.batching);
+                let t = ort::value::Tensor::from_string_array((shape, strings[i].as_slice()))
+                    .map_err(|e| Status::invalid(format!("input '{}': {e}", spec.name)))?;
+                string_values.push((spec.name.as_str(), t));
+            }
+        }
+        for (name, t) in string_values {
+            values.push((name, t.into()));
+        }
+        let t1 = Instant::now();
+
+        let outputs = self
+            .session
+            .run(values)
+            .map_err(|e| Status::internal(format!("onnxruntime failed to execute the batch: {e}")))?;
+        let t2 = Instant::now();
+
+        let mut per_job: Vec<Vec<OutputTensor>> = (0..jobs.len()).map(|_| Vec::new()).collect();
+        for (o, spec) in self.outputs.iter().enumerate() {
+            if !(0..jobs.len()).any(|j| wanted(j, o)) {
+                continue;
+            }
+            let value = outputs.get(spec.name.as_str()).ok_or_else(|| {
+                Status::internal(format!("model did not produce output '{}'", spec.name))
+            })?;
+            split_output(value, spec, jobs, self.batching, total_rows, o, wanted, &mut per_job)?;
+        }
+        let t3 = Instant::now();
+        Ok((per_job, PhaseTimes { input: t1 - t0, infer: t2 - t1, output: t3 - t2 }))
+    }
+}
+
+fn batch_shape(first: &[i64], total_rows: usize, batching: bool) -> Vec<i64> {
+    let mut shape = first.to_vec();
+    if batching && !shape.is_empty() {
+        shape[0] = total_rows as i64;
+    }
+    shape
+}
+
+fn tensor_view<'a>(
+    dtype: DataType,
+    shape: &[i64],
+    bytes: &'a [u8],
+    bools: &mut std::slice::Iter<'a, Vec<bool>>,
+) -> Result<ort::session::SessionInputValue<'a>, String> {
+    fn view<'a, T>(shape: &[i64], bytes: &'a [u8]) -> Result<ort::session::SessionInputValue<'a>, String>
+    where
+        T: ort::value::PrimitiveTensorElementType + bytemuck::Pod + std::fmt::Debug,
+    {
+        let data: &'a [T] = bytemuck::try_cast_slice(bytes).map_err(|e| format!("{e:?}"))?;
+        TensorRef::from_array_view((shape.to_vec(), data))
+            .map(Into::into)
+            .map_err(|e| e.to_string())
+    }
+    match dtype {
+        DataType::Fp32 => view::<f32>(shape, bytes),
+        DataType::Fp64 => view::<f64>(shape, bytes),
+        DataType::Fp16 => view::<half::f16>(shape, bytes),
+        DataType::Bf16 => view::<half::bf16>(shape, bytes),
+        DataType::Int8 => view::<i8>(shape, bytes),
+        DataType::Int16 => view::<i16>(shape, bytes),
+        DataType::Int32 => view::<i32>(shape, bytes),
+        DataType::Int64 => view::<i64>(shape, bytes),
+        DataType::Uint8 => view::<u8>(shape, bytes),
+        DataType::Uint16 => view::<u16>(shape, bytes),
+        DataType::Uint32 => view::<u32>(shape, bytes),
+        DataType::Uint64 => view::<u64>(shape, bytes),
+        DataType::Bool => {
+            let data = bools.next().ok_or("internal: missing bool buffer")?;
+            TensorRef::from_array_view((shape.to_vec(), data.as_slice()))
+                .map(Into::into)
+                .map_err(|e| e.to_string())
+        }
+        DataType::Bytes => Err("internal: BYTES handled separately".into()),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn split_output(
+    value: &DynValue,
+    spec: &TensorSpec,
+    jobs: &[JobInputs<'_>],
+    batching: bool,
+    total_rows: usize,
+    output_index: usize,
+    wanted: &dyn Fn(usize, usize) -> bool,
+    per_job: &mut [Vec<OutputTensor>],
+) -> Result<(), Status> {
+    let internal = |e: ort::Error| Status::internal(format!("output '{}': {e}", spec.name));
+    let (shape, bytes): (Vec<i64>, Bytes) = match spec.datatype {
+        DataType::Bytes => {
+            let (shape, strings) = value.try_extract_strings().map_err(internal)?;
+            // Serialize per job below; keep the element list.
+            let shape: Vec<i64> = shape.iter().copied().collect();
+            let per_row = row_elements(&shape, batching, total_rows);
+            let mut at = 0;
+            for (j, job) in jobs.iter().enumerate() {
+                let n = if batching { job.rows * per_row } else { strings.len() };
+                if wanted(j, output_index) {
+                    let mut s = shape.clone();
+                    if batching && !s.is_empty() {
+                        s[0] = job.rows as i64;
+                    }
+                    let data = serialize_bytes_elements(&strings[at..at + n]);
+                    per_job[j].push(OutputTensor {
+                        name: spec.name.clone(),
+                        datatype: DataType::Bytes,
+                        shape: s,
+                        data: Bytes::from(data),
+                    });
+                }
+                at += n;
+            }
+            return Ok(());
+        }
+        DataType::Bool => {
+            let (shape, data) = value.try_extract_tensor::<bool>().map_err(internal)?;
+            (shape.iter().copied().collect(), Bytes::from(data.iter().map(|&b| b as u8).collect::<Vec<u8>>()))
+        }
+        _ => {
+            let (shape, data) = extract_bytes(value, spec.datatype).map_err(internal)?;
+            (shape, Bytes::copy_from_slice(data))
+        }
+    };
+    if jobs.len() == 1 {
+        if wanted(0, output_index) {
+            per_job[0].push(OutputTensor { name: spec.name.clone(), datatype: spec.datatype, shape, data: bytes });
+        }
+        return Ok(());
+    }
+    let per_row_bytes = bytes.len() / total_rows.max(1);
+    let mut at = 0;
+    for (j, job) in jobs.iter().enumerate() {
+        let n = job.rows * per_row_bytes;
+        if wanted(j, output_index) {
+            let mut s = shape.clone();
+            if !s.is_empty() {
+                s[0] = job.rows as i64;
+            }
+            per_job[j].push(OutputTensor {
+                name: spec.name.clone(),
+                datatype: spec.datatype,
+                shape: s,
+                data: bytes.slice(at..at + n),
+            });
+        }
+        at += n;
+    }
+    Ok(())
+}
+
+fn row_elements(shape: &[i64], batching: bool, total_rows: usize) -> usize {
+    let total: i64 = shape.iter().product();
+    if batching { (total as usize) / total_rows.max(1) } else { total as usize }
+}
+
+fn extract_bytes(value: &DynValue, dtype: DataType) -> ort::Result<(Vec<i64>, &[u8])> {
+    fn ex<T: ort::value::PrimitiveTensorElementType + bytemuck::Pod>(
+        value: &DynValue,
+    ) -> ort::Result<(Vec<i64>, &[u8])> {
+        let (shape, data) = value.try_extract_tensor::<T>()?;
+        Ok((shape.iter().copied().collect(), bytemuck::cast_slice(data)))
+    }
+    match dtype {
+        DataType::Fp32 => ex::<f32>(value),
+        DataType::Fp64 => ex::<f64>(value),
+        DataType::Fp16 => ex::<half::f16>(value),
+        DataType::Bf16 => ex::<half::bf16>(value),
+        DataType::Int8 => ex::<i8>(value),
+        DataType::Int16 => ex::<i16>(value),
+        DataType::Int32 => ex::<i32>(value),
+        DataType::Int64 => ex::<i64>(value),
+        DataType::Uint8 => ex::<u8>(value),
+        DataType::Uint16 => ex::<u16>(value),
+        DataType::Uint32 => ex::<u32>(value),
+        DataType::Uint64 => ex::<u64>(value),
+        DataType::Bool | DataType::Bytes => Err(ort::Error::new("internal: handled separately")),
+    }
+}

@@ -1,0 +1,116 @@
+//! Command line. Flags follow tritonserver's where they overlap (`--model-repository`,
+//! `--http-port`, `--model-control-mode=explicit`, `--strict-model-config=true`, ...), so Triton
+//! users' scripts carry over; Nereid's own flags follow.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use clap::{ArgAction, Parser, ValueEnum};
+
+use crate::repository::ControlMode;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ControlModeArg {
+    /// Load every model at start; never change them.
+    None,
+    /// Load every model at start; re-scan the repository every --repository-poll-secs.
+    Poll,
+    /// Load only --load-model models at start; then only through the repository API.
+    Explicit,
+}
+
+impl From<ControlModeArg> for ControlMode {
+    fn from(m: ControlModeArg) -> Self {
+        match m {
+            ControlModeArg::None => ControlMode::None,
+            ControlModeArg::Poll => ControlMode::Poll,
+            ControlModeArg::Explicit => ControlMode::Explicit,
+        }
+    }
+}
+
+/// nereid-worker: serves a Triton model repository (ONNX models) over KServe v2 HTTP and gRPC.
+#[derive(Clone, Debug, Parser)]
+#[command(name = "nereid-worker", version, about, long_about = None)]
+pub struct Args {
+    /// Model repository folder; repeat for several (a name found in two: the first wins).
+    #[arg(long = "model-repository", alias = "model-store", required = true, value_name = "DIR")]
+    pub model_repository: Vec<PathBuf>,
+
+    /// Address the HTTP, gRPC and metrics servers bind to.
+    #[arg(long, default_value = "0.0.0.0", value_name = "IP")]
+    pub address: IpAddr,
+
+    /// HTTP port (KServe v2 REST). 0 picks a free port (see --port-file).
+    #[arg(long, default_value_t = 8000)]
+    pub http_port: u16,
+
+    /// gRPC port (inference.GRPCInferenceService). 0 picks a free port.
+    #[arg(long, default_value_t = 8001)]
+    pub grpc_port: u16,
+
+    /// Prometheus metrics port (`GET /metrics`). 0 picks a free port.
+    #[arg(long, default_value_t = 8002)]
+    pub metrics_port: u16,
+
+    /// Serve HTTP.
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub allow_http: bool,
+
+    /// Serve gRPC.
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub allow_grpc: bool,
+
+    /// Serve metrics.
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub allow_metrics: bool,
+
+    /// Model control mode: none, poll or explicit.
+    #[arg(long, value_enum, default_value = "none")]
+    pub model_control_mode: ControlModeArg,
+
+    /// With --model-control-mode=explicit: a model to load at start; repeat; `*` loads all.
+    #[arg(long = "load-model", value_name = "NAME")]
+    pub load_model: Vec<String>,
+
+    /// With --model-control-mode=poll: seconds between repository scans.
+    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
+    pub repository_poll_secs: u64,
+
+    /// Refuse to auto-complete a model that has no config.pbtxt.
+    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub strict_model_config: bool,
+
+    /// Exit at start if any model fails to load (Triton's default is true; Nereid keeps
+    /// serving the models that loaded and reports the failure in the repository index).
+    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub exit_on_error: bool,
+
+    /// Verbose logging level (0 = info, 1 = debug, 2+ = trace). RUST_LOG overrides.
+    #[arg(long, default_value_t = 0)]
+    pub log_verbose: u8,
+
+    /// Seconds to finish in-flight requests after SIGTERM/SIGINT before exiting.
+    #[arg(long, default_value_t = 30)]
+    pub exit_timeout_secs: u64,
+
+    /// Path of the ONNX Runtime shared library (libonnxruntime.so). Default: $NEREID_ORT_LIB,
+    /// else .deps/onnxruntime/libonnxruntime.so as installed by scripts/setup.sh.
+    #[arg(long, value_name = "FILE")]
+    pub onnxruntime_lib: Option<PathBuf>,
+
+    /// Largest accepted request (HTTP body or gRPC message) in bytes; larger ones are refused
+    /// before anything is allocated.
+    #[arg(long, default_value_t = 64 << 20, value_parser = clap::value_parser!(u64).range(1024..=(1 << 32)))]
+    pub max_request_bytes: u64,
+
+    /// Default ONNX Runtime intra-op threads per instance (a model's
+    /// parameters { key: "intra_op_thread_count" } overrides; 0 = ONNX Runtime's default).
+    #[arg(long, default_value_t = 1)]
+    pub intra_op_threads: usize,
+
+    /// Write the bound ports as JSON ({"http":..,"grpc":..,"metrics":..}) to this file once
+    /// listening (useful with port 0).
+    #[arg(long, value_name = "FILE")]
+    pub port_file: Option<PathBuf>,
+}

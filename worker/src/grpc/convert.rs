@@ -1,0 +1,858 @@
+//! Pure conversions between the KServe v2 gRPC messages and the worker's front-end independent
+//! types. Nothing here touches the repository; every function is unit-tested on its own.
+//!
+//! Checks on what a client claims (shapes, sizes, counts) happen before anything is allocated
+//! from them: raw contents are already allocated by the decoder and are only wrapped (zero
+//! copy), typed contents are counted against the shape before they are re-encoded.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use nereid_common::dtype::{byte_size, element_count};
+use nereid_common::{DataType, Status};
+use nereid_proto::inference::infer_parameter::ParameterChoice;
+use nereid_proto::inference::model_infer_request::InferInputTensor;
+use nereid_proto::inference::model_metadata_response::TensorMetadata as ProtoTensorMetadata;
+use nereid_proto::inference::model_repository_parameter::ParameterChoice as RepoParameterChoice;
+use nereid_proto::inference::repository_index_response::ModelIndex;
+use nereid_proto::inference::{
+    InferBatchStatistics, InferParameter, InferStatistics, InferTensorContents, ModelInferRequest,
+    ModelInferResponse, ModelMetadataResponse, ModelRepositoryParameter, ModelStatistics,
+    StatisticDuration, model_infer_response::InferOutputTensor,
+};
+
+use crate::server::{self, IndexEntry, ModelMetadata, ModelStats, TensorMetadata, parse_version};
+use crate::tensor::{InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput, split_bytes_elements};
+
+/// Input / output parameter naming a shared-memory region (the shared-memory extensions are
+/// not implemented, so such tensors carry no data here).
+const SHARED_MEMORY_REGION: &str = "shared_memory_region";
+
+// ---------------------------------------------------------------------------------------------
+// Requests
+// ---------------------------------------------------------------------------------------------
+
+/// Converts a `ModelInferRequest` into the worker's [`InferRequest`], validating everything the
+/// wire format alone can check (datatype names, shapes, byte sizes, element counts, ranges).
+/// `deadline` is left `None`; the caller sets it from the transport.
+pub fn infer_request_from_proto(mut req: ModelInferRequest) -> Result<InferRequest, Status> {
+    let model_version = parse_version(&req.model_name, &req.model_version)?;
+
+    let mut priority = 0u64;
+    let mut timeout_us = 0u64;
+    for (key, value) in &req.parameters {
+        match key.as_str() {
+            "priority" => priority = unsigned_parameter("priority", value)?,
+            "timeout" => timeout_us = unsigned_parameter("timeout", value)?,
+            _ => {}
+        }
+    }
+
+    let raw = std::mem::take(&mut req.raw_input_contents);
+    if !raw.is_empty() && raw.len() != req.inputs.len() {
+        return Err(Status::invalid(format!(
+            "raw_input_contents has {} entries but the request has {} inputs; send exactly one \
+             raw_input_contents entry per input, in input order, or none",
+            raw.len(),
+            req.inputs.len()
+        )));
+    }
+    let mut raw = raw.into_iter();
+
+    let mut inputs = Vec::with_capacity(req.inputs.len());
+    for input in std::mem::take(&mut req.inputs) {
+        inputs.push(input_from_proto(input, raw.next())?);
+    }
+
+    let mut outputs = Vec::with_capacity(req.outputs.len());
+    for output in std::mem::take(&mut req.outputs) {
+        if output.parameters.contains_key("classification") {
+            return Err(Status::invalid(format!(
+                "output '{}': parameter 'classification' is not supported",
+                output.name
+            )));
+        }
+        if output.parameters.contains_key(SHARED_MEMORY_REGION) {
+            return Err(Status::invalid(format!(
+                "output '{}': shared memory is not supported; outputs are returned in raw_output_contents",
+                output.name
+            )));
+        }
+        outputs.push(RequestedOutput { name: output.name, binary_data: None });
+    }
+
+    Ok(InferRequest {
+        model_name: req.model_name,
+        model_version,
+        id: req.id,
+        inputs,
+        outputs,
+        priority,
+        timeout_us,
+        deadline: None,
+    })
+}
+
+/// A non-negative integer request parameter (`int64_param` or `uint64_param`).
+fn unsigned_parameter(name: &str, value: &InferParameter) -> Result<u64, Status> {
+    match value.parameter_choice {
+        Some(ParameterChoice::Uint64Param(v)) => Ok(v),
+        Some(ParameterChoice::Int64Param(v)) if v >= 0 => Ok(v as u64),
+        Some(ParameterChoice::Int64Param(v)) => {
+            Err(Status::invalid(format!("parameter '{name}' must be non-negative, got {v}")))
+        }
+        _ => Err(Status::invalid(format!("parameter '{name}' must be an int64_param or uint64_param"))),
+    }
+}
+
+fn shape_text(shape: &[i64]) -> String {
+    format!("{shape:?}")
+}
+
+/// One input: its raw entry (if the request uses raw contents) or its typed contents.
+fn input_from_proto<R>(input: InferInputTensor, raw: Option<R>) -> Result<InputTensor, Status>
+where
+    R: Into<Bytes> + AsRef<[u8]>,
+{
+    let name = input.name;
+    let datatype = DataType::from_wire_name(&input.datatype).ok_or_else(|| {
+        Status::invalid(format!("input '{name}': unknown datatype '{}'", input.datatype))
+    })?;
+    let shape = input.shape;
+    let count = element_count(&shape).ok_or_else(|| {
+        Status::invalid(format!(
+            "input '{name}': invalid shape {} (dimensions must be non-negative and the element count must fit in 64 bits)",
+            shape_text(&shape)
+        ))
+    })?;
+    // Fixed-size types: the byte size must be representable before anything else is looked at.
+    let expected_bytes = match datatype.element_size() {
+        Some(_) => Some(byte_size(datatype, &shape).ok_or_else(|| {
+            Status::invalid(format!(
+                "input '{name}': shape {} of {datatype} overflows the addressable byte size",
+                shape_text(&shape)
+            ))
+        })?),
+        None => None,
+    };
+    if input.parameters.contains_key(SHARED_MEMORY_REGION) {
+        return Err(Status::invalid(format!(
+            "input '{name}': shared memory is not supported; send the data in raw_input_contents or contents"
+        )));
+    }
+
+    let typed = input.contents.filter(|c| !contents_empty(c));
+    let data = match (raw, typed) {
+        (Some(_), Some(_)) => {
+            return Err(Status::invalid(format!(
+                "input '{name}': has both raw_input_contents and typed contents; send one of them"
+            )));
+        }
+        (Some(raw), None) => {
+            let got = raw.as_ref().len() as u64;
+            match expected_bytes {
+                Some(expected) if got != expected => {
+                    return Err(Status::invalid(format!(
+                        "input '{name}': raw_input_contents has {got} bytes but shape {} of {datatype} needs {expected} bytes",
+                        shape_text(&shape)
+                    )));
+                }
+                Some(_) => {}
+                None => {
+                    let elements = split_bytes_elements(&name, raw.as_ref())?.len() as u64;
+                    if elements != count {
+                        return Err(Status::invalid(format!(
+                            "input '{name}': raw_input_contents holds {elements} BYTES elements but shape {} needs {count}",
+                            shape_text(&shape)
+                        )));
+                    }
+                }
+            }
+            raw.into()
+        }
+        (None, Some(contents)) => typed_contents(&name, datatype, &shape, count, contents)?,
+        (None, None) => {
+            if count != 0 {
+                return Err(Status::invalid(format!(
+                    "input '{name}': no data; shape {} needs {count} elements in raw_input_contents or contents",
+                    shape_text(&shape)
+                )));
+            }
+            Bytes::new()
+        }
+    };
+
+    Ok(InputTensor { name, datatype, shape, data })
+}
+
+fn contents_empty(c: &InferTensorContents) -> bool {
+    c.bool_contents.is_empty()
+        && c.int_contents.is_empty()
+        && c.int64_contents.is_empty()
+        && c.uint_contents.is_empty()
+        && c.uint64_contents.is_empty()
+        && c.fp32_contents.is_empty()
+        && c.fp64_contents.is_empty()
+        && c.bytes_contents.is_empty()
+}
+
+/// Checks a typed list's length against the shape's element count (before re-encoding it).
+fn check_count(name: &str, field: &str, datatype: DataType, shape: &[i64], count: u64, got: usize) -> Result<(), Status> {
+    if got as u64 != count {
+        return Err(Status::invalid(format!(
+            "input '{name}': contents.{field} has {got} elements but shape {} of {datatype} needs {count}",
+            shape_text(shape)
+        )));
+    }
+    Ok(())
+}
+
+fn encode<T: Copy, const N: usize>(values: &[T], to_le: impl Fn(T) -> [u8; N]) -> Bytes {
+    let mut out = Vec::with_capacity(values.len() * N);
+    for &v in values {
+        out.extend_from_slice(&to_le(v));
+    }
+    Bytes::from(out)
+}
+
+/// Narrows 32-bit typed contents into a smaller integer type, naming the first out-of-range value.
+fn narrow<T: Copy + std::fmt::Display, U: Copy + TryFrom<T>, const N: usize>(
+    name: &str,
+    datatype: DataType,
+    values: &[T],
+    to_le: impl Fn(U) -> [u8; N],
+) -> Result<Bytes, Status> {
+    let mut out = Vec::with_capacity(values.len() * N);
+    for (i, &v) in values.iter().enumerate() {
+        let n = U::try_from(v).map_err(|_| {
+            Status::invalid(format!("input '{name}': element {i} value {v} is out of range for {datatype}"))
+        })?;
+        out.extend_from_slice(&to_le(n));
+    }
+    Ok(Bytes::from(out))
+}
+
+/// Re-encodes typed contents as raw little-endian bytes (Triton `BYTES` layout for strings).
+fn typed_contents(
+    name: &str,
+    datatype: DataType,
+    shape: &[i64],
+    count: u64,
+    c: InferTensorContents,
+) -> Result<Bytes, Status> {
+    use DataType as D;
+    let check = |field: &str, got: usize| check_count(name, field, datatype, shape, count, got);
+    Ok(match datatype {
+        D::Bool => {
+            check("bool_contents", c.bool_contents.len())?;
+            Bytes::from(c.bool_contents.iter().map(|&b| b as u8).collect::<Vec<u8>>())
+        }
+        D::Int8 => {
+            check("int_contents", c.int_contents.len())?;
+            narrow(name, datatype, &c.int_contents, |v: i8| v.to_le_bytes())?
+        }
+        D::Int16 => {
+            check("int_contents", c.int_contents.len())?;
+            narrow(name, datatype, &c.int_contents, |v: i16| v.to_le_bytes())?
+        }
+        D::Int32 => {
+            check("int_contents", c.int_contents.len())?;
+            encode(&c.int_contents, i32::to_le_bytes)
+        }
+        D::Int64 => {
+            check("int64_contents", c.int64_contents.len())?;
+            encode(&c.int64_contents, i64::to_le_bytes)
+        }
+        D::Uint8 => {
+            check("uint_contents", c.uint_contents.len())?;
+            narrow(name, datatype, &c.uint_contents, |v: u8| v.to_le_bytes())?
+        }
+        D::Uint16 => {
+            check("uint_contents", c.uint_contents.len())?;
+            narrow(name, datatype, &c.uint_contents, |v: u16| v.to_le_bytes())?
+        }
+        D::Uint32 => {
+            check("uint_contents", c.uint_contents.len())?;
+            encode(&c.uint_contents, u32::to_le_bytes)
+        }
+        D::Uint64 => {
+            check("uint64_contents", c.uint64_contents.len())?;
+            encode(&c.uint64_contents, u64::to_le_bytes)
+        }
+        D::Fp32 => {
+            check("fp32_contents", c.fp32_contents.len())?;
+            encode(&c.fp32_contents, f32::to_le_bytes)
+        }
+        D::Fp64 => {
+            check("fp64_contents", c.fp64_contents.len())?;
+            encode(&c.fp64_contents, f64::to_le_bytes)
+        }
+        D::Bytes => {
+            check("bytes_contents", c.bytes_contents.len())?;
+            let total: usize = c.bytes_contents.iter().map(|e| 4 + e.len()).sum();
+            let mut out = Vec::with_capacity(total);
+            for e in &c.bytes_contents {
+                let e: &[u8] = e.as_ref();
+                let len = u32::try_from(e.len()).map_err(|_| {
+                    Status::invalid(format!("input '{name}': a BYTES element is larger than 4 GiB"))
+                })?;
+                out.extend_from_slice(&len.to_le_bytes());
+                out.extend_from_slice(e);
+            }
+            Bytes::from(out)
+        }
+        D::Fp16 | D::Bf16 => {
+            return Err(Status::invalid(format!(
+                "input '{name}': {datatype} data must be sent in raw_input_contents (there is no typed contents field for it)"
+            )));
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deadlines
+// ---------------------------------------------------------------------------------------------
+
+/// Parses a `grpc-timeout` header value: at most 8 ASCII digits followed by a unit
+/// (`H` hours, `M` minutes, `S` seconds, `m` milliseconds, `u` microseconds, `n` nanoseconds).
+/// `None` when malformed (then, as tonic does, the request has no transport deadline).
+pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
+    if !value.is_ascii() {
+        return None;
+    }
+    let unit = *value.as_bytes().last()?;
+    let digits = &value[..value.len() - 1];
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        b'H' => Duration::from_secs(n * 3600),
+        b'M' => Duration::from_secs(n * 60),
+        b'S' => Duration::from_secs(n),
+        b'm' => Duration::from_millis(n),
+        b'u' => Duration::from_micros(n),
+        b'n' => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// The absolute deadline a request's `grpc-timeout` metadata asks for, measured from `now`.
+pub fn grpc_deadline(metadata: &tonic::metadata::MetadataMap, now: Instant) -> Option<Instant> {
+    let timeout = parse_grpc_timeout(metadata.get("grpc-timeout")?.to_str().ok()?)?;
+    now.checked_add(timeout)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Responses
+// ---------------------------------------------------------------------------------------------
+
+/// Renders an inference response: every output's data in `raw_output_contents` (as Triton does
+/// for raw requests and as tritonclient reads them), metadata in `outputs`, same order.
+pub fn infer_response_to_proto(resp: InferResponse) -> ModelInferResponse {
+    let mut outputs = Vec::with_capacity(resp.outputs.len());
+    let mut raw_output_contents = Vec::with_capacity(resp.outputs.len());
+    for OutputTensor { name, datatype, shape, data } in resp.outputs {
+        outputs.push(InferOutputTensor {
+            name,
+            datatype: datatype.wire_name().to_string(),
+            shape,
+            parameters: Default::default(),
+            contents: None,
+        });
+        // Zero-copy when the core hands over a uniquely owned buffer.
+        raw_output_contents.push(data.into());
+    }
+    ModelInferResponse {
+        model_name: resp.model_name,
+        model_version: resp.model_version.to_string(),
+        id: resp.id,
+        parameters: Default::default(),
+        outputs,
+        raw_output_contents,
+    }
+}
+
+fn tensor_metadata_to_proto(t: TensorMetadata) -> ProtoTensorMetadata {
+    ProtoTensorMetadata { name: t.name, datatype: t.datatype, shape: t.shape }
+}
+
+pub fn model_metadata_to_proto(m: ModelMetadata) -> ModelMetadataResponse {
+    ModelMetadataResponse {
+        name: m.name,
+        versions: m.versions,
+        platform: m.platform,
+        inputs: m.inputs.into_iter().map(tensor_metadata_to_proto).collect(),
+        outputs: m.outputs.into_iter().map(tensor_metadata_to_proto).collect(),
+    }
+}
+
+pub fn index_entry_to_proto(e: IndexEntry) -> ModelIndex {
+    ModelIndex { name: e.name, version: e.version, state: e.state, reason: e.reason }
+}
+
+fn duration_to_proto(d: server::Duration) -> Option<StatisticDuration> {
+    Some(StatisticDuration { count: d.count, ns: d.ns })
+}
+
+/// Maps one model version's statistics onto Triton's `ModelStatistics` (cache statistics are
+/// always zero: there is no response cache).
+pub fn model_stats_to_proto(s: ModelStats) -> ModelStatistics {
+    ModelStatistics {
+        name: s.name,
+        version: s.version,
+        last_inference: s.last_inference_ms,
+        inference_count: s.inference_count,
+        execution_count: s.execution_count,
+        inference_stats: Some(InferStatistics {
+            success: duration_to_proto(s.success),
+            fail: duration_to_proto(s.fail),
+            queue: duration_to_proto(s.queue),
+            compute_input: duration_to_proto(s.compute_input),
+            compute_infer: duration_to_proto(s.compute_infer),
+            compute_output: duration_to_proto(s.compute_output),
+            cache_hit: duration_to_proto(server::Duration::default()),
+            cache_miss: duration_to_proto(server::Duration::default()),
+        }),
+        batch_stats: s
+            .batch_stats
+            .into_iter()
+            .map(|b| InferBatchStatistics {
+                batch_size: b.batch_size,
+                compute_input: duration_to_proto(b.compute_input),
+                compute_infer: duration_to_proto(b.compute_infer),
+                compute_output: duration_to_proto(b.compute_output),
+            })
+            .collect(),
+        memory_usage: Vec::new(),
+        response_stats: Default::default(),
+    }
+}
+
+/// The config override of a `RepositoryModelLoad` request: parameter `config` (a string of JSON
+/// `ModelConfig`). `file:` parameters (uploaded model files) are rejected; others are ignored.
+pub fn load_config_parameter<'a, I>(parameters: I) -> Result<Option<String>, Status>
+where
+    I: IntoIterator<Item = (&'a String, &'a ModelRepositoryParameter)>,
+{
+    let mut config = None;
+    for (key, value) in parameters {
+        if key.starts_with("file:") {
+            return Err(Status::invalid(format!(
+                "parameter '{key}': loading model files sent with the request is not supported"
+            )));
+        }
+        if key == "config" {
+            match &value.parameter_choice {
+                Some(RepoParameterChoice::StringParam(s)) => config = Some(s.clone()),
+                _ => return Err(Status::invalid("parameter 'config' must be a string_param holding JSON")),
+            }
+        }
+    }
+    Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nereid_common::Code;
+    use nereid_proto::inference::model_infer_request::InferRequestedOutputTensor;
+    use std::collections::HashMap;
+
+    fn input(name: &str, dt: &str, shape: &[i64], contents: Option<InferTensorContents>) -> InferInputTensor {
+        InferInputTensor {
+            name: name.into(),
+            datatype: dt.into(),
+            shape: shape.to_vec(),
+            parameters: HashMap::new(),
+            contents,
+        }
+    }
+
+    fn request(inputs: Vec<InferInputTensor>, raw: Vec<Vec<u8>>) -> ModelInferRequest {
+        ModelInferRequest {
+            model_name: "m".into(),
+            model_version: String::new(),
+            id: "req-1".into(),
+            parameters: HashMap::new(),
+            inputs,
+            outputs: vec![],
+            raw_input_contents: raw,
+        }
+    }
+
+    fn err(req: ModelInferRequest) -> Status {
+        infer_request_from_proto(req).unwrap_err()
+    }
+
+    #[test]
+    fn raw_inputs_pass_through() {
+        let a: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let b: Vec<u8> = vec![1, 2];
+        let s = crate::tensor::serialize_bytes_elements(["ab", "c"]);
+        let f16 = vec![0u8; 6];
+        let mut req = request(
+            vec![
+                input("A", "FP32", &[2, 2], None),
+                input("B", "UINT8", &[2], None),
+                input("S", "BYTES", &[2], None),
+                input("H", "FP16", &[3], None),
+            ],
+            vec![a.clone(), b.clone(), s.clone(), f16.clone()],
+        );
+        req.model_version = "3".into();
+        req.outputs = vec![InferRequestedOutputTensor { name: "Y".into(), parameters: HashMap::new() }];
+        req.parameters.insert(
+            "priority".into(),
+            InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(2)) },
+        );
+        req.parameters.insert(
+            "timeout".into(),
+            InferParameter { parameter_choice: Some(ParameterChoice::Uint64Param(5000)) },
+        );
+        req.parameters.insert(
+            "whatever".into(),
+            InferParameter { parameter_choice: Some(ParameterChoice::StringParam("x".into())) },
+        );
+        let r = infer_request_from_proto(req).unwrap();
+        assert_eq!(r.model_name, "m");
+        assert_eq!(r.model_version, Some(3));
+        assert_eq!(r.id, "req-1");
+        assert_eq!(r.priority, 2);
+        assert_eq!(r.timeout_us, 5000);
+        assert!(r.deadline.is_none());
+        assert_eq!(r.inputs.len(), 4);
+        assert_eq!(r.inputs[0].name, "A");
+        assert_eq!(r.inputs[0].datatype, DataType::Fp32);
+        assert_eq!(r.inputs[0].shape, vec![2, 2]);
+        assert_eq!(&r.inputs[0].data[..], &a[..]);
+        assert_eq!(&r.inputs[1].data[..], &b[..]);
+        assert_eq!(r.inputs[2].datatype, DataType::Bytes);
+        assert_eq!(&r.inputs[2].data[..], &s[..]);
+        assert_eq!(r.inputs[3].datatype, DataType::Fp16);
+        assert_eq!(r.outputs.len(), 1);
+        assert_eq!(r.outputs[0].name, "Y");
+    }
+
+    #[test]
+    fn raw_input_is_not_copied() {
+        let a = vec![0u8; 16];
+        let ptr = a.as_ptr();
+        let r = infer_request_from_proto(request(vec![input("A", "FP32", &[4], None)], vec![a])).unwrap();
+        assert_eq!(r.inputs[0].data.as_ptr(), ptr);
+    }
+
+    #[test]
+    fn typed_inputs_are_encoded_little_endian() {
+        let c = |f: fn(&mut InferTensorContents)| {
+            let mut c = InferTensorContents::default();
+            f(&mut c);
+            Some(c)
+        };
+        let req = request(
+            vec![
+                input("b", "BOOL", &[3], c(|c| c.bool_contents = vec![true, false, true])),
+                input("i8", "INT8", &[2], c(|c| c.int_contents = vec![-128, 127])),
+                input("i16", "INT16", &[1], c(|c| c.int_contents = vec![-2])),
+                input("i32", "INT32", &[2], c(|c| c.int_contents = vec![1, -1])),
+                input("i64", "INT64", &[1], c(|c| c.int64_contents = vec![-3])),
+                input("u8", "UINT8", &[2], c(|c| c.uint_contents = vec![0, 255])),
+                input("u16", "UINT16", &[1], c(|c| c.uint_contents = vec![65535])),
+                input("u32", "UINT32", &[1], c(|c| c.uint_contents = vec![7])),
+                input("u64", "UINT64", &[1], c(|c| c.uint64_contents = vec![u64::MAX])),
+                input("f32", "FP32", &[1, 2], c(|c| c.fp32_contents = vec![1.5, -2.0])),
+                input("f64", "FP64", &[1], c(|c| c.fp64_contents = vec![0.25])),
+                input("s", "BYTES", &[2], c(|c| c.bytes_contents = vec![b"hi".to_vec(), vec![]])),
+                input("empty", "FP32", &[0, 3], None),
+            ],
+            vec![],
+        );
+        let r = infer_request_from_proto(req).unwrap();
+        let data: Vec<&[u8]> = r.inputs.iter().map(|t| &t.data[..]).collect();
+        assert_eq!(data[0], &[1, 0, 1]);
+        assert_eq!(data[1], &[0x80, 0x7f]);
+        assert_eq!(data[2], &(-2i16).to_le_bytes());
+        assert_eq!(data[3], &[1, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]);
+        assert_eq!(data[4], &(-3i64).to_le_bytes());
+        assert_eq!(data[5], &[0, 255]);
+        assert_eq!(data[6], &[0xff, 0xff]);
+        assert_eq!(data[7], &7u32.to_le_bytes());
+        assert_eq!(data[8], &[0xff; 8]);
+        assert_eq!(data[9], &[1.5f32.to_le_bytes(), (-2.0f32).to_le_bytes()].concat()[..]);
+        assert_eq!(data[10], &0.25f64.to_le_bytes());
+        assert_eq!(data[11], &crate::tensor::serialize_bytes_elements([&b"hi"[..], b""])[..]);
+        assert!(data[12].is_empty());
+        assert_eq!(r.inputs[12].shape, vec![0, 3]);
+    }
+
+    #[test]
+    fn typed_range_and_count_errors_name_the_input() {
+        let mut c = InferTensorContents::default();
+        c.int_contents = vec![1, 200];
+        let e = err(request(vec![input("small", "INT8", &[2], Some(c))], vec![]));
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert!(e.message.contains("'small'") && e.message.contains("200"), "{}", e.message);
+
+        let mut c = InferTensorContents::default();
+        c.uint_contents = vec![70000];
+        let e = err(request(vec![input("u", "UINT16", &[1], Some(c))], vec![]));
+        assert!(e.message.contains("'u'") && e.message.contains("out of range"), "{}", e.message);
+
+        let mut c = InferTensorContents::default();
+        c.fp32_contents = vec![1.0, 2.0, 3.0];
+        let e = err(request(vec![input("x", "FP32", &[2, 2], Some(c))], vec![]));
+        assert!(e.message.contains("'x'") && e.message.contains("fp32_contents has 3") && e.message.contains("needs 4"), "{}", e.message);
+
+        // Data in the wrong list is a count mismatch on the right one.
+        let mut c = InferTensorContents::default();
+        c.int64_contents = vec![1];
+        let e = err(request(vec![input("w", "INT32", &[1], Some(c))], vec![]));
+        assert!(e.message.contains("int_contents has 0"), "{}", e.message);
+
+        let mut c = InferTensorContents::default();
+        c.uint_contents = vec![1];
+        let e = err(request(vec![input("h", "FP16", &[1], Some(c))], vec![]));
+        assert!(e.message.contains("'h'") && e.message.contains("raw_input_contents"), "{}", e.message);
+
+        let e = err(request(vec![input("none", "FP32", &[2], None)], vec![]));
+        assert!(e.message.contains("'none'") && e.message.contains("no data"), "{}", e.message);
+    }
+
+    #[test]
+    fn raw_byte_size_mismatch_names_input_and_sizes() {
+        let e = err(request(vec![input("INPUT0", "FP32", &[1, 4], None)], vec![vec![0; 15]]));
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert!(e.message.contains("'INPUT0'"), "{}", e.message);
+        assert!(e.message.contains("15") && e.message.contains("16"), "{}", e.message);
+
+        // BYTES: element count and framing are checked.
+        let s = crate::tensor::serialize_bytes_elements(["a"]);
+        let e = err(request(vec![input("S", "BYTES", &[2], None)], vec![s]));
+        assert!(e.message.contains("'S'") && e.message.contains("1 BYTES elements"), "{}", e.message);
+        let e = err(request(vec![input("T", "BYTES", &[1], None)], vec![vec![5, 0, 0, 0, 1]]));
+        assert!(e.message.contains("'T'") && e.message.contains("claims"), "{}", e.message);
+    }
+
+    #[test]
+    fn raw_count_mismatch_rejected() {
+        let e = err(request(
+            vec![input("A", "FP32", &[1], None), input("B", "FP32", &[1], None)],
+            vec![vec![0; 4]],
+        ));
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert!(e.message.contains("1 entries") && e.message.contains("2 inputs"), "{}", e.message);
+    }
+
+    #[test]
+    fn raw_and_typed_together_rejected() {
+        let mut c = InferTensorContents::default();
+        c.fp32_contents = vec![1.0];
+        let e = err(request(vec![input("A", "FP32", &[1], Some(c))], vec![vec![0; 4]]));
+        assert!(e.message.contains("'A'") && e.message.contains("both"), "{}", e.message);
+        // An empty contents message next to raw data is tolerated.
+        let ok = infer_request_from_proto(request(
+            vec![input("A", "FP32", &[1], Some(InferTensorContents::default()))],
+            vec![vec![0; 4]],
+        ));
+        assert!(ok.is_ok());
+    }
+
+    #[test]
+    fn overflowing_or_negative_shapes_rejected_without_allocating() {
+        // If these allocated what the shape claims, the test would abort on OOM.
+        let mut c = InferTensorContents::default();
+        c.fp32_contents = vec![1.0];
+        let e = err(request(vec![input("big", "FP32", &[i64::MAX, i64::MAX], Some(c.clone()))], vec![]));
+        assert!(e.message.contains("'big'") && e.message.contains("shape"), "{}", e.message);
+        // Element count fits in u64, byte size does not.
+        let e = err(request(vec![input("big8", "FP64", &[1 << 62], Some(c.clone()))], vec![]));
+        assert!(e.message.contains("'big8'") && e.message.contains("overflows"), "{}", e.message);
+        // A huge but representable claim is only compared, never allocated.
+        let e = err(request(vec![input("huge", "FP32", &[1 << 40], Some(c.clone()))], vec![]));
+        assert!(e.message.contains("'huge'") && e.message.contains("needs 1099511627776"), "{}", e.message);
+        let e = err(request(vec![input("hraw", "UINT8", &[1 << 40], None)], vec![vec![0; 4]]));
+        assert!(e.message.contains("'hraw'") && e.message.contains("1099511627776"), "{}", e.message);
+        let e = err(request(vec![input("neg", "FP32", &[-1, 4], Some(c))], vec![]));
+        assert!(e.message.contains("'neg'") && e.message.contains("non-negative"), "{}", e.message);
+        let e = err(request(vec![input("sb", "BYTES", &[i64::MAX, 4], None)], vec![vec![]]));
+        assert!(e.message.contains("'sb'"), "{}", e.message);
+    }
+
+    #[test]
+    fn unknown_datatype_and_parameters() {
+        let e = err(request(vec![input("X", "FLOAT32", &[1], None)], vec![vec![0; 4]]));
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert!(e.message.contains("'X'") && e.message.contains("FLOAT32"), "{}", e.message);
+
+        let mut req = request(vec![], vec![]);
+        req.parameters.insert(
+            "priority".into(),
+            InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(-1)) },
+        );
+        assert!(err(req).message.contains("priority"));
+        let mut req = request(vec![], vec![]);
+        req.parameters.insert(
+            "timeout".into(),
+            InferParameter { parameter_choice: Some(ParameterChoice::StringParam("1".into())) },
+        );
+        assert!(err(req).message.contains("timeout"));
+
+        let mut req = request(vec![], vec![]);
+        let mut params = HashMap::new();
+        params.insert("classification".to_string(), InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(3)) });
+        req.outputs = vec![InferRequestedOutputTensor { name: "OUT".into(), parameters: params }];
+        let e = err(req);
+        assert!(e.message.contains("'OUT'") && e.message.contains("classification") && e.message.contains("not supported"));
+
+        let mut inp = input("A", "FP32", &[1], None);
+        inp.parameters.insert(
+            "shared_memory_region".into(),
+            InferParameter { parameter_choice: Some(ParameterChoice::StringParam("r".into())) },
+        );
+        let e = err(request(vec![inp], vec![]));
+        assert!(e.message.contains("'A'") && e.message.contains("shared memory"));
+
+        let mut req = request(vec![], vec![]);
+        req.model_version = "abc".into();
+        assert_eq!(err(req).code, Code::NotFound);
+    }
+
+    #[test]
+    fn grpc_timeout_parsing() {
+        assert_eq!(parse_grpc_timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse_grpc_timeout("2M"), Some(Duration::from_secs(120)));
+        assert_eq!(parse_grpc_timeout("3S"), Some(Duration::from_secs(3)));
+        assert_eq!(parse_grpc_timeout("100m"), Some(Duration::from_millis(100)));
+        assert_eq!(parse_grpc_timeout("250u"), Some(Duration::from_micros(250)));
+        assert_eq!(parse_grpc_timeout("99999999n"), Some(Duration::from_nanos(99_999_999)));
+        assert_eq!(parse_grpc_timeout("99999999H"), Some(Duration::from_secs(99_999_999 * 3600)));
+        assert_eq!(parse_grpc_timeout("0m"), Some(Duration::ZERO));
+        for bad in ["", "m", "10", "10x", "123456789m", "-1S", "1.5S", "+1S", " 1S", "1é"] {
+            assert_eq!(parse_grpc_timeout(bad), None, "{bad:?}");
+        }
+
+        let now = Instant::now();
+        let mut md = tonic::metadata::MetadataMap::new();
+        assert_eq!(grpc_deadline(&md, now), None);
+        md.insert("grpc-timeout", "500m".parse().unwrap());
+        assert_eq!(grpc_deadline(&md, now), Some(now + Duration::from_millis(500)));
+        md.insert("grpc-timeout", "junk".parse().unwrap());
+        assert_eq!(grpc_deadline(&md, now), None);
+    }
+
+    #[test]
+    fn response_conversion() {
+        let y: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let y_data = Bytes::from(y.clone());
+        let ptr = y_data.as_ptr();
+        let resp = InferResponse {
+            model_name: "m".into(),
+            model_version: 7,
+            id: "abc".into(),
+            outputs: vec![
+                OutputTensor { name: "Y".into(), datatype: DataType::Fp32, shape: vec![1, 2], data: y_data },
+                OutputTensor {
+                    name: "S".into(),
+                    datatype: DataType::Bytes,
+                    shape: vec![1],
+                    data: Bytes::from_static(b"\x01\x00\x00\x00z"),
+                },
+            ],
+        };
+        let p = infer_response_to_proto(resp);
+        assert_eq!(p.model_name, "m");
+        assert_eq!(p.model_version, "7");
+        assert_eq!(p.id, "abc");
+        assert_eq!(p.outputs.len(), 2);
+        assert_eq!(p.outputs[0].name, "Y");
+        assert_eq!(p.outputs[0].datatype, "FP32");
+        assert_eq!(p.outputs[0].shape, vec![1, 2]);
+        assert!(p.outputs[0].contents.is_none());
+        assert_eq!(p.outputs[1].datatype, "BYTES");
+        assert_eq!(p.raw_output_contents.len(), 2);
+        assert_eq!(&p.raw_output_contents[0][..], &y[..]);
+        assert_eq!(p.raw_output_contents[0].as_ptr(), ptr, "uniquely owned output is moved, not copied");
+        assert_eq!(&p.raw_output_contents[1][..], b"\x01\x00\x00\x00z");
+    }
+
+    #[test]
+    fn statistics_conversion() {
+        let d = |count, ns| server::Duration { count, ns };
+        let s = ModelStats {
+            name: "m".into(),
+            version: "1".into(),
+            last_inference_ms: 1234,
+            inference_count: 10,
+            execution_count: 4,
+            success: d(10, 1000),
+            fail: d(1, 5),
+            queue: d(10, 200),
+            compute_input: d(4, 30),
+            compute_infer: d(4, 600),
+            compute_output: d(4, 40),
+            batch_stats: vec![server::BatchStats {
+                batch_size: 2,
+                compute_input: d(3, 9),
+                compute_infer: d(3, 300),
+                compute_output: d(3, 12),
+            }],
+        };
+        let p = model_stats_to_proto(s);
+        assert_eq!((p.name.as_str(), p.version.as_str()), ("m", "1"));
+        assert_eq!(p.last_inference, 1234);
+        assert_eq!(p.inference_count, 10);
+        assert_eq!(p.execution_count, 4);
+        let i = p.inference_stats.unwrap();
+        let sd = |count, ns| Some(StatisticDuration { count, ns });
+        assert_eq!(i.success, sd(10, 1000));
+        assert_eq!(i.fail, sd(1, 5));
+        assert_eq!(i.queue, sd(10, 200));
+        assert_eq!(i.compute_input, sd(4, 30));
+        assert_eq!(i.compute_infer, sd(4, 600));
+        assert_eq!(i.compute_output, sd(4, 40));
+        assert_eq!(i.cache_hit, sd(0, 0));
+        assert_eq!(i.cache_miss, sd(0, 0));
+        assert_eq!(p.batch_stats.len(), 1);
+        assert_eq!(p.batch_stats[0].batch_size, 2);
+        assert_eq!(p.batch_stats[0].compute_input, sd(3, 9));
+        assert_eq!(p.batch_stats[0].compute_infer, sd(3, 300));
+        assert_eq!(p.batch_stats[0].compute_output, sd(3, 12));
+    }
+
+    #[test]
+    fn metadata_index_and_load_parameters() {
+        let m = model_metadata_to_proto(ModelMetadata {
+            name: "m".into(),
+            versions: vec!["1".into(), "2".into()],
+            platform: "onnxruntime_onnx".into(),
+            inputs: vec![TensorMetadata { name: "X".into(), datatype: "FP32".into(), shape: vec![-1, 4] }],
+            outputs: vec![TensorMetadata { name: "Y".into(), datatype: "INT64".into(), shape: vec![-1] }],
+        });
+        assert_eq!(m.versions, vec!["1", "2"]);
+        assert_eq!(m.platform, "onnxruntime_onnx");
+        assert_eq!(m.inputs[0].shape, vec![-1, 4]);
+        assert_eq!(m.outputs[0].datatype, "INT64");
+
+        let i = index_entry_to_proto(IndexEntry {
+            name: "m".into(),
+            version: "1".into(),
+            state: "READY".into(),
+            reason: String::new(),
+        });
+        assert_eq!((i.name.as_str(), i.version.as_str(), i.state.as_str()), ("m", "1", "READY"));
+
+        let p = |c| ModelRepositoryParameter { parameter_choice: Some(c) };
+        let mut params = HashMap::new();
+        assert_eq!(load_config_parameter(&params).unwrap(), None);
+        params.insert("config".to_string(), p(RepoParameterChoice::StringParam("{\"max_batch_size\":4}".into())));
+        params.insert("other".to_string(), p(RepoParameterChoice::BoolParam(true)));
+        assert_eq!(load_config_parameter(&params).unwrap().as_deref(), Some("{\"max_batch_size\":4}"));
+        params.insert("file:1/model.onnx".to_string(), p(RepoParameterChoice::BytesParam(vec![1])));
+        let e = load_config_parameter(&params).unwrap_err();
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert!(e.message.contains("file:1/model.onnx") && e.message.contains("not supported"));
+        let mut params = HashMap::new();
+        params.insert("config".to_string(), p(RepoParameterChoice::Int64Param(1)));
+        assert!(load_config_parameter(&params).unwrap_err().message.contains("config"));
+    }
+}

@@ -1,0 +1,408 @@
+//! The KServe v2 gRPC front end (`inference.GRPCInferenceService`): translates the protocol
+//! into [`Server`] calls and renders their results. RPCs not implemented here (shared memory,
+//! trace and log settings) answer UNIMPLEMENTED through the generated default stubs.
+//!
+//! Unary `ModelInfer` runs inside the handler future, never on a detached task: when the client
+//! cancels (or its `grpc-timeout` passes) tonic drops that future and the core takes the request
+//! off its queue. `ModelStreamInfer` runs the requests of one stream concurrently inside the
+//! response stream itself (see [`InferStream`]), so dropping the stream cancels them all.
+
+pub mod convert;
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use futures::stream::{FuturesUnordered, Stream, StreamExt};
+use nereid_common::Status;
+use nereid_proto::inference::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
+use nereid_proto::inference::*;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::codegen::BoxStream;
+use tonic::codec::CompressionEncoding;
+use tonic::{Request, Response};
+
+use crate::server::{EXTENSIONS, SERVER_NAME, SERVER_VERSION, Server, parse_version};
+use convert::{
+    grpc_deadline, index_entry_to_proto, infer_request_from_proto, infer_response_to_proto,
+    load_config_parameter, model_metadata_to_proto, model_stats_to_proto,
+};
+
+/// Most requests of one `ModelStreamInfer` stream in flight at once. Past it the stream stops
+/// reading requests until one completes, so HTTP/2 flow control pushes back on the client.
+pub const MAX_STREAM_IN_FLIGHT: usize = 1024;
+
+/// Most concurrent HTTP/2 streams (RPCs) per connection.
+const MAX_CONCURRENT_STREAMS: u32 = 4096;
+
+type TonicResult<T> = Result<Response<T>, tonic::Status>;
+
+/// The `GRPCInferenceService` implementation. Cheap to clone.
+#[derive(Clone)]
+pub struct GrpcFrontend {
+    server: Server,
+}
+
+impl GrpcFrontend {
+    pub fn new(server: Server) -> Self {
+        GrpcFrontend { server }
+    }
+}
+
+/// The service, ready for `tonic::transport::Server::add_service` (or any tower stack):
+/// messages up to `limits.max_request_bytes` (after decompression) are accepted; gzip-compressed
+/// requests are accepted, responses are sent uncompressed.
+pub fn service(server: Server) -> GrpcInferenceServiceServer<GrpcFrontend> {
+    let max_request = server.limits.max_request_bytes;
+    GrpcInferenceServiceServer::new(GrpcFrontend::new(server))
+        .max_decoding_message_size(max_request)
+        .max_encoding_message_size(usize::MAX)
+        .accept_compressed(CompressionEncoding::Gzip)
+}
+
+/// Serves the gRPC front end on `listener` until `shutdown` is cancelled, then stops accepting
+/// and waits for open connections to finish their in-flight RPCs (graceful HTTP/2 GOAWAY).
+pub async fn serve(listener: TcpListener, server: Server, shutdown: CancellationToken) -> Result<(), tonic::transport::Error> {
+    tonic::transport::Server::builder()
+        // Only applies to sockets tonic binds itself; `incoming` below sets it on ours.
+        .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(Duration::from_secs(60)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .http2_adaptive_window(Some(true))
+        .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
+        .http2_max_pending_accept_reset_streams(Some(1024))
+        .add_service(service(server))
+        .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())
+        .await
+}
+
+/// Accepted connections with `TCP_NODELAY` set (small responses must not wait on Nagle), and a
+/// short pause after an accept error (e.g. EMFILE) instead of spinning on it.
+fn incoming(listener: TcpListener) -> impl Stream<Item = Result<tokio::net::TcpStream, std::io::Error>> + Send {
+    async_stream::stream! {
+        loop {
+            match listener.accept().await {
+                Ok((stream, _)) => {
+                    if let Err(e) = stream.set_nodelay(true) {
+                        tracing::debug!("grpc: cannot set TCP_NODELAY: {e}");
+                    }
+                    yield Ok(stream);
+                }
+                Err(e) => {
+                    tracing::warn!("grpc: accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl GrpcInferenceService for GrpcFrontend {
+    async fn server_live(&self, _request: Request<ServerLiveRequest>) -> TonicResult<ServerLiveResponse> {
+        Ok(Response::new(ServerLiveResponse { live: self.server.live() }))
+    }
+
+    async fn server_ready(&self, _request: Request<ServerReadyRequest>) -> TonicResult<ServerReadyResponse> {
+        Ok(Response::new(ServerReadyResponse { ready: self.server.ready() }))
+    }
+
+    async fn model_ready(&self, request: Request<ModelReadyRequest>) -> TonicResult<ModelReadyResponse> {
+        let r = request.into_inner();
+        let version = parse_version(&r.name, &r.version)?;
+        Ok(Response::new(ModelReadyResponse { ready: self.server.model_ready(&r.name, version) }))
+    }
+
+    async fn server_metadata(&self, _request: Request<ServerMetadataRequest>) -> TonicResult<ServerMetadataResponse> {
+        Ok(Response::new(ServerMetadataResponse {
+            name: SERVER_NAME.to_string(),
+            version: SERVER_VERSION.to_string(),
+            extensions: EXTENSIONS.iter().map(|e| e.to_string()).collect(),
+        }))
+    }
+
+    async fn model_metadata(&self, request: Request<ModelMetadataRequest>) -> TonicResult<ModelMetadataResponse> {
+        let r = request.into_inner();
+        let version = parse_version(&r.name, &r.version)?;
+        let metadata = self.server.model_metadata(&r.name, version)?;
+        Ok(Response::new(model_metadata_to_proto(metadata)))
+    }
+
+    async fn model_infer(&self, request: Request<ModelInferRequest>) -> TonicResult<ModelInferResponse> {
+        let deadline = grpc_deadline(request.metadata(), Instant::now());
+        let mut req = infer_request_from_proto(request.into_inner())?;
+        req.deadline = deadline;
+        // Awaited in place: if the client goes away tonic drops this future, cancelling it.
+        let resp = self.server.infer(req).await?;
+        Ok(Response::new(infer_response_to_proto(resp)))
+    }
+
+    async fn model_stream_infer(
+        &self,
+        request: Request<tonic::Streaming<ModelInferRequest>>,
+    ) -> TonicResult<BoxStream<ModelStreamInferResponse>> {
+        // A stream's grpc-timeout bounds the whole stream, hence every request on it.
+        let deadline = grpc_deadline(request.metadata(), Instant::now());
+        let server = self.server.clone();
+        let run = move |req: ModelInferRequest| -> BoxFuture<'static, ModelStreamInferResponse> {
+            let server = server.clone();
+            Box::pin(async move { stream_infer_one(&server, req, deadline).await })
+        };
+        let stream = InferStream::new(request.into_inner(), run, MAX_STREAM_IN_FLIGHT);
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn model_config(&self, request: Request<ModelConfigRequest>) -> TonicResult<ModelConfigResponse> {
+        let r = request.into_inner();
+        let version = parse_version(&r.name, &r.version)?;
+        let config = self.server.model_config(&r.name, version)?;
+        Ok(Response::new(ModelConfigResponse { config: Some(config) }))
+    }
+
+    async fn model_statistics(&self, request: Request<ModelStatisticsRequest>) -> TonicResult<ModelStatisticsResponse> {
+        let r = request.into_inner();
+        let version = parse_version(&r.name, &r.version)?;
+        let name = (!r.name.is_empty()).then_some(r.name.as_str());
+        let stats = self.server.model_statistics(name, version)?;
+        Ok(Response::new(ModelStatisticsResponse {
+            model_stats: stats.into_iter().map(model_stats_to_proto).collect(),
+        }))
+    }
+
+    async fn repository_index(&self, request: Request<RepositoryIndexRequest>) -> TonicResult<RepositoryIndexResponse> {
+        let r = request.into_inner();
+        let models = self.server.repository_index(r.ready).into_iter().map(index_entry_to_proto).collect();
+        Ok(Response::new(RepositoryIndexResponse { models }))
+    }
+
+    async fn repository_model_load(
+        &self,
+        request: Request<RepositoryModelLoadRequest>,
+    ) -> TonicResult<RepositoryModelLoadResponse> {
+        let r = request.into_inner();
+        let config = load_config_parameter(&r.parameters)?;
+        self.server.load_model(&r.model_name, config).await?;
+        Ok(Response::new(RepositoryModelLoadResponse {}))
+    }
+
+    async fn repository_model_unload(
+        &self,
+        request: Request<RepositoryModelUnloadRequest>,
+    ) -> TonicResult<RepositoryModelUnloadResponse> {
+        let r = request.into_inner();
+        self.server.unload_model(&r.model_name).await?;
+        Ok(Response::new(RepositoryModelUnloadResponse {}))
+    }
+}
+
+/// Runs one request of a stream; errors become `error_message` (with the request's id in an
+/// otherwise empty `infer_response`, as Triton does, so the client can tell which one failed).
+async fn stream_infer_one(server: &Server, req: ModelInferRequest, deadline: Option<Instant>) -> ModelStreamInferResponse {
+    let (id, model_name, model_version) = (req.id.clone(), req.model_name.clone(), req.model_version.clone());
+    let result = match infer_request_from_proto(req) {
+        Ok(mut r) => {
+            r.deadline = deadline;
+            server.infer(r).await
+        }
+        Err(e) => Err(e),
+    };
+    match result {
+        Ok(resp) => ModelStreamInferResponse {
+            error_message: String::new(),
+            infer_response: Some(infer_response_to_proto(resp)),
+        },
+        Err(e) => stream_error(e, id, model_name, model_version),
+    }
+}
+
+fn stream_error(e: Status, id: String, model_name: String, model_version: String) -> ModelStreamInferResponse {
+    ModelStreamInferResponse {
+        error_message: e.message,
+        infer_response: Some(ModelInferResponse { model_name, model_version, id, ..Default::default() }),
+    }
+}
+
+/// The response side of `ModelStreamInfer`: reads requests from `incoming`, runs up to `limit`
+/// of them concurrently through `run`, and yields their responses in completion order.
+///
+/// Everything runs inside this stream (no spawned task): dropping it — the client cancelled or
+/// the connection closed — drops the in-flight futures, which cancels their requests. A failed
+/// request yields an error *message*; only a broken request stream (e.g. an undecodable or
+/// oversized message) ends the RPC, with that status, after the requests already read finish.
+pub struct InferStream<S, F> {
+    incoming: Option<S>,
+    run: F,
+    in_flight: FuturesUnordered<BoxFuture<'static, ModelStreamInferResponse>>,
+    limit: usize,
+    /// Set when the request stream failed; reported once the in-flight requests drained.
+    error: Option<tonic::Status>,
+}
+
+impl<S, F> InferStream<S, F>
+where
+    S: Stream<Item = Result<ModelInferRequest, tonic::Status>> + Unpin + Send,
+    F: FnMut(ModelInferRequest) -> BoxFuture<'static, ModelStreamInferResponse> + Unpin + Send,
+{
+    pub fn new(incoming: S, run: F, limit: usize) -> Self {
+        InferStream {
+            incoming: Some(incoming),
+            run,
+            in_flight: FuturesUnordered::new(),
+            limit: limit.max(1),
+            error: None,
+        }
+    }
+}
+
+impl<S, F> Stream for InferStream<S, F>
+where
+    S: Stream<Item = Result<ModelInferRequest, tonic::Status>> + Unpin + Send,
+    F: FnMut(ModelInferRequest) -> BoxFuture<'static, ModelStreamInferResponse> + Unpin + Send,
+{
+    type Item = Result<ModelStreamInferResponse, tonic::Status>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+
+        // Admit new requests while there is room. When full, the in-flight set (non-empty)
+        // holds the waker; otherwise `incoming` does (it returned Pending) or has ended.
+        while this.in_flight.len() < this.limit {
+            let Some(incoming) = this.incoming.as_mut() else { break };
+            match incoming.poll_next_unpin(cx) {
+                Poll::Ready(Some(Ok(req))) => {
+                    let fut = (this.run)(req);
+                    this.in_flight.push(fut);
+                }
+                Poll::Ready(Some(Err(status))) => {
+                    this.incoming = None;
+                    this.error = Some(status);
+                }
+                Poll::Ready(None) => this.incoming = None,
+                Poll::Pending => break,
+            }
+        }
+
+        match this.in_flight.poll_next_unpin(cx) {
+            Poll::Ready(Some(resp)) => Poll::Ready(Some(Ok(resp))),
+            // Empty: done once the requests ended too, else `incoming` holds the waker.
+            Poll::Ready(None) if this.incoming.is_none() => Poll::Ready(this.error.take().map(Err)),
+            Poll::Ready(None) | Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::sync::mpsc;
+    use tokio_stream::wrappers::UnboundedReceiverStream;
+
+    fn req(id: &str) -> ModelInferRequest {
+        ModelInferRequest { model_name: "m".into(), id: id.into(), ..Default::default() }
+    }
+
+    fn ok(id: &str) -> ModelStreamInferResponse {
+        ModelStreamInferResponse {
+            error_message: String::new(),
+            infer_response: Some(ModelInferResponse { id: id.into(), ..Default::default() }),
+        }
+    }
+
+    /// Requests named "sleep-<ms>" finish after that long; "fail" fails; others at once.
+    fn runner(active: Arc<AtomicUsize>, peak: Arc<AtomicUsize>) -> impl FnMut(ModelInferRequest) -> BoxFuture<'static, ModelStreamInferResponse> + Unpin + Send {
+        move |r: ModelInferRequest| {
+            let (active, peak) = (active.clone(), peak.clone());
+            Box::pin(async move {
+                let now = active.fetch_add(1, Ordering::SeqCst) + 1;
+                peak.fetch_max(now, Ordering::SeqCst);
+                let _guard = Guard(active);
+                let out = if let Some(ms) = r.id.strip_prefix("sleep-") {
+                    tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
+                    ok(&r.id)
+                } else if r.id == "fail" {
+                    stream_error(Status::invalid("input 'x': bad"), r.id, r.model_name, r.model_version)
+                } else {
+                    ok(&r.id)
+                };
+                out
+            })
+        }
+    }
+
+    /// Counts a request as active until its future completes or is dropped.
+    struct Guard(Arc<AtomicUsize>);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    fn counters() -> (Arc<AtomicUsize>, Arc<AtomicUsize>) {
+        (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)))
+    }
+
+    #[tokio::test]
+    async fn stream_runs_concurrently_out_of_order_and_survives_errors() {
+        let (active, peak) = counters();
+        let incoming = futures::stream::iter(vec![Ok(req("sleep-200")), Ok(req("fail")), Ok(req("sleep-20")), Ok(req("now"))]);
+        let out: Vec<_> = InferStream::new(incoming, runner(active, peak.clone()), 16).collect().await;
+        let ids: Vec<String> = out.iter().map(|r| r.as_ref().unwrap().infer_response.as_ref().unwrap().id.clone()).collect();
+        assert_eq!(ids.len(), 4);
+        assert_eq!(ids.last().unwrap(), "sleep-200", "slow request completes last: {ids:?}");
+        let fail = out.iter().map(|r| r.as_ref().unwrap()).find(|r| !r.error_message.is_empty()).unwrap();
+        assert_eq!(fail.error_message, "input 'x': bad");
+        assert_eq!(fail.infer_response.as_ref().unwrap().id, "fail");
+        assert!(peak.load(Ordering::SeqCst) >= 2, "requests ran concurrently");
+    }
+
+    #[tokio::test]
+    async fn stream_bounds_in_flight_requests() {
+        let (active, peak) = counters();
+        let incoming = futures::stream::iter((0..50).map(|_| Ok(req("sleep-5"))).collect::<Vec<_>>());
+        let out: Vec<_> = InferStream::new(incoming, runner(active, peak.clone()), 4).collect().await;
+        assert_eq!(out.len(), 50);
+        assert!(out.iter().all(|r| r.is_ok()));
+        assert_eq!(peak.load(Ordering::SeqCst), 4);
+    }
+
+    #[tokio::test]
+    async fn stream_error_ends_after_in_flight_drain() {
+        let (active, peak) = counters();
+        let incoming = futures::stream::iter(vec![
+            Ok(req("sleep-10")),
+            Err(tonic::Status::resource_exhausted("message too large")),
+            Ok(req("never")),
+        ]);
+        let out: Vec<_> = InferStream::new(incoming, runner(active, peak), 8).collect().await;
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0].as_ref().unwrap().infer_response.as_ref().unwrap().id, "sleep-10");
+        assert_eq!(out[1].as_ref().unwrap_err().code(), tonic::Code::ResourceExhausted);
+    }
+
+    #[tokio::test]
+    async fn stream_waits_for_more_requests_and_drop_cancels() {
+        let (active, peak) = counters();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut s = InferStream::new(UnboundedReceiverStream::new(rx), runner(active.clone(), peak), 8);
+        tx.send(Ok(req("a"))).unwrap();
+        assert_eq!(s.next().await.unwrap().unwrap().infer_response.unwrap().id, "a");
+        // Nothing in flight and the client still connected: the stream must pend, then wake.
+        let sender = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            tx.send(Ok(req("b"))).unwrap();
+            tx.send(Ok(req("sleep-60000"))).unwrap();
+            tx
+        });
+        assert_eq!(s.next().await.unwrap().unwrap().infer_response.unwrap().id, "b");
+        let _tx = sender.await.unwrap();
+        // The long request is in flight; dropping the stream drops (cancels) it.
+        assert!(tokio::time::timeout(Duration::from_millis(50), s.next()).await.is_err());
+        assert_eq!(active.load(Ordering::SeqCst), 1);
+        drop(s);
+        assert_eq!(active.load(Ordering::SeqCst), 0, "dropping the stream dropped the in-flight request");
+    }
+}

@@ -1,0 +1,1714 @@
+//! `POST .../infer` on the wire: the KServe v2 JSON request (with Triton's binary tensor
+//! extension) parsed into an [`InferRequest`], and an [`InferResponse`] rendered back.
+//!
+//! Both directions are pure functions of bytes, so they are tested without a repository.
+//!
+//! Parsing streams the JSON once: tensor `data` arrays are written straight into the
+//! little-endian buffer of the declared datatype (no `serde_json::Value` per element). When a
+//! client puts `data` before `datatype` in an input object, the elements are kept in a compact
+//! tagged form and converted once the datatype is known. Every size a client claims is checked
+//! with checked arithmetic against the request limit before anything of that size is allocated.
+
+use std::fmt;
+
+use bytes::Bytes;
+use nereid_common::dtype::{byte_size, element_count};
+use nereid_common::{DataType, Status};
+use serde::Deserialize;
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::ser::{self, Serialize, SerializeMap, SerializeSeq, Serializer};
+use serde_json::{Map, Value};
+
+use crate::tensor::{
+    InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput, split_bytes_elements,
+};
+
+/// The binary tensor extension's header: length of the JSON part at the start of the body.
+pub const HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
+
+/// How the outputs of one request are to be rendered: in the JSON `data` field or in the
+/// binary section.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OutputFormat {
+    /// The request's `parameters.binary_data_output`: the choice for outputs that do not make
+    /// their own (including every output when the request names none).
+    pub binary_default: bool,
+    /// Outputs whose `parameters.binary_data` was given explicitly.
+    pub explicit: Vec<(String, bool)>,
+}
+
+impl OutputFormat {
+    pub fn is_binary(&self, output: &str) -> bool {
+        self.explicit
+            .iter()
+            .find(|(name, _)| name == output)
+            .map_or(self.binary_default, |(_, binary)| *binary)
+    }
+}
+
+/// A parsed `POST .../infer` body.
+#[derive(Debug)]
+pub struct ParsedInfer {
+    pub request: InferRequest,
+    pub format: OutputFormat,
+}
+
+/// Parses an infer request body.
+///
+/// `header_length` is the value of `Inference-Header-Content-Length` (binary tensor
+/// extension): the first `header_length` bytes are the JSON, the rest is the binary section,
+/// sliced (zero-copy) into the inputs that carry `parameters.binary_data_size`, in order.
+/// `max_bytes` bounds every tensor's byte size (checked before its buffer is allocated).
+pub fn parse_infer_request(
+    model_name: &str,
+    model_version: Option<i64>,
+    body: Bytes,
+    header_length: Option<usize>,
+    max_bytes: usize,
+) -> Result<ParsedInfer, Status> {
+    let (json, binary) = match header_length {
+        Some(n) if n > body.len() => {
+            return Err(Status::invalid(format!(
+                "Inference-Header-Content-Length is {n} but the request body has only {} bytes",
+                body.len()
+            )));
+        }
+        Some(n) => (body.slice(..n), body.slice(n..)),
+        None => (body, Bytes::new()),
+    };
+
+    let raw = parse_json(&json, max_bytes)?;
+    drop(json);
+
+    let mut request = InferRequest {
+        model_name: model_name.to_string(),
+        model_version,
+        id: raw.id.unwrap_or_default(),
+        ..InferRequest::default()
+    };
+    let mut format = OutputFormat::default();
+
+    for (key, value) in raw.parameters.iter().flatten() {
+        match key.as_str() {
+            "priority" => {
+                request.priority = value.as_u64().ok_or_else(|| {
+                    Status::invalid(format!(
+                        "parameters.priority must be a non-negative integer, got {value}"
+                    ))
+                })?;
+            }
+            "timeout" => {
+                request.timeout_us = value.as_u64().ok_or_else(|| {
+                    Status::invalid(format!(
+                        "parameters.timeout must be a non-negative integer (microseconds), got {value}"
+                    ))
+                })?;
+            }
+            "binary_data_output" => {
+                format.binary_default = value.as_bool().ok_or_else(|| {
+                    Status::invalid(format!(
+                        "parameters.binary_data_output must be a boolean, got {value}"
+                    ))
+                })?;
+            }
+            // Anything else (sequence_id, custom parameters, ...) is accepted and ignored.
+            _ => {}
+        }
+    }
+
+    let inputs = raw
+        .inputs
+        .ok_or_else(|| Status::invalid("inference request has no 'inputs'"))?;
+    let mut binary_offset = 0usize;
+    request.inputs.reserve_exact(inputs.len());
+    for (i, input) in inputs.into_iter().enumerate() {
+        request.inputs.push(finish_input(
+            i,
+            input,
+            &binary,
+            &mut binary_offset,
+            max_bytes,
+        )?);
+    }
+    if binary_offset != binary.len() {
+        return Err(Status::invalid(format!(
+            "the binary section has {} bytes but the inputs' binary_data_size add up to {binary_offset}",
+            binary.len()
+        )));
+    }
+
+    for (j, output) in raw.outputs.into_iter().flatten().enumerate() {
+        let ctx = || format!("outputs[{j}] ('{}')", output.name);
+        let mut binary_data = None;
+        for (key, value) in output.parameters.iter().flatten() {
+            match key.as_str() {
+                "binary_data" => {
+                    let b = value.as_bool().ok_or_else(|| {
+                        Status::invalid(format!(
+                            "{}: binary_data must be a boolean, got {value}",
+                            ctx()
+                        ))
+                    })?;
+                    binary_data = Some(b);
+                }
+                // A class count of 0 means "not requested".
+                "classification" if !(value.is_null() || value.as_u64() == Some(0)) => {
+                    return Err(Status::invalid(format!(
+                        "{}: classification is not supported",
+                        ctx()
+                    )));
+                }
+                k if k.starts_with("shared_memory") => {
+                    return Err(Status::unimplemented(format!(
+                        "{}: shared memory is not supported",
+                        ctx()
+                    )));
+                }
+                _ => {}
+            }
+        }
+        if let Some(b) = binary_data {
+            format.explicit.push((output.name.clone(), b));
+        }
+        request.outputs.push(RequestedOutput {
+            name: output.name,
+            binary_data,
+        });
+    }
+
+    Ok(ParsedInfer { request, format })
+}
+
+fn parse_json(json: &[u8], max_bytes: usize) -> Result<RawRequest, Status> {
+    let malformed =
+        |e: serde_json::Error| Status::invalid(format!("malformed inference request JSON: {e}"));
+    let mut de = serde_json::Deserializer::from_slice(json);
+    let raw = RequestSeed { max_bytes }
+        .deserialize(&mut de)
+        .map_err(malformed)?;
+    de.end().map_err(malformed)?;
+    Ok(raw)
+}
+
+/// Validates one input and attaches its data (from JSON or the binary section).
+fn finish_input(
+    i: usize,
+    input: RawInput,
+    binary: &Bytes,
+    binary_offset: &mut usize,
+    max_bytes: usize,
+) -> Result<InputTensor, Status> {
+    let name = input
+        .name
+        .ok_or_else(|| Status::invalid(format!("inputs[{i}]: missing 'name'")))?;
+    let ctx = format!("inputs[{i}] ('{name}')");
+    let err = |m: String| Status::invalid(format!("{ctx}: {m}"));
+
+    let datatype = input
+        .datatype
+        .ok_or_else(|| err("missing 'datatype'".into()))?;
+    let dtype = DataType::from_wire_name(&datatype)
+        .ok_or_else(|| err(format!("unknown datatype '{datatype}'")))?;
+    let shape = match input.shape {
+        None => return Err(err("missing 'shape'".into())),
+        Some(Err(m)) => return Err(err(m)),
+        Some(Ok(shape)) => shape,
+    };
+    let count = check_shape(dtype, &shape, max_bytes).map_err(err)?;
+
+    let mut binary_size = None;
+    for (key, value) in input.parameters.iter().flatten() {
+        match key.as_str() {
+            "binary_data_size" => {
+                let n = value.as_u64().ok_or_else(|| {
+                    err(format!(
+                        "binary_data_size must be a non-negative integer, got {value}"
+                    ))
+                })?;
+                binary_size = Some(n);
+            }
+            k if k.starts_with("shared_memory") => {
+                return Err(Status::unimplemented(format!(
+                    "{ctx}: shared memory is not supported"
+                )));
+            }
+            _ => {}
+        }
+    }
+
+    let data = match (binary_size, input.data) {
+        (Some(_), Some(_)) => {
+            return Err(err("has both 'data' and parameters.binary_data_size".into()));
+        }
+        (None, None) => {
+            return Err(err(
+                "has neither 'data' nor parameters.binary_data_size".into()
+            ));
+        }
+        (Some(size), None) => {
+            if let Some(expected) = byte_size(dtype, &shape)
+                && size != expected
+            {
+                return Err(err(format!(
+                    "binary_data_size is {size} but shape {} of {dtype} needs {expected} bytes",
+                    fmt_shape(&shape)
+                )));
+            }
+            let available = binary.len() - *binary_offset;
+            if size > available as u64 {
+                return Err(err(format!(
+                    "binary_data_size is {size} but only {available} bytes of the binary section remain"
+                )));
+            }
+            let start = *binary_offset;
+            let end = start + size as usize;
+            *binary_offset = end;
+            let data = binary.slice(start..end);
+            if dtype == DataType::Bytes {
+                let n = count_bytes_elements(&data).map_err(err)?;
+                if n != count {
+                    return Err(err(format!(
+                        "expected {count} BYTES elements for shape {}, the binary data holds {n}",
+                        fmt_shape(&shape)
+                    )));
+                }
+            }
+            data
+        }
+        (None, Some(RawData::Skipped)) => {
+            // Only skipped when the datatype or shape is invalid, which was reported above.
+            return Err(err(
+                "'data' could not be read for this datatype and shape".into()
+            ));
+        }
+        (None, Some(RawData::Buf(mut buf))) => {
+            if let Mode::Deferred = buf.mode {
+                buf = buf.replay(dtype, max_bytes);
+            }
+            if let Some(m) = buf.error {
+                return Err(err(m));
+            }
+            if buf.count != count {
+                return Err(err(format!(
+                    "expected {count} elements for shape {}, got {}",
+                    fmt_shape(&shape),
+                    buf.count
+                )));
+            }
+            Bytes::from(buf.out)
+        }
+    };
+
+    Ok(InputTensor {
+        name,
+        datatype: dtype,
+        shape,
+        data,
+    })
+}
+
+/// Checks a claimed shape before anything of its size is allocated; returns its element count.
+fn check_shape(dtype: DataType, shape: &[i64], max_bytes: usize) -> Result<u64, String> {
+    if shape.iter().any(|d| *d < 0) {
+        return Err(format!(
+            "shape {} has a negative dimension",
+            fmt_shape(shape)
+        ));
+    }
+    let count = element_count(shape)
+        .ok_or_else(|| format!("shape {} overflows the element count", fmt_shape(shape)))?;
+    match dtype.element_size() {
+        Some(_) => {
+            let bytes = byte_size(dtype, shape).ok_or_else(|| {
+                format!(
+                    "shape {} of {dtype} overflows the byte size",
+                    fmt_shape(shape)
+                )
+            })?;
+            if bytes > max_bytes as u64 {
+                return Err(format!(
+                    "shape {} of {dtype} needs {bytes} bytes, more than the request limit of {max_bytes} bytes",
+                    fmt_shape(shape)
+                ));
+            }
+        }
+        None => {
+            // Each BYTES element takes at least its 4-byte length prefix.
+            let least = count.saturating_mul(4);
+            if least > max_bytes as u64 {
+                return Err(format!(
+                    "shape {} of BYTES needs at least {least} bytes, more than the request limit of {max_bytes} bytes",
+                    fmt_shape(shape)
+                ));
+            }
+        }
+    }
+    Ok(count)
+}
+
+fn count_bytes_elements(mut data: &[u8]) -> Result<u64, String> {
+    let mut n = 0u64;
+    while !data.is_empty() {
+        if data.len() < 4 {
+            return Err(format!(
+                "BYTES element {n} has a truncated 4-byte length prefix"
+            ));
+        }
+        let len = u32::from_le_bytes([data[0], data[1], data[2], data[3]]) as usize;
+        data = &data[4..];
+        if data.len() < len {
+            return Err(format!(
+                "BYTES element {n} claims {len} bytes but only {} remain",
+                data.len()
+            ));
+        }
+        data = &data[len..];
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// `[1,16]`, as error messages show shapes.
+pub fn fmt_shape(shape: &[i64]) -> String {
+    let mut s = String::with_capacity(2 + shape.len() * 4);
+    s.push('[');
+    for (i, d) in shape.iter().enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        s.push_str(&d.to_string());
+    }
+    s.push(']');
+    s
+}
+
+// ---------------------------------------------------------------------------------------------
+// Streaming deserialization of the request JSON.
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Default)]
+struct RawRequest {
+    id: Option<String>,
+    parameters: Option<Map<String, Value>>,
+    inputs: Option<Vec<RawInput>>,
+    outputs: Option<Vec<RawOutput>>,
+}
+
+#[derive(Default)]
+struct RawInput {
+    name: Option<String>,
+    /// Err: a message about a malformed shape (reported once the input's name is known).
+    shape: Option<Result<Vec<i64>, String>>,
+    datatype: Option<String>,
+    parameters: Option<Map<String, Value>>,
+    data: Option<RawData>,
+}
+
+enum RawData {
+    /// Not read because the datatype or shape (seen before it) is invalid.
+    Skipped,
+    Buf(DataBuf),
+}
+
+#[derive(Deserialize)]
+struct RawOutput {
+    name: String,
+    #[serde(default)]
+    parameters: Option<Map<String, Value>>,
+}
+
+#[derive(Deserialize)]
+#[serde(field_identifier, rename_all = "snake_case")]
+enum RequestField {
+    Id,
+    Parameters,
+    Inputs,
+    Outputs,
+    #[serde(other)]
+    Other,
+}
+
+#[derive(Deserialize)]
+#[serde(field_identifier, rename_all = "snake_case")]
+enum InputField {
+    Name,
+    Shape,
+    Datatype,
+    Parameters,
+    Data,
+    #[serde(other)]
+    Other,
+}
+
+struct RequestSeed {
+    max_bytes: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for RequestSeed {
+    type Value = RawRequest;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<RawRequest, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for RequestSeed {
+    type Value = RawRequest;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an inference request object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawRequest, A::Error> {
+        let mut r = RawRequest::default();
+        while let Some(key) = map.next_key::<RequestField>()? {
+            match key {
+                RequestField::Id => r.id = Some(map.next_value()?),
+                RequestField::Parameters => r.parameters = map.next_value()?,
+                RequestField::Inputs => {
+                    r.inputs = Some(map.next_value_seed(InputsSeed {
+                        max_bytes: self.max_bytes,
+                    })?)
+                }
+                RequestField::Outputs => r.outputs = map.next_value()?,
+                RequestField::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(r)
+    }
+}
+
+struct InputsSeed {
+    max_bytes: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for InputsSeed {
+    type Value = Vec<RawInput>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<RawInput>, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for InputsSeed {
+    type Value = Vec<RawInput>;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an array of input tensors")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<RawInput>, A::Error> {
+        let mut inputs = Vec::with_capacity(seq.size_hint().unwrap_or(1).min(64));
+        while let Some(input) = seq.next_element_seed(InputSeed {
+            max_bytes: self.max_bytes,
+        })? {
+            inputs.push(input);
+        }
+        Ok(inputs)
+    }
+}
+
+struct InputSeed {
+    max_bytes: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for InputSeed {
+    type Value = RawInput;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<RawInput, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for InputSeed {
+    type Value = RawInput;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an input tensor object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawInput, A::Error> {
+        let mut input = RawInput::default();
+        while let Some(key) = map.next_key::<InputField>()? {
+            match key {
+                InputField::Name => input.name = Some(map.next_value()?),
+                InputField::Datatype => input.datatype = Some(map.next_value()?),
+                InputField::Parameters => input.parameters = map.next_value()?,
+                InputField::Shape => {
+                    let dims: Vec<Value> = map.next_value()?;
+                    input.shape = Some(
+                        dims.iter()
+                            .map(|d| d.as_i64().ok_or(()))
+                            .collect::<Result<Vec<i64>, ()>>()
+                            .map_err(|()| {
+                                format!(
+                                    "shape must be an array of integers, got {}",
+                                    Value::Array(dims)
+                                )
+                            }),
+                    );
+                }
+                InputField::Data => {
+                    let plan = DataPlan::new(
+                        input.datatype.as_deref(),
+                        input.shape.as_ref(),
+                        self.max_bytes,
+                    );
+                    input.data = Some(map.next_value_seed(DataSeed {
+                        plan,
+                        max_bytes: self.max_bytes,
+                    })?);
+                }
+                InputField::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(input)
+    }
+}
+
+/// What to do with a `data` array, decided from what the input object said before it.
+enum DataPlan {
+    /// Write elements straight into `dtype`'s little-endian layout.
+    Typed { dtype: DataType, capacity: usize },
+    /// The datatype comes later: keep elements in a compact tagged form.
+    Deferred,
+    /// The datatype or shape seen so far is invalid (reported later): skip without storing.
+    Skip,
+}
+
+impl DataPlan {
+    fn new(
+        datatype: Option<&str>,
+        shape: Option<&Result<Vec<i64>, String>>,
+        max_bytes: usize,
+    ) -> DataPlan {
+        let Some(datatype) = datatype else {
+            return DataPlan::Deferred;
+        };
+        let Some(dtype) = DataType::from_wire_name(datatype) else {
+            return DataPlan::Skip;
+        };
+        let capacity = match shape {
+            Some(Ok(shape)) => match check_shape(dtype, shape, max_bytes) {
+                // Sizes were checked against max_bytes, so these fit in usize.
+                Ok(count) => match byte_size(dtype, shape) {
+                    Some(bytes) => bytes as usize,
+                    None => (count as usize).saturating_mul(4).min(max_bytes),
+                },
+                Err(_) => return DataPlan::Skip,
+            },
+            Some(Err(_)) => return DataPlan::Skip,
+            None => 0,
+        };
+        DataPlan::Typed { dtype, capacity }
+    }
+}
+
+struct DataSeed {
+    plan: DataPlan,
+    max_bytes: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for DataSeed {
+    type Value = RawData;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<RawData, D::Error> {
+        let mut buf = match self.plan {
+            DataPlan::Skip => {
+                IgnoredAny::deserialize(d)?;
+                return Ok(RawData::Skipped);
+            }
+            DataPlan::Typed { dtype, capacity } => DataBuf::typed(dtype, capacity, self.max_bytes),
+            // The tagged form takes at most 9 bytes per element where the typed one takes 8
+            // (or 4 + len vs 5 + len for strings): allow for that.
+            DataPlan::Deferred => DataBuf {
+                mode: Mode::Deferred,
+                out: Vec::new(),
+                count: 0,
+                max_bytes: self.max_bytes.saturating_mul(2),
+                error: None,
+            },
+        };
+        ElementSeed { buf: &mut buf }.deserialize(d)?;
+        Ok(RawData::Buf(buf))
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Scalar<'a> {
+    Bool(bool),
+    I64(i64),
+    U64(u64),
+    F64(f64),
+    Str(&'a str),
+    Null,
+}
+
+impl Scalar<'_> {
+    fn kind(&self) -> &'static str {
+        match self {
+            Scalar::Bool(_) => "a boolean",
+            Scalar::I64(_) | Scalar::U64(_) => "an integer",
+            Scalar::F64(_) => "a number",
+            Scalar::Str(_) => "a string",
+            Scalar::Null => "null",
+        }
+    }
+}
+
+impl fmt::Display for Scalar<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Scalar::Bool(v) => write!(f, "{v}"),
+            Scalar::I64(v) => write!(f, "{v}"),
+            Scalar::U64(v) => write!(f, "{v}"),
+            Scalar::F64(v) => write!(f, "{v}"),
+            Scalar::Str(v) => write!(f, "{v:?}"),
+            Scalar::Null => f.write_str("null"),
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Mode {
+    Typed(DataType),
+    Deferred,
+}
+
+/// Elements of one `data` array as they are read: the tensor's bytes (or the tagged form).
+struct DataBuf {
+    mode: Mode,
+    out: Vec<u8>,
+    count: u64,
+    max_bytes: usize,
+    /// The first problem found; later elements are then only skipped.
+    error: Option<String>,
+}
+
+const TAG_FALSE: u8 = 0;
+const TAG_TRUE: u8 = 1;
+const TAG_I64: u8 = 2;
+const TAG_U64: u8 = 3;
+const TAG_F64: u8 = 4;
+const TAG_STR: u8 = 5;
+const TAG_NULL: u8 = 6;
+
+impl DataBuf {
+    fn typed(dtype: DataType, capacity: usize, max_bytes: usize) -> DataBuf {
+        DataBuf {
+            mode: Mode::Typed(dtype),
+            out: Vec::with_capacity(capacity),
+            count: 0,
+            max_bytes,
+            error: None,
+        }
+    }
+
+    #[inline]
+    fn push(&mut self, s: Scalar<'_>) {
+        if self.error.is_some() {
+            return;
+        }
+        match self.mode {
+            Mode::Typed(dtype) => {
+                if let Err(m) = encode(dtype, s, &mut self.out) {
+                    self.error = Some(format!("data element {}: {m}", self.count));
+                    return;
+                }
+            }
+            Mode::Deferred => encode_tagged(s, &mut self.out),
+        }
+        self.count += 1;
+        if self.out.len() > self.max_bytes {
+            self.error = Some(format!(
+                "'data' is larger than the request limit of {} bytes",
+                self.max_bytes
+            ));
+            self.out = Vec::new();
+        }
+    }
+
+    fn fail(&mut self, message: impl Into<String>) {
+        if self.error.is_none() {
+            self.error = Some(format!("data element {}: {}", self.count, message.into()));
+        }
+    }
+
+    /// Converts the tagged form into `dtype`'s layout.
+    fn replay(self, dtype: DataType, max_bytes: usize) -> DataBuf {
+        let mut typed = DataBuf::typed(dtype, self.out.len().min(max_bytes), max_bytes);
+        if let Some(e) = self.error {
+            typed.error = Some(e);
+            return typed;
+        }
+        fn take<'a>(p: &mut &'a [u8], n: usize) -> &'a [u8] {
+            let (head, tail) = p.split_at(n.min(p.len()));
+            *p = tail;
+            head
+        }
+        fn word<const N: usize>(p: &mut &[u8]) -> [u8; N] {
+            take(p, N).try_into().unwrap_or([0; N])
+        }
+        let mut p = self.out.as_slice();
+        while let Some((&tag, rest)) = p.split_first() {
+            p = rest;
+            let s = match tag {
+                TAG_FALSE => Scalar::Bool(false),
+                TAG_TRUE => Scalar::Bool(true),
+                TAG_I64 => Scalar::I64(i64::from_le_bytes(word(&mut p))),
+                TAG_U64 => Scalar::U64(u64::from_le_bytes(word(&mut p))),
+                TAG_F64 => Scalar::F64(f64::from_le_bytes(word(&mut p))),
+                TAG_STR => {
+                    let len = u32::from_le_bytes(word(&mut p)) as usize;
+                    Scalar::Str(std::str::from_utf8(take(&mut p, len)).unwrap_or(""))
+                }
+                _ => Scalar::Null,
+            };
+            typed.push(s);
+            if typed.error.is_some() {
+                break;
+            }
+        }
+        typed
+    }
+}
+
+fn encode_tagged(s: Scalar<'_>, out: &mut Vec<u8>) {
+    match s {
+        Scalar::Bool(false) => out.push(TAG_FALSE),
+        Scalar::Bool(true) => out.push(TAG_TRUE),
+        Scalar::I64(v) => {
+            out.push(TAG_I64);
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        Scalar::U64(v) => {
+            out.push(TAG_U64);
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        Scalar::F64(v) => {
+            out.push(TAG_F64);
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        Scalar::Str(t) => {
+            out.push(TAG_STR);
+            out.extend_from_slice(&(t.len() as u32).to_le_bytes());
+            out.extend_from_slice(t.as_bytes());
+        }
+        Scalar::Null => out.push(TAG_NULL),
+    }
+}
+
+/// Appends one JSON scalar to a tensor of `dtype` in its little-endian layout.
+#[inline]
+fn encode(dtype: DataType, s: Scalar<'_>, out: &mut Vec<u8>) -> Result<(), String> {
+    let mismatch =
+        |expected: &str| format!("expected {expected} for {dtype}, got {} ({s})", s.kind());
+    macro_rules! int {
+        ($t:ty) => {{
+            let v: Option<$t> = match s {
+                Scalar::I64(v) => <$t>::try_from(v).ok(),
+                Scalar::U64(v) => <$t>::try_from(v).ok(),
+                _ => return Err(mismatch("an integer")),
+            };
+            match v {
+                Some(v) => out.extend_from_slice(&v.to_le_bytes()),
+                None => return Err(format!("{s} is out of range for {dtype}")),
+            }
+        }};
+    }
+    macro_rules! float {
+        ($conv:expr) => {{
+            let v: f64 = match s {
+                Scalar::F64(v) => v,
+                Scalar::I64(v) => v as f64,
+                Scalar::U64(v) => v as f64,
+                _ => return Err(mismatch("a number")),
+            };
+            out.extend_from_slice(&($conv)(v).to_le_bytes());
+        }};
+    }
+    match dtype {
+        DataType::Bool => match s {
+            Scalar::Bool(b) => out.push(b as u8),
+            _ => return Err(mismatch("a boolean")),
+        },
+        DataType::Uint8 => int!(u8),
+        DataType::Uint16 => int!(u16),
+        DataType::Uint32 => int!(u32),
+        DataType::Uint64 => int!(u64),
+        DataType::Int8 => int!(i8),
+        DataType::Int16 => int!(i16),
+        DataType::Int32 => int!(i32),
+        DataType::Int64 => int!(i64),
+        DataType::Fp16 => float!(half::f16::from_f64),
+        DataType::Bf16 => float!(half::bf16::from_f64),
+        DataType::Fp32 => float!(|v: f64| v as f32),
+        DataType::Fp64 => float!(|v: f64| v),
+        DataType::Bytes => match s {
+            Scalar::Str(t) => {
+                let len = u32::try_from(t.len())
+                    .map_err(|_| format!("a string of {} bytes is too long", t.len()))?;
+                out.extend_from_slice(&len.to_le_bytes());
+                out.extend_from_slice(t.as_bytes());
+            }
+            _ => return Err(mismatch("a string")),
+        },
+    }
+    Ok(())
+}
+
+/// Reads one element of a (possibly nested) `data` array into the buffer.
+struct ElementSeed<'b> {
+    buf: &'b mut DataBuf,
+}
+
+impl<'de> DeserializeSeed<'de> for ElementSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ElementSeed<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("tensor data: an array (possibly nested) of scalars")
+    }
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<(), E> {
+        self.buf.push(Scalar::Bool(v));
+        Ok(())
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<(), E> {
+        self.buf.push(Scalar::I64(v));
+        Ok(())
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<(), E> {
+        self.buf.push(Scalar::U64(v));
+        Ok(())
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<(), E> {
+        self.buf.push(Scalar::F64(v));
+        Ok(())
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
+        self.buf.push(Scalar::Str(v));
+        Ok(())
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        self.buf.push(Scalar::Null);
+        Ok(())
+    }
+    fn visit_none<E: de::Error>(self) -> Result<(), E> {
+        self.buf.push(Scalar::Null);
+        Ok(())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let buf = self.buf;
+        while seq
+            .next_element_seed(ElementSeed { buf: &mut *buf })?
+            .is_some()
+        {}
+        Ok(())
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        self.buf.fail("a JSON object is not a tensor element");
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Response rendering.
+// ---------------------------------------------------------------------------------------------
+
+/// An infer response ready to send: the JSON header and, when any output goes in the binary
+/// section, those outputs' bytes in order (shared with the response, not copied).
+#[derive(Debug)]
+pub struct RenderedResponse {
+    pub json: Vec<u8>,
+    pub binary: Vec<Bytes>,
+    /// Whether any output is in the binary section (then `Inference-Header-Content-Length` is
+    /// sent, even when every binary output is empty).
+    pub has_binary: bool,
+}
+
+impl RenderedResponse {
+    /// The `Inference-Header-Content-Length` value, when the response has a binary section.
+    pub fn header_length(&self) -> Option<usize> {
+        self.has_binary.then_some(self.json.len())
+    }
+
+    pub fn total_len(&self) -> usize {
+        self.json.len() + self.binary.iter().map(Bytes::len).sum::<usize>()
+    }
+}
+
+/// Renders a response: `{"model_name","model_version","id"?,"outputs":[...]}` with each output's
+/// `data` (flat, row-major) or, for binary outputs, `parameters.binary_data_size`.
+pub fn render_infer_response(
+    response: &InferResponse,
+    format: &OutputFormat,
+) -> Result<RenderedResponse, Status> {
+    let binary_flags: Vec<bool> = response
+        .outputs
+        .iter()
+        .map(|o| format.is_binary(&o.name))
+        .collect();
+    let mut binary = Vec::new();
+    let mut estimate = 256usize;
+    for (o, &is_binary) in response.outputs.iter().zip(&binary_flags) {
+        estimate += 96 + o.name.len() + o.shape.len() * 8;
+        if is_binary {
+            if !o.data.is_empty() {
+                binary.push(o.data.clone());
+            }
+        } else {
+            // Roughly 12 characters per 4-byte number; strings are about their own length.
+            estimate = estimate.saturating_add(o.data.len().saturating_mul(3));
+        }
+    }
+    let mut json = Vec::with_capacity(estimate.min(64 << 20));
+    serde_json::to_writer(
+        &mut json,
+        &ResponseJson {
+            response,
+            binary: &binary_flags,
+        },
+    )
+    .map_err(|e| Status::internal(format!("failed to render the inference response: {e}")))?;
+    Ok(RenderedResponse {
+        json,
+        binary,
+        has_binary: binary_flags.contains(&true),
+    })
+}
+
+struct ResponseJson<'a> {
+    response: &'a InferResponse,
+    binary: &'a [bool],
+}
+
+impl Serialize for ResponseJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let r = self.response;
+        let mut m = s.serialize_map(None)?;
+        if !r.id.is_empty() {
+            m.serialize_entry("id", &r.id)?;
+        }
+        m.serialize_entry("model_name", &r.model_name)?;
+        m.serialize_entry("model_version", &r.model_version.to_string())?;
+        m.serialize_entry(
+            "outputs",
+            &OutputsJson {
+                outputs: &r.outputs,
+                binary: self.binary,
+            },
+        )?;
+        m.end()
+    }
+}
+
+struct OutputsJson<'a> {
+    outputs: &'a [OutputTensor],
+    binary: &'a [bool],
+}
+
+impl Serialize for OutputsJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut q = s.serialize_seq(Some(self.outputs.len()))?;
+        for (o, &binary) in self.outputs.iter().zip(self.binary) {
+            q.serialize_element(&OutputJson { output: o, binary })?;
+        }
+        q.end()
+    }
+}
+
+struct OutputJson<'a> {
+    output: &'a OutputTensor,
+    binary: bool,
+}
+
+struct BinaryParameters(usize);
+
+impl Serialize for BinaryParameters {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(Some(1))?;
+        m.serialize_entry("binary_data_size", &self.0)?;
+        m.end()
+    }
+}
+
+impl Serialize for OutputJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let o = self.output;
+        let mut m = s.serialize_map(None)?;
+        m.serialize_entry("name", &o.name)?;
+        m.serialize_entry("datatype", o.datatype.wire_name())?;
+        m.serialize_entry("shape", &o.shape)?;
+        if self.binary {
+            m.serialize_entry("parameters", &BinaryParameters(o.data.len()))?;
+        } else {
+            m.serialize_entry(
+                "data",
+                &DataJson {
+                    name: &o.name,
+                    dtype: o.datatype,
+                    data: &o.data,
+                },
+            )?;
+        }
+        m.end()
+    }
+}
+
+/// A tensor's raw bytes as a flat JSON array of its elements.
+struct DataJson<'a> {
+    name: &'a str,
+    dtype: DataType,
+    data: &'a [u8],
+}
+
+impl Serialize for DataJson<'_> {
+    #[allow(clippy::modulo_one)] // the element-size check is generic over 1-byte types too
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        macro_rules! elements {
+            ($t:ty, $conv:expr) => {{
+                const N: usize = std::mem::size_of::<$t>();
+                if self.data.len() % N != 0 {
+                    return Err(ser::Error::custom(format!(
+                        "output '{}' has {} bytes, not a multiple of the {}-byte {} element",
+                        self.name,
+                        self.data.len(),
+                        N,
+                        self.dtype
+                    )));
+                }
+                let mut q = s.serialize_seq(Some(self.data.len() / N))?;
+                for c in self.data.chunks_exact(N) {
+                    let mut a = [0u8; N];
+                    a.copy_from_slice(c);
+                    q.serialize_element(&($conv)(<$t>::from_le_bytes(a)))?;
+                }
+                q.end()
+            }};
+        }
+        match self.dtype {
+            DataType::Bool => {
+                let mut q = s.serialize_seq(Some(self.data.len()))?;
+                for &b in self.data {
+                    q.serialize_element(&(b != 0))?;
+                }
+                q.end()
+            }
+            DataType::Uint8 => elements!(u8, |v| v),
+            DataType::Uint16 => elements!(u16, |v| v),
+            DataType::Uint32 => elements!(u32, |v| v),
+            DataType::Uint64 => elements!(u64, |v| v),
+            DataType::Int8 => elements!(i8, |v| v),
+            DataType::Int16 => elements!(i16, |v| v),
+            DataType::Int32 => elements!(i32, |v| v),
+            DataType::Int64 => elements!(i64, |v| v),
+            DataType::Fp16 => elements!(half::f16, |v: half::f16| v.to_f32()),
+            DataType::Bf16 => elements!(half::bf16, |v: half::bf16| v.to_f32()),
+            DataType::Fp32 => elements!(f32, |v| v),
+            DataType::Fp64 => elements!(f64, |v| v),
+            DataType::Bytes => {
+                let elements = split_bytes_elements(self.name, self.data)
+                    .map_err(|e| ser::Error::custom(e.message))?;
+                let mut q = s.serialize_seq(Some(elements.len()))?;
+                for e in elements {
+                    match std::str::from_utf8(e) {
+                        Ok(t) => q.serialize_element(t)?,
+                        Err(_) => q.serialize_element(&*String::from_utf8_lossy(e))?,
+                    }
+                }
+                q.end()
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::serialize_bytes_elements;
+    use nereid_common::Code;
+
+    const MAX: usize = 64 << 20;
+
+    fn parse(json: &str) -> Result<ParsedInfer, Status> {
+        parse_infer_request(
+            "m",
+            None,
+            Bytes::copy_from_slice(json.as_bytes()),
+            None,
+            MAX,
+        )
+    }
+
+    fn one_input(datatype: &str, shape: &str, data: &str) -> Result<InputTensor, Status> {
+        let json = format!(
+            r#"{{"inputs":[{{"name":"x","datatype":"{datatype}","shape":{shape},"data":{data}}}]}}"#
+        );
+        parse(&json).map(|p| p.request.inputs.into_iter().next().unwrap())
+    }
+
+    fn le<T: Copy, const N: usize>(values: &[T], f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
+        values.iter().flat_map(|v| f(*v)).collect()
+    }
+
+    #[test]
+    fn parses_request_fields() {
+        let p = parse(
+            r#"{"id":"r1","parameters":{"priority":2,"timeout":1500,"sequence_id":7,"custom":"x"},
+                "inputs":[{"name":"INPUT0","shape":[2],"datatype":"FP32","data":[1.5,-2]}],
+                "outputs":[{"name":"OUT","parameters":{"binary_data":true}},{"name":"OUT2"}],
+                "unknown":{"a":[1,2]}}"#,
+        )
+        .unwrap();
+        let r = &p.request;
+        assert_eq!(r.model_name, "m");
+        assert_eq!(r.id, "r1");
+        assert_eq!(r.priority, 2);
+        assert_eq!(r.timeout_us, 1500);
+        assert_eq!(r.inputs[0].name, "INPUT0");
+        assert_eq!(r.inputs[0].shape, vec![2]);
+        assert_eq!(r.inputs[0].datatype, DataType::Fp32);
+        assert_eq!(
+            &r.inputs[0].data[..],
+            le(&[1.5f32, -2.0], f32::to_le_bytes).as_slice()
+        );
+        assert_eq!(r.outputs.len(), 2);
+        assert_eq!(r.outputs[0].binary_data, Some(true));
+        assert_eq!(r.outputs[1].binary_data, None);
+        assert!(p.format.is_binary("OUT"));
+        assert!(!p.format.is_binary("OUT2"));
+    }
+
+    #[test]
+    fn every_fixed_size_dtype() {
+        let t = one_input("BOOL", "[3]", "[true,false,true]").unwrap();
+        assert_eq!(&t.data[..], &[1, 0, 1]);
+        let t = one_input("UINT8", "[2]", "[0,255]").unwrap();
+        assert_eq!(&t.data[..], &[0, 255]);
+        let t = one_input("INT8", "[2]", "[-128,127]").unwrap();
+        assert_eq!(&t.data[..], &[0x80, 0x7f]);
+        let t = one_input("UINT16", "[2]", "[1,65535]").unwrap();
+        assert_eq!(&t.data[..], le(&[1u16, 65535], u16::to_le_bytes).as_slice());
+        let t = one_input("INT16", "[2]", "[-1,300]").unwrap();
+        assert_eq!(&t.data[..], le(&[-1i16, 300], i16::to_le_bytes).as_slice());
+        let t = one_input("UINT32", "[1]", "[4294967295]").unwrap();
+        assert_eq!(&t.data[..], le(&[u32::MAX], u32::to_le_bytes).as_slice());
+        let t = one_input("INT32", "[2]", "[-5,7]").unwrap();
+        assert_eq!(&t.data[..], le(&[-5i32, 7], i32::to_le_bytes).as_slice());
+        let t = one_input("UINT64", "[1]", "[18446744073709551615]").unwrap();
+        assert_eq!(&t.data[..], le(&[u64::MAX], u64::to_le_bytes).as_slice());
+        let t = one_input("INT64", "[2]", "[-9223372036854775808,1]").unwrap();
+        assert_eq!(&t.data[..], le(&[i64::MIN, 1], i64::to_le_bytes).as_slice());
+        let t = one_input("FP64", "[2]", "[0.1,3]").unwrap();
+        assert_eq!(&t.data[..], le(&[0.1f64, 3.0], f64::to_le_bytes).as_slice());
+        let t = one_input("FP16", "[3]", "[1.5,-2,0.1]").unwrap();
+        let expect = [
+            half::f16::from_f32(1.5),
+            half::f16::from_f32(-2.0),
+            half::f16::from_f64(0.1),
+        ];
+        assert_eq!(&t.data[..], le(&expect, half::f16::to_le_bytes).as_slice());
+        let t = one_input("BF16", "[2]", "[1.5,-2]").unwrap();
+        let expect = [half::bf16::from_f32(1.5), half::bf16::from_f32(-2.0)];
+        assert_eq!(&t.data[..], le(&expect, half::bf16::to_le_bytes).as_slice());
+    }
+
+    #[test]
+    fn nested_arrays_flatten_row_major() {
+        let t = one_input("INT32", "[2,3]", "[[1,2,3],[4,5,6]]").unwrap();
+        assert_eq!(t.shape, vec![2, 3]);
+        assert_eq!(
+            &t.data[..],
+            le(&[1i32, 2, 3, 4, 5, 6], i32::to_le_bytes).as_slice()
+        );
+        let t = one_input("FP32", "[1,2,2]", "[[[1,2],[3,4]]]").unwrap();
+        assert_eq!(
+            &t.data[..],
+            le(&[1f32, 2., 3., 4.], f32::to_le_bytes).as_slice()
+        );
+    }
+
+    #[test]
+    fn bytes_from_json_strings() {
+        let t = one_input("BYTES", "[3]", r#"["ab","","h\u00e9"]"#).unwrap();
+        assert_eq!(
+            &t.data[..],
+            serialize_bytes_elements(["ab", "", "hé"]).as_slice()
+        );
+        let e = one_input("BYTES", "[1]", "[1]").unwrap_err();
+        assert!(
+            e.message.contains("inputs[0] ('x')") && e.message.contains("string"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn data_before_datatype_and_shape() {
+        let p = parse(
+            r#"{"inputs":[{"data":[[1,2],[3,4]],"name":"x","shape":[2,2],"datatype":"INT64"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            &p.request.inputs[0].data[..],
+            le(&[1i64, 2, 3, 4], i64::to_le_bytes).as_slice()
+        );
+        let p =
+            parse(r#"{"inputs":[{"data":["a","bc"],"name":"s","shape":[2],"datatype":"BYTES"}]}"#)
+                .unwrap();
+        assert_eq!(
+            &p.request.inputs[0].data[..],
+            serialize_bytes_elements(["a", "bc"]).as_slice()
+        );
+        let p =
+            parse(r#"{"inputs":[{"data":[true,false],"shape":[2],"datatype":"BOOL","name":"b"}]}"#)
+                .unwrap();
+        assert_eq!(&p.request.inputs[0].data[..], &[1, 0]);
+        let p =
+            parse(r#"{"inputs":[{"data":[-1.5, 2],"shape":[2],"datatype":"FP32","name":"f"}]}"#)
+                .unwrap();
+        assert_eq!(
+            &p.request.inputs[0].data[..],
+            le(&[-1.5f32, 2.0], f32::to_le_bytes).as_slice()
+        );
+        let e = parse(r#"{"inputs":[{"data":[1, 300],"shape":[2],"datatype":"INT8","name":"i"}]}"#)
+            .unwrap_err();
+        assert!(
+            e.message.contains("inputs[0] ('i')") && e.message.contains("300 is out of range"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn wrong_json_types_name_the_input() {
+        let cases = [
+            (
+                "FP32",
+                "[2]",
+                r#"[1,"x"]"#,
+                "expected a number for FP32, got a string",
+            ),
+            ("INT8", "[1]", "[128]", "128 is out of range for INT8"),
+            ("UINT8", "[1]", "[-1]", "-1 is out of range for UINT8"),
+            (
+                "INT32",
+                "[1]",
+                "[1.5]",
+                "expected an integer for INT32, got a number",
+            ),
+            ("BOOL", "[1]", "[1]", "expected a boolean for BOOL"),
+            ("FP32", "[1]", "[null]", "got null"),
+            ("FP32", "[1]", r#"[{"a":1}]"#, "JSON object"),
+        ];
+        for (dt, shape, data, want) in cases {
+            let e = one_input(dt, shape, data).unwrap_err();
+            assert_eq!(e.code, Code::InvalidArgument);
+            assert!(e.message.starts_with("inputs[0] ('x'): "), "{}", e.message);
+            assert!(e.message.contains(want), "{dt} {data}: {}", e.message);
+        }
+        let e = one_input("FP32", "[2]", r#"[1,"x"]"#).unwrap_err();
+        assert!(e.message.contains("data element 1"), "{}", e.message);
+    }
+
+    #[test]
+    fn element_count_mismatch() {
+        let data = format!("[{}]", vec!["1"; 15].join(","));
+        let e = one_input("INT32", "[1,16]", &data).unwrap_err();
+        assert_eq!(
+            e.message,
+            "inputs[0] ('x'): expected 16 elements for shape [1,16], got 15"
+        );
+        let e = one_input("FP32", "[2,2]", "[[1,2],[3,4],[5]]").unwrap_err();
+        assert!(
+            e.message
+                .contains("expected 4 elements for shape [2,2], got 5"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn field_errors() {
+        let e = parse(r#"{"inputs":[{"shape":[1],"datatype":"FP32","data":[1]}]}"#).unwrap_err();
+        assert_eq!(e.message, "inputs[0]: missing 'name'");
+        let e = parse(r#"{"inputs":[{"name":"a","shape":[1],"datatype":"FLOAT","data":[1]}]}"#)
+            .unwrap_err();
+        assert_eq!(e.message, "inputs[0] ('a'): unknown datatype 'FLOAT'");
+        let e = parse(r#"{"inputs":[{"name":"a","datatype":"FP32","data":[1]}]}"#).unwrap_err();
+        assert_eq!(e.message, "inputs[0] ('a'): missing 'shape'");
+        let e = parse(r#"{"inputs":[{"name":"a","shape":[1.5],"datatype":"FP32","data":[1]}]}"#)
+            .unwrap_err();
+        assert!(
+            e.message
+                .starts_with("inputs[0] ('a'): shape must be an array of integers"),
+            "{}",
+            e.message
+        );
+        let e = parse(r#"{"inputs":[{"name":"a","shape":[-1],"datatype":"FP32","data":[1]}]}"#)
+            .unwrap_err();
+        assert!(e.message.contains("negative"), "{}", e.message);
+        let e = parse(r#"{"inputs":[{"name":"a","shape":[1],"datatype":"FP32"}]}"#).unwrap_err();
+        assert!(
+            e.message.contains("has neither 'data' nor"),
+            "{}",
+            e.message
+        );
+        let e = parse(r#"{"outputs":[]}"#).unwrap_err();
+        assert!(e.message.contains("no 'inputs'"), "{}", e.message);
+        let e = parse(r#"{"inputs":[],"parameters":{"priority":-1}}"#).unwrap_err();
+        assert!(e.message.contains("parameters.priority"), "{}", e.message);
+        let e = parse(r#"{"inputs":[],"parameters":{"binary_data_output":"yes"}}"#).unwrap_err();
+        assert!(e.message.contains("binary_data_output"), "{}", e.message);
+        let e = parse(
+            r#"{"inputs":[{"name":"a","shape":[1],"datatype":"FP32","data":[1],"parameters":{"shared_memory_region":"r"}}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.code, Code::Unimplemented);
+    }
+
+    #[test]
+    fn classification_is_rejected_naming_the_output() {
+        let e =
+            parse(r#"{"inputs":[],"outputs":[{"name":"OUT0","parameters":{"classification":3}}]}"#)
+                .unwrap_err();
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert_eq!(
+            e.message,
+            "outputs[0] ('OUT0'): classification is not supported"
+        );
+        // classification 0 means "not requested".
+        parse(r#"{"inputs":[],"outputs":[{"name":"OUT0","parameters":{"classification":0}}]}"#)
+            .unwrap();
+    }
+
+    #[test]
+    fn malformed_json_says_where() {
+        let e = parse("{\"inputs\": [\n  {\"name\": \"a\",, }]}").unwrap_err();
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert!(e.message.contains("line 2 column"), "{}", e.message);
+        let e = parse(r#"{"inputs":[]} trailing"#).unwrap_err();
+        assert!(e.message.contains("line 1 column"), "{}", e.message);
+        let e = parse(r#"{"inputs":[{"name":"a","shape":[1],"datatype":"FP32","data":[1,]}]}"#)
+            .unwrap_err();
+        assert!(e.message.contains("column"), "{}", e.message);
+    }
+
+    #[test]
+    fn overflowing_shape_is_rejected_before_allocating() {
+        // The data would be skipped, never stored; the shape check names the problem.
+        let e = one_input("FP32", "[9223372036854775807, 2]", "[1,2]").unwrap_err();
+        assert_eq!(
+            e.message,
+            "inputs[0] ('x'): shape [9223372036854775807,2] of FP32 overflows the byte size"
+        );
+        let e = one_input(
+            "FP32",
+            "[9223372036854775807, 9223372036854775807]",
+            "[1,2]",
+        )
+        .unwrap_err();
+        assert!(
+            e.message.contains("overflows the element count"),
+            "{}",
+            e.message
+        );
+        let e = one_input("INT8", "[9223372036854775807, 2]", "[1,2]").unwrap_err();
+        assert!(
+            e.message
+                .contains("needs 18446744073709551614 bytes, more than the request limit"),
+            "{}",
+            e.message
+        );
+        let e = one_input("BYTES", "[9223372036854775807, 2]", r#"["a"]"#).unwrap_err();
+        assert!(
+            e.message.contains("more than the request limit"),
+            "{}",
+            e.message
+        );
+        // Fits u64 but not the limit.
+        let e = one_input("FP64", "[1099511627776]", "[1]").unwrap_err();
+        assert!(
+            e.message.contains("more than the request limit"),
+            "{}",
+            e.message
+        );
+        // The binary path, with a binary_data_size that could never be honoured.
+        let json = r#"{"inputs":[{"name":"x","shape":[9223372036854775807,2],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#;
+        let mut body = json.as_bytes().to_vec();
+        body.extend_from_slice(&[0; 8]);
+        let e =
+            parse_infer_request("m", None, Bytes::from(body), Some(json.len()), MAX).unwrap_err();
+        assert!(e.message.contains("overflows"), "{}", e.message);
+    }
+
+    #[test]
+    fn json_data_larger_than_the_limit_is_cut_off() {
+        // Shape unknown when data is read: the running size check stops it.
+        let json = r#"{"inputs":[{"name":"x","data":[1,2,3,4,5,6,7,8,9],"datatype":"INT64","shape":[9]}]}"#;
+        let e = parse_infer_request("m", None, Bytes::from_static(json.as_bytes()), None, 32)
+            .unwrap_err();
+        assert!(e.message.contains("limit"), "{}", e.message);
+    }
+
+    fn binary_body(json: &str, binary: &[u8]) -> (Bytes, usize) {
+        let mut body = json.as_bytes().to_vec();
+        body.extend_from_slice(binary);
+        (Bytes::from(body), json.len())
+    }
+
+    #[test]
+    fn binary_extension_good() {
+        let a = le(&[1.0f32, 2.0, 3.0, 4.0], f32::to_le_bytes);
+        let s = serialize_bytes_elements(["xy", "z"]);
+        let json = format!(
+            r#"{{"inputs":[{{"name":"A","shape":[2,2],"datatype":"FP32","parameters":{{"binary_data_size":{}}}}},
+                {{"name":"J","shape":[1],"datatype":"INT32","data":[7]}},
+                {{"name":"S","shape":[2],"datatype":"BYTES","parameters":{{"binary_data_size":{}}}}}],
+              "parameters":{{"binary_data_output":true}}}}"#,
+            a.len(),
+            s.len()
+        );
+        let mut bin = a.clone();
+        bin.extend_from_slice(&s);
+        let (body, n) = binary_body(&json, &bin);
+        let p = parse_infer_request("m", Some(3), body.clone(), Some(n), MAX).unwrap();
+        let r = &p.request;
+        assert_eq!(r.model_version, Some(3));
+        assert_eq!(&r.inputs[0].data[..], a.as_slice());
+        assert_eq!(&r.inputs[1].data[..], 7i32.to_le_bytes().as_slice());
+        assert_eq!(&r.inputs[2].data[..], s.as_slice());
+        // Zero-copy: the binary inputs point into the body.
+        assert_eq!(r.inputs[0].data.as_ptr(), body[n..].as_ptr());
+        assert!(p.format.binary_default);
+        assert!(p.format.is_binary("anything"));
+    }
+
+    #[test]
+    fn binary_extension_errors() {
+        let json = r#"{"inputs":[{"name":"A","shape":[2],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#;
+        // Header length larger than the body.
+        let (body, n) = binary_body(json, &[0; 8]);
+        let e =
+            parse_infer_request("m", None, body.clone(), Some(body.len() + 1), MAX).unwrap_err();
+        assert!(
+            e.message.contains("Inference-Header-Content-Length"),
+            "{}",
+            e.message
+        );
+        // Too few bytes in the binary section.
+        let (body, _) = binary_body(json, &[0; 4]);
+        let e = parse_infer_request("m", None, body, Some(n), MAX).unwrap_err();
+        assert!(
+            e.message
+                .starts_with("inputs[0] ('A'): binary_data_size is 8 but only 4 bytes"),
+            "{}",
+            e.message
+        );
+        // Extra bytes after the last binary input.
+        let (body, _) = binary_body(json, &[0; 12]);
+        let e = parse_infer_request("m", None, body, Some(n), MAX).unwrap_err();
+        assert!(
+            e.message.contains("binary section has 12 bytes") && e.message.contains("add up to 8"),
+            "{}",
+            e.message
+        );
+        // binary_data_size not matching shape x dtype.
+        let bad = r#"{"inputs":[{"name":"A","shape":[3],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#;
+        let (body, n2) = binary_body(bad, &[0; 8]);
+        let e = parse_infer_request("m", None, body, Some(n2), MAX).unwrap_err();
+        assert_eq!(
+            e.message,
+            "inputs[0] ('A'): binary_data_size is 8 but shape [3] of FP32 needs 12 bytes"
+        );
+        // Both data and binary_data_size.
+        let both = r#"{"inputs":[{"name":"A","shape":[2],"datatype":"FP32","data":[1,2],"parameters":{"binary_data_size":8}}]}"#;
+        let (body, n3) = binary_body(both, &[0; 8]);
+        let e = parse_infer_request("m", None, body, Some(n3), MAX).unwrap_err();
+        assert!(e.message.contains("both"), "{}", e.message);
+        // binary_data_size without the header: the binary section is empty.
+        let e = parse_infer_request("m", None, Bytes::from_static(json.as_bytes()), None, MAX)
+            .unwrap_err();
+        assert!(e.message.contains("only 0 bytes"), "{}", e.message);
+        // BYTES element count not matching the shape.
+        let s = serialize_bytes_elements(["a"]);
+        let bj = format!(
+            r#"{{"inputs":[{{"name":"S","shape":[2],"datatype":"BYTES","parameters":{{"binary_data_size":{}}}}}]}}"#,
+            s.len()
+        );
+        let (body, n4) = binary_body(&bj, &s);
+        let e = parse_infer_request("m", None, body, Some(n4), MAX).unwrap_err();
+        assert!(
+            e.message.contains("expected 2 BYTES elements"),
+            "{}",
+            e.message
+        );
+    }
+
+    fn output(name: &str, datatype: DataType, shape: Vec<i64>, data: Vec<u8>) -> OutputTensor {
+        OutputTensor {
+            name: name.into(),
+            datatype,
+            shape,
+            data: Bytes::from(data),
+        }
+    }
+
+    fn sample_response() -> InferResponse {
+        InferResponse {
+            model_name: "m".into(),
+            model_version: 1,
+            id: "req-7".into(),
+            outputs: vec![
+                output(
+                    "F",
+                    DataType::Fp32,
+                    vec![1, 2],
+                    le(&[1.5f32, -2.0], f32::to_le_bytes),
+                ),
+                output("B", DataType::Bool, vec![2], vec![1, 0]),
+                output(
+                    "S",
+                    DataType::Bytes,
+                    vec![2],
+                    serialize_bytes_elements(["hi", "yo"]),
+                ),
+                output(
+                    "H",
+                    DataType::Fp16,
+                    vec![1],
+                    half::f16::from_f32(0.5).to_le_bytes().to_vec(),
+                ),
+                output(
+                    "I",
+                    DataType::Int64,
+                    vec![1],
+                    (-3i64).to_le_bytes().to_vec(),
+                ),
+            ],
+        }
+    }
+
+    #[test]
+    fn renders_json_response() {
+        let r = render_infer_response(&sample_response(), &OutputFormat::default()).unwrap();
+        assert_eq!(r.header_length(), None);
+        assert!(r.binary.is_empty());
+        let v: Value = serde_json::from_slice(&r.json).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({
+                "id": "req-7", "model_name": "m", "model_version": "1",
+                "outputs": [
+                    {"name": "F", "datatype": "FP32", "shape": [1, 2], "data": [1.5, -2.0]},
+                    {"name": "B", "datatype": "BOOL", "shape": [2], "data": [true, false]},
+                    {"name": "S", "datatype": "BYTES", "shape": [2], "data": ["hi", "yo"]},
+                    {"name": "H", "datatype": "FP16", "shape": [1], "data": [0.5]},
+                    {"name": "I", "datatype": "INT64", "shape": [1], "data": [-3]},
+                ]
+            })
+        );
+        // No id in the request: none in the response.
+        let mut resp = sample_response();
+        resp.id.clear();
+        let r = render_infer_response(&resp, &OutputFormat::default()).unwrap();
+        let v: Value = serde_json::from_slice(&r.json).unwrap();
+        assert!(v.get("id").is_none());
+    }
+
+    #[test]
+    fn renders_binary_response() {
+        let resp = sample_response();
+        let format = OutputFormat {
+            binary_default: false,
+            explicit: vec![("F".into(), true), ("S".into(), true)],
+        };
+        let r = render_infer_response(&resp, &format).unwrap();
+        assert_eq!(r.header_length(), Some(r.json.len()));
+        let v: Value = serde_json::from_slice(&r.json).unwrap();
+        let outs = v["outputs"].as_array().unwrap();
+        assert_eq!(outs[0]["parameters"]["binary_data_size"], 8);
+        assert!(outs[0].get("data").is_none());
+        assert_eq!(outs[1]["data"], serde_json::json!([true, false]));
+        assert_eq!(
+            outs[2]["parameters"]["binary_data_size"],
+            resp.outputs[2].data.len()
+        );
+        let binary: Vec<u8> = r.binary.iter().flat_map(|b| b.iter().copied()).collect();
+        let mut want = resp.outputs[0].data.to_vec();
+        want.extend_from_slice(&resp.outputs[2].data);
+        assert_eq!(binary, want);
+        assert_eq!(r.total_len(), r.json.len() + want.len());
+        // Shared, not copied.
+        assert_eq!(r.binary[0].as_ptr(), resp.outputs[0].data.as_ptr());
+
+        // binary_data_output: every output binary unless it says otherwise.
+        let format = OutputFormat {
+            binary_default: true,
+            explicit: vec![("B".into(), false)],
+        };
+        let r = render_infer_response(&resp, &format).unwrap();
+        let v: Value = serde_json::from_slice(&r.json).unwrap();
+        let outs = v["outputs"].as_array().unwrap();
+        assert!(outs[1].get("data").is_some());
+        assert_eq!(
+            outs.iter()
+                .filter(|o| o.get("parameters").is_some())
+                .count(),
+            4
+        );
+        assert_eq!(r.binary.len(), 4);
+    }
+
+    #[test]
+    fn round_trip_through_render_and_parse() {
+        // What we render as JSON data parses back to the same bytes.
+        let resp = sample_response();
+        let r = render_infer_response(&resp, &OutputFormat::default()).unwrap();
+        let v: Value = serde_json::from_slice(&r.json).unwrap();
+        let inputs: Vec<Value> = v["outputs"].as_array().unwrap().clone();
+        let req = serde_json::json!({ "inputs": inputs }).to_string();
+        let p = parse(&req).unwrap();
+        for (i, o) in p.request.inputs.iter().zip(&resp.outputs) {
+            assert_eq!(i.data, o.data, "{}", o.name);
+        }
+    }
+
+    #[test]
+    fn render_rejects_ragged_data() {
+        let resp = InferResponse {
+            outputs: vec![output("F", DataType::Fp32, vec![1], vec![0; 5])],
+            ..InferResponse::default()
+        };
+        let e = render_infer_response(&resp, &OutputFormat::default()).unwrap_err();
+        assert_eq!(e.code, Code::Internal);
+        assert!(e.message.contains("'F'"), "{}", e.message);
+    }
+}
+
+#[cfg(test)]
+mod scratch_bench {
+    use super::*;
+    #[test]
+    #[ignore]
+    fn bench() {
+        let n = 1_000_000usize;
+        let vals: Vec<f32> = (0..n).map(|i| (i as f32) * 0.001 + 0.123).collect();
+        let json = serde_json::json!({"inputs":[{"name":"x","shape":[1000,1000],"datatype":"FP32","data":vals}]}).to_string();
+        let body = Bytes::from(json);
+        let t = std::time::Instant::now();
+        for _ in 0..5 { parse_infer_request("m", None, body.clone(), None, 64 << 20).unwrap(); }
+        let per = t.elapsed() / 5;
+        println!("parse {} MB JSON, 1M FP32: {:?} ({:.0} MB/s)", body.len() >> 20, per, body.len() as f64 / per.as_secs_f64() / 1e6);
+        let data: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let resp = InferResponse { model_name: "m".into(), model_version: 1, id: String::new(), outputs: vec![OutputTensor { name: "y".into(), datatype: DataType::Fp32, shape: vec![1000, 1000], data: Bytes::from(data) }] };
+        let t = std::time::Instant::now();
+        let mut len = 0;
+        for _ in 0..5 { len = render_infer_response(&resp, &OutputFormat::default()).unwrap().json.len(); }
+        println!("render 1M FP32 -> {} MB JSON: {:?}", len >> 20, t.elapsed() / 5);
+        let small = Bytes::from_static(br#"{"id":"1","inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16]}],"outputs":[{"name":"OUTPUT0","parameters":{"binary_data":true}}]}"#);
+        let t = std::time::Instant::now();
+        for _ in 0..100000 { parse_infer_request("m", None, small.clone(), None, 64 << 20).unwrap(); }
+        println!("small request parse: {:?}", t.elapsed() / 100000);
+    }
+}

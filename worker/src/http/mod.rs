@@ -1,0 +1,983 @@
+//! KServe v2 / Triton HTTP front end: translates HTTP requests into [`Server`] calls and renders
+//! the results the way Triton's HTTP endpoint does (same paths, JSON shapes, status codes and
+//! binary tensor extension), so `tritonclient.http` and `perf_analyzer` work unchanged.
+//!
+//! Every error response is `{"error": "..."}` with the status of its [`nereid_common::Code`].
+//! Health and readiness answer 200 / 400 with an empty body, as Triton does.
+
+mod infer;
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, FromRequestParts, Path, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::serve::ListenerExt;
+use axum::{Json, Router};
+use bytes::{Bytes, BytesMut};
+use http_body_util::BodyExt;
+use hyper::body::{Frame, SizeHint};
+use nereid_common::Status;
+use nereid_common::config::config_to_json;
+use serde_json::{Map, Value, json};
+use tokio_util::sync::CancellationToken;
+
+pub use self::infer::{
+    HEADER_CONTENT_LENGTH, OutputFormat, ParsedInfer, RenderedResponse, fmt_shape,
+    parse_infer_request, render_infer_response,
+};
+use crate::server::{
+    self, EXTENSIONS, IndexEntry, ModelMetadata, ModelStats, SERVER_NAME, SERVER_VERSION, Server,
+    parse_version,
+};
+
+/// JSON parts (request or response) larger than this are parsed / rendered on the blocking
+/// pool instead of the async worker threads.
+const OFFLOAD_JSON_BYTES: usize = 256 << 10;
+
+/// The KServe v2 HTTP API of `server`.
+pub fn router(server: Server) -> Router {
+    let limit = server.limits.max_request_bytes;
+    Router::new()
+        .route("/v2", get(server_metadata))
+        .route("/v2/health/live", get(health_live))
+        .route("/v2/health/ready", get(health_ready))
+        .route("/v2/models/stats", get(all_model_stats))
+        .route("/v2/models/{model}", get(model_metadata))
+        .route("/v2/models/{model}/versions/{version}", get(model_metadata))
+        .route("/v2/models/{model}/ready", get(model_ready))
+        .route(
+            "/v2/models/{model}/versions/{version}/ready",
+            get(model_ready),
+        )
+        .route("/v2/models/{model}/config", get(model_config))
+        .route(
+            "/v2/models/{model}/versions/{version}/config",
+            get(model_config),
+        )
+        .route("/v2/models/{model}/stats", get(model_stats))
+        .route(
+            "/v2/models/{model}/versions/{version}/stats",
+            get(model_stats),
+        )
+        .route("/v2/models/{model}/infer", post(infer))
+        .route("/v2/models/{model}/versions/{version}/infer", post(infer))
+        .route("/v2/repository/index", post(repository_index))
+        .route("/v2/repository/models/{model}/load", post(load_model))
+        .route("/v2/repository/models/{model}/unload", post(unload_model))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(server)
+}
+
+/// `GET /metrics`: the Prometheus text exposition (served on its own port, as Triton does).
+pub fn metrics_router(server: Server) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(server)
+}
+
+/// Serves `router` on `listener` (HTTP/1.1 with keep-alive, and HTTP/2) until `shutdown` is
+/// cancelled, then finishes the requests in flight and returns.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    // Small request/response pairs on kept-alive connections: Nagle's algorithm would add
+    // delayed-ACK latency to every response written in more than one segment.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("set_nodelay failed: {e}");
+        }
+    });
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors.
+// ---------------------------------------------------------------------------------------------
+
+/// A [`Status`] as an HTTP response: its code's HTTP status and `{"error": "..."}`.
+#[derive(Debug)]
+pub struct ApiError(pub Status);
+
+impl From<Status> for ApiError {
+    fn from(s: Status) -> Self {
+        ApiError(s)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        error_response(self.0.code.http_status(), &self.0)
+    }
+}
+
+fn error_response(code: StatusCode, status: &Status) -> Response {
+    if code.is_server_error() {
+        tracing::warn!(status = code.as_u16(), "{}", status.message);
+    } else {
+        tracing::debug!(status = code.as_u16(), "{}", status.message);
+    }
+    (
+        code,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        status.json_body(),
+    )
+        .into_response()
+}
+
+async fn not_found(uri: Uri) -> ApiError {
+    ApiError(Status::not_found(format!(
+        "no endpoint at '{}'",
+        uri.path()
+    )))
+}
+
+/// 405 (no [`nereid_common::Code`] maps to it), still with the JSON error body.
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    let status = Status::invalid(format!(
+        "method {method} is not allowed for '{}'",
+        uri.path()
+    ));
+    error_response(StatusCode::METHOD_NOT_ALLOWED, &status)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Extractors and body reading.
+// ---------------------------------------------------------------------------------------------
+
+/// The `{model}` and optional `{version}` path segments.
+struct ModelRef {
+    name: String,
+    version: Option<i64>,
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for ModelRef {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let Path(params) = Path::<Vec<(String, String)>>::from_request_parts(parts, state)
+            .await
+            .map_err(|e| ApiError(Status::invalid(e.body_text())))?;
+        let mut name = String::new();
+        let mut version = String::new();
+        for (key, value) in params {
+            match key.as_str() {
+                "model" => name = value,
+                "version" => version = value,
+                _ => {}
+            }
+        }
+        let version = parse_version(&name, &version)?;
+        Ok(ModelRef { name, version })
+    }
+}
+
+/// Reads a request body into one buffer, refusing (before reading it) a declared
+/// `Content-Length` over `max` and stopping as soon as the bytes received pass `max`.
+/// A body that arrives in one chunk is returned as that chunk, without copying.
+async fn read_body(headers: &HeaderMap, mut body: Body, max: usize) -> Result<Bytes, Status> {
+    if let Some(v) = headers.get(header::CONTENT_ENCODING) {
+        let v = v.to_str().unwrap_or("?").trim();
+        if !v.is_empty() && !v.eq_ignore_ascii_case("identity") {
+            return Err(Status::unimplemented(format!(
+                "Content-Encoding '{v}' is not supported; send the request uncompressed"
+            )));
+        }
+    }
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if let Some(n) = declared
+        && n > max as u64
+    {
+        return Err(Status::invalid(format!(
+            "request body of {n} bytes exceeds the limit of {max} bytes"
+        )));
+    }
+
+    let mut first: Option<Bytes> = None;
+    let mut buf = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame =
+            frame.map_err(|e| Status::invalid(format!("failed to read the request body: {e}")))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if data.is_empty() {
+            continue;
+        }
+        let received = first.as_ref().map_or(0, Bytes::len) + buf.len() + data.len();
+        if received > max {
+            return Err(Status::invalid(format!(
+                "request body exceeds the limit of {max} bytes"
+            )));
+        }
+        match first.take() {
+            None if buf.is_empty() => first = Some(data),
+            Some(f) => {
+                buf.reserve(declared.map_or(received, |n| (n as usize).max(received)));
+                buf.extend_from_slice(&f);
+                buf.extend_from_slice(&data);
+            }
+            None => buf.extend_from_slice(&data),
+        }
+    }
+    Ok(first.unwrap_or_else(|| buf.freeze()))
+}
+
+fn inference_header_length(headers: &HeaderMap) -> Result<Option<usize>, Status> {
+    let Some(v) = headers.get(HEADER_CONTENT_LENGTH) else {
+        return Ok(None);
+    };
+    v.to_str()
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .map(Some)
+        .ok_or_else(|| {
+            Status::invalid(format!(
+                "Inference-Header-Content-Length must be a non-negative integer, got {v:?}"
+            ))
+        })
+}
+
+/// Runs `f` on the blocking pool when `heavy`, inline otherwise.
+async fn maybe_offload<T: Send + 'static>(
+    heavy: bool,
+    f: impl FnOnce() -> Result<T, Status> + Send + 'static,
+) -> Result<T, Status> {
+    if heavy {
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| Status::internal(format!("request conversion task failed: {e}")))?
+    } else {
+        f()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handlers.
+// ---------------------------------------------------------------------------------------------
+
+fn ok_or_400(ok: bool) -> StatusCode {
+    if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::BAD_REQUEST
+    }
+}
+
+async fn server_metadata() -> Json<Value> {
+    Json(server_metadata_json())
+}
+
+async fn health_live(State(server): State<Server>) -> StatusCode {
+    ok_or_400(server.live())
+}
+
+async fn health_ready(State(server): State<Server>) -> StatusCode {
+    ok_or_400(server.ready())
+}
+
+async fn model_ready(State(server): State<Server>, model: ModelRef) -> StatusCode {
+    ok_or_400(server.model_ready(&model.name, model.version))
+}
+
+async fn model_metadata(
+    State(server): State<Server>,
+    model: ModelRef,
+) -> Result<Json<Value>, ApiError> {
+    Ok(Json(model_metadata_json(
+        &server.model_metadata(&model.name, model.version)?,
+    )))
+}
+
+async fn model_config(
+    State(server): State<Server>,
+    model: ModelRef,
+) -> Result<Json<Value>, ApiError> {
+    Ok(Json(config_to_json(
+        &server.model_config(&model.name, model.version)?,
+    )))
+}
+
+async fn model_stats(
+    State(server): State<Server>,
+    model: ModelRef,
+) -> Result<Json<Value>, ApiError> {
+    Ok(Json(stats_json(
+        &server.model_statistics(Some(&model.name), model.version)?,
+    )))
+}
+
+async fn all_model_stats(State(server): State<Server>) -> Result<Json<Value>, ApiError> {
+    Ok(Json(stats_json(&server.model_statistics(None, None)?)))
+}
+
+async fn infer(
+    State(server): State<Server>,
+    model: ModelRef,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let max = server.limits.max_request_bytes;
+    let header_length = inference_header_length(&headers)?;
+    let body = read_body(&headers, body, max).await?;
+
+    let json_len = header_length.unwrap_or(body.len()).min(body.len());
+    let ModelRef { name, version } = model;
+    let ParsedInfer { request, format } = maybe_offload(json_len > OFFLOAD_JSON_BYTES, move || {
+        parse_infer_request(&name, version, body, header_length, max)
+    })
+    .await?;
+
+    // Awaited here, not spawned: if the client goes away this future is dropped and the core
+    // takes the request out of its queue.
+    let response = server.infer(request).await?;
+
+    let json_bytes: usize = response
+        .outputs
+        .iter()
+        .filter(|o| !format.is_binary(&o.name))
+        .map(|o| o.data.len())
+        .sum();
+    let rendered = maybe_offload(json_bytes > OFFLOAD_JSON_BYTES / 4, move || {
+        render_infer_response(&response, &format)
+    })
+    .await?;
+    Ok(infer_response(rendered))
+}
+
+/// The HTTP response for a rendered inference: plain JSON, or JSON + binary section with
+/// `Inference-Header-Content-Length`; binary outputs are sent from their own buffers.
+pub fn infer_response(rendered: RenderedResponse) -> Response {
+    let Some(header_length) = rendered.header_length() else {
+        return (
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
+            rendered.json,
+        )
+            .into_response();
+    };
+    let mut chunks = VecDeque::with_capacity(1 + rendered.binary.len());
+    chunks.push_back(Bytes::from(rendered.json));
+    chunks.extend(rendered.binary);
+    let mut response = Response::new(Body::new(ChunkedBody::new(chunks)));
+    let h = response.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    h.insert(HEADER_CONTENT_LENGTH, HeaderValue::from(header_length));
+    response
+}
+
+async fn repository_index(
+    State(server): State<Server>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<Value>, ApiError> {
+    let body = read_body(&headers, body, server.limits.max_request_bytes).await?;
+    let ready = parse_index_request(&body)?;
+    Ok(Json(index_json(&server.repository_index(ready))))
+}
+
+async fn load_model(
+    State(server): State<Server>,
+    Path(model): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<StatusCode, ApiError> {
+    let body = read_body(&headers, body, server.limits.max_request_bytes).await?;
+    let config = parse_load_request(&body)?;
+    server.load_model(&model, config).await?;
+    Ok(StatusCode::OK)
+}
+
+async fn unload_model(
+    State(server): State<Server>,
+    Path(model): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<StatusCode, ApiError> {
+    let body = read_body(&headers, body, server.limits.max_request_bytes).await?;
+    parse_unload_request(&body)?;
+    server.unload_model(&model).await?;
+    Ok(StatusCode::OK)
+}
+
+async fn metrics(State(server): State<Server>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        )],
+        server.metrics_text(),
+    )
+        .into_response()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pure request parsing and response rendering of the non-infer endpoints.
+// ---------------------------------------------------------------------------------------------
+
+/// `GET /v2`.
+pub fn server_metadata_json() -> Value {
+    json!({ "name": SERVER_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS })
+}
+
+/// `GET /v2/models/{m}[/versions/{v}]`.
+pub fn model_metadata_json(m: &ModelMetadata) -> Value {
+    let tensors = |ts: &[server::TensorMetadata]| -> Value {
+        ts.iter()
+            .map(|t| json!({ "name": t.name, "datatype": t.datatype, "shape": t.shape }))
+            .collect()
+    };
+    json!({
+        "name": m.name,
+        "versions": m.versions,
+        "platform": m.platform,
+        "inputs": tensors(&m.inputs),
+        "outputs": tensors(&m.outputs),
+    })
+}
+
+fn duration_json(d: &server::Duration) -> Value {
+    json!({ "count": d.count, "ns": d.ns })
+}
+
+/// `GET /v2/models[/{m}[/versions/{v}]]/stats`, in Triton's layout.
+pub fn stats_json(stats: &[ModelStats]) -> Value {
+    let zero = server::Duration::default();
+    let model_stats: Vec<Value> = stats
+        .iter()
+        .map(|s| {
+            let batch_stats: Vec<Value> = s
+                .batch_stats
+                .iter()
+                .map(|b| {
+                    json!({
+                        "batch_size": b.batch_size,
+                        "compute_input": duration_json(&b.compute_input),
+                        "compute_infer": duration_json(&b.compute_infer),
+                        "compute_output": duration_json(&b.compute_output),
+                    })
+                })
+                .collect();
+            json!({
+                "name": s.name,
+                "version": s.version,
+                "last_inference": s.last_inference_ms,
+                "inference_count": s.inference_count,
+                "execution_count": s.execution_count,
+                "inference_stats": {
+                    "success": duration_json(&s.success),
+                    "fail": duration_json(&s.fail),
+                    "queue": duration_json(&s.queue),
+                    "compute_input": duration_json(&s.compute_input),
+                    "compute_infer": duration_json(&s.compute_infer),
+                    "compute_output": duration_json(&s.compute_output),
+                    "cache_hit": duration_json(&zero),
+                    "cache_miss": duration_json(&zero),
+                },
+                "response_stats": {},
+                "batch_stats": batch_stats,
+                "memory_usage": [],
+            })
+        })
+        .collect();
+    json!({ "model_stats": model_stats })
+}
+
+/// `POST /v2/repository/index`: `version` is left out when empty (no version loaded).
+pub fn index_json(entries: &[IndexEntry]) -> Value {
+    entries
+        .iter()
+        .map(|e| {
+            let mut m = Map::new();
+            m.insert("name".into(), Value::from(e.name.as_str()));
+            if !e.version.is_empty() {
+                m.insert("version".into(), Value::from(e.version.as_str()));
+            }
+            m.insert("state".into(), Value::from(e.state.as_str()));
+            m.insert("reason".into(), Value::from(e.reason.as_str()));
+            Value::Object(m)
+        })
+        .collect()
+}
+
+/// A JSON object body, or `None` for an empty one.
+fn parse_optional_object(body: &[u8], what: &str) -> Result<Option<Map<String, Value>>, Status> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(None);
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(Some(m)),
+        Ok(_) => Err(Status::invalid(format!("{what} must be a JSON object"))),
+        Err(e) => Err(Status::invalid(format!("malformed {what} JSON: {e}"))),
+    }
+}
+
+fn parameters_of<'a>(
+    obj: &'a Map<String, Value>,
+    what: &str,
+) -> Result<Option<&'a Map<String, Value>>, Status> {
+    match obj.get("parameters") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Object(p)) => Ok(Some(p)),
+        Some(other) => Err(Status::invalid(format!(
+            "{what}: 'parameters' must be an object, got {other}"
+        ))),
+    }
+}
+
+/// The `ready` flag of a repository index request (an empty body means `false`).
+pub fn parse_index_request(body: &[u8]) -> Result<bool, Status> {
+    let Some(obj) = parse_optional_object(body, "repository index request")? else {
+        return Ok(false);
+    };
+    match obj.get("ready") {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => Err(Status::invalid(format!(
+            "repository index request: 'ready' must be a boolean, got {other}"
+        ))),
+    }
+}
+
+/// The `parameters.config` override (JSON text of a ModelConfig) of a load request.
+pub fn parse_load_request(body: &[u8]) -> Result<Option<String>, Status> {
+    let what = "model load request";
+    let Some(obj) = parse_optional_object(body, what)? else {
+        return Ok(None);
+    };
+    let Some(params) = parameters_of(&obj, what)? else {
+        return Ok(None);
+    };
+    let mut config = None;
+    for (key, value) in params {
+        if key == "config" {
+            let text = value.as_str().ok_or_else(|| {
+                Status::invalid(format!(
+                    "{what}: parameters.config must be a string holding the model configuration as JSON, got {value}"
+                ))
+            })?;
+            config = Some(text.to_string());
+        } else if key.starts_with("file:") {
+            return Err(Status::unimplemented(format!(
+                "{what}: parameters.{key}: supplying model files in the load request is not supported"
+            )));
+        }
+    }
+    Ok(config)
+}
+
+/// Checks an unload request's body (`unload_dependents` is accepted; there are no ensembles).
+pub fn parse_unload_request(body: &[u8]) -> Result<(), Status> {
+    let what = "model unload request";
+    if let Some(obj) = parse_optional_object(body, what)? {
+        parameters_of(&obj, what)?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// A response body made of several shared buffers, with an exact length (so Content-Length is
+// sent and nothing is concatenated).
+// ---------------------------------------------------------------------------------------------
+
+struct ChunkedBody {
+    chunks: VecDeque<Bytes>,
+    remaining: u64,
+}
+
+impl ChunkedBody {
+    fn new(chunks: VecDeque<Bytes>) -> Self {
+        let chunks: VecDeque<Bytes> = chunks.into_iter().filter(|c| !c.is_empty()).collect();
+        let remaining = chunks.iter().map(|c| c.len() as u64).sum();
+        ChunkedBody { chunks, remaining }
+    }
+}
+
+impl hyper::body::Body for ChunkedBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.chunks.pop_front() {
+            Some(chunk) => {
+                self.remaining -= chunk.len() as u64;
+                Poll::Ready(Some(Ok(Frame::data(chunk))))
+            }
+            None => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.remaining)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::{BatchStats, Duration, TensorMetadata};
+    use crate::tensor::{InferResponse, OutputTensor};
+    use nereid_common::{Code, DataType};
+
+    #[test]
+    fn server_metadata_lists_extensions() {
+        let v = server_metadata_json();
+        assert_eq!(v["name"], SERVER_NAME);
+        assert_eq!(v["version"], SERVER_VERSION);
+        assert_eq!(v["extensions"].as_array().unwrap().len(), EXTENSIONS.len());
+        assert!(
+            v["extensions"]
+                .as_array()
+                .unwrap()
+                .contains(&json!("binary_tensor_data"))
+        );
+    }
+
+    #[test]
+    fn model_metadata_layout() {
+        let m = ModelMetadata {
+            name: "simple".into(),
+            versions: vec!["1".into(), "2".into()],
+            platform: "onnxruntime_onnx".into(),
+            inputs: vec![TensorMetadata {
+                name: "INPUT0".into(),
+                datatype: "FP32".into(),
+                shape: vec![-1, 16],
+            }],
+            outputs: vec![TensorMetadata {
+                name: "OUTPUT0".into(),
+                datatype: "FP32".into(),
+                shape: vec![-1, 16],
+            }],
+        };
+        assert_eq!(
+            model_metadata_json(&m),
+            json!({
+                "name": "simple", "versions": ["1", "2"], "platform": "onnxruntime_onnx",
+                "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, 16]}],
+                "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1, 16]}],
+            })
+        );
+    }
+
+    #[test]
+    fn stats_layout_matches_triton() {
+        let d = |count, ns| Duration { count, ns };
+        let s = ModelStats {
+            name: "m".into(),
+            version: "1".into(),
+            last_inference_ms: 1700,
+            inference_count: 10,
+            execution_count: 4,
+            success: d(10, 1000),
+            fail: d(1, 5),
+            queue: d(10, 100),
+            compute_input: d(4, 10),
+            compute_infer: d(4, 800),
+            compute_output: d(4, 20),
+            batch_stats: vec![BatchStats {
+                batch_size: 2,
+                compute_input: d(2, 4),
+                compute_infer: d(2, 300),
+                compute_output: d(2, 6),
+            }],
+        };
+        let v = stats_json(&[s]);
+        let m = &v["model_stats"][0];
+        assert_eq!(m["name"], "m");
+        assert_eq!(m["version"], "1");
+        assert_eq!(m["last_inference"], 1700);
+        assert_eq!(m["inference_count"], 10);
+        assert_eq!(m["execution_count"], 4);
+        assert_eq!(
+            m["inference_stats"]["success"],
+            json!({"count": 10, "ns": 1000})
+        );
+        assert_eq!(m["inference_stats"]["fail"], json!({"count": 1, "ns": 5}));
+        assert_eq!(
+            m["inference_stats"]["compute_infer"],
+            json!({"count": 4, "ns": 800})
+        );
+        assert_eq!(
+            m["inference_stats"]["cache_hit"],
+            json!({"count": 0, "ns": 0})
+        );
+        assert_eq!(
+            m["inference_stats"]["cache_miss"],
+            json!({"count": 0, "ns": 0})
+        );
+        assert_eq!(
+            m["batch_stats"],
+            json!([{
+                "batch_size": 2,
+                "compute_input": {"count": 2, "ns": 4},
+                "compute_infer": {"count": 2, "ns": 300},
+                "compute_output": {"count": 2, "ns": 6},
+            }])
+        );
+        assert_eq!(stats_json(&[]), json!({"model_stats": []}));
+    }
+
+    #[test]
+    fn index_layout() {
+        let entries = [
+            IndexEntry {
+                name: "a".into(),
+                version: "1".into(),
+                state: "READY".into(),
+                reason: String::new(),
+            },
+            IndexEntry {
+                name: "b".into(),
+                version: String::new(),
+                state: "UNAVAILABLE".into(),
+                reason: "unloaded".into(),
+            },
+        ];
+        assert_eq!(
+            index_json(&entries),
+            json!([
+                {"name": "a", "version": "1", "state": "READY", "reason": ""},
+                {"name": "b", "state": "UNAVAILABLE", "reason": "unloaded"},
+            ])
+        );
+    }
+
+    #[test]
+    fn repository_request_bodies() {
+        assert!(!parse_index_request(b"").unwrap());
+        assert!(!parse_index_request(b" \n").unwrap());
+        assert!(parse_index_request(br#"{"ready": true}"#).unwrap());
+        assert!(!parse_index_request(br#"{"ready": false, "x": 1}"#).unwrap());
+        assert!(
+            parse_index_request(br#"{"ready": "yes"}"#)
+                .unwrap_err()
+                .message
+                .contains("'ready'")
+        );
+        assert!(
+            parse_index_request(b"{")
+                .unwrap_err()
+                .message
+                .contains("column")
+        );
+
+        assert_eq!(parse_load_request(b"").unwrap(), None);
+        assert_eq!(parse_load_request(br#"{"parameters": {}}"#).unwrap(), None);
+        let cfg = r#"{"name":"m","max_batch_size":4}"#;
+        let body = json!({"parameters": {"config": cfg}}).to_string();
+        assert_eq!(
+            parse_load_request(body.as_bytes()).unwrap().as_deref(),
+            Some(cfg)
+        );
+        let e = parse_load_request(br#"{"parameters": {"config": {"name": "m"}}}"#).unwrap_err();
+        assert!(
+            e.message.contains("parameters.config must be a string"),
+            "{}",
+            e.message
+        );
+        let e =
+            parse_load_request(br#"{"parameters": {"file:1/model.onnx": "AAAA"}}"#).unwrap_err();
+        assert_eq!(e.code, Code::Unimplemented);
+        let e = parse_load_request(br#"{"parameters": 3}"#).unwrap_err();
+        assert!(
+            e.message.contains("'parameters' must be an object"),
+            "{}",
+            e.message
+        );
+        assert!(
+            parse_load_request(b"[1]")
+                .unwrap_err()
+                .message
+                .contains("JSON object")
+        );
+
+        parse_unload_request(b"").unwrap();
+        parse_unload_request(br#"{"parameters": {"unload_dependents": true}}"#).unwrap();
+        assert!(parse_unload_request(b"nope").is_err());
+    }
+
+    async fn body_bytes(response: Response) -> Bytes {
+        response.into_body().collect().await.unwrap().to_bytes()
+    }
+
+    #[tokio::test]
+    async fn error_responses_are_json() {
+        let r = ApiError(Status::not_found("model 'x' is not found")).into_response();
+        assert_eq!(r.status(), StatusCode::NOT_FOUND);
+        assert_eq!(r.headers()[header::CONTENT_TYPE], "application/json");
+        let v: Value = serde_json::from_slice(&body_bytes(r).await).unwrap();
+        assert_eq!(v, json!({"error": "model 'x' is not found"}));
+
+        let r = ApiError(Status::invalid("bad")).into_response();
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+
+        let r = not_found("/v2/nope".parse().unwrap()).await.into_response();
+        assert_eq!(r.status(), StatusCode::NOT_FOUND);
+        let v: Value = serde_json::from_slice(&body_bytes(r).await).unwrap();
+        assert_eq!(v["error"], "no endpoint at '/v2/nope'");
+
+        let r = method_not_allowed(Method::GET, "/v2/models/m/infer".parse().unwrap()).await;
+        assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
+        let v: Value = serde_json::from_slice(&body_bytes(r).await).unwrap();
+        assert!(v["error"].as_str().unwrap().contains("GET"));
+    }
+
+    fn response_with(binary: bool) -> (InferResponse, OutputFormat) {
+        let data: Vec<u8> = [1.0f32, 2.0, 3.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let response = InferResponse {
+            model_name: "m".into(),
+            model_version: 2,
+            id: String::new(),
+            outputs: vec![
+                OutputTensor {
+                    name: "A".into(),
+                    datatype: DataType::Fp32,
+                    shape: vec![3],
+                    data: Bytes::from(data),
+                },
+                OutputTensor {
+                    name: "B".into(),
+                    datatype: DataType::Uint8,
+                    shape: vec![2],
+                    data: Bytes::from_static(&[7, 9]),
+                },
+            ],
+        };
+        (
+            response,
+            OutputFormat {
+                binary_default: binary,
+                explicit: vec![],
+            },
+        )
+    }
+
+    #[tokio::test]
+    async fn infer_response_json_form() {
+        let (resp, format) = response_with(false);
+        let r = infer_response(render_infer_response(&resp, &format).unwrap());
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(r.headers()[header::CONTENT_TYPE], "application/json");
+        assert!(r.headers().get(HEADER_CONTENT_LENGTH).is_none());
+        let v: Value = serde_json::from_slice(&body_bytes(r).await).unwrap();
+        assert_eq!(v["model_version"], "2");
+        assert_eq!(v["outputs"][0]["data"], json!([1.0, 2.0, 3.0]));
+        assert_eq!(v["outputs"][1]["data"], json!([7, 9]));
+    }
+
+    #[tokio::test]
+    async fn infer_response_binary_form() {
+        let (resp, format) = response_with(true);
+        let r = infer_response(render_infer_response(&resp, &format).unwrap());
+        assert_eq!(
+            r.headers()[header::CONTENT_TYPE],
+            "application/octet-stream"
+        );
+        let n: usize = r.headers()[HEADER_CONTENT_LENGTH]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(
+            hyper::body::Body::size_hint(r.body()).exact(),
+            Some((n + 12 + 2) as u64)
+        );
+        let body = body_bytes(r).await;
+        assert_eq!(body.len(), n + 14);
+        let v: Value = serde_json::from_slice(&body[..n]).unwrap();
+        assert_eq!(v["outputs"][0]["parameters"]["binary_data_size"], 12);
+        assert_eq!(v["outputs"][1]["parameters"]["binary_data_size"], 2);
+        assert_eq!(&body[n..n + 12], &resp.outputs[0].data[..]);
+        assert_eq!(&body[n + 12..], &[7, 9]);
+    }
+
+    #[tokio::test]
+    async fn body_reading_limits() {
+        let mut headers = HeaderMap::new();
+        let b = read_body(&headers, Body::from("hello"), 10).await.unwrap();
+        assert_eq!(&b[..], b"hello");
+        let e = read_body(&headers, Body::from("hello world!"), 10)
+            .await
+            .unwrap_err();
+        assert!(e.message.contains("limit of 10 bytes"), "{}", e.message);
+        // Several chunks are joined.
+        let chunks = futures::stream::iter(
+            ["ab", "cd", "ef"].map(|s| Ok::<_, Infallible>(Bytes::from_static(s.as_bytes()))),
+        );
+        let b = read_body(&headers, Body::from_stream(chunks), 10)
+            .await
+            .unwrap();
+        assert_eq!(&b[..], b"abcdef");
+        let chunks = futures::stream::iter(
+            ["abcd", "efgh", "ijkl"].map(|s| Ok::<_, Infallible>(Bytes::from_static(s.as_bytes()))),
+        );
+        assert!(
+            read_body(&headers, Body::from_stream(chunks), 10)
+                .await
+                .is_err()
+        );
+        // A declared Content-Length over the limit is refused before reading.
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("1000"));
+        let e = read_body(&headers, Body::from("x"), 10).await.unwrap_err();
+        assert!(
+            e.message.contains("1000 bytes exceeds the limit of 10"),
+            "{}",
+            e.message
+        );
+        headers.remove(header::CONTENT_LENGTH);
+        headers.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        assert_eq!(
+            read_body(&headers, Body::from("x"), 10)
+                .await
+                .unwrap_err()
+                .code,
+            Code::Unimplemented
+        );
+    }
+
+    #[test]
+    fn header_length_parsing() {
+        let mut h = HeaderMap::new();
+        assert_eq!(inference_header_length(&h).unwrap(), None);
+        h.insert(HEADER_CONTENT_LENGTH, HeaderValue::from_static("42"));
+        assert_eq!(inference_header_length(&h).unwrap(), Some(42));
+        h.insert(HEADER_CONTENT_LENGTH, HeaderValue::from_static("-1"));
+        assert!(inference_header_length(&h).is_err());
+    }
+}

@@ -1,0 +1,156 @@
+//! nereid-worker: parse flags, load ONNX Runtime, bind the HTTP / gRPC / metrics listeners,
+//! load the model repository, serve until SIGTERM/SIGINT, then drain.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use nereid_worker::backend::{self, SessionOptions};
+use nereid_worker::cli::Args;
+use nereid_worker::metrics::Metrics;
+use nereid_worker::repository::{ControlMode, Repository, RepositoryOptions};
+use nereid_worker::server::{Limits, Server};
+use nereid_worker::{grpc, http};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    init_tracing(args.log_verbose);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("nereid-io").build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("nereid-worker: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("nereid-worker: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_tracing(verbose: u8) {
+    let default = match verbose {
+        0 => "info",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_target(false).try_init();
+}
+
+async fn bind(enabled: bool, addr: std::net::IpAddr, port: u16, what: &str) -> anyhow::Result<Option<TcpListener>> {
+    if !enabled {
+        return Ok(None);
+    }
+    let listener = TcpListener::bind(SocketAddr::new(addr, port))
+        .await
+        .with_context(|| format!("cannot bind the {what} port {addr}:{port} (--{what}-port)"))?;
+    Ok(Some(listener))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    for repo in &args.model_repository {
+        anyhow::ensure!(repo.is_dir(), "--model-repository '{}' is not a directory", repo.display());
+    }
+    let lib = args.onnxruntime_lib.clone().unwrap_or_else(backend::default_runtime_path);
+    backend::init_runtime(&lib).map_err(|e| anyhow::anyhow!("--onnxruntime-lib: {e}"))?;
+
+    let metrics = Arc::new(Metrics::new());
+    let options = RepositoryOptions {
+        paths: args.model_repository.clone(),
+        mode: args.model_control_mode.into(),
+        strict_config: args.strict_model_config,
+        startup_models: args.load_model.clone(),
+        session_defaults: SessionOptions { intra_op_threads: args.intra_op_threads, ..Default::default() },
+    };
+    if options.mode != ControlMode::Explicit && !args.load_model.is_empty() {
+        anyhow::bail!("--load-model requires --model-control-mode=explicit");
+    }
+    let repository = Arc::new(Repository::new(options, metrics.clone()));
+    let server = Server { repository: repository.clone(), metrics, limits: Limits { max_request_bytes: args.max_request_bytes as usize } };
+
+    let http_listener = bind(args.allow_http, args.address, args.http_port, "http").await?;
+    let grpc_listener = bind(args.allow_grpc, args.address, args.grpc_port, "grpc").await?;
+    let metrics_listener = bind(args.allow_metrics, args.address, args.metrics_port, "metrics").await?;
+    let port = |l: &Option<TcpListener>| l.as_ref().and_then(|l| l.local_addr().ok()).map(|a| a.port());
+    let ports = serde_json::json!({
+        "http": port(&http_listener),
+        "grpc": port(&grpc_listener),
+        "metrics": port(&metrics_listener),
+    });
+    tracing::info!(%ports, "listening");
+
+    let shutdown = CancellationToken::new();
+    let mut servers = tokio::task::JoinSet::new();
+    if let Some(listener) = http_listener {
+        let (router, token) = (http::router(server.clone()), shutdown.clone());
+        servers.spawn(async move { http::serve(listener, router, token).await.context("HTTP server") });
+    }
+    if let Some(listener) = grpc_listener {
+        let (server, token) = (server.clone(), shutdown.clone());
+        servers.spawn(async move { grpc::serve(listener, server, token).await.context("gRPC server") });
+    }
+    if let Some(listener) = metrics_listener {
+        let (router, token) = (http::metrics_router(server.clone()), shutdown.clone());
+        servers.spawn(async move { http::serve(listener, router, token).await.context("metrics server") });
+    }
+    if let Some(path) = &args.port_file {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, ports.to_string()).with_context(|| format!("--port-file {}", path.display()))?;
+        std::fs::rename(&tmp, path).with_context(|| format!("--port-file {}", path.display()))?;
+    }
+
+    let failed = repository.load_startup_models().await;
+    if !failed.is_empty() && args.exit_on_error {
+        shutdown.cancel();
+        anyhow::bail!(
+            "models failed to load (--exit-on-error=true): {}",
+            failed.iter().map(|(m, e)| format!("{m}: {e}")).collect::<Vec<_>>().join("; ")
+        );
+    }
+    tracing::info!(ready = repository.server_ready(), "model repository loaded");
+    if repository.options().mode == ControlMode::Poll {
+        let interval = Duration::from_secs(args.repository_poll_secs);
+        tokio::spawn(repository.clone().poll_task(interval, shutdown.child_token()));
+    }
+
+    tokio::select! {
+        _ = shutdown_signal() => tracing::info!("shutdown requested: draining"),
+        Some(result) = servers.join_next() => {
+            // A server stopped on its own: that is an error worth exiting for.
+            shutdown.cancel();
+            result.context("server task")??;
+            anyhow::bail!("a server stopped unexpectedly");
+        }
+    }
+    // Stop intake (servers stop accepting and finish in-flight requests), bounded in time.
+    repository.set_draining();
+    shutdown.cancel();
+    let drain = async { while servers.join_next().await.is_some() {} };
+    if tokio::time::timeout(Duration::from_secs(args.exit_timeout_secs), drain).await.is_err() {
+        tracing::warn!("in-flight requests did not finish within --exit-timeout-secs; exiting anyway");
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}

@@ -1,0 +1,322 @@
+//! Statistics and Prometheus metrics with Triton's names and labels. One set of atomic
+//! counters per model version feeds both the statistics endpoint and `/metrics`, so the two
+//! always agree. Labels are the model name and version only (bounded by the repository), plus
+//! a closed `reason` set on failures.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration as StdDuration, SystemTime, UNIX_EPOCH};
+
+use crate::server::{BatchStats, Duration, ModelStats};
+
+/// Failure reasons, as Triton labels `nv_inference_request_failure`.
+pub const FAILURE_REASONS: [&str; 4] = ["REJECTED", "CANCELED", "BACKEND", "OTHER"];
+
+const LATENCY_BUCKETS_US: [u64; 16] = [
+    50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000,
+    10_000_000,
+];
+const BATCH_BUCKETS: [u64; 10] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512];
+
+#[derive(Default)]
+struct DurationCell {
+    count: AtomicU64,
+    ns: AtomicU64,
+}
+
+impl DurationCell {
+    fn add(&self, d: StdDuration) {
+        self.count.fetch_add(1, Relaxed);
+        self.ns.fetch_add(d.as_nanos() as u64, Relaxed);
+    }
+    fn get(&self) -> Duration {
+        Duration { count: self.count.load(Relaxed), ns: self.ns.load(Relaxed) }
+    }
+}
+
+/// A fixed-bucket histogram of integer observations.
+struct Histogram {
+    bounds: &'static [u64],
+    buckets: Vec<AtomicU64>,
+    count: AtomicU64,
+    sum: AtomicU64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [u64]) -> Self {
+        Histogram {
+            bounds,
+            buckets: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            count: AtomicU64::new(0),
+            sum: AtomicU64::new(0),
+        }
+    }
+    fn observe(&self, v: u64) {
+        if let Some(i) = self.bounds.iter().position(|&b| v <= b) {
+            self.buckets[i].fetch_add(1, Relaxed);
+        }
+        self.count.fetch_add(1, Relaxed);
+        self.sum.fetch_add(v, Relaxed);
+    }
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let mut cumulative = 0;
+        for (bound, bucket) in self.bounds.iter().zip(&self.buckets) {
+            cumulative += bucket.load(Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}");
+        }
+        let count = self.count.load(Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {}", self.sum.load(Relaxed));
+        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+    }
+}
+
+#[derive(Default)]
+struct BatchCell {
+    input: DurationCell,
+    infer: DurationCell,
+    output: DurationCell,
+}
+
+/// Counters of one model version. Shared by the request path, the batcher and the instances.
+pub struct VersionStats {
+    pub model: String,
+    pub version: String,
+    success: DurationCell,
+    fail: DurationCell,
+    queue: DurationCell,
+    compute_input: DurationCell,
+    compute_infer: DurationCell,
+    compute_output: DurationCell,
+    inference_count: AtomicU64,
+    execution_count: AtomicU64,
+    last_inference_ms: AtomicU64,
+    pending: AtomicI64,
+    failures: [AtomicU64; 4],
+    batches: Mutex<BTreeMap<u64, Arc<BatchCell>>>,
+    request_latency: Histogram,
+    queue_latency: Histogram,
+    batch_size: Histogram,
+}
+
+impl VersionStats {
+    fn new(model: &str, version: &str) -> Self {
+        VersionStats {
+            model: model.to_string(),
+            version: version.to_string(),
+            success: Default::default(),
+            fail: Default::default(),
+            queue: Default::default(),
+            compute_input: Default::default(),
+            compute_infer: Default::default(),
+            compute_output: Default::default(),
+            inference_count: AtomicU64::new(0),
+            execution_count: AtomicU64::new(0),
+            last_inference_ms: AtomicU64::new(0),
+            pending: AtomicI64::new(0),
+            failures: Default::default(),
+            batches: Mutex::new(BTreeMap::new()),
+            request_latency: Histogram::new(&LATENCY_BUCKETS_US),
+            queue_latency: Histogram::new(&LATENCY_BUCKETS_US),
+            batch_size: Histogram::new(&BATCH_BUCKETS),
+        }
+    }
+
+    /// A request finished successfully after `total` (receipt to response).
+    pub fn record_success(&self, total: StdDuration) {
+        self.success.add(total);
+        self.request_latency.observe(total.as_micros() as u64);
+        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+        self.last_inference_ms.store(now_ms, Relaxed);
+    }
+
+    /// A request failed after `total`; `reason` is one of [`FAILURE_REASONS`].
+    pub fn record_failure(&self, total: StdDuration, reason: &str) {
+        self.fail.add(total);
+        let i = FAILURE_REASONS.iter().position(|r| *r == reason).unwrap_or(3);
+        self.failures[i].fetch_add(1, Relaxed);
+    }
+
+    /// A request left the queue for an instance after waiting `waited`.
+    pub fn record_queue(&self, waited: StdDuration) {
+        self.queue.add(waited);
+        self.queue_latency.observe(waited.as_micros() as u64);
+    }
+
+    /// An instance executed a batch of `rows` rows made of `requests` requests.
+    pub fn record_execution(&self, rows: usize, requests: usize, input: StdDuration, infer: StdDuration, output: StdDuration) {
+        self.execution_count.fetch_add(1, Relaxed);
+        self.inference_count.fetch_add(rows as u64, Relaxed);
+        self.batch_size.observe(rows as u64);
+        // Triton accounts compute time per request: each request in the batch sees it.
+        for _ in 0..requests {
+            self.compute_input.add(input);
+            self.compute_infer.add(infer);
+            self.compute_output.add(output);
+        }
+        let cell = {
+            let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
+            batches.entry(rows as u64).or_default().clone()
+        };
+        cell.input.add(input);
+        cell.infer.add(infer);
+        cell.output.add(output);
+    }
+
+    pub fn pending_add(&self, delta: i64) {
+        self.pending.fetch_add(delta, Relaxed);
+    }
+
+    pub fn pending(&self) -> i64 {
+        self.pending.load(Relaxed)
+    }
+
+    pub fn snapshot(&self) -> ModelStats {
+        let batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
+        ModelStats {
+            name: self.model.clone(),
+            version: self.version.clone(),
+            last_inference_ms: self.last_inference_ms.load(Relaxed),
+            inference_count: self.inference_count.load(Relaxed),
+            execution_count: self.execution_count.load(Relaxed),
+            success: self.success.get(),
+            fail: self.fail.get(),
+            queue: self.queue.get(),
+            compute_input: self.compute_input.get(),
+            compute_infer: self.compute_infer.get(),
+            compute_output: self.compute_output.get(),
+            batch_stats: batches
+                .iter()
+                .map(|(&batch_size, c)| BatchStats {
+                    batch_size,
+                    compute_input: c.input.get(),
+                    compute_infer: c.infer.get(),
+                    compute_output: c.output.get(),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Every model version's counters, for `/metrics`.
+#[derive(Default)]
+pub struct Metrics {
+    versions: Mutex<BTreeMap<(String, String), Arc<VersionStats>>>,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The counters of `model`/`version`, created on first use and kept across reloads.
+    pub fn version(&self, model: &str, version: i64) -> Arc<VersionStats> {
+        let key = (model.to_string(), version.to_string());
+        let mut versions = self.versions.lock().unwrap_or_else(|e| e.into_inner());
+        versions.entry(key).or_insert_with(|| Arc::new(VersionStats::new(model, &version.to_string()))).clone()
+    }
+
+    /// Forgets a version's counters (after unload), as Triton drops an unloaded model's metrics.
+    pub fn remove(&self, model: &str, version: i64) {
+        let mut versions = self.versions.lock().unwrap_or_else(|e| e.into_inner());
+        versions.remove(&(model.to_string(), version.to_string()));
+    }
+
+    /// Prometheus text exposition format.
+    pub fn render(&self) -> String {
+        let all: Vec<Arc<VersionStats>> =
+            self.versions.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+        let mut out = String::with_capacity(4096 + all.len() * 4096);
+        let labels = |s: &VersionStats| format!("model=\"{}\",version=\"{}\"", escape(&s.model), escape(&s.version));
+
+        type Getter = fn(&ModelStats) -> u64;
+        let counters: [(&str, &str, Getter); 9] = [
+            ("nv_inference_request_success", "Number of successful inference requests, all batch sizes", |s| s.success.count),
+            ("nv_inference_count", "Number of inferences performed (a batch of n counts n)", |s| s.inference_count),
+            ("nv_inference_exec_count", "Number of model executions performed (batches)", |s| s.execution_count),
+            ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds", |s| (s.success.ns + s.fail.ns) / 1000),
+            ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds", |s| s.queue.ns / 1000),
+            ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds", |s| s.compute_input.ns / 1000),
+            ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds", |s| s.compute_infer.ns / 1000),
+            ("nv_inference_compute_output_duration_us", "Cumulative compute output duration in microseconds", |s| s.compute_output.ns / 1000),
+            ("nv_inference_last_inference_ms", "Milliseconds since the epoch of the last successful inference", |s| s.last_inference_ms),
+        ];
+        let snapshots: Vec<(String, ModelStats)> = all.iter().map(|s| (labels(s), s.snapshot())).collect();
+        for (name, help, get) in counters {
+            let kind = if name == "nv_inference_last_inference_ms" { "gauge" } else { "counter" };
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (l, snap) in &snapshots {
+                let _ = writeln!(out, "{name}{{{l}}} {}", get(snap));
+            }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP nv_inference_request_failure Number of failed inference requests, all batch sizes\n\
+             # TYPE nv_inference_request_failure counter"
+        );
+        for s in &all {
+            for (i, reason) in FAILURE_REASONS.iter().enumerate() {
+                let _ = writeln!(out, "nv_inference_request_failure{{{},reason=\"{reason}\"}} {}", labels(s), s.failures[i].load(Relaxed));
+            }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP nv_inference_pending_request_count Instantaneous number of pending requests awaiting execution\n\
+             # TYPE nv_inference_pending_request_count gauge"
+        );
+        for s in &all {
+            let _ = writeln!(out, "nv_inference_pending_request_count{{{}}} {}", labels(s), s.pending());
+        }
+        for (name, help, pick) in [
+            ("nereid_inference_request_latency_us", "End-to-end request latency in microseconds", 0),
+            ("nereid_inference_queue_latency_us", "Time requests waited in the batcher queue, in microseconds", 1),
+            ("nereid_inference_batch_size", "Rows per executed batch", 2),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+            for s in &all {
+                let h = match pick {
+                    0 => &s.request_latency,
+                    1 => &s.queue_latency,
+                    _ => &s.batch_size,
+                };
+                h.render(&mut out, name, &labels(s));
+            }
+        }
+        out
+    }
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statistics_and_metrics_agree() {
+        let m = Metrics::new();
+        let s = m.version("mlp", 1);
+        s.record_queue(StdDuration::from_micros(30));
+        s.record_execution(4, 2, StdDuration::from_micros(1), StdDuration::from_micros(20), StdDuration::from_micros(2));
+        s.record_success(StdDuration::from_micros(100));
+        s.record_success(StdDuration::from_micros(100));
+        s.record_failure(StdDuration::from_micros(5), "REJECTED");
+        let snap = s.snapshot();
+        assert_eq!(snap.success.count, 2);
+        assert_eq!(snap.inference_count, 4);
+        assert_eq!(snap.execution_count, 1);
+        assert_eq!(snap.compute_infer.count, 2);
+        assert_eq!(snap.batch_stats[0].batch_size, 4);
+        let text = m.render();
+        assert!(text.contains("nv_inference_request_success{model=\"mlp\",version=\"1\"} 2"), "{text}");
+        assert!(text.contains("nv_inference_count{model=\"mlp\",version=\"1\"} 4"));
+        assert!(text.contains("nv_inference_exec_count{model=\"mlp\",version=\"1\"} 1"));
+        assert!(text.contains("nv_inference_request_failure{model=\"mlp\",version=\"1\",reason=\"REJECTED\"} 1"));
+        assert!(text.contains("nv_inference_request_duration_us{model=\"mlp\",version=\"1\"} 205"));
+        assert!(text.contains("nereid_inference_batch_size_bucket{model=\"mlp\",version=\"1\",le=\"4\"} 1"));
+    }
+}

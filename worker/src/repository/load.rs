@@ -1,0 +1,533 @@
+//! Loading one model from disk: config (parsed, auto-completed, validated against the ONNX
+//! model), instance sessions, warmup, schedulers. Runs on a blocking thread.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use nereid_common::config::{
+    Severity, dynamic_batching, parse_model_config, parse_model_config_json, unsupported_fields,
+    validate_model_config,
+};
+use nereid_common::{DataType, Status};
+use nereid_proto::inference::model_config::SchedulingChoice;
+use nereid_proto::inference::model_instance_group::Kind;
+use nereid_proto::inference::model_version_policy::PolicyChoice;
+use nereid_proto::inference::model_warmup::input::InputDataType;
+use nereid_proto::inference::{
+    ModelConfig, ModelDynamicBatching, ModelInput, ModelInstanceGroup, ModelOutput, ModelQueuePolicy,
+};
+
+use super::{LoadedModel, ModelVersion, RepositoryOptions};
+use crate::backend::{self, Device, InstanceSession, JobInputs, ModelIo, SessionOptions, TensorSpec};
+use crate::metrics::Metrics;
+use crate::scheduler::Scheduler;
+use crate::scheduler::policy::{BatchPolicy, LevelPolicy, TimeoutAction};
+use crate::validate::ModelSpec;
+
+/// Triton's default `max_batch_size` when auto-completing a model that can batch.
+pub const AUTOCOMPLETE_MAX_BATCH_SIZE: i32 = 4;
+const DEFAULT_MODEL_FILENAME: &str = "model.onnx";
+
+/// Model directories by name across all repositories (the first repository wins a name).
+pub fn scan_models(paths: &[PathBuf]) -> BTreeMap<String, PathBuf> {
+    let mut out = BTreeMap::new();
+    for repo in paths {
+        let Ok(entries) = std::fs::read_dir(repo) else { continue };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let Some(name) = path.file_name().and_then(|n| n.to_str()).map(str::to_string) else { continue };
+            if path.is_dir() && !name.starts_with('.') {
+                out.entry(name).or_insert(path);
+            }
+        }
+    }
+    out
+}
+
+/// What a model directory held when it was last read: names, sizes and mtimes of its config
+/// and version folders' files. A different stamp means the model changed on disk.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stamp(Vec<(PathBuf, u64, Option<SystemTime>)>);
+
+impl Stamp {
+    pub fn of(dir: &Path) -> Stamp {
+        let mut files = Vec::new();
+        collect(dir, 0, &mut files);
+        files.sort();
+        Stamp(files)
+    }
+}
+
+fn collect(dir: &Path, depth: usize, out: &mut Vec<(PathBuf, u64, Option<SystemTime>)>) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Ok(meta) = entry.metadata() else { continue };
+        if meta.is_dir() {
+            out.push((path.clone(), 0, None));
+            if depth < 2 {
+                collect(&path, depth + 1, out);
+            }
+        } else {
+            out.push((path, meta.len(), meta.modified().ok()));
+        }
+    }
+}
+
+fn fail(message: impl Into<String>) -> Status {
+    Status::invalid(message)
+}
+
+/// Reads, completes and validates the config, creates the sessions, warms them up and starts
+/// one scheduler per version.
+pub fn load_model(
+    options: &RepositoryOptions,
+    name: &str,
+    config_override: Option<String>,
+    metrics: &Metrics,
+) -> Result<LoadedModel, Status> {
+    let models = scan_models(&options.paths);
+    let dir = models
+        .get(name)
+        .ok_or_else(|| Status::not_found(format!("no model directory '{name}' in the model repository")))?;
+    let stamp = Stamp::of(dir);
+    let config_path = dir.join("config.pbtxt");
+    let mut config = match &config_override {
+        Some(json) => parse_model_config_json(json).map_err(|e| fail(format!("config parameter: {e}")))?,
+        None if config_path.is_file() => {
+            let text = std::fs::read_to_string(&config_path)
+                .map_err(|e| fail(format!("cannot read {}: {e}", config_path.display())))?;
+            parse_model_config(&text).map_err(|e| fail(format!("config.pbtxt: {e}")))?
+        }
+        None if options.strict_config => {
+            return Err(fail("config.pbtxt is missing and --strict-model-config=true forbids auto-complete"));
+        }
+        None => ModelConfig::default(),
+    };
+    if config.name.is_empty() {
+        config.name = name.to_string();
+    } else if config.name != name {
+        return Err(fail(format!("config name '{}' does not match the model directory '{name}'", config.name)));
+    }
+    let mut warnings = Vec::new();
+    for field in unsupported_fields(&config) {
+        match field.severity {
+            Severity::Error => return Err(fail(format!("config field '{}' is not supported by Nereid", field.path))),
+            Severity::Warning => warnings.push(format!("config field '{}' is not supported and is ignored", field.path)),
+        }
+    }
+    check_backend(&config)?;
+    let session_options = session_options(&config, &options.session_defaults, &mut warnings)?;
+
+    // Versions on disk, then the version policy.
+    let available = version_dirs(dir);
+    let versions = select_versions(&config, &available)?;
+    let filename = if config.default_model_filename.is_empty() {
+        DEFAULT_MODEL_FILENAME.to_string()
+    } else {
+        config.default_model_filename.clone()
+    };
+
+    // Instances (devices) from the instance groups.
+    let devices = instance_devices(&config)?;
+
+    // Probe the first version's model for auto-complete; validate every version against it.
+    let mut sessions_by_version = BTreeMap::new();
+    let mut spec: Option<ModelSpec> = None;
+    for &version in &versions {
+        let path = dir.join(version.to_string()).join(&filename);
+        if !path.is_file() {
+            return Err(fail(format!("version {version}: model file '{}' is missing", path.display())));
+        }
+        let mut sessions = Vec::with_capacity(devices.len());
+        for device in &devices {
+            let opts = SessionOptions { device: *device, ..session_options.clone() };
+            let session = backend::create_session(&path, &opts).map_err(|e| {
+                fail(format!("version {version}: cannot load '{}' as an ONNX model: {e}", path.display()))
+            })?;
+            sessions.push(session);
+        }
+        let io = backend::model_io(&sessions[0]);
+        if spec.is_none() {
+            autocomplete(&mut config, &io);
+            validate_model_config(&config).map_err(|e| fail(format!("config: {e}")))?;
+            spec = Some(spec_from_config(&config)?);
+        }
+        check_against_model(&config, &io).map_err(|e| fail(format!("version {version}: {e}")))?;
+        sessions_by_version.insert(version, sessions);
+    }
+    let spec = spec.ok_or_else(|| fail("no version to load"))?;
+
+    // Warm up, then start the schedulers.
+    let batching = spec.max_batch_size > 0;
+    let policy = batch_policy(&config);
+    let preserve = dynamic_batching(&config).is_some_and(|d| d.preserve_ordering);
+    let mut loaded_versions = BTreeMap::new();
+    for (version, sessions) in sessions_by_version {
+        let mut instances: Vec<InstanceSession> = sessions
+            .into_iter()
+            .map(|s| InstanceSession::new(s, spec.inputs.clone(), spec.outputs.clone(), batching))
+            .collect();
+        warmup(&config, dir, &spec, &mut instances).map_err(|e| fail(format!("version {version}: warmup: {e}")))?;
+        let stats = metrics.version(name, version);
+        let scheduler = Scheduler::start(&format!("{name}:{version}"), policy.clone(), preserve, instances, stats.clone())
+            .map_err(|e| Status::internal(format!("cannot start instance threads: {e}")))?;
+        loaded_versions.insert(version, Arc::new(ModelVersion { version, scheduler, stats }));
+    }
+    Ok(LoadedModel {
+        name: name.to_string(),
+        config: Arc::new(config),
+        spec: Arc::new(spec),
+        versions: loaded_versions,
+        warnings,
+        stamp,
+    })
+}
+
+fn check_backend(config: &ModelConfig) -> Result<(), Status> {
+    let backend_ok = matches!(config.backend.as_str(), "" | "onnxruntime");
+    let platform_ok = matches!(config.platform.as_str(), "" | "onnxruntime_onnx");
+    if config.backend.is_empty() && !platform_ok {
+        return Err(fail(format!("platform '{}' is not supported (Nereid serves onnxruntime_onnx)", config.platform)));
+    }
+    if !backend_ok {
+        return Err(fail(format!("backend '{}' is not supported (Nereid serves onnxruntime)", config.backend)));
+    }
+    Ok(())
+}
+
+fn session_options(
+    config: &ModelConfig,
+    defaults: &SessionOptions,
+    warnings: &mut Vec<String>,
+) -> Result<SessionOptions, Status> {
+    let mut opts = defaults.clone();
+    for (key, value) in &config.parameters {
+        let v = value.string_value.trim();
+        let number = || {
+            v.parse::<usize>()
+                .map_err(|_| fail(format!("parameters['{key}'] must be a non-negative integer, got '{v}'")))
+        };
+        match key.as_str() {
+            // Triton's onnxruntime backend keys; 0 means ONNX Runtime's own default.
+            "intra_op_thread_count" => opts.intra_op_threads = number()?,
+            "inter_op_thread_count" => opts.inter_op_threads = number()?,
+            "nereid.intra_op_spinning" => {
+                opts.intra_op_spinning = match v {
+                    "true" | "1" => true,
+                    "false" | "0" => false,
+                    _ => return Err(fail(format!("parameters['{key}'] must be true or false, got '{v}'"))),
+                }
+            }
+            "nereid.graph_optimization_level" => {
+                opts.optimization_level = number()?.min(3) as u8;
+            }
+            other => warnings.push(format!("parameter '{other}' is not supported and is ignored")),
+        }
+    }
+    Ok(opts)
+}
+
+fn version_dirs(dir: &Path) -> Vec<i64> {
+    let mut versions: Vec<i64> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i64>().ok()))
+        .filter(|v| *v >= 0)
+        .collect();
+    versions.sort();
+    versions
+}
+
+fn select_versions(config: &ModelConfig, available: &[i64]) -> Result<Vec<i64>, Status> {
+    if available.is_empty() {
+        return Err(fail("no numeric version folder in the model directory"));
+    }
+    let chosen: Vec<i64> = match config.version_policy.as_ref().and_then(|p| p.policy_choice.as_ref()) {
+        None => available.iter().rev().take(1).copied().collect(),
+        Some(PolicyChoice::Latest(l)) => {
+            let n = if l.num_versions == 0 { 1 } else { l.num_versions as usize };
+            available.iter().rev().take(n).copied().collect()
+        }
+        Some(PolicyChoice::All(_)) => available.to_vec(),
+        Some(PolicyChoice::Specific(s)) => {
+            for v in &s.versions {
+                if !available.contains(v) {
+                    return Err(fail(format!("version_policy.specific names version {v}, which has no folder")));
+                }
+            }
+            s.versions.clone()
+        }
+    };
+    let mut chosen = chosen;
+    chosen.sort();
+    chosen.dedup();
+    Ok(chosen)
+}
+
+fn instance_devices(config: &ModelConfig) -> Result<Vec<Device>, Status> {
+    let default_group = [ModelInstanceGroup { count: 1, kind: Kind::Auto as i32, ..Default::default() }];
+    let groups: &[ModelInstanceGroup] =
+        if config.instance_group.is_empty() { &default_group } else { &config.instance_group };
+    let gpus = backend::gpu_count();
+    let mut devices = Vec::new();
+    for (i, g) in groups.iter().enumerate() {
+        let count = if g.count == 0 { 1 } else { g.count as usize };
+        let kind = Kind::try_from(g.kind).unwrap_or(Kind::Auto);
+        let on_gpu = match kind {
+            Kind::Cpu | Kind::Model => false,
+            Kind::Gpu => {
+                if gpus == 0 {
+                    return Err(fail(format!(
+                        "instance_group[{i}] asks for KIND_GPU, but no GPU is available{}",
+                        if cfg!(feature = "cuda") { "" } else { " (this build has no CUDA support: cargo feature `cuda`)" }
+                    )));
+                }
+                true
+            }
+            Kind::Auto => gpus > 0,
+        };
+        if on_gpu {
+            let ids: Vec<i32> = if g.gpus.is_empty() { (0..gpus as i32).collect() } else { g.gpus.clone() };
+            for id in ids {
+                if id as usize >= gpus {
+                    return Err(fail(format!("instance_group[{i}].gpus names GPU {id}, but only {gpus} exist")));
+                }
+                devices.extend(std::iter::repeat_n(Device::Gpu(id), count));
+            }
+        } else {
+            devices.extend(std::iter::repeat_n(Device::Cpu, count));
+        }
+    }
+    Ok(devices)
+}
+
+fn config_type(dt: DataType) -> i32 {
+    dt.config_value()
+}
+
+/// Fills in what the config leaves out from the model's own inputs and outputs, as Triton's
+/// onnxruntime backend does: tensors, and batching when every tensor's first dim is dynamic.
+fn autocomplete(config: &mut ModelConfig, io: &ModelIo) {
+    let declared_nothing = config.input.is_empty() && config.output.is_empty();
+    if declared_nothing && config.max_batch_size == 0 {
+        let all_batchable = io.inputs.iter().chain(&io.outputs).all(|t| t.dims.first() == Some(&-1));
+        if all_batchable && !io.inputs.is_empty() {
+            config.max_batch_size = AUTOCOMPLETE_MAX_BATCH_SIZE;
+            if config.scheduling_choice.is_none() {
+                config.scheduling_choice = Some(SchedulingChoice::DynamicBatching(ModelDynamicBatching::default()));
+            }
+        }
+    }
+    let skip = usize::from(config.max_batch_size > 0);
+    let dims = |d: &[i64]| d.iter().skip(skip).copied().collect::<Vec<i64>>();
+    if config.input.is_empty() {
+        config.input = io
+            .inputs
+            .iter()
+            .filter_map(|t| {
+                Some(ModelInput {
+                    name: t.name.clone(),
+                    data_type: config_type(t.datatype?),
+                    dims: dims(&t.dims),
+                    ..Default::default()
+                })
+            })
+            .collect();
+    }
+    if config.output.is_empty() {
+        config.output = io
+            .outputs
+            .iter()
+            .filter_map(|t| {
+                Some(ModelOutput {
+                    name: t.name.clone(),
+                    data_type: config_type(t.datatype?),
+                    dims: dims(&t.dims),
+                    ..Default::default()
+                })
+            })
+            .collect();
+    }
+    if config.backend.is_empty() && config.platform.is_empty() {
+        config.backend = "onnxruntime".to_string();
+    }
+    if config.platform.is_empty() {
+        config.platform = "onnxruntime_onnx".to_string();
+    }
+    if config.instance_group.is_empty() {
+        let kind = if backend::gpu_count() > 0 { Kind::Gpu } else { Kind::Cpu };
+        config.instance_group = vec![ModelInstanceGroup {
+            name: config.name.clone(),
+            count: 1,
+            kind: kind as i32,
+            ..Default::default()
+        }];
+    }
+}
+
+/// The config's tensors must exist in the model with the same type and compatible dims.
+fn check_against_model(config: &ModelConfig, io: &ModelIo) -> Result<(), String> {
+    let batch = config.max_batch_size > 0;
+    let check = |kind: &str, name: &str, data_type: i32, dims: &[i64], model: &[backend::ModelTensor]| {
+        let Some(t) = model.iter().find(|t| t.name == name) else {
+            return Err(format!(
+                "{kind} '{name}' is not in the model (model {kind}s: {})",
+                model.iter().map(|t| format!("'{}'", t.name)).collect::<Vec<_>>().join(", ")
+            ));
+        };
+        let want = DataType::from_config_value(data_type);
+        if t.datatype != want {
+            return Err(format!(
+                "{kind} '{name}': config says {}, the model has {}",
+                want.map(|d| d.config_name()).unwrap_or_else(|| "TYPE_INVALID".into()),
+                t.datatype.map(|d| d.config_name()).unwrap_or_else(|| t.type_name.clone())
+            ));
+        }
+        let full: Vec<i64> = if batch { std::iter::once(-1).chain(dims.iter().copied()).collect() } else { dims.to_vec() };
+        let compatible = t.dims.len() == full.len()
+            && t.dims.iter().zip(&full).enumerate().all(|(i, (&m, &c))| {
+                if batch && i == 0 {
+                    m == -1 // the model must accept any batch size
+                } else {
+                    m == -1 || m == c
+                }
+            });
+        if !compatible {
+            return Err(format!(
+                "{kind} '{name}': config dims {:?}{} do not match the model's {:?}",
+                dims,
+                if batch { " (plus the batch dimension, since max_batch_size > 0)" } else { "" },
+                t.dims
+            ));
+        }
+        Ok(())
+    };
+    for input in &config.input {
+        check("input", &input.name, input.data_type, &input.dims, &io.inputs)?;
+    }
+    for output in &config.output {
+        check("output", &output.name, output.data_type, &output.dims, &io.outputs)?;
+    }
+    for t in &io.inputs {
+        if !config.input.iter().any(|i| i.name == t.name) {
+            return Err(format!("model input '{}' is missing from the config", t.name));
+        }
+    }
+    Ok(())
+}
+
+fn spec_from_config(config: &ModelConfig) -> Result<ModelSpec, Status> {
+    let convert = |name: &str, data_type: i32, dims: &[i64]| -> Result<TensorSpec, Status> {
+        Ok(TensorSpec {
+            name: name.to_string(),
+            datatype: DataType::from_config_value(data_type)
+                .ok_or_else(|| fail(format!("tensor '{name}': invalid data_type")))?,
+            dims: dims.to_vec(),
+        })
+    };
+    Ok(ModelSpec {
+        max_batch_size: config.max_batch_size.max(0) as usize,
+        inputs: config.input.iter().map(|t| convert(&t.name, t.data_type, &t.dims)).collect::<Result<_, _>>()?,
+        outputs: config.output.iter().map(|t| convert(&t.name, t.data_type, &t.dims)).collect::<Result<_, _>>()?,
+    })
+}
+
+/// The batcher policy a config asks for.
+pub fn batch_policy(config: &ModelConfig) -> BatchPolicy {
+    let Some(db) = dynamic_batching(config) else {
+        let mut p = BatchPolicy::direct();
+        if config.max_batch_size > 0 {
+            p.max_batch_size = config.max_batch_size as usize;
+        }
+        return p;
+    };
+    let level_count = db.priority_levels.max(1) as usize;
+    let from_policy = |q: Option<&ModelQueuePolicy>| match q {
+        None => LevelPolicy::default(),
+        Some(q) => LevelPolicy {
+            timeout_action: if q.timeout_action == 1 { TimeoutAction::Delay } else { TimeoutAction::Reject },
+            default_timeout: (q.default_timeout_microseconds > 0)
+                .then(|| Duration::from_micros(q.default_timeout_microseconds)),
+            allow_timeout_override: q.allow_timeout_override,
+            max_queue_size: q.max_queue_size as usize,
+        },
+    };
+    let levels = (1..=level_count as u64)
+        .map(|l| from_policy(db.priority_queue_policy.get(&l).or(db.default_queue_policy.as_ref())))
+        .collect();
+    let mut preferred: Vec<usize> = db.preferred_batch_size.iter().map(|&p| p.max(1) as usize).collect();
+    preferred.sort();
+    preferred.dedup();
+    BatchPolicy {
+        max_batch_size: config.max_batch_size.max(1) as usize,
+        max_requests: usize::MAX,
+        preferred_batch_sizes: preferred,
+        max_queue_delay: Duration::from_micros(db.max_queue_delay_microseconds),
+        levels,
+        default_level: if db.default_priority_level == 0 { 1 } else { db.default_priority_level as usize },
+    }
+}
+
+/// Runs each `model_warmup` sample on every instance before the model reports READY.
+fn warmup(config: &ModelConfig, dir: &Path, spec: &ModelSpec, instances: &mut [InstanceSession]) -> Result<(), String> {
+    for sample in &config.model_warmup {
+        let batch = sample.batch_size.max(1) as i64;
+        let mut inputs = Vec::with_capacity(spec.inputs.len());
+        for input in &spec.inputs {
+            let w = sample
+                .inputs
+                .get(&input.name)
+                .ok_or_else(|| format!("sample '{}' lacks input '{}'", sample.name, input.name))?;
+            let mut shape: Vec<i64> = if spec.max_batch_size > 0 { vec![batch] } else { vec![] };
+            shape.extend(w.dims.iter().copied());
+            let elements = nereid_common::dtype::element_count(&shape)
+                .ok_or_else(|| format!("sample '{}': input '{}' has an invalid shape", sample.name, input.name))?
+                as usize;
+            let data = match (&w.input_data_type, input.datatype) {
+                (Some(InputDataType::InputDataFile(file)), _) => {
+                    let path = dir.join("warmup").join(file);
+                    std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?
+                }
+                (_, DataType::Bytes) => crate::tensor::serialize_bytes_elements(vec![b"0"; elements]),
+                (Some(InputDataType::RandomData(true)), dt) => {
+                    let size = dt.element_size().unwrap_or(1);
+                    pseudo_random(elements * size, dt)
+                }
+                (_, dt) => vec![0u8; elements * dt.element_size().unwrap_or(1)],
+            };
+            crate::validate::check_byte_size(&input.name, input.datatype, &shape, &data).map_err(|e| e.message)?;
+            inputs.push((shape, bytes::Bytes::from(data)));
+        }
+        let jobs = [JobInputs { rows: batch as usize, inputs: &inputs }];
+        for instance in instances.iter_mut() {
+            for _ in 0..sample.count.max(1) {
+                instance.run(&jobs, &|_, _| true).map_err(|e| e.message)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Deterministic filler for `random_data`: small finite values for floats, bytes otherwise.
+fn pseudo_random(len: usize, dt: DataType) -> Vec<u8> {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    match dt {
+        DataType::Fp32 => (0..len / 4).flat_map(|_| ((next() % 1000) as f32 / 1000.0).to_le_bytes()).collect(),
+        DataType::Fp64 => (0..len / 8).flat_map(|_| ((next() % 1000) as f64 / 1000.0).to_le_bytes()).collect(),
+        DataType::Fp16 => (0..len / 2).flat_map(|_| half::f16::from_f32((next() % 1000) as f32 / 1000.0).to_le_bytes()).collect(),
+        DataType::Bf16 => (0..len / 2).flat_map(|_| half::bf16::from_f32((next() % 1000) as f32 / 1000.0).to_le_bytes()).collect(),
+        DataType::Bool => (0..len).map(|_| (next() & 1) as u8).collect(),
+        _ => (0..len).map(|_| (next() % 16) as u8).collect(),
+    }
+}

@@ -1,0 +1,480 @@
+//! The model repository: Triton's layout (`<repo>/<model>/config.pbtxt` + numeric version
+//! folders), model control modes NONE / POLL / EXPLICIT, and the table of loaded models that
+//! requests look up.
+//!
+//! Loading reads and validates the config (or auto-completes it from the ONNX model), creates
+//! one ONNX Runtime session per instance, runs `model_warmup`, starts one scheduler per version
+//! and only then swaps the model in. A reload builds the new model beside the old one and swaps
+//! atomically: in-flight requests hold the old version and finish on it. A load that fails
+//! leaves the model UNAVAILABLE with the reason in the index, and nothing else is affected
+//! (on a failed reload, the old model keeps serving).
+
+mod load;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use nereid_common::{Code, Status};
+use nereid_proto::inference::ModelConfig;
+use tokio::sync::oneshot;
+
+use crate::backend::SessionOptions;
+use crate::metrics::{Metrics, VersionStats};
+use crate::scheduler::{Job, Scheduler};
+use crate::server::{IndexEntry, ModelMetadata, ModelStats, TensorMetadata};
+use crate::tensor::{InferRequest, InferResponse};
+use crate::validate::{ModelSpec, validate};
+
+pub use load::{Stamp, scan_models};
+
+/// Triton's `--model-control-mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ControlMode {
+    None,
+    Poll,
+    Explicit,
+}
+
+/// How the repository is set up (from the command line).
+#[derive(Clone, Debug)]
+pub struct RepositoryOptions {
+    pub paths: Vec<PathBuf>,
+    pub mode: ControlMode,
+    /// Without a config.pbtxt, refuse to auto-complete (Triton's `--strict-model-config`).
+    pub strict_config: bool,
+    /// Models to load at start in EXPLICIT mode (`*` = all).
+    pub startup_models: Vec<String>,
+    /// Session defaults when a config's `parameters` do not say.
+    pub session_defaults: SessionOptions,
+}
+
+/// One loaded version: its scheduler and counters.
+pub struct ModelVersion {
+    pub version: i64,
+    pub scheduler: Scheduler,
+    pub stats: Arc<VersionStats>,
+}
+
+/// A model as it serves: one config, one spec, one or more versions.
+pub struct LoadedModel {
+    pub name: String,
+    pub config: Arc<ModelConfig>,
+    pub spec: Arc<ModelSpec>,
+    pub versions: BTreeMap<i64, Arc<ModelVersion>>,
+    pub warnings: Vec<String>,
+    pub stamp: Stamp,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum State {
+    Loading,
+    Ready,
+    Unloading,
+    Unavailable(String),
+}
+
+impl State {
+    fn name(&self) -> &'static str {
+        match self {
+            State::Loading => "LOADING",
+            State::Ready => "READY",
+            State::Unloading => "UNLOADING",
+            State::Unavailable(_) => "UNAVAILABLE",
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Slot {
+    state: State,
+    model: Option<Arc<LoadedModel>>,
+}
+
+/// The table of models plus the machinery to change it.
+pub struct Repository {
+    options: RepositoryOptions,
+    metrics: Arc<Metrics>,
+    slots: RwLock<HashMap<String, Slot>>,
+    /// Serializes loads and unloads (requests never take it).
+    changes: tokio::sync::Mutex<()>,
+    startup_done: AtomicBool,
+    draining: AtomicBool,
+    /// POLL: the files each model had at its last load attempt, so an unchanged broken model
+    /// is not retried every pass.
+    attempted: std::sync::Mutex<HashMap<String, Stamp>>,
+}
+
+impl Repository {
+    pub fn new(options: RepositoryOptions, metrics: Arc<Metrics>) -> Self {
+        Repository {
+            options,
+            metrics,
+            slots: RwLock::new(HashMap::new()),
+            changes: tokio::sync::Mutex::new(()),
+            startup_done: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+            attempted: Default::default(),
+        }
+    }
+
+    pub fn options(&self) -> &RepositoryOptions {
+        &self.options
+    }
+
+    /// Loads what the control mode says to load at start. Returns the names that failed.
+    pub async fn load_startup_models(&self) -> Vec<(String, String)> {
+        let names: Vec<String> = match self.options.mode {
+            ControlMode::None | ControlMode::Poll => scan_models(&self.options.paths).into_keys().collect(),
+            ControlMode::Explicit => {
+                if self.options.startup_models.iter().any(|m| m == "*") {
+                    scan_models(&self.options.paths).into_keys().collect()
+                } else {
+                    self.options.startup_models.clone()
+                }
+            }
+        };
+        let mut failed = Vec::new();
+        for name in names {
+            if let Err(e) = self.load_inner(&name, None).await {
+                tracing::error!(model = %name, error = %e, "model failed to load");
+                failed.push((name, e.message));
+            }
+        }
+        self.startup_done.store(true, Ordering::SeqCst);
+        failed
+    }
+
+    /// Stops answering ready; requests already admitted still run.
+    pub fn set_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    pub fn server_ready(&self) -> bool {
+        self.startup_done.load(Ordering::SeqCst) && !self.draining.load(Ordering::SeqCst)
+    }
+
+    fn slot(&self, name: &str) -> Option<Slot> {
+        self.slots.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned()
+    }
+
+    fn set_slot(&self, name: &str, slot: Slot) {
+        self.slots.write().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), slot);
+    }
+
+    /// The serving model, or NOT_FOUND / UNAVAILABLE naming why not.
+    fn model(&self, name: &str) -> Result<Arc<LoadedModel>, Status> {
+        match self.slot(name) {
+            Some(Slot { model: Some(m), .. }) => Ok(m),
+            Some(Slot { state, .. }) => Err(Status::unavailable(format!(
+                "model '{name}' is not ready ({}{})",
+                state.name(),
+                match &state {
+                    State::Unavailable(r) => format!(": {r}"),
+                    _ => String::new(),
+                }
+            ))),
+            None => Err(Status::not_found(format!("unknown model '{name}'"))),
+        }
+    }
+
+    fn version(&self, model: &LoadedModel, version: Option<i64>) -> Result<Arc<ModelVersion>, Status> {
+        match version {
+            None => model.versions.values().next_back().cloned().ok_or_else(|| {
+                Status::unavailable(format!("model '{}' has no ready version", model.name))
+            }),
+            Some(v) => model.versions.get(&v).cloned().ok_or_else(|| {
+                Status::not_found(format!(
+                    "model '{}' has no version {v} (ready versions: {})",
+                    model.name,
+                    model.versions.keys().map(|v| v.to_string()).collect::<Vec<_>>().join(", ")
+                ))
+            }),
+        }
+    }
+
+    pub fn model_ready(&self, name: &str, version: Option<i64>) -> bool {
+        self.model(name).and_then(|m| self.version(&m, version)).is_ok()
+    }
+
+    pub fn model_metadata(&self, name: &str, version: Option<i64>) -> Result<ModelMetadata, Status> {
+        let model = self.model(name)?;
+        let versions = match version {
+            Some(v) => vec![self.version(&model, Some(v))?.version.to_string()],
+            None => model.versions.keys().map(|v| v.to_string()).collect(),
+        };
+        let batch = model.spec.max_batch_size > 0;
+        let tensors = |specs: &[crate::backend::TensorSpec]| {
+            specs
+                .iter()
+                .map(|t| TensorMetadata {
+                    name: t.name.clone(),
+                    datatype: t.datatype.wire_name().to_string(),
+                    shape: if batch { std::iter::once(-1).chain(t.dims.iter().copied()).collect() } else { t.dims.clone() },
+                })
+                .collect()
+        };
+        Ok(ModelMetadata {
+            name: model.name.clone(),
+            versions,
+            platform: "onnxruntime_onnx".to_string(),
+            inputs: tensors(&model.spec.inputs),
+            outputs: tensors(&model.spec.outputs),
+        })
+    }
+
+    pub fn model_config(&self, name: &str, version: Option<i64>) -> Result<ModelConfig, Status> {
+        let model = self.model(name)?;
+        if version.is_some() {
+            self.version(&model, version)?;
+        }
+        Ok((*model.config).clone())
+    }
+
+    pub fn model_statistics(&self, name: Option<&str>, version: Option<i64>) -> Result<Vec<ModelStats>, Status> {
+        match name {
+            Some(name) => {
+                let model = self.model(name)?;
+                match version {
+                    Some(v) => Ok(vec![self.version(&model, Some(v))?.stats.snapshot()]),
+                    None => Ok(model.versions.values().map(|v| v.stats.snapshot()).collect()),
+                }
+            }
+            None => {
+                let slots = self.slots.read().unwrap_or_else(|e| e.into_inner());
+                let mut out: Vec<ModelStats> = slots
+                    .values()
+                    .filter_map(|s| s.model.as_ref())
+                    .flat_map(|m| m.versions.values().map(|v| v.stats.snapshot()))
+                    .collect();
+                out.sort_by(|a, b| (&a.name, &a.version).cmp(&(&b.name, &b.version)));
+                Ok(out)
+            }
+        }
+    }
+
+    /// Validates, queues and awaits one request. Dropping the future cancels it.
+    pub async fn infer(&self, mut request: InferRequest) -> Result<InferResponse, Status> {
+        let started = Instant::now();
+        let model = self.model(&request.model_name)?;
+        let version = self.version(&model, request.model_version)?;
+        let stats = version.stats.clone();
+        let outcome = run(&model.spec, &version, &mut request).await;
+        let elapsed = started.elapsed();
+        match outcome {
+            Ok(outputs) => {
+                stats.record_success(elapsed);
+                Ok(InferResponse {
+                    model_name: request.model_name,
+                    model_version: version.version,
+                    id: request.id,
+                    outputs,
+                })
+            }
+            Err(status) => {
+                stats.record_failure(elapsed, status.code.reason());
+                Err(status)
+            }
+        }
+    }
+
+    /// Loads or reloads `name`. `config` (JSON) overrides the repository's config.pbtxt.
+    pub async fn load(&self, name: &str, config: Option<String>) -> Result<(), Status> {
+        if self.options.mode != ControlMode::Explicit {
+            return Err(Status::new(
+                Code::FailedPrecondition,
+                "explicit model load / unload is only allowed with --model-control-mode=explicit",
+            ));
+        }
+        self.load_inner(name, config).await
+    }
+
+    pub async fn unload(&self, name: &str) -> Result<(), Status> {
+        if self.options.mode != ControlMode::Explicit {
+            return Err(Status::new(
+                Code::FailedPrecondition,
+                "explicit model load / unload is only allowed with --model-control-mode=explicit",
+            ));
+        }
+        self.unload_inner(name).await
+    }
+
+    async fn load_inner(&self, name: &str, config_override: Option<String>) -> Result<(), Status> {
+        let _serial = self.changes.lock().await;
+        let previous = self.slot(name);
+        let serving = previous.as_ref().and_then(|s| s.model.clone());
+        self.set_slot(name, Slot { state: State::Loading, model: serving.clone() });
+        let options = self.options.clone();
+        let owned_name = name.to_string();
+        let metrics = self.metrics.clone();
+        let result = tokio::task::spawn_blocking(move || load::load_model(&options, &owned_name, config_override, &metrics))
+            .await
+            .unwrap_or_else(|e| Err(Status::internal(format!("model load panicked: {e}"))));
+        match result {
+            Ok(model) => {
+                for w in &model.warnings {
+                    tracing::warn!(model = %name, "{w}");
+                }
+                let model = Arc::new(model);
+                let dropped: Vec<i64> = serving
+                    .iter()
+                    .flat_map(|old| old.versions.keys().copied())
+                    .filter(|v| !model.versions.contains_key(v))
+                    .collect();
+                self.set_slot(name, Slot { state: State::Ready, model: Some(model) });
+                for v in dropped {
+                    self.metrics.remove(name, v);
+                }
+                tracing::info!(model = %name, "model ready");
+                Ok(())
+            }
+            Err(status) => {
+                // A failed reload keeps the old model serving; a failed first load is UNAVAILABLE.
+                let state = if serving.is_some() { State::Ready } else { State::Unavailable(status.message.clone()) };
+                if serving.is_some() {
+                    tracing::error!(model = %name, error = %status, "reload failed; the previous model keeps serving");
+                }
+                self.set_slot(name, Slot { state, model: serving });
+                Err(Status::new(
+                    if status.code == Code::NotFound { Code::NotFound } else { Code::InvalidArgument },
+                    format!("failed to load '{name}': {}", status.message),
+                ))
+            }
+        }
+    }
+
+    async fn unload_inner(&self, name: &str) -> Result<(), Status> {
+        let _serial = self.changes.lock().await;
+        let Some(slot) = self.slot(name) else {
+            if scan_models(&self.options.paths).contains_key(name) {
+                return Ok(()); // present but never loaded: nothing to do (Triton answers OK)
+            }
+            return Err(Status::not_found(format!("unknown model '{name}'")));
+        };
+        self.set_slot(name, Slot { state: State::Unloading, model: None });
+        if let Some(model) = slot.model {
+            for v in model.versions.keys() {
+                self.metrics.remove(name, *v);
+            }
+            // In-flight requests hold their version; its scheduler drains once they finish.
+        }
+        self.set_slot(name, Slot { state: State::Unavailable("unloaded".into()), model: None });
+        tracing::info!(model = %name, "model unloaded");
+        Ok(())
+    }
+
+    /// Every model in the repository and every loaded one, with its state.
+    pub fn index(&self, ready_only: bool) -> Vec<IndexEntry> {
+        let on_disk = scan_models(&self.options.paths);
+        let slots = self.slots.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut names: Vec<&String> = on_disk.keys().chain(slots.keys()).collect();
+        names.sort();
+        names.dedup();
+        let mut out = Vec::new();
+        for name in names {
+            match slots.get(name) {
+                Some(Slot { model: Some(m), state }) => {
+                    for v in m.versions.keys() {
+                        out.push(IndexEntry {
+                            name: name.clone(),
+                            version: v.to_string(),
+                            state: State::Ready.name().to_string(),
+                            reason: if *state == State::Ready { String::new() } else { state.name().to_string() },
+                        });
+                    }
+                }
+                Some(Slot { state, model: None }) => out.push(IndexEntry {
+                    name: name.clone(),
+                    version: String::new(),
+                    state: state.name().to_string(),
+                    reason: match state {
+                        State::Unavailable(r) => r.clone(),
+                        _ => String::new(),
+                    },
+                }),
+                None => out.push(IndexEntry {
+                    name: name.clone(),
+                    version: String::new(),
+                    state: String::new(),
+                    reason: String::new(),
+                }),
+            }
+        }
+        if ready_only {
+            out.retain(|e| e.state == "READY");
+        }
+        out
+    }
+
+    /// POLL mode: re-scan every `interval`; load new models, reload changed ones, unload
+    /// removed ones. Runs until `shutdown`.
+    pub async fn poll_task(self: Arc<Self>, interval: Duration, shutdown: tokio_util::sync::CancellationToken) {
+        let mut ticker = tokio::time::interval(interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ticker.tick().await;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = ticker.tick() => {}
+            }
+            self.poll_once().await;
+        }
+    }
+
+    /// One POLL pass (also used by tests).
+    pub async fn poll_once(&self) {
+        let on_disk = scan_models(&self.options.paths);
+        let loaded: HashMap<String, Slot> = self.slots.read().unwrap_or_else(|e| e.into_inner()).clone();
+        for (name, dir) in &on_disk {
+            let stamp = Stamp::of(dir);
+            let needs_load = match loaded.get(name) {
+                Some(Slot { model: Some(m), .. }) => m.stamp != stamp,
+                Some(Slot { state: State::Unavailable(_), .. }) => {
+                    // Retry a failed model only when its files changed.
+                    self.failed_stamps_changed(name, &stamp)
+                }
+                Some(_) => false,
+                None => true,
+            };
+            if needs_load {
+                tracing::info!(model = %name, "repository change detected; loading");
+                if let Err(e) = self.load_inner(name, None).await {
+                    tracing::error!(model = %name, error = %e, "load after repository change failed");
+                }
+                self.remember_stamp(name, stamp);
+            }
+        }
+        for (name, slot) in loaded {
+            if !on_disk.contains_key(&name) && slot.model.is_some() {
+                tracing::info!(model = %name, "model removed from the repository; unloading");
+                let _ = self.unload_inner(&name).await;
+            }
+        }
+    }
+
+    fn failed_stamps_changed(&self, name: &str, stamp: &Stamp) -> bool {
+        self.attempted.lock().unwrap_or_else(|e| e.into_inner()).get(name) != Some(stamp)
+    }
+
+    fn remember_stamp(&self, name: &str, stamp: Stamp) {
+        self.attempted.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), stamp);
+    }
+}
+
+async fn run(spec: &ModelSpec, version: &ModelVersion, request: &mut InferRequest) -> Result<Vec<crate::tensor::OutputTensor>, Status> {
+    let v = validate(spec, request)?;
+    let (tx, rx) = oneshot::channel();
+    let mut job = Job::new(v.rows, v.shape_key, v.inputs, v.wanted, request.priority, request.timeout_us, tx);
+    job.deadline = request.deadline;
+    version.scheduler.submit(job)?;
+    let answer = match request.deadline {
+        Some(deadline) => match tokio::time::timeout_at(deadline.into(), rx).await {
+            Ok(answer) => answer,
+            Err(_) => return Err(Status::new(Code::DeadlineExceeded, "deadline exceeded before the request ran")),
+        },
+        None => rx.await,
+    };
+    answer.map_err(|_| Status::internal("the model instance stopped before answering"))?
+}

@@ -1,0 +1,115 @@
+//! The worker's internal request and response: tensors as raw little-endian bytes, the form
+//! both front ends produce (HTTP JSON is converted once, gRPC raw contents pass as they are).
+//!
+//! `BYTES` tensors use Triton's serialization: each element is a 4-byte little-endian length
+//! followed by that many bytes.
+
+use std::time::Instant;
+
+use bytes::Bytes;
+use nereid_common::{DataType, Status};
+
+/// One inference request, front-end independent.
+#[derive(Debug, Default)]
+pub struct InferRequest {
+    pub model_name: String,
+    /// `None`: the latest ready version.
+    pub model_version: Option<i64>,
+    pub id: String,
+    pub inputs: Vec<InputTensor>,
+    /// Requested outputs; empty means every output of the model.
+    pub outputs: Vec<RequestedOutput>,
+    /// KServe `priority` parameter (1 is highest; 0 = the model's default level).
+    pub priority: u64,
+    /// KServe `timeout` parameter in microseconds (0 = none).
+    pub timeout_us: u64,
+    /// Absolute deadline from the transport (`grpc-timeout`), if any.
+    pub deadline: Option<Instant>,
+}
+
+#[derive(Clone, Debug)]
+pub struct InputTensor {
+    pub name: String,
+    pub datatype: DataType,
+    pub shape: Vec<i64>,
+    pub data: Bytes,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct RequestedOutput {
+    pub name: String,
+    /// HTTP only: return this output in the binary section (`parameters.binary_data`).
+    pub binary_data: Option<bool>,
+}
+
+#[derive(Debug, Default)]
+pub struct InferResponse {
+    pub model_name: String,
+    pub model_version: i64,
+    pub id: String,
+    pub outputs: Vec<OutputTensor>,
+}
+
+#[derive(Clone, Debug)]
+pub struct OutputTensor {
+    pub name: String,
+    pub datatype: DataType,
+    pub shape: Vec<i64>,
+    pub data: Bytes,
+}
+
+/// Splits a serialized `BYTES` tensor into its elements. Fails, naming `tensor`, on a truncated
+/// length prefix or element.
+pub fn split_bytes_elements<'a>(tensor: &str, mut data: &'a [u8]) -> Result<Vec<&'a [u8]>, Status> {
+    let mut out = Vec::new();
+    while !data.is_empty() {
+        if data.len() < 4 {
+            return Err(Status::invalid(format!(
+                "input '{tensor}': BYTES element {} has a truncated 4-byte length prefix ({} bytes left)",
+                out.len(),
+                data.len()
+            )));
+        }
+        let len = u32::from_le_bytes([data[0], data[1], data[2], data[3]]) as usize;
+        data = &data[4..];
+        if data.len() < len {
+            return Err(Status::invalid(format!(
+                "input '{tensor}': BYTES element {} claims {len} bytes but only {} remain",
+                out.len(),
+                data.len()
+            )));
+        }
+        out.push(&data[..len]);
+        data = &data[len..];
+    }
+    Ok(out)
+}
+
+/// Serializes elements in Triton's `BYTES` layout.
+pub fn serialize_bytes_elements<I, T>(elements: I) -> Vec<u8>
+where
+    I: IntoIterator<Item = T>,
+    T: AsRef<[u8]>,
+{
+    let mut out = Vec::new();
+    for e in elements {
+        let e = e.as_ref();
+        out.extend_from_slice(&(e.len() as u32).to_le_bytes());
+        out.extend_from_slice(e);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_round_trip_and_truncation() {
+        let s = serialize_bytes_elements(["ab", "", "xyz"]);
+        let e = split_bytes_elements("t", &s).unwrap();
+        assert_eq!(e, vec![&b"ab"[..], b"", b"xyz"]);
+        assert!(split_bytes_elements("t", &s[..s.len() - 1]).unwrap_err().message.contains("claims"));
+        assert!(split_bytes_elements("t", &[1, 0]).unwrap_err().message.contains("prefix"));
+    }
+}

@@ -1,0 +1,261 @@
+//! Checks one request against its model's configuration before it is queued: names, data
+//! types, shapes (with the batch dimension), byte sizes, requested outputs. Every error names
+//! the field. Produces the scheduler's [`Job`] parts: inputs in model order and the shape key.
+
+use std::collections::HashSet;
+
+use bytes::Bytes;
+use nereid_common::{DataType, Status, dtype};
+
+use crate::backend::TensorSpec;
+use crate::tensor::{InferRequest, split_bytes_elements};
+
+/// A model version's tensors as requests must match them.
+#[derive(Clone, Debug)]
+pub struct ModelSpec {
+    /// 0 = the model does not batch; shapes are the full dims.
+    pub max_batch_size: usize,
+    pub inputs: Vec<TensorSpec>,
+    pub outputs: Vec<TensorSpec>,
+}
+
+/// A request that passed validation, in scheduler terms.
+#[derive(Debug)]
+pub struct Validated {
+    pub rows: usize,
+    pub shape_key: Vec<i64>,
+    pub inputs: Vec<(Vec<i64>, Bytes)>,
+    pub wanted: Vec<bool>,
+}
+
+pub fn validate(spec: &ModelSpec, request: &mut InferRequest) -> Result<Validated, Status> {
+    let model = &request.model_name;
+    let mut slots: Vec<Option<(Vec<i64>, Bytes)>> = vec![None; spec.inputs.len()];
+    let mut rows: Option<usize> = None;
+    for input in std::mem::take(&mut request.inputs) {
+        let Some(index) = spec.inputs.iter().position(|s| s.name == input.name) else {
+            return Err(Status::invalid(format!(
+                "unexpected inference input '{}' for model '{model}' (expected: {})",
+                input.name,
+                names(&spec.inputs)
+            )));
+        };
+        let expected = &spec.inputs[index];
+        if slots[index].is_some() {
+            return Err(Status::invalid(format!("input '{}' is given twice", input.name)));
+        }
+        if input.datatype != expected.datatype {
+            return Err(Status::invalid(format!(
+                "input '{}' has datatype {}, but model '{model}' expects {}",
+                input.name, input.datatype, expected.datatype
+            )));
+        }
+        // Shape: [batch] + dims when the model batches, else dims.
+        let dims: &[i64] = if spec.max_batch_size > 0 {
+            let Some((&batch, rest)) = input.shape.split_first() else {
+                return Err(Status::invalid(format!(
+                    "input '{}' has shape [] but model '{model}' batches: expected [batch, {}]",
+                    input.name,
+                    fmt_dims(&expected.dims)
+                )));
+            };
+            if batch < 1 || batch as usize > spec.max_batch_size {
+                return Err(Status::invalid(format!(
+                    "input '{}': batch size {batch} is outside 1..={} (max_batch_size of model '{model}')",
+                    input.name, spec.max_batch_size
+                )));
+            }
+            match rows {
+                None => rows = Some(batch as usize),
+                Some(r) if r != batch as usize => {
+                    return Err(Status::invalid(format!(
+                        "input '{}' has batch size {batch}, but other inputs have {r}",
+                        input.name
+                    )));
+                }
+                _ => {}
+            }
+            rest
+        } else {
+            &input.shape
+        };
+        let shape_ok = dims.len() == expected.dims.len()
+            && dims.iter().zip(&expected.dims).all(|(&d, &e)| d >= 0 && (e == -1 || d == e));
+        if !shape_ok {
+            let batch_prefix = if spec.max_batch_size > 0 { "batch, " } else { "" };
+            return Err(Status::invalid(format!(
+                "input '{}' has shape {}, but model '{model}' expects [{batch_prefix}{}]",
+                input.name,
+                fmt_shape(&input.shape),
+                fmt_dims(&expected.dims)
+            )));
+        }
+        check_byte_size(&input.name, input.datatype, &input.shape, &input.data)?;
+        slots[index] = Some((input.shape, input.data));
+    }
+    let missing: Vec<&str> = spec
+        .inputs
+        .iter()
+        .zip(&slots)
+        .filter(|(_, s)| s.is_none())
+        .map(|(t, _)| t.name.as_str())
+        .collect();
+    if !missing.is_empty() {
+        return Err(Status::invalid(format!(
+            "model '{model}' expects inputs {} but the request lacks {}",
+            names(&spec.inputs),
+            missing.iter().map(|m| format!("'{m}'")).collect::<Vec<_>>().join(", ")
+        )));
+    }
+    let inputs: Vec<(Vec<i64>, Bytes)> = slots.into_iter().flatten().collect();
+
+    let mut wanted = vec![request.outputs.is_empty(); spec.outputs.len()];
+    let mut seen = HashSet::new();
+    for out in &request.outputs {
+        let Some(index) = spec.outputs.iter().position(|s| s.name == out.name) else {
+            return Err(Status::invalid(format!(
+                "unexpected inference output '{}' for model '{model}' (outputs: {})",
+                out.name,
+                names(&spec.outputs)
+            )));
+        };
+        if !seen.insert(out.name.as_str()) {
+            return Err(Status::invalid(format!("output '{}' is requested twice", out.name)));
+        }
+        wanted[index] = true;
+    }
+
+    let mut shape_key = Vec::new();
+    let skip = usize::from(spec.max_batch_size > 0);
+    for (shape, _) in &inputs {
+        shape_key.extend_from_slice(&shape[skip.min(shape.len())..]);
+        shape_key.push(-1);
+    }
+    Ok(Validated { rows: rows.unwrap_or(1), shape_key, inputs, wanted })
+}
+
+/// Fixed-size types: bytes must equal elements × element size (computed without overflow).
+/// BYTES: the serialized elements must parse and number exactly the shape's elements.
+pub fn check_byte_size(name: &str, datatype: DataType, shape: &[i64], data: &[u8]) -> Result<(), Status> {
+    let elements = dtype::element_count(shape)
+        .ok_or_else(|| Status::invalid(format!("input '{name}': shape {} overflows", fmt_shape(shape))))?;
+    match datatype.element_size() {
+        Some(size) => {
+            let expected = elements.checked_mul(size as u64).ok_or_else(|| {
+                Status::invalid(format!("input '{name}': shape {} overflows", fmt_shape(shape)))
+            })?;
+            if expected != data.len() as u64 {
+                return Err(Status::invalid(format!(
+                    "input '{name}': got {} bytes of data, but shape {} of {datatype} needs {expected}",
+                    data.len(),
+                    fmt_shape(shape)
+                )));
+            }
+            if datatype == DataType::Bool && data.iter().any(|&b| b > 1) {
+                return Err(Status::invalid(format!("input '{name}': BOOL elements must be 0 or 1")));
+            }
+        }
+        None => {
+            let count = split_bytes_elements(name, data)?.len() as u64;
+            if count != elements {
+                return Err(Status::invalid(format!(
+                    "input '{name}': got {count} BYTES elements, but shape {} needs {elements}",
+                    fmt_shape(shape)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn names(specs: &[TensorSpec]) -> String {
+    specs.iter().map(|s| format!("'{}'", s.name)).collect::<Vec<_>>().join(", ")
+}
+
+fn fmt_dims(dims: &[i64]) -> String {
+    dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
+}
+
+pub fn fmt_shape(shape: &[i64]) -> String {
+    format!("[{}]", fmt_dims(shape))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::{InputTensor, RequestedOutput, serialize_bytes_elements};
+
+    fn spec() -> ModelSpec {
+        ModelSpec {
+            max_batch_size: 8,
+            inputs: vec![
+                TensorSpec { name: "A".into(), datatype: DataType::Fp32, dims: vec![-1, 4] },
+                TensorSpec { name: "S".into(), datatype: DataType::Bytes, dims: vec![1] },
+            ],
+            outputs: vec![
+                TensorSpec { name: "X".into(), datatype: DataType::Fp32, dims: vec![4] },
+                TensorSpec { name: "Y".into(), datatype: DataType::Fp32, dims: vec![4] },
+            ],
+        }
+    }
+
+    fn request(a_shape: Vec<i64>, a_bytes: usize, strings: usize) -> InferRequest {
+        InferRequest {
+            model_name: "m".into(),
+            inputs: vec![
+                InputTensor { name: "A".into(), datatype: DataType::Fp32, shape: a_shape, data: Bytes::from(vec![0u8; a_bytes]) },
+                InputTensor {
+                    name: "S".into(),
+                    datatype: DataType::Bytes,
+                    shape: vec![2, 1],
+                    data: Bytes::from(serialize_bytes_elements(vec!["x"; strings])),
+                },
+            ],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn accepts_a_good_request() {
+        let mut r = request(vec![2, 3, 4], 96, 2);
+        r.outputs = vec![RequestedOutput { name: "Y".into(), binary_data: None }];
+        let v = validate(&spec(), &mut r).unwrap();
+        assert_eq!(v.rows, 2);
+        assert_eq!(v.wanted, vec![false, true]);
+        assert_eq!(v.shape_key, vec![3, 4, -1, 1, -1]);
+    }
+
+    #[test]
+    fn rejects_each_mismatch_naming_the_field() {
+        let cases: Vec<(InferRequest, &str)> = vec![
+            (request(vec![2, 3, 4], 95, 2), "bytes of data"),
+            (request(vec![2, 3, 5], 120, 2), "expects [batch, -1, 4]"),
+            (request(vec![9, 3, 4], 9 * 48, 9), "batch size 9"),
+            (request(vec![2, 4], 32, 2), "has shape [2, 4]"),
+            (request(vec![2, 3, 4], 96, 3), "BYTES elements"),
+            (request(vec![i64::MAX / 2, 1 << 40, 4], 96, 2), "batch size"),
+            (request(vec![2, i64::MAX, 4], 96, 2), "overflows"),
+        ];
+        for (mut r, needle) in cases {
+            let e = validate(&spec(), &mut r).unwrap_err();
+            assert!(e.message.contains(needle), "{needle}: {e}");
+            assert!(e.message.contains("'A'") || e.message.contains("'S'"), "{e}");
+        }
+    }
+
+    #[test]
+    fn missing_extra_and_wrong_type() {
+        let mut r = request(vec![2, 3, 4], 96, 2);
+        r.inputs.pop();
+        assert!(validate(&spec(), &mut r).unwrap_err().message.contains("lacks 'S'"));
+        let mut r = request(vec![2, 3, 4], 96, 2);
+        r.inputs[1].name = "Z".into();
+        assert!(validate(&spec(), &mut r).unwrap_err().message.contains("unexpected inference input 'Z'"));
+        let mut r = request(vec![2, 3, 4], 96, 2);
+        r.inputs[0].datatype = DataType::Int32;
+        assert!(validate(&spec(), &mut r).unwrap_err().message.contains("datatype INT32"));
+        let mut r = request(vec![2, 3, 4], 96, 2);
+        r.outputs = vec![RequestedOutput { name: "NOPE".into(), binary_data: None }];
+        assert!(validate(&spec(), &mut r).unwrap_err().message.contains("output 'NOPE'"));
+    }
+}
