@@ -120,6 +120,10 @@ impl Repository {
         }
     }
 
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
     pub fn options(&self) -> &RepositoryOptions {
         &self.options
     }
@@ -336,7 +340,12 @@ impl Repository {
                 if serving.is_some() {
                     tracing::error!(model = %name, error = %status, "reload failed; the previous model keeps serving");
                 }
-                self.set_slot(name, Slot { state, model: serving });
+                if status.code == Code::NotFound && previous.is_none() {
+                    // Nothing by that name exists: leave no trace in the index.
+                    self.slots.write().unwrap_or_else(|e| e.into_inner()).remove(name);
+                } else {
+                    self.set_slot(name, Slot { state, model: serving });
+                }
                 Err(Status::new(
                     if status.code == Code::NotFound { Code::NotFound } else { Code::InvalidArgument },
                     format!("failed to load '{name}': {}", status.message),

@@ -28,6 +28,10 @@ use policy::{BatchPolicy, BatchQueue, Decision, DropReason, Pending, QueueFull};
 /// Bound of the channel between request handlers and the batcher.
 pub const SUBMIT_QUEUE_CAPACITY: usize = 8192;
 
+/// While requests wait, the batcher looks for callers that went away at least this often, so a
+/// cancelled request leaves the queue (and the pending gauge) promptly, not when its batch forms.
+pub const CANCEL_SCAN_INTERVAL: std::time::Duration = std::time::Duration::from_millis(50);
+
 pub type JobResult = Result<Vec<OutputTensor>, Status>;
 
 /// One validated request on its way to an instance.
@@ -252,10 +256,10 @@ async fn batcher_task(
                 Decision::Idle => break,
             }
         }
-        wake = match (wake, queue.next_timeout()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        wake = [wake, queue.next_timeout(), (!queue.is_empty()).then(|| now + CANCEL_SCAN_INTERVAL)]
+            .into_iter()
+            .flatten()
+            .min();
         if !intake_open && queue.is_empty() {
             break;
         }
@@ -294,11 +298,11 @@ fn instance_thread(
         let rows: usize = batch.iter().map(|j| j.rows).sum();
         match result {
             Ok((outputs, times)) => {
-                let requests = batch.len();
+                // Count before answering, so a caller that reads statistics sees its batch.
+                stats.record_execution(rows, batch.len(), times.input, times.infer, times.output);
                 for (job, out) in batch.into_iter().zip(outputs) {
                     delivery.send(job.seq, job.reply, Ok(out));
                 }
-                stats.record_execution(rows, requests, times.input, times.infer, times.output);
             }
             Err(status) => {
                 for job in batch {

@@ -1,0 +1,290 @@
+//! The model repository with real ONNX Runtime: configs that fail to load (each with a reason
+//! naming the problem, without affecting other models), auto-complete, version policies,
+//! instance kinds, and POLL / EXPLICIT control modes.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{TestModel, example_onnx, init_ort, repo};
+use nereid_common::{Code, DataType};
+use nereid_worker::backend::SessionOptions;
+use nereid_worker::metrics::Metrics;
+use nereid_worker::repository::{ControlMode, Repository, RepositoryOptions};
+use nereid_worker::tensor::{InferRequest, InputTensor};
+use std::sync::Arc;
+
+const GOOD: &str = r#"
+name: "good"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+"#;
+
+fn repository(dir: &std::path::Path, mode: ControlMode, strict: bool) -> Arc<Repository> {
+    init_ort();
+    Arc::new(Repository::new(
+        RepositoryOptions {
+            paths: vec![dir.to_path_buf()],
+            mode,
+            strict_config: strict,
+            startup_models: vec![],
+            session_defaults: SessionOptions::default(),
+        },
+        Arc::new(Metrics::new()),
+    ))
+}
+
+fn identity_request(model: &str, version: Option<i64>) -> InferRequest {
+    InferRequest {
+        model_name: model.into(),
+        model_version: version,
+        inputs: vec![InputTensor {
+            name: "INPUT0".into(),
+            datatype: DataType::Fp32,
+            shape: vec![1, 16],
+            data: Bytes::from(vec![0u8; 64]),
+        }],
+        ..Default::default()
+    }
+}
+
+fn reason(repo: &Repository, model: &str) -> String {
+    let index = repo.index(false);
+    let row = index.iter().find(|e| e.name == model).unwrap_or_else(|| panic!("{model} not in index {index:?}"));
+    assert_eq!(row.state, "UNAVAILABLE", "{row:?}");
+    row.reason.clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_models_fail_alone_with_a_reason() {
+    let syntax = GOOD.replace("name: \"good\"", "name: \"syntax\"").replace("dims: [ 16 ] } ]\noutput", "dims: [ 16 } ]\noutput");
+    let unknown = format!("{}\nbogus_field: 1\n", GOOD.replace("good", "unknown"));
+    let dtype = GOOD.replace("good", "dtype").replacen("TYPE_FP32", "TYPE_INT32", 1);
+    let dims = GOOD.replace("good", "dims").replacen("dims: [ 16 ]", "dims: [ 15 ]", 1);
+    let unsupported = format!("{}\nsequence_batching {{ }}\n", GOOD.replace("good", "unsupported"));
+    let wrong_name = GOOD.replace("good", "other_name");
+    let gpu = format!("{}\ninstance_group [ {{ kind: KIND_GPU }} ]\n", GOOD.replace("good", "gpu"));
+    let dir = repo(&[
+        TestModel { name: "good", source: "identity_fp32", config: Some(GOOD) },
+        TestModel { name: "syntax", source: "identity_fp32", config: Some(&syntax) },
+        TestModel { name: "unknown", source: "identity_fp32", config: Some(&unknown) },
+        TestModel { name: "dtype", source: "identity_fp32", config: Some(&dtype) },
+        TestModel { name: "dims", source: "identity_fp32", config: Some(&dims) },
+        TestModel { name: "unsupported", source: "identity_fp32", config: Some(&unsupported) },
+        TestModel { name: "wrong_name", source: "identity_fp32", config: Some(&wrong_name) },
+        TestModel { name: "gpu", source: "identity_fp32", config: Some(&gpu) },
+        TestModel { name: "not_onnx", source: "identity_fp32", config: Some(&GOOD.replace("good", "not_onnx")) },
+        TestModel { name: "no_file", source: "identity_fp32", config: Some(&GOOD.replace("good", "no_file")) },
+    ]);
+    std::fs::write(dir.path().join("not_onnx/1/model.onnx"), b"this is not a protobuf").unwrap();
+    std::fs::remove_file(dir.path().join("no_file/1/model.onnx")).unwrap();
+    std::fs::create_dir_all(dir.path().join("no_versions")).unwrap();
+    std::fs::write(dir.path().join("no_versions/config.pbtxt"), GOOD.replace("good", "no_versions")).unwrap();
+
+    let repo = repository(dir.path(), ControlMode::None, false);
+    let failed = repo.load_startup_models().await;
+    assert_eq!(failed.len(), 10, "{failed:?}");
+    assert!(repo.server_ready());
+
+    let line_of = |text: &str, needle: &str| text.lines().position(|l| l.contains(needle)).unwrap() + 1;
+    let r = reason(&repo, "syntax");
+    let expected = format!("line {}", line_of(&syntax, "dims: [ 16 }"));
+    assert!(r.contains("config.pbtxt") && r.contains(&expected), "{r} (expected {expected})");
+    let r = reason(&repo, "unknown");
+    let expected = format!("line {}", line_of(&unknown, "bogus_field"));
+    assert!(r.contains("bogus_field") && r.contains(&expected), "{r} (expected {expected})");
+    assert!(reason(&repo, "dtype").contains("TYPE_INT32"));
+    assert!(reason(&repo, "dims").contains("dims"));
+    assert!(reason(&repo, "unsupported").contains("'sequence_batching' is not supported"));
+    assert!(reason(&repo, "wrong_name").contains("does not match"));
+    assert!(reason(&repo, "gpu").contains("KIND_GPU"));
+    assert!(reason(&repo, "not_onnx").contains("cannot load"), "{}", reason(&repo, "not_onnx"));
+    assert!(reason(&repo, "no_file").contains("missing"));
+    assert!(reason(&repo, "no_versions").contains("version"));
+
+    // The good model serves; the broken ones answer UNAVAILABLE naming the reason.
+    repo.infer(identity_request("good", None)).await.unwrap();
+    let e = repo.infer(identity_request("dtype", None)).await.unwrap_err();
+    assert_eq!(e.code, Code::Unavailable);
+    assert!(e.message.contains("TYPE_INT32"), "{e}");
+    let e = repo.infer(identity_request("nope", None)).await.unwrap_err();
+    assert_eq!(e.code, Code::NotFound);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_config_is_auto_completed_unless_strict() {
+    let dir = repo(&[TestModel { name: "auto", source: "identity_fp32", config: None }]);
+    let repo = repository(dir.path(), ControlMode::None, false);
+    assert!(repo.load_startup_models().await.is_empty());
+    let c = repo.model_config("auto", None).unwrap();
+    assert_eq!(c.max_batch_size, 4);
+    assert_eq!(c.input[0].name, "INPUT0");
+    assert_eq!(c.input[0].dims, vec![16]);
+    assert_eq!(c.output[0].name, "OUTPUT0");
+    assert!(nereid_common::config::dynamic_batching(&c).is_some());
+    repo.infer(identity_request("auto", None)).await.unwrap();
+
+    let strict = repository(dir.path(), ControlMode::None, true);
+    let failed = strict.load_startup_models().await;
+    assert!(failed[0].1.contains("strict-model-config"), "{failed:?}");
+
+    // Partial config: batching declared, tensors completed from the model.
+    std::fs::write(dir.path().join("auto/config.pbtxt"), "max_batch_size: 2\n").unwrap();
+    let partial = repository(dir.path(), ControlMode::None, false);
+    assert!(partial.load_startup_models().await.is_empty());
+    let c = partial.model_config("auto", None).unwrap();
+    assert_eq!((c.max_batch_size, c.input[0].dims.clone()), (2, vec![16]));
+}
+
+fn versioned_repo(policy: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for v in [1u32, 2] {
+        let vdir = dir.path().join("scale").join(v.to_string());
+        std::fs::create_dir_all(&vdir).unwrap();
+        std::fs::copy(example_onnx("versioned_scale", v), vdir.join("model.onnx")).unwrap();
+    }
+    let cfg = format!(
+        "name: \"scale\"\nmax_batch_size: 16\ninput [ {{ name: \"INPUT0\" data_type: TYPE_FP32 dims: [ 4 ] }} ]\n\
+         output [ {{ name: \"OUTPUT0\" data_type: TYPE_FP32 dims: [ 4 ] }} ]\n{policy}\n"
+    );
+    std::fs::write(dir.path().join("scale/config.pbtxt"), cfg).unwrap();
+    dir
+}
+
+async fn scale(repo: &Repository, version: Option<i64>) -> Result<(i64, f32), nereid_common::Status> {
+    let data: Vec<u8> = [1.0f32; 4].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let r = repo
+        .infer(InferRequest {
+            model_name: "scale".into(),
+            model_version: version,
+            inputs: vec![InputTensor { name: "INPUT0".into(), datatype: DataType::Fp32, shape: vec![1, 4], data: Bytes::from(data) }],
+            ..Default::default()
+        })
+        .await?;
+    Ok((r.model_version, f32::from_le_bytes(r.outputs[0].data[..4].try_into().unwrap())))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn version_policies() {
+    let cases: [(&str, Vec<i64>); 4] = [
+        ("", vec![2]),
+        ("version_policy: { latest: { num_versions: 2 } }", vec![1, 2]),
+        ("version_policy: { all: { } }", vec![1, 2]),
+        ("version_policy: { specific: { versions: [ 1 ] } }", vec![1]),
+    ];
+    for (policy, expected) in cases {
+        let dir = versioned_repo(policy);
+        let repo = repository(dir.path(), ControlMode::None, false);
+        assert!(repo.load_startup_models().await.is_empty(), "{policy}");
+        let meta = repo.model_metadata("scale", None).unwrap();
+        assert_eq!(meta.versions, expected.iter().map(|v| v.to_string()).collect::<Vec<_>>(), "{policy}");
+        // No version: the latest ready one.
+        let latest = *expected.last().unwrap();
+        assert_eq!(scale(&repo, None).await.unwrap(), (latest, if latest == 1 { 2.0 } else { 3.0 }));
+        for v in [1, 2] {
+            let r = scale(&repo, Some(v)).await;
+            if expected.contains(&v) {
+                assert_eq!(r.unwrap(), (v, if v == 1 { 2.0 } else { 3.0 }));
+            } else {
+                assert_eq!(r.unwrap_err().code, Code::NotFound, "{policy} v{v}");
+            }
+        }
+    }
+    let dir = versioned_repo("version_policy: { specific: { versions: [ 7 ] } }");
+    let repo = repository(dir.path(), ControlMode::None, false);
+    let failed = repo.load_startup_models().await;
+    assert!(failed[0].1.contains("version 7"), "{failed:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explicit_mode_loads_only_on_request() {
+    let dir = versioned_repo("");
+    let repo = repository(dir.path(), ControlMode::Explicit, false);
+    assert!(repo.load_startup_models().await.is_empty());
+    assert!(!repo.model_ready("scale", None));
+    assert_eq!(repo.index(false)[0].state, "", "{:?}", repo.index(false));
+    repo.load("scale", None).await.unwrap();
+    assert!(repo.model_ready("scale", Some(2)));
+    assert_eq!(scale(&repo, None).await.unwrap(), (2, 3.0));
+    // A config override (JSON, as Triton's load API takes it) replaces config.pbtxt.
+    let cfg = r#"{"name":"scale","max_batch_size":2,"version_policy":{"specific":{"versions":["1"]}},
+        "input":[{"name":"INPUT0","data_type":"TYPE_FP32","dims":[4]}],
+        "output":[{"name":"OUTPUT0","data_type":"TYPE_FP32","dims":[4]}]}"#;
+    repo.load("scale", Some(cfg.to_string())).await.unwrap();
+    assert_eq!(repo.model_config("scale", None).unwrap().max_batch_size, 2);
+    assert_eq!(scale(&repo, None).await.unwrap(), (1, 2.0));
+    let e = repo.load("scale", Some("{not json".into())).await.unwrap_err();
+    assert_eq!(e.code, Code::InvalidArgument);
+    assert!(e.message.contains("JSON"), "{e}");
+    assert_eq!(scale(&repo, None).await.unwrap(), (1, 2.0), "a failed reload keeps the old model");
+    repo.unload("scale").await.unwrap();
+    assert!(!repo.model_ready("scale", None));
+    assert_eq!(repo.index(false)[0].reason, "unloaded");
+    assert_eq!(repo.load("missing", None).await.unwrap_err().code, Code::NotFound);
+    assert_eq!(repo.unload("missing").await.unwrap_err().code, Code::NotFound);
+
+    let none = repository(dir.path(), ControlMode::None, false);
+    assert_eq!(none.load("scale", None).await.unwrap_err().code, Code::FailedPrecondition);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poll_mode_reloads_changes_without_dropping_in_flight_requests() {
+    let dir = versioned_repo("");
+    // A long batching delay keeps a request in the old version's queue across the reload.
+    let cfg_path = dir.path().join("scale/config.pbtxt");
+    let held_cfg = std::fs::read_to_string(&cfg_path).unwrap() + "dynamic_batching { max_queue_delay_microseconds: 300000 }\n";
+    std::fs::write(&cfg_path, &held_cfg).unwrap();
+    let repo = repository(dir.path(), ControlMode::Poll, false);
+    assert!(repo.load_startup_models().await.is_empty());
+    let in_flight = {
+        let repo = repo.clone();
+        tokio::spawn(async move { scale(&repo, None).await })
+    };
+    common::eventually("request queued", || repo.metrics().render().contains("nv_inference_pending_request_count{model=\"scale\",version=\"2\"} 1")).await;
+
+    // Change the version policy: both versions should serve after the next poll.
+    std::fs::write(&cfg_path, held_cfg.replace("dynamic_batching", "version_policy: { all: { } }\ndynamic_batching")).unwrap();
+    repo.poll_once().await;
+    assert!(repo.model_ready("scale", Some(1)));
+    assert_eq!(in_flight.await.unwrap().unwrap(), (2, 3.0), "the in-flight request finished on the old model");
+
+    // A broken change keeps the old model serving.
+    std::fs::write(&cfg_path, "this is { not a config").unwrap();
+    repo.poll_once().await;
+    assert!(repo.model_ready("scale", Some(1)));
+    // Removing the model unloads it.
+    std::fs::remove_dir_all(dir.path().join("scale")).unwrap();
+    repo.poll_once().await;
+    assert!(!repo.model_ready("scale", None));
+    // A new model appears.
+    let vdir = dir.path().join("fresh/1");
+    std::fs::create_dir_all(&vdir).unwrap();
+    std::fs::copy(example_onnx("identity_fp32", 1), vdir.join("model.onnx")).unwrap();
+    repo.poll_once().await;
+    assert!(repo.model_ready("fresh", None));
+    tokio::time::sleep(Duration::from_millis(0)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warmup_runs_before_ready() {
+    let cfg = format!(
+        "{GOOD}\nmodel_warmup [ {{ name: \"zeros\" batch_size: 2 count: 3 inputs {{ key: \"INPUT0\" value: {{ data_type: TYPE_FP32 dims: [ 16 ] zero_data: true }} }} }} ]\n"
+    );
+    let bad = format!(
+        "{}\nmodel_warmup [ {{ name: \"bad\" batch_size: 1 inputs {{ key: \"INPUT0\" value: {{ data_type: TYPE_FP32 dims: [ 15 ] random_data: true }} }} }} ]\n",
+        GOOD.replace("good", "bad")
+    );
+    let dir = repo(&[
+        TestModel { name: "good", source: "identity_fp32", config: Some(&cfg) },
+        TestModel { name: "bad", source: "identity_fp32", config: Some(&bad) },
+    ]);
+    let repo = repository(dir.path(), ControlMode::None, false);
+    let failed = repo.load_startup_models().await;
+    assert_eq!(failed.len(), 1);
+    assert!(failed[0].1.contains("warmup"), "{failed:?}");
+    // Warmup runs on the instance directly: it is not counted as inference traffic.
+    repo.infer(identity_request("good", None)).await.unwrap();
+    assert_eq!(repo.model_statistics(Some("good"), None).unwrap()[0].success.count, 1);
+}
