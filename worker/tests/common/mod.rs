@@ -3,6 +3,8 @@
 //! repositories with custom configs.
 #![allow(dead_code)]
 
+pub mod process;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

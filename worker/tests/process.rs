@@ -1,0 +1,160 @@
+//! The `nereid-worker` binary as users run it: command-line errors, client disconnects over
+//! HTTP and gRPC (removed from the queue, counted CANCELED), and graceful drain on SIGTERM.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::process::WorkerProcess;
+use common::{TestModel, repo};
+
+const HELD: &str = r#"
+name: "m"
+max_batch_size: 4
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 20000000 }
+"#;
+
+const INFER_BODY: &str = r#"{"inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15]}]}"#;
+
+const PENDING: &str = "nv_inference_pending_request_count{model=\"m\",version=\"1\"}";
+const CANCELED: &str = "nv_inference_request_failure{model=\"m\",version=\"1\",reason=\"CANCELED\"}";
+
+fn wait_for(what: &str, worker: &WorkerProcess, mut cond: impl FnMut(&WorkerProcess) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !cond(worker) {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}; log:\n{}", worker.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn run_cli(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_nereid-worker")).args(args).output().unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout))
+}
+
+#[test]
+fn invalid_flags_exit_non_zero_naming_the_flag() {
+    let repo = common::example_models();
+    let repo = repo.to_str().unwrap();
+    for (args, flag) in [
+        (vec!["--model-repository", repo, "--http-port", "http"], "--http-port"),
+        (vec!["--model-repository", repo, "--model-control-mode", "sometimes"], "--model-control-mode"),
+        (vec!["--model-repository", repo, "--strict-model-config", "maybe"], "--strict-model-config"),
+        (vec!["--model-repository", repo, "--repository-poll-secs", "0"], "--repository-poll-secs"),
+        (vec!["--model-repository", repo, "--no-such-flag"], "--no-such-flag"),
+        (vec!["--http-port", "1"], "--model-repository"),
+        (vec!["--model-repository", "/nonexistent/repo", "--http-port", "0"], "--model-repository"),
+        (vec!["--model-repository", repo, "--load-model", "x", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"], "--load-model"),
+        (vec!["--model-repository", repo, "--onnxruntime-lib", "/nonexistent/libonnxruntime.so", "--http-port", "0"], "--onnxruntime-lib"),
+    ] {
+        let (code, output) = run_cli(&args);
+        assert_ne!(code, 0, "{args:?} should fail");
+        assert!(output.contains(flag), "{args:?}: output does not name {flag}:\n{output}");
+    }
+    let (code, help) = run_cli(&["--help"]);
+    assert_eq!(code, 0);
+    for flag in ["--model-repository", "--http-port", "--grpc-port", "--metrics-port", "--model-control-mode", "--load-model",
+        "--repository-poll-secs", "--strict-model-config", "--log-verbose", "--onnxruntime-lib", "--max-request-bytes"] {
+        assert!(help.contains(flag), "--help lacks {flag}");
+    }
+}
+
+#[test]
+fn http_client_disconnect_cancels_the_queued_request() {
+    use std::io::Write;
+    let dir = repo(&[TestModel { name: "m", source: "identity_fp32", config: Some(HELD) }]);
+    let worker = WorkerProcess::start(dir.path(), &[]);
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", worker.http)).unwrap();
+    write!(
+        conn,
+        "POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{INFER_BODY}",
+        INFER_BODY.len()
+    )
+    .unwrap();
+    wait_for("the request to queue", &worker, |w| w.metric(PENDING) == Some(1.0));
+    drop(conn);
+    wait_for("the cancelled request to leave the queue", &worker, |w| {
+        w.metric(PENDING) == Some(0.0) && w.metric(CANCELED) == Some(1.0)
+    });
+    // The model still serves everyone else.
+    let (status, body) = worker.http_request(worker.http, "POST", "/v2/models/m/infer", br#"{"inputs":[{"name":"INPUT0","shape":[4,16],"datatype":"FP32","data":[0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15]}]}"#);
+    assert_eq!(status, 200, "{body}");
+}
+
+#[test]
+fn grpc_client_cancel_removes_the_queued_request() {
+    use nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+    use nereid_proto::inference::{ModelInferRequest, model_infer_request::InferInputTensor};
+    let dir = repo(&[TestModel { name: "m", source: "identity_fp32", config: Some(HELD) }]);
+    let worker = WorkerProcess::start(dir.path(), &[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let url = format!("http://127.0.0.1:{}", worker.grpc);
+    let call = rt.spawn(async move {
+        let mut client = GrpcInferenceServiceClient::connect(url).await.unwrap();
+        client
+            .model_infer(ModelInferRequest {
+                model_name: "m".into(),
+                inputs: vec![InferInputTensor { name: "INPUT0".into(), datatype: "FP32".into(), shape: vec![1, 16], ..Default::default() }],
+                raw_input_contents: vec![vec![0u8; 64]],
+                ..Default::default()
+            })
+            .await
+    });
+    wait_for("the request to queue", &worker, |w| w.metric(PENDING) == Some(1.0));
+    call.abort();
+    wait_for("the cancelled request to leave the queue", &worker, |w| {
+        w.metric(PENDING) == Some(0.0) && w.metric(CANCELED) == Some(1.0)
+    });
+}
+
+#[test]
+fn sigterm_drains_in_flight_requests_then_exits() {
+    let cfg = HELD.replace("20000000", "300000");
+    let dir = repo(&[TestModel { name: "m", source: "identity_fp32", config: Some(&cfg) }]);
+    let mut worker = WorkerProcess::start(dir.path(), &[]);
+    let port = worker.http;
+    let in_flight = std::thread::spawn(move || {
+        let probe = WorkerProcessProbe { port };
+        probe.post(INFER_BODY)
+    });
+    wait_for("the request to queue", &worker, |w| w.metric(PENDING) == Some(1.0));
+    let status = Command::new("kill").args(["-TERM", &worker.child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let (code, body) = in_flight.join().unwrap();
+    assert_eq!(code, 200, "the in-flight request must complete during drain: {body}");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Some(exit) = worker.child.try_wait().unwrap() {
+            assert!(exit.success(), "worker exit status {exit}: {}", worker.log());
+            break;
+        }
+        assert!(Instant::now() < deadline, "worker did not exit after SIGTERM: {}", worker.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Sends one request on its own connection (used from another thread).
+struct WorkerProcessProbe {
+    port: u16,
+}
+
+impl WorkerProcessProbe {
+    fn post(&self, body: &str) -> (u16, String) {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        write!(
+            s,
+            "POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        let code = out.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        (code, out)
+    }
+}
