@@ -281,14 +281,15 @@ impl InstanceSession {
         let total_rows: usize = jobs.iter().map(|j| j.rows).sum();
         let single = jobs.len() == 1;
 
-        // Gather inputs: borrow a single request's bytes, else copy each once into the buffer.
-        let mut strings: Vec<Vec<String>> = Vec::new();
+        // Gather inputs: borrow a single request's bytes when they are aligned for the element
+        // type, else copy every request's bytes once into the instance's reused buffer.
+        let mut direct = vec![false; self.inputs.len()];
+        let mut strings: Vec<Vec<String>> = vec![Vec::new(); self.inputs.len()];
         for (i, spec) in self.inputs.iter().enumerate() {
             if spec.datatype == DataType::Bytes {
-                let mut all = Vec::new();
                 for job in jobs {
                     for e in split_bytes_elements(&spec.name, &job.inputs[i].1)? {
-                        all.push(String::from_utf8(e.to_vec()).map_err(|_| {
+                        strings[i].push(String::from_utf8(e.to_vec()).map_err(|_| {
                             Status::invalid(format!(
                                 "input '{}': BYTES elements must be UTF-8 for ONNX string tensors",
                                 spec.name
@@ -296,76 +297,43 @@ impl InstanceSession {
                         })?);
                     }
                 }
-                strings.push(all);
+            } else if single && (jobs[0].inputs[i].1.as_ptr() as usize).is_multiple_of(8) {
+                direct[i] = true;
             } else {
-                strings.push(Vec::new());
-                if !single {
-                    let total: usize = jobs.iter().map(|j| j.inputs[i].1.len()).sum();
-                    let buf = self.buffers[i].reset(total);
-                    let mut at = 0;
-                    for job in jobs {
-                        let src = &job.inputs[i].1;
-                        buf[at..at + src.len()].copy_from_slice(src);
-                        at += src.len();
-                    }
+                let total: usize = jobs.iter().map(|j| j.inputs[i].1.len()).sum();
+                let buf = self.buffers[i].reset(total);
+                let mut at = 0;
+                for job in jobs {
+                    let src = &job.inputs[i].1;
+                    buf[at..at + src.len()].copy_from_slice(src);
+                    at += src.len();
                 }
             }
         }
-
+        // ONNX Runtime wants `bool` elements; the wire has 0/1 bytes (validated).
+        let bools: Vec<Vec<bool>> = self
+            .inputs
+            .iter()
+            .enumerate()
+            .filter(|(_, spec)| spec.datatype == DataType::Bool)
+            .map(|(i, _)| {
+                let bytes: &[u8] = if direct[i] { &jobs[0].inputs[i].1 } else { self.buffers[i].bytes() };
+                bytes.iter().map(|&b| b != 0).collect()
+            })
+            .collect();
+        let mut bool_iter = bools.iter();
         let mut values: Vec<(&str, ort::session::SessionInputValue<'_>)> = Vec::with_capacity(self.inputs.len());
-        let mut bool_holders: Vec<Vec<bool>> = Vec::new();
-        let mut unaligned: Vec<AlignedBuf> = Vec::new();
-        // Resolve each input's byte view first (borrows end before values are built).
-        let mut views: Vec<(usize, Vec<i64>, &[u8])> = Vec::new();
         for (i, spec) in self.inputs.iter().enumerate() {
             let shape = batch_shape(&jobs[0].inputs[i].0, total_rows, self.batching);
-            if spec.datatype == DataType::Bytes {
-                continue;
-            }
-            let bytes: &[u8] = if single { &jobs[0].inputs[i].1 } else { self.buffers[i].bytes() };
-            views.push((i, shape, bytes));
-        }
-        // Misaligned single-request data gets copied into an aligned buffer.
-        for (_, _, bytes) in views.iter_mut() {
-            if (bytes.as_ptr() as usize) % 8 != 0 {
-                let mut b = AlignedBuf::default();
-                b.reset(bytes.len()).copy_from_slice(bytes);
-                unaligned.push(b);
-            }
-        }
-        let mut next_unaligned = 0;
-        let mut prepared: Vec<(usize, Vec<i64>, &[u8])> = Vec::with_capacity(views.len());
-        for (i, shape, bytes) in views {
-            if (bytes.as_ptr() as usize) % 8 != 0 {
-                prepared.push((i, shape, unaligned[next_unaligned].bytes()));
-                next_unaligned += 1;
+            let value = if spec.datatype == DataType::Bytes {
+                ort::value::Tensor::from_string_array((shape, strings[i].as_slice()))
+                    .map(Into::into)
+                    .map_err(|e| e.to_string())
             } else {
-                prepared.push((i, shape, bytes));
-            }
-        }
-        for (i, _, bytes) in &prepared {
-            if self.inputs[*i].datatype == DataType::Bool {
-                bool_holders.push(bytes.iter().map(|&b| b != 0).collect());
-            }
-        }
-        let mut bool_iter = bool_holders.iter();
-        for (i, shape, bytes) in &prepared {
-            let name = self.inputs[*i].name.as_str();
-            let value = tensor_view(self.inputs[*i].datatype, shape, bytes, &mut bool_iter)
-                .map_err(|e| Status::invalid(format!("input '{name}': {e}")))?;
-            values.push((name, value));
-        }
-        let mut string_values = Vec::new();
-        for (i, spec) in self.inputs.iter().enumerate() {
-            if spec.datatype == DataType::Bytes {
-                let shape = batch_shape(&jobs[0].inputs[i].0, total_rows, self.batching);
-                let t = ort::value::Tensor::from_string_array((shape, strings[i].as_slice()))
-                    .map_err(|e| Status::invalid(format!("input '{}': {e}", spec.name)))?;
-                string_values.push((spec.name.as_str(), t));
-            }
-        }
-        for (name, t) in string_values {
-            values.push((name, t.into()));
+                let bytes: &[u8] = if direct[i] { &jobs[0].inputs[i].1 } else { self.buffers[i].bytes() };
+                tensor_view(spec.datatype, &shape, bytes, &mut bool_iter)
+            };
+            values.push((spec.name.as_str(), value.map_err(|e| Status::invalid(format!("input '{}': {e}", spec.name)))?));
         }
         let t1 = Instant::now();
 

@@ -59,6 +59,8 @@ async fn bind(enabled: bool, addr: std::net::IpAddr, port: u16, what: &str) -> a
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    // Register for SIGTERM/SIGINT first: a signal during start-up must also shut down cleanly.
+    let mut shutdown_requested = std::pin::pin!(shutdown_signal()?);
     for repo in &args.model_repository {
         anyhow::ensure!(repo.is_dir(), "--model-repository '{}' is not a directory", repo.display());
     }
@@ -110,7 +112,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
         std::fs::rename(&tmp, path).with_context(|| format!("--port-file {}", path.display()))?;
     }
 
-    let failed = repository.load_startup_models().await;
+    let failed = tokio::select! {
+        failed = repository.load_startup_models() => failed,
+        _ = &mut shutdown_requested => {
+            tracing::info!("shutdown requested during start-up");
+            shutdown.cancel();
+            return Ok(());
+        }
+    };
     if !failed.is_empty() && args.exit_on_error {
         shutdown.cancel();
         anyhow::bail!(
@@ -125,7 +134,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
 
     tokio::select! {
-        _ = shutdown_signal() => tracing::info!("shutdown requested: draining"),
+        _ = &mut shutdown_requested => tracing::info!("shutdown requested: draining"),
         Some(result) = servers.join_next() => {
             // A server stopped on its own: that is an error worth exiting for.
             shutdown.cancel();
@@ -143,14 +152,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{SignalKind, signal};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => return std::future::pending().await,
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
+    let mut term = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
 }

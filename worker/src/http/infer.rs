@@ -1685,30 +1685,3 @@ mod tests {
         assert!(e.message.contains("'F'"), "{}", e.message);
     }
 }
-
-#[cfg(test)]
-mod scratch_bench {
-    use super::*;
-    #[test]
-    #[ignore]
-    fn bench() {
-        let n = 1_000_000usize;
-        let vals: Vec<f32> = (0..n).map(|i| (i as f32) * 0.001 + 0.123).collect();
-        let json = serde_json::json!({"inputs":[{"name":"x","shape":[1000,1000],"datatype":"FP32","data":vals}]}).to_string();
-        let body = Bytes::from(json);
-        let t = std::time::Instant::now();
-        for _ in 0..5 { parse_infer_request("m", None, body.clone(), None, 64 << 20).unwrap(); }
-        let per = t.elapsed() / 5;
-        println!("parse {} MB JSON, 1M FP32: {:?} ({:.0} MB/s)", body.len() >> 20, per, body.len() as f64 / per.as_secs_f64() / 1e6);
-        let data: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let resp = InferResponse { model_name: "m".into(), model_version: 1, id: String::new(), outputs: vec![OutputTensor { name: "y".into(), datatype: DataType::Fp32, shape: vec![1000, 1000], data: Bytes::from(data) }] };
-        let t = std::time::Instant::now();
-        let mut len = 0;
-        for _ in 0..5 { len = render_infer_response(&resp, &OutputFormat::default()).unwrap().json.len(); }
-        println!("render 1M FP32 -> {} MB JSON: {:?}", len >> 20, t.elapsed() / 5);
-        let small = Bytes::from_static(br#"{"id":"1","inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16]}],"outputs":[{"name":"OUTPUT0","parameters":{"binary_data":true}}]}"#);
-        let t = std::time::Instant::now();
-        for _ in 0..100000 { parse_infer_request("m", None, small.clone(), None, 64 << 20).unwrap(); }
-        println!("small request parse: {:?}", t.elapsed() / 100000);
-    }
-}
