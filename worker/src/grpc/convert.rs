@@ -337,10 +337,21 @@ pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
     })
 }
 
-/// The absolute deadline a request's `grpc-timeout` metadata asks for, measured from `now`.
+/// The deadline a request's `grpc-timeout` metadata asks for, measured from `now` (the start
+/// of the handler) and brought forward by [`deadline_margin`].
+///
+/// tonic's transport enforces the same timeout itself, timed from when the headers arrived,
+/// by dropping the handler and answering CANCELLED. Starting ours a little earlier lets the
+/// core answer first, with DEADLINE_EXCEEDED (what Triton answers, and what the statistics
+/// should count), in all but pathological cases (a body slower to arrive than the margin).
 pub fn grpc_deadline(metadata: &tonic::metadata::MetadataMap, now: Instant) -> Option<Instant> {
     let timeout = parse_grpc_timeout(metadata.get("grpc-timeout")?.to_str().ok()?)?;
-    now.checked_add(timeout)
+    now.checked_add(timeout - deadline_margin(timeout))
+}
+
+/// How much earlier than the client's timeout the core gives up: an eighth of it, at most 5 ms.
+pub fn deadline_margin(timeout: Duration) -> Duration {
+    (timeout / 8).min(Duration::from_millis(5))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -587,30 +598,25 @@ mod tests {
 
     #[test]
     fn typed_range_and_count_errors_name_the_input() {
-        let mut c = InferTensorContents::default();
-        c.int_contents = vec![1, 200];
+        let c = InferTensorContents { int_contents: vec![1, 200], ..Default::default() };
         let e = err(request(vec![input("small", "INT8", &[2], Some(c))], vec![]));
         assert_eq!(e.code, Code::InvalidArgument);
         assert!(e.message.contains("'small'") && e.message.contains("200"), "{}", e.message);
 
-        let mut c = InferTensorContents::default();
-        c.uint_contents = vec![70000];
+        let c = InferTensorContents { uint_contents: vec![70000], ..Default::default() };
         let e = err(request(vec![input("u", "UINT16", &[1], Some(c))], vec![]));
         assert!(e.message.contains("'u'") && e.message.contains("out of range"), "{}", e.message);
 
-        let mut c = InferTensorContents::default();
-        c.fp32_contents = vec![1.0, 2.0, 3.0];
+        let c = InferTensorContents { fp32_contents: vec![1.0, 2.0, 3.0], ..Default::default() };
         let e = err(request(vec![input("x", "FP32", &[2, 2], Some(c))], vec![]));
         assert!(e.message.contains("'x'") && e.message.contains("fp32_contents has 3") && e.message.contains("needs 4"), "{}", e.message);
 
         // Data in the wrong list is a count mismatch on the right one.
-        let mut c = InferTensorContents::default();
-        c.int64_contents = vec![1];
+        let c = InferTensorContents { int64_contents: vec![1], ..Default::default() };
         let e = err(request(vec![input("w", "INT32", &[1], Some(c))], vec![]));
         assert!(e.message.contains("int_contents has 0"), "{}", e.message);
 
-        let mut c = InferTensorContents::default();
-        c.uint_contents = vec![1];
+        let c = InferTensorContents { uint_contents: vec![1], ..Default::default() };
         let e = err(request(vec![input("h", "FP16", &[1], Some(c))], vec![]));
         assert!(e.message.contains("'h'") && e.message.contains("raw_input_contents"), "{}", e.message);
 
@@ -645,8 +651,7 @@ mod tests {
 
     #[test]
     fn raw_and_typed_together_rejected() {
-        let mut c = InferTensorContents::default();
-        c.fp32_contents = vec![1.0];
+        let c = InferTensorContents { fp32_contents: vec![1.0], ..Default::default() };
         let e = err(request(vec![input("A", "FP32", &[1], Some(c))], vec![vec![0; 4]]));
         assert!(e.message.contains("'A'") && e.message.contains("both"), "{}", e.message);
         // An empty contents message next to raw data is tolerated.
@@ -660,8 +665,7 @@ mod tests {
     #[test]
     fn overflowing_or_negative_shapes_rejected_without_allocating() {
         // If these allocated what the shape claims, the test would abort on OOM.
-        let mut c = InferTensorContents::default();
-        c.fp32_contents = vec![1.0];
+        let c = InferTensorContents { fp32_contents: vec![1.0], ..Default::default() };
         let e = err(request(vec![input("big", "FP32", &[i64::MAX, i64::MAX], Some(c.clone()))], vec![]));
         assert!(e.message.contains("'big'") && e.message.contains("shape"), "{}", e.message);
         // Element count fits in u64, byte size does not.
@@ -735,7 +739,11 @@ mod tests {
         let mut md = tonic::metadata::MetadataMap::new();
         assert_eq!(grpc_deadline(&md, now), None);
         md.insert("grpc-timeout", "500m".parse().unwrap());
-        assert_eq!(grpc_deadline(&md, now), Some(now + Duration::from_millis(500)));
+        assert_eq!(grpc_deadline(&md, now), Some(now + Duration::from_millis(495)));
+        md.insert("grpc-timeout", "8000u".parse().unwrap());
+        assert_eq!(grpc_deadline(&md, now), Some(now + Duration::from_millis(7)));
+        md.insert("grpc-timeout", "0n".parse().unwrap());
+        assert_eq!(grpc_deadline(&md, now), Some(now));
         md.insert("grpc-timeout", "junk".parse().unwrap());
         assert_eq!(grpc_deadline(&md, now), None);
     }

@@ -43,11 +43,19 @@ type TonicResult<T> = Result<Response<T>, tonic::Status>;
 #[derive(Clone)]
 pub struct GrpcFrontend {
     server: Server,
+    /// When cancelled, open `ModelStreamInfer` streams stop reading requests, finish the ones
+    /// in flight and end, so that a graceful shutdown does not wait on idle streams forever.
+    shutdown: Option<CancellationToken>,
 }
 
 impl GrpcFrontend {
     pub fn new(server: Server) -> Self {
-        GrpcFrontend { server }
+        GrpcFrontend { server, shutdown: None }
+    }
+
+    /// Like [`GrpcFrontend::new`]; streams end once `shutdown` is cancelled.
+    pub fn with_shutdown(server: Server, shutdown: CancellationToken) -> Self {
+        GrpcFrontend { server, shutdown: Some(shutdown) }
     }
 }
 
@@ -55,15 +63,27 @@ impl GrpcFrontend {
 /// messages up to `limits.max_request_bytes` (after decompression) are accepted; gzip-compressed
 /// requests are accepted, responses are sent uncompressed.
 pub fn service(server: Server) -> GrpcInferenceServiceServer<GrpcFrontend> {
-    let max_request = server.limits.max_request_bytes;
-    GrpcInferenceServiceServer::new(GrpcFrontend::new(server))
+    configure(GrpcFrontend::new(server))
+}
+
+/// [`service`] whose open `ModelStreamInfer` streams end (after finishing their in-flight
+/// requests) once `shutdown` is cancelled. [`serve`] uses it.
+pub fn service_with_shutdown(server: Server, shutdown: CancellationToken) -> GrpcInferenceServiceServer<GrpcFrontend> {
+    configure(GrpcFrontend::with_shutdown(server, shutdown))
+}
+
+fn configure(frontend: GrpcFrontend) -> GrpcInferenceServiceServer<GrpcFrontend> {
+    let max_request = frontend.server.limits.max_request_bytes;
+    GrpcInferenceServiceServer::new(frontend)
         .max_decoding_message_size(max_request)
         .max_encoding_message_size(usize::MAX)
         .accept_compressed(CompressionEncoding::Gzip)
 }
 
 /// Serves the gRPC front end on `listener` until `shutdown` is cancelled, then stops accepting
-/// and waits for open connections to finish their in-flight RPCs (graceful HTTP/2 GOAWAY).
+/// and waits for open connections to finish their in-flight RPCs (graceful HTTP/2 GOAWAY);
+/// open streams stop taking requests and end once theirs have been answered. A client that
+/// never finishes a unary upload can still hold it up: bound the wait in the caller.
 pub async fn serve(listener: TcpListener, server: Server, shutdown: CancellationToken) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
         // Only applies to sockets tonic binds itself; `incoming` below sets it on ours.
@@ -72,8 +92,7 @@ pub async fn serve(listener: TcpListener, server: Server, shutdown: Cancellation
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
         .http2_adaptive_window(Some(true))
         .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
-        .http2_max_pending_accept_reset_streams(Some(1024))
-        .add_service(service(server))
+        .add_service(service_with_shutdown(server, shutdown.clone()))
         .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())
         .await
 }
@@ -150,7 +169,10 @@ impl GrpcInferenceService for GrpcFrontend {
             let server = server.clone();
             Box::pin(async move { stream_infer_one(&server, req, deadline).await })
         };
-        let stream = InferStream::new(request.into_inner(), run, MAX_STREAM_IN_FLIGHT);
+        let mut stream = InferStream::new(request.into_inner(), run, MAX_STREAM_IN_FLIGHT);
+        if let Some(shutdown) = &self.shutdown {
+            stream = stream.stop_on(shutdown.clone().cancelled_owned());
+        }
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -238,6 +260,8 @@ pub struct InferStream<S, F> {
     limit: usize,
     /// Set when the request stream failed; reported once the in-flight requests drained.
     error: Option<tonic::Status>,
+    /// Once this completes, no more requests are read (see [`InferStream::stop_on`]).
+    stop: Option<BoxFuture<'static, ()>>,
 }
 
 impl<S, F> InferStream<S, F>
@@ -252,7 +276,15 @@ where
             in_flight: FuturesUnordered::new(),
             limit: limit.max(1),
             error: None,
+            stop: None,
         }
+    }
+
+    /// When `stop` completes, the stream reads no more requests, answers those in flight and
+    /// ends with OK (used for graceful shutdown).
+    pub fn stop_on(mut self, stop: impl std::future::Future<Output = ()> + Send + 'static) -> Self {
+        self.stop = Some(Box::pin(stop));
+        self
     }
 }
 
@@ -265,6 +297,13 @@ where
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
+
+        if let Some(stop) = this.stop.as_mut()
+            && stop.as_mut().poll(cx).is_ready()
+        {
+            this.stop = None;
+            this.incoming = None;
+        }
 
         // Admit new requests while there is room. When full, the in-flight set (non-empty)
         // holds the waker; otherwise `incoming` does (it returned Pending) or has ended.
@@ -320,15 +359,14 @@ mod tests {
                 let now = active.fetch_add(1, Ordering::SeqCst) + 1;
                 peak.fetch_max(now, Ordering::SeqCst);
                 let _guard = Guard(active);
-                let out = if let Some(ms) = r.id.strip_prefix("sleep-") {
+                if let Some(ms) = r.id.strip_prefix("sleep-") {
                     tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
                     ok(&r.id)
                 } else if r.id == "fail" {
                     stream_error(Status::invalid("input 'x': bad"), r.id, r.model_name, r.model_version)
                 } else {
                     ok(&r.id)
-                };
-                out
+                }
             })
         }
     }
@@ -381,6 +419,23 @@ mod tests {
         assert_eq!(out.len(), 2);
         assert_eq!(out[0].as_ref().unwrap().infer_response.as_ref().unwrap().id, "sleep-10");
         assert_eq!(out[1].as_ref().unwrap_err().code(), tonic::Code::ResourceExhausted);
+    }
+
+    #[tokio::test]
+    async fn stream_stops_reading_on_shutdown_and_drains() {
+        let (active, peak) = counters();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let token = CancellationToken::new();
+        let mut s = InferStream::new(UnboundedReceiverStream::new(rx), runner(active, peak), 8)
+            .stop_on(token.clone().cancelled_owned());
+        tx.send(Ok(req("sleep-30"))).unwrap();
+        assert!(tokio::time::timeout(Duration::from_millis(5), s.next()).await.is_err());
+        token.cancel();
+        tx.send(Ok(req("late"))).unwrap();
+        // The in-flight request is still answered, then the stream ends (OK), with `tx` open.
+        assert_eq!(s.next().await.unwrap().unwrap().infer_response.unwrap().id, "sleep-30");
+        assert!(s.next().await.is_none());
+        drop(tx);
     }
 
     #[tokio::test]
