@@ -254,6 +254,8 @@ async fn poll_mode_reloads_changes_without_dropping_in_flight_requests() {
     std::fs::write(&cfg_path, "this is { not a config").unwrap();
     repo.poll_once().await;
     assert!(repo.model_ready("scale", Some(1)));
+    let index = repo.index(false);
+    assert!(index.iter().all(|e| e.state == "READY" && e.reason.starts_with("reload failed")), "{index:?}");
     // Removing the model unloads it.
     std::fs::remove_dir_all(dir.path().join("scale")).unwrap();
     repo.poll_once().await;

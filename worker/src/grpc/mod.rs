@@ -78,6 +78,7 @@ fn configure(frontend: GrpcFrontend) -> GrpcInferenceServiceServer<GrpcFrontend>
         .max_decoding_message_size(max_request)
         .max_encoding_message_size(usize::MAX)
         .accept_compressed(CompressionEncoding::Gzip)
+        .accept_compressed(CompressionEncoding::Deflate)
 }
 
 /// Serves the gRPC front end on `listener` until `shutdown` is cancelled, then stops accepting
@@ -92,9 +93,29 @@ pub async fn serve(listener: TcpListener, server: Server, shutdown: Cancellation
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
         .http2_adaptive_window(Some(true))
         .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
+        .layer(tower::util::MapResponseLayer::new(remap_transport_errors))
         .add_service(service_with_shutdown(server, shutdown.clone()))
         .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())
         .await
+}
+
+/// tonic answers a request it cannot decode with INTERNAL and one over the size limit with
+/// OUT_OF_RANGE, before any handler runs. Clients act on INVALID_ARGUMENT (malformed protobuf:
+/// the request is wrong, do not retry) and RESOURCE_EXHAUSTED (too large), so rewrite those
+/// codes in trailers-only error responses; the message is kept.
+fn remap_transport_errors<B>(mut response: http::Response<B>) -> http::Response<B> {
+    let headers = response.headers_mut();
+    let (Some(status), Some(message)) = (headers.get("grpc-status"), headers.get("grpc-message")) else {
+        return response;
+    };
+    let message = message.to_str().unwrap_or("").replace("%20", " ");
+    let code = match (status.as_bytes(), message.as_str()) {
+        (b"13", m) if m.contains("failed to decode Protobuf message") => tonic::Code::InvalidArgument,
+        (b"11", m) if m.contains("decoded message length too large") => tonic::Code::ResourceExhausted,
+        _ => return response,
+    };
+    headers.insert("grpc-status", http::HeaderValue::from(code as i32));
+    response
 }
 
 /// Accepted connections with `TCP_NODELAY` set (small responses must not wait on Nagle), and a

@@ -388,6 +388,13 @@ fn check_against_model(config: &ModelConfig, io: &ModelIo) -> Result<(), String>
                 t.datatype.map(|d| d.config_name()).unwrap_or_else(|| t.type_name.clone())
             ));
         }
+        if batch && t.dims.first() != Some(&-1) {
+            return Err(format!(
+                "{kind} '{name}': max_batch_size is {} but the model's dims {:?} have no dynamic batch \
+                 dimension (set max_batch_size: 0, or export the model with a dynamic first dimension)",
+                config.max_batch_size, t.dims
+            ));
+        }
         let full: Vec<i64> = if batch { std::iter::once(-1).chain(dims.iter().copied()).collect() } else { dims.to_vec() };
         let compatible = t.dims.len() == full.len()
             && t.dims.iter().zip(&full).enumerate().all(|(i, (&m, &c))| {

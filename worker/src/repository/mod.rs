@@ -91,6 +91,8 @@ impl State {
 struct Slot {
     state: State,
     model: Option<Arc<LoadedModel>>,
+    /// Why the last reload failed while the previous model kept serving.
+    reload_error: Option<String>,
 }
 
 /// The table of models plus the machinery to change it.
@@ -309,7 +311,7 @@ impl Repository {
         let _serial = self.changes.lock().await;
         let previous = self.slot(name);
         let serving = previous.as_ref().and_then(|s| s.model.clone());
-        self.set_slot(name, Slot { state: State::Loading, model: serving.clone() });
+        self.set_slot(name, Slot { state: State::Loading, model: serving.clone(), reload_error: None });
         let options = self.options.clone();
         let owned_name = name.to_string();
         let metrics = self.metrics.clone();
@@ -327,7 +329,7 @@ impl Repository {
                     .flat_map(|old| old.versions.keys().copied())
                     .filter(|v| !model.versions.contains_key(v))
                     .collect();
-                self.set_slot(name, Slot { state: State::Ready, model: Some(model) });
+                self.set_slot(name, Slot { state: State::Ready, model: Some(model), reload_error: None });
                 for v in dropped {
                     self.metrics.remove(name, v);
                 }
@@ -344,7 +346,8 @@ impl Repository {
                     // Nothing by that name exists: leave no trace in the index.
                     self.slots.write().unwrap_or_else(|e| e.into_inner()).remove(name);
                 } else {
-                    self.set_slot(name, Slot { state, model: serving });
+                    let reload_error = serving.is_some().then(|| format!("reload failed: {}", status.message));
+                    self.set_slot(name, Slot { state, model: serving, reload_error });
                 }
                 Err(Status::new(
                     if status.code == Code::NotFound { Code::NotFound } else { Code::InvalidArgument },
@@ -362,14 +365,14 @@ impl Repository {
             }
             return Err(Status::not_found(format!("unknown model '{name}'")));
         };
-        self.set_slot(name, Slot { state: State::Unloading, model: None });
+        self.set_slot(name, Slot { state: State::Unloading, model: None, reload_error: None });
         if let Some(model) = slot.model {
             for v in model.versions.keys() {
                 self.metrics.remove(name, *v);
             }
             // In-flight requests hold their version; its scheduler drains once they finish.
         }
-        self.set_slot(name, Slot { state: State::Unavailable("unloaded".into()), model: None });
+        self.set_slot(name, Slot { state: State::Unavailable("unloaded".into()), model: None, reload_error: None });
         tracing::info!(model = %name, "model unloaded");
         Ok(())
     }
@@ -384,17 +387,21 @@ impl Repository {
         let mut out = Vec::new();
         for name in names {
             match slots.get(name) {
-                Some(Slot { model: Some(m), state }) => {
+                Some(Slot { model: Some(m), state, reload_error }) => {
                     for v in m.versions.keys() {
                         out.push(IndexEntry {
                             name: name.clone(),
                             version: v.to_string(),
                             state: State::Ready.name().to_string(),
-                            reason: if *state == State::Ready { String::new() } else { state.name().to_string() },
+                            reason: match (state, reload_error) {
+                                (_, Some(e)) => e.clone(),
+                                (State::Ready, None) => String::new(),
+                                (other, None) => other.name().to_string(),
+                            },
                         });
                     }
                 }
-                Some(Slot { state, model: None }) => out.push(IndexEntry {
+                Some(Slot { state, model: None, .. }) => out.push(IndexEntry {
                     name: name.clone(),
                     version: String::new(),
                     state: state.name().to_string(),
@@ -438,12 +445,11 @@ impl Repository {
         let loaded: HashMap<String, Slot> = self.slots.read().unwrap_or_else(|e| e.into_inner()).clone();
         for (name, dir) in &on_disk {
             let stamp = Stamp::of(dir);
+            // Load what is new or changed, but retry a failed (re)load only once its files
+            // change again.
             let needs_load = match loaded.get(name) {
-                Some(Slot { model: Some(m), .. }) => m.stamp != stamp,
-                Some(Slot { state: State::Unavailable(_), .. }) => {
-                    // Retry a failed model only when its files changed.
-                    self.failed_stamps_changed(name, &stamp)
-                }
+                Some(Slot { model: Some(m), .. }) => m.stamp != stamp && self.not_attempted(name, &stamp),
+                Some(Slot { state: State::Unavailable(_), .. }) => self.not_attempted(name, &stamp),
                 Some(_) => false,
                 None => true,
             };
@@ -463,7 +469,7 @@ impl Repository {
         }
     }
 
-    fn failed_stamps_changed(&self, name: &str, stamp: &Stamp) -> bool {
+    fn not_attempted(&self, name: &str, stamp: &Stamp) -> bool {
         self.attempted.lock().unwrap_or_else(|e| e.into_inner()).get(name) != Some(stamp)
     }
 
