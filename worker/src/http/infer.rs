@@ -8,6 +8,9 @@
 //! client puts `data` before `datatype` in an input object, the elements are kept in a compact
 //! tagged form and converted once the datatype is known. Every size a client claims is checked
 //! with checked arithmetic against the request limit before anything of that size is allocated.
+//!
+//! Non-finite floats travel as the bare tokens `NaN`, `Infinity` and `-Infinity` in both
+//! directions, as in tritonserver (rapidjson) and Python's json module.
 
 use std::fmt;
 
@@ -182,12 +185,99 @@ pub fn parse_infer_request(
 fn parse_json(json: &[u8], max_bytes: usize) -> Result<RawRequest, Status> {
     let malformed =
         |e: serde_json::Error| Status::invalid(format!("malformed inference request JSON: {e}"));
+    match parse_json_with(json, max_bytes, false) {
+        Ok(raw) => Ok(raw),
+        // Not standard JSON, but what tritonserver (rapidjson's kParseNanAndInfFlag) and
+        // Python's json module accept: bare NaN / Infinity / -Infinity. Only looked for once
+        // the strict parse failed, so well-formed requests pay nothing for it.
+        Err(e) => match rewrite_non_finite(json) {
+            None => Err(malformed(e)),
+            Some(rewritten) => parse_json_with(&rewritten, max_bytes, true).map_err(malformed),
+        },
+    }
+}
+
+/// `non_finite`: `json` went through [`rewrite_non_finite`], so its marker strings in `data`
+/// arrays stand for non-finite numbers.
+fn parse_json_with(
+    json: &[u8],
+    max_bytes: usize,
+    non_finite: bool,
+) -> Result<RawRequest, serde_json::Error> {
     let mut de = serde_json::Deserializer::from_slice(json);
-    let raw = RequestSeed { max_bytes }
-        .deserialize(&mut de)
-        .map_err(malformed)?;
-    de.end().map_err(malformed)?;
+    let raw = RequestSeed {
+        max_bytes,
+        non_finite,
+    }
+    .deserialize(&mut de)?;
+    de.end()?;
     Ok(raw)
+}
+
+/// Strings that stand for the bare tokens `NaN`, `Infinity` and `-Infinity` once
+/// [`rewrite_non_finite`] has turned them into strings: Unicode noncharacters (U+FDD0..2),
+/// which are reserved for a program's internal use and never occur in real tensor data.
+const MARK_NAN: &str = "\u{FDD0}";
+const MARK_INF: &str = "\u{FDD1}";
+const MARK_NEG_INF: &str = "\u{FDD2}";
+
+/// The number a [`MARK_NAN`]-style marker string stands for.
+fn non_finite_marker(s: &str) -> Option<f64> {
+    match s {
+        MARK_NAN => Some(f64::NAN),
+        MARK_INF => Some(f64::INFINITY),
+        MARK_NEG_INF => Some(f64::NEG_INFINITY),
+        _ => None,
+    }
+}
+
+/// `json` with each bare `NaN`, `Infinity` and `-Infinity` token (outside strings) replaced by
+/// its marker string (quoted), so serde_json reads it; `None` when there is no such token.
+fn rewrite_non_finite(json: &[u8]) -> Option<Vec<u8>> {
+    let mut out: Option<Vec<u8>> = None;
+    let mut copied = 0;
+    let mut i = 0;
+    let mut in_string = false;
+    while i < json.len() {
+        let b = json[i];
+        if in_string {
+            match b {
+                // An escape: the next byte (`"`, `\\`, `u`, ...) is never the string's end.
+                b'\\' => i += 2,
+                b'"' => {
+                    in_string = false;
+                    i += 1;
+                }
+                _ => i += 1,
+            }
+            continue;
+        }
+        let (len, marker) = match b {
+            b'"' => {
+                in_string = true;
+                i += 1;
+                continue;
+            }
+            b'N' if json[i..].starts_with(b"NaN") => (3, MARK_NAN),
+            b'I' if json[i..].starts_with(b"Infinity") => (8, MARK_INF),
+            b'-' if json[i..].starts_with(b"-Infinity") => (9, MARK_NEG_INF),
+            _ => {
+                i += 1;
+                continue;
+            }
+        };
+        // A marker takes 5 bytes: at most 2 more than the token it replaces.
+        let o = out.get_or_insert_with(|| Vec::with_capacity(json.len() + json.len() / 2 + 8));
+        o.extend_from_slice(&json[copied..i]);
+        o.push(b'"');
+        o.extend_from_slice(marker.as_bytes());
+        o.push(b'"');
+        i += len;
+        copied = i;
+    }
+    let mut out = out?;
+    out.extend_from_slice(&json[copied..]);
+    Some(out)
 }
 
 /// Validates one input and attaches its data (from JSON or the binary section).
@@ -442,6 +532,7 @@ enum InputField {
 
 struct RequestSeed {
     max_bytes: usize,
+    non_finite: bool,
 }
 
 impl<'de> DeserializeSeed<'de> for RequestSeed {
@@ -465,6 +556,7 @@ impl<'de> Visitor<'de> for RequestSeed {
                 RequestField::Inputs => {
                     r.inputs = Some(map.next_value_seed(InputsSeed {
                         max_bytes: self.max_bytes,
+                        non_finite: self.non_finite,
                     })?)
                 }
                 RequestField::Outputs => r.outputs = map.next_value()?,
@@ -479,6 +571,7 @@ impl<'de> Visitor<'de> for RequestSeed {
 
 struct InputsSeed {
     max_bytes: usize,
+    non_finite: bool,
 }
 
 impl<'de> DeserializeSeed<'de> for InputsSeed {
@@ -497,6 +590,7 @@ impl<'de> Visitor<'de> for InputsSeed {
         let mut inputs = Vec::with_capacity(seq.size_hint().unwrap_or(1).min(64));
         while let Some(input) = seq.next_element_seed(InputSeed {
             max_bytes: self.max_bytes,
+            non_finite: self.non_finite,
         })? {
             inputs.push(input);
         }
@@ -506,6 +600,7 @@ impl<'de> Visitor<'de> for InputsSeed {
 
 struct InputSeed {
     max_bytes: usize,
+    non_finite: bool,
 }
 
 impl<'de> DeserializeSeed<'de> for InputSeed {
@@ -550,6 +645,7 @@ impl<'de> Visitor<'de> for InputSeed {
                     input.data = Some(map.next_value_seed(DataSeed {
                         plan,
                         max_bytes: self.max_bytes,
+                        non_finite: self.non_finite,
                     })?);
                 }
                 InputField::Other => {
@@ -602,6 +698,7 @@ impl DataPlan {
 struct DataSeed {
     plan: DataPlan,
     max_bytes: usize,
+    non_finite: bool,
 }
 
 impl<'de> DeserializeSeed<'de> for DataSeed {
@@ -623,7 +720,11 @@ impl<'de> DeserializeSeed<'de> for DataSeed {
                 error: None,
             },
         };
-        ElementSeed { buf: &mut buf }.deserialize(d)?;
+        ElementSeed {
+            buf: &mut buf,
+            non_finite: self.non_finite,
+        }
+        .deserialize(d)?;
         Ok(RawData::Buf(buf))
     }
 }
@@ -656,6 +757,10 @@ impl fmt::Display for Scalar<'_> {
             Scalar::Bool(v) => write!(f, "{v}"),
             Scalar::I64(v) => write!(f, "{v}"),
             Scalar::U64(v) => write!(f, "{v}"),
+            Scalar::F64(v) if v.is_nan() => f.write_str("NaN"),
+            Scalar::F64(v) if v.is_infinite() => {
+                f.write_str(if *v > 0.0 { "Infinity" } else { "-Infinity" })
+            }
             Scalar::F64(v) => write!(f, "{v}"),
             Scalar::Str(v) => write!(f, "{v:?}"),
             Scalar::Null => f.write_str("null"),
@@ -854,6 +959,8 @@ fn encode(dtype: DataType, s: Scalar<'_>, out: &mut Vec<u8>) -> Result<(), Strin
 /// Reads one element of a (possibly nested) `data` array into the buffer.
 struct ElementSeed<'b> {
     buf: &'b mut DataBuf,
+    /// Marker strings stand for non-finite numbers (see [`rewrite_non_finite`]).
+    non_finite: bool,
 }
 
 impl<'de> DeserializeSeed<'de> for ElementSeed<'_> {
@@ -885,7 +992,10 @@ impl<'de> Visitor<'de> for ElementSeed<'_> {
         Ok(())
     }
     fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
-        self.buf.push(Scalar::Str(v));
+        match self.non_finite.then(|| non_finite_marker(v)).flatten() {
+            Some(f) => self.buf.push(Scalar::F64(f)),
+            None => self.buf.push(Scalar::Str(v)),
+        }
         Ok(())
     }
     fn visit_unit<E: de::Error>(self) -> Result<(), E> {
@@ -899,7 +1009,10 @@ impl<'de> Visitor<'de> for ElementSeed<'_> {
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         let buf = self.buf;
         while seq
-            .next_element_seed(ElementSeed { buf: &mut *buf })?
+            .next_element_seed(ElementSeed {
+                buf: &mut *buf,
+                non_finite: self.non_finite,
+            })?
             .is_some()
         {}
         Ok(())
@@ -962,13 +1075,14 @@ pub fn render_infer_response(
         }
     }
     let mut json = Vec::with_capacity(estimate.min(64 << 20));
-    serde_json::to_writer(
+    ResponseJson {
+        response,
+        binary: &binary_flags,
+    }
+    .serialize(&mut serde_json::Serializer::with_formatter(
         &mut json,
-        &ResponseJson {
-            response,
-            binary: &binary_flags,
-        },
-    )
+        NonFiniteFormatter,
+    ))
     .map_err(|e| Status::internal(format!("failed to render the inference response: {e}")))?;
     Ok(RenderedResponse {
         json,
@@ -1055,6 +1169,60 @@ impl Serialize for OutputJson<'_> {
     }
 }
 
+/// One floating-point output element. Finite values are JSON numbers; NaN, +inf and -inf are
+/// written as the bare tokens `NaN`, `Infinity` and `-Infinity`, as tritonserver does
+/// (rapidjson's kWriteNanAndInfFlag) and Python's json module reads. serde_json turns
+/// non-finite floats into `null` before its [`Formatter`](serde_json::ser::Formatter) sees
+/// them, so they reach [`NonFiniteFormatter`] as reserved `u128` values instead (a response
+/// serializes no other `u128`).
+#[derive(Clone, Copy)]
+enum Float {
+    F32(f32),
+    F64(f64),
+}
+
+const U128_NAN: u128 = u128::MAX;
+const U128_INF: u128 = u128::MAX - 1;
+const U128_NEG_INF: u128 = u128::MAX - 2;
+
+impl Serialize for Float {
+    #[inline]
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let v = match *self {
+            Float::F32(v) if v.is_finite() => return s.serialize_f32(v),
+            Float::F64(v) if v.is_finite() => return s.serialize_f64(v),
+            Float::F32(v) => v as f64,
+            Float::F64(v) => v,
+        };
+        s.serialize_u128(if v.is_nan() {
+            U128_NAN
+        } else if v > 0.0 {
+            U128_INF
+        } else {
+            U128_NEG_INF
+        })
+    }
+}
+
+/// serde_json's compact output, but with [`Float`]'s reserved values written as `NaN`,
+/// `Infinity` and `-Infinity`.
+struct NonFiniteFormatter;
+
+impl serde_json::ser::Formatter for NonFiniteFormatter {
+    fn write_u128<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        value: u128,
+    ) -> std::io::Result<()> {
+        match value {
+            U128_NAN => writer.write_all(b"NaN"),
+            U128_INF => writer.write_all(b"Infinity"),
+            U128_NEG_INF => writer.write_all(b"-Infinity"),
+            _ => serde_json::ser::CompactFormatter.write_u128(writer, value),
+        }
+    }
+}
+
 /// A tensor's raw bytes as a flat JSON array of its elements.
 struct DataJson<'a> {
     name: &'a str,
@@ -1102,10 +1270,10 @@ impl Serialize for DataJson<'_> {
             DataType::Int16 => elements!(i16, |v| v),
             DataType::Int32 => elements!(i32, |v| v),
             DataType::Int64 => elements!(i64, |v| v),
-            DataType::Fp16 => elements!(half::f16, |v: half::f16| v.to_f32()),
-            DataType::Bf16 => elements!(half::bf16, |v: half::bf16| v.to_f32()),
-            DataType::Fp32 => elements!(f32, |v| v),
-            DataType::Fp64 => elements!(f64, |v| v),
+            DataType::Fp16 => elements!(half::f16, |v: half::f16| Float::F32(v.to_f32())),
+            DataType::Bf16 => elements!(half::bf16, |v: half::bf16| Float::F32(v.to_f32())),
+            DataType::Fp32 => elements!(f32, Float::F32),
+            DataType::Fp64 => elements!(f64, Float::F64),
             DataType::Bytes => {
                 let elements = split_bytes_elements(self.name, self.data)
                     .map_err(|e| ser::Error::custom(e.message))?;
@@ -1672,6 +1840,195 @@ mod tests {
         for (i, o) in p.request.inputs.iter().zip(&resp.outputs) {
             assert_eq!(i.data, o.data, "{}", o.name);
         }
+    }
+
+    fn non_finite_response() -> InferResponse {
+        let f32s = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1.0, -0.5];
+        let f64s = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1.0, -0.5];
+        InferResponse {
+            model_name: "m".into(),
+            model_version: 1,
+            id: String::new(),
+            outputs: vec![
+                output("F32", DataType::Fp32, vec![5], le(&f32s, f32::to_le_bytes)),
+                output("F64", DataType::Fp64, vec![5], le(&f64s, f64::to_le_bytes)),
+                output(
+                    "F16",
+                    DataType::Fp16,
+                    vec![5],
+                    le(&f32s.map(half::f16::from_f32), half::f16::to_le_bytes),
+                ),
+                output(
+                    "BF16",
+                    DataType::Bf16,
+                    vec![5],
+                    le(&f32s.map(half::bf16::from_f32), half::bf16::to_le_bytes),
+                ),
+                output(
+                    "S",
+                    DataType::Bytes,
+                    vec![1],
+                    serialize_bytes_elements(["NaN"]),
+                ),
+            ],
+        }
+    }
+
+    #[test]
+    fn renders_non_finite_floats_as_bare_tokens() {
+        let r = render_infer_response(&non_finite_response(), &OutputFormat::default()).unwrap();
+        let text = std::str::from_utf8(&r.json).unwrap();
+        assert_eq!(
+            text.matches(r#""data":[NaN,Infinity,-Infinity,1.0,-0.5]"#)
+                .count(),
+            4,
+            "{text}"
+        );
+        assert!(text.contains(r#""data":["NaN"]"#), "{text}");
+        // Finite floats and other numbers are unchanged.
+        let r = render_infer_response(&sample_response(), &OutputFormat::default()).unwrap();
+        let text = std::str::from_utf8(&r.json).unwrap();
+        assert!(text.contains(r#""data":[1.5,-2.0]"#), "{text}");
+    }
+
+    fn assert_same_floats(got: &[u8], want: &[f64], dtype: DataType) {
+        let got: Vec<f64> = match dtype {
+            DataType::Fp32 => got
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+                .collect(),
+            DataType::Fp64 => got
+                .chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            DataType::Fp16 => got
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f64())
+                .collect(),
+            DataType::Bf16 => got
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f64())
+                .collect(),
+            _ => unreachable!(),
+        };
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(want) {
+            assert!(
+                (g.is_nan() && w.is_nan()) || g == w,
+                "{dtype}: {got:?} != {want:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn parses_bare_non_finite_tokens_in_float_data() {
+        let want = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 2.0];
+        for dtype in ["FP32", "FP64", "FP16", "BF16"] {
+            // Flat, nested, and with whitespace as Python's json.dumps writes it.
+            for data in [
+                "[NaN, Infinity, -Infinity, 2.0]",
+                "[[NaN,Infinity],[-Infinity,2]]",
+            ] {
+                let t = one_input(dtype, "[2,2]", data).unwrap();
+                let dt = DataType::from_wire_name(dtype).unwrap();
+                assert_same_floats(&t.data, &want, dt);
+            }
+            // data before datatype (the deferred path).
+            let json = format!(
+                r#"{{"inputs":[{{"name":"x","data":[NaN,Infinity,-Infinity,2.0],"shape":[4],"datatype":"{dtype}"}}]}}"#
+            );
+            let t = parse(&json).unwrap().request.inputs.remove(0);
+            assert_same_floats(&t.data, &want, t.datatype);
+        }
+        // Strings are left alone, escapes included: a BYTES input whose elements hold the
+        // tokens, next to a float input with the bare tokens.
+        let json = r#"{"id":"NaN \"Infinity\\","inputs":[
+            {"name":"s","datatype":"BYTES","shape":[3],"data":["NaN","a\"-Infinity\\","\\"]},
+            {"name":"f","datatype":"FP32","shape":[2],"data":[NaN,-Infinity]}]}"#;
+        let p = parse(json).unwrap();
+        assert_eq!(p.request.id, "NaN \"Infinity\\");
+        assert_eq!(
+            &p.request.inputs[0].data[..],
+            &serialize_bytes_elements(["NaN", "a\"-Infinity\\", "\\"])[..]
+        );
+        assert_same_floats(
+            &p.request.inputs[1].data,
+            &[f64::NAN, f64::NEG_INFINITY],
+            DataType::Fp32,
+        );
+        // Bare tokens in a BYTES tensor are not strings.
+        let e = one_input("BYTES", "[1]", "[NaN]").unwrap_err();
+        assert!(e.message.starts_with("inputs[0] ('x'): "), "{}", e.message);
+        // What we render parses back to the same values.
+        let r = render_infer_response(&non_finite_response(), &OutputFormat::default()).unwrap();
+        let v = std::str::from_utf8(&r.json).unwrap();
+        let req = format!(r#"{{"inputs":{}}}"#, &v[v.find("[{").unwrap()..v.len() - 1]);
+        let p = parse(&req).unwrap();
+        for (i, o) in p.request.inputs.iter().zip(&non_finite_response().outputs) {
+            if o.datatype == DataType::Bytes {
+                assert_eq!(i.data, o.data);
+            } else {
+                assert_same_floats(
+                    &i.data,
+                    &[f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1.0, -0.5],
+                    o.datatype,
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn non_finite_tokens_in_integer_data_name_the_input() {
+        for (data, token) in [
+            ("[1, NaN]", "NaN"),
+            ("[Infinity, 1]", "Infinity"),
+            ("[-Infinity, 1]", "-Infinity"),
+        ] {
+            let e = parse(&format!(
+                r#"{{"inputs":[{{"name":"f","datatype":"FP32","shape":[1],"data":[NaN]}},
+                    {{"name":"IDX","datatype":"INT32","shape":[2],"data":{data}}}]}}"#
+            ))
+            .unwrap_err();
+            assert_eq!(e.code, Code::InvalidArgument);
+            assert!(
+                e.message.starts_with("inputs[1] ('IDX'): data element"),
+                "{}",
+                e.message
+            );
+            assert!(e.message.contains("INT32"), "{}", e.message);
+            assert!(e.message.contains(&format!("({token})")), "{}", e.message);
+        }
+        let e = one_input("BOOL", "[1]", "[NaN]").unwrap_err();
+        assert!(e.message.starts_with("inputs[0] ('x')"), "{}", e.message);
+        // Still malformed JSON: the error says where.
+        let e = parse(r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[NaN,]}]}"#)
+            .unwrap_err();
+        assert!(
+            e.message.contains("malformed inference request JSON"),
+            "{}",
+            e.message
+        );
+        // Other non-standard tokens are not accepted.
+        let e = one_input("FP32", "[1]", "[nan]").unwrap_err();
+        assert!(e.message.contains("malformed"), "{}", e.message);
+        let e = one_input("FP32", "[1]", "[+Infinity]").unwrap_err();
+        assert!(e.message.contains("malformed"), "{}", e.message);
+        // The marker strings themselves mean nothing without the bare tokens.
+        let e = one_input("FP32", "[1]", "[\"\u{FDD0}\"]").unwrap_err();
+        assert!(e.message.contains("got a string"), "{}", e.message);
+    }
+
+    #[test]
+    fn non_finite_rewrite_skips_strings() {
+        let rw = |s: &str| rewrite_non_finite(s.as_bytes()).map(|v| String::from_utf8(v).unwrap());
+        assert_eq!(rw(r#"{"a":[1,2]}"#), None);
+        assert_eq!(rw(r#"{"a":"NaN Infinity -Infinity"}"#), None);
+        assert_eq!(rw(r#"{"a":"\"NaN\\"}"#), None);
+        assert_eq!(rw(r#"{"a":"\\"}"#), None);
+        assert_eq!(
+            rw(r#"{"a\\":[NaN,-Infinity],"b":"\"x","c":Infinity}"#).unwrap(),
+            format!(r#"{{"a\\":["{MARK_NAN}","{MARK_NEG_INF}"],"b":"\"x","c":"{MARK_INF}"}}"#)
+        );
     }
 
     #[test]

@@ -4,6 +4,9 @@
 //!
 //! Every error response is `{"error": "..."}` with the status of its [`nereid_common::Code`].
 //! Health and readiness answer 200 / 400 with an empty body, as Triton does.
+//! Request bodies may be gzip / deflate compressed (`Content-Encoding`; the request limit
+//! applies to the inflated size), and infer responses are compressed for clients that send
+//! `Accept-Encoding: gzip|deflate`, as Triton does.
 
 mod infer;
 
@@ -189,18 +192,112 @@ impl<S: Send + Sync> FromRequestParts<S> for ModelRef {
     }
 }
 
+/// A `Content-Encoding` the HTTP front end reads (request bodies) and writes (infer responses
+/// to clients that send `Accept-Encoding`), as tritonserver does. `deflate` is the zlib format
+/// (RFC 9110 §8.4.1.2), which is what tritonclient's `"deflate"` sends (`zlib.compress`) and
+/// expects back (`zlib.decompress`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Coding {
+    Gzip,
+    Deflate,
+}
+
+impl Coding {
+    fn from_name(name: &str) -> Option<Coding> {
+        if name.eq_ignore_ascii_case("gzip") || name.eq_ignore_ascii_case("x-gzip") {
+            Some(Coding::Gzip)
+        } else if name.eq_ignore_ascii_case("deflate") {
+            Some(Coding::Deflate)
+        } else {
+            None
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Coding::Gzip => "gzip",
+            Coding::Deflate => "deflate",
+        }
+    }
+}
+
+/// Compressed request bodies larger than this are inflated on the blocking pool.
+const OFFLOAD_INFLATE_BYTES: usize = 64 << 10;
+
+/// Infer responses are compressed (when the client accepts it) only above this size.
+const COMPRESS_MIN_BYTES: usize = 1 << 10;
+
+/// The request body's `Content-Encoding`: `None` for none / `identity`; 501 for one that is
+/// not understood.
+fn request_coding(headers: &HeaderMap) -> Result<Option<Coding>, Status> {
+    let Some(v) = headers.get(header::CONTENT_ENCODING) else {
+        return Ok(None);
+    };
+    let v = v.to_str().unwrap_or("?").trim();
+    if v.is_empty() || v.eq_ignore_ascii_case("identity") {
+        return Ok(None);
+    }
+    Coding::from_name(v).map(Some).ok_or_else(|| {
+        Status::unimplemented(format!(
+            "Content-Encoding '{v}' is not supported; send the request uncompressed, or as gzip or deflate"
+        ))
+    })
+}
+
+/// The coding to compress an infer response with, from `Accept-Encoding`: the accepted one
+/// (q > 0) of gzip and deflate with the highest q, gzip on a tie; `None` when neither is named.
+fn response_coding(headers: &HeaderMap) -> Option<Coding> {
+    let mut best: Option<(Coding, f32)> = None;
+    for value in headers.get_all(header::ACCEPT_ENCODING) {
+        let Ok(value) = value.to_str() else {
+            continue;
+        };
+        for item in value.split(',') {
+            let mut params = item.split(';');
+            let Some(coding) = Coding::from_name(params.next().unwrap_or("").trim()) else {
+                continue;
+            };
+            let mut q = 1.0f32;
+            for p in params {
+                let (key, val) = p.split_once('=').unwrap_or((p, ""));
+                if key.trim().eq_ignore_ascii_case("q") {
+                    q = val.trim().parse().unwrap_or(0.0);
+                }
+            }
+            let better = match best {
+                None => true,
+                Some((b, bq)) => q > bq || (q == bq && coding == Coding::Gzip && b != Coding::Gzip),
+            };
+            if q > 0.0 && better {
+                best = Some((coding, q));
+            }
+        }
+    }
+    best.map(|(c, _)| c)
+}
+
 /// Reads a request body into one buffer, refusing (before reading it) a declared
 /// `Content-Length` over `max` and stopping as soon as the bytes received pass `max`.
 /// A body that arrives in one chunk is returned as that chunk, without copying.
-async fn read_body(headers: &HeaderMap, mut body: Body, max: usize) -> Result<Bytes, Status> {
-    if let Some(v) = headers.get(header::CONTENT_ENCODING) {
-        let v = v.to_str().unwrap_or("?").trim();
-        if !v.is_empty() && !v.eq_ignore_ascii_case("identity") {
-            return Err(Status::unimplemented(format!(
-                "Content-Encoding '{v}' is not supported; send the request uncompressed"
-            )));
+///
+/// A `gzip` or `deflate` body (`Content-Encoding`) is inflated, and `max` then bounds the
+/// inflated size too: inflation stops (400) as soon as it would pass `max`, so a small body
+/// that expands hugely never takes more than `max` bytes of memory.
+async fn read_body(headers: &HeaderMap, body: Body, max: usize) -> Result<Bytes, Status> {
+    let coding = request_coding(headers)?;
+    let raw = read_raw_body(headers, body, max).await?;
+    match coding {
+        Some(coding) if !raw.is_empty() => {
+            maybe_offload(raw.len() > OFFLOAD_INFLATE_BYTES, move || {
+                inflate(coding, &raw, max).map(Bytes::from)
+            })
+            .await
         }
+        _ => Ok(raw),
     }
+}
+
+async fn read_raw_body(headers: &HeaderMap, mut body: Body, max: usize) -> Result<Bytes, Status> {
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -241,6 +338,107 @@ async fn read_body(headers: &HeaderMap, mut body: Body, max: usize) -> Result<By
         }
     }
     Ok(first.unwrap_or_else(|| buf.freeze()))
+}
+
+/// Inflates a `coding` body, failing as soon as the output would pass `max` bytes.
+/// `deflate` is the zlib format; a raw deflate stream (no zlib header, as some clients send)
+/// is accepted too.
+fn inflate(coding: Coding, data: &[u8], max: usize) -> Result<Vec<u8>, Status> {
+    use flate2::bufread::{DeflateDecoder, MultiGzDecoder, ZlibDecoder};
+    let result = match coding {
+        Coding::Gzip => read_bounded(MultiGzDecoder::new(data), data.len(), max),
+        Coding::Deflate if has_zlib_header(data) => {
+            read_bounded(ZlibDecoder::new(data), data.len(), max)
+        }
+        Coding::Deflate => read_bounded(DeflateDecoder::new(data), data.len(), max),
+    };
+    match result {
+        Ok(Some(out)) => Ok(out),
+        Ok(None) => Err(Status::invalid(format!(
+            "decompressed ({}) request body exceeds the limit of {max} bytes",
+            coding.name()
+        ))),
+        Err(e) => Err(Status::invalid(format!(
+            "failed to decompress the {} request body: {e}",
+            coding.name()
+        ))),
+    }
+}
+
+/// Whether `data` starts with a zlib header (RFC 1950): deflate method, a window of at most
+/// 32 KiB, and a header checksum that holds.
+fn has_zlib_header(data: &[u8]) -> bool {
+    match data {
+        [cmf, flg, ..] => {
+            cmf & 0x0f == 8
+                && cmf >> 4 <= 7
+                && ((*cmf as u16) << 8 | *flg as u16).is_multiple_of(31)
+        }
+        _ => false,
+    }
+}
+
+/// Reads `reader` to its end into a buffer that never grows past `max + 1` bytes; `None` when
+/// there are more than `max` bytes (reading stops there).
+fn read_bounded(
+    mut reader: impl std::io::Read,
+    compressed_len: usize,
+    max: usize,
+) -> std::io::Result<Option<Vec<u8>>> {
+    let cap = max.saturating_add(1);
+    let mut buf = vec![0u8; compressed_len.saturating_mul(4).max(16 << 10).min(cap)];
+    let mut filled = 0;
+    loop {
+        if filled == buf.len() {
+            if buf.len() >= cap {
+                return Ok(None);
+            }
+            let grown = buf.len().saturating_mul(2).min(cap);
+            buf.reserve_exact(grown - buf.len());
+            buf.resize(grown, 0);
+        }
+        match reader.read(&mut buf[filled..]) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    if filled > max {
+        return Ok(None);
+    }
+    buf.truncate(filled);
+    Ok(Some(buf))
+}
+
+/// Compresses `parts` (in order) as one `coding` stream.
+fn deflate_parts<'a>(
+    coding: Coding,
+    parts: impl IntoIterator<Item = &'a [u8]>,
+    total: usize,
+) -> std::io::Result<Vec<u8>> {
+    use flate2::Compression;
+    use flate2::write::{GzEncoder, ZlibEncoder};
+    use std::io::Write;
+    // Level 1: most of the size gain of the default level at a fraction of its CPU time, in
+    // the request's latency path.
+    let out = Vec::with_capacity(total / 2 + 64);
+    match coding {
+        Coding::Gzip => {
+            let mut e = GzEncoder::new(out, Compression::fast());
+            for p in parts {
+                e.write_all(p)?;
+            }
+            e.finish()
+        }
+        Coding::Deflate => {
+            let mut e = ZlibEncoder::new(out, Compression::fast());
+            for p in parts {
+                e.write_all(p)?;
+            }
+            e.finish()
+        }
+    }
 }
 
 fn inference_header_length(headers: &HeaderMap) -> Result<Option<usize>, Status> {
@@ -338,7 +536,9 @@ async fn infer(
     body: Body,
 ) -> Result<Response, ApiError> {
     let max = server.limits.max_request_bytes;
+    // Refers to the request body once inflated, when it is compressed.
     let header_length = inference_header_length(&headers)?;
+    let accept = response_coding(&headers);
     let body = read_body(&headers, body, max).await?;
 
     let json_len = header_length.unwrap_or(body.len()).min(body.len());
@@ -362,7 +562,47 @@ async fn infer(
         render_infer_response(&response, &format)
     })
     .await?;
-    Ok(infer_response(rendered))
+    match accept {
+        Some(coding) if rendered.total_len() > COMPRESS_MIN_BYTES => {
+            let heavy = rendered.total_len() > OFFLOAD_JSON_BYTES;
+            Ok(maybe_offload(heavy, move || compressed_infer_response(rendered, coding)).await?)
+        }
+        _ => Ok(infer_response(rendered)),
+    }
+}
+
+/// [`infer_response`] compressed as one `coding` stream (`Content-Encoding`);
+/// `Inference-Header-Content-Length` still gives the JSON part's length in the inflated body,
+/// as tritonserver sends it and tritonclient reads it.
+fn compressed_infer_response(
+    rendered: RenderedResponse,
+    coding: Coding,
+) -> Result<Response, Status> {
+    let header_length = rendered.header_length();
+    let total = rendered.total_len();
+    let parts =
+        std::iter::once(rendered.json.as_slice()).chain(rendered.binary.iter().map(|b| &b[..]));
+    let body = deflate_parts(coding, parts, total)
+        .map_err(|e| Status::internal(format!("failed to compress the inference response: {e}")))?;
+    let mut response = Response::new(Body::from(body));
+    let h = response.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(if header_length.is_some() {
+            "application/octet-stream"
+        } else {
+            "application/json"
+        }),
+    );
+    h.insert(
+        header::CONTENT_ENCODING,
+        HeaderValue::from_static(coding.name()),
+    );
+    h.insert(header::VARY, HeaderValue::from_static("accept-encoding"));
+    if let Some(n) = header_length {
+        h.insert(HEADER_CONTENT_LENGTH, HeaderValue::from(n));
+    }
+    Ok(response)
 }
 
 /// The HTTP response for a rendered inference: plain JSON, or JSON + binary section with
@@ -961,14 +1201,219 @@ mod tests {
             e.message
         );
         headers.remove(header::CONTENT_LENGTH);
-        headers.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
-        assert_eq!(
-            read_body(&headers, Body::from("x"), 10)
-                .await
-                .unwrap_err()
-                .code,
-            Code::Unimplemented
+        headers.insert(header::CONTENT_ENCODING, HeaderValue::from_static("br"));
+        let e = read_body(&headers, Body::from("x"), 10).await.unwrap_err();
+        assert_eq!(e.code, Code::Unimplemented);
+        assert!(e.message.contains("'br'"), "{}", e.message);
+        headers.insert(
+            header::CONTENT_ENCODING,
+            HeaderValue::from_static("identity"),
         );
+        let b = read_body(&headers, Body::from("hello"), 10).await.unwrap();
+        assert_eq!(&b[..], b"hello");
+    }
+
+    fn gzip(data: &[u8]) -> Vec<u8> {
+        deflate_parts(Coding::Gzip, [data], data.len()).unwrap()
+    }
+
+    fn zlib(data: &[u8]) -> Vec<u8> {
+        deflate_parts(Coding::Deflate, [data], data.len()).unwrap()
+    }
+
+    fn raw_deflate(data: &[u8]) -> Vec<u8> {
+        use std::io::Write;
+        let mut e = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(data).unwrap();
+        e.finish().unwrap()
+    }
+
+    fn encoded(coding: &'static str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static(coding));
+        h
+    }
+
+    #[tokio::test]
+    async fn compressed_request_bodies_are_inflated() {
+        // A binary-extension infer body: JSON header + the tensor's bytes.
+        let values = [1.5f32, -2.0, 3.25, 0.0];
+        let tensor: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let json = br#"{"inputs":[{"name":"A","shape":[4],"datatype":"FP32","parameters":{"binary_data_size":16}},{"name":"J","shape":[2],"datatype":"INT32","data":[7,8]}]}"#;
+        let mut plain = json.to_vec();
+        plain.extend_from_slice(&tensor);
+        for (name, body) in [
+            ("gzip", gzip(&plain)),
+            ("x-gzip", gzip(&plain)),
+            ("deflate", zlib(&plain)),
+            ("DEFLATE", raw_deflate(&plain)),
+        ] {
+            assert_ne!(body, plain);
+            let headers = encoded(name);
+            let b = read_body(&headers, Body::from(body), 1 << 20)
+                .await
+                .unwrap();
+            assert_eq!(&b[..], &plain[..], "{name}");
+            // Inference-Header-Content-Length counts in the inflated body.
+            let p = parse_infer_request("m", None, b, Some(json.len()), 1 << 20).unwrap();
+            assert_eq!(&p.request.inputs[0].data[..], &tensor[..], "{name}");
+            assert_eq!(
+                &p.request.inputs[1].data[..],
+                &[7, 0, 0, 0, 8, 0, 0, 0],
+                "{name}"
+            );
+        }
+        // A JSON body in several chunks.
+        let body = gzip(br#"{"inputs":[]}"#);
+        let (a, b) = body.split_at(body.len() / 2);
+        let chunks = futures::stream::iter(
+            [a.to_vec(), b.to_vec()].map(|c| Ok::<_, Infallible>(Bytes::from(c))),
+        );
+        let b = read_body(&encoded("gzip"), Body::from_stream(chunks), 100)
+            .await
+            .unwrap();
+        assert_eq!(&b[..], br#"{"inputs":[]}"#);
+        // An empty body stays empty.
+        let b = read_body(&encoded("gzip"), Body::empty(), 100)
+            .await
+            .unwrap();
+        assert!(b.is_empty());
+        // Corrupt data is a 400 naming the coding.
+        let e = read_body(&encoded("gzip"), Body::from("not gzip at all"), 100)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert!(e.message.contains("gzip"), "{}", e.message);
+        let mut truncated = zlib(&plain);
+        truncated.truncate(truncated.len() / 2);
+        let e = read_body(&encoded("deflate"), Body::from(truncated), 1 << 20)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert!(e.message.contains("deflate"), "{}", e.message);
+    }
+
+    #[tokio::test]
+    async fn compressed_bodies_are_limited_by_their_inflated_size() {
+        const MAX: usize = 1 << 20;
+        // A "zip bomb": a few KiB on the wire, 8 MiB inflated.
+        let mut inflated = br#"{"inputs": [], "pad": ""#.to_vec();
+        inflated.resize(8 * MAX, b' ');
+        inflated.extend_from_slice(br#""}"#);
+        for (name, body) in [("gzip", gzip(&inflated)), ("deflate", zlib(&inflated))] {
+            assert!(body.len() < MAX / 4, "{}", body.len());
+            let e = read_body(&encoded(name), Body::from(body), MAX)
+                .await
+                .unwrap_err();
+            assert_eq!(e.code, Code::InvalidArgument);
+            assert!(
+                e.message.contains("exceeds the limit of 1048576 bytes"),
+                "{}",
+                e.message
+            );
+        }
+        // Exactly the limit inflated is fine; one byte more is not.
+        let exact = vec![b'x'; MAX];
+        assert_eq!(
+            inflate(Coding::Gzip, &gzip(&exact), MAX).unwrap().len(),
+            MAX
+        );
+        assert!(inflate(Coding::Gzip, &gzip(&exact), MAX - 1).is_err());
+        // The inflating buffer never grows past max + 1 bytes.
+        let bomb = gzip(&inflated);
+        let reader = flate2::bufread::GzDecoder::new(&bomb[..]);
+        let mut counting = CapturingReader {
+            inner: reader,
+            largest_read: 0,
+        };
+        assert!(read_bounded(&mut counting, 100, MAX).unwrap().is_none());
+        assert!(counting.largest_read <= MAX + 1);
+        let out = read_bounded(&exact[..], 10, MAX).unwrap().unwrap();
+        assert!(out.capacity() <= MAX + 1, "{}", out.capacity());
+    }
+
+    struct CapturingReader<R> {
+        inner: R,
+        largest_read: usize,
+    }
+
+    impl<R: std::io::Read> std::io::Read for CapturingReader<R> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            self.largest_read = self.largest_read.max(buf.len());
+            self.inner.read(buf)
+        }
+    }
+
+    #[test]
+    fn accept_encoding_choice() {
+        let coding = |v: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static(v));
+            response_coding(&h)
+        };
+        assert_eq!(response_coding(&HeaderMap::new()), None);
+        assert_eq!(coding("gzip"), Some(Coding::Gzip));
+        assert_eq!(coding("deflate"), Some(Coding::Deflate));
+        assert_eq!(coding("deflate, gzip"), Some(Coding::Gzip));
+        assert_eq!(coding("gzip;q=0.5, deflate"), Some(Coding::Deflate));
+        assert_eq!(coding("gzip; q=0, deflate;q=0.1"), Some(Coding::Deflate));
+        assert_eq!(coding("gzip;q=0"), None);
+        assert_eq!(coding("br, identity"), None);
+        assert_eq!(coding("*"), None);
+    }
+
+    fn inflate_all(coding: Coding, body: &[u8]) -> Vec<u8> {
+        inflate(coding, body, usize::MAX >> 1).unwrap()
+    }
+
+    #[tokio::test]
+    async fn compressed_infer_responses() {
+        let values: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+        let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let response = InferResponse {
+            model_name: "m".into(),
+            model_version: 1,
+            id: String::new(),
+            outputs: vec![OutputTensor {
+                name: "A".into(),
+                datatype: DataType::Fp32,
+                shape: vec![1000],
+                data: Bytes::from(data.clone()),
+            }],
+        };
+        for coding in [Coding::Gzip, Coding::Deflate] {
+            // Binary form: the header length counts in the inflated body.
+            let format = OutputFormat {
+                binary_default: true,
+                explicit: vec![],
+            };
+            let rendered = render_infer_response(&response, &format).unwrap();
+            let json_len = rendered.json.len();
+            let r = compressed_infer_response(rendered, coding).unwrap();
+            assert_eq!(r.headers()[header::CONTENT_ENCODING], coding.name());
+            assert_eq!(
+                r.headers()[header::CONTENT_TYPE],
+                "application/octet-stream"
+            );
+            assert_eq!(
+                r.headers()[HEADER_CONTENT_LENGTH].to_str().unwrap(),
+                json_len.to_string()
+            );
+            let body = inflate_all(coding, &body_bytes(r).await);
+            let v: Value = serde_json::from_slice(&body[..json_len]).unwrap();
+            assert_eq!(v["outputs"][0]["parameters"]["binary_data_size"], 4000);
+            assert_eq!(&body[json_len..], &data[..]);
+
+            // JSON form.
+            let rendered = render_infer_response(&response, &OutputFormat::default()).unwrap();
+            let plain = rendered.json.clone();
+            let r = compressed_infer_response(rendered, coding).unwrap();
+            assert_eq!(r.headers()[header::CONTENT_TYPE], "application/json");
+            assert!(r.headers().get(HEADER_CONTENT_LENGTH).is_none());
+            let body = body_bytes(r).await;
+            assert!(body.len() < plain.len());
+            assert_eq!(inflate_all(coding, &body), plain);
+        }
     }
 
     #[test]

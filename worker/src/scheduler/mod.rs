@@ -1,32 +1,33 @@
-//! Per-model-version scheduling: a dynamic batcher task feeding an instance group.
+//! Per-model-version scheduling: a dynamic batch queue shared by an instance group.
 //!
-//! - The **batcher** is one tokio task that owns the [`policy::BatchQueue`]. Requests arrive
-//!   on a bounded channel (full → `RESOURCE_EXHAUSTED` at once). Whenever an instance is idle it
-//!   asks the policy for a batch; a batch therefore forms while instances are busy and grows
-//!   under load. A timer wakes it for queue delays and request timeouts, so timeouts fire when
-//!   they expire. Entries whose caller has gone are dropped before their batch forms.
-//! - Each **instance** is an OS thread owning one ONNX Runtime session; compute never runs on
-//!   the async runtime. It runs a batch, answers each request on its `oneshot`, and reports
-//!   itself idle.
+//! - Requests are pushed straight into the version's [`policy::BatchQueue`] under a mutex
+//!   (a few hundred nanoseconds); a full queue or priority level answers `RESOURCE_EXHAUSTED`
+//!   at once.
+//! - Each **instance** is an OS thread owning one ONNX Runtime session (compute never runs on
+//!   the async runtime). An idle instance asks the policy for a batch; if the policy says
+//!   "wait until t" it sleeps on a condition variable with a microsecond timeout (tokio's timer
+//!   has millisecond granularity, too coarse for queue delays of 100 µs). A batch therefore
+//!   forms while instances are busy and grows under load. Pushes wake a sleeping instance only
+//!   when that can change its decision: the queue was empty, the batch target is reached, or
+//!   the request carries its own deadline.
+//! - Timeouts fire when they expire (they bound the sleep), and entries whose caller has gone
+//!   are dropped before their batch forms (checked at least every [`CANCEL_SCAN_INTERVAL`]).
 //! - With `preserve_ordering`, answers are released in arrival order through a [`Sequencer`].
 
 pub mod policy;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use nereid_common::{Code, Status};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use crate::backend::{InstanceSession, JobInputs};
 use crate::metrics::VersionStats;
 use crate::tensor::OutputTensor;
 use policy::{BatchPolicy, BatchQueue, Decision, DropReason, Pending, QueueFull};
-
-/// Bound of the channel between request handlers and the batcher.
-pub const SUBMIT_QUEUE_CAPACITY: usize = 8192;
 
 /// While requests wait, the batcher looks for callers that went away at least this often, so a
 /// cancelled request leaves the queue (and the pending gauge) promptly, not when its batch forms.
@@ -138,14 +139,35 @@ impl Delivery {
     }
 }
 
-/// Handle to one model version's batcher. Dropping every handle drains the queue, then stops
-/// the batcher and the instance threads.
+/// State shared by request handlers and instance threads.
+struct Shared {
+    state: Mutex<QueueState>,
+    wake: Condvar,
+    stats: Arc<VersionStats>,
+    delivery: Delivery,
+}
+
+struct QueueState {
+    queue: BatchQueue<Job>,
+    next_seq: u64,
+    /// The last handle is gone: drain what is queued, then stop.
+    closed: bool,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Handle to one model version's queue. Dropping it lets the instances drain what is queued,
+/// then stop.
 pub struct Scheduler {
-    tx: mpsc::Sender<Job>,
+    shared: Arc<Shared>,
 }
 
 impl Scheduler {
-    /// Starts the batcher task and one thread per instance session.
+    /// Starts one thread per instance session.
     pub fn start(
         label: &str,
         policy: BatchPolicy,
@@ -153,165 +175,128 @@ impl Scheduler {
         sessions: Vec<InstanceSession>,
         stats: Arc<VersionStats>,
     ) -> std::io::Result<Scheduler> {
-        let (tx, rx) = mpsc::channel(SUBMIT_QUEUE_CAPACITY);
-        let (idle_tx, idle_rx) = mpsc::channel(sessions.len().max(1));
         let delivery = if preserve_ordering { Delivery::Ordered(Arc::default()) } else { Delivery::Direct };
-        let mut instances = Vec::with_capacity(sessions.len());
+        let shared = Arc::new(Shared {
+            state: Mutex::new(QueueState { queue: BatchQueue::new(policy), next_seq: 0, closed: false }),
+            wake: Condvar::new(),
+            stats,
+            delivery,
+        });
         for (i, session) in sessions.into_iter().enumerate() {
-            let (batch_tx, batch_rx) = std::sync::mpsc::sync_channel::<Vec<Job>>(1);
-            let idle_tx = idle_tx.clone();
-            let stats = stats.clone();
-            let delivery = delivery.clone();
+            let shared = shared.clone();
             std::thread::Builder::new()
                 .name(format!("{label}#{i}"))
-                .spawn(move || instance_thread(i, session, batch_rx, idle_tx, stats, delivery))?;
-            instances.push(batch_tx);
+                .spawn(move || instance_thread(session, shared))?;
         }
-        tokio::spawn(batcher_task(rx, BatchQueue::new(policy), instances, idle_rx, stats, delivery));
-        Ok(Scheduler { tx })
+        Ok(Scheduler { shared })
     }
 
-    /// Queues a job. Fails at once with `RESOURCE_EXHAUSTED` if the batcher's intake is full.
-    pub fn submit(&self, job: Job) -> Result<(), Status> {
-        self.tx.try_send(job).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => {
-                Status::exhausted("the model's request queue is full, retry later")
+    /// Queues a job. Fails at once with `RESOURCE_EXHAUSTED` when the queue (or the job's
+    /// priority level, `max_queue_size`) is full.
+    pub fn submit(&self, mut job: Job) -> Result<(), Status> {
+        let wake = {
+            let mut state = self.shared.lock();
+            if state.queue.len() >= MAX_QUEUED {
+                return Err(Status::exhausted("the model's request queue is full, retry later"));
             }
-            mpsc::error::TrySendError::Closed(_) => Status::unavailable("the model is unloading"),
-        })
+            job.seq = state.next_seq;
+            let was_empty = state.queue.is_empty();
+            let has_deadline = job.deadline.is_some() || job.timeout_us > 0;
+            let (priority, timeout_us) = (job.priority, job.timeout_us);
+            if let Err(QueueFull(_)) = state.queue.push(job, priority, timeout_us, Instant::now()) {
+                return Err(Status::exhausted(
+                    "the queue of this priority level is full (max_queue_size), retry later",
+                ));
+            }
+            state.next_seq += 1;
+            was_empty || has_deadline || state.queue.rows() >= state.queue.fill_target()
+        };
+        self.shared.stats.pending_add(1);
+        if wake {
+            self.shared.wake.notify_one();
+        }
+        Ok(())
     }
 }
 
-async fn batcher_task(
-    mut rx: mpsc::Receiver<Job>,
-    mut queue: BatchQueue<Job>,
-    instances: Vec<std::sync::mpsc::SyncSender<Vec<Job>>>,
-    mut idle_rx: mpsc::Receiver<usize>,
-    stats: Arc<VersionStats>,
-    delivery: Delivery,
-) {
-    let mut idle: Vec<usize> = (0..instances.len()).rev().collect();
-    let mut wake: Option<Instant> = None;
-    let mut intake_open = true;
-    let mut next_seq = 0u64;
-    let far = || tokio::time::Instant::now() + std::time::Duration::from_secs(3600);
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.shared.lock().closed = true;
+        self.shared.wake.notify_all();
+    }
+}
+
+/// Most requests queued per model version, whatever the policy says.
+pub const MAX_QUEUED: usize = 8192;
+
+fn instance_thread(mut session: InstanceSession, shared: Arc<Shared>) {
+    let mut state = shared.lock();
     loop {
-        let sleep_to = wake.map(tokio::time::Instant::from_std).unwrap_or_else(far);
-        tokio::select! {
-            biased;
-            Some(i) = idle_rx.recv() => idle.push(i),
-            job = rx.recv(), if intake_open => match job {
-                Some(job) => enqueue(&mut queue, job, &mut next_seq, &stats, &delivery),
-                None => intake_open = false,
-            },
-            _ = tokio::time::sleep_until(sleep_to), if wake.is_some() => {}
-        }
-        // Take everything else that is already there before deciding.
-        while let Ok(i) = idle_rx.try_recv() {
-            idle.push(i);
-        }
-        while intake_open {
-            match rx.try_recv() {
-                Ok(job) => enqueue(&mut queue, job, &mut next_seq, &stats, &delivery),
-                Err(mpsc::error::TryRecvError::Empty) => break,
-                Err(mpsc::error::TryRecvError::Disconnected) => intake_open = false,
-            }
-        }
         let now = Instant::now();
-        for (job, why) in queue.expire(now) {
-            stats.pending_add(-1);
+        for (job, why) in state.queue.expire(now) {
+            shared.stats.pending_add(-1);
             let status = match why {
                 DropReason::Cancelled => {
                     // No one is left to count it on the request path.
-                    stats.record_failure(now.saturating_duration_since(job.arrived), "CANCELED");
+                    shared.stats.record_failure(now.saturating_duration_since(job.arrived), "CANCELED");
                     Status::new(Code::Cancelled, "the request was cancelled")
                 }
-                DropReason::TimedOut => {
-                    Status::new(Code::DeadlineExceeded, "request timeout expired while queued")
-                }
+                DropReason::TimedOut => Status::new(Code::DeadlineExceeded, "request timeout expired while queued"),
             };
-            delivery.skip(job.seq);
+            shared.delivery.skip(job.seq);
             let _ = job.reply.send(Err(status));
         }
-        wake = None;
-        while let Some(&instance) = idle.last() {
-            match queue.next_batch(now) {
-                Decision::Dispatch(batch) => {
-                    idle.pop();
-                    for job in &batch {
-                        stats.record_queue(now.saturating_duration_since(job.arrived));
-                    }
-                    stats.pending_add(-(batch.len() as i64));
-                    if let Err(std::sync::mpsc::SendError(batch)) = instances[instance].send(batch) {
-                        for job in batch {
-                            delivery.skip(job.seq);
-                            let _ = job.reply.send(Err(Status::internal("model instance stopped")));
-                        }
-                    }
+        // Once closed, nothing more will join: run what is left without waiting.
+        let decide_at = if state.closed { now + Duration::from_secs(86_400) } else { now };
+        match state.queue.next_batch(decide_at) {
+            Decision::Dispatch(batch) => {
+                if !state.queue.is_empty() {
+                    // More is queued: another idle instance may take it.
+                    shared.wake.notify_one();
                 }
-                Decision::WaitUntil(t) => {
-                    wake = Some(t);
-                    break;
-                }
-                Decision::Idle => break,
+                drop(state);
+                run_batch(&mut session, batch, now, &shared);
+                state = shared.lock();
             }
-        }
-        wake = [wake, queue.next_timeout(), (!queue.is_empty()).then(|| now + CANCEL_SCAN_INTERVAL)]
-            .into_iter()
-            .flatten()
-            .min();
-        if !intake_open && queue.is_empty() {
-            break;
+            Decision::WaitUntil(t) => {
+                let until = [Some(t), state.queue.next_timeout(), Some(now + CANCEL_SCAN_INTERVAL)]
+                    .into_iter()
+                    .flatten()
+                    .min()
+                    .unwrap_or(t);
+                let wait = until.saturating_duration_since(now);
+                state = shared.wake.wait_timeout(state, wait).unwrap_or_else(|e| e.into_inner()).0;
+            }
+            Decision::Idle if state.closed => break,
+            Decision::Idle => {
+                state = shared.wake.wait(state).unwrap_or_else(|e| e.into_inner());
+            }
         }
     }
 }
 
-fn enqueue(queue: &mut BatchQueue<Job>, mut job: Job, next_seq: &mut u64, stats: &VersionStats, delivery: &Delivery) {
-    job.seq = *next_seq;
-    *next_seq += 1;
-    let (priority, timeout_us) = (job.priority, job.timeout_us);
-    match queue.push(job, priority, timeout_us, Instant::now()) {
-        Ok(()) => stats.pending_add(1),
-        Err(QueueFull(job)) => {
-            delivery.skip(job.seq);
-            let _ = job.reply.send(Err(Status::exhausted(
-                "the queue of this priority level is full (max_queue_size), retry later",
-            )));
-        }
+fn run_batch(session: &mut InstanceSession, batch: Vec<Job>, dispatched: Instant, shared: &Shared) {
+    for job in &batch {
+        shared.stats.record_queue(dispatched.saturating_duration_since(job.arrived));
     }
-}
-
-fn instance_thread(
-    index: usize,
-    mut session: InstanceSession,
-    batches: std::sync::mpsc::Receiver<Vec<Job>>,
-    idle: mpsc::Sender<usize>,
-    stats: Arc<VersionStats>,
-    delivery: Delivery,
-) {
-    while let Ok(batch) = batches.recv() {
-        let inputs: Vec<JobInputs<'_>> =
-            batch.iter().map(|j| JobInputs { rows: j.rows, inputs: &j.inputs }).collect();
-        let wanted = |j: usize, o: usize| batch[j].wanted.get(o).copied().unwrap_or(false);
-        let result = session.run(&inputs, &wanted);
-        drop(inputs);
-        let rows: usize = batch.iter().map(|j| j.rows).sum();
-        match result {
-            Ok((outputs, times)) => {
-                // Count before answering, so a caller that reads statistics sees its batch.
-                stats.record_execution(rows, batch.len(), times.input, times.infer, times.output);
-                for (job, out) in batch.into_iter().zip(outputs) {
-                    delivery.send(job.seq, job.reply, Ok(out));
-                }
-            }
-            Err(status) => {
-                for job in batch {
-                    delivery.send(job.seq, job.reply, Err(status.clone()));
-                }
+    shared.stats.pending_add(-(batch.len() as i64));
+    let inputs: Vec<JobInputs<'_>> = batch.iter().map(|j| JobInputs { rows: j.rows, inputs: &j.inputs }).collect();
+    let wanted = |j: usize, o: usize| batch[j].wanted.get(o).copied().unwrap_or(false);
+    let result = session.run(&inputs, &wanted);
+    drop(inputs);
+    let rows: usize = batch.iter().map(|j| j.rows).sum();
+    match result {
+        Ok((outputs, times)) => {
+            // Count before answering, so a caller that reads statistics sees its batch.
+            shared.stats.record_execution(rows, batch.len(), times.input, times.infer, times.output);
+            for (job, out) in batch.into_iter().zip(outputs) {
+                shared.delivery.send(job.seq, job.reply, Ok(out));
             }
         }
-        if idle.blocking_send(index).is_err() {
-            break;
+        Err(status) => {
+            for job in batch {
+                shared.delivery.send(job.seq, job.reply, Err(status.clone()));
+            }
         }
     }
 }

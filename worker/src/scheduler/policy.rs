@@ -149,12 +149,14 @@ pub struct BatchQueue<T> {
     /// Requests whose timeout passed under `DELAY`: served after every other request.
     delayed: VecDeque<Entry<T>>,
     len: usize,
+    /// Rows over every queued entry (whatever their shapes).
+    rows: usize,
 }
 
 impl<T: Pending> BatchQueue<T> {
     pub fn new(policy: BatchPolicy) -> Self {
         let levels = (0..policy.levels.len()).map(|_| VecDeque::new()).collect();
-        BatchQueue { policy, levels, delayed: VecDeque::new(), len: 0 }
+        BatchQueue { policy, levels, delayed: VecDeque::new(), len: 0, rows: 0 }
     }
 
     pub fn policy(&self) -> &BatchPolicy {
@@ -169,6 +171,18 @@ impl<T: Pending> BatchQueue<T> {
         self.len == 0
     }
 
+    /// Rows queued over all entries.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Rows at which waiting for more cannot help: the largest preferred size, else the
+    /// maximum batch size. A batcher that sleeps until the delay ends needs waking only when
+    /// the queue reaches this (or when it was empty).
+    pub fn fill_target(&self) -> usize {
+        self.policy.preferred_batch_sizes.last().copied().unwrap_or(self.policy.max_batch_size)
+    }
+
     /// Queues `item` at the level for `priority`, with its timeout. Fails at once if the
     /// level's `max_queue_size` is reached.
     pub fn push(&mut self, item: T, priority: u64, timeout_us: u64, now: Instant) -> Result<(), QueueFull<T>> {
@@ -179,6 +193,7 @@ impl<T: Pending> BatchQueue<T> {
             return Err(QueueFull(item));
         }
         let timeout_at = self.policy.timeout_for(level, timeout_us).map(|t| now + t);
+        self.rows += item.rows();
         self.levels[level - 1].push_back(Entry { item, arrived: now, timeout_at, level });
         self.len += 1;
         Ok(())
@@ -216,6 +231,7 @@ impl<T: Pending> BatchQueue<T> {
             }
         }
         self.len -= dropped.len();
+        self.rows -= dropped.iter().map(|(item, _)| item.rows()).sum::<usize>();
         dropped
     }
 
@@ -285,6 +301,7 @@ impl<T: Pending> BatchQueue<T> {
             }
         }
         self.len -= out.len();
+        self.rows -= out.iter().map(Pending::rows).sum::<usize>();
         out
     }
 }
@@ -490,6 +507,7 @@ mod tests {
             }
             prop_assert_eq!(dispatched, pushed);
             prop_assert!(q.is_empty());
+            prop_assert_eq!(q.rows(), 0);
         }
 
         /// Highest-priority requests go first whatever arrives later.
