@@ -1,0 +1,378 @@
+//! `nereid-perf` flags (perf_analyzer's names where they overlap), parsed once and validated
+//! into a [`RunConfig`]. Errors name the flag or the file key.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::{Parser, ValueEnum};
+
+use crate::client::{Protocol, Target, normalize_url};
+use crate::driver::{Load, Measurement, RunConfig, WindowMode};
+use crate::error::PerfError;
+use crate::schedule::{Distribution, concurrency_levels, parse_trace, rate_levels};
+use crate::workload::{Entry, InputData, Origin, Workload};
+
+pub const DEFAULT_GRPC_URL: &str = "localhost:8001";
+pub const DEFAULT_HTTP_URL: &str = "localhost:8000";
+pub const DEFAULT_METRICS_PORT: u16 = 8002;
+/// gRPC: one HTTP/2 channel per this many outstanding requests (at most [`MAX_GRPC_CHANNELS`]).
+pub const REQUESTS_PER_GRPC_CHANNEL: usize = 32;
+pub const MAX_GRPC_CHANNELS: usize = 8;
+/// Open-loop gRPC channels when `--connections` is not given.
+pub const OPEN_LOOP_GRPC_CHANNELS: usize = 4;
+
+const EXIT_CODES: &str = "\
+Exit codes:
+  0  every level measured; the SLO (if any) was met at some level
+  1  internal error, or an output file could not be written
+  2  bad input: invalid flags, workload or trace file (the message names the key or line),
+     unknown model, or the server cannot be reached (after 3 attempts)
+  3  the server stopped answering mid-run; results so far are printed and written
+  4  results printed, but no load level met the SLO (\"no load level met the SLO\")
+  5  results printed, but untrustworthy: no stable measurement within --max-trials, more than
+     1% of open-loop sends started over 1 ms late, or no request succeeded at a level
+
+Open loop: each request has a scheduled send time; latency runs from that time, so a server
+or generator that falls behind shows in the latencies (no coordinated omission). A send that
+starts more than 1 ms late counts as late. A level meets the SLO when at least 99% of its
+completed requests succeeded within it (failures count as misses); a sweep stops at the first
+level that misses.
+
+Workload file (--workload), JSON; unknown keys are errors:
+  {\"entries\": [{\"model\": \"mlp_fp32\", \"version\": \"1\", \"weight\": 3, \"batch_size\": 4,
+                \"shapes\": {\"INPUT0\": [256]}, \"data\": \"random\", \"tenant\": \"acme\",
+                \"api_key\": \"...\", \"priority\": 1, \"timeout_us\": 50000, \"slo_ms\": 20,
+                \"class\": \"small\"}]}
+
+Trace file (--trace-file): one arrival offset per line, in milliseconds from the start,
+non-decreasing; '#' comments. The whole trace is measured as one window.";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ProtocolArg {
+    Grpc,
+    Http,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DistributionArg {
+    Constant,
+    Poisson,
+}
+
+/// Load generator for KServe v2 servers: throughput, latency percentiles and goodput under a
+/// latency SLO, with the server-side breakdown from /metrics.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "nereid-perf", version, after_help = EXIT_CODES)]
+pub struct Args {
+    /// Model to load (or give --workload).
+    #[arg(short = 'm', long, required_unless_present = "workload", conflicts_with = "workload")]
+    pub model: Option<String>,
+    /// Model version (default: the server's latest ready version).
+    #[arg(short = 'x', long = "model-version", conflicts_with = "workload")]
+    pub model_version: Option<String>,
+    /// Server address, host:port [default: localhost:8001 for gRPC, localhost:8000 for HTTP].
+    #[arg(short = 'u', long)]
+    pub url: Option<String>,
+    /// Wire protocol.
+    #[arg(short = 'i', long, value_enum, default_value = "grpc")]
+    pub protocol: ProtocolArg,
+    /// HTTP: send inputs and ask for outputs in the binary-tensor extension instead of JSON.
+    #[arg(long)]
+    pub http_binary: bool,
+    /// Prometheus endpoint for the server-side breakdown: host:port or a URL
+    /// [default: the --url host, port 8002, /metrics].
+    #[arg(long)]
+    pub metrics_url: Option<String>,
+    /// Do not scrape /metrics.
+    #[arg(long, conflicts_with = "metrics_url")]
+    pub no_server_stats: bool,
+    /// Rows per request (the model must batch for more than 1).
+    #[arg(short = 'b', long, default_value_t = 1, conflicts_with = "workload")]
+    pub batch_size: u32,
+    /// Non-batch dims of an input with variable dims, NAME:D1,D2,... (repeatable).
+    #[arg(long = "shape", value_name = "NAME:DIMS", conflicts_with = "workload")]
+    pub shapes: Vec<String>,
+    /// Input contents (a workload entry's "data" overrides it).
+    #[arg(long, value_enum, default_value = "random")]
+    pub input_data: InputData,
+    /// Closed loop: start[:end[:step]] outstanding requests [default: 1].
+    #[arg(long, conflicts_with_all = ["request_rate_range", "trace_file"])]
+    pub concurrency_range: Option<String>,
+    /// Open loop: start[:end[:step]] requests per second.
+    #[arg(long, conflicts_with = "trace_file")]
+    pub request_rate_range: Option<String>,
+    /// Open-loop arrival spacing.
+    #[arg(long, value_enum, default_value = "constant")]
+    pub request_distribution: DistributionArg,
+    /// Open loop: replay arrival offsets from a file (see below).
+    #[arg(long)]
+    pub trace_file: Option<PathBuf>,
+    /// JSON workload file mixing models, shapes, tenants, priorities and SLOs (see below).
+    #[arg(long)]
+    pub workload: Option<PathBuf>,
+    /// Length of a measurement window, in milliseconds.
+    #[arg(short = 'p', long, default_value_t = 5000)]
+    pub measurement_interval: u64,
+    /// Count windows instead of time windows: close each after this many responses (at most 60 s).
+    #[arg(long)]
+    pub measurement_request_count: Option<u64>,
+    /// Load before the first window, not measured, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    pub warmup_ms: u64,
+    /// Stability band: the last 3 windows' throughput and average latency within ±this % of their mean.
+    #[arg(short = 's', long, default_value_t = 10.0)]
+    pub stability_percentage: f64,
+    /// Most windows per level; below 3, stability compares that many windows (1: no check).
+    #[arg(short = 'r', long, default_value_t = 10)]
+    pub max_trials: u32,
+    /// Latency SLO in milliseconds for goodput and the verdict (workload entries may set their own).
+    #[arg(long)]
+    pub slo_p99_ms: Option<f64>,
+    /// Sent as `authorization: Bearer <key>` by entries without their own api_key.
+    #[arg(long, env = "NEREID_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Write perf_analyzer-style CSV here.
+    #[arg(short = 'f', long = "latency-report-file", visible_alias = "csv")]
+    pub csv: Option<PathBuf>,
+    /// Write the full report as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Seed of arrivals, input data and workload picks.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Client-side timeout of each request, in milliseconds (counted as CLIENT_TIMEOUT).
+    #[arg(long, default_value_t = 10_000)]
+    pub request_timeout_ms: u64,
+    /// Open loop: most requests outstanding; a send waiting for a slot is late.
+    #[arg(long, default_value_t = 4096)]
+    pub max_inflight: usize,
+    /// gRPC channels / HTTP keep-alive connections [default: from the load].
+    #[arg(long)]
+    pub connections: Option<usize>,
+    /// Generator threads (tokio workers).
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// No progress lines on stderr.
+    #[arg(short = 'q', long)]
+    pub quiet: bool,
+}
+
+impl Args {
+    /// Validates the flags and reads the workload and trace files.
+    pub fn into_config(self) -> Result<RunConfig, PerfError> {
+        let usage = |s: String| PerfError::Usage(s);
+        let protocol = match (self.protocol, self.http_binary) {
+            (ProtocolArg::Grpc, true) => return Err(usage("--http-binary needs --protocol http".into())),
+            (ProtocolArg::Grpc, false) => Protocol::Grpc,
+            (ProtocolArg::Http, binary) => Protocol::Http { binary },
+        };
+        let default_url = if protocol == Protocol::Grpc { DEFAULT_GRPC_URL } else { DEFAULT_HTTP_URL };
+        let url = normalize_url(self.url.as_deref().unwrap_or(default_url)).map_err(|e| usage(format!("--url {e}")))?;
+        let metrics_url = if self.no_server_stats { None } else { Some(metrics_uri(self.metrics_url.as_deref(), &url)?) };
+
+        if let Some(s) = self.slo_p99_ms
+            && !(s.is_finite() && s > 0.0)
+        {
+            return Err(usage(format!("--slo-p99-ms {s}: must be a positive number of milliseconds")));
+        }
+        let mut workload = match (&self.model, &self.workload) {
+            (Some(model), None) => {
+                let mut entry = Entry::for_model(model.clone());
+                entry.version = self.model_version.clone().filter(|v| !v.is_empty());
+                entry.batch_size = self.batch_size;
+                for s in &self.shapes {
+                    let (name, dims) = parse_shape(s)?;
+                    entry.shapes.insert(name, dims);
+                }
+                Workload::new(Origin::Flags, vec![entry], self.slo_p99_ms)?
+            }
+            (None, Some(path)) => {
+                let shown = path.display().to_string();
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| PerfError::Usage(format!("workload file {shown}: cannot read it: {e}")))?;
+                Workload::from_json(&shown, &text, self.slo_p99_ms)?
+            }
+            _ => return Err(usage("give either -m/--model or --workload".into())),
+        };
+        if let Some(key) = &self.api_key {
+            if key.is_empty() || key.chars().any(|c| c.is_control() || c == ' ') {
+                return Err(usage("--api-key: must be a non-empty token without spaces".into()));
+            }
+            for e in &mut workload.entries {
+                e.api_key.get_or_insert_with(|| key.clone());
+            }
+        }
+
+        let load = if let Some(path) = &self.trace_file {
+            let shown = path.display();
+            let text = std::fs::read_to_string(path).map_err(|e| usage(format!("trace file {shown}: cannot read it: {e}")))?;
+            let offsets = parse_trace(&text).map_err(|e| usage(format!("trace file {shown}: {e}")))?;
+            Load::Trace(Arc::from(offsets))
+        } else if let Some(r) = &self.request_rate_range {
+            let distribution = match self.request_distribution {
+                DistributionArg::Constant => Distribution::Constant,
+                DistributionArg::Poisson => Distribution::Poisson,
+            };
+            Load::RequestRate { rates: rate_levels(r).map_err(|e| usage(e.to_string()))?, distribution }
+        } else {
+            let c = self.concurrency_range.as_deref().unwrap_or("1");
+            Load::Concurrency(concurrency_levels(c).map_err(|e| usage(e.to_string()))?)
+        };
+
+        if self.measurement_interval == 0 {
+            return Err(usage("--measurement-interval: must be at least 1 ms".into()));
+        }
+        if self.measurement_request_count == Some(0) {
+            return Err(usage("--measurement-request-count: must be at least 1".into()));
+        }
+        if !(self.stability_percentage.is_finite() && self.stability_percentage > 0.0) {
+            return Err(usage(format!("--stability-percentage {}: must be above 0", self.stability_percentage)));
+        }
+        if self.max_trials == 0 {
+            return Err(usage("--max-trials: must be at least 1".into()));
+        }
+        if self.request_timeout_ms == 0 {
+            return Err(usage("--request-timeout-ms: must be at least 1".into()));
+        }
+        if self.max_inflight == 0 {
+            return Err(usage("--max-inflight: must be at least 1".into()));
+        }
+        if self.threads == 0 {
+            return Err(usage("--threads: must be at least 1".into()));
+        }
+        if self.connections == Some(0) {
+            return Err(usage("--connections: must be at least 1".into()));
+        }
+
+        let outstanding = match &load {
+            Load::Concurrency(levels) => levels.iter().copied().max().unwrap_or(1) as usize,
+            _ => self.max_inflight,
+        };
+        let connections = self.connections.unwrap_or(match (protocol, &load) {
+            (Protocol::Grpc, Load::Concurrency(_)) => outstanding.div_ceil(REQUESTS_PER_GRPC_CHANNEL).clamp(1, MAX_GRPC_CHANNELS),
+            (Protocol::Grpc, _) => OPEN_LOOP_GRPC_CHANNELS,
+            (Protocol::Http { .. }, _) => outstanding,
+        });
+
+        let window = match self.measurement_request_count {
+            Some(n) => WindowMode::Count { requests: n },
+            None => WindowMode::Time { ms: self.measurement_interval },
+        };
+        Ok(RunConfig {
+            target: Target { protocol, url, connections },
+            metrics_url,
+            workload,
+            input_data: self.input_data,
+            load,
+            measurement: Measurement {
+                window,
+                warmup_ms: self.warmup_ms,
+                stability_percentage: self.stability_percentage,
+                max_trials: self.max_trials,
+                request_timeout_ms: self.request_timeout_ms,
+                max_inflight: self.max_inflight,
+            },
+            seed: self.seed,
+        })
+    }
+}
+
+/// `--shape NAME:D1,D2` → (name, dims).
+pub fn parse_shape(value: &str) -> Result<(String, Vec<i64>), PerfError> {
+    let bad = |why: &str| PerfError::Usage(format!("--shape '{value}': {why}; expected NAME:D1,D2,..."));
+    let (name, dims) = value.rsplit_once(':').ok_or_else(|| bad("no ':'"))?;
+    if name.is_empty() {
+        return Err(bad("empty input name"));
+    }
+    let dims = dims
+        .split(',')
+        .map(|d| d.trim().parse::<i64>().ok().filter(|d| *d >= 0))
+        .collect::<Option<Vec<i64>>>()
+        .ok_or_else(|| bad("dims must be non-negative integers"))?;
+    Ok((name.to_string(), dims))
+}
+
+/// The `/metrics` URI from `--metrics-url` or, by default, the server host on port 8002.
+pub fn metrics_uri(flag: Option<&str>, server: &str) -> Result<http::Uri, PerfError> {
+    let bad = |v: &str, e: String| PerfError::Usage(format!("--metrics-url '{v}': {e}"));
+    let text = match flag {
+        Some(v) if v.contains("://") => {
+            if v.starts_with("https://") {
+                return Err(bad(v, "TLS is not supported yet".into()));
+            }
+            let uri: http::Uri = v.parse().map_err(|e| bad(v, format!("{e}")))?;
+            if uri.path() == "/" && !v.ends_with('/') { format!("{}/metrics", v.trim_end_matches('/')) } else { v.to_string() }
+        }
+        Some(v) => {
+            let hp = normalize_url(v).map_err(|e| bad(v, e))?;
+            format!("http://{hp}/metrics")
+        }
+        None => {
+            let uri: http::Uri = format!("http://{server}").parse().map_err(|e| bad(server, format!("{e}")))?;
+            format!("http://{}:{DEFAULT_METRICS_PORT}/metrics", uri.host().unwrap_or("localhost"))
+        }
+    };
+    text.parse().map_err(|e| bad(&text, format!("{e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> Result<RunConfig, PerfError> {
+        let mut argv = vec!["nereid-perf"];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv).map_err(|e| PerfError::Usage(e.to_string()))?.into_config()
+    }
+
+    #[test]
+    fn flags_build_a_single_entry_workload() {
+        let c = args(&["-m", "mlp", "-x", "2", "-b", "4", "--shape", "IN:3,4", "--slo-p99-ms", "5", "--api-key", "k"]).unwrap();
+        let e = &c.workload.entries[0];
+        assert_eq!((e.model.as_str(), e.version.as_deref(), e.batch_size), ("mlp", Some("2"), 4));
+        assert_eq!(e.shapes["IN"], vec![3, 4]);
+        assert_eq!(e.api_key.as_deref(), Some("k"));
+        assert_eq!(c.workload.series[0].slo_ms, Some(5.0));
+        assert_eq!(c.target.url, "localhost:8001");
+        assert_eq!(c.metrics_url.unwrap().to_string(), "http://localhost:8002/metrics");
+        assert!(matches!(c.load, Load::Concurrency(ref l) if l == &vec![1]));
+    }
+
+    #[test]
+    fn flag_errors_name_the_flag() {
+        let e = |a: &[&str]| args(a).unwrap_err().to_string();
+        assert!(e(&["-m", "m", "--shape", "X"]).contains("--shape"));
+        assert!(e(&["-m", "m", "--concurrency-range", "0"]).contains("--concurrency-range"));
+        assert!(e(&["-m", "m", "--request-rate-range", "x"]).contains("--request-rate-range"));
+        assert!(e(&["-m", "m", "--http-binary"]).contains("--protocol http"));
+        assert!(e(&["-m", "m", "-u", "https://x:1"]).contains("TLS"));
+        assert!(e(&["-m", "m", "--max-trials", "0"]).contains("--max-trials"));
+        assert!(e(&["-m", "m", "--slo-p99-ms", "0"]).contains("--slo-p99-ms"));
+        assert!(e(&["-m", "m", "--workload", "w.json"]).contains("cannot be used with"));
+        assert!(e(&[]).contains("--model"));
+        assert!(e(&["--workload", "/nonexistent/w.json"]).contains("cannot read"));
+        assert!(e(&["-m", "m", "--trace-file", "/nonexistent/t"]).contains("trace file"));
+    }
+
+    #[test]
+    fn urls_and_metrics_urls() {
+        let c = args(&["-m", "m", "-i", "http", "--http-binary", "-u", "http://10.0.0.1:9000/"]).unwrap();
+        assert_eq!(c.target.url, "10.0.0.1:9000");
+        assert_eq!(c.target.protocol, Protocol::Http { binary: true });
+        assert_eq!(c.metrics_url.unwrap().to_string(), "http://10.0.0.1:8002/metrics");
+        assert_eq!(metrics_uri(Some("h:1"), "x:2").unwrap().to_string(), "http://h:1/metrics");
+        assert_eq!(metrics_uri(Some("http://h:1"), "x:2").unwrap().to_string(), "http://h:1/metrics");
+        assert_eq!(metrics_uri(Some("http://h:1/m"), "x:2").unwrap().to_string(), "http://h:1/m");
+        assert!(args(&["-m", "m", "--no-server-stats"]).unwrap().metrics_url.is_none());
+    }
+
+    #[test]
+    fn connections_follow_the_load() {
+        let c = args(&["-m", "m", "--concurrency-range", "1:100:33"]).unwrap();
+        assert_eq!(c.target.connections, 4);
+        let c = args(&["-m", "m", "-i", "http", "--concurrency-range", "8"]).unwrap();
+        assert_eq!(c.target.connections, 8);
+        let c = args(&["-m", "m", "--request-rate-range", "100", "--connections", "2"]).unwrap();
+        assert_eq!(c.target.connections, 2);
+    }
+}

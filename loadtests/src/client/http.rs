@@ -1,0 +1,280 @@
+//! HTTP/1.1: `POST /v2/models/{m}[/versions/{v}]/infer` with JSON tensors or the binary-tensor
+//! extension (`Inference-Header-Content-Length`), over a keep-alive connection pool.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderValue};
+use http::{Method, Request, StatusCode, Uri};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Map, Value, json};
+
+use super::grpc::error_chain;
+use super::{CONNECT_TIMEOUT, CONTROL_TIMEOUT, ClientError, Target};
+use crate::measure::Failure;
+use crate::workload::{Entry, InputTensor, ModelInfo, TensorSpec, json_data};
+
+/// Header carrying the JSON part's length in a binary-tensor request.
+pub const INFERENCE_HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
+/// Largest control-plane (metadata, config) response read.
+const MAX_CONTROL_BYTES: usize = 4 << 20;
+/// Idle pooled connections are closed after this long.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+type Pool = Client<HttpConnector, Full<Bytes>>;
+
+/// A keep-alive HTTP/1.1 pool to one server.
+#[derive(Clone)]
+pub struct HttpClient {
+    url: String,
+    binary: bool,
+    pool: Pool,
+}
+
+/// URI and headers of one prepared request.
+#[derive(Clone, Debug)]
+pub struct HttpParts {
+    uri: Uri,
+    headers: HeaderMap,
+}
+
+impl HttpClient {
+    /// Builds the pool and checks `GET /v2/health/live`.
+    pub async fn connect(target: &Target, binary: bool) -> Result<Self, ClientError> {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
+        let pool = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(target.connections.max(1))
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .build(connector);
+        let client = HttpClient { url: target.url.clone(), binary, pool };
+        let (status, _) = client.get("/v2/health/live").await?;
+        if status != StatusCode::OK {
+            return Err(ClientError::Unreachable {
+                url: target.url.clone(),
+                reason: format!("GET /v2/health/live answered HTTP {status}"),
+            });
+        }
+        Ok(client)
+    }
+
+    pub fn lane(&self) -> HttpLane {
+        HttpLane { pool: self.pool.clone() }
+    }
+
+    pub async fn is_live(&self) -> bool {
+        matches!(self.get("/v2/health/live").await, Ok((StatusCode::OK, _)))
+    }
+
+    pub async fn model_info(&self, model: &str, version: Option<&str>) -> Result<ModelInfo, ClientError> {
+        let base = model_path(model, version);
+        let fail = |status: StatusCode, body: &[u8]| ClientError::Model {
+            model: model.to_string(),
+            url: self.url.clone(),
+            reason: format!("HTTP {status}: {}", String::from_utf8_lossy(body).trim()),
+        };
+        let (status, body) = self.get(&base).await?;
+        if status != StatusCode::OK {
+            return Err(fail(status, &body));
+        }
+        let bad_json = |what: &str, e: String| ClientError::Model {
+            model: model.to_string(),
+            url: self.url.clone(),
+            reason: format!("{what} is not valid KServe v2 JSON: {e}"),
+        };
+        let meta: Value = serde_json::from_slice(&body).map_err(|e| bad_json("model metadata", e.to_string()))?;
+        let tensors = |key: &str| -> Result<Vec<TensorSpec>, ClientError> {
+            let list = meta.get(key).and_then(Value::as_array).cloned().unwrap_or_default();
+            list.iter()
+                .map(|t| {
+                    let name = t.get("name").and_then(Value::as_str);
+                    let datatype = t.get("datatype").and_then(Value::as_str);
+                    let shape: Option<Vec<i64>> =
+                        t.get("shape").and_then(Value::as_array).map(|s| s.iter().filter_map(Value::as_i64).collect());
+                    match (name, datatype, shape) {
+                        (Some(n), Some(d), Some(s)) => Ok(TensorSpec { name: n.into(), datatype: d.into(), shape: s }),
+                        _ => Err(bad_json("model metadata", format!("{key} entry {t} lacks name, datatype or shape"))),
+                    }
+                })
+                .collect()
+        };
+        let inputs = tensors("inputs")?;
+        let outputs = tensors("outputs")?;
+        let (status, body) = self.get(&format!("{base}/config")).await?;
+        if status != StatusCode::OK {
+            return Err(fail(status, &body));
+        }
+        let config: Value = serde_json::from_slice(&body).map_err(|e| bad_json("model config", e.to_string()))?;
+        // proto3 JSON may render int32 as a number or a string.
+        let max_batch_size = match config.get("max_batch_size") {
+            Some(Value::Number(n)) => n.as_u64().unwrap_or(0),
+            Some(Value::String(s)) => s.parse().unwrap_or(0),
+            _ => 0,
+        };
+        Ok(ModelInfo {
+            name: meta.get("name").and_then(Value::as_str).unwrap_or(model).to_string(),
+            versions: meta
+                .get("versions")
+                .and_then(Value::as_array)
+                .map(|v| v.iter().filter_map(Value::as_str).map(String::from).collect())
+                .unwrap_or_default(),
+            max_batch_size: max_batch_size.min(u32::MAX as u64) as u32,
+            inputs,
+            outputs,
+        })
+    }
+
+    /// Encodes an infer request body and builds its headers.
+    pub fn encode(&self, entry: &Entry, inputs: &[InputTensor]) -> Result<(Bytes, HttpParts), ClientError> {
+        let uri: Uri = format!("http://{}{}", self.url, infer_path(&entry.model, entry.version.as_deref()))
+            .parse()
+            .map_err(|e| ClientError::Invalid(format!("model '{}' does not fit in a URL: {e}", entry.model)))?;
+        let mut headers = HeaderMap::new();
+        if let Some(k) = &entry.api_key {
+            let v = HeaderValue::try_from(format!("Bearer {k}"))
+                .map_err(|_| ClientError::Invalid("the API key is not a valid header value".into()))?;
+            headers.insert(AUTHORIZATION, v);
+        }
+        let (body, header_len) = encode(entry, inputs, self.binary);
+        match header_len {
+            Some(n) => {
+                headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+                headers.insert(INFERENCE_HEADER_CONTENT_LENGTH, HeaderValue::from(n));
+            }
+            None => {
+                headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            }
+        }
+        Ok((body, HttpParts { uri, headers }))
+    }
+
+    async fn get(&self, path: &str) -> Result<(StatusCode, Bytes), ClientError> {
+        let unreachable = |reason: String| ClientError::Unreachable { url: self.url.clone(), reason };
+        let uri: Uri = format!("http://{}{path}", self.url)
+            .parse()
+            .map_err(|e| ClientError::Invalid(format!("'{}{path}' is not a valid URL: {e}", self.url)))?;
+        let request = Request::get(uri).body(Full::new(Bytes::new())).map_err(|e| ClientError::Invalid(e.to_string()))?;
+        let fetch = async {
+            let resp = self.pool.request(request).await.map_err(|e| unreachable(error_chain(&e)))?;
+            let status = resp.status();
+            let body = http_body_util::Limited::new(resp.into_body(), MAX_CONTROL_BYTES)
+                .collect()
+                .await
+                .map_err(|e| unreachable(format!("reading GET {path}: {e}")))?
+                .to_bytes();
+            Ok((status, body))
+        };
+        tokio::time::timeout(CONTROL_TIMEOUT, fetch)
+            .await
+            .map_err(|_| unreachable(format!("GET {path} did not answer within {CONTROL_TIMEOUT:?}")))?
+    }
+}
+
+/// One sender's handle on the pool.
+pub struct HttpLane {
+    pool: Pool,
+}
+
+impl HttpLane {
+    pub async fn send(&mut self, body: &Bytes, parts: &HttpParts) -> Result<(), Failure> {
+        let mut request = Request::new(Full::new(body.clone()));
+        *request.method_mut() = Method::POST;
+        *request.uri_mut() = parts.uri.clone();
+        *request.headers_mut() = parts.headers.clone();
+        let resp = self.pool.request(request).await.map_err(|_| Failure::Connection)?;
+        let status = resp.status();
+        // Drain the body so the connection goes back to the pool; frames are dropped unread.
+        let mut body = resp.into_body();
+        while let Some(frame) = body.frame().await {
+            frame.map_err(|_| Failure::Connection)?;
+        }
+        if status == StatusCode::OK { Ok(()) } else { Err(Failure::Http(status.as_u16())) }
+    }
+}
+
+fn model_path(model: &str, version: Option<&str>) -> String {
+    match version {
+        Some(v) => format!("/v2/models/{model}/versions/{v}"),
+        None => format!("/v2/models/{model}"),
+    }
+}
+
+pub fn infer_path(model: &str, version: Option<&str>) -> String {
+    format!("{}/infer", model_path(model, version))
+}
+
+/// The request body; with `binary`, the JSON header length too (inputs follow it as raw bytes
+/// and outputs are asked for in binary).
+pub fn encode(entry: &Entry, inputs: &[InputTensor], binary: bool) -> (Bytes, Option<usize>) {
+    let mut parameters = Map::new();
+    if let Some(p) = entry.priority {
+        parameters.insert("priority".into(), json!(p));
+    }
+    if let Some(t) = entry.timeout_us {
+        parameters.insert("timeout".into(), json!(t));
+    }
+    if binary {
+        parameters.insert("binary_data_output".into(), json!(true));
+    }
+    let tensors: Vec<Value> = inputs
+        .iter()
+        .map(|i| {
+            let mut t = json!({ "name": i.name, "shape": i.shape, "datatype": i.datatype.wire_name() });
+            if binary {
+                t["parameters"] = json!({ "binary_data_size": i.data.len() });
+            } else {
+                t["data"] = json_data(i.datatype, &i.data);
+            }
+            t
+        })
+        .collect();
+    let mut header = json!({ "inputs": tensors });
+    if !parameters.is_empty() {
+        header["parameters"] = Value::Object(parameters);
+    }
+    let mut body = serde_json::to_vec(&header).unwrap_or_default();
+    if !binary {
+        return (Bytes::from(body), None);
+    }
+    let header_len = body.len();
+    for i in inputs {
+        body.extend_from_slice(&i.data);
+    }
+    (Bytes::from(body), Some(header_len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nereid_common::DataType;
+
+    fn inputs() -> Vec<InputTensor> {
+        vec![InputTensor { name: "X".into(), datatype: DataType::Fp32, shape: vec![1, 2], data: [1.0f32, 2.0].iter().flat_map(|f| f.to_le_bytes()).collect() }]
+    }
+
+    #[test]
+    fn json_bodies_carry_data_and_parameters() {
+        let mut e = Entry::for_model("m");
+        e.priority = Some(2);
+        let (body, len) = encode(&e, &inputs(), false);
+        assert_eq!(len, None);
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["inputs"][0]["data"], json!([1.0, 2.0]));
+        assert_eq!(v["parameters"]["priority"], json!(2));
+        assert_eq!(infer_path("m", Some("3")), "/v2/models/m/versions/3/infer");
+    }
+
+    #[test]
+    fn binary_bodies_put_tensors_after_the_header() {
+        let (body, len) = encode(&Entry::for_model("m"), &inputs(), true);
+        let n = len.unwrap();
+        let v: Value = serde_json::from_slice(&body[..n]).unwrap();
+        assert_eq!(v["inputs"][0]["parameters"]["binary_data_size"], json!(8));
+        assert_eq!(v["parameters"]["binary_data_output"], json!(true));
+        assert_eq!(&body[n..], &inputs()[0].data[..]);
+    }
+}

@@ -1,0 +1,708 @@
+//! Drives a run: connects, prepares every request once, then for each load level generates
+//! load (closed loop or open loop), measures windows until stable, and scrapes the server's
+//! breakdown around each window.
+//!
+//! Bounds: a level lasts at most warm-up + `max_trials` windows (count windows at most
+//! [`MAX_COUNT_WINDOW`] each) + one request timeout to drain; every request has a timeout; open
+//! loop holds at most `max_inflight` requests outstanding, and a send that has to wait for one
+//! counts as late. A window with no success and a server that no longer answers its liveness
+//! check ends the run as [`Stop::ServerLost`], keeping what was measured.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use serde::Serialize;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::client::{Client, Prepared, Target};
+use crate::error::{PerfError, exit};
+use crate::measure::{Failure, Recorder, STABILITY_WINDOWS, Summary, Window, is_stable};
+use crate::report::Progress;
+use crate::schedule::{Arrivals, Distribution, LoadLevel, level_seed, trace_rate};
+use crate::server_stats::{self, Breakdown, Scraper, Snapshot};
+use crate::workload::{InputData, ModelInfo, Picker, Series, Workload, resolve_inputs};
+
+/// A send that starts later than this after its scheduled time counts as late.
+pub const LATE_BOUND: Duration = Duration::from_millis(1);
+/// Longest a count window may run before it closes short of its count.
+pub const MAX_COUNT_WINDOW: Duration = Duration::from_secs(60);
+/// Closed-loop senders pause this long after a connection failure instead of spinning.
+pub const CONNECTION_BACKOFF: Duration = Duration::from_millis(10);
+/// Liveness checks before the server is declared lost, and the pause between them.
+pub const LIVENESS_PROBES: u32 = 3;
+pub const LIVENESS_PROBE_INTERVAL: Duration = Duration::from_millis(200);
+/// Largest share of late open-loop sends a trustworthy level may have.
+pub const MAX_LATE_FRACTION: f64 = 0.01;
+/// Share of completed requests that must succeed within the SLO for a level to meet it
+/// (a p99 SLO, with failures counted as misses).
+pub const SLO_QUANTILE: f64 = 0.99;
+
+/// What load to offer.
+#[derive(Clone, Debug)]
+pub enum Load {
+    Concurrency(Vec<u32>),
+    RequestRate { rates: Vec<f64>, distribution: Distribution },
+    Trace(Arc<[Duration]>),
+}
+
+/// How a window ends.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WindowMode {
+    Time { ms: u64 },
+    Count { requests: u64 },
+}
+
+/// Measurement settings (perf_analyzer's names where they exist).
+#[derive(Clone, Debug, Serialize)]
+pub struct Measurement {
+    pub window: WindowMode,
+    pub warmup_ms: u64,
+    pub stability_percentage: f64,
+    pub max_trials: u32,
+    pub request_timeout_ms: u64,
+    pub max_inflight: usize,
+}
+
+/// Everything a run needs, validated.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    pub target: Target,
+    /// `/metrics` to scrape; `None` skips the server-side breakdown.
+    pub metrics_url: Option<http::Uri>,
+    pub workload: Workload,
+    pub input_data: InputData,
+    pub load: Load,
+    pub measurement: Measurement,
+    pub seed: u64,
+}
+
+/// One series at one level.
+#[derive(Clone, Debug, Serialize)]
+pub struct SeriesResult {
+    pub name: String,
+    pub slo_ms: Option<f64>,
+    pub slo_met: Option<bool>,
+    pub summary: Summary,
+}
+
+/// One load level's result.
+#[derive(Clone, Debug, Serialize)]
+pub struct LevelResult {
+    pub level: LoadLevel,
+    /// Every window measured, in order.
+    pub windows: Vec<Summary>,
+    /// Whether the last windows agreed (always true for a trace, which is one window).
+    pub stable: bool,
+    /// False when the run stopped during this level.
+    pub complete: bool,
+    /// How many of the last windows `total` and `series` merge.
+    pub merged_windows: usize,
+    pub total: Summary,
+    pub series: Vec<SeriesResult>,
+    /// Server-side averages per model over the merged windows.
+    pub server: BTreeMap<String, Breakdown>,
+    /// `None` without an SLO.
+    pub slo_met: Option<bool>,
+}
+
+/// The run's answer and why it may not be trustworthy.
+#[derive(Clone, Debug, Serialize)]
+pub struct Verdict {
+    pub exit_code: i32,
+    /// Human sentences; empty when all is well.
+    pub problems: Vec<String>,
+    /// The highest level that met the SLO, when there is an SLO.
+    pub best_level_meeting_slo: Option<LoadLevel>,
+}
+
+/// Everything a run measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    pub tool: &'static str,
+    pub version: &'static str,
+    pub url: String,
+    pub protocol: crate::client::Protocol,
+    pub metrics_url: Option<String>,
+    pub seed: u64,
+    pub measurement: Measurement,
+    pub models: Vec<ModelInfo>,
+    pub series: Vec<Series>,
+    pub levels: Vec<LevelResult>,
+    pub warnings: Vec<String>,
+    /// Why the run ended early, if it did.
+    pub stopped: Option<String>,
+    pub verdict: Verdict,
+}
+
+/// Why a level ended the run.
+#[derive(Debug)]
+enum Stop {
+    ServerLost(String),
+}
+
+/// What every level shares.
+struct Context {
+    client: Client,
+    requests: Arc<[Prepared]>,
+    picker: Picker,
+    slos: Vec<Option<Duration>>,
+    series: Vec<Series>,
+    /// Model label → (model, version) for the breakdown.
+    models: Vec<(String, String, Option<String>)>,
+    scraper: Option<Scraper>,
+    measurement: Measurement,
+}
+
+/// Connects, prepares the workload, and measures every load level.
+///
+/// Returns `Err` only when nothing could be measured (bad workload, unreachable server,
+/// unknown model); a server lost mid-run, an unmet SLO or an unstable measurement come back
+/// as a report whose verdict says so.
+pub async fn run(config: RunConfig, progress: &Progress) -> Result<RunReport, PerfError> {
+    let client = Client::connect(&config.target).await?;
+    let mut warnings = Vec::new();
+
+    // Model metadata, once per (model, version).
+    let mut infos: Vec<((String, Option<String>), ModelInfo)> = Vec::new();
+    for (model, version) in config.workload.models() {
+        let info = client.model_info(&model, version.as_deref()).await?;
+        infos.push(((model, version), info));
+    }
+
+    // Requests, encoded once per entry.
+    let mut requests = Vec::with_capacity(config.workload.entries.len());
+    for (i, entry) in config.workload.entries.iter().enumerate() {
+        let info = &infos.iter().find(|(k, _)| k.0 == entry.model && k.1 == entry.version).expect("every model was looked up").1;
+        let data = entry.data.unwrap_or(config.input_data);
+        let inputs = resolve_inputs(entry, info, data, level_seed(config.seed, i)).map_err(|e| {
+            let name = config.workload.entry_name(i);
+            PerfError::Workload(crate::workload::WorkloadError(if name.is_empty() { e.0 } else { format!("{name}: {}", e.0) }))
+        })?;
+        requests.push(client.prepare(entry, &inputs, config.workload.series_of[i])?);
+    }
+
+    let scraper = match &config.metrics_url {
+        None => None,
+        Some(uri) => {
+            let s = Scraper::new(uri.clone());
+            match s.scrape().await {
+                Ok(_) => Some(s),
+                Err(e) => {
+                    warnings.push(format!("server-side breakdown unavailable: {e}"));
+                    None
+                }
+            }
+        }
+    };
+
+    let ctx = Context {
+        client,
+        requests: requests.into(),
+        picker: Picker::new(config.workload.entries.iter().map(|e| e.weight)),
+        slos: config.workload.series.iter().map(|s| s.slo_ms.map(|ms| Duration::from_secs_f64(ms / 1000.0))).collect(),
+        series: config.workload.series.clone(),
+        models: infos
+            .iter()
+            .map(|((m, v), _)| {
+                let label = match v {
+                    Some(v) => format!("{m}:{v}"),
+                    None => m.clone(),
+                };
+                (label, m.clone(), v.clone())
+            })
+            .collect(),
+        scraper,
+        measurement: config.measurement.clone(),
+    };
+
+    let levels: Vec<LoadLevel> = match &config.load {
+        Load::Concurrency(c) => c.iter().map(|n| LoadLevel::Concurrency(*n)).collect(),
+        Load::RequestRate { rates, distribution } => {
+            rates.iter().map(|r| LoadLevel::RequestRate { rate: *r, distribution: *distribution }).collect()
+        }
+        Load::Trace(t) => vec![LoadLevel::Trace { arrivals: t.len(), offered_rate: trace_rate(t) }],
+    };
+
+    let has_slo = config.workload.has_slo();
+    let mut results = Vec::new();
+    let mut stopped = None;
+    let mut server_lost = None;
+    for (index, level) in levels.iter().enumerate() {
+        let trace = match &config.load {
+            Load::Trace(t) => Some(t.clone()),
+            _ => None,
+        };
+        let (result, stop) = run_level(&ctx, level, level_seed(config.seed, 1_000 + index), trace, progress).await;
+        let missed = result.slo_met == Some(false);
+        progress.level_done(&result);
+        results.push(result);
+        if let Some(Stop::ServerLost(why)) = stop {
+            stopped = Some(format!("the server stopped answering during {level}: {why}"));
+            server_lost = stopped.clone();
+            break;
+        }
+        if has_slo && missed && index + 1 < levels.len() {
+            stopped = Some(format!("{level} missed the SLO; higher load levels were skipped"));
+            break;
+        }
+    }
+
+    let verdict = verdict(&results, has_slo, server_lost);
+    Ok(RunReport {
+        tool: "nereid-perf",
+        version: env!("CARGO_PKG_VERSION"),
+        url: config.target.url.clone(),
+        protocol: config.target.protocol,
+        metrics_url: ctx.scraper.as_ref().map(|s| s.uri().to_string()),
+        seed: config.seed,
+        measurement: config.measurement.clone(),
+        models: infos.into_iter().map(|(_, i)| i).collect(),
+        series: config.workload.series.clone(),
+        levels: results,
+        warnings,
+        stopped,
+        verdict,
+    })
+}
+
+/// Decides the exit code: server lost (3) before untrustworthy (5) before SLO not met (4).
+pub fn verdict(levels: &[LevelResult], has_slo: bool, server_lost: Option<String>) -> Verdict {
+    let mut problems = Vec::new();
+    let mut exit_code = exit::OK;
+    let raise = |code: i32, current: &mut i32| {
+        if severity(code) > severity(*current) {
+            *current = code;
+        }
+    };
+    if let Some(why) = server_lost {
+        problems.push(format!("{why}; results so far were kept"));
+        raise(exit::SERVER_LOST, &mut exit_code);
+    }
+    for l in levels {
+        if l.complete && !l.stable {
+            problems.push(format!(
+                "{}: no stable measurement within {} windows (throughput and latency did not settle within the stability percentage); try a longer --measurement-interval",
+                l.level,
+                l.windows.len()
+            ));
+            raise(exit::UNTRUSTWORTHY, &mut exit_code);
+        }
+        if l.level.is_open_loop() && l.total.late_fraction() > MAX_LATE_FRACTION {
+            problems.push(format!(
+                "{}: the generator could not keep the schedule: {:.1}% of sends started more than {} ms late (limit {}%); latencies include the delay but the offered load was lower than asked",
+                l.level,
+                100.0 * l.total.late_fraction(),
+                LATE_BOUND.as_millis(),
+                MAX_LATE_FRACTION * 100.0
+            ));
+            raise(exit::UNTRUSTWORTHY, &mut exit_code);
+        }
+        if l.complete && l.total.ok == 0 {
+            let errors: Vec<String> = l.total.errors_by_status.iter().map(|(k, v)| format!("{k} ×{v}")).collect();
+            problems.push(format!("{}: no request succeeded ({})", l.level, if errors.is_empty() { "no responses".into() } else { errors.join(", ") }));
+            raise(exit::UNTRUSTWORTHY, &mut exit_code);
+        }
+    }
+    let best = levels.iter().filter(|l| l.slo_met == Some(true)).max_by(|a, b| a.level.value().total_cmp(&b.level.value())).map(|l| l.level.clone());
+    if has_slo && best.is_none() && !levels.is_empty() {
+        problems.push("no load level met the SLO".into());
+        raise(exit::SLO_NOT_MET, &mut exit_code);
+    }
+    Verdict { exit_code, problems, best_level_meeting_slo: best }
+}
+
+/// How bad an exit code is, for picking the one to report.
+fn severity(code: i32) -> u8 {
+    match code {
+        exit::SERVER_LOST => 3,
+        exit::UNTRUSTWORTHY => 2,
+        exit::SLO_NOT_MET => 1,
+        _ => 0,
+    }
+}
+
+/// Runs one level: starts its load, warms up, measures windows until stable or out of trials,
+/// then stops the load and drains it.
+async fn run_level(
+    ctx: &Context,
+    level: &LoadLevel,
+    seed: u64,
+    trace: Option<Arc<[Duration]>>,
+    progress: &Progress,
+) -> (LevelResult, Option<Stop>) {
+    let m = &ctx.measurement;
+    let timeout = Duration::from_millis(m.request_timeout_ms);
+    let recorder = Arc::new(Recorder::new(ctx.slos.clone()));
+    let stop = CancellationToken::new();
+    let tracker = TaskTracker::new();
+
+    // Without warm-up the first window opens before the first request goes out, so a short
+    // trace is measured whole.
+    let mut snapshots: Vec<Option<Snapshot>> = Vec::new();
+    let mut started = Instant::now();
+    if m.warmup_ms == 0 {
+        snapshots.push(scrape(ctx).await);
+        recorder.open_window();
+        started = Instant::now();
+    }
+
+    // Start the load.
+    let mut generator = JoinSet::new();
+    match level {
+        LoadLevel::Concurrency(n) => {
+            for i in 0..*n as usize {
+                let worker = ClosedLoopWorker {
+                    lane_index: i,
+                    client: ctx.client.clone(),
+                    requests: ctx.requests.clone(),
+                    picker: ctx.picker.clone(),
+                    rng: StdRng::seed_from_u64(level_seed(seed, i)),
+                    recorder: recorder.clone(),
+                    stop: stop.clone(),
+                    timeout,
+                };
+                generator.spawn(worker.run());
+            }
+        }
+        LoadLevel::RequestRate { rate, distribution } => {
+            let arrivals = Arrivals::new(*distribution, *rate, seed);
+            let dispatcher = Dispatcher::new(ctx, seed, &recorder, &stop, &tracker, timeout);
+            generator.spawn_blocking(move || dispatcher.run(arrivals));
+        }
+        LoadLevel::Trace { .. } => {
+            let offsets = trace.unwrap_or_else(|| Arc::from(Vec::new()));
+            let arrivals = (0..offsets.len()).map(move |i| offsets[i]);
+            let dispatcher = Dispatcher::new(ctx, seed, &recorder, &stop, &tracker, timeout);
+            generator.spawn_blocking(move || dispatcher.run(arrivals));
+        }
+    }
+
+    // Warm up, then measure.
+    if m.warmup_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(m.warmup_ms)).await;
+        snapshots.push(scrape(ctx).await);
+        recorder.open_window();
+        started = Instant::now();
+    }
+    let mut windows: Vec<Window> = Vec::new();
+    let mut summaries: Vec<Summary> = Vec::new();
+    let stability_windows = STABILITY_WINDOWS.min(m.max_trials.max(1) as usize);
+    let is_trace = matches!(level, LoadLevel::Trace { .. });
+    let mut stable = false;
+    let mut stop_reason = None;
+    for trial in 0..m.max_trials.max(1) {
+        if is_trace {
+            // The whole trace is one window: it ends when every arrival has been sent and
+            // answered (each request is bounded by the timeout).
+            while generator.join_next().await.is_some() {}
+            tracker.close();
+            tracker.wait().await;
+        } else {
+            wait_window(m.window, &recorder).await;
+        }
+        let window = recorder.close_window(started.elapsed(), true);
+        started = Instant::now();
+        snapshots.push(scrape(ctx).await);
+        let total = window.total();
+        let connection_failures = total.errors.get(&Failure::Connection).copied().unwrap_or(0);
+        let summary = Summary::of(&total, window.duration);
+        windows.push(window);
+        summaries.push(summary);
+        stable = is_trace || is_stable(&summaries, m.stability_percentage, stability_windows);
+        progress.window(level, trial + 1, m.max_trials, summaries.last().expect("just pushed"), stable);
+        let last = summaries.last().expect("just pushed");
+        // Broken connections, or nothing but failures: is the server still there?
+        if (connection_failures > 0 || (last.ok == 0 && last.errors > 0)) && server_gone(&ctx.client).await {
+            let errors: Vec<String> = last.errors_by_status.iter().map(|(k, v)| format!("{k} ×{v}")).collect();
+            stop_reason = Some(Stop::ServerLost(format!(
+                "it fails its liveness check; the last window had {} successes and {} failures ({})",
+                last.ok,
+                last.errors,
+                errors.join(", ")
+            )));
+            break;
+        }
+        if stable {
+            break;
+        }
+    }
+
+    // Stop the load and drain what is in flight (bounded by the request timeout).
+    stop.cancel();
+    let drain = async {
+        while generator.join_next().await.is_some() {}
+        tracker.close();
+        tracker.wait().await;
+    };
+    if tokio::time::timeout(timeout + Duration::from_secs(1), drain).await.is_err() {
+        generator.abort_all();
+    }
+
+    let merged_windows = if stable { stability_windows.min(windows.len()) } else { windows.len() };
+    let from = windows.len() - merged_windows;
+    let merged = Window::merge(&windows[from..]);
+    let total = Summary::of(&merged.total(), merged.duration);
+    let series: Vec<SeriesResult> = ctx
+        .series
+        .iter()
+        .zip(&merged.series)
+        .map(|(s, stats)| {
+            let summary = Summary::of(stats, merged.duration);
+            let slo_met = s.slo_ms.map(|_| meets_slo(stats.ok_within_slo, summary.requests));
+            SeriesResult { name: s.name.clone(), slo_ms: s.slo_ms, slo_met, summary }
+        })
+        .collect();
+    let slo_met = series.iter().filter_map(|s| s.slo_met).reduce(|a, b| a && b);
+    let mut server = BTreeMap::new();
+    if let (Some(Some(before)), Some(Some(after))) = (snapshots.get(from), snapshots.last()) {
+        for (label, model, version) in &ctx.models {
+            if let Some(b) = server_stats::breakdown(before, after, model, version.as_deref()) {
+                server.insert(label.clone(), b);
+            }
+        }
+    }
+    let result = LevelResult {
+        level: level.clone(),
+        windows: summaries,
+        stable,
+        complete: stop_reason.is_none(),
+        merged_windows,
+        total,
+        series,
+        server,
+        slo_met,
+    };
+    (result, stop_reason)
+}
+
+/// Whether the server fails [`LIVENESS_PROBES`] liveness checks in a row.
+async fn server_gone(client: &Client) -> bool {
+    for probe in 0..LIVENESS_PROBES {
+        if probe > 0 {
+            tokio::time::sleep(LIVENESS_PROBE_INTERVAL).await;
+        }
+        if client.is_live().await {
+            return false;
+        }
+    }
+    true
+}
+
+/// Whether `good` of `requests` completed requests meets a p99 SLO (failures count as misses).
+pub fn meets_slo(good: u64, requests: u64) -> bool {
+    requests > 0 && good as f64 >= SLO_QUANTILE * requests as f64
+}
+
+async fn scrape(ctx: &Context) -> Option<Snapshot> {
+    match &ctx.scraper {
+        Some(s) => s.scrape().await.ok(),
+        None => None,
+    }
+}
+
+/// Waits until the open window is due to close.
+async fn wait_window(mode: WindowMode, recorder: &Recorder) {
+    match mode {
+        WindowMode::Time { ms } => tokio::time::sleep(Duration::from_millis(ms)).await,
+        WindowMode::Count { requests } => {
+            let deadline = Instant::now() + MAX_COUNT_WINDOW;
+            let mut tick = tokio::time::interval(Duration::from_millis(5));
+            while recorder.completed() < requests && Instant::now() < deadline {
+                tick.tick().await;
+            }
+        }
+    }
+}
+
+/// One closed-loop sender: sends, waits for the answer, records, repeats until stopped.
+struct ClosedLoopWorker {
+    lane_index: usize,
+    client: Client,
+    requests: Arc<[Prepared]>,
+    picker: Picker,
+    rng: StdRng,
+    recorder: Arc<Recorder>,
+    stop: CancellationToken,
+    timeout: Duration,
+}
+
+impl ClosedLoopWorker {
+    async fn run(mut self) {
+        let mut lane = self.client.lane(self.lane_index);
+        while !self.stop.is_cancelled() {
+            let req = &self.requests[self.picker.pick(self.rng.random())];
+            let sent = Instant::now();
+            let outcome = lane.send(req, self.timeout).await;
+            self.recorder.record(req.series, sent.elapsed(), outcome, req.batch_size);
+            if outcome == Err(Failure::Connection) {
+                tokio::select! {
+                    _ = tokio::time::sleep(CONNECTION_BACKOFF) => {}
+                    _ = self.stop.cancelled() => {}
+                }
+            }
+        }
+    }
+}
+
+/// Open-loop arrivals go out up to this much before their time instead of sleeping for less
+/// (an OS sleep overshoots by tens of microseconds); an early request's latency runs from its
+/// actual send.
+pub const EARLY_RELEASE: Duration = Duration::from_micros(100);
+/// How often a sleeping open-loop dispatcher checks whether the level was stopped.
+const STOP_POLL: Duration = Duration::from_millis(10);
+
+/// Open-loop dispatch state, moved onto the dispatcher's own thread.
+struct Dispatcher {
+    runtime: tokio::runtime::Handle,
+    client: Client,
+    requests: Arc<[Prepared]>,
+    picker: Picker,
+    rng: StdRng,
+    recorder: Arc<Recorder>,
+    stop: CancellationToken,
+    tracker: TaskTracker,
+    inflight: Arc<Semaphore>,
+    timeout: Duration,
+}
+
+impl Dispatcher {
+    fn new(ctx: &Context, seed: u64, recorder: &Arc<Recorder>, stop: &CancellationToken, tracker: &TaskTracker, timeout: Duration) -> Self {
+        Dispatcher {
+            runtime: tokio::runtime::Handle::current(),
+            client: ctx.client.clone(),
+            requests: ctx.requests.clone(),
+            picker: ctx.picker.clone(),
+            rng: StdRng::seed_from_u64(level_seed(seed, usize::MAX)),
+            recorder: recorder.clone(),
+            stop: stop.clone(),
+            tracker: tracker.clone(),
+            inflight: Arc::new(Semaphore::new(ctx.measurement.max_inflight.max(1))),
+            timeout,
+        }
+    }
+
+    /// Sends each arrival at its offset from now, never waiting for answers; returns when the
+    /// arrivals run out or the level stops. Runs on a blocking thread: the OS sleep is
+    /// precise to tens of microseconds where the runtime's timer ticks in milliseconds.
+    /// Latency runs from the scheduled time (or the send, if that was earlier), so a server or
+    /// generator that falls behind shows in the latencies; a send more than [`LATE_BOUND`]
+    /// after its time is counted as late.
+    fn run(mut self, arrivals: impl Iterator<Item = Duration>) {
+        let start = std::time::Instant::now();
+        for (n, offset) in arrivals.enumerate() {
+            let scheduled = start + offset;
+            loop {
+                if self.stop.is_cancelled() {
+                    return;
+                }
+                let now = std::time::Instant::now();
+                if now + EARLY_RELEASE >= scheduled {
+                    break;
+                }
+                std::thread::sleep((scheduled - now - EARLY_RELEASE).min(STOP_POLL));
+            }
+            // A free slot at once, else wait for one (the wait makes this send late).
+            let permit = match self.inflight.clone().try_acquire_owned() {
+                Ok(p) => p,
+                Err(_) => {
+                    let (inflight, stop) = (self.inflight.clone(), self.stop.clone());
+                    let waited = self.runtime.block_on(async move {
+                        tokio::select! {
+                            p = inflight.acquire_owned() => p.ok(),
+                            _ = stop.cancelled() => None,
+                        }
+                    });
+                    match waited {
+                        Some(p) => p,
+                        None => return,
+                    }
+                }
+            };
+            let index = self.picker.pick(self.rng.random());
+            let sent = std::time::Instant::now();
+            self.recorder.record_send(self.requests[index].series, sent > scheduled + LATE_BOUND);
+            let (requests, recorder, timeout) = (self.requests.clone(), self.recorder.clone(), self.timeout);
+            let mut lane = self.client.lane(n);
+            self.tracker.spawn_on(
+                async move {
+                    let req = &requests[index];
+                    let outcome = lane.send(req, timeout).await;
+                    recorder.record(req.series, scheduled.min(sent).elapsed(), outcome, req.batch_size);
+                    drop(permit);
+                },
+                &self.runtime,
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::measure::SeriesStats;
+
+    fn level(level: LoadLevel, ok: u64, stable: bool, slo_met: Option<bool>) -> LevelResult {
+        let mut s = SeriesStats::default();
+        for _ in 0..ok {
+            s.record(Duration::from_millis(1), Ok(()), 1, None);
+        }
+        let total = Summary::of(&s, Duration::from_secs(1));
+        LevelResult {
+            level,
+            windows: vec![total.clone()],
+            stable,
+            complete: true,
+            merged_windows: 1,
+            total,
+            series: vec![],
+            server: BTreeMap::new(),
+            slo_met,
+        }
+    }
+
+    #[test]
+    fn verdicts_rank_lost_over_untrustworthy_over_slo() {
+        let ok = level(LoadLevel::Concurrency(1), 10, true, Some(true));
+        let miss = level(LoadLevel::Concurrency(2), 10, true, Some(false));
+        let v = verdict(&[ok.clone(), miss.clone()], true, None);
+        assert_eq!(v.exit_code, exit::OK);
+        assert_eq!(v.best_level_meeting_slo, Some(LoadLevel::Concurrency(1)));
+        let v = verdict(std::slice::from_ref(&miss), true, None);
+        assert_eq!(v.exit_code, exit::SLO_NOT_MET);
+        assert!(v.problems.iter().any(|p| p == "no load level met the SLO"));
+        let unstable = level(LoadLevel::Concurrency(1), 10, false, Some(false));
+        assert_eq!(verdict(&[unstable.clone()], true, None).exit_code, exit::UNTRUSTWORTHY);
+        assert_eq!(verdict(&[unstable], true, Some("gone".into())).exit_code, exit::SERVER_LOST);
+        let failed = level(LoadLevel::Concurrency(1), 0, true, None);
+        let v = verdict(&[failed], false, None);
+        assert_eq!(v.exit_code, exit::UNTRUSTWORTHY);
+        assert!(v.problems[0].contains("no request succeeded"));
+    }
+
+    #[test]
+    fn late_open_loop_sends_make_a_level_untrustworthy() {
+        let mut l = level(LoadLevel::RequestRate { rate: 100.0, distribution: Distribution::Poisson }, 10, true, None);
+        l.total.sends = 1000;
+        l.total.late_sends = 10;
+        assert_eq!(verdict(&[l.clone()], false, None).exit_code, exit::OK, "exactly 1% is allowed");
+        l.total.late_sends = 11;
+        let v = verdict(&[l], false, None);
+        assert_eq!(v.exit_code, exit::UNTRUSTWORTHY);
+        assert!(v.problems[0].contains("could not keep the schedule"), "{:?}", v.problems);
+    }
+
+    #[test]
+    fn slo_is_a_share_of_completed_requests() {
+        assert!(meets_slo(99, 100));
+        assert!(!meets_slo(98, 100));
+        assert!(!meets_slo(0, 0));
+    }
+}

@@ -1,0 +1,294 @@
+//! Server-side latency breakdown from the server's Prometheus `/metrics`, scraped before and
+//! after each window as perf_analyzer reads Triton's statistics.
+//!
+//! Triton's cumulative counters (`nv_inference_queue_duration_us`,
+//! `nv_inference_compute_{input,infer,output}_duration_us`, `nv_inference_request_success`,
+//! `nv_inference_exec_count`, `nv_inference_count`) are differenced across a window and divided
+//! by the requests served in it: average queue and compute time per request, and the average
+//! batch size the scheduler formed. A scrape that fails leaves the breakdown out; it never
+//! fails the run.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::Serialize;
+
+pub const REQUEST_SUCCESS: &str = "nv_inference_request_success";
+pub const INFERENCE_COUNT: &str = "nv_inference_count";
+pub const EXEC_COUNT: &str = "nv_inference_exec_count";
+pub const QUEUE_DURATION: &str = "nv_inference_queue_duration_us";
+pub const COMPUTE_INPUT_DURATION: &str = "nv_inference_compute_input_duration_us";
+pub const COMPUTE_INFER_DURATION: &str = "nv_inference_compute_infer_duration_us";
+pub const COMPUTE_OUTPUT_DURATION: &str = "nv_inference_compute_output_duration_us";
+
+/// How long one scrape may take.
+pub const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Largest `/metrics` body read.
+pub const MAX_METRICS_BYTES: usize = 16 << 20;
+
+/// Cumulative counters of one model version.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Counters {
+    pub request_success: f64,
+    pub inference_count: f64,
+    pub exec_count: f64,
+    pub queue_us: f64,
+    pub compute_input_us: f64,
+    pub compute_infer_us: f64,
+    pub compute_output_us: f64,
+}
+
+/// One scrape: counters per `(model, version)`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Snapshot {
+    pub models: BTreeMap<(String, String), Counters>,
+}
+
+impl Snapshot {
+    /// Sum of the counters of `model`, over one version or all of them.
+    fn model(&self, model: &str, version: Option<&str>) -> Option<Counters> {
+        let mut found = None::<Counters>;
+        for ((m, v), c) in &self.models {
+            if m == model && version.is_none_or(|want| want == v) {
+                let acc = found.get_or_insert_with(Counters::default);
+                acc.request_success += c.request_success;
+                acc.inference_count += c.inference_count;
+                acc.exec_count += c.exec_count;
+                acc.queue_us += c.queue_us;
+                acc.compute_input_us += c.compute_input_us;
+                acc.compute_infer_us += c.compute_infer_us;
+                acc.compute_output_us += c.compute_output_us;
+            }
+        }
+        found
+    }
+}
+
+/// Parses the Prometheus text exposition format, keeping the counters above. Lines it does not
+/// understand are skipped (the format allows many metrics it has no use for).
+pub fn parse(text: &str) -> Snapshot {
+    let mut snap = Snapshot::default();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let Some((name, labels, value)) = split_sample(line) else { continue };
+        let field: fn(&mut Counters) -> &mut f64 = match name {
+            REQUEST_SUCCESS => |c| &mut c.request_success,
+            INFERENCE_COUNT => |c| &mut c.inference_count,
+            EXEC_COUNT => |c| &mut c.exec_count,
+            QUEUE_DURATION => |c| &mut c.queue_us,
+            COMPUTE_INPUT_DURATION => |c| &mut c.compute_input_us,
+            COMPUTE_INFER_DURATION => |c| &mut c.compute_infer_us,
+            COMPUTE_OUTPUT_DURATION => |c| &mut c.compute_output_us,
+            _ => continue,
+        };
+        let labels = parse_labels(labels);
+        let (Some(model), Some(version)) = (labels.get("model"), labels.get("version")) else { continue };
+        let counters = snap.models.entry((model.clone(), version.clone())).or_default();
+        *field(counters) += value;
+    }
+    snap
+}
+
+/// `name{labels} value [timestamp]` → (name, labels text, value).
+fn split_sample(line: &str) -> Option<(&str, &str, f64)> {
+    let (name, labels, rest) = match line.find('{') {
+        Some(open) => {
+            let close = line.rfind('}')?;
+            (&line[..open], &line[open + 1..close], &line[close + 1..])
+        }
+        None => {
+            let sp = line.find(char::is_whitespace)?;
+            (&line[..sp], "", &line[sp..])
+        }
+    };
+    let value = rest.split_whitespace().next()?.parse::<f64>().ok()?;
+    Some((name.trim(), labels, value))
+}
+
+/// `a="x",b="y\"z"` → map; handles escaped quotes and backslashes.
+fn parse_labels(text: &str) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let mut chars = text.chars().peekable();
+    loop {
+        while chars.peek().is_some_and(|c| *c == ',' || c.is_whitespace()) {
+            chars.next();
+        }
+        let key: String = chars.by_ref().take_while(|c| *c != '=').collect::<String>().trim().to_string();
+        if key.is_empty() {
+            break;
+        }
+        if chars.next() != Some('"') {
+            break;
+        }
+        let mut value = String::new();
+        while let Some(c) = chars.next() {
+            match c {
+                '\\' => match chars.next() {
+                    Some('n') => value.push('\n'),
+                    Some(other) => value.push(other),
+                    None => break,
+                },
+                '"' => break,
+                c => value.push(c),
+            }
+        }
+        out.insert(key, value);
+    }
+    out
+}
+
+/// Server-side averages of one model over one or more windows.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Breakdown {
+    /// Requests the server completed successfully in the interval.
+    pub requests: u64,
+    pub avg_queue_us: f64,
+    pub avg_compute_input_us: f64,
+    pub avg_compute_infer_us: f64,
+    pub avg_compute_output_us: f64,
+    /// Rows per model execution; `None` when nothing executed.
+    pub avg_batch_size: Option<f64>,
+}
+
+impl Breakdown {
+    pub fn avg_compute_us(&self) -> f64 {
+        self.avg_compute_input_us + self.avg_compute_infer_us + self.avg_compute_output_us
+    }
+}
+
+/// The breakdown of `model` (one version, or all) between two scrapes. `None` when the model
+/// is absent from either scrape or served nothing in between (or its counters went backwards,
+/// as after a server restart).
+pub fn breakdown(before: &Snapshot, after: &Snapshot, model: &str, version: Option<&str>) -> Option<Breakdown> {
+    let a = before.model(model, version).unwrap_or_default();
+    let b = after.model(model, version)?;
+    let requests = b.request_success - a.request_success;
+    if requests < 1.0 {
+        return None;
+    }
+    let per_request = |x: f64, y: f64| ((y - x) / requests).max(0.0);
+    let execs = b.exec_count - a.exec_count;
+    Some(Breakdown {
+        requests: requests as u64,
+        avg_queue_us: per_request(a.queue_us, b.queue_us),
+        avg_compute_input_us: per_request(a.compute_input_us, b.compute_input_us),
+        avg_compute_infer_us: per_request(a.compute_infer_us, b.compute_infer_us),
+        avg_compute_output_us: per_request(a.compute_output_us, b.compute_output_us),
+        avg_batch_size: (execs >= 1.0).then(|| (b.inference_count - a.inference_count) / execs),
+    })
+}
+
+/// Fetches `/metrics` over HTTP/1.1 on a reused connection.
+#[derive(Clone)]
+pub struct Scraper {
+    client: Client<HttpConnector, Empty<Bytes>>,
+    uri: http::Uri,
+}
+
+/// A scrape failed.
+#[derive(Debug, thiserror::Error)]
+#[error("scraping {uri}: {reason}")]
+pub struct ScrapeError {
+    pub uri: String,
+    pub reason: String,
+}
+
+impl Scraper {
+    pub fn new(uri: http::Uri) -> Self {
+        let client = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(1).build_http();
+        Scraper { client, uri }
+    }
+
+    pub fn uri(&self) -> &http::Uri {
+        &self.uri
+    }
+
+    pub async fn scrape(&self) -> Result<Snapshot, ScrapeError> {
+        let err = |reason: String| ScrapeError { uri: self.uri.to_string(), reason };
+        let fetch = async {
+            let resp = self.client.get(self.uri.clone()).await.map_err(|e| err(format!("{e}")))?;
+            if resp.status() != http::StatusCode::OK {
+                return Err(err(format!("HTTP {}", resp.status())));
+            }
+            let body = http_body_util::Limited::new(resp.into_body(), MAX_METRICS_BYTES)
+                .collect()
+                .await
+                .map_err(|e| err(format!("reading the body: {e}")))?
+                .to_bytes();
+            Ok(parse(&String::from_utf8_lossy(&body)))
+        };
+        tokio::time::timeout(SCRAPE_TIMEOUT, fetch).await.map_err(|_| err(format!("no answer within {SCRAPE_TIMEOUT:?}")))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BEFORE: &str = r#"# HELP nv_inference_request_success Number of successful inference requests
+# TYPE nv_inference_request_success counter
+nv_inference_request_success{model="mlp",version="1"} 10
+nv_inference_request_success{model="mlp",version="2"} 5
+nv_inference_request_success{model="other",version="1"} 3
+nv_inference_count{model="mlp",version="1"} 40
+nv_inference_exec_count{model="mlp",version="1"} 10
+nv_inference_queue_duration_us{model="mlp",version="1"} 1000
+nv_inference_compute_input_duration_us{model="mlp",version="1"} 100
+nv_inference_compute_infer_duration_us{model="mlp",version="1"} 2000
+nv_inference_compute_output_duration_us{model="mlp",version="1"} 50
+nv_inference_request_failure{model="mlp",version="1",reason="REJECTED"} 7
+nereid_inference_batch_size_bucket{model="mlp",version="1",le="+Inf"} 10
+"#;
+
+    const AFTER: &str = r#"nv_inference_request_success{model="mlp",version="1"} 110
+nv_inference_request_success{model="mlp",version="2"} 5
+nv_inference_count{model="mlp",version="1"} 440
+nv_inference_exec_count{model="mlp",version="1"} 60
+nv_inference_queue_duration_us{model="mlp",version="1"} 6000
+nv_inference_compute_input_duration_us{model="mlp",version="1"} 1100
+nv_inference_compute_infer_duration_us{model="mlp",version="1"} 32000
+nv_inference_compute_output_duration_us{model="mlp",version="1"} 550 1700000000000
+"#;
+
+    #[test]
+    fn parses_triton_counters_by_model_and_version() {
+        let s = parse(BEFORE);
+        let c = s.models[&("mlp".to_string(), "1".to_string())];
+        assert_eq!(c.request_success, 10.0);
+        assert_eq!(c.compute_infer_us, 2000.0);
+        assert_eq!(s.models.len(), 3);
+        assert_eq!(parse(AFTER).models[&("mlp".to_string(), "1".to_string())].compute_output_us, 550.0, "timestamps ignored");
+    }
+
+    #[test]
+    fn breakdown_is_per_request_over_the_interval() {
+        let (a, b) = (parse(BEFORE), parse(AFTER));
+        let d = breakdown(&a, &b, "mlp", Some("1")).unwrap();
+        assert_eq!(d.requests, 100);
+        assert_eq!(d.avg_queue_us, 50.0);
+        assert_eq!(d.avg_compute_input_us, 10.0);
+        assert_eq!(d.avg_compute_infer_us, 300.0);
+        assert_eq!(d.avg_compute_output_us, 5.0);
+        assert_eq!(d.avg_batch_size, Some(8.0));
+        // All versions together: version 2 served nothing in between.
+        assert_eq!(breakdown(&a, &b, "mlp", None).unwrap().requests, 100);
+        assert_eq!(breakdown(&a, &b, "other", None), None, "absent after");
+        assert_eq!(breakdown(&a, &a, "mlp", None), None, "nothing served");
+        assert_eq!(breakdown(&b, &a, "mlp", None), None, "counters went backwards");
+    }
+
+    #[test]
+    fn labels_with_escapes_and_odd_lines() {
+        let s = parse("nv_inference_count{version=\"1\", model=\"a\\\"b,c\"} 2\nbroken{ 1\nnv_inference_count 5\n");
+        assert_eq!(s.models[&("a\"b,c".to_string(), "1".to_string())].inference_count, 2.0);
+        assert_eq!(s.models.len(), 1);
+    }
+}

@@ -1,0 +1,683 @@
+//! What the generator sends: weighted workload entries (model, shapes, tenant, priority,
+//! deadline, SLO, class) and the input tensors each entry's requests carry.
+//!
+//! A workload comes from flags (one entry) or from a JSON file:
+//!
+//! ```json
+//! { "entries": [
+//!     { "model": "mlp_fp32", "weight": 3, "batch_size": 1, "class": "small", "slo_ms": 20,
+//!       "tenant": "acme", "api_key": "k-acme", "priority": 1, "timeout_us": 50000 },
+//!     { "model": "identity_fp32", "version": "1", "batch_size": 8,
+//!       "shapes": { "INPUT0": [16] }, "data": "zero" }
+//! ] }
+//! ```
+//!
+//! The file is parsed with unknown keys refused and every value checked; errors name the key
+//! (`entries[1].batch_size`) or the line and column. Input shapes and data types come from the
+//! server's model metadata, so a workload names only what differs from the model's defaults.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use nereid_common::dtype::DataType;
+use rand::rngs::StdRng;
+use rand::{Rng, RngExt, SeedableRng};
+use serde::{Deserialize, Deserializer, Serialize};
+
+pub const DEFAULT_WEIGHT: f64 = 1.0;
+pub const DEFAULT_BATCH_SIZE: u32 = 1;
+/// Length of each generated element of a `BYTES` input.
+pub const STRING_LENGTH: usize = 16;
+/// Most entries a workload file may hold.
+pub const MAX_ENTRIES: usize = 1_000;
+/// Largest request body the generator will build for one entry (all inputs together).
+pub const MAX_INPUT_BYTES: u64 = 256 << 20;
+
+/// Input tensor contents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum InputData {
+    /// All zeros (empty strings for `BYTES`).
+    Zero,
+    /// Seeded pseudo-random values: floats in [0, 1), integers over their range, booleans,
+    /// ASCII strings of [`STRING_LENGTH`] characters.
+    Random,
+}
+
+/// A workload file.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadFile {
+    pub entries: Vec<Entry>,
+}
+
+/// One kind of request and how often it is sent relative to the others.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Entry {
+    pub model: String,
+    /// Model version; empty or absent means the server's choice (latest ready).
+    #[serde(default, deserialize_with = "version_string", skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// Relative frequency; entries are picked at random in proportion to their weights.
+    #[serde(default = "default_weight")]
+    pub weight: f64,
+    /// Rows per request; must be 1 for models without batching.
+    #[serde(default = "default_batch_size")]
+    pub batch_size: u32,
+    /// Non-batch dims per input name, for inputs with variable dims (`-1`) or to check fixed ones.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub shapes: BTreeMap<String, Vec<i64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<InputData>,
+    /// Label for reports; defaults to nothing (the API key is never printed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// Sent as `authorization: Bearer <api_key>`.
+    #[serde(default, skip_serializing)]
+    pub api_key: Option<String>,
+    /// Request parameter `priority` (1 is highest in Triton's scheme; 0 = model default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<u64>,
+    /// Request parameter `timeout` in microseconds (server-side queue deadline).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_us: Option<u64>,
+    /// Latency SLO of this entry's requests; overrides `--slo-p99-ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo_ms: Option<f64>,
+    /// Reporting class; entries of one class are reported together and must share an SLO.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<String>,
+}
+
+fn default_weight() -> f64 {
+    DEFAULT_WEIGHT
+}
+
+fn default_batch_size() -> u32 {
+    DEFAULT_BATCH_SIZE
+}
+
+/// Accepts `"version": "2"` and `"version": 2`.
+fn version_string<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum V {
+        S(String),
+        N(u64),
+    }
+    Ok(match Option::<V>::deserialize(d)? {
+        None => None,
+        Some(V::S(s)) if s.is_empty() => None,
+        Some(V::S(s)) => Some(s),
+        Some(V::N(n)) => Some(n.to_string()),
+    })
+}
+
+impl Entry {
+    /// An entry with every optional field at its default.
+    pub fn for_model(model: impl Into<String>) -> Self {
+        Entry {
+            model: model.into(),
+            version: None,
+            weight: DEFAULT_WEIGHT,
+            batch_size: DEFAULT_BATCH_SIZE,
+            shapes: BTreeMap::new(),
+            data: None,
+            tenant: None,
+            api_key: None,
+            priority: None,
+            timeout_us: None,
+            slo_ms: None,
+            class: None,
+        }
+    }
+
+    /// The name this entry is reported under: its class, else `model[:version][@tenant]`.
+    pub fn series_name(&self) -> String {
+        if let Some(class) = &self.class {
+            return class.clone();
+        }
+        let mut s = self.model.clone();
+        if let Some(v) = &self.version {
+            s.push(':');
+            s.push_str(v);
+        }
+        if let Some(t) = &self.tenant {
+            s.push('@');
+            s.push_str(t);
+        }
+        s
+    }
+}
+
+/// A workload could not be used; the message names the key, line or input.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("{0}")]
+pub struct WorkloadError(pub String);
+
+/// Where a workload came from, for error messages.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Origin {
+    Flags,
+    File(String),
+}
+
+/// A validated workload: entries plus the reporting series they map to.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    pub origin: Origin,
+    pub entries: Vec<Entry>,
+    /// `series_of[i]` is the index in `series` of entry `i`.
+    pub series_of: Vec<usize>,
+    pub series: Vec<Series>,
+}
+
+/// A group of entries reported together.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Series {
+    pub name: String,
+    pub models: Vec<String>,
+    pub tenant: Option<String>,
+    pub class: Option<String>,
+    /// Latency SLO in milliseconds, from the entries or `--slo-p99-ms`.
+    pub slo_ms: Option<f64>,
+}
+
+impl Workload {
+    /// Parses and validates a workload file's text. `path` is only used in messages.
+    pub fn from_json(path: &str, text: &str, default_slo_ms: Option<f64>) -> Result<Workload, WorkloadError> {
+        let file: WorkloadFile =
+            serde_json::from_str(text).map_err(|e| WorkloadError(format!("workload file {path}: {e}")))?;
+        Workload::new(Origin::File(path.to_string()), file.entries, default_slo_ms)
+    }
+
+    /// Validates entries (from flags or a file) and groups them into series.
+    pub fn new(origin: Origin, entries: Vec<Entry>, default_slo_ms: Option<f64>) -> Result<Workload, WorkloadError> {
+        let prefix = match &origin {
+            Origin::Flags => String::new(),
+            Origin::File(p) => format!("workload file {p}: "),
+        };
+        if entries.is_empty() {
+            return Err(WorkloadError(format!("{prefix}entries: must list at least one entry")));
+        }
+        if entries.len() > MAX_ENTRIES {
+            return Err(WorkloadError(format!("{prefix}entries: at most {MAX_ENTRIES} entries, got {}", entries.len())));
+        }
+        for (i, e) in entries.iter().enumerate() {
+            validate_entry(e).map_err(|(key, msg)| WorkloadError(format!("{prefix}{}{key}: {msg}", entry_key(&origin, i))))?;
+        }
+        let mut series: Vec<Series> = Vec::new();
+        let mut series_of = Vec::with_capacity(entries.len());
+        let mut first_of: Vec<usize> = Vec::new();
+        for (i, e) in entries.iter().enumerate() {
+            let name = e.series_name();
+            let slo_ms = e.slo_ms.or(default_slo_ms);
+            match series.iter().position(|s| s.name == name) {
+                Some(j) => {
+                    let s = &mut series[j];
+                    if s.slo_ms != slo_ms {
+                        return Err(WorkloadError(format!(
+                            "{prefix}{}.slo_ms: {} differs from {} of {} in the same class '{name}'",
+                            entry_key(&origin, i),
+                            fmt_opt(slo_ms),
+                            fmt_opt(s.slo_ms),
+                            entry_key(&origin, first_of[j]),
+                        )));
+                    }
+                    if !s.models.contains(&e.model) {
+                        s.models.push(e.model.clone());
+                    }
+                    if s.tenant != e.tenant {
+                        s.tenant = None;
+                    }
+                    series_of.push(j);
+                }
+                None => {
+                    series.push(Series {
+                        name,
+                        models: vec![e.model.clone()],
+                        tenant: e.tenant.clone(),
+                        class: e.class.clone(),
+                        slo_ms,
+                    });
+                    first_of.push(i);
+                    series_of.push(series.len() - 1);
+                }
+            }
+        }
+        Ok(Workload { origin, entries, series_of, series })
+    }
+
+    /// How an entry is named in messages: `entries[3]` for files, `-m <model>` for flags.
+    pub fn entry_name(&self, i: usize) -> String {
+        entry_key(&self.origin, i)
+    }
+
+    /// Distinct `(model, version)` pairs, in first-use order.
+    pub fn models(&self) -> Vec<(String, Option<String>)> {
+        let mut out: Vec<(String, Option<String>)> = Vec::new();
+        for e in &self.entries {
+            let key = (e.model.clone(), e.version.clone());
+            if !out.contains(&key) {
+                out.push(key);
+            }
+        }
+        out
+    }
+
+    /// Whether any series has an SLO.
+    pub fn has_slo(&self) -> bool {
+        self.series.iter().any(|s| s.slo_ms.is_some())
+    }
+}
+
+fn fmt_opt(v: Option<f64>) -> String {
+    v.map(|v| format!("{v}")).unwrap_or_else(|| "none".into())
+}
+
+fn entry_key(origin: &Origin, i: usize) -> String {
+    match origin {
+        Origin::Flags => String::new(),
+        Origin::File(_) => format!("entries[{i}]"),
+    }
+}
+
+/// Checks one entry; on error returns the key (`.batch_size`, empty for flags-level) and why.
+fn validate_entry(e: &Entry) -> Result<(), (String, String)> {
+    let bad = |key: &str, msg: String| Err((format!(".{key}"), msg));
+    if e.model.trim().is_empty() {
+        return bad("model", "must not be empty".into());
+    }
+    if !(e.weight.is_finite() && e.weight > 0.0) {
+        return bad("weight", format!("must be a positive number, got {}", e.weight));
+    }
+    if e.batch_size == 0 {
+        return bad("batch_size", "must be at least 1".into());
+    }
+    for (name, dims) in &e.shapes {
+        if name.is_empty() {
+            return bad("shapes", "input names must not be empty".into());
+        }
+        if let Some(d) = dims.iter().find(|d| **d < 0) {
+            return bad(&format!("shapes.{name}"), format!("dims must be concrete (≥ 0), got {d}"));
+        }
+    }
+    if let Some(t) = &e.tenant
+        && t.is_empty()
+    {
+        return bad("tenant", "must not be empty".into());
+    }
+    if let Some(k) = &e.api_key
+        && (k.is_empty() || k.chars().any(|c| c.is_control() || c == ' '))
+    {
+        return bad("api_key", "must be a non-empty token without spaces or control characters".into());
+    }
+    if let Some(t) = e.timeout_us
+        && t == 0
+    {
+        return bad("timeout_us", "must be at least 1 (omit it for the model's default)".into());
+    }
+    if let Some(s) = e.slo_ms
+        && !(s.is_finite() && s > 0.0)
+    {
+        return bad("slo_ms", format!("must be a positive number of milliseconds, got {s}"));
+    }
+    if let Some(c) = &e.class
+        && c.is_empty()
+    {
+        return bad("class", "must not be empty".into());
+    }
+    Ok(())
+}
+
+/// Picks entries at random in proportion to their weights (inverse CDF over the cumulative
+/// weights; O(log n) per pick).
+#[derive(Clone, Debug)]
+pub struct Picker {
+    cumulative: Vec<f64>,
+}
+
+impl Picker {
+    /// `weights` must be positive and finite (validated workloads are).
+    pub fn new(weights: impl IntoIterator<Item = f64>) -> Self {
+        let mut total = 0.0;
+        let cumulative = weights
+            .into_iter()
+            .map(|w| {
+                total += w;
+                total
+            })
+            .collect();
+        Picker { cumulative }
+    }
+
+    /// The entry for a uniform sample `u` in [0, 1).
+    pub fn pick(&self, u: f64) -> usize {
+        if self.cumulative.len() <= 1 {
+            return 0;
+        }
+        let total = *self.cumulative.last().unwrap_or(&1.0);
+        let x = u * total;
+        self.cumulative.partition_point(|c| *c <= x).min(self.cumulative.len() - 1)
+    }
+}
+
+/// A model as the server describes it (`ModelMetadata` + `max_batch_size` from `ModelConfig`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ModelInfo {
+    pub name: String,
+    pub versions: Vec<String>,
+    /// 0: the model does not batch; its shapes have no batch dimension.
+    pub max_batch_size: u32,
+    pub inputs: Vec<TensorSpec>,
+    pub outputs: Vec<TensorSpec>,
+}
+
+/// A tensor as metadata reports it: shapes include `-1` for the batch and variable dims.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TensorSpec {
+    pub name: String,
+    pub datatype: String,
+    pub shape: Vec<i64>,
+}
+
+/// One concrete input of a request.
+#[derive(Clone, PartialEq)]
+pub struct InputTensor {
+    pub name: String,
+    pub datatype: DataType,
+    /// Full shape, batch dimension included where the model batches.
+    pub shape: Vec<i64>,
+    /// Row-major little-endian bytes; `BYTES` elements are a 4-byte length then the bytes.
+    pub data: Vec<u8>,
+}
+
+impl fmt::Debug for InputTensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InputTensor")
+            .field("name", &self.name)
+            .field("datatype", &self.datatype)
+            .field("shape", &self.shape)
+            .field("bytes", &self.data.len())
+            .finish()
+    }
+}
+
+/// Builds the inputs of `entry`'s requests for `model`: shapes from metadata completed by
+/// `entry.shapes` and `entry.batch_size`, contents per `data`, random ones from `seed`.
+/// Errors say which input or setting does not fit the model.
+pub fn resolve_inputs(entry: &Entry, model: &ModelInfo, data: InputData, seed: u64) -> Result<Vec<InputTensor>, WorkloadError> {
+    let err = |msg: String| Err(WorkloadError(format!("model '{}': {msg}", model.name)));
+    if model.max_batch_size == 0 && entry.batch_size != 1 {
+        return err(format!("batch size {} requested but the model does not batch (max_batch_size 0)", entry.batch_size));
+    }
+    if model.max_batch_size > 0 && entry.batch_size > model.max_batch_size {
+        return err(format!("batch size {} exceeds the model's max_batch_size {}", entry.batch_size, model.max_batch_size));
+    }
+    for name in entry.shapes.keys() {
+        if !model.inputs.iter().any(|i| &i.name == name) {
+            let known: Vec<&str> = model.inputs.iter().map(|i| i.name.as_str()).collect();
+            return err(format!("shape given for '{name}', which is not an input (inputs: {})", known.join(", ")));
+        }
+    }
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut total_bytes = 0u64;
+    let mut out = Vec::with_capacity(model.inputs.len());
+    for input in &model.inputs {
+        let Some(dtype) = DataType::from_wire_name(&input.datatype) else {
+            return err(format!("input '{}' has datatype '{}', which the generator does not know", input.name, input.datatype));
+        };
+        let model_dims: &[i64] = if model.max_batch_size > 0 { input.shape.get(1..).unwrap_or(&[]) } else { &input.shape };
+        let dims: Vec<i64> = match entry.shapes.get(&input.name) {
+            Some(given) => {
+                if given.len() != model_dims.len() {
+                    return err(format!(
+                        "shape {given:?} for '{}' has {} dims but the model's input has {} (non-batch dims {model_dims:?})",
+                        input.name,
+                        given.len(),
+                        model_dims.len()
+                    ));
+                }
+                for (g, m) in given.iter().zip(model_dims) {
+                    if *m >= 0 && g != m {
+                        return err(format!("shape {given:?} for '{}' does not match the model's dims {model_dims:?}", input.name));
+                    }
+                }
+                given.clone()
+            }
+            None if model_dims.iter().any(|d| *d < 0) => {
+                return err(format!(
+                    "input '{}' has variable dims {model_dims:?}; give concrete ones with --shape {}:<d1,d2,...> or \"shapes\" in the workload file",
+                    input.name, input.name
+                ));
+            }
+            None => model_dims.to_vec(),
+        };
+        let mut shape = Vec::with_capacity(dims.len() + 1);
+        if model.max_batch_size > 0 {
+            shape.push(entry.batch_size as i64);
+        }
+        shape.extend_from_slice(&dims);
+        let per_element = dtype.element_size().map(|w| w as u64).unwrap_or(4 + STRING_LENGTH as u64);
+        let elements = nereid_common::dtype::element_count(&shape).unwrap_or(u64::MAX);
+        total_bytes = total_bytes.saturating_add(elements.saturating_mul(per_element));
+        if total_bytes > MAX_INPUT_BYTES {
+            return err(format!("inputs need {total_bytes} bytes per request, more than the generator's limit of {MAX_INPUT_BYTES}"));
+        }
+        let data = generate(dtype, elements as usize, data, &mut rng);
+        out.push(InputTensor { name: input.name.clone(), datatype: dtype, shape, data });
+    }
+    Ok(out)
+}
+
+/// Element bytes for `n` elements of `dtype`.
+fn generate(dtype: DataType, n: usize, data: InputData, rng: &mut StdRng) -> Vec<u8> {
+    match (dtype, data) {
+        (DataType::Bytes, InputData::Zero) => vec![0u8; 4 * n],
+        (DataType::Bytes, InputData::Random) => {
+            let mut out = Vec::with_capacity(n * (4 + STRING_LENGTH));
+            for _ in 0..n {
+                out.extend_from_slice(&(STRING_LENGTH as u32).to_le_bytes());
+                out.extend((0..STRING_LENGTH).map(|_| rng.random_range(b'a'..=b'z')));
+            }
+            out
+        }
+        (_, InputData::Zero) => vec![0u8; n * dtype.element_size().unwrap_or(1)],
+        (DataType::Bool, InputData::Random) => (0..n).map(|_| rng.random::<bool>() as u8).collect(),
+        (DataType::Fp32, InputData::Random) => (0..n).flat_map(|_| rng.random::<f32>().to_le_bytes()).collect(),
+        (DataType::Fp64, InputData::Random) => (0..n).flat_map(|_| rng.random::<f64>().to_le_bytes()).collect(),
+        // bfloat16 is the top half of an f32.
+        (DataType::Bf16, InputData::Random) => (0..n).flat_map(|_| ((rng.random::<f32>().to_bits() >> 16) as u16).to_le_bytes()).collect(),
+        // IEEE half in [0, 1): biased exponent 0..=14, any mantissa.
+        (DataType::Fp16, InputData::Random) => (0..n)
+            .flat_map(|_| {
+                let exp = rng.random_range(0u16..15);
+                let mantissa = rng.random_range(0u16..1024);
+                ((exp << 10) | mantissa).to_le_bytes()
+            })
+            .collect(),
+        // Integers: any bit pattern is a valid value.
+        (_, InputData::Random) => {
+            let mut out = vec![0u8; n * dtype.element_size().unwrap_or(1)];
+            rng.fill_bytes(&mut out);
+            out
+        }
+    }
+}
+
+/// The JSON `data` array of a tensor (KServe v2 JSON tensor format), row-major and flat.
+pub fn json_data(dtype: DataType, raw: &[u8]) -> serde_json::Value {
+    use serde_json::Value;
+    fn chunks<const N: usize>(raw: &[u8]) -> impl Iterator<Item = [u8; N]> + '_ {
+        raw.chunks_exact(N).map(|c| c.try_into().unwrap_or([0; N]))
+    }
+    let num = |v: f64| serde_json::Number::from_f64(v).map(Value::Number).unwrap_or(Value::Null);
+    let values: Vec<Value> = match dtype {
+        DataType::Bool => raw.iter().map(|b| Value::Bool(*b != 0)).collect(),
+        DataType::Uint8 => raw.iter().map(|b| Value::from(*b)).collect(),
+        DataType::Int8 => raw.iter().map(|b| Value::from(*b as i8)).collect(),
+        DataType::Uint16 => chunks::<2>(raw).map(|c| Value::from(u16::from_le_bytes(c))).collect(),
+        DataType::Int16 => chunks::<2>(raw).map(|c| Value::from(i16::from_le_bytes(c))).collect(),
+        DataType::Uint32 => chunks::<4>(raw).map(|c| Value::from(u32::from_le_bytes(c))).collect(),
+        DataType::Int32 => chunks::<4>(raw).map(|c| Value::from(i32::from_le_bytes(c))).collect(),
+        DataType::Uint64 => chunks::<8>(raw).map(|c| Value::from(u64::from_le_bytes(c))).collect(),
+        DataType::Int64 => chunks::<8>(raw).map(|c| Value::from(i64::from_le_bytes(c))).collect(),
+        DataType::Fp32 => chunks::<4>(raw).map(|c| num(f32::from_le_bytes(c) as f64)).collect(),
+        DataType::Fp64 => chunks::<8>(raw).map(|c| num(f64::from_le_bytes(c))).collect(),
+        DataType::Bf16 => chunks::<2>(raw).map(|c| num(f32::from_bits((u16::from_le_bytes(c) as u32) << 16) as f64)).collect(),
+        DataType::Fp16 => chunks::<2>(raw).map(|c| num(f16_to_f32(u16::from_le_bytes(c)) as f64)).collect(),
+        DataType::Bytes => {
+            let mut out = Vec::new();
+            let mut rest = raw;
+            while rest.len() >= 4 {
+                let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+                let end = (4 + len).min(rest.len());
+                out.push(Value::String(String::from_utf8_lossy(&rest[4..end]).into_owned()));
+                rest = &rest[end..];
+            }
+            out
+        }
+    };
+    Value::Array(values)
+}
+
+/// IEEE 754 half → single (normals, subnormals, infinities and NaN).
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h >> 15) as u32) << 31;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let mantissa = (h & 0x3ff) as u32;
+    let bits = match (exp, mantissa) {
+        (0, 0) => sign,
+        (0, m) => {
+            // Subnormal: value = m × 2^-24.
+            let v = m as f32 * f32::from_bits(0x3380_0000);
+            return if sign != 0 { -v } else { v };
+        }
+        (0x1f, m) => sign | 0x7f80_0000 | (m << 13),
+        (e, m) => sign | ((e + 112) << 23) | (m << 13),
+    };
+    f32::from_bits(bits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mlp() -> ModelInfo {
+        ModelInfo {
+            name: "mlp_fp32".into(),
+            versions: vec!["1".into()],
+            max_batch_size: 64,
+            inputs: vec![TensorSpec { name: "INPUT0".into(), datatype: "FP32".into(), shape: vec![-1, 256] }],
+            outputs: vec![TensorSpec { name: "OUTPUT0".into(), datatype: "FP32".into(), shape: vec![-1, 10] }],
+        }
+    }
+
+    #[test]
+    fn a_full_workload_file_parses() {
+        let w = Workload::from_json(
+            "w.json",
+            r#"{"entries":[
+                {"model":"mlp_fp32","weight":3,"class":"small","slo_ms":20,"tenant":"acme","api_key":"k1","priority":1,"timeout_us":50000},
+                {"model":"identity_fp32","version":1,"batch_size":8,"shapes":{"INPUT0":[16]},"data":"zero"},
+                {"model":"mlp_fp32","class":"small","slo_ms":20}
+            ]}"#,
+            Some(100.0),
+        )
+        .unwrap();
+        assert_eq!(w.entries.len(), 3);
+        assert_eq!(w.entries[1].version.as_deref(), Some("1"));
+        assert_eq!(w.entries[1].data, Some(InputData::Zero));
+        assert_eq!(w.series.len(), 2);
+        assert_eq!(w.series_of, vec![0, 1, 0]);
+        assert_eq!(w.series[0].name, "small");
+        assert_eq!(w.series[0].slo_ms, Some(20.0));
+        assert_eq!(w.series[0].tenant, None, "mixed tenants in one class are not attributed to one");
+        assert_eq!(w.series[1].name, "identity_fp32:1");
+        assert_eq!(w.series[1].slo_ms, Some(100.0), "--slo-p99-ms is the default");
+        assert_eq!(w.models(), vec![("mlp_fp32".into(), None), ("identity_fp32".into(), Some("1".into()))]);
+    }
+
+    #[test]
+    fn workload_errors_name_the_key() {
+        let e = |text: &str| Workload::from_json("w.json", text, None).unwrap_err().0;
+        let unknown = e(r#"{"entries":[{"model":"m",
+            "batchsize":4}]}"#);
+        assert!(unknown.contains("w.json") && unknown.contains("unknown field `batchsize`") && unknown.contains("line 2"), "{unknown}");
+        assert!(e(r#"{"entries":[], "extra":1}"#).contains("unknown field `extra`"));
+        assert!(e(r#"{"entries":[]}"#).contains("entries: must list at least one entry"));
+        assert!(e(r#"{"entries":[{"weight":1}]}"#).contains("missing field `model`"));
+        assert!(e(r#"{"entries":[{"model":"m"},{"model":"m","batch_size":0}]}"#).contains("entries[1].batch_size: must be at least 1"));
+        assert!(e(r#"{"entries":[{"model":"m","weight":0}]}"#).contains("entries[0].weight"));
+        assert!(e(r#"{"entries":[{"model":"m","slo_ms":-1}]}"#).contains("entries[0].slo_ms"));
+        assert!(e(r#"{"entries":[{"model":"m","shapes":{"X":[2,-1]}}]}"#).contains("entries[0].shapes.X"));
+        assert!(e(r#"{"entries":[{"model":"m","api_key":"a b"}]}"#).contains("entries[0].api_key"));
+        assert!(e(r#"{"entries":[{"model":"m","data":"ones"}]}"#).contains("unknown variant `ones`"));
+        let slo = e(r#"{"entries":[{"model":"a","class":"c","slo_ms":5},{"model":"b","class":"c","slo_ms":6}]}"#);
+        assert!(slo.contains("entries[1].slo_ms") && slo.contains("entries[0]") && slo.contains("'c'"), "{slo}");
+        assert!(e("{").contains("EOF while parsing"));
+    }
+
+    #[test]
+    fn inputs_take_shapes_from_metadata_and_flags() {
+        let mut entry = Entry::for_model("mlp_fp32");
+        entry.batch_size = 4;
+        let inputs = resolve_inputs(&entry, &mlp(), InputData::Random, 1).unwrap();
+        assert_eq!(inputs[0].shape, vec![4, 256]);
+        assert_eq!(inputs[0].data.len(), 4 * 256 * 4);
+        let floats: Vec<f32> = inputs[0].data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        assert!(floats.iter().all(|f| (0.0..1.0).contains(f)));
+        assert_eq!(inputs, resolve_inputs(&entry, &mlp(), InputData::Random, 1).unwrap(), "seeded");
+        let zero = resolve_inputs(&entry, &mlp(), InputData::Zero, 1).unwrap();
+        assert!(zero[0].data.iter().all(|b| *b == 0));
+
+        entry.batch_size = 65;
+        assert!(resolve_inputs(&entry, &mlp(), InputData::Zero, 1).unwrap_err().0.contains("max_batch_size 64"));
+        entry.batch_size = 1;
+        entry.shapes.insert("INPUT0".into(), vec![128]);
+        assert!(resolve_inputs(&entry, &mlp(), InputData::Zero, 1).unwrap_err().0.contains("does not match"));
+        entry.shapes.clear();
+        entry.shapes.insert("NOPE".into(), vec![1]);
+        assert!(resolve_inputs(&entry, &mlp(), InputData::Zero, 1).unwrap_err().0.contains("'NOPE', which is not an input"));
+
+        let mut var = mlp();
+        var.max_batch_size = 0;
+        var.inputs[0] = TensorSpec { name: "X".into(), datatype: "BYTES".into(), shape: vec![2, -1] };
+        let mut e = Entry::for_model("v");
+        assert!(resolve_inputs(&e, &var, InputData::Zero, 1).unwrap_err().0.contains("--shape X:"));
+        e.shapes.insert("X".into(), vec![2, 3]);
+        let r = resolve_inputs(&e, &var, InputData::Random, 1).unwrap();
+        assert_eq!(r[0].shape, vec![2, 3]);
+        assert_eq!(r[0].data.len(), 6 * (4 + STRING_LENGTH));
+        e.batch_size = 2;
+        assert!(resolve_inputs(&e, &var, InputData::Zero, 1).unwrap_err().0.contains("does not batch"));
+    }
+
+    #[test]
+    fn json_data_decodes_every_type() {
+        assert_eq!(json_data(DataType::Fp32, &1.5f32.to_le_bytes()), serde_json::json!([1.5]));
+        assert_eq!(json_data(DataType::Int64, &(-3i64).to_le_bytes()), serde_json::json!([-3]));
+        assert_eq!(json_data(DataType::Bool, &[0, 1]), serde_json::json!([false, true]));
+        assert_eq!(json_data(DataType::Fp16, &0x3c00u16.to_le_bytes()), serde_json::json!([1.0]));
+        assert_eq!(json_data(DataType::Bf16, &0x3fc0u16.to_le_bytes()), serde_json::json!([1.5]));
+        let mut s = 2u32.to_le_bytes().to_vec();
+        s.extend_from_slice(b"hi");
+        s.extend_from_slice(&0u32.to_le_bytes());
+        assert_eq!(json_data(DataType::Bytes, &s), serde_json::json!(["hi", ""]));
+    }
+
+    #[test]
+    fn picker_follows_weights() {
+        let p = Picker::new([1.0, 3.0]);
+        assert_eq!(p.pick(0.0), 0);
+        assert_eq!(p.pick(0.24), 0);
+        assert_eq!(p.pick(0.25), 1);
+        assert_eq!(p.pick(0.999_999), 1);
+        let mut rng = StdRng::seed_from_u64(3);
+        let n = 100_000;
+        let ones = (0..n).filter(|_| p.pick(rng.random()) == 1).count();
+        assert!((ones as f64 / n as f64 - 0.75).abs() < 0.01);
+        assert_eq!(Picker::new([2.0]).pick(0.9), 0);
+    }
+}

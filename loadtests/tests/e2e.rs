@@ -1,0 +1,445 @@
+//! End to end: the `nereid-perf` binary against a real `nereid-worker` serving the example
+//! models on real ONNX Runtime, over gRPC and HTTP (JSON and binary tensors), closed and open
+//! loop, plus the failure exits (unreachable server, bad workload file, server lost mid-run,
+//! SLO nothing meets). Runs are short and bounded; nothing asserts on speed.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const PERF: &str = env!("CARGO_BIN_EXE_nereid-perf");
+/// Longest any single nereid-perf run may take before the test kills it.
+const RUN_LIMIT: Duration = Duration::from_secs(120);
+const WORKER_START_LIMIT: Duration = Duration::from_secs(90);
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("loadtests/ is inside the workspace").to_path_buf()
+}
+
+/// The worker binary next to nereid-perf (same target dir), else `<workspace>/target/debug`.
+fn worker_binary() -> Option<PathBuf> {
+    let sibling = Path::new(PERF).with_file_name("nereid-worker");
+    let fallback = workspace().join("target/debug/nereid-worker");
+    [sibling, fallback].into_iter().find(|p| p.exists())
+}
+
+/// A worker process on 127.0.0.1 with OS-assigned ports, killed on drop.
+struct Worker {
+    child: Child,
+    _dir: tempfile::TempDir,
+    http: u16,
+    grpc: u16,
+    metrics: u16,
+}
+
+impl Worker {
+    /// `None` (after saying why) when the worker binary has not been built.
+    fn start() -> Option<Worker> {
+        let Some(bin) = worker_binary() else {
+            eprintln!(
+                "SKIPPED: nereid-worker is not built (looked next to {PERF} and in target/debug); \
+                 run `cargo build --workspace --all-targets` first"
+            );
+            return None;
+        };
+        let dir = tempfile::tempdir().expect("temp dir");
+        let ports_file = dir.path().join("ports.json");
+        let ws = workspace();
+        let child = Command::new(bin)
+            .arg("--model-repository")
+            .arg(ws.join("examples/models"))
+            .args(["--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
+            .arg("--port-file")
+            .arg(&ports_file)
+            .env("NEREID_ORT_LIB", ws.join(".deps/onnxruntime/libonnxruntime.so"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nereid-worker");
+        let mut worker = Worker { child, _dir: dir, http: 0, grpc: 0, metrics: 0 };
+        let deadline = Instant::now() + WORKER_START_LIMIT;
+        let ports: Value = loop {
+            if let Ok(text) = std::fs::read_to_string(&ports_file)
+                && let Ok(v) = serde_json::from_str(&text)
+            {
+                break v;
+            }
+            if let Ok(Some(status)) = worker.child.try_wait() {
+                panic!("nereid-worker exited before writing its ports: {status}");
+            }
+            assert!(Instant::now() < deadline, "nereid-worker wrote no port file within {WORKER_START_LIMIT:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let port = |k: &str| ports[k].as_u64().unwrap_or_else(|| panic!("port file lacks {k}: {ports}")) as u16;
+        (worker.http, worker.grpc, worker.metrics) = (port("http"), port("grpc"), port("metrics"));
+        while http_status(worker.http, "/v2/health/ready") != Some(200) {
+            assert!(Instant::now() < deadline, "nereid-worker not ready within {WORKER_START_LIMIT:?}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Some(worker)
+    }
+
+    fn grpc_url(&self) -> String {
+        format!("127.0.0.1:{}", self.grpc)
+    }
+
+    fn http_url(&self) -> String {
+        format!("127.0.0.1:{}", self.http)
+    }
+
+    fn metrics_url(&self) -> String {
+        format!("127.0.0.1:{}", self.metrics)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The status of `GET path` on 127.0.0.1:port, or `None` if nothing answered.
+fn http_status(port: u16, path: &str) -> Option<u16> {
+    let mut s = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(1)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line).ok()?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+struct Run {
+    status: ExitStatus,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn code(&self) -> i32 {
+        self.status.code().unwrap_or(-1)
+    }
+}
+
+/// Runs nereid-perf with `args` (quiet), killing it after [`RUN_LIMIT`].
+fn perf(args: &[&str]) -> Run {
+    let mut child = Command::new(PERF)
+        .args(args)
+        .arg("-q")
+        .env_remove("NEREID_API_KEY")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start nereid-perf");
+    let mut stdout = child.stdout.take().expect("piped");
+    let mut stderr = child.stderr.take().expect("piped");
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + RUN_LIMIT;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait on nereid-perf") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("nereid-perf {args:?} ran past {RUN_LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Run { status, stdout: out.join().unwrap_or_default(), stderr: err.join().unwrap_or_default() }
+}
+
+/// Exit 0, or 5 only because the open-loop generator fell behind on a busy machine.
+fn assert_measured(run: &Run, open_loop: bool) {
+    let late_only = open_loop
+        && run.code() == 5
+        && run.stdout.lines().filter(|l| l.starts_with("PROBLEM:")).all(|l| l.contains("could not keep the schedule"));
+    assert!(run.code() == 0 || late_only, "exit {}\nstdout:\n{}\nstderr:\n{}", run.code(), run.stdout, run.stderr);
+}
+
+/// Short bounded windows: 2 × 300 ms after 200 ms of warm-up, a wide stability band.
+const SHORT: [&str; 8] = ["-p", "300", "-r", "2", "-s", "1000", "--warmup-ms", "200"];
+
+fn read_json(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).expect("JSON report written")).expect("JSON report parses")
+}
+
+/// Checks one level of a JSON report: successes, throughput, ordered percentiles, goodput
+/// within throughput, and the server-side breakdown of `model`.
+fn check_level(level: &Value, model: &str) {
+    let total = &level["total"];
+    assert!(total["ok"].as_u64().unwrap() > 0, "no success: {level}");
+    assert_eq!(total["errors"].as_u64(), Some(0), "errors: {level}");
+    let infer = total["infer_per_sec"].as_f64().unwrap();
+    assert!(infer > 0.0);
+    assert!(total["goodput_infer_per_sec"].as_f64().unwrap() <= infer + 1e-9);
+    assert!(total["goodput_requests_per_sec"].as_f64().unwrap() <= total["requests_per_sec"].as_f64().unwrap() + 1e-9);
+    let l = &total["latency"];
+    let p: Vec<u64> = ["min_us", "p50_us", "p90_us", "p95_us", "p99_us", "p999_us", "max_us"].iter().map(|k| l[*k].as_u64().unwrap()).collect();
+    assert!(p.windows(2).all(|w| w[0] <= w[1]), "percentiles out of order: {l}");
+    assert!(p[1] > 0);
+    let server = &level["server"][model];
+    assert!(server["requests"].as_u64().unwrap_or(0) > 0, "no server-side breakdown for {model}: {level}");
+    for k in ["avg_queue_us", "avg_compute_input_us", "avg_compute_infer_us", "avg_compute_output_us"] {
+        assert!(server[k].as_f64().is_some(), "{k} missing: {server}");
+    }
+    assert!(server["avg_batch_size"].as_f64().unwrap() >= 1.0);
+}
+
+fn csv_rows(path: &Path) -> (Vec<String>, Vec<Vec<String>>) {
+    let text = std::fs::read_to_string(path).expect("CSV written");
+    let mut lines = text.lines();
+    let header = lines.next().expect("CSV header").split(',').map(String::from).collect();
+    let rows = lines.map(|l| l.split(',').map(String::from).collect()).collect();
+    (header, rows)
+}
+
+#[test]
+fn grpc_closed_loop_sweep_writes_csv_and_json() {
+    let Some(w) = Worker::start() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (csv, json) = (dir.path().join("out.csv"), dir.path().join("out.json"));
+    for model in ["identity_fp32", "mlp_fp32"] {
+        let (u, m) = (w.grpc_url(), w.metrics_url());
+        let mut args = vec!["-m", model, "-u", &u, "--metrics-url", &m, "--concurrency-range", "1:3:2", "-b", "2"];
+        args.extend(SHORT);
+        args.extend(["--slo-p99-ms", "10000", "--api-key", "tenant-key"]);
+        args.extend(["-f", csv.to_str().unwrap(), "--json", json.to_str().unwrap()]);
+        let run = perf(&args);
+        assert_measured(&run, false);
+        assert!(run.stdout.contains("concurrency 3") && run.stdout.contains("highest load meeting the SLO"), "{}", run.stdout);
+
+        let report = read_json(&json);
+        let levels = report["levels"].as_array().unwrap();
+        assert_eq!(levels.len(), 2);
+        for level in levels {
+            check_level(level, model);
+        }
+        assert_eq!(report["models"][0]["max_batch_size"].as_u64(), Some(64));
+
+        let (header, rows) = csv_rows(&csv);
+        let expected = "Concurrency,Inferences/Second,Client Send,Network+Server Send/Recv,Server Queue,Server Compute Input,\
+            Server Compute Infer,Server Compute Output,Client Recv,p50 latency,p90 latency,p95 latency,p99 latency,\
+            Avg latency,request/response,response wait";
+        assert_eq!(header[..16].join(","), expected);
+        for extra in ["p99.9 latency", "Goodput Inferences/Second", "Errors", "Late Sends", "Stable", "SLO Met"] {
+            assert!(header.iter().any(|h| h == extra), "CSV lacks {extra}: {header:?}");
+        }
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0][0], "1");
+        assert_eq!(rows[1][0], "3");
+        let col = |name: &str| header.iter().position(|h| h == name).unwrap();
+        for row in &rows {
+            assert!(row[col("Inferences/Second")].parse::<f64>().unwrap() > 0.0);
+            assert!(!row[col("Server Compute Infer")].is_empty(), "server breakdown missing in CSV: {row:?}");
+            let p50: u64 = row[col("p50 latency")].parse().unwrap();
+            let p99: u64 = row[col("p99 latency")].parse().unwrap();
+            assert!(p50 <= p99);
+            assert_eq!(row[col("SLO Met")], "true");
+        }
+    }
+}
+
+#[test]
+fn http_json_and_binary_closed_and_open_loop() {
+    let Some(w) = Worker::start() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let (u, m, j) = (w.http_url(), w.metrics_url(), json.to_str().unwrap().to_string());
+    let cases: [(&str, &[&str], bool); 4] = [
+        ("mlp_fp32", &["--concurrency-range", "2"], false),
+        ("identity_fp32", &["--http-binary", "--concurrency-range", "2"], false),
+        ("mlp_fp32", &["--http-binary", "--request-rate-range", "100", "--request-distribution", "poisson"], true),
+        ("identity_fp32", &["--request-rate-range", "100"], true),
+    ];
+    for (model, extra, open_loop) in cases {
+        let mut args = vec!["-m", model, "-i", "http", "-u", &u, "--metrics-url", &m, "--json", &j, "--input-data", "zero"];
+        args.extend(extra);
+        args.extend(SHORT);
+        let run = perf(&args);
+        assert_measured(&run, open_loop);
+        let report = read_json(&json);
+        let level = &report["levels"][0];
+        check_level(level, model);
+        if open_loop {
+            assert!(level["level"]["request_rate"]["rate"].as_f64().is_some(), "{level}");
+            assert!(level["total"]["sends"].as_u64().unwrap() > 0);
+        }
+    }
+}
+
+#[test]
+fn grpc_open_loop_and_a_mixed_workload_file() {
+    let Some(w) = Worker::start() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let (u, m, j) = (w.grpc_url(), w.metrics_url(), json.to_str().unwrap().to_string());
+
+    // Open loop at a constant rate.
+    let mut args = vec!["-m", "identity_fp32", "-u", &u, "--metrics-url", &m, "--json", &j, "--request-rate-range", "50:150:100"];
+    args.extend(SHORT);
+    let run = perf(&args);
+    assert_measured(&run, true);
+    let report = read_json(&json);
+    assert_eq!(report["levels"].as_array().unwrap().len(), 2);
+    for level in report["levels"].as_array().unwrap() {
+        check_level(level, "identity_fp32");
+    }
+
+    // A trace of arrival offsets.
+    let trace = dir.path().join("trace.txt");
+    let offsets: String = (0..60).map(|i| format!("{}\n", i * 10)).collect();
+    std::fs::write(&trace, format!("# 100 req/s for 0.6 s\n{offsets}")).unwrap();
+    let args = ["-m", "mlp_fp32", "-u", &u, "--metrics-url", &m, "--json", &j, "--trace-file", trace.to_str().unwrap(), "--warmup-ms", "0"];
+    let run = perf(&args);
+    assert_measured(&run, true);
+    let report = read_json(&json);
+    let level = &report["levels"][0];
+    assert_eq!(level["level"]["trace"]["arrivals"].as_u64(), Some(60));
+    assert_eq!(level["total"]["ok"].as_u64(), Some(60), "every trace arrival answered: {level}");
+
+    // Two models, two classes with their own SLOs, a tenant key, priority and timeout.
+    let workload = dir.path().join("workload.json");
+    std::fs::write(
+        &workload,
+        r#"{"entries": [
+            {"model": "identity_fp32", "weight": 3, "batch_size": 4, "class": "small", "slo_ms": 10000,
+             "tenant": "acme", "api_key": "k-acme", "priority": 1, "timeout_us": 5000000},
+            {"model": "mlp_fp32", "version": 1, "weight": 1, "class": "large", "slo_ms": 10000, "data": "zero"}
+        ]}"#,
+    )
+    .unwrap();
+    let mut args = vec!["--workload", workload.to_str().unwrap(), "-u", &u, "--metrics-url", &m, "--json", &j, "--concurrency-range", "4"];
+    args.extend(SHORT);
+    let run = perf(&args);
+    assert_measured(&run, false);
+    assert!(run.stdout.contains("  small") && run.stdout.contains("  large"), "per-class rows: {}", run.stdout);
+    let report = read_json(&json);
+    let level = &report["levels"][0];
+    let series = level["series"].as_array().unwrap();
+    assert_eq!(series.len(), 2);
+    for s in series {
+        assert!(s["summary"]["ok"].as_u64().unwrap() > 0, "{s}");
+        assert_eq!(s["slo_met"].as_bool(), Some(true));
+    }
+    assert!(level["server"]["identity_fp32"]["requests"].as_u64().unwrap() > 0);
+    assert!(level["server"]["mlp_fp32:1"]["requests"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn bad_input_exits_2_with_a_clear_message() {
+    // Nothing listens on port 1.
+    let run = perf(&["-m", "identity_fp32", "-u", "127.0.0.1:1", "-p", "100"]);
+    assert_eq!(run.code(), 2, "{}", run.stderr);
+    assert!(run.stderr.contains("cannot reach 127.0.0.1:1"), "{}", run.stderr);
+    let run = perf(&["-m", "identity_fp32", "-i", "http", "-u", "127.0.0.1:1", "-p", "100"]);
+    assert_eq!(run.code(), 2);
+    assert!(run.stderr.contains("cannot reach 127.0.0.1:1"), "{}", run.stderr);
+
+    let dir = tempfile::tempdir().unwrap();
+    let workload = dir.path().join("bogus.json");
+    std::fs::write(&workload, "{\"entries\": [\n  {\"model\": \"identity_fp32\", \"batchsize\": 4}\n]}").unwrap();
+    let run = perf(&["--workload", workload.to_str().unwrap(), "-u", "127.0.0.1:1"]);
+    assert_eq!(run.code(), 2);
+    assert!(run.stderr.contains("unknown field `batchsize`") && run.stderr.contains("line 2"), "{}", run.stderr);
+    std::fs::write(&workload, r#"{"entries": [{"model": "identity_fp32", "batch_size": 0}]}"#).unwrap();
+    let run = perf(&["--workload", workload.to_str().unwrap(), "-u", "127.0.0.1:1"]);
+    assert_eq!(run.code(), 2);
+    assert!(run.stderr.contains("entries[0].batch_size"), "{}", run.stderr);
+
+    let run = perf(&["-m", "identity_fp32", "--concurrency-range", "0"]);
+    assert_eq!(run.code(), 2);
+    assert!(run.stderr.contains("--concurrency-range"), "{}", run.stderr);
+
+    let help = perf(&["--help"]);
+    assert_eq!(help.code(), 0);
+    assert!(help.stdout.contains("Exit codes:") && help.stdout.contains("no load level met the SLO"));
+}
+
+#[test]
+fn unknown_model_and_unmeetable_slo() {
+    let Some(w) = Worker::start() else { return };
+    let u = w.grpc_url();
+    let run = perf(&["-m", "no_such_model", "-u", &u]);
+    assert_eq!(run.code(), 2);
+    assert!(run.stderr.contains("no_such_model"), "{}", run.stderr);
+    let run = perf(&["-m", "mlp_fp32", "-u", &u, "-b", "65"]);
+    assert_eq!(run.code(), 2);
+    assert!(run.stderr.contains("max_batch_size 64"), "{}", run.stderr);
+
+    // 1 µs: nothing meets it. One window per level (-r 1) so the verdict is about the SLO alone.
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("out.csv");
+    let m = w.metrics_url();
+    let args = ["-m", "identity_fp32", "-u", &u, "--metrics-url", &m, "--concurrency-range", "1:2", "-p", "300", "-r", "1",
+        "--warmup-ms", "100", "--slo-p99-ms", "0.001", "-f", csv.to_str().unwrap()];
+    let run = perf(&args);
+    assert_eq!(run.code(), 4, "stdout:\n{}\nstderr:\n{}", run.stdout, run.stderr);
+    assert!(run.stdout.contains("no load level met the SLO"), "{}", run.stdout);
+    assert!(run.stdout.contains("concurrency 1") && !run.stdout.contains("concurrency 2"), "the sweep stops at the first miss");
+    let (header, rows) = csv_rows(&csv);
+    let col = |name: &str| header.iter().position(|h| h == name).unwrap();
+    assert_eq!(rows[0][col("SLO Met")], "false");
+    assert_eq!(rows[0][col("Goodput Inferences/Second")], "0");
+}
+
+#[test]
+fn server_dying_mid_run_keeps_partial_results_and_exits_3() {
+    let Some(mut w) = Worker::start() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let (u, m) = (w.grpc_url(), w.metrics_url());
+    // Long enough that the worker is killed mid-run: 3 levels × up to 10 windows of 300 ms.
+    let mut child = Command::new(PERF)
+        .args(["-m", "identity_fp32", "-u", &u, "--metrics-url", &m, "--concurrency-range", "1:3", "-p", "300", "-r", "10"])
+        .args(["-s", "0.0001", "--warmup-ms", "100", "--json", json.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start nereid-perf");
+    // Kill the worker once the first window has been measured (progress goes to stderr).
+    let stderr = child.stderr.take().expect("piped");
+    let mut lines = BufReader::new(stderr).lines();
+    let mut seen = String::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap_or_default();
+        seen.push_str(&line);
+        seen.push('\n');
+        if line.contains("window 2/") {
+            break;
+        }
+    }
+    assert!(seen.contains("window 2/"), "nereid-perf never measured a window: {seen}");
+    let _ = w.child.kill();
+    let _ = w.child.wait();
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let deadline = Instant::now() + RUN_LIMIT;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "nereid-perf did not stop after the server died");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stdout = String::new();
+    child.stdout.take().unwrap().read_to_string(&mut stdout).unwrap();
+    assert_eq!(status.code(), Some(3), "stdout:\n{stdout}\nstderr:\n{seen}{}", rest.join("\n"));
+    assert!(stdout.contains("the server stopped answering"), "{stdout}");
+    let report = read_json(&json);
+    assert_eq!(report["verdict"]["exit_code"].as_i64(), Some(3));
+    let levels = report["levels"].as_array().unwrap();
+    assert!(levels[0]["windows"].as_array().unwrap().len() >= 2, "windows measured before the death are kept");
+    assert_eq!(levels.last().unwrap()["complete"].as_bool(), Some(false));
+}
