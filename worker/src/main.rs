@@ -67,7 +67,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let lib = args.onnxruntime_lib.clone().unwrap_or_else(backend::default_runtime_path);
     backend::init_runtime(&lib).map_err(|e| anyhow::anyhow!("--onnxruntime-lib: {e}"))?;
 
-    let metrics = Arc::new(Metrics::new());
+    let metrics = Arc::new(Metrics::with_gpu(nereid_worker::gpu::GpuMonitor::new()));
     let options = RepositoryOptions {
         paths: args.model_repository.clone(),
         mode: args.model_control_mode.into(),

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration as StdDuration, SystemTime, UNIX_EPOCH};
 
+use crate::gpu::GpuMonitor;
 use crate::server::{BatchStats, Duration, ModelStats};
 
 /// Failure reasons, as Triton labels `nv_inference_request_failure`.
@@ -200,15 +201,23 @@ impl VersionStats {
     }
 }
 
-/// Every model version's counters, for `/metrics`.
+/// Every model version's counters, plus the GPUs' readings where there are any, for `/metrics`.
 #[derive(Default)]
 pub struct Metrics {
     versions: Mutex<BTreeMap<(String, String), Arc<VersionStats>>>,
+    gpu: Option<GpuMonitor>,
 }
 
 impl Metrics {
+    /// Model metrics only, no GPU series.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Model metrics plus, when `gpu` is `Some`, Triton's `nv_gpu_*` series sampled at scrape
+    /// time (see [`GpuMonitor::new`], which is `None` where there is no GPU).
+    pub fn with_gpu(gpu: Option<GpuMonitor>) -> Self {
+        Metrics { gpu, ..Self::default() }
     }
 
     /// The counters of `model`/`version`, created on first use and kept across reloads.
@@ -284,11 +293,14 @@ impl Metrics {
                 h.render(&mut out, name, &labels(s));
             }
         }
+        if let Some(gpu) = &self.gpu {
+            gpu.render(&mut out);
+        }
         out
     }
 }
 
-fn escape(v: &str) -> String {
+pub(crate) fn escape(v: &str) -> String {
     v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
@@ -318,5 +330,33 @@ mod tests {
         assert!(text.contains("nv_inference_request_failure{model=\"mlp\",version=\"1\",reason=\"REJECTED\"} 1"));
         assert!(text.contains("nv_inference_request_duration_us{model=\"mlp\",version=\"1\"} 205"));
         assert!(text.contains("nereid_inference_batch_size_bucket{model=\"mlp\",version=\"1\",le=\"4\"} 1"));
+    }
+
+    #[test]
+    fn metrics_without_gpu_have_no_gpu_series() {
+        for m in [Metrics::new(), Metrics::with_gpu(None)] {
+            m.version("mlp", 1).record_success(StdDuration::from_micros(10));
+            let text = m.render();
+            assert!(text.contains("nv_inference_request_success{model=\"mlp\",version=\"1\"} 1"), "{text}");
+            assert!(!text.contains("nv_gpu_"), "{text}");
+            assert!(!text.contains("nv_energy_consumption"), "{text}");
+        }
+    }
+
+    #[test]
+    fn metrics_render_appends_gpu_series() {
+        let gpu = GpuMonitor::from_sampler(|| {
+            vec![crate::gpu::GpuSample {
+                uuid: "GPU-1234".into(),
+                utilization: Some(0.5),
+                memory_total_bytes: Some(1024),
+                memory_used_bytes: Some(512),
+                ..Default::default()
+            }]
+        });
+        let text = Metrics::with_gpu(Some(gpu)).render();
+        assert!(text.contains("# TYPE nv_gpu_utilization gauge\nnv_gpu_utilization{gpu_uuid=\"GPU-1234\"} 0.5\n"), "{text}");
+        assert!(text.contains("nv_gpu_memory_used_bytes{gpu_uuid=\"GPU-1234\"} 512\n"), "{text}");
+        assert!(!text.contains("nv_gpu_power_usage"), "{text}");
     }
 }
