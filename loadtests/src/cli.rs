@@ -31,6 +31,7 @@ Exit codes:
   4  results printed, but no load level met the SLO (\"no load level met the SLO\")
   5  results printed, but untrustworthy: no stable measurement within --max-trials, more than
      1% of open-loop sends started over 1 ms late, or no request succeeded at a level
+  130 interrupted (Ctrl-C); results so far are printed and written
 
 Open loop: each request has a scheduled send time; latency runs from that time, so a server
 or generator that falls behind shows in the latencies (no coordinated omission). A send that
@@ -168,7 +169,8 @@ impl Args {
         };
         let default_url = if protocol == Protocol::Grpc { DEFAULT_GRPC_URL } else { DEFAULT_HTTP_URL };
         let url = normalize_url(self.url.as_deref().unwrap_or(default_url)).map_err(|e| usage(format!("--url {e}")))?;
-        let metrics_url = if self.no_server_stats { None } else { Some(metrics_uri(self.metrics_url.as_deref(), &url)?) };
+        let metrics_url =
+            if self.no_server_stats { None } else { Some(metrics_uri(self.metrics_url.as_deref(), &url)?) };
 
         if let Some(s) = self.slo_p99_ms
             && !(s.is_finite() && s > 0.0)
@@ -205,7 +207,8 @@ impl Args {
 
         let load = if let Some(path) = &self.trace_file {
             let shown = path.display();
-            let text = std::fs::read_to_string(path).map_err(|e| usage(format!("trace file {shown}: cannot read it: {e}")))?;
+            let text =
+                std::fs::read_to_string(path).map_err(|e| usage(format!("trace file {shown}: cannot read it: {e}")))?;
             let offsets = parse_trace(&text).map_err(|e| usage(format!("trace file {shown}: {e}")))?;
             Load::Trace(Arc::from(offsets))
         } else if let Some(r) = &self.request_rate_range {
@@ -249,7 +252,9 @@ impl Args {
             _ => self.max_inflight,
         };
         let connections = self.connections.unwrap_or(match (protocol, &load) {
-            (Protocol::Grpc, Load::Concurrency(_)) => outstanding.div_ceil(REQUESTS_PER_GRPC_CHANNEL).clamp(1, MAX_GRPC_CHANNELS),
+            (Protocol::Grpc, Load::Concurrency(_)) => {
+                outstanding.div_ceil(REQUESTS_PER_GRPC_CHANNEL).clamp(1, MAX_GRPC_CHANNELS)
+            }
             (Protocol::Grpc, _) => OPEN_LOOP_GRPC_CHANNELS,
             (Protocol::Http { .. }, _) => outstanding,
         });
@@ -301,7 +306,11 @@ pub fn metrics_uri(flag: Option<&str>, server: &str) -> Result<http::Uri, PerfEr
                 return Err(bad(v, "TLS is not supported yet".into()));
             }
             let uri: http::Uri = v.parse().map_err(|e| bad(v, format!("{e}")))?;
-            if uri.path() == "/" && !v.ends_with('/') { format!("{}/metrics", v.trim_end_matches('/')) } else { v.to_string() }
+            if uri.path() == "/" && !v.ends_with('/') {
+                format!("{}/metrics", v.trim_end_matches('/'))
+            } else {
+                v.to_string()
+            }
         }
         Some(v) => {
             let hp = normalize_url(v).map_err(|e| bad(v, e))?;
@@ -327,7 +336,8 @@ mod tests {
 
     #[test]
     fn flags_build_a_single_entry_workload() {
-        let c = args(&["-m", "mlp", "-x", "2", "-b", "4", "--shape", "IN:3,4", "--slo-p99-ms", "5", "--api-key", "k"]).unwrap();
+        let c = args(&["-m", "mlp", "-x", "2", "-b", "4", "--shape", "IN:3,4", "--slo-p99-ms", "5", "--api-key", "k"])
+            .unwrap();
         let e = &c.workload.entries[0];
         assert_eq!((e.model.as_str(), e.version.as_deref(), e.batch_size), ("mlp", Some("2"), 4));
         assert_eq!(e.shapes["IN"], vec![3, 4]);

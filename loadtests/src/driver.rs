@@ -146,6 +146,8 @@ pub struct RunReport {
 #[derive(Debug)]
 enum Stop {
     ServerLost(String),
+    /// The user interrupted the run (Ctrl-C).
+    Interrupted,
 }
 
 /// What every level shares.
@@ -159,6 +161,7 @@ struct Context {
     models: Vec<(String, String, Option<String>)>,
     scraper: Option<Scraper>,
     measurement: Measurement,
+    interrupt: CancellationToken,
 }
 
 /// Connects, prepares the workload, and measures every load level.
@@ -166,7 +169,10 @@ struct Context {
 /// Returns `Err` only when nothing could be measured (bad workload, unreachable server,
 /// unknown model); a server lost mid-run, an unmet SLO or an unstable measurement come back
 /// as a report whose verdict says so.
-pub async fn run(config: RunConfig, progress: &Progress) -> Result<RunReport, PerfError> {
+///
+/// Cancelling `interrupt` (Ctrl-C) ends the current window early, keeps what was measured and
+/// skips the remaining levels.
+pub async fn run(config: RunConfig, progress: &Progress, interrupt: CancellationToken) -> Result<RunReport, PerfError> {
     let client = Client::connect(&config.target).await?;
     let mut warnings = Vec::new();
 
@@ -180,11 +186,19 @@ pub async fn run(config: RunConfig, progress: &Progress) -> Result<RunReport, Pe
     // Requests, encoded once per entry.
     let mut requests = Vec::with_capacity(config.workload.entries.len());
     for (i, entry) in config.workload.entries.iter().enumerate() {
-        let info = &infos.iter().find(|(k, _)| k.0 == entry.model && k.1 == entry.version).expect("every model was looked up").1;
+        let info = &infos
+            .iter()
+            .find(|(k, _)| k.0 == entry.model && k.1 == entry.version)
+            .expect("every model was looked up")
+            .1;
         let data = entry.data.unwrap_or(config.input_data);
         let inputs = resolve_inputs(entry, info, data, level_seed(config.seed, i)).map_err(|e| {
             let name = config.workload.entry_name(i);
-            PerfError::Workload(crate::workload::WorkloadError(if name.is_empty() { e.0 } else { format!("{name}: {}", e.0) }))
+            PerfError::Workload(crate::workload::WorkloadError(if name.is_empty() {
+                e.0
+            } else {
+                format!("{name}: {}", e.0)
+            }))
         })?;
         requests.push(client.prepare(entry, &inputs, config.workload.series_of[i])?);
     }
@@ -221,6 +235,7 @@ pub async fn run(config: RunConfig, progress: &Progress) -> Result<RunReport, Pe
             .collect(),
         scraper,
         measurement: config.measurement.clone(),
+        interrupt,
     };
 
     let levels: Vec<LoadLevel> = match &config.load {
@@ -235,6 +250,7 @@ pub async fn run(config: RunConfig, progress: &Progress) -> Result<RunReport, Pe
     let mut results = Vec::new();
     let mut stopped = None;
     let mut server_lost = None;
+    let mut interrupted = false;
     for (index, level) in levels.iter().enumerate() {
         let trace = match &config.load {
             Load::Trace(t) => Some(t.clone()),
@@ -244,10 +260,18 @@ pub async fn run(config: RunConfig, progress: &Progress) -> Result<RunReport, Pe
         let missed = result.slo_met == Some(false);
         progress.level_done(&result);
         results.push(result);
-        if let Some(Stop::ServerLost(why)) = stop {
-            stopped = Some(format!("the server stopped answering during {level}: {why}"));
-            server_lost = stopped.clone();
-            break;
+        match stop {
+            Some(Stop::ServerLost(why)) => {
+                stopped = Some(format!("the server stopped answering during {level}: {why}"));
+                server_lost = stopped.clone();
+                break;
+            }
+            Some(Stop::Interrupted) => {
+                stopped = Some(format!("interrupted during {level}"));
+                interrupted = true;
+                break;
+            }
+            None => {}
         }
         if has_slo && missed && index + 1 < levels.len() {
             stopped = Some(format!("{level} missed the SLO; higher load levels were skipped"));
@@ -255,7 +279,11 @@ pub async fn run(config: RunConfig, progress: &Progress) -> Result<RunReport, Pe
         }
     }
 
-    let verdict = verdict(&results, has_slo, server_lost);
+    let mut verdict = verdict(&results, has_slo, server_lost);
+    if interrupted {
+        verdict.exit_code = exit::INTERRUPTED;
+        verdict.problems.insert(0, "interrupted; results so far were kept".into());
+    }
     Ok(RunReport {
         tool: "nereid-perf",
         version: env!("CARGO_PKG_VERSION"),
@@ -307,11 +335,19 @@ pub fn verdict(levels: &[LevelResult], has_slo: bool, server_lost: Option<String
         }
         if l.complete && l.total.ok == 0 {
             let errors: Vec<String> = l.total.errors_by_status.iter().map(|(k, v)| format!("{k} ×{v}")).collect();
-            problems.push(format!("{}: no request succeeded ({})", l.level, if errors.is_empty() { "no responses".into() } else { errors.join(", ") }));
+            problems.push(format!(
+                "{}: no request succeeded ({})",
+                l.level,
+                if errors.is_empty() { "no responses".into() } else { errors.join(", ") }
+            ));
             raise(exit::UNTRUSTWORTHY, &mut exit_code);
         }
     }
-    let best = levels.iter().filter(|l| l.slo_met == Some(true)).max_by(|a, b| a.level.value().total_cmp(&b.level.value())).map(|l| l.level.clone());
+    let best = levels
+        .iter()
+        .filter(|l| l.slo_met == Some(true))
+        .max_by(|a, b| a.level.value().total_cmp(&b.level.value()))
+        .map(|l| l.level.clone());
     if has_slo && best.is_none() && !levels.is_empty() {
         problems.push("no load level met the SLO".into());
         raise(exit::SLO_NOT_MET, &mut exit_code);
@@ -387,7 +423,10 @@ async fn run_level(
 
     // Warm up, then measure.
     if m.warmup_ms > 0 {
-        tokio::time::sleep(Duration::from_millis(m.warmup_ms)).await;
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(m.warmup_ms)) => {}
+            _ = ctx.interrupt.cancelled() => {}
+        }
         snapshots.push(scrape(ctx).await);
         recorder.open_window();
         started = Instant::now();
@@ -399,14 +438,23 @@ async fn run_level(
     let mut stable = false;
     let mut stop_reason = None;
     for trial in 0..m.max_trials.max(1) {
-        if is_trace {
-            // The whole trace is one window: it ends when every arrival has been sent and
-            // answered (each request is bounded by the timeout).
-            while generator.join_next().await.is_some() {}
-            tracker.close();
-            tracker.wait().await;
-        } else {
-            wait_window(m.window, &recorder).await;
+        let window_over = async {
+            if is_trace {
+                // The whole trace is one window: it ends when every arrival has been sent and
+                // answered (each request is bounded by the timeout).
+                while generator.join_next().await.is_some() {}
+                tracker.close();
+                tracker.wait().await;
+            } else {
+                wait_window(m.window, &recorder).await;
+            }
+        };
+        let interrupted = tokio::select! {
+            _ = window_over => false,
+            _ = ctx.interrupt.cancelled() => true,
+        };
+        if interrupted {
+            stop_reason = Some(Stop::Interrupted);
         }
         let window = recorder.close_window(started.elapsed(), true);
         started = Instant::now();
@@ -430,7 +478,7 @@ async fn run_level(
             )));
             break;
         }
-        if stable {
+        if stable || interrupted {
             break;
         }
     }
@@ -555,7 +603,7 @@ impl ClosedLoopWorker {
 /// Open-loop arrivals go out up to this much before their time instead of sleeping for less
 /// (an OS sleep overshoots by tens of microseconds); an early request's latency runs from its
 /// actual send.
-pub const EARLY_RELEASE: Duration = Duration::from_micros(100);
+pub const EARLY_RELEASE: Duration = Duration::from_micros(200);
 /// How often a sleeping open-loop dispatcher checks whether the level was stopped.
 const STOP_POLL: Duration = Duration::from_millis(10);
 
@@ -574,7 +622,14 @@ struct Dispatcher {
 }
 
 impl Dispatcher {
-    fn new(ctx: &Context, seed: u64, recorder: &Arc<Recorder>, stop: &CancellationToken, tracker: &TaskTracker, timeout: Duration) -> Self {
+    fn new(
+        ctx: &Context,
+        seed: u64,
+        recorder: &Arc<Recorder>,
+        stop: &CancellationToken,
+        tracker: &TaskTracker,
+        timeout: Duration,
+    ) -> Self {
         Dispatcher {
             runtime: tokio::runtime::Handle::current(),
             client: ctx.client.clone(),
@@ -679,7 +734,7 @@ mod tests {
         assert_eq!(v.exit_code, exit::SLO_NOT_MET);
         assert!(v.problems.iter().any(|p| p == "no load level met the SLO"));
         let unstable = level(LoadLevel::Concurrency(1), 10, false, Some(false));
-        assert_eq!(verdict(&[unstable.clone()], true, None).exit_code, exit::UNTRUSTWORTHY);
+        assert_eq!(verdict(std::slice::from_ref(&unstable), true, None).exit_code, exit::UNTRUSTWORTHY);
         assert_eq!(verdict(&[unstable], true, Some("gone".into())).exit_code, exit::SERVER_LOST);
         let failed = level(LoadLevel::Concurrency(1), 0, true, None);
         let v = verdict(&[failed], false, None);

@@ -18,6 +18,8 @@ pub mod exit {
     /// Results reported, but they cannot be trusted: no stable measurement within
     /// `--max-trials`, more than 1% of open-loop sends late, or no request succeeded.
     pub const UNTRUSTWORTHY: i32 = 5;
+    /// Interrupted (Ctrl-C); results so far were reported.
+    pub const INTERRUPTED: i32 = 130;
 }
 
 /// The run could not start measuring.

@@ -79,7 +79,12 @@ impl Progress {
 
     pub fn level_done(&self, result: &LevelResult) {
         if self.enabled && self.tty {
-            let _ = writeln!(std::io::stderr(), "\r\x1b[2K[{}] done: {:.1} infer/s", result.level, result.total.infer_per_sec);
+            let _ = writeln!(
+                std::io::stderr(),
+                "\r\x1b[2K[{}] done: {:.1} infer/s",
+                result.level,
+                result.total.infer_per_sec
+            );
         }
     }
 }
@@ -96,7 +101,8 @@ pub fn combined_breakdown(level: &LevelResult) -> Option<Breakdown> {
         return None;
     }
     let avg = |f: fn(&Breakdown) -> f64| parts.iter().map(|b| f(b) * b.requests as f64).sum::<f64>() / requests as f64;
-    let batched: Vec<(f64, f64)> = parts.iter().filter_map(|b| b.avg_batch_size.map(|s| (s, b.requests as f64))).collect();
+    let batched: Vec<(f64, f64)> =
+        parts.iter().filter_map(|b| b.avg_batch_size.map(|s| (s, b.requests as f64))).collect();
     let weight: f64 = batched.iter().map(|(_, w)| w).sum();
     Some(Breakdown {
         requests,
@@ -120,12 +126,32 @@ pub fn table(report: &RunReport) -> String {
     let _ = writeln!(out, "nereid-perf: {} over {protocol} at {}", models.join(", "), report.url);
     let _ = writeln!(
         out,
-        "{:<28} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6} {:>9} {:>10} {:>6} {:>7} {:>4}",
-        "load", "infer/s", "req/s", "goodput/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "p99.9 ms", "avg ms", "errors", "late",
-        "queue µs", "compute µs", "batch", "stable", "SLO"
+        "{:<34} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6} {:>9} {:>10} {:>6} {:>7} {:>4}",
+        "load",
+        "infer/s",
+        "req/s",
+        "goodput/s",
+        "p50 ms",
+        "p90 ms",
+        "p95 ms",
+        "p99 ms",
+        "p99.9 ms",
+        "avg ms",
+        "errors",
+        "late",
+        "queue µs",
+        "compute µs",
+        "batch",
+        "stable",
+        "SLO"
     );
     let ms = |us: u64| format!("{:.3}", us as f64 / 1000.0);
-    let row = |out: &mut String, label: String, s: &Summary, server: Option<&Breakdown>, stable: &str, slo: Option<bool>| {
+    let row = |out: &mut String,
+               label: String,
+               s: &Summary,
+               server: Option<&Breakdown>,
+               stable: &str,
+               slo: Option<bool>| {
         let (queue, compute, batch) = match server {
             Some(b) => (
                 format!("{:.0}", b.avg_queue_us),
@@ -142,7 +168,7 @@ pub fn table(report: &RunReport) -> String {
         };
         let _ = writeln!(
             out,
-            "{:<28} {:>10.1} {:>10.1} {:>10.1} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6} {:>9} {:>10} {:>6} {:>7} {:>4}",
+            "{:<34} {:>10.1} {:>10.1} {:>10.1} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6} {:>9} {:>10} {:>6} {:>7} {:>4}",
             label,
             s.infer_per_sec,
             s.requests_per_sec,

@@ -68,7 +68,9 @@ impl fmt::Display for LoadLevel {
                 };
                 write!(f, "{rate} req/s ({d})")
             }
-            LoadLevel::Trace { arrivals, offered_rate } => write!(f, "trace ({arrivals} arrivals, {offered_rate:.1} req/s)"),
+            LoadLevel::Trace { arrivals, offered_rate } => {
+                write!(f, "trace ({arrivals} arrivals, {offered_rate:.1} req/s)")
+            }
         }
     }
 }
@@ -222,7 +224,9 @@ pub fn parse_trace(text: &str) -> Result<Vec<Duration>, TraceError> {
             return Err(err(format!("offset {line} must be a non-negative number of milliseconds")));
         }
         if ms < last {
-            return Err(err(format!("offset {ms} ms is before the previous offset {last} ms; offsets must not decrease")));
+            return Err(err(format!(
+                "offset {ms} ms is before the previous offset {last} ms; offsets must not decrease"
+            )));
         }
         last = ms;
         if out.len() == MAX_TRACE_ARRIVALS {
@@ -309,11 +313,17 @@ mod tests {
     #[test]
     fn traces_parse_and_errors_name_the_line() {
         let t = parse_trace("# offsets in ms\n0\n\n1.5\n1.5\n10\n").unwrap();
-        assert_eq!(t, vec![Duration::ZERO, Duration::from_micros(1500), Duration::from_micros(1500), Duration::from_millis(10)]);
+        assert_eq!(
+            t,
+            vec![Duration::ZERO, Duration::from_micros(1500), Duration::from_micros(1500), Duration::from_millis(10)]
+        );
         assert!((trace_rate(&t) - 300.0).abs() < 1e-6);
         assert_eq!(
             parse_trace("0\n5\n3\n").unwrap_err(),
-            TraceError::Line { line: 3, reason: "offset 3 ms is before the previous offset 5 ms; offsets must not decrease".into() }
+            TraceError::Line {
+                line: 3,
+                reason: "offset 3 ms is before the previous offset 5 ms; offsets must not decrease".into()
+            }
         );
         assert!(matches!(parse_trace("0\nabc\n").unwrap_err(), TraceError::Line { line: 2, .. }));
         assert!(matches!(parse_trace("-1\n").unwrap_err(), TraceError::Line { line: 1, .. }));

@@ -225,7 +225,9 @@ impl Scraper {
                 .to_bytes();
             Ok(parse(&String::from_utf8_lossy(&body)))
         };
-        tokio::time::timeout(SCRAPE_TIMEOUT, fetch).await.map_err(|_| err(format!("no answer within {SCRAPE_TIMEOUT:?}")))?
+        tokio::time::timeout(SCRAPE_TIMEOUT, fetch)
+            .await
+            .map_err(|_| err(format!("no answer within {SCRAPE_TIMEOUT:?}")))?
     }
 }
 
@@ -265,7 +267,11 @@ nv_inference_compute_output_duration_us{model="mlp",version="1"} 550 17000000000
         assert_eq!(c.request_success, 10.0);
         assert_eq!(c.compute_infer_us, 2000.0);
         assert_eq!(s.models.len(), 3);
-        assert_eq!(parse(AFTER).models[&("mlp".to_string(), "1".to_string())].compute_output_us, 550.0, "timestamps ignored");
+        assert_eq!(
+            parse(AFTER).models[&("mlp".to_string(), "1".to_string())].compute_output_us,
+            550.0,
+            "timestamps ignored"
+        );
     }
 
     #[test]

@@ -40,7 +40,7 @@ pub enum InputData {
     /// All zeros (empty strings for `BYTES`).
     Zero,
     /// Seeded pseudo-random values: floats in [0, 1), integers over their range, booleans,
-    /// ASCII strings of [`STRING_LENGTH`] characters.
+    /// 16-character lowercase ASCII strings.
     Random,
 }
 
@@ -202,10 +202,14 @@ impl Workload {
             return Err(WorkloadError(format!("{prefix}entries: must list at least one entry")));
         }
         if entries.len() > MAX_ENTRIES {
-            return Err(WorkloadError(format!("{prefix}entries: at most {MAX_ENTRIES} entries, got {}", entries.len())));
+            return Err(WorkloadError(format!(
+                "{prefix}entries: at most {MAX_ENTRIES} entries, got {}",
+                entries.len()
+            )));
         }
         for (i, e) in entries.iter().enumerate() {
-            validate_entry(e).map_err(|(key, msg)| WorkloadError(format!("{prefix}{}{key}: {msg}", entry_key(&origin, i))))?;
+            validate_entry(e)
+                .map_err(|(key, msg)| WorkloadError(format!("{prefix}{}{key}: {msg}", entry_key(&origin, i))))?;
         }
         let mut series: Vec<Series> = Vec::new();
         let mut series_of = Vec::with_capacity(entries.len());
@@ -407,13 +411,24 @@ impl fmt::Debug for InputTensor {
 /// Builds the inputs of `entry`'s requests for `model`: shapes from metadata completed by
 /// `entry.shapes` and `entry.batch_size`, contents per `data`, random ones from `seed`.
 /// Errors say which input or setting does not fit the model.
-pub fn resolve_inputs(entry: &Entry, model: &ModelInfo, data: InputData, seed: u64) -> Result<Vec<InputTensor>, WorkloadError> {
+pub fn resolve_inputs(
+    entry: &Entry,
+    model: &ModelInfo,
+    data: InputData,
+    seed: u64,
+) -> Result<Vec<InputTensor>, WorkloadError> {
     let err = |msg: String| Err(WorkloadError(format!("model '{}': {msg}", model.name)));
     if model.max_batch_size == 0 && entry.batch_size != 1 {
-        return err(format!("batch size {} requested but the model does not batch (max_batch_size 0)", entry.batch_size));
+        return err(format!(
+            "batch size {} requested but the model does not batch (max_batch_size 0)",
+            entry.batch_size
+        ));
     }
     if model.max_batch_size > 0 && entry.batch_size > model.max_batch_size {
-        return err(format!("batch size {} exceeds the model's max_batch_size {}", entry.batch_size, model.max_batch_size));
+        return err(format!(
+            "batch size {} exceeds the model's max_batch_size {}",
+            entry.batch_size, model.max_batch_size
+        ));
     }
     for name in entry.shapes.keys() {
         if !model.inputs.iter().any(|i| &i.name == name) {
@@ -426,9 +441,13 @@ pub fn resolve_inputs(entry: &Entry, model: &ModelInfo, data: InputData, seed: u
     let mut out = Vec::with_capacity(model.inputs.len());
     for input in &model.inputs {
         let Some(dtype) = DataType::from_wire_name(&input.datatype) else {
-            return err(format!("input '{}' has datatype '{}', which the generator does not know", input.name, input.datatype));
+            return err(format!(
+                "input '{}' has datatype '{}', which the generator does not know",
+                input.name, input.datatype
+            ));
         };
-        let model_dims: &[i64] = if model.max_batch_size > 0 { input.shape.get(1..).unwrap_or(&[]) } else { &input.shape };
+        let model_dims: &[i64] =
+            if model.max_batch_size > 0 { input.shape.get(1..).unwrap_or(&[]) } else { &input.shape };
         let dims: Vec<i64> = match entry.shapes.get(&input.name) {
             Some(given) => {
                 if given.len() != model_dims.len() {
@@ -441,7 +460,10 @@ pub fn resolve_inputs(entry: &Entry, model: &ModelInfo, data: InputData, seed: u
                 }
                 for (g, m) in given.iter().zip(model_dims) {
                     if *m >= 0 && g != m {
-                        return err(format!("shape {given:?} for '{}' does not match the model's dims {model_dims:?}", input.name));
+                        return err(format!(
+                            "shape {given:?} for '{}' does not match the model's dims {model_dims:?}",
+                            input.name
+                        ));
                     }
                 }
                 given.clone()
@@ -463,7 +485,9 @@ pub fn resolve_inputs(entry: &Entry, model: &ModelInfo, data: InputData, seed: u
         let elements = nereid_common::dtype::element_count(&shape).unwrap_or(u64::MAX);
         total_bytes = total_bytes.saturating_add(elements.saturating_mul(per_element));
         if total_bytes > MAX_INPUT_BYTES {
-            return err(format!("inputs need {total_bytes} bytes per request, more than the generator's limit of {MAX_INPUT_BYTES}"));
+            return err(format!(
+                "inputs need {total_bytes} bytes per request, more than the generator's limit of {MAX_INPUT_BYTES}"
+            ));
         }
         let data = generate(dtype, elements as usize, data, &mut rng);
         out.push(InputTensor { name: input.name.clone(), datatype: dtype, shape, data });
@@ -488,7 +512,9 @@ fn generate(dtype: DataType, n: usize, data: InputData, rng: &mut StdRng) -> Vec
         (DataType::Fp32, InputData::Random) => (0..n).flat_map(|_| rng.random::<f32>().to_le_bytes()).collect(),
         (DataType::Fp64, InputData::Random) => (0..n).flat_map(|_| rng.random::<f64>().to_le_bytes()).collect(),
         // bfloat16 is the top half of an f32.
-        (DataType::Bf16, InputData::Random) => (0..n).flat_map(|_| ((rng.random::<f32>().to_bits() >> 16) as u16).to_le_bytes()).collect(),
+        (DataType::Bf16, InputData::Random) => {
+            (0..n).flat_map(|_| ((rng.random::<f32>().to_bits() >> 16) as u16).to_le_bytes()).collect()
+        }
         // IEEE half in [0, 1): biased exponent 0..=14, any mantissa.
         (DataType::Fp16, InputData::Random) => (0..n)
             .flat_map(|_| {
@@ -525,7 +551,9 @@ pub fn json_data(dtype: DataType, raw: &[u8]) -> serde_json::Value {
         DataType::Int64 => chunks::<8>(raw).map(|c| Value::from(i64::from_le_bytes(c))).collect(),
         DataType::Fp32 => chunks::<4>(raw).map(|c| num(f32::from_le_bytes(c) as f64)).collect(),
         DataType::Fp64 => chunks::<8>(raw).map(|c| num(f64::from_le_bytes(c))).collect(),
-        DataType::Bf16 => chunks::<2>(raw).map(|c| num(f32::from_bits((u16::from_le_bytes(c) as u32) << 16) as f64)).collect(),
+        DataType::Bf16 => {
+            chunks::<2>(raw).map(|c| num(f32::from_bits((u16::from_le_bytes(c) as u32) << 16) as f64)).collect()
+        }
         DataType::Fp16 => chunks::<2>(raw).map(|c| num(f16_to_f32(u16::from_le_bytes(c)) as f64)).collect(),
         DataType::Bytes => {
             let mut out = Vec::new();
@@ -604,11 +632,17 @@ mod tests {
         let e = |text: &str| Workload::from_json("w.json", text, None).unwrap_err().0;
         let unknown = e(r#"{"entries":[{"model":"m",
             "batchsize":4}]}"#);
-        assert!(unknown.contains("w.json") && unknown.contains("unknown field `batchsize`") && unknown.contains("line 2"), "{unknown}");
+        assert!(
+            unknown.contains("w.json") && unknown.contains("unknown field `batchsize`") && unknown.contains("line 2"),
+            "{unknown}"
+        );
         assert!(e(r#"{"entries":[], "extra":1}"#).contains("unknown field `extra`"));
         assert!(e(r#"{"entries":[]}"#).contains("entries: must list at least one entry"));
         assert!(e(r#"{"entries":[{"weight":1}]}"#).contains("missing field `model`"));
-        assert!(e(r#"{"entries":[{"model":"m"},{"model":"m","batch_size":0}]}"#).contains("entries[1].batch_size: must be at least 1"));
+        assert!(
+            e(r#"{"entries":[{"model":"m"},{"model":"m","batch_size":0}]}"#)
+                .contains("entries[1].batch_size: must be at least 1")
+        );
         assert!(e(r#"{"entries":[{"model":"m","weight":0}]}"#).contains("entries[0].weight"));
         assert!(e(r#"{"entries":[{"model":"m","slo_ms":-1}]}"#).contains("entries[0].slo_ms"));
         assert!(e(r#"{"entries":[{"model":"m","shapes":{"X":[2,-1]}}]}"#).contains("entries[0].shapes.X"));
@@ -626,7 +660,8 @@ mod tests {
         let inputs = resolve_inputs(&entry, &mlp(), InputData::Random, 1).unwrap();
         assert_eq!(inputs[0].shape, vec![4, 256]);
         assert_eq!(inputs[0].data.len(), 4 * 256 * 4);
-        let floats: Vec<f32> = inputs[0].data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        let floats: Vec<f32> =
+            inputs[0].data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
         assert!(floats.iter().all(|f| (0.0..1.0).contains(f)));
         assert_eq!(inputs, resolve_inputs(&entry, &mlp(), InputData::Random, 1).unwrap(), "seeded");
         let zero = resolve_inputs(&entry, &mlp(), InputData::Zero, 1).unwrap();
@@ -639,7 +674,9 @@ mod tests {
         assert!(resolve_inputs(&entry, &mlp(), InputData::Zero, 1).unwrap_err().0.contains("does not match"));
         entry.shapes.clear();
         entry.shapes.insert("NOPE".into(), vec![1]);
-        assert!(resolve_inputs(&entry, &mlp(), InputData::Zero, 1).unwrap_err().0.contains("'NOPE', which is not an input"));
+        assert!(
+            resolve_inputs(&entry, &mlp(), InputData::Zero, 1).unwrap_err().0.contains("'NOPE', which is not an input")
+        );
 
         let mut var = mlp();
         var.max_batch_size = 0;

@@ -187,7 +187,10 @@ fn check_level(level: &Value, model: &str) {
     assert!(total["goodput_infer_per_sec"].as_f64().unwrap() <= infer + 1e-9);
     assert!(total["goodput_requests_per_sec"].as_f64().unwrap() <= total["requests_per_sec"].as_f64().unwrap() + 1e-9);
     let l = &total["latency"];
-    let p: Vec<u64> = ["min_us", "p50_us", "p90_us", "p95_us", "p99_us", "p999_us", "max_us"].iter().map(|k| l[*k].as_u64().unwrap()).collect();
+    let p: Vec<u64> = ["min_us", "p50_us", "p90_us", "p95_us", "p99_us", "p999_us", "max_us"]
+        .iter()
+        .map(|k| l[*k].as_u64().unwrap())
+        .collect();
     assert!(p.windows(2).all(|w| w[0] <= w[1]), "percentiles out of order: {l}");
     assert!(p[1] > 0);
     let server = &level["server"][model];
@@ -219,7 +222,11 @@ fn grpc_closed_loop_sweep_writes_csv_and_json() {
         args.extend(["-f", csv.to_str().unwrap(), "--json", json.to_str().unwrap()]);
         let run = perf(&args);
         assert_measured(&run, false);
-        assert!(run.stdout.contains("concurrency 3") && run.stdout.contains("highest load meeting the SLO"), "{}", run.stdout);
+        assert!(
+            run.stdout.contains("concurrency 3") && run.stdout.contains("highest load meeting the SLO"),
+            "{}",
+            run.stdout
+        );
 
         let report = read_json(&json);
         let levels = report["levels"].as_array().unwrap();
@@ -265,7 +272,8 @@ fn http_json_and_binary_closed_and_open_loop() {
         ("identity_fp32", &["--request-rate-range", "100"], true),
     ];
     for (model, extra, open_loop) in cases {
-        let mut args = vec!["-m", model, "-i", "http", "-u", &u, "--metrics-url", &m, "--json", &j, "--input-data", "zero"];
+        let mut args =
+            vec!["-m", model, "-i", "http", "-u", &u, "--metrics-url", &m, "--json", &j, "--input-data", "zero"];
         args.extend(extra);
         args.extend(SHORT);
         let run = perf(&args);
@@ -288,7 +296,8 @@ fn grpc_open_loop_and_a_mixed_workload_file() {
     let (u, m, j) = (w.grpc_url(), w.metrics_url(), json.to_str().unwrap().to_string());
 
     // Open loop at a constant rate.
-    let mut args = vec!["-m", "identity_fp32", "-u", &u, "--metrics-url", &m, "--json", &j, "--request-rate-range", "50:150:100"];
+    let mut args =
+        vec!["-m", "identity_fp32", "-u", &u, "--metrics-url", &m, "--json", &j, "--request-rate-range", "50:150:100"];
     args.extend(SHORT);
     let run = perf(&args);
     assert_measured(&run, true);
@@ -302,7 +311,20 @@ fn grpc_open_loop_and_a_mixed_workload_file() {
     let trace = dir.path().join("trace.txt");
     let offsets: String = (0..60).map(|i| format!("{}\n", i * 10)).collect();
     std::fs::write(&trace, format!("# 100 req/s for 0.6 s\n{offsets}")).unwrap();
-    let args = ["-m", "mlp_fp32", "-u", &u, "--metrics-url", &m, "--json", &j, "--trace-file", trace.to_str().unwrap(), "--warmup-ms", "0"];
+    let args = [
+        "-m",
+        "mlp_fp32",
+        "-u",
+        &u,
+        "--metrics-url",
+        &m,
+        "--json",
+        &j,
+        "--trace-file",
+        trace.to_str().unwrap(),
+        "--warmup-ms",
+        "0",
+    ];
     let run = perf(&args);
     assert_measured(&run, true);
     let report = read_json(&json);
@@ -321,7 +343,18 @@ fn grpc_open_loop_and_a_mixed_workload_file() {
         ]}"#,
     )
     .unwrap();
-    let mut args = vec!["--workload", workload.to_str().unwrap(), "-u", &u, "--metrics-url", &m, "--json", &j, "--concurrency-range", "4"];
+    let mut args = vec![
+        "--workload",
+        workload.to_str().unwrap(),
+        "-u",
+        &u,
+        "--metrics-url",
+        &m,
+        "--json",
+        &j,
+        "--concurrency-range",
+        "4",
+    ];
     args.extend(SHORT);
     let run = perf(&args);
     assert_measured(&run, false);
@@ -383,12 +416,33 @@ fn unknown_model_and_unmeetable_slo() {
     let dir = tempfile::tempdir().unwrap();
     let csv = dir.path().join("out.csv");
     let m = w.metrics_url();
-    let args = ["-m", "identity_fp32", "-u", &u, "--metrics-url", &m, "--concurrency-range", "1:2", "-p", "300", "-r", "1",
-        "--warmup-ms", "100", "--slo-p99-ms", "0.001", "-f", csv.to_str().unwrap()];
+    let args = [
+        "-m",
+        "identity_fp32",
+        "-u",
+        &u,
+        "--metrics-url",
+        &m,
+        "--concurrency-range",
+        "1:2",
+        "-p",
+        "300",
+        "-r",
+        "1",
+        "--warmup-ms",
+        "100",
+        "--slo-p99-ms",
+        "0.001",
+        "-f",
+        csv.to_str().unwrap(),
+    ];
     let run = perf(&args);
     assert_eq!(run.code(), 4, "stdout:\n{}\nstderr:\n{}", run.stdout, run.stderr);
     assert!(run.stdout.contains("no load level met the SLO"), "{}", run.stdout);
-    assert!(run.stdout.contains("concurrency 1") && !run.stdout.contains("concurrency 2"), "the sweep stops at the first miss");
+    assert!(
+        run.stdout.contains("concurrency 1") && !run.stdout.contains("concurrency 2"),
+        "the sweep stops at the first miss"
+    );
     let (header, rows) = csv_rows(&csv);
     let col = |name: &str| header.iter().position(|h| h == name).unwrap();
     assert_eq!(rows[0][col("SLO Met")], "false");
@@ -403,7 +457,20 @@ fn server_dying_mid_run_keeps_partial_results_and_exits_3() {
     let (u, m) = (w.grpc_url(), w.metrics_url());
     // Long enough that the worker is killed mid-run: 3 levels × up to 10 windows of 300 ms.
     let mut child = Command::new(PERF)
-        .args(["-m", "identity_fp32", "-u", &u, "--metrics-url", &m, "--concurrency-range", "1:3", "-p", "300", "-r", "10"])
+        .args([
+            "-m",
+            "identity_fp32",
+            "-u",
+            &u,
+            "--metrics-url",
+            &m,
+            "--concurrency-range",
+            "1:3",
+            "-p",
+            "300",
+            "-r",
+            "10",
+        ])
         .args(["-s", "0.0001", "--warmup-ms", "100", "--json", json.to_str().unwrap()])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -30,7 +30,17 @@ fn run(args: Args) -> Result<i32, PerfError> {
         .enable_all()
         .build()
         .map_err(|e| PerfError::Usage(format!("cannot start the runtime: {e}")))?;
-    let report = runtime.block_on(nereid_loadtests::run(config, &progress))?;
+    let report = runtime.block_on(async {
+        // Ctrl-C ends the run early but still reports what was measured.
+        let interrupt = tokio_util::sync::CancellationToken::new();
+        let on_signal = interrupt.clone();
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                on_signal.cancel();
+            }
+        });
+        nereid_loadtests::run(config, &progress, interrupt).await
+    })?;
 
     print!("{}", report::table(&report));
     // Partial results are written too: a run that lost its server still keeps what it measured.

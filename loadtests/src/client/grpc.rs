@@ -3,7 +3,9 @@
 
 use std::collections::HashMap;
 
-use bytes::{Buf, BufMut, Bytes};
+use bytes::{BufMut, Bytes, BytesMut};
+use http::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderValue, TE};
+use http_body_util::{BodyExt, Full};
 use nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use nereid_proto::inference::infer_parameter::ParameterChoice;
 use nereid_proto::inference::model_infer_request::InferInputTensor;
@@ -11,8 +13,7 @@ use nereid_proto::inference::{
     InferParameter, ModelConfigRequest, ModelInferRequest, ModelMetadataRequest, ServerLiveRequest,
 };
 use prost::Message;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
-use tonic::metadata::{AsciiMetadataValue, MetadataValue};
+use tonic::codegen::Service;
 use tonic::transport::{Channel, Endpoint};
 
 use super::{CONNECT_TIMEOUT, CONTROL_TIMEOUT, ClientError, Target};
@@ -20,6 +21,9 @@ use crate::measure::Failure;
 use crate::workload::{Entry, InputTensor, ModelInfo, TensorSpec};
 
 const MODEL_INFER: &str = "/inference.GRPCInferenceService/ModelInfer";
+/// HTTP/2 receive windows of each channel.
+pub const GRPC_CONNECTION_WINDOW: u32 = 64 << 20;
+pub const GRPC_STREAM_WINDOW: u32 = 4 << 20;
 
 /// gRPC channels to one server.
 #[derive(Clone)]
@@ -31,20 +35,20 @@ pub struct GrpcClient {
 /// Headers of one prepared request.
 #[derive(Clone, Debug)]
 pub struct GrpcParts {
-    authorization: Option<AsciiMetadataValue>,
+    headers: HeaderMap,
 }
 
 impl GrpcParts {
     pub fn new(entry: &Entry) -> Result<Self, ClientError> {
-        let authorization = entry
-            .api_key
-            .as_ref()
-            .map(|k| {
-                MetadataValue::try_from(format!("Bearer {k}"))
-                    .map_err(|_| ClientError::Invalid("the API key is not a valid header value".into()))
-            })
-            .transpose()?;
-        Ok(GrpcParts { authorization })
+        let mut headers = HeaderMap::new();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        headers.insert(TE, HeaderValue::from_static("trailers"));
+        if let Some(k) = &entry.api_key {
+            let v = HeaderValue::try_from(format!("Bearer {k}"))
+                .map_err(|_| ClientError::Invalid("the API key is not a valid header value".into()))?;
+            headers.insert(AUTHORIZATION, v);
+        }
+        Ok(GrpcParts { headers })
     }
 }
 
@@ -56,7 +60,13 @@ impl GrpcClient {
             .map_err(|e| ClientError::Invalid(format!("--url '{}': {e}", target.url)))?
             .connect_timeout(CONNECT_TIMEOUT)
             .tcp_nodelay(true)
-            .http2_adaptive_window(true);
+            // h2 closes a connection (GOAWAY ENHANCE_YOUR_CALM, "too_many_data_frames") when
+            // small DATA frames pile up unread beyond a budget of half the connection window
+            // (at least 25 KiB). Thousands of small responses in flight are normal here, so the
+            // window is large and fixed (adaptive sizing would start it small).
+            .http2_adaptive_window(false)
+            .initial_connection_window_size(GRPC_CONNECTION_WINDOW)
+            .initial_stream_window_size(GRPC_STREAM_WINDOW);
         let mut channels = Vec::with_capacity(target.connections.max(1));
         for _ in 0..target.connections.max(1) {
             let channel = endpoint.connect().await.map_err(|e| unreachable(error_chain(&e)))?;
@@ -73,7 +83,10 @@ impl GrpcClient {
     }
 
     pub fn lane(&self, index: usize) -> GrpcLane {
-        GrpcLane { grpc: tonic::client::Grpc::new(self.channels[index % self.channels.len()].clone()) }
+        GrpcLane {
+            channel: self.channels[index % self.channels.len()].clone(),
+            path: http::Uri::from_static(MODEL_INFER),
+        }
     }
 
     pub async fn is_live(&self) -> bool {
@@ -93,12 +106,14 @@ impl GrpcClient {
         .map_err(|_| self.timeout())?
         .map_err(fail)?
         .into_inner();
-        let config =
-            tokio::time::timeout(CONTROL_TIMEOUT, c.model_config(ModelConfigRequest { name: model.to_string(), version }))
-                .await
-                .map_err(|_| self.timeout())?
-                .map_err(fail)?
-                .into_inner();
+        let config = tokio::time::timeout(
+            CONTROL_TIMEOUT,
+            c.model_config(ModelConfigRequest { name: model.to_string(), version }),
+        )
+        .await
+        .map_err(|_| self.timeout())?
+        .map_err(fail)?
+        .into_inner();
         let spec = |t: &nereid_proto::inference::model_metadata_response::TensorMetadata| TensorSpec {
             name: t.name.clone(),
             datatype: t.datatype.clone(),
@@ -130,32 +145,59 @@ impl GrpcClient {
 }
 
 /// One sender's handle on a channel.
+///
+/// A unary call done by hand over the channel: the request is one pre-framed gRPC message
+/// sent as a single DATA frame with END_STREAM (tonic's own encoder sends the end of stream
+/// as a second, empty frame, and a server's HTTP/2 layer counts such small unread frames
+/// against its flood budget); the answer is the `grpc-status` of the trailers (or of the
+/// headers, for a trailers-only response). The response message is drained, not decoded.
 pub struct GrpcLane {
-    grpc: tonic::client::Grpc<Channel>,
+    channel: Channel,
+    path: http::Uri,
 }
 
 impl GrpcLane {
-    pub async fn send(&mut self, body: &Bytes, parts: &GrpcParts) -> Result<(), Failure> {
-        let mut request = tonic::Request::new(body.clone());
-        if let Some(auth) = &parts.authorization {
-            request.metadata_mut().insert("authorization", auth.clone());
+    pub async fn send(&mut self, frame: &Bytes, parts: &GrpcParts) -> Result<(), Failure> {
+        let mut request = http::Request::new(tonic::body::Body::new(Full::new(frame.clone())));
+        *request.method_mut() = http::Method::POST;
+        *request.uri_mut() = self.path.clone();
+        *request.headers_mut() = parts.headers.clone();
+        futures::future::poll_fn(|cx| self.channel.poll_ready(cx)).await.map_err(|_| Failure::Connection)?;
+        let response = self.channel.call(request).await.map_err(|_| Failure::Connection)?;
+        let (head, mut body) = response.into_parts();
+        if head.status != http::StatusCode::OK {
+            return Err(Failure::Http(head.status.as_u16()));
         }
-        self.grpc.ready().await.map_err(|_| Failure::Connection)?;
-        let path = http::uri::PathAndQuery::from_static(MODEL_INFER);
-        match self.grpc.unary::<Bytes, (), _>(request, path, RawCodec).await {
-            Ok(_) => Ok(()),
-            Err(status) if is_transport(&status) => Err(Failure::Connection),
-            Err(status) => Err(Failure::Grpc(status.code() as i32)),
+        if let Some(code) = grpc_status(&head.headers) {
+            return status_outcome(code);
         }
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|_| Failure::Connection)?;
+            if let Some(trailers) = frame.trailers_ref() {
+                return status_outcome(grpc_status(trailers).unwrap_or(tonic::Code::Unknown as i32));
+            }
+        }
+        // The stream ended without a status: a protocol violation by the server.
+        Err(Failure::Grpc(tonic::Code::Internal as i32))
     }
 }
 
-/// Whether a status came from the transport (connect failure, broken connection) rather
-/// than from the server: tonic attaches the underlying error as the source.
+fn grpc_status(headers: &HeaderMap) -> Option<i32> {
+    headers
+        .get("grpc-status")
+        .map(|v| v.to_str().ok().and_then(|s| s.parse().ok()).unwrap_or(tonic::Code::Unknown as i32))
+}
+
+fn status_outcome(code: i32) -> Result<(), Failure> {
+    if code == 0 { Ok(()) } else { Err(Failure::Grpc(code)) }
+}
+
+/// Whether a status was made up locally from a transport failure (connect error, broken or
+/// reset connection, GOAWAY) rather than sent by the server: tonic attaches the underlying
+/// error as the source only then.
 fn is_transport(status: &tonic::Status) -> bool {
     use std::error::Error;
     status.source().is_some()
-        && matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal)
 }
 
 /// The message of an error and of each of its sources.
@@ -173,14 +215,16 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// The protobuf encoding of `entry`'s `ModelInferRequest`, inputs in `raw_input_contents`.
+/// `entry`'s `ModelInferRequest` (inputs in `raw_input_contents`) as one gRPC message frame.
 pub fn encode(entry: &Entry, inputs: &[InputTensor]) -> Bytes {
     let mut parameters = HashMap::new();
     if let Some(p) = entry.priority {
-        parameters.insert("priority".to_string(), InferParameter { parameter_choice: Some(ParameterChoice::Uint64Param(p)) });
+        parameters
+            .insert("priority".to_string(), InferParameter { parameter_choice: Some(ParameterChoice::Uint64Param(p)) });
     }
     if let Some(t) = entry.timeout_us {
-        parameters.insert("timeout".to_string(), InferParameter { parameter_choice: Some(ParameterChoice::Uint64Param(t)) });
+        parameters
+            .insert("timeout".to_string(), InferParameter { parameter_choice: Some(ParameterChoice::Uint64Param(t)) });
     }
     let request = ModelInferRequest {
         model_name: entry.model.clone(),
@@ -200,47 +244,13 @@ pub fn encode(entry: &Entry, inputs: &[InputTensor]) -> Bytes {
         outputs: Vec::new(),
         raw_input_contents: inputs.iter().map(|i| i.data.clone()).collect(),
     };
-    Bytes::from(request.encode_to_vec())
-}
-
-/// Sends pre-encoded request bytes; drains the response without decoding it.
-#[derive(Clone, Copy, Default)]
-struct RawCodec;
-
-impl Codec for RawCodec {
-    type Encode = Bytes;
-    type Decode = ();
-    type Encoder = RawCodec;
-    type Decoder = RawCodec;
-
-    fn encoder(&mut self) -> Self::Encoder {
-        RawCodec
-    }
-
-    fn decoder(&mut self) -> Self::Decoder {
-        RawCodec
-    }
-}
-
-impl Encoder for RawCodec {
-    type Item = Bytes;
-    type Error = tonic::Status;
-
-    fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), Self::Error> {
-        dst.put_slice(&item);
-        Ok(())
-    }
-}
-
-impl Decoder for RawCodec {
-    type Item = ();
-    type Error = tonic::Status;
-
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<()>, Self::Error> {
-        let n = src.remaining();
-        src.advance(n);
-        Ok(Some(()))
-    }
+    // gRPC length-prefixed message: uncompressed flag, big-endian length, protobuf.
+    let len = request.encoded_len();
+    let mut frame = BytesMut::with_capacity(5 + len);
+    frame.put_u8(0);
+    frame.put_u32(len as u32);
+    request.encode(&mut frame).expect("capacity reserved above");
+    frame.freeze()
 }
 
 #[cfg(test)]
@@ -254,8 +264,12 @@ mod tests {
         entry.version = Some("2".into());
         entry.priority = Some(1);
         entry.timeout_us = Some(5000);
-        let inputs = vec![InputTensor { name: "X".into(), datatype: DataType::Fp32, shape: vec![1, 2], data: vec![0; 8] }];
-        let decoded = ModelInferRequest::decode(encode(&entry, &inputs)).unwrap();
+        let inputs =
+            vec![InputTensor { name: "X".into(), datatype: DataType::Fp32, shape: vec![1, 2], data: vec![0; 8] }];
+        let frame = encode(&entry, &inputs);
+        assert_eq!(frame[0], 0, "uncompressed");
+        assert_eq!(u32::from_be_bytes(frame[1..5].try_into().unwrap()) as usize, frame.len() - 5);
+        let decoded = ModelInferRequest::decode(&frame[5..]).unwrap();
         assert_eq!(decoded.model_name, "m");
         assert_eq!(decoded.model_version, "2");
         assert_eq!(decoded.inputs[0].shape, vec![1, 2]);

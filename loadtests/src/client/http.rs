@@ -1,6 +1,7 @@
 //! HTTP/1.1: `POST /v2/models/{m}[/versions/{v}]/infer` with JSON tensors or the binary-tensor
 //! extension (`Inference-Header-Content-Length`), over a keep-alive connection pool.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -31,7 +32,7 @@ type Pool = Client<HttpConnector, Full<Bytes>>;
 pub struct HttpClient {
     url: String,
     binary: bool,
-    pool: Pool,
+    pool: Arc<Pool>,
 }
 
 /// URI and headers of one prepared request.
@@ -51,7 +52,7 @@ impl HttpClient {
             .pool_max_idle_per_host(target.connections.max(1))
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .build(connector);
-        let client = HttpClient { url: target.url.clone(), binary, pool };
+        let client = HttpClient { url: target.url.clone(), binary, pool: Arc::new(pool) };
         let (status, _) = client.get("/v2/health/live").await?;
         if status != StatusCode::OK {
             return Err(ClientError::Unreachable {
@@ -157,7 +158,8 @@ impl HttpClient {
         let uri: Uri = format!("http://{}{path}", self.url)
             .parse()
             .map_err(|e| ClientError::Invalid(format!("'{}{path}' is not a valid URL: {e}", self.url)))?;
-        let request = Request::get(uri).body(Full::new(Bytes::new())).map_err(|e| ClientError::Invalid(e.to_string()))?;
+        let request =
+            Request::get(uri).body(Full::new(Bytes::new())).map_err(|e| ClientError::Invalid(e.to_string()))?;
         let fetch = async {
             let resp = self.pool.request(request).await.map_err(|e| unreachable(error_chain(&e)))?;
             let status = resp.status();
@@ -176,7 +178,7 @@ impl HttpClient {
 
 /// One sender's handle on the pool.
 pub struct HttpLane {
-    pool: Pool,
+    pool: Arc<Pool>,
 }
 
 impl HttpLane {
@@ -253,7 +255,12 @@ mod tests {
     use nereid_common::DataType;
 
     fn inputs() -> Vec<InputTensor> {
-        vec![InputTensor { name: "X".into(), datatype: DataType::Fp32, shape: vec![1, 2], data: [1.0f32, 2.0].iter().flat_map(|f| f.to_le_bytes()).collect() }]
+        vec![InputTensor {
+            name: "X".into(),
+            datatype: DataType::Fp32,
+            shape: vec![1, 2],
+            data: [1.0f32, 2.0].iter().flat_map(|f| f.to_le_bytes()).collect(),
+        }]
     }
 
     #[test]

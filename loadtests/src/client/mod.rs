@@ -39,7 +39,9 @@ pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(5);
 pub enum Protocol {
     Grpc,
     /// KServe v2 REST; `binary` selects the binary-tensor extension for inputs and outputs.
-    Http { binary: bool },
+    Http {
+        binary: bool,
+    },
 }
 
 /// Where and how to send.

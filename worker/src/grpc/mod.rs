@@ -91,13 +91,19 @@ pub async fn serve(listener: TcpListener, server: Server, shutdown: Cancellation
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(60)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
-        .http2_adaptive_window(Some(true))
+        // Large fixed windows: with small (adaptive) ones, bursts of small requests trip h2's
+        // flood guard ("too_many_data_frames" GOAWAY), failing every call on the connection.
+        .initial_connection_window_size(Some(HTTP2_CONNECTION_WINDOW))
+        .initial_stream_window_size(Some(HTTP2_STREAM_WINDOW))
         .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
         .layer(tower::util::MapResponseLayer::new(remap_transport_errors))
         .add_service(service_with_shutdown(server, shutdown.clone()))
         .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())
         .await
 }
+
+const HTTP2_CONNECTION_WINDOW: u32 = 64 << 20;
+const HTTP2_STREAM_WINDOW: u32 = 8 << 20;
 
 /// tonic answers a request it cannot decode with INTERNAL and one over the size limit with
 /// OUT_OF_RANGE, before any handler runs. Clients act on INVALID_ARGUMENT (malformed protobuf:
