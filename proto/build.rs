@@ -7,11 +7,7 @@ const PROTOS: &[&str] = &["src/grpc_service.proto", "src/model_config.proto"];
 
 fn protoc_available() -> bool {
     let protoc = std::env::var_os("PROTOC").unwrap_or_else(|| "protoc".into());
-    Command::new(protoc)
-        .arg("--version")
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false)
+    Command::new(protoc).arg("--version").output().map(|o| o.status.success()).unwrap_or(false)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -21,12 +17,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-env-changed=PROTOC");
 
     if !protoc_available() {
-        return Err(
-            "nereid-proto: `protoc` (the protobuf compiler) was not found on PATH \
+        return Err("nereid-proto: `protoc` (the protobuf compiler) was not found on PATH \
                     (nor via $PROTOC). Run scripts/setup.sh, or install it with \
                     `apt-get install -y protobuf-compiler`."
-                .into(),
-        );
+            .into());
     }
 
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);

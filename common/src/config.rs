@@ -15,9 +15,9 @@
 use std::sync::OnceLock;
 
 use nereid_proto::inference::ModelConfig;
-use prost::Message;
 use nereid_proto::inference::ModelDynamicBatching;
 use nereid_proto::inference::model_config::SchedulingChoice;
+use prost::Message;
 use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor, Value};
 
 use crate::dtype::DataType;
@@ -59,9 +59,7 @@ fn pool() -> &'static DescriptorPool {
 }
 
 fn model_config_descriptor() -> MessageDescriptor {
-    pool()
-        .get_message_by_name("inference.ModelConfig")
-        .expect("inference.ModelConfig is in the descriptor set")
+    pool().get_message_by_name("inference.ModelConfig").expect("inference.ModelConfig is in the descriptor set")
 }
 
 /// Parses `config.pbtxt` text into a `ModelConfig`.
@@ -76,10 +74,8 @@ pub fn parse_model_config(text: &str) -> Result<ModelConfig, ConfigError> {
 /// protobuf JSON mapping Triton uses (proto or camelCase field names).
 pub fn parse_model_config_json(text: &str) -> Result<ModelConfig, ConfigError> {
     let mut de = serde_json::Deserializer::from_str(text);
-    let message = DynamicMessage::deserialize(model_config_descriptor(), &mut de).map_err(|e| ConfigError {
-        line: Some(e.line()),
-        message: format!("invalid JSON model config: {e}"),
-    })?;
+    let message = DynamicMessage::deserialize(model_config_descriptor(), &mut de)
+        .map_err(|e| ConfigError { line: Some(e.line()), message: format!("invalid JSON model config: {e}") })?;
     message
         .transcode_to::<ModelConfig>()
         .map_err(|e| ConfigError::new(format!("config does not decode as ModelConfig: {e}")))
@@ -180,11 +176,7 @@ fn classify(path: &str) -> Option<Severity> {
 
 fn walk(message: &DynamicMessage, prefix: &str, found: &mut Vec<UnsupportedField>) {
     for (field, value) in message.fields() {
-        let path = if prefix.is_empty() {
-            field.name().to_string()
-        } else {
-            format!("{prefix}.{}", field.name())
-        };
+        let path = if prefix.is_empty() { field.name().to_string() } else { format!("{prefix}.{}", field.name()) };
         // A field set to its default ("decoupled: false") changes nothing.
         if is_default(value) {
             continue;
@@ -228,9 +220,7 @@ fn is_default(value: &Value) -> bool {
 /// names and default values included.
 pub fn config_to_json(config: &ModelConfig) -> serde_json::Value {
     let dynamic = config.transcode_to_dynamic();
-    let options = prost_reflect::SerializeOptions::new()
-        .use_proto_field_name(true)
-        .skip_default_fields(false);
+    let options = prost_reflect::SerializeOptions::new().use_proto_field_name(true).skip_default_fields(false);
     let mut serializer = serde_json::Serializer::new(Vec::new());
     match dynamic.serialize_with_options(&mut serializer, &options) {
         Ok(()) => serde_json::from_slice(&serializer.into_inner()).unwrap_or_default(),
@@ -240,9 +230,9 @@ pub fn config_to_json(config: &ModelConfig) -> serde_json::Value {
 
 /// Renders a config back to protobuf text format (for writing generated configs).
 pub fn config_to_text(config: &ModelConfig) -> String {
-    config.transcode_to_dynamic().to_text_format_with_options(
-        &prost_reflect::text_format::FormatOptions::new().pretty(true),
-    )
+    config
+        .transcode_to_dynamic()
+        .to_text_format_with_options(&prost_reflect::text_format::FormatOptions::new().pretty(true))
 }
 
 trait TranscodeToDynamic {
@@ -303,8 +293,7 @@ pub fn validate_model_config(config: &ModelConfig) -> Result<(), ConfigError> {
                 ));
             }
         }
-        if db.priority_levels > 0
-            && (db.default_priority_level == 0 || db.default_priority_level > db.priority_levels)
+        if db.priority_levels > 0 && (db.default_priority_level == 0 || db.default_priority_level > db.priority_levels)
         {
             return err(format!(
                 "dynamic_batching.default_priority_level must be in 1..={} when priority_levels is set, got {}",
@@ -416,10 +405,9 @@ version_policy: { latest: { num_versions: 2 } }
 
     #[test]
     fn validation_names_the_field() {
-        let c = parse_model_config(
-            "name: \"v\"\nmax_batch_size: 8\ndynamic_batching { preferred_batch_size: [ 16 ] }\n",
-        )
-        .unwrap();
+        let c =
+            parse_model_config("name: \"v\"\nmax_batch_size: 8\ndynamic_batching { preferred_batch_size: [ 16 ] }\n")
+                .unwrap();
         let e = validate_model_config(&c).unwrap_err();
         assert!(e.message.contains("preferred_batch_size"), "{e}");
         let c = parse_model_config("name: \"v\"\ninput [ { name: \"x\" dims: [ 0 ] data_type: TYPE_FP32 } ]").unwrap();

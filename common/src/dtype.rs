@@ -120,13 +120,7 @@ impl fmt::Display for DataType {
 /// Number of elements in `shape`, or `None` when a dimension is negative or the product
 /// overflows. Callers use it before allocating anything a client claimed.
 pub fn element_count(shape: &[i64]) -> Option<u64> {
-    shape.iter().try_fold(1u64, |acc, &d| {
-        if d < 0 {
-            None
-        } else {
-            acc.checked_mul(d as u64)
-        }
-    })
+    shape.iter().try_fold(1u64, |acc, &d| if d < 0 { None } else { acc.checked_mul(d as u64) })
 }
 
 /// Byte size of a fixed-width tensor of `shape`, or `None` on overflow / negative dims / BYTES.

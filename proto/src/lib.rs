@@ -7,5 +7,4 @@ pub mod inference {
 
 /// Encoded `google.protobuf.FileDescriptorSet` covering both `.proto` files, e.g. for
 /// `prost_reflect::DescriptorPool::decode` to parse `config.pbtxt` text format.
-pub const FILE_DESCRIPTOR_SET: &[u8] =
-    include_bytes!(concat!(env!("OUT_DIR"), "/nereid_descriptor.bin"));
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/nereid_descriptor.bin"));

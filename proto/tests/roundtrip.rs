@@ -9,10 +9,7 @@ use prost_types::FileDescriptorSet;
 
 #[test]
 fn model_infer_request_roundtrip() {
-    let data: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0]
-        .iter()
-        .flat_map(|v| v.to_le_bytes())
-        .collect();
+    let data: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
     let mut req = ModelInferRequest {
         model_name: "simple".into(),
         model_version: "1".into(),
@@ -23,19 +20,11 @@ fn model_infer_request_roundtrip() {
             shape: vec![1, 4],
             ..Default::default()
         }],
-        outputs: vec![InferRequestedOutputTensor {
-            name: "OUTPUT0".into(),
-            ..Default::default()
-        }],
+        outputs: vec![InferRequestedOutputTensor { name: "OUTPUT0".into(), ..Default::default() }],
         raw_input_contents: vec![data.clone()],
         ..Default::default()
     };
-    req.parameters.insert(
-        "priority".into(),
-        InferParameter {
-            parameter_choice: Some(ParameterChoice::Int64Param(3)),
-        },
-    );
+    req.parameters.insert("priority".into(), InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(3)) });
 
     let bytes = req.encode_to_vec();
     let back = ModelInferRequest::decode(bytes.as_slice()).expect("decode");
@@ -55,11 +44,7 @@ fn descriptor_set_has_model_config_numbers() {
         .find(|m| m.name() == "ModelConfig")
         .expect("inference.ModelConfig present");
     let number = |name: &str| {
-        mc.field
-            .iter()
-            .find(|f| f.name() == name)
-            .unwrap_or_else(|| panic!("field {name} missing"))
-            .number()
+        mc.field.iter().find(|f| f.name() == name).unwrap_or_else(|| panic!("field {name} missing")).number()
     };
     assert_eq!(number("dynamic_batching"), 11);
     assert_eq!(number("instance_group"), 7);

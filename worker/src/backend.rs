@@ -60,9 +60,7 @@ pub fn default_runtime_path() -> PathBuf {
 }
 
 fn environment() -> Result<&'static ort::environment::Environment, Status> {
-    ENVIRONMENT
-        .get()
-        .ok_or_else(|| Status::internal("ONNX Runtime is not initialised"))
+    ENVIRONMENT.get().ok_or_else(|| Status::internal("ONNX Runtime is not initialised"))
 }
 
 /// Where an instance runs.
@@ -136,10 +134,7 @@ fn build_session(
         #[cfg(feature = "cuda")]
         {
             builder = builder
-                .with_execution_providers([ort::ep::CUDA::default()
-                    .with_device_id(_id)
-                    .build()
-                    .error_on_failure()])?;
+                .with_execution_providers([ort::ep::CUDA::default().with_device_id(_id).build().error_on_failure()])?;
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -333,7 +328,8 @@ impl InstanceSession {
                 let bytes: &[u8] = if direct[i] { &jobs[0].inputs[i].1 } else { self.buffers[i].bytes() };
                 tensor_view(spec.datatype, &shape, bytes, &mut bool_iter)
             };
-            values.push((spec.name.as_str(), value.map_err(|e| Status::invalid(format!("input '{}': {e}", spec.name)))?));
+            values
+                .push((spec.name.as_str(), value.map_err(|e| Status::invalid(format!("input '{}': {e}", spec.name)))?));
         }
         let t1 = Instant::now();
 
@@ -348,9 +344,9 @@ impl InstanceSession {
             if !(0..jobs.len()).any(|j| wanted(j, o)) {
                 continue;
             }
-            let value = outputs.get(spec.name.as_str()).ok_or_else(|| {
-                Status::internal(format!("model did not produce output '{}'", spec.name))
-            })?;
+            let value = outputs
+                .get(spec.name.as_str())
+                .ok_or_else(|| Status::internal(format!("model did not produce output '{}'", spec.name)))?;
             split_output(value, spec, jobs, self.batching, total_rows, o, wanted, &mut per_job)?;
         }
         let t3 = Instant::now();
@@ -377,9 +373,7 @@ fn tensor_view<'a>(
         T: ort::value::PrimitiveTensorElementType + bytemuck::Pod + std::fmt::Debug,
     {
         let data: &'a [T] = bytemuck::try_cast_slice(bytes).map_err(|e| format!("{e:?}"))?;
-        TensorRef::from_array_view((shape.to_vec(), data))
-            .map(Into::into)
-            .map_err(|e| e.to_string())
+        TensorRef::from_array_view((shape.to_vec(), data)).map(Into::into).map_err(|e| e.to_string())
     }
     match dtype {
         DataType::Fp32 => view::<f32>(shape, bytes),
@@ -396,9 +390,7 @@ fn tensor_view<'a>(
         DataType::Uint64 => view::<u64>(shape, bytes),
         DataType::Bool => {
             let data = bools.next().ok_or("internal: missing bool buffer")?;
-            TensorRef::from_array_view((shape.to_vec(), data.as_slice()))
-                .map(Into::into)
-                .map_err(|e| e.to_string())
+            TensorRef::from_array_view((shape.to_vec(), data.as_slice())).map(Into::into).map_err(|e| e.to_string())
         }
         DataType::Bytes => Err("internal: BYTES handled separately".into()),
     }

@@ -92,7 +92,9 @@ pub fn render_samples(out: &mut String, samples: &[GpuSample]) {
         ("nv_gpu_memory_total_bytes", "GPU total memory, in bytes", "gauge", |s| {
             s.memory_total_bytes.map(|v| v.to_string())
         }),
-        ("nv_gpu_memory_used_bytes", "GPU used memory, in bytes", "gauge", |s| s.memory_used_bytes.map(|v| v.to_string())),
+        ("nv_gpu_memory_used_bytes", "GPU used memory, in bytes", "gauge", |s| {
+            s.memory_used_bytes.map(|v| v.to_string())
+        }),
         ("nv_gpu_power_usage", "GPU power usage in watts", "gauge", |s| s.power_usage_watts.map(|v| v.to_string())),
         ("nv_gpu_power_limit", "GPU power management limit in watts", "gauge", |s| {
             s.power_limit_watts.map(|v| v.to_string())
@@ -152,9 +154,7 @@ mod nvml {
                 }
             };
             match device.uuid() {
-                Ok(uuid) => {
-                    gpus.push(Gpu { index, uuid, energy_base_mj: device.total_energy_consumption().ok() })
-                }
+                Ok(uuid) => gpus.push(Gpu { index, uuid, energy_base_mj: device.total_energy_consumption().ok() }),
                 Err(e) => tracing::info!("GPU {index} left out of metrics: no UUID ({e})"),
             }
         }

@@ -79,7 +79,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         anyhow::bail!("--load-model requires --model-control-mode=explicit");
     }
     let repository = Arc::new(Repository::new(options, metrics.clone()));
-    let server = Server { repository: repository.clone(), metrics, limits: Limits { max_request_bytes: args.max_request_bytes as usize } };
+    let server = Server {
+        repository: repository.clone(),
+        metrics,
+        limits: Limits { max_request_bytes: args.max_request_bytes as usize },
+    };
 
     let http_listener = bind(args.allow_http, args.address, args.http_port, "http").await?;
     let grpc_listener = bind(args.allow_grpc, args.address, args.grpc_port, "grpc").await?;

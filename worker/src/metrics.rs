@@ -147,7 +147,14 @@ impl VersionStats {
     }
 
     /// An instance executed a batch of `rows` rows made of `requests` requests.
-    pub fn record_execution(&self, rows: usize, requests: usize, input: StdDuration, infer: StdDuration, output: StdDuration) {
+    pub fn record_execution(
+        &self,
+        rows: usize,
+        requests: usize,
+        input: StdDuration,
+        infer: StdDuration,
+        output: StdDuration,
+    ) {
         self.execution_count.fetch_add(1, Relaxed);
         self.inference_count.fetch_add(rows as u64, Relaxed);
         self.batch_size.observe(rows as u64);
@@ -242,15 +249,29 @@ impl Metrics {
 
         type Getter = fn(&ModelStats) -> u64;
         let counters: [(&str, &str, Getter); 9] = [
-            ("nv_inference_request_success", "Number of successful inference requests, all batch sizes", |s| s.success.count),
+            ("nv_inference_request_success", "Number of successful inference requests, all batch sizes", |s| {
+                s.success.count
+            }),
             ("nv_inference_count", "Number of inferences performed (a batch of n counts n)", |s| s.inference_count),
             ("nv_inference_exec_count", "Number of model executions performed (batches)", |s| s.execution_count),
-            ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds", |s| (s.success.ns + s.fail.ns) / 1000),
-            ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds", |s| s.queue.ns / 1000),
-            ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds", |s| s.compute_input.ns / 1000),
-            ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds", |s| s.compute_infer.ns / 1000),
-            ("nv_inference_compute_output_duration_us", "Cumulative compute output duration in microseconds", |s| s.compute_output.ns / 1000),
-            ("nv_inference_last_inference_ms", "Milliseconds since the epoch of the last successful inference", |s| s.last_inference_ms),
+            ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds", |s| {
+                (s.success.ns + s.fail.ns) / 1000
+            }),
+            ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds", |s| {
+                s.queue.ns / 1000
+            }),
+            ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds", |s| {
+                s.compute_input.ns / 1000
+            }),
+            ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds", |s| {
+                s.compute_infer.ns / 1000
+            }),
+            ("nv_inference_compute_output_duration_us", "Cumulative compute output duration in microseconds", |s| {
+                s.compute_output.ns / 1000
+            }),
+            ("nv_inference_last_inference_ms", "Milliseconds since the epoch of the last successful inference", |s| {
+                s.last_inference_ms
+            }),
         ];
         let snapshots: Vec<(String, ModelStats)> = all.iter().map(|s| (labels(s), s.snapshot())).collect();
         for (name, help, get) in counters {
@@ -267,7 +288,12 @@ impl Metrics {
         );
         for s in &all {
             for (i, reason) in FAILURE_REASONS.iter().enumerate() {
-                let _ = writeln!(out, "nv_inference_request_failure{{{},reason=\"{reason}\"}} {}", labels(s), s.failures[i].load(Relaxed));
+                let _ = writeln!(
+                    out,
+                    "nv_inference_request_failure{{{},reason=\"{reason}\"}} {}",
+                    labels(s),
+                    s.failures[i].load(Relaxed)
+                );
             }
         }
         let _ = writeln!(
@@ -313,7 +339,13 @@ mod tests {
         let m = Metrics::new();
         let s = m.version("mlp", 1);
         s.record_queue(StdDuration::from_micros(30));
-        s.record_execution(4, 2, StdDuration::from_micros(1), StdDuration::from_micros(20), StdDuration::from_micros(2));
+        s.record_execution(
+            4,
+            2,
+            StdDuration::from_micros(1),
+            StdDuration::from_micros(20),
+            StdDuration::from_micros(2),
+        );
         s.record_success(StdDuration::from_micros(100));
         s.record_success(StdDuration::from_micros(100));
         s.record_failure(StdDuration::from_micros(5), "REJECTED");
@@ -355,7 +387,10 @@ mod tests {
             }]
         });
         let text = Metrics::with_gpu(Some(gpu)).render();
-        assert!(text.contains("# TYPE nv_gpu_utilization gauge\nnv_gpu_utilization{gpu_uuid=\"GPU-1234\"} 0.5\n"), "{text}");
+        assert!(
+            text.contains("# TYPE nv_gpu_utilization gauge\nnv_gpu_utilization{gpu_uuid=\"GPU-1234\"} 0.5\n"),
+            "{text}"
+        );
         assert!(text.contains("nv_gpu_memory_used_bytes{gpu_uuid=\"GPU-1234\"} 512\n"), "{text}");
         assert!(!text.contains("nv_gpu_power_usage"), "{text}");
     }

@@ -14,14 +14,8 @@ use crate::tensor::{InferRequest, InferResponse};
 pub const SERVER_NAME: &str = "nereid";
 pub const SERVER_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The KServe v2 / Triton protocol extensions this worker implements.
-pub const EXTENSIONS: &[&str] = &[
-    "binary_tensor_data",
-    "model_repository",
-    "model_configuration",
-    "schedule_policy",
-    "parameters",
-    "statistics",
-];
+pub const EXTENSIONS: &[&str] =
+    &["binary_tensor_data", "model_repository", "model_configuration", "schedule_policy", "parameters", "statistics"];
 
 /// Per-request size limits, checked before anything a client claims is allocated.
 #[derive(Clone, Copy, Debug)]
@@ -165,10 +159,7 @@ pub fn parse_version(model: &str, version: &str) -> Result<Option<i64>, Status> 
     if version.is_empty() {
         return Ok(None);
     }
-    version
-        .parse::<i64>()
-        .ok()
-        .filter(|v| *v >= 0)
-        .map(Some)
-        .ok_or_else(|| Status::not_found(format!("model '{model}' has no version '{version}' (versions are non-negative integers)")))
+    version.parse::<i64>().ok().filter(|v| *v >= 0).map(Some).ok_or_else(|| {
+        Status::not_found(format!("model '{model}' has no version '{version}' (versions are non-negative integers)"))
+    })
 }

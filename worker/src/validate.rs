@@ -93,13 +93,8 @@ pub fn validate(spec: &ModelSpec, request: &mut InferRequest) -> Result<Validate
         check_byte_size(&input.name, input.datatype, &input.shape, &input.data)?;
         slots[index] = Some((input.shape, input.data));
     }
-    let missing: Vec<&str> = spec
-        .inputs
-        .iter()
-        .zip(&slots)
-        .filter(|(_, s)| s.is_none())
-        .map(|(t, _)| t.name.as_str())
-        .collect();
+    let missing: Vec<&str> =
+        spec.inputs.iter().zip(&slots).filter(|(_, s)| s.is_none()).map(|(t, _)| t.name.as_str()).collect();
     if !missing.is_empty() {
         return Err(Status::invalid(format!(
             "model '{model}' expects inputs {} but the request lacks {}",
@@ -141,9 +136,9 @@ pub fn check_byte_size(name: &str, datatype: DataType, shape: &[i64], data: &[u8
         .ok_or_else(|| Status::invalid(format!("input '{name}': shape {} overflows", fmt_shape(shape))))?;
     match datatype.element_size() {
         Some(size) => {
-            let expected = elements.checked_mul(size as u64).ok_or_else(|| {
-                Status::invalid(format!("input '{name}': shape {} overflows", fmt_shape(shape)))
-            })?;
+            let expected = elements
+                .checked_mul(size as u64)
+                .ok_or_else(|| Status::invalid(format!("input '{name}': shape {} overflows", fmt_shape(shape))))?;
             if expected != data.len() as u64 {
                 return Err(Status::invalid(format!(
                     "input '{name}': got {} bytes of data, but shape {} of {datatype} needs {expected}",
@@ -203,7 +198,12 @@ mod tests {
         InferRequest {
             model_name: "m".into(),
             inputs: vec![
-                InputTensor { name: "A".into(), datatype: DataType::Fp32, shape: a_shape, data: Bytes::from(vec![0u8; a_bytes]) },
+                InputTensor {
+                    name: "A".into(),
+                    datatype: DataType::Fp32,
+                    shape: a_shape,
+                    data: Bytes::from(vec![0u8; a_bytes]),
+                },
                 InputTensor {
                     name: "S".into(),
                     datatype: DataType::Bytes,

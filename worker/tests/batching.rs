@@ -55,7 +55,11 @@ fn stats(repo: &Repository) -> nereid_worker::server::ModelStats {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_batch_runs_once_and_rows_return_to_their_callers() {
     // A 10 s delay: only a full batch (4 rows) can dispatch before it.
-    let dir = repo(&[TestModel { name: "m", source: "identity_fp32", config: Some(&identity_config("dynamic_batching { max_queue_delay_microseconds: 10000000 }")) }]);
+    let dir = repo(&[TestModel {
+        name: "m",
+        source: "identity_fp32",
+        config: Some(&identity_config("dynamic_batching { max_queue_delay_microseconds: 10000000 }")),
+    }]);
     let repo = start(dir.path(), ControlMode::None).await;
     let started = Instant::now();
     let calls = (0..4).map(|i| {
@@ -162,7 +166,11 @@ async fn request_timeout_parameter_overrides_when_allowed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transport_deadline_is_honoured() {
-    let dir = repo(&[TestModel { name: "m", source: "identity_fp32", config: Some(&identity_config("dynamic_batching { max_queue_delay_microseconds: 10000000 }")) }]);
+    let dir = repo(&[TestModel {
+        name: "m",
+        source: "identity_fp32",
+        config: Some(&identity_config("dynamic_batching { max_queue_delay_microseconds: 10000000 }")),
+    }]);
     let repo = start(dir.path(), ControlMode::None).await;
     let mut r = request(1.0, 0, 0);
     r.deadline = Some(Instant::now() + Duration::from_millis(30));
@@ -173,7 +181,11 @@ async fn transport_deadline_is_honoured() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_that_goes_away_is_removed_and_counted_cancelled() {
-    let dir = repo(&[TestModel { name: "m", source: "identity_fp32", config: Some(&identity_config("dynamic_batching { max_queue_delay_microseconds: 10000000 }")) }]);
+    let dir = repo(&[TestModel {
+        name: "m",
+        source: "identity_fp32",
+        config: Some(&identity_config("dynamic_batching { max_queue_delay_microseconds: 10000000 }")),
+    }]);
     let repo = start(dir.path(), ControlMode::None).await;
     let call = {
         let repo = repo.clone();
@@ -183,10 +195,7 @@ async fn a_caller_that_goes_away_is_removed_and_counted_cancelled() {
     call.abort();
     eventually("the cancelled request left the queue", || pending(&repo) == 0).await;
     let text = repo_metrics(&repo);
-    assert!(
-        text.contains("nv_inference_request_failure{model=\"m\",version=\"1\",reason=\"CANCELED\"} 1"),
-        "{text}"
-    );
+    assert!(text.contains("nv_inference_request_failure{model=\"m\",version=\"1\",reason=\"CANCELED\"} 1"), "{text}");
     assert_eq!(stats(&repo).execution_count, 0, "a cancelled request must not run");
 }
 

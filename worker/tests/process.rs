@@ -17,7 +17,8 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
 dynamic_batching { max_queue_delay_microseconds: 20000000 }
 "#;
 
-const INFER_BODY: &str = r#"{"inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15]}]}"#;
+const INFER_BODY: &str =
+    r#"{"inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15]}]}"#;
 
 const PENDING: &str = "nv_inference_pending_request_count{model=\"m\",version=\"1\"}";
 const CANCELED: &str = "nv_inference_request_failure{model=\"m\",version=\"1\",reason=\"CANCELED\"}";
@@ -32,7 +33,10 @@ fn wait_for(what: &str, worker: &WorkerProcess, mut cond: impl FnMut(&WorkerProc
 
 fn run_cli(args: &[&str]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_nereid-worker")).args(args).output().unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout))
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout),
+    )
 }
 
 #[test]
@@ -47,8 +51,25 @@ fn invalid_flags_exit_non_zero_naming_the_flag() {
         (vec!["--model-repository", repo, "--no-such-flag"], "--no-such-flag"),
         (vec!["--http-port", "1"], "--model-repository"),
         (vec!["--model-repository", "/nonexistent/repo", "--http-port", "0"], "--model-repository"),
-        (vec!["--model-repository", repo, "--load-model", "x", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"], "--load-model"),
-        (vec!["--model-repository", repo, "--onnxruntime-lib", "/nonexistent/libonnxruntime.so", "--http-port", "0"], "--onnxruntime-lib"),
+        (
+            vec![
+                "--model-repository",
+                repo,
+                "--load-model",
+                "x",
+                "--http-port",
+                "0",
+                "--grpc-port",
+                "0",
+                "--metrics-port",
+                "0",
+            ],
+            "--load-model",
+        ),
+        (
+            vec!["--model-repository", repo, "--onnxruntime-lib", "/nonexistent/libonnxruntime.so", "--http-port", "0"],
+            "--onnxruntime-lib",
+        ),
     ] {
         let (code, output) = run_cli(&args);
         assert_ne!(code, 0, "{args:?} should fail");
@@ -56,8 +77,19 @@ fn invalid_flags_exit_non_zero_naming_the_flag() {
     }
     let (code, help) = run_cli(&["--help"]);
     assert_eq!(code, 0);
-    for flag in ["--model-repository", "--http-port", "--grpc-port", "--metrics-port", "--model-control-mode", "--load-model",
-        "--repository-poll-secs", "--strict-model-config", "--log-verbose", "--onnxruntime-lib", "--max-request-bytes"] {
+    for flag in [
+        "--model-repository",
+        "--http-port",
+        "--grpc-port",
+        "--metrics-port",
+        "--model-control-mode",
+        "--load-model",
+        "--repository-poll-secs",
+        "--strict-model-config",
+        "--log-verbose",
+        "--onnxruntime-lib",
+        "--max-request-bytes",
+    ] {
         assert!(help.contains(flag), "--help lacks {flag}");
     }
 }
@@ -97,7 +129,12 @@ fn grpc_client_cancel_removes_the_queued_request() {
         client
             .model_infer(ModelInferRequest {
                 model_name: "m".into(),
-                inputs: vec![InferInputTensor { name: "INPUT0".into(), datatype: "FP32".into(), shape: vec![1, 16], ..Default::default() }],
+                inputs: vec![InferInputTensor {
+                    name: "INPUT0".into(),
+                    datatype: "FP32".into(),
+                    shape: vec![1, 16],
+                    ..Default::default()
+                }],
                 raw_input_contents: vec![vec![0u8; 64]],
                 ..Default::default()
             })

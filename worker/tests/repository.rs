@@ -59,7 +59,9 @@ fn reason(repo: &Repository, model: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broken_models_fail_alone_with_a_reason() {
-    let syntax = GOOD.replace("name: \"good\"", "name: \"syntax\"").replace("dims: [ 16 ] } ]\noutput", "dims: [ 16 } ]\noutput");
+    let syntax = GOOD
+        .replace("name: \"good\"", "name: \"syntax\"")
+        .replace("dims: [ 16 ] } ]\noutput", "dims: [ 16 } ]\noutput");
     let unknown = format!("{}\nbogus_field: 1\n", GOOD.replace("good", "unknown"));
     let dtype = GOOD.replace("good", "dtype").replacen("TYPE_FP32", "TYPE_INT32", 1);
     let dims = GOOD.replace("good", "dims").replacen("dims: [ 16 ]", "dims: [ 15 ]", 1);
@@ -159,7 +161,12 @@ async fn scale(repo: &Repository, version: Option<i64>) -> Result<(i64, f32), ne
         .infer(InferRequest {
             model_name: "scale".into(),
             model_version: version,
-            inputs: vec![InputTensor { name: "INPUT0".into(), datatype: DataType::Fp32, shape: vec![1, 4], data: Bytes::from(data) }],
+            inputs: vec![InputTensor {
+                name: "INPUT0".into(),
+                datatype: DataType::Fp32,
+                shape: vec![1, 4],
+                data: Bytes::from(data),
+            }],
             ..Default::default()
         })
         .await?;
@@ -234,7 +241,8 @@ async fn poll_mode_reloads_changes_without_dropping_in_flight_requests() {
     let dir = versioned_repo("");
     // A long batching delay keeps a request in the old version's queue across the reload.
     let cfg_path = dir.path().join("scale/config.pbtxt");
-    let held_cfg = std::fs::read_to_string(&cfg_path).unwrap() + "dynamic_batching { max_queue_delay_microseconds: 300000 }\n";
+    let held_cfg =
+        std::fs::read_to_string(&cfg_path).unwrap() + "dynamic_batching { max_queue_delay_microseconds: 300000 }\n";
     std::fs::write(&cfg_path, &held_cfg).unwrap();
     let repo = repository(dir.path(), ControlMode::Poll, false);
     assert!(repo.load_startup_models().await.is_empty());
@@ -242,10 +250,14 @@ async fn poll_mode_reloads_changes_without_dropping_in_flight_requests() {
         let repo = repo.clone();
         tokio::spawn(async move { scale(&repo, None).await })
     };
-    common::eventually("request queued", || repo.metrics().render().contains("nv_inference_pending_request_count{model=\"scale\",version=\"2\"} 1")).await;
+    common::eventually("request queued", || {
+        repo.metrics().render().contains("nv_inference_pending_request_count{model=\"scale\",version=\"2\"} 1")
+    })
+    .await;
 
     // Change the version policy: both versions should serve after the next poll.
-    std::fs::write(&cfg_path, held_cfg.replace("dynamic_batching", "version_policy: { all: { } }\ndynamic_batching")).unwrap();
+    std::fs::write(&cfg_path, held_cfg.replace("dynamic_batching", "version_policy: { all: { } }\ndynamic_batching"))
+        .unwrap();
     repo.poll_once().await;
     assert!(repo.model_ready("scale", Some(1)));
     assert_eq!(in_flight.await.unwrap().unwrap(), (2, 3.0), "the in-flight request finished on the old model");

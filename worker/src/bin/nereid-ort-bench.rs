@@ -156,7 +156,10 @@ fn run(args: &Args) -> Result<(), String> {
         let outputs: Vec<TensorSpec> = io.outputs.iter().map(|t| to_spec(t, batching)).collect::<Result<_, _>>()?;
         for spec in &inputs {
             if spec.datatype != DataType::Fp32 {
-                return Err(format!("input '{}' is {:?}; this benchmark generates FP32 inputs only", spec.name, spec.datatype));
+                return Err(format!(
+                    "input '{}' is {:?}; this benchmark generates FP32 inputs only",
+                    spec.name, spec.datatype
+                ));
             }
             if spec.dims.iter().any(|&d| d < 0) {
                 return Err(format!("input '{}' has dynamic non-batch dims {:?}", spec.name, spec.dims));

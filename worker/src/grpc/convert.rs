@@ -16,9 +16,9 @@ use nereid_proto::inference::model_metadata_response::TensorMetadata as ProtoTen
 use nereid_proto::inference::model_repository_parameter::ParameterChoice as RepoParameterChoice;
 use nereid_proto::inference::repository_index_response::ModelIndex;
 use nereid_proto::inference::{
-    InferBatchStatistics, InferParameter, InferStatistics, InferTensorContents, ModelInferRequest,
-    ModelInferResponse, ModelMetadataResponse, ModelRepositoryParameter, ModelStatistics,
-    StatisticDuration, model_infer_response::InferOutputTensor,
+    InferBatchStatistics, InferParameter, InferStatistics, InferTensorContents, ModelInferRequest, ModelInferResponse,
+    ModelMetadataResponse, ModelRepositoryParameter, ModelStatistics, StatisticDuration,
+    model_infer_response::InferOutputTensor,
 };
 
 use crate::server::{self, IndexEntry, ModelMetadata, ModelStats, TensorMetadata, parse_version};
@@ -115,9 +115,8 @@ where
     R: Into<Bytes> + AsRef<[u8]>,
 {
     let name = input.name;
-    let datatype = DataType::from_wire_name(&input.datatype).ok_or_else(|| {
-        Status::invalid(format!("input '{name}': unknown datatype '{}'", input.datatype))
-    })?;
+    let datatype = DataType::from_wire_name(&input.datatype)
+        .ok_or_else(|| Status::invalid(format!("input '{name}': unknown datatype '{}'", input.datatype)))?;
     let shape = input.shape;
     let count = element_count(&shape).ok_or_else(|| {
         Status::invalid(format!(
@@ -197,7 +196,14 @@ fn contents_empty(c: &InferTensorContents) -> bool {
 }
 
 /// Checks a typed list's length against the shape's element count (before re-encoding it).
-fn check_count(name: &str, field: &str, datatype: DataType, shape: &[i64], count: u64, got: usize) -> Result<(), Status> {
+fn check_count(
+    name: &str,
+    field: &str,
+    datatype: DataType,
+    shape: &[i64],
+    count: u64,
+    got: usize,
+) -> Result<(), Status> {
     if got as u64 != count {
         return Err(Status::invalid(format!(
             "input '{name}': contents.{field} has {got} elements but shape {} of {datatype} needs {count}",
@@ -293,9 +299,8 @@ fn typed_contents(
             let mut out = Vec::with_capacity(total);
             for e in &c.bytes_contents {
                 let e: &[u8] = e.as_ref();
-                let len = u32::try_from(e.len()).map_err(|_| {
-                    Status::invalid(format!("input '{name}': a BYTES element is larger than 4 GiB"))
-                })?;
+                let len = u32::try_from(e.len())
+                    .map_err(|_| Status::invalid(format!("input '{name}': a BYTES element is larger than 4 GiB")))?;
                 out.extend_from_slice(&len.to_le_bytes());
                 out.extend_from_slice(e);
             }
@@ -513,14 +518,10 @@ mod tests {
         );
         req.model_version = "3".into();
         req.outputs = vec![InferRequestedOutputTensor { name: "Y".into(), parameters: HashMap::new() }];
-        req.parameters.insert(
-            "priority".into(),
-            InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(2)) },
-        );
-        req.parameters.insert(
-            "timeout".into(),
-            InferParameter { parameter_choice: Some(ParameterChoice::Uint64Param(5000)) },
-        );
+        req.parameters
+            .insert("priority".into(), InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(2)) });
+        req.parameters
+            .insert("timeout".into(), InferParameter { parameter_choice: Some(ParameterChoice::Uint64Param(5000)) });
         req.parameters.insert(
             "whatever".into(),
             InferParameter { parameter_choice: Some(ParameterChoice::StringParam("x".into())) },
@@ -609,7 +610,11 @@ mod tests {
 
         let c = InferTensorContents { fp32_contents: vec![1.0, 2.0, 3.0], ..Default::default() };
         let e = err(request(vec![input("x", "FP32", &[2, 2], Some(c))], vec![]));
-        assert!(e.message.contains("'x'") && e.message.contains("fp32_contents has 3") && e.message.contains("needs 4"), "{}", e.message);
+        assert!(
+            e.message.contains("'x'") && e.message.contains("fp32_contents has 3") && e.message.contains("needs 4"),
+            "{}",
+            e.message
+        );
 
         // Data in the wrong list is a count mismatch on the right one.
         let c = InferTensorContents { int64_contents: vec![1], ..Default::default() };
@@ -641,10 +646,7 @@ mod tests {
 
     #[test]
     fn raw_count_mismatch_rejected() {
-        let e = err(request(
-            vec![input("A", "FP32", &[1], None), input("B", "FP32", &[1], None)],
-            vec![vec![0; 4]],
-        ));
+        let e = err(request(vec![input("A", "FP32", &[1], None), input("B", "FP32", &[1], None)], vec![vec![0; 4]]));
         assert_eq!(e.code, Code::InvalidArgument);
         assert!(e.message.contains("1 entries") && e.message.contains("2 inputs"), "{}", e.message);
     }
@@ -689,10 +691,8 @@ mod tests {
         assert!(e.message.contains("'X'") && e.message.contains("FLOAT32"), "{}", e.message);
 
         let mut req = request(vec![], vec![]);
-        req.parameters.insert(
-            "priority".into(),
-            InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(-1)) },
-        );
+        req.parameters
+            .insert("priority".into(), InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(-1)) });
         assert!(err(req).message.contains("priority"));
         let mut req = request(vec![], vec![]);
         req.parameters.insert(
@@ -703,10 +703,15 @@ mod tests {
 
         let mut req = request(vec![], vec![]);
         let mut params = HashMap::new();
-        params.insert("classification".to_string(), InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(3)) });
+        params.insert(
+            "classification".to_string(),
+            InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(3)) },
+        );
         req.outputs = vec![InferRequestedOutputTensor { name: "OUT".into(), parameters: params }];
         let e = err(req);
-        assert!(e.message.contains("'OUT'") && e.message.contains("classification") && e.message.contains("not supported"));
+        assert!(
+            e.message.contains("'OUT'") && e.message.contains("classification") && e.message.contains("not supported")
+        );
 
         let mut inp = input("A", "FP32", &[1], None);
         inp.parameters.insert(

@@ -20,14 +20,14 @@ use nereid_proto::inference::grpc_inference_service_server::{GrpcInferenceServic
 use nereid_proto::inference::*;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tonic::codegen::BoxStream;
 use tonic::codec::CompressionEncoding;
+use tonic::codegen::BoxStream;
 use tonic::{Request, Response};
 
 use crate::server::{EXTENSIONS, SERVER_NAME, SERVER_VERSION, Server, parse_version};
 use convert::{
-    grpc_deadline, index_entry_to_proto, infer_request_from_proto, infer_response_to_proto,
-    load_config_parameter, model_metadata_to_proto, model_stats_to_proto,
+    grpc_deadline, index_entry_to_proto, infer_request_from_proto, infer_response_to_proto, load_config_parameter,
+    model_metadata_to_proto, model_stats_to_proto,
 };
 
 /// Most requests of one `ModelStreamInfer` stream in flight at once. Past it the stream stops
@@ -85,7 +85,11 @@ fn configure(frontend: GrpcFrontend) -> GrpcInferenceServiceServer<GrpcFrontend>
 /// and waits for open connections to finish their in-flight RPCs (graceful HTTP/2 GOAWAY);
 /// open streams stop taking requests and end once theirs have been answered. A client that
 /// never finishes a unary upload can still hold it up: bound the wait in the caller.
-pub async fn serve(listener: TcpListener, server: Server, shutdown: CancellationToken) -> Result<(), tonic::transport::Error> {
+pub async fn serve(
+    listener: TcpListener,
+    server: Server,
+    shutdown: CancellationToken,
+) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
         // Only applies to sockets tonic binds itself; `incoming` below sets it on ours.
         .tcp_nodelay(true)
@@ -248,7 +252,11 @@ impl GrpcInferenceService for GrpcFrontend {
 
 /// Runs one request of a stream; errors become `error_message` (with the request's id in an
 /// otherwise empty `infer_response`, as Triton does, so the client can tell which one failed).
-async fn stream_infer_one(server: &Server, req: ModelInferRequest, deadline: Option<Instant>) -> ModelStreamInferResponse {
+async fn stream_infer_one(
+    server: &Server,
+    req: ModelInferRequest,
+    deadline: Option<Instant>,
+) -> ModelStreamInferResponse {
     let (id, model_name, model_version) = (req.id.clone(), req.model_name.clone(), req.model_version.clone());
     let result = match infer_request_from_proto(req) {
         Ok(mut r) => {
@@ -379,7 +387,10 @@ mod tests {
     }
 
     /// Requests named "sleep-<ms>" finish after that long; "fail" fails; others at once.
-    fn runner(active: Arc<AtomicUsize>, peak: Arc<AtomicUsize>) -> impl FnMut(ModelInferRequest) -> BoxFuture<'static, ModelStreamInferResponse> + Unpin + Send {
+    fn runner(
+        active: Arc<AtomicUsize>,
+        peak: Arc<AtomicUsize>,
+    ) -> impl FnMut(ModelInferRequest) -> BoxFuture<'static, ModelStreamInferResponse> + Unpin + Send {
         move |r: ModelInferRequest| {
             let (active, peak) = (active.clone(), peak.clone());
             Box::pin(async move {
@@ -413,9 +424,11 @@ mod tests {
     #[tokio::test]
     async fn stream_runs_concurrently_out_of_order_and_survives_errors() {
         let (active, peak) = counters();
-        let incoming = futures::stream::iter(vec![Ok(req("sleep-200")), Ok(req("fail")), Ok(req("sleep-20")), Ok(req("now"))]);
+        let incoming =
+            futures::stream::iter(vec![Ok(req("sleep-200")), Ok(req("fail")), Ok(req("sleep-20")), Ok(req("now"))]);
         let out: Vec<_> = InferStream::new(incoming, runner(active, peak.clone()), 16).collect().await;
-        let ids: Vec<String> = out.iter().map(|r| r.as_ref().unwrap().infer_response.as_ref().unwrap().id.clone()).collect();
+        let ids: Vec<String> =
+            out.iter().map(|r| r.as_ref().unwrap().infer_response.as_ref().unwrap().id.clone()).collect();
         assert_eq!(ids.len(), 4);
         assert_eq!(ids.last().unwrap(), "sleep-200", "slow request completes last: {ids:?}");
         let fail = out.iter().map(|r| r.as_ref().unwrap()).find(|r| !r.error_message.is_empty()).unwrap();

@@ -22,9 +22,7 @@ use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqA
 use serde::ser::{self, Serialize, SerializeMap, SerializeSeq, Serializer};
 use serde_json::{Map, Value};
 
-use crate::tensor::{
-    InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput, split_bytes_elements,
-};
+use crate::tensor::{InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput, split_bytes_elements};
 
 /// The binary tensor extension's header: length of the JSON part at the start of the body.
 pub const HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
@@ -42,10 +40,7 @@ pub struct OutputFormat {
 
 impl OutputFormat {
     pub fn is_binary(&self, output: &str) -> bool {
-        self.explicit
-            .iter()
-            .find(|(name, _)| name == output)
-            .map_or(self.binary_default, |(_, binary)| *binary)
+        self.explicit.iter().find(|(name, _)| name == output).map_or(self.binary_default, |(_, binary)| *binary)
     }
 }
 
@@ -95,9 +90,7 @@ pub fn parse_infer_request(
         match key.as_str() {
             "priority" => {
                 request.priority = value.as_u64().ok_or_else(|| {
-                    Status::invalid(format!(
-                        "parameters.priority must be a non-negative integer, got {value}"
-                    ))
+                    Status::invalid(format!("parameters.priority must be a non-negative integer, got {value}"))
                 })?;
             }
             "timeout" => {
@@ -109,9 +102,7 @@ pub fn parse_infer_request(
             }
             "binary_data_output" => {
                 format.binary_default = value.as_bool().ok_or_else(|| {
-                    Status::invalid(format!(
-                        "parameters.binary_data_output must be a boolean, got {value}"
-                    ))
+                    Status::invalid(format!("parameters.binary_data_output must be a boolean, got {value}"))
                 })?;
             }
             // Anything else (sequence_id, custom parameters, ...) is accepted and ignored.
@@ -119,19 +110,11 @@ pub fn parse_infer_request(
         }
     }
 
-    let inputs = raw
-        .inputs
-        .ok_or_else(|| Status::invalid("inference request has no 'inputs'"))?;
+    let inputs = raw.inputs.ok_or_else(|| Status::invalid("inference request has no 'inputs'"))?;
     let mut binary_offset = 0usize;
     request.inputs.reserve_exact(inputs.len());
     for (i, input) in inputs.into_iter().enumerate() {
-        request.inputs.push(finish_input(
-            i,
-            input,
-            &binary,
-            &mut binary_offset,
-            max_bytes,
-        )?);
+        request.inputs.push(finish_input(i, input, &binary, &mut binary_offset, max_bytes)?);
     }
     if binary_offset != binary.len() {
         return Err(Status::invalid(format!(
@@ -147,25 +130,16 @@ pub fn parse_infer_request(
             match key.as_str() {
                 "binary_data" => {
                     let b = value.as_bool().ok_or_else(|| {
-                        Status::invalid(format!(
-                            "{}: binary_data must be a boolean, got {value}",
-                            ctx()
-                        ))
+                        Status::invalid(format!("{}: binary_data must be a boolean, got {value}", ctx()))
                     })?;
                     binary_data = Some(b);
                 }
                 // A class count of 0 means "not requested".
                 "classification" if !(value.is_null() || value.as_u64() == Some(0)) => {
-                    return Err(Status::invalid(format!(
-                        "{}: classification is not supported",
-                        ctx()
-                    )));
+                    return Err(Status::invalid(format!("{}: classification is not supported", ctx())));
                 }
                 k if k.starts_with("shared_memory") => {
-                    return Err(Status::unimplemented(format!(
-                        "{}: shared memory is not supported",
-                        ctx()
-                    )));
+                    return Err(Status::unimplemented(format!("{}: shared memory is not supported", ctx())));
                 }
                 _ => {}
             }
@@ -173,18 +147,14 @@ pub fn parse_infer_request(
         if let Some(b) = binary_data {
             format.explicit.push((output.name.clone(), b));
         }
-        request.outputs.push(RequestedOutput {
-            name: output.name,
-            binary_data,
-        });
+        request.outputs.push(RequestedOutput { name: output.name, binary_data });
     }
 
     Ok(ParsedInfer { request, format })
 }
 
 fn parse_json(json: &[u8], max_bytes: usize) -> Result<RawRequest, Status> {
-    let malformed =
-        |e: serde_json::Error| Status::invalid(format!("malformed inference request JSON: {e}"));
+    let malformed = |e: serde_json::Error| Status::invalid(format!("malformed inference request JSON: {e}"));
     match parse_json_with(json, max_bytes, false) {
         Ok(raw) => Ok(raw),
         // Not standard JSON, but what tritonserver (rapidjson's kParseNanAndInfFlag) and
@@ -199,17 +169,9 @@ fn parse_json(json: &[u8], max_bytes: usize) -> Result<RawRequest, Status> {
 
 /// `non_finite`: `json` went through [`rewrite_non_finite`], so its marker strings in `data`
 /// arrays stand for non-finite numbers.
-fn parse_json_with(
-    json: &[u8],
-    max_bytes: usize,
-    non_finite: bool,
-) -> Result<RawRequest, serde_json::Error> {
+fn parse_json_with(json: &[u8], max_bytes: usize, non_finite: bool) -> Result<RawRequest, serde_json::Error> {
     let mut de = serde_json::Deserializer::from_slice(json);
-    let raw = RequestSeed {
-        max_bytes,
-        non_finite,
-    }
-    .deserialize(&mut de)?;
+    let raw = RequestSeed { max_bytes, non_finite }.deserialize(&mut de)?;
     de.end()?;
     Ok(raw)
 }
@@ -288,17 +250,12 @@ fn finish_input(
     binary_offset: &mut usize,
     max_bytes: usize,
 ) -> Result<InputTensor, Status> {
-    let name = input
-        .name
-        .ok_or_else(|| Status::invalid(format!("inputs[{i}]: missing 'name'")))?;
+    let name = input.name.ok_or_else(|| Status::invalid(format!("inputs[{i}]: missing 'name'")))?;
     let ctx = format!("inputs[{i}] ('{name}')");
     let err = |m: String| Status::invalid(format!("{ctx}: {m}"));
 
-    let datatype = input
-        .datatype
-        .ok_or_else(|| err("missing 'datatype'".into()))?;
-    let dtype = DataType::from_wire_name(&datatype)
-        .ok_or_else(|| err(format!("unknown datatype '{datatype}'")))?;
+    let datatype = input.datatype.ok_or_else(|| err("missing 'datatype'".into()))?;
+    let dtype = DataType::from_wire_name(&datatype).ok_or_else(|| err(format!("unknown datatype '{datatype}'")))?;
     let shape = match input.shape {
         None => return Err(err("missing 'shape'".into())),
         Some(Err(m)) => return Err(err(m)),
@@ -310,17 +267,13 @@ fn finish_input(
     for (key, value) in input.parameters.iter().flatten() {
         match key.as_str() {
             "binary_data_size" => {
-                let n = value.as_u64().ok_or_else(|| {
-                    err(format!(
-                        "binary_data_size must be a non-negative integer, got {value}"
-                    ))
-                })?;
+                let n = value
+                    .as_u64()
+                    .ok_or_else(|| err(format!("binary_data_size must be a non-negative integer, got {value}")))?;
                 binary_size = Some(n);
             }
             k if k.starts_with("shared_memory") => {
-                return Err(Status::unimplemented(format!(
-                    "{ctx}: shared memory is not supported"
-                )));
+                return Err(Status::unimplemented(format!("{ctx}: shared memory is not supported")));
             }
             _ => {}
         }
@@ -331,9 +284,7 @@ fn finish_input(
             return Err(err("has both 'data' and parameters.binary_data_size".into()));
         }
         (None, None) => {
-            return Err(err(
-                "has neither 'data' nor parameters.binary_data_size".into()
-            ));
+            return Err(err("has neither 'data' nor parameters.binary_data_size".into()));
         }
         (Some(size), None) => {
             if let Some(expected) = byte_size(dtype, &shape)
@@ -367,9 +318,7 @@ fn finish_input(
         }
         (None, Some(RawData::Skipped)) => {
             // Only skipped when the datatype or shape is invalid, which was reported above.
-            return Err(err(
-                "'data' could not be read for this datatype and shape".into()
-            ));
+            return Err(err("'data' could not be read for this datatype and shape".into()));
         }
         (None, Some(RawData::Buf(mut buf))) => {
             if let Mode::Deferred = buf.mode {
@@ -389,32 +338,20 @@ fn finish_input(
         }
     };
 
-    Ok(InputTensor {
-        name,
-        datatype: dtype,
-        shape,
-        data,
-    })
+    Ok(InputTensor { name, datatype: dtype, shape, data })
 }
 
 /// Checks a claimed shape before anything of its size is allocated; returns its element count.
 fn check_shape(dtype: DataType, shape: &[i64], max_bytes: usize) -> Result<u64, String> {
     if shape.iter().any(|d| *d < 0) {
-        return Err(format!(
-            "shape {} has a negative dimension",
-            fmt_shape(shape)
-        ));
+        return Err(format!("shape {} has a negative dimension", fmt_shape(shape)));
     }
-    let count = element_count(shape)
-        .ok_or_else(|| format!("shape {} overflows the element count", fmt_shape(shape)))?;
+    let count =
+        element_count(shape).ok_or_else(|| format!("shape {} overflows the element count", fmt_shape(shape)))?;
     match dtype.element_size() {
         Some(_) => {
-            let bytes = byte_size(dtype, shape).ok_or_else(|| {
-                format!(
-                    "shape {} of {dtype} overflows the byte size",
-                    fmt_shape(shape)
-                )
-            })?;
+            let bytes = byte_size(dtype, shape)
+                .ok_or_else(|| format!("shape {} of {dtype} overflows the byte size", fmt_shape(shape)))?;
             if bytes > max_bytes as u64 {
                 return Err(format!(
                     "shape {} of {dtype} needs {bytes} bytes, more than the request limit of {max_bytes} bytes",
@@ -440,17 +377,12 @@ fn count_bytes_elements(mut data: &[u8]) -> Result<u64, String> {
     let mut n = 0u64;
     while !data.is_empty() {
         if data.len() < 4 {
-            return Err(format!(
-                "BYTES element {n} has a truncated 4-byte length prefix"
-            ));
+            return Err(format!("BYTES element {n} has a truncated 4-byte length prefix"));
         }
         let len = u32::from_le_bytes([data[0], data[1], data[2], data[3]]) as usize;
         data = &data[4..];
         if data.len() < len {
-            return Err(format!(
-                "BYTES element {n} claims {len} bytes but only {} remain",
-                data.len()
-            ));
+            return Err(format!("BYTES element {n} claims {len} bytes but only {} remain", data.len()));
         }
         data = &data[len..];
         n += 1;
@@ -554,10 +486,9 @@ impl<'de> Visitor<'de> for RequestSeed {
                 RequestField::Id => r.id = Some(map.next_value()?),
                 RequestField::Parameters => r.parameters = map.next_value()?,
                 RequestField::Inputs => {
-                    r.inputs = Some(map.next_value_seed(InputsSeed {
-                        max_bytes: self.max_bytes,
-                        non_finite: self.non_finite,
-                    })?)
+                    r.inputs = Some(
+                        map.next_value_seed(InputsSeed { max_bytes: self.max_bytes, non_finite: self.non_finite })?,
+                    )
                 }
                 RequestField::Outputs => r.outputs = map.next_value()?,
                 RequestField::Other => {
@@ -588,10 +519,9 @@ impl<'de> Visitor<'de> for InputsSeed {
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<RawInput>, A::Error> {
         let mut inputs = Vec::with_capacity(seq.size_hint().unwrap_or(1).min(64));
-        while let Some(input) = seq.next_element_seed(InputSeed {
-            max_bytes: self.max_bytes,
-            non_finite: self.non_finite,
-        })? {
+        while let Some(input) =
+            seq.next_element_seed(InputSeed { max_bytes: self.max_bytes, non_finite: self.non_finite })?
+        {
             inputs.push(input);
         }
         Ok(inputs)
@@ -628,20 +558,11 @@ impl<'de> Visitor<'de> for InputSeed {
                         dims.iter()
                             .map(|d| d.as_i64().ok_or(()))
                             .collect::<Result<Vec<i64>, ()>>()
-                            .map_err(|()| {
-                                format!(
-                                    "shape must be an array of integers, got {}",
-                                    Value::Array(dims)
-                                )
-                            }),
+                            .map_err(|()| format!("shape must be an array of integers, got {}", Value::Array(dims))),
                     );
                 }
                 InputField::Data => {
-                    let plan = DataPlan::new(
-                        input.datatype.as_deref(),
-                        input.shape.as_ref(),
-                        self.max_bytes,
-                    );
+                    let plan = DataPlan::new(input.datatype.as_deref(), input.shape.as_ref(), self.max_bytes);
                     input.data = Some(map.next_value_seed(DataSeed {
                         plan,
                         max_bytes: self.max_bytes,
@@ -668,11 +589,7 @@ enum DataPlan {
 }
 
 impl DataPlan {
-    fn new(
-        datatype: Option<&str>,
-        shape: Option<&Result<Vec<i64>, String>>,
-        max_bytes: usize,
-    ) -> DataPlan {
+    fn new(datatype: Option<&str>, shape: Option<&Result<Vec<i64>, String>>, max_bytes: usize) -> DataPlan {
         let Some(datatype) = datatype else {
             return DataPlan::Deferred;
         };
@@ -720,11 +637,7 @@ impl<'de> DeserializeSeed<'de> for DataSeed {
                 error: None,
             },
         };
-        ElementSeed {
-            buf: &mut buf,
-            non_finite: self.non_finite,
-        }
-        .deserialize(d)?;
+        ElementSeed { buf: &mut buf, non_finite: self.non_finite }.deserialize(d)?;
         Ok(RawData::Buf(buf))
     }
 }
@@ -758,9 +671,7 @@ impl fmt::Display for Scalar<'_> {
             Scalar::I64(v) => write!(f, "{v}"),
             Scalar::U64(v) => write!(f, "{v}"),
             Scalar::F64(v) if v.is_nan() => f.write_str("NaN"),
-            Scalar::F64(v) if v.is_infinite() => {
-                f.write_str(if *v > 0.0 { "Infinity" } else { "-Infinity" })
-            }
+            Scalar::F64(v) if v.is_infinite() => f.write_str(if *v > 0.0 { "Infinity" } else { "-Infinity" }),
             Scalar::F64(v) => write!(f, "{v}"),
             Scalar::Str(v) => write!(f, "{v:?}"),
             Scalar::Null => f.write_str("null"),
@@ -794,13 +705,7 @@ const TAG_NULL: u8 = 6;
 
 impl DataBuf {
     fn typed(dtype: DataType, capacity: usize, max_bytes: usize) -> DataBuf {
-        DataBuf {
-            mode: Mode::Typed(dtype),
-            out: Vec::with_capacity(capacity),
-            count: 0,
-            max_bytes,
-            error: None,
-        }
+        DataBuf { mode: Mode::Typed(dtype), out: Vec::with_capacity(capacity), count: 0, max_bytes, error: None }
     }
 
     #[inline]
@@ -819,10 +724,7 @@ impl DataBuf {
         }
         self.count += 1;
         if self.out.len() > self.max_bytes {
-            self.error = Some(format!(
-                "'data' is larger than the request limit of {} bytes",
-                self.max_bytes
-            ));
+            self.error = Some(format!("'data' is larger than the request limit of {} bytes", self.max_bytes));
             self.out = Vec::new();
         }
     }
@@ -900,8 +802,7 @@ fn encode_tagged(s: Scalar<'_>, out: &mut Vec<u8>) {
 /// Appends one JSON scalar to a tensor of `dtype` in its little-endian layout.
 #[inline]
 fn encode(dtype: DataType, s: Scalar<'_>, out: &mut Vec<u8>) -> Result<(), String> {
-    let mismatch =
-        |expected: &str| format!("expected {expected} for {dtype}, got {} ({s})", s.kind());
+    let mismatch = |expected: &str| format!("expected {expected} for {dtype}, got {} ({s})", s.kind());
     macro_rules! int {
         ($t:ty) => {{
             let v: Option<$t> = match s {
@@ -945,8 +846,7 @@ fn encode(dtype: DataType, s: Scalar<'_>, out: &mut Vec<u8>) -> Result<(), Strin
         DataType::Fp64 => float!(|v: f64| v),
         DataType::Bytes => match s {
             Scalar::Str(t) => {
-                let len = u32::try_from(t.len())
-                    .map_err(|_| format!("a string of {} bytes is too long", t.len()))?;
+                let len = u32::try_from(t.len()).map_err(|_| format!("a string of {} bytes is too long", t.len()))?;
                 out.extend_from_slice(&len.to_le_bytes());
                 out.extend_from_slice(t.as_bytes());
             }
@@ -1008,13 +908,7 @@ impl<'de> Visitor<'de> for ElementSeed<'_> {
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         let buf = self.buf;
-        while seq
-            .next_element_seed(ElementSeed {
-                buf: &mut *buf,
-                non_finite: self.non_finite,
-            })?
-            .is_some()
-        {}
+        while seq.next_element_seed(ElementSeed { buf: &mut *buf, non_finite: self.non_finite })?.is_some() {}
         Ok(())
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
@@ -1052,15 +946,8 @@ impl RenderedResponse {
 
 /// Renders a response: `{"model_name","model_version","id"?,"outputs":[...]}` with each output's
 /// `data` (flat, row-major) or, for binary outputs, `parameters.binary_data_size`.
-pub fn render_infer_response(
-    response: &InferResponse,
-    format: &OutputFormat,
-) -> Result<RenderedResponse, Status> {
-    let binary_flags: Vec<bool> = response
-        .outputs
-        .iter()
-        .map(|o| format.is_binary(&o.name))
-        .collect();
+pub fn render_infer_response(response: &InferResponse, format: &OutputFormat) -> Result<RenderedResponse, Status> {
+    let binary_flags: Vec<bool> = response.outputs.iter().map(|o| format.is_binary(&o.name)).collect();
     let mut binary = Vec::new();
     let mut estimate = 256usize;
     for (o, &is_binary) in response.outputs.iter().zip(&binary_flags) {
@@ -1075,20 +962,10 @@ pub fn render_infer_response(
         }
     }
     let mut json = Vec::with_capacity(estimate.min(64 << 20));
-    ResponseJson {
-        response,
-        binary: &binary_flags,
-    }
-    .serialize(&mut serde_json::Serializer::with_formatter(
-        &mut json,
-        NonFiniteFormatter,
-    ))
-    .map_err(|e| Status::internal(format!("failed to render the inference response: {e}")))?;
-    Ok(RenderedResponse {
-        json,
-        binary,
-        has_binary: binary_flags.contains(&true),
-    })
+    ResponseJson { response, binary: &binary_flags }
+        .serialize(&mut serde_json::Serializer::with_formatter(&mut json, NonFiniteFormatter))
+        .map_err(|e| Status::internal(format!("failed to render the inference response: {e}")))?;
+    Ok(RenderedResponse { json, binary, has_binary: binary_flags.contains(&true) })
 }
 
 struct ResponseJson<'a> {
@@ -1105,13 +982,7 @@ impl Serialize for ResponseJson<'_> {
         }
         m.serialize_entry("model_name", &r.model_name)?;
         m.serialize_entry("model_version", &r.model_version.to_string())?;
-        m.serialize_entry(
-            "outputs",
-            &OutputsJson {
-                outputs: &r.outputs,
-                binary: self.binary,
-            },
-        )?;
+        m.serialize_entry("outputs", &OutputsJson { outputs: &r.outputs, binary: self.binary })?;
         m.end()
     }
 }
@@ -1156,14 +1027,7 @@ impl Serialize for OutputJson<'_> {
         if self.binary {
             m.serialize_entry("parameters", &BinaryParameters(o.data.len()))?;
         } else {
-            m.serialize_entry(
-                "data",
-                &DataJson {
-                    name: &o.name,
-                    dtype: o.datatype,
-                    data: &o.data,
-                },
-            )?;
+            m.serialize_entry("data", &DataJson { name: &o.name, dtype: o.datatype, data: &o.data })?;
         }
         m.end()
     }
@@ -1209,11 +1073,7 @@ impl Serialize for Float {
 struct NonFiniteFormatter;
 
 impl serde_json::ser::Formatter for NonFiniteFormatter {
-    fn write_u128<W: ?Sized + std::io::Write>(
-        &mut self,
-        writer: &mut W,
-        value: u128,
-    ) -> std::io::Result<()> {
+    fn write_u128<W: ?Sized + std::io::Write>(&mut self, writer: &mut W, value: u128) -> std::io::Result<()> {
         match value {
             U128_NAN => writer.write_all(b"NaN"),
             U128_INF => writer.write_all(b"Infinity"),
@@ -1275,8 +1135,7 @@ impl Serialize for DataJson<'_> {
             DataType::Fp32 => elements!(f32, Float::F32),
             DataType::Fp64 => elements!(f64, Float::F64),
             DataType::Bytes => {
-                let elements = split_bytes_elements(self.name, self.data)
-                    .map_err(|e| ser::Error::custom(e.message))?;
+                let elements = split_bytes_elements(self.name, self.data).map_err(|e| ser::Error::custom(e.message))?;
                 let mut q = s.serialize_seq(Some(elements.len()))?;
                 for e in elements {
                     match std::str::from_utf8(e) {
@@ -1299,19 +1158,11 @@ mod tests {
     const MAX: usize = 64 << 20;
 
     fn parse(json: &str) -> Result<ParsedInfer, Status> {
-        parse_infer_request(
-            "m",
-            None,
-            Bytes::copy_from_slice(json.as_bytes()),
-            None,
-            MAX,
-        )
+        parse_infer_request("m", None, Bytes::copy_from_slice(json.as_bytes()), None, MAX)
     }
 
     fn one_input(datatype: &str, shape: &str, data: &str) -> Result<InputTensor, Status> {
-        let json = format!(
-            r#"{{"inputs":[{{"name":"x","datatype":"{datatype}","shape":{shape},"data":{data}}}]}}"#
-        );
+        let json = format!(r#"{{"inputs":[{{"name":"x","datatype":"{datatype}","shape":{shape},"data":{data}}}]}}"#);
         parse(&json).map(|p| p.request.inputs.into_iter().next().unwrap())
     }
 
@@ -1336,10 +1187,7 @@ mod tests {
         assert_eq!(r.inputs[0].name, "INPUT0");
         assert_eq!(r.inputs[0].shape, vec![2]);
         assert_eq!(r.inputs[0].datatype, DataType::Fp32);
-        assert_eq!(
-            &r.inputs[0].data[..],
-            le(&[1.5f32, -2.0], f32::to_le_bytes).as_slice()
-        );
+        assert_eq!(&r.inputs[0].data[..], le(&[1.5f32, -2.0], f32::to_le_bytes).as_slice());
         assert_eq!(r.outputs.len(), 2);
         assert_eq!(r.outputs[0].binary_data, Some(true));
         assert_eq!(r.outputs[1].binary_data, None);
@@ -1370,11 +1218,7 @@ mod tests {
         let t = one_input("FP64", "[2]", "[0.1,3]").unwrap();
         assert_eq!(&t.data[..], le(&[0.1f64, 3.0], f64::to_le_bytes).as_slice());
         let t = one_input("FP16", "[3]", "[1.5,-2,0.1]").unwrap();
-        let expect = [
-            half::f16::from_f32(1.5),
-            half::f16::from_f32(-2.0),
-            half::f16::from_f64(0.1),
-        ];
+        let expect = [half::f16::from_f32(1.5), half::f16::from_f32(-2.0), half::f16::from_f64(0.1)];
         assert_eq!(&t.data[..], le(&expect, half::f16::to_le_bytes).as_slice());
         let t = one_input("BF16", "[2]", "[1.5,-2]").unwrap();
         let expect = [half::bf16::from_f32(1.5), half::bf16::from_f32(-2.0)];
@@ -1385,86 +1229,40 @@ mod tests {
     fn nested_arrays_flatten_row_major() {
         let t = one_input("INT32", "[2,3]", "[[1,2,3],[4,5,6]]").unwrap();
         assert_eq!(t.shape, vec![2, 3]);
-        assert_eq!(
-            &t.data[..],
-            le(&[1i32, 2, 3, 4, 5, 6], i32::to_le_bytes).as_slice()
-        );
+        assert_eq!(&t.data[..], le(&[1i32, 2, 3, 4, 5, 6], i32::to_le_bytes).as_slice());
         let t = one_input("FP32", "[1,2,2]", "[[[1,2],[3,4]]]").unwrap();
-        assert_eq!(
-            &t.data[..],
-            le(&[1f32, 2., 3., 4.], f32::to_le_bytes).as_slice()
-        );
+        assert_eq!(&t.data[..], le(&[1f32, 2., 3., 4.], f32::to_le_bytes).as_slice());
     }
 
     #[test]
     fn bytes_from_json_strings() {
         let t = one_input("BYTES", "[3]", r#"["ab","","h\u00e9"]"#).unwrap();
-        assert_eq!(
-            &t.data[..],
-            serialize_bytes_elements(["ab", "", "hé"]).as_slice()
-        );
+        assert_eq!(&t.data[..], serialize_bytes_elements(["ab", "", "hé"]).as_slice());
         let e = one_input("BYTES", "[1]", "[1]").unwrap_err();
-        assert!(
-            e.message.contains("inputs[0] ('x')") && e.message.contains("string"),
-            "{}",
-            e.message
-        );
+        assert!(e.message.contains("inputs[0] ('x')") && e.message.contains("string"), "{}", e.message);
     }
 
     #[test]
     fn data_before_datatype_and_shape() {
-        let p = parse(
-            r#"{"inputs":[{"data":[[1,2],[3,4]],"name":"x","shape":[2,2],"datatype":"INT64"}]}"#,
-        )
-        .unwrap();
-        assert_eq!(
-            &p.request.inputs[0].data[..],
-            le(&[1i64, 2, 3, 4], i64::to_le_bytes).as_slice()
-        );
-        let p =
-            parse(r#"{"inputs":[{"data":["a","bc"],"name":"s","shape":[2],"datatype":"BYTES"}]}"#)
-                .unwrap();
-        assert_eq!(
-            &p.request.inputs[0].data[..],
-            serialize_bytes_elements(["a", "bc"]).as_slice()
-        );
-        let p =
-            parse(r#"{"inputs":[{"data":[true,false],"shape":[2],"datatype":"BOOL","name":"b"}]}"#)
-                .unwrap();
+        let p = parse(r#"{"inputs":[{"data":[[1,2],[3,4]],"name":"x","shape":[2,2],"datatype":"INT64"}]}"#).unwrap();
+        assert_eq!(&p.request.inputs[0].data[..], le(&[1i64, 2, 3, 4], i64::to_le_bytes).as_slice());
+        let p = parse(r#"{"inputs":[{"data":["a","bc"],"name":"s","shape":[2],"datatype":"BYTES"}]}"#).unwrap();
+        assert_eq!(&p.request.inputs[0].data[..], serialize_bytes_elements(["a", "bc"]).as_slice());
+        let p = parse(r#"{"inputs":[{"data":[true,false],"shape":[2],"datatype":"BOOL","name":"b"}]}"#).unwrap();
         assert_eq!(&p.request.inputs[0].data[..], &[1, 0]);
-        let p =
-            parse(r#"{"inputs":[{"data":[-1.5, 2],"shape":[2],"datatype":"FP32","name":"f"}]}"#)
-                .unwrap();
-        assert_eq!(
-            &p.request.inputs[0].data[..],
-            le(&[-1.5f32, 2.0], f32::to_le_bytes).as_slice()
-        );
-        let e = parse(r#"{"inputs":[{"data":[1, 300],"shape":[2],"datatype":"INT8","name":"i"}]}"#)
-            .unwrap_err();
-        assert!(
-            e.message.contains("inputs[0] ('i')") && e.message.contains("300 is out of range"),
-            "{}",
-            e.message
-        );
+        let p = parse(r#"{"inputs":[{"data":[-1.5, 2],"shape":[2],"datatype":"FP32","name":"f"}]}"#).unwrap();
+        assert_eq!(&p.request.inputs[0].data[..], le(&[-1.5f32, 2.0], f32::to_le_bytes).as_slice());
+        let e = parse(r#"{"inputs":[{"data":[1, 300],"shape":[2],"datatype":"INT8","name":"i"}]}"#).unwrap_err();
+        assert!(e.message.contains("inputs[0] ('i')") && e.message.contains("300 is out of range"), "{}", e.message);
     }
 
     #[test]
     fn wrong_json_types_name_the_input() {
         let cases = [
-            (
-                "FP32",
-                "[2]",
-                r#"[1,"x"]"#,
-                "expected a number for FP32, got a string",
-            ),
+            ("FP32", "[2]", r#"[1,"x"]"#, "expected a number for FP32, got a string"),
             ("INT8", "[1]", "[128]", "128 is out of range for INT8"),
             ("UINT8", "[1]", "[-1]", "-1 is out of range for UINT8"),
-            (
-                "INT32",
-                "[1]",
-                "[1.5]",
-                "expected an integer for INT32, got a number",
-            ),
+            ("INT32", "[1]", "[1.5]", "expected an integer for INT32, got a number"),
             ("BOOL", "[1]", "[1]", "expected a boolean for BOOL"),
             ("FP32", "[1]", "[null]", "got null"),
             ("FP32", "[1]", r#"[{"a":1}]"#, "JSON object"),
@@ -1483,45 +1281,25 @@ mod tests {
     fn element_count_mismatch() {
         let data = format!("[{}]", vec!["1"; 15].join(","));
         let e = one_input("INT32", "[1,16]", &data).unwrap_err();
-        assert_eq!(
-            e.message,
-            "inputs[0] ('x'): expected 16 elements for shape [1,16], got 15"
-        );
+        assert_eq!(e.message, "inputs[0] ('x'): expected 16 elements for shape [1,16], got 15");
         let e = one_input("FP32", "[2,2]", "[[1,2],[3,4],[5]]").unwrap_err();
-        assert!(
-            e.message
-                .contains("expected 4 elements for shape [2,2], got 5"),
-            "{}",
-            e.message
-        );
+        assert!(e.message.contains("expected 4 elements for shape [2,2], got 5"), "{}", e.message);
     }
 
     #[test]
     fn field_errors() {
         let e = parse(r#"{"inputs":[{"shape":[1],"datatype":"FP32","data":[1]}]}"#).unwrap_err();
         assert_eq!(e.message, "inputs[0]: missing 'name'");
-        let e = parse(r#"{"inputs":[{"name":"a","shape":[1],"datatype":"FLOAT","data":[1]}]}"#)
-            .unwrap_err();
+        let e = parse(r#"{"inputs":[{"name":"a","shape":[1],"datatype":"FLOAT","data":[1]}]}"#).unwrap_err();
         assert_eq!(e.message, "inputs[0] ('a'): unknown datatype 'FLOAT'");
         let e = parse(r#"{"inputs":[{"name":"a","datatype":"FP32","data":[1]}]}"#).unwrap_err();
         assert_eq!(e.message, "inputs[0] ('a'): missing 'shape'");
-        let e = parse(r#"{"inputs":[{"name":"a","shape":[1.5],"datatype":"FP32","data":[1]}]}"#)
-            .unwrap_err();
-        assert!(
-            e.message
-                .starts_with("inputs[0] ('a'): shape must be an array of integers"),
-            "{}",
-            e.message
-        );
-        let e = parse(r#"{"inputs":[{"name":"a","shape":[-1],"datatype":"FP32","data":[1]}]}"#)
-            .unwrap_err();
+        let e = parse(r#"{"inputs":[{"name":"a","shape":[1.5],"datatype":"FP32","data":[1]}]}"#).unwrap_err();
+        assert!(e.message.starts_with("inputs[0] ('a'): shape must be an array of integers"), "{}", e.message);
+        let e = parse(r#"{"inputs":[{"name":"a","shape":[-1],"datatype":"FP32","data":[1]}]}"#).unwrap_err();
         assert!(e.message.contains("negative"), "{}", e.message);
         let e = parse(r#"{"inputs":[{"name":"a","shape":[1],"datatype":"FP32"}]}"#).unwrap_err();
-        assert!(
-            e.message.contains("has neither 'data' nor"),
-            "{}",
-            e.message
-        );
+        assert!(e.message.contains("has neither 'data' nor"), "{}", e.message);
         let e = parse(r#"{"outputs":[]}"#).unwrap_err();
         assert!(e.message.contains("no 'inputs'"), "{}", e.message);
         let e = parse(r#"{"inputs":[],"parameters":{"priority":-1}}"#).unwrap_err();
@@ -1537,17 +1315,11 @@ mod tests {
 
     #[test]
     fn classification_is_rejected_naming_the_output() {
-        let e =
-            parse(r#"{"inputs":[],"outputs":[{"name":"OUT0","parameters":{"classification":3}}]}"#)
-                .unwrap_err();
+        let e = parse(r#"{"inputs":[],"outputs":[{"name":"OUT0","parameters":{"classification":3}}]}"#).unwrap_err();
         assert_eq!(e.code, Code::InvalidArgument);
-        assert_eq!(
-            e.message,
-            "outputs[0] ('OUT0'): classification is not supported"
-        );
+        assert_eq!(e.message, "outputs[0] ('OUT0'): classification is not supported");
         // classification 0 means "not requested".
-        parse(r#"{"inputs":[],"outputs":[{"name":"OUT0","parameters":{"classification":0}}]}"#)
-            .unwrap();
+        parse(r#"{"inputs":[],"outputs":[{"name":"OUT0","parameters":{"classification":0}}]}"#).unwrap();
     }
 
     #[test]
@@ -1557,8 +1329,7 @@ mod tests {
         assert!(e.message.contains("line 2 column"), "{}", e.message);
         let e = parse(r#"{"inputs":[]} trailing"#).unwrap_err();
         assert!(e.message.contains("line 1 column"), "{}", e.message);
-        let e = parse(r#"{"inputs":[{"name":"a","shape":[1],"datatype":"FP32","data":[1,]}]}"#)
-            .unwrap_err();
+        let e = parse(r#"{"inputs":[{"name":"a","shape":[1],"datatype":"FP32","data":[1,]}]}"#).unwrap_err();
         assert!(e.message.contains("column"), "{}", e.message);
     }
 
@@ -1566,47 +1337,21 @@ mod tests {
     fn overflowing_shape_is_rejected_before_allocating() {
         // The data would be skipped, never stored; the shape check names the problem.
         let e = one_input("FP32", "[9223372036854775807, 2]", "[1,2]").unwrap_err();
-        assert_eq!(
-            e.message,
-            "inputs[0] ('x'): shape [9223372036854775807,2] of FP32 overflows the byte size"
-        );
-        let e = one_input(
-            "FP32",
-            "[9223372036854775807, 9223372036854775807]",
-            "[1,2]",
-        )
-        .unwrap_err();
-        assert!(
-            e.message.contains("overflows the element count"),
-            "{}",
-            e.message
-        );
+        assert_eq!(e.message, "inputs[0] ('x'): shape [9223372036854775807,2] of FP32 overflows the byte size");
+        let e = one_input("FP32", "[9223372036854775807, 9223372036854775807]", "[1,2]").unwrap_err();
+        assert!(e.message.contains("overflows the element count"), "{}", e.message);
         let e = one_input("INT8", "[9223372036854775807, 2]", "[1,2]").unwrap_err();
-        assert!(
-            e.message
-                .contains("needs 18446744073709551614 bytes, more than the request limit"),
-            "{}",
-            e.message
-        );
+        assert!(e.message.contains("needs 18446744073709551614 bytes, more than the request limit"), "{}", e.message);
         let e = one_input("BYTES", "[9223372036854775807, 2]", r#"["a"]"#).unwrap_err();
-        assert!(
-            e.message.contains("more than the request limit"),
-            "{}",
-            e.message
-        );
+        assert!(e.message.contains("more than the request limit"), "{}", e.message);
         // Fits u64 but not the limit.
         let e = one_input("FP64", "[1099511627776]", "[1]").unwrap_err();
-        assert!(
-            e.message.contains("more than the request limit"),
-            "{}",
-            e.message
-        );
+        assert!(e.message.contains("more than the request limit"), "{}", e.message);
         // The binary path, with a binary_data_size that could never be honoured.
         let json = r#"{"inputs":[{"name":"x","shape":[9223372036854775807,2],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#;
         let mut body = json.as_bytes().to_vec();
         body.extend_from_slice(&[0; 8]);
-        let e =
-            parse_infer_request("m", None, Bytes::from(body), Some(json.len()), MAX).unwrap_err();
+        let e = parse_infer_request("m", None, Bytes::from(body), Some(json.len()), MAX).unwrap_err();
         assert!(e.message.contains("overflows"), "{}", e.message);
     }
 
@@ -1614,8 +1359,7 @@ mod tests {
     fn json_data_larger_than_the_limit_is_cut_off() {
         // Shape unknown when data is read: the running size check stops it.
         let json = r#"{"inputs":[{"name":"x","data":[1,2,3,4,5,6,7,8,9],"datatype":"INT64","shape":[9]}]}"#;
-        let e = parse_infer_request("m", None, Bytes::from_static(json.as_bytes()), None, 32)
-            .unwrap_err();
+        let e = parse_infer_request("m", None, Bytes::from_static(json.as_bytes()), None, 32).unwrap_err();
         assert!(e.message.contains("limit"), "{}", e.message);
     }
 
@@ -1657,22 +1401,12 @@ mod tests {
         let json = r#"{"inputs":[{"name":"A","shape":[2],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#;
         // Header length larger than the body.
         let (body, n) = binary_body(json, &[0; 8]);
-        let e =
-            parse_infer_request("m", None, body.clone(), Some(body.len() + 1), MAX).unwrap_err();
-        assert!(
-            e.message.contains("Inference-Header-Content-Length"),
-            "{}",
-            e.message
-        );
+        let e = parse_infer_request("m", None, body.clone(), Some(body.len() + 1), MAX).unwrap_err();
+        assert!(e.message.contains("Inference-Header-Content-Length"), "{}", e.message);
         // Too few bytes in the binary section.
         let (body, _) = binary_body(json, &[0; 4]);
         let e = parse_infer_request("m", None, body, Some(n), MAX).unwrap_err();
-        assert!(
-            e.message
-                .starts_with("inputs[0] ('A'): binary_data_size is 8 but only 4 bytes"),
-            "{}",
-            e.message
-        );
+        assert!(e.message.starts_with("inputs[0] ('A'): binary_data_size is 8 but only 4 bytes"), "{}", e.message);
         // Extra bytes after the last binary input.
         let (body, _) = binary_body(json, &[0; 12]);
         let e = parse_infer_request("m", None, body, Some(n), MAX).unwrap_err();
@@ -1685,18 +1419,14 @@ mod tests {
         let bad = r#"{"inputs":[{"name":"A","shape":[3],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#;
         let (body, n2) = binary_body(bad, &[0; 8]);
         let e = parse_infer_request("m", None, body, Some(n2), MAX).unwrap_err();
-        assert_eq!(
-            e.message,
-            "inputs[0] ('A'): binary_data_size is 8 but shape [3] of FP32 needs 12 bytes"
-        );
+        assert_eq!(e.message, "inputs[0] ('A'): binary_data_size is 8 but shape [3] of FP32 needs 12 bytes");
         // Both data and binary_data_size.
         let both = r#"{"inputs":[{"name":"A","shape":[2],"datatype":"FP32","data":[1,2],"parameters":{"binary_data_size":8}}]}"#;
         let (body, n3) = binary_body(both, &[0; 8]);
         let e = parse_infer_request("m", None, body, Some(n3), MAX).unwrap_err();
         assert!(e.message.contains("both"), "{}", e.message);
         // binary_data_size without the header: the binary section is empty.
-        let e = parse_infer_request("m", None, Bytes::from_static(json.as_bytes()), None, MAX)
-            .unwrap_err();
+        let e = parse_infer_request("m", None, Bytes::from_static(json.as_bytes()), None, MAX).unwrap_err();
         assert!(e.message.contains("only 0 bytes"), "{}", e.message);
         // BYTES element count not matching the shape.
         let s = serialize_bytes_elements(["a"]);
@@ -1706,20 +1436,11 @@ mod tests {
         );
         let (body, n4) = binary_body(&bj, &s);
         let e = parse_infer_request("m", None, body, Some(n4), MAX).unwrap_err();
-        assert!(
-            e.message.contains("expected 2 BYTES elements"),
-            "{}",
-            e.message
-        );
+        assert!(e.message.contains("expected 2 BYTES elements"), "{}", e.message);
     }
 
     fn output(name: &str, datatype: DataType, shape: Vec<i64>, data: Vec<u8>) -> OutputTensor {
-        OutputTensor {
-            name: name.into(),
-            datatype,
-            shape,
-            data: Bytes::from(data),
-        }
+        OutputTensor { name: name.into(), datatype, shape, data: Bytes::from(data) }
     }
 
     fn sample_response() -> InferResponse {
@@ -1728,31 +1449,11 @@ mod tests {
             model_version: 1,
             id: "req-7".into(),
             outputs: vec![
-                output(
-                    "F",
-                    DataType::Fp32,
-                    vec![1, 2],
-                    le(&[1.5f32, -2.0], f32::to_le_bytes),
-                ),
+                output("F", DataType::Fp32, vec![1, 2], le(&[1.5f32, -2.0], f32::to_le_bytes)),
                 output("B", DataType::Bool, vec![2], vec![1, 0]),
-                output(
-                    "S",
-                    DataType::Bytes,
-                    vec![2],
-                    serialize_bytes_elements(["hi", "yo"]),
-                ),
-                output(
-                    "H",
-                    DataType::Fp16,
-                    vec![1],
-                    half::f16::from_f32(0.5).to_le_bytes().to_vec(),
-                ),
-                output(
-                    "I",
-                    DataType::Int64,
-                    vec![1],
-                    (-3i64).to_le_bytes().to_vec(),
-                ),
+                output("S", DataType::Bytes, vec![2], serialize_bytes_elements(["hi", "yo"])),
+                output("H", DataType::Fp16, vec![1], half::f16::from_f32(0.5).to_le_bytes().to_vec()),
+                output("I", DataType::Int64, vec![1], (-3i64).to_le_bytes().to_vec()),
             ],
         }
     }
@@ -1787,10 +1488,7 @@ mod tests {
     #[test]
     fn renders_binary_response() {
         let resp = sample_response();
-        let format = OutputFormat {
-            binary_default: false,
-            explicit: vec![("F".into(), true), ("S".into(), true)],
-        };
+        let format = OutputFormat { binary_default: false, explicit: vec![("F".into(), true), ("S".into(), true)] };
         let r = render_infer_response(&resp, &format).unwrap();
         assert_eq!(r.header_length(), Some(r.json.len()));
         let v: Value = serde_json::from_slice(&r.json).unwrap();
@@ -1798,10 +1496,7 @@ mod tests {
         assert_eq!(outs[0]["parameters"]["binary_data_size"], 8);
         assert!(outs[0].get("data").is_none());
         assert_eq!(outs[1]["data"], serde_json::json!([true, false]));
-        assert_eq!(
-            outs[2]["parameters"]["binary_data_size"],
-            resp.outputs[2].data.len()
-        );
+        assert_eq!(outs[2]["parameters"]["binary_data_size"], resp.outputs[2].data.len());
         let binary: Vec<u8> = r.binary.iter().flat_map(|b| b.iter().copied()).collect();
         let mut want = resp.outputs[0].data.to_vec();
         want.extend_from_slice(&resp.outputs[2].data);
@@ -1811,20 +1506,12 @@ mod tests {
         assert_eq!(r.binary[0].as_ptr(), resp.outputs[0].data.as_ptr());
 
         // binary_data_output: every output binary unless it says otherwise.
-        let format = OutputFormat {
-            binary_default: true,
-            explicit: vec![("B".into(), false)],
-        };
+        let format = OutputFormat { binary_default: true, explicit: vec![("B".into(), false)] };
         let r = render_infer_response(&resp, &format).unwrap();
         let v: Value = serde_json::from_slice(&r.json).unwrap();
         let outs = v["outputs"].as_array().unwrap();
         assert!(outs[1].get("data").is_some());
-        assert_eq!(
-            outs.iter()
-                .filter(|o| o.get("parameters").is_some())
-                .count(),
-            4
-        );
+        assert_eq!(outs.iter().filter(|o| o.get("parameters").is_some()).count(), 4);
         assert_eq!(r.binary.len(), 4);
     }
 
@@ -1852,24 +1539,9 @@ mod tests {
             outputs: vec![
                 output("F32", DataType::Fp32, vec![5], le(&f32s, f32::to_le_bytes)),
                 output("F64", DataType::Fp64, vec![5], le(&f64s, f64::to_le_bytes)),
-                output(
-                    "F16",
-                    DataType::Fp16,
-                    vec![5],
-                    le(&f32s.map(half::f16::from_f32), half::f16::to_le_bytes),
-                ),
-                output(
-                    "BF16",
-                    DataType::Bf16,
-                    vec![5],
-                    le(&f32s.map(half::bf16::from_f32), half::bf16::to_le_bytes),
-                ),
-                output(
-                    "S",
-                    DataType::Bytes,
-                    vec![1],
-                    serialize_bytes_elements(["NaN"]),
-                ),
+                output("F16", DataType::Fp16, vec![5], le(&f32s.map(half::f16::from_f32), half::f16::to_le_bytes)),
+                output("BF16", DataType::Bf16, vec![5], le(&f32s.map(half::bf16::from_f32), half::bf16::to_le_bytes)),
+                output("S", DataType::Bytes, vec![1], serialize_bytes_elements(["NaN"])),
             ],
         }
     }
@@ -1878,12 +1550,7 @@ mod tests {
     fn renders_non_finite_floats_as_bare_tokens() {
         let r = render_infer_response(&non_finite_response(), &OutputFormat::default()).unwrap();
         let text = std::str::from_utf8(&r.json).unwrap();
-        assert_eq!(
-            text.matches(r#""data":[NaN,Infinity,-Infinity,1.0,-0.5]"#)
-                .count(),
-            4,
-            "{text}"
-        );
+        assert_eq!(text.matches(r#""data":[NaN,Infinity,-Infinity,1.0,-0.5]"#).count(), 4, "{text}");
         assert!(text.contains(r#""data":["NaN"]"#), "{text}");
         // Finite floats and other numbers are unchanged.
         let r = render_infer_response(&sample_response(), &OutputFormat::default()).unwrap();
@@ -1893,30 +1560,19 @@ mod tests {
 
     fn assert_same_floats(got: &[u8], want: &[f64], dtype: DataType) {
         let got: Vec<f64> = match dtype {
-            DataType::Fp32 => got
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-                .collect(),
-            DataType::Fp64 => got
-                .chunks_exact(8)
-                .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-                .collect(),
-            DataType::Fp16 => got
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f64())
-                .collect(),
-            DataType::Bf16 => got
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f64())
-                .collect(),
+            DataType::Fp32 => got.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64).collect(),
+            DataType::Fp64 => got.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect(),
+            DataType::Fp16 => {
+                got.chunks_exact(2).map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f64()).collect()
+            }
+            DataType::Bf16 => {
+                got.chunks_exact(2).map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f64()).collect()
+            }
             _ => unreachable!(),
         };
         assert_eq!(got.len(), want.len());
         for (g, w) in got.iter().zip(want) {
-            assert!(
-                (g.is_nan() && w.is_nan()) || g == w,
-                "{dtype}: {got:?} != {want:?}"
-            );
+            assert!((g.is_nan() && w.is_nan()) || g == w, "{dtype}: {got:?} != {want:?}");
         }
     }
 
@@ -1925,10 +1581,7 @@ mod tests {
         let want = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 2.0];
         for dtype in ["FP32", "FP64", "FP16", "BF16"] {
             // Flat, nested, and with whitespace as Python's json.dumps writes it.
-            for data in [
-                "[NaN, Infinity, -Infinity, 2.0]",
-                "[[NaN,Infinity],[-Infinity,2]]",
-            ] {
+            for data in ["[NaN, Infinity, -Infinity, 2.0]", "[[NaN,Infinity],[-Infinity,2]]"] {
                 let t = one_input(dtype, "[2,2]", data).unwrap();
                 let dt = DataType::from_wire_name(dtype).unwrap();
                 assert_same_floats(&t.data, &want, dt);
@@ -1947,15 +1600,8 @@ mod tests {
             {"name":"f","datatype":"FP32","shape":[2],"data":[NaN,-Infinity]}]}"#;
         let p = parse(json).unwrap();
         assert_eq!(p.request.id, "NaN \"Infinity\\");
-        assert_eq!(
-            &p.request.inputs[0].data[..],
-            &serialize_bytes_elements(["NaN", "a\"-Infinity\\", "\\"])[..]
-        );
-        assert_same_floats(
-            &p.request.inputs[1].data,
-            &[f64::NAN, f64::NEG_INFINITY],
-            DataType::Fp32,
-        );
+        assert_eq!(&p.request.inputs[0].data[..], &serialize_bytes_elements(["NaN", "a\"-Infinity\\", "\\"])[..]);
+        assert_same_floats(&p.request.inputs[1].data, &[f64::NAN, f64::NEG_INFINITY], DataType::Fp32);
         // Bare tokens in a BYTES tensor are not strings.
         let e = one_input("BYTES", "[1]", "[NaN]").unwrap_err();
         assert!(e.message.starts_with("inputs[0] ('x'): "), "{}", e.message);
@@ -1968,46 +1614,29 @@ mod tests {
             if o.datatype == DataType::Bytes {
                 assert_eq!(i.data, o.data);
             } else {
-                assert_same_floats(
-                    &i.data,
-                    &[f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1.0, -0.5],
-                    o.datatype,
-                );
+                assert_same_floats(&i.data, &[f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1.0, -0.5], o.datatype);
             }
         }
     }
 
     #[test]
     fn non_finite_tokens_in_integer_data_name_the_input() {
-        for (data, token) in [
-            ("[1, NaN]", "NaN"),
-            ("[Infinity, 1]", "Infinity"),
-            ("[-Infinity, 1]", "-Infinity"),
-        ] {
+        for (data, token) in [("[1, NaN]", "NaN"), ("[Infinity, 1]", "Infinity"), ("[-Infinity, 1]", "-Infinity")] {
             let e = parse(&format!(
                 r#"{{"inputs":[{{"name":"f","datatype":"FP32","shape":[1],"data":[NaN]}},
                     {{"name":"IDX","datatype":"INT32","shape":[2],"data":{data}}}]}}"#
             ))
             .unwrap_err();
             assert_eq!(e.code, Code::InvalidArgument);
-            assert!(
-                e.message.starts_with("inputs[1] ('IDX'): data element"),
-                "{}",
-                e.message
-            );
+            assert!(e.message.starts_with("inputs[1] ('IDX'): data element"), "{}", e.message);
             assert!(e.message.contains("INT32"), "{}", e.message);
             assert!(e.message.contains(&format!("({token})")), "{}", e.message);
         }
         let e = one_input("BOOL", "[1]", "[NaN]").unwrap_err();
         assert!(e.message.starts_with("inputs[0] ('x')"), "{}", e.message);
         // Still malformed JSON: the error says where.
-        let e = parse(r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[NaN,]}]}"#)
-            .unwrap_err();
-        assert!(
-            e.message.contains("malformed inference request JSON"),
-            "{}",
-            e.message
-        );
+        let e = parse(r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[NaN,]}]}"#).unwrap_err();
+        assert!(e.message.contains("malformed inference request JSON"), "{}", e.message);
         // Other non-standard tokens are not accepted.
         let e = one_input("FP32", "[1]", "[nan]").unwrap_err();
         assert!(e.message.contains("malformed"), "{}", e.message);

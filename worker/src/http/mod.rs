@@ -32,12 +32,11 @@ use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
 
 pub use self::infer::{
-    HEADER_CONTENT_LENGTH, OutputFormat, ParsedInfer, RenderedResponse, fmt_shape,
-    parse_infer_request, render_infer_response,
+    HEADER_CONTENT_LENGTH, OutputFormat, ParsedInfer, RenderedResponse, fmt_shape, parse_infer_request,
+    render_infer_response,
 };
 use crate::server::{
-    self, EXTENSIONS, IndexEntry, ModelMetadata, ModelStats, SERVER_NAME, SERVER_VERSION, Server,
-    parse_version,
+    self, EXTENSIONS, IndexEntry, ModelMetadata, ModelStats, SERVER_NAME, SERVER_VERSION, Server, parse_version,
 };
 
 /// JSON parts (request or response) larger than this are parsed / rendered on the blocking
@@ -55,20 +54,11 @@ pub fn router(server: Server) -> Router {
         .route("/v2/models/{model}", get(model_metadata))
         .route("/v2/models/{model}/versions/{version}", get(model_metadata))
         .route("/v2/models/{model}/ready", get(model_ready))
-        .route(
-            "/v2/models/{model}/versions/{version}/ready",
-            get(model_ready),
-        )
+        .route("/v2/models/{model}/versions/{version}/ready", get(model_ready))
         .route("/v2/models/{model}/config", get(model_config))
-        .route(
-            "/v2/models/{model}/versions/{version}/config",
-            get(model_config),
-        )
+        .route("/v2/models/{model}/versions/{version}/config", get(model_config))
         .route("/v2/models/{model}/stats", get(model_stats))
-        .route(
-            "/v2/models/{model}/versions/{version}/stats",
-            get(model_stats),
-        )
+        .route("/v2/models/{model}/versions/{version}/stats", get(model_stats))
         .route("/v2/models/{model}/infer", post(infer))
         .route("/v2/models/{model}/versions/{version}/infer", post(infer))
         .route("/v2/repository/index", post(repository_index))
@@ -103,9 +93,7 @@ pub async fn serve(
             tracing::debug!("set_nodelay failed: {e}");
         }
     });
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
+    axum::serve(listener, router).with_graceful_shutdown(shutdown.cancelled_owned()).await
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -134,30 +122,16 @@ fn error_response(code: StatusCode, status: &Status) -> Response {
     } else {
         tracing::debug!(status = code.as_u16(), "{}", status.message);
     }
-    (
-        code,
-        [(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        )],
-        status.json_body(),
-    )
-        .into_response()
+    (code, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], status.json_body()).into_response()
 }
 
 async fn not_found(uri: Uri) -> ApiError {
-    ApiError(Status::not_found(format!(
-        "no endpoint at '{}'",
-        uri.path()
-    )))
+    ApiError(Status::not_found(format!("no endpoint at '{}'", uri.path())))
 }
 
 /// 405 (no [`nereid_common::Code`] maps to it), still with the JSON error body.
 async fn method_not_allowed(method: Method, uri: Uri) -> Response {
-    let status = Status::invalid(format!(
-        "method {method} is not allowed for '{}'",
-        uri.path()
-    ));
+    let status = Status::invalid(format!("method {method} is not allowed for '{}'", uri.path()));
     error_response(StatusCode::METHOD_NOT_ALLOWED, &status)
 }
 
@@ -288,33 +262,25 @@ async fn read_body(headers: &HeaderMap, body: Body, max: usize) -> Result<Bytes,
     let raw = read_raw_body(headers, body, max).await?;
     match coding {
         Some(coding) if !raw.is_empty() => {
-            maybe_offload(raw.len() > OFFLOAD_INFLATE_BYTES, move || {
-                inflate(coding, &raw, max).map(Bytes::from)
-            })
-            .await
+            maybe_offload(raw.len() > OFFLOAD_INFLATE_BYTES, move || inflate(coding, &raw, max).map(Bytes::from)).await
         }
         _ => Ok(raw),
     }
 }
 
 async fn read_raw_body(headers: &HeaderMap, mut body: Body, max: usize) -> Result<Bytes, Status> {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<u64>().ok());
     if let Some(n) = declared
         && n > max as u64
     {
-        return Err(Status::invalid(format!(
-            "request body of {n} bytes exceeds the limit of {max} bytes"
-        )));
+        return Err(Status::invalid(format!("request body of {n} bytes exceeds the limit of {max} bytes")));
     }
 
     let mut first: Option<Bytes> = None;
     let mut buf = BytesMut::new();
     while let Some(frame) = body.frame().await {
-        let frame =
-            frame.map_err(|e| Status::invalid(format!("failed to read the request body: {e}")))?;
+        let frame = frame.map_err(|e| Status::invalid(format!("failed to read the request body: {e}")))?;
         let Ok(data) = frame.into_data() else {
             continue;
         };
@@ -323,9 +289,7 @@ async fn read_raw_body(headers: &HeaderMap, mut body: Body, max: usize) -> Resul
         }
         let received = first.as_ref().map_or(0, Bytes::len) + buf.len() + data.len();
         if received > max {
-            return Err(Status::invalid(format!(
-                "request body exceeds the limit of {max} bytes"
-            )));
+            return Err(Status::invalid(format!("request body exceeds the limit of {max} bytes")));
         }
         match first.take() {
             None if buf.is_empty() => first = Some(data),
@@ -347,9 +311,7 @@ fn inflate(coding: Coding, data: &[u8], max: usize) -> Result<Vec<u8>, Status> {
     use flate2::bufread::{DeflateDecoder, MultiGzDecoder, ZlibDecoder};
     let result = match coding {
         Coding::Gzip => read_bounded(MultiGzDecoder::new(data), data.len(), max),
-        Coding::Deflate if has_zlib_header(data) => {
-            read_bounded(ZlibDecoder::new(data), data.len(), max)
-        }
+        Coding::Deflate if has_zlib_header(data) => read_bounded(ZlibDecoder::new(data), data.len(), max),
         Coding::Deflate => read_bounded(DeflateDecoder::new(data), data.len(), max),
     };
     match result {
@@ -358,10 +320,7 @@ fn inflate(coding: Coding, data: &[u8], max: usize) -> Result<Vec<u8>, Status> {
             "decompressed ({}) request body exceeds the limit of {max} bytes",
             coding.name()
         ))),
-        Err(e) => Err(Status::invalid(format!(
-            "failed to decompress the {} request body: {e}",
-            coding.name()
-        ))),
+        Err(e) => Err(Status::invalid(format!("failed to decompress the {} request body: {e}", coding.name()))),
     }
 }
 
@@ -369,22 +328,14 @@ fn inflate(coding: Coding, data: &[u8], max: usize) -> Result<Vec<u8>, Status> {
 /// 32 KiB, and a header checksum that holds.
 fn has_zlib_header(data: &[u8]) -> bool {
     match data {
-        [cmf, flg, ..] => {
-            cmf & 0x0f == 8
-                && cmf >> 4 <= 7
-                && ((*cmf as u16) << 8 | *flg as u16).is_multiple_of(31)
-        }
+        [cmf, flg, ..] => cmf & 0x0f == 8 && cmf >> 4 <= 7 && ((*cmf as u16) << 8 | *flg as u16).is_multiple_of(31),
         _ => false,
     }
 }
 
 /// Reads `reader` to its end into a buffer that never grows past `max + 1` bytes; `None` when
 /// there are more than `max` bytes (reading stops there).
-fn read_bounded(
-    mut reader: impl std::io::Read,
-    compressed_len: usize,
-    max: usize,
-) -> std::io::Result<Option<Vec<u8>>> {
+fn read_bounded(mut reader: impl std::io::Read, compressed_len: usize, max: usize) -> std::io::Result<Option<Vec<u8>>> {
     let cap = max.saturating_add(1);
     let mut buf = vec![0u8; compressed_len.saturating_mul(4).max(16 << 10).min(cap)];
     let mut filled = 0;
@@ -445,15 +396,9 @@ fn inference_header_length(headers: &HeaderMap) -> Result<Option<usize>, Status>
     let Some(v) = headers.get(HEADER_CONTENT_LENGTH) else {
         return Ok(None);
     };
-    v.to_str()
-        .ok()
-        .and_then(|s| s.trim().parse::<usize>().ok())
-        .map(Some)
-        .ok_or_else(|| {
-            Status::invalid(format!(
-                "Inference-Header-Content-Length must be a non-negative integer, got {v:?}"
-            ))
-        })
+    v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok()).map(Some).ok_or_else(|| {
+        Status::invalid(format!("Inference-Header-Content-Length must be a non-negative integer, got {v:?}"))
+    })
 }
 
 /// Runs `f` on the blocking pool when `heavy`, inline otherwise.
@@ -475,11 +420,7 @@ async fn maybe_offload<T: Send + 'static>(
 // ---------------------------------------------------------------------------------------------
 
 fn ok_or_400(ok: bool) -> StatusCode {
-    if ok {
-        StatusCode::OK
-    } else {
-        StatusCode::BAD_REQUEST
-    }
+    if ok { StatusCode::OK } else { StatusCode::BAD_REQUEST }
 }
 
 async fn server_metadata() -> Json<Value> {
@@ -498,31 +439,16 @@ async fn model_ready(State(server): State<Server>, model: ModelRef) -> StatusCod
     ok_or_400(server.model_ready(&model.name, model.version))
 }
 
-async fn model_metadata(
-    State(server): State<Server>,
-    model: ModelRef,
-) -> Result<Json<Value>, ApiError> {
-    Ok(Json(model_metadata_json(
-        &server.model_metadata(&model.name, model.version)?,
-    )))
+async fn model_metadata(State(server): State<Server>, model: ModelRef) -> Result<Json<Value>, ApiError> {
+    Ok(Json(model_metadata_json(&server.model_metadata(&model.name, model.version)?)))
 }
 
-async fn model_config(
-    State(server): State<Server>,
-    model: ModelRef,
-) -> Result<Json<Value>, ApiError> {
-    Ok(Json(config_to_json(
-        &server.model_config(&model.name, model.version)?,
-    )))
+async fn model_config(State(server): State<Server>, model: ModelRef) -> Result<Json<Value>, ApiError> {
+    Ok(Json(config_to_json(&server.model_config(&model.name, model.version)?)))
 }
 
-async fn model_stats(
-    State(server): State<Server>,
-    model: ModelRef,
-) -> Result<Json<Value>, ApiError> {
-    Ok(Json(stats_json(
-        &server.model_statistics(Some(&model.name), model.version)?,
-    )))
+async fn model_stats(State(server): State<Server>, model: ModelRef) -> Result<Json<Value>, ApiError> {
+    Ok(Json(stats_json(&server.model_statistics(Some(&model.name), model.version)?)))
 }
 
 async fn all_model_stats(State(server): State<Server>) -> Result<Json<Value>, ApiError> {
@@ -552,16 +478,9 @@ async fn infer(
     // takes the request out of its queue.
     let response = server.infer(request).await?;
 
-    let json_bytes: usize = response
-        .outputs
-        .iter()
-        .filter(|o| !format.is_binary(&o.name))
-        .map(|o| o.data.len())
-        .sum();
-    let rendered = maybe_offload(json_bytes > OFFLOAD_JSON_BYTES / 4, move || {
-        render_infer_response(&response, &format)
-    })
-    .await?;
+    let json_bytes: usize = response.outputs.iter().filter(|o| !format.is_binary(&o.name)).map(|o| o.data.len()).sum();
+    let rendered =
+        maybe_offload(json_bytes > OFFLOAD_JSON_BYTES / 4, move || render_infer_response(&response, &format)).await?;
     match accept {
         Some(coding) if rendered.total_len() > COMPRESS_MIN_BYTES => {
             let heavy = rendered.total_len() > OFFLOAD_JSON_BYTES;
@@ -574,30 +493,19 @@ async fn infer(
 /// [`infer_response`] compressed as one `coding` stream (`Content-Encoding`);
 /// `Inference-Header-Content-Length` still gives the JSON part's length in the inflated body,
 /// as tritonserver sends it and tritonclient reads it.
-fn compressed_infer_response(
-    rendered: RenderedResponse,
-    coding: Coding,
-) -> Result<Response, Status> {
+fn compressed_infer_response(rendered: RenderedResponse, coding: Coding) -> Result<Response, Status> {
     let header_length = rendered.header_length();
     let total = rendered.total_len();
-    let parts =
-        std::iter::once(rendered.json.as_slice()).chain(rendered.binary.iter().map(|b| &b[..]));
+    let parts = std::iter::once(rendered.json.as_slice()).chain(rendered.binary.iter().map(|b| &b[..]));
     let body = deflate_parts(coding, parts, total)
         .map_err(|e| Status::internal(format!("failed to compress the inference response: {e}")))?;
     let mut response = Response::new(Body::from(body));
     let h = response.headers_mut();
     h.insert(
         header::CONTENT_TYPE,
-        HeaderValue::from_static(if header_length.is_some() {
-            "application/octet-stream"
-        } else {
-            "application/json"
-        }),
+        HeaderValue::from_static(if header_length.is_some() { "application/octet-stream" } else { "application/json" }),
     );
-    h.insert(
-        header::CONTENT_ENCODING,
-        HeaderValue::from_static(coding.name()),
-    );
+    h.insert(header::CONTENT_ENCODING, HeaderValue::from_static(coding.name()));
     h.insert(header::VARY, HeaderValue::from_static("accept-encoding"));
     if let Some(n) = header_length {
         h.insert(HEADER_CONTENT_LENGTH, HeaderValue::from(n));
@@ -609,24 +517,14 @@ fn compressed_infer_response(
 /// `Inference-Header-Content-Length`; binary outputs are sent from their own buffers.
 pub fn infer_response(rendered: RenderedResponse) -> Response {
     let Some(header_length) = rendered.header_length() else {
-        return (
-            [(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            )],
-            rendered.json,
-        )
-            .into_response();
+        return ([(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], rendered.json).into_response();
     };
     let mut chunks = VecDeque::with_capacity(1 + rendered.binary.len());
     chunks.push_back(Bytes::from(rendered.json));
     chunks.extend(rendered.binary);
     let mut response = Response::new(Body::new(ChunkedBody::new(chunks)));
     let h = response.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/octet-stream"),
-    );
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
     h.insert(HEADER_CONTENT_LENGTH, HeaderValue::from(header_length));
     response
 }
@@ -667,10 +565,7 @@ async fn unload_model(
 
 async fn metrics(State(server): State<Server>) -> Response {
     (
-        [(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-        )],
+        [(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"))],
         server.metrics_text(),
     )
         .into_response()
@@ -688,9 +583,7 @@ pub fn server_metadata_json() -> Value {
 /// `GET /v2/models/{m}[/versions/{v}]`.
 pub fn model_metadata_json(m: &ModelMetadata) -> Value {
     let tensors = |ts: &[server::TensorMetadata]| -> Value {
-        ts.iter()
-            .map(|t| json!({ "name": t.name, "datatype": t.datatype, "shape": t.shape }))
-            .collect()
+        ts.iter().map(|t| json!({ "name": t.name, "datatype": t.datatype, "shape": t.shape })).collect()
     };
     json!({
         "name": m.name,
@@ -777,16 +670,11 @@ fn parse_optional_object(body: &[u8], what: &str) -> Result<Option<Map<String, V
     }
 }
 
-fn parameters_of<'a>(
-    obj: &'a Map<String, Value>,
-    what: &str,
-) -> Result<Option<&'a Map<String, Value>>, Status> {
+fn parameters_of<'a>(obj: &'a Map<String, Value>, what: &str) -> Result<Option<&'a Map<String, Value>>, Status> {
     match obj.get("parameters") {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Object(p)) => Ok(Some(p)),
-        Some(other) => Err(Status::invalid(format!(
-            "{what}: 'parameters' must be an object, got {other}"
-        ))),
+        Some(other) => Err(Status::invalid(format!("{what}: 'parameters' must be an object, got {other}"))),
     }
 }
 
@@ -798,9 +686,9 @@ pub fn parse_index_request(body: &[u8]) -> Result<bool, Status> {
     match obj.get("ready") {
         None | Some(Value::Null) => Ok(false),
         Some(Value::Bool(b)) => Ok(*b),
-        Some(other) => Err(Status::invalid(format!(
-            "repository index request: 'ready' must be a boolean, got {other}"
-        ))),
+        Some(other) => {
+            Err(Status::invalid(format!("repository index request: 'ready' must be a boolean, got {other}")))
+        }
     }
 }
 
@@ -862,10 +750,7 @@ impl hyper::body::Body for ChunkedBody {
     type Data = Bytes;
     type Error = Infallible;
 
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    fn poll_frame(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         match self.chunks.pop_front() {
             Some(chunk) => {
                 self.remaining -= chunk.len() as u64;
@@ -897,12 +782,7 @@ mod tests {
         assert_eq!(v["name"], SERVER_NAME);
         assert_eq!(v["version"], SERVER_VERSION);
         assert_eq!(v["extensions"].as_array().unwrap().len(), EXTENSIONS.len());
-        assert!(
-            v["extensions"]
-                .as_array()
-                .unwrap()
-                .contains(&json!("binary_tensor_data"))
-        );
+        assert!(v["extensions"].as_array().unwrap().contains(&json!("binary_tensor_data")));
     }
 
     #[test]
@@ -911,16 +791,8 @@ mod tests {
             name: "simple".into(),
             versions: vec!["1".into(), "2".into()],
             platform: "onnxruntime_onnx".into(),
-            inputs: vec![TensorMetadata {
-                name: "INPUT0".into(),
-                datatype: "FP32".into(),
-                shape: vec![-1, 16],
-            }],
-            outputs: vec![TensorMetadata {
-                name: "OUTPUT0".into(),
-                datatype: "FP32".into(),
-                shape: vec![-1, 16],
-            }],
+            inputs: vec![TensorMetadata { name: "INPUT0".into(), datatype: "FP32".into(), shape: vec![-1, 16] }],
+            outputs: vec![TensorMetadata { name: "OUTPUT0".into(), datatype: "FP32".into(), shape: vec![-1, 16] }],
         };
         assert_eq!(
             model_metadata_json(&m),
@@ -961,23 +833,11 @@ mod tests {
         assert_eq!(m["last_inference"], 1700);
         assert_eq!(m["inference_count"], 10);
         assert_eq!(m["execution_count"], 4);
-        assert_eq!(
-            m["inference_stats"]["success"],
-            json!({"count": 10, "ns": 1000})
-        );
+        assert_eq!(m["inference_stats"]["success"], json!({"count": 10, "ns": 1000}));
         assert_eq!(m["inference_stats"]["fail"], json!({"count": 1, "ns": 5}));
-        assert_eq!(
-            m["inference_stats"]["compute_infer"],
-            json!({"count": 4, "ns": 800})
-        );
-        assert_eq!(
-            m["inference_stats"]["cache_hit"],
-            json!({"count": 0, "ns": 0})
-        );
-        assert_eq!(
-            m["inference_stats"]["cache_miss"],
-            json!({"count": 0, "ns": 0})
-        );
+        assert_eq!(m["inference_stats"]["compute_infer"], json!({"count": 4, "ns": 800}));
+        assert_eq!(m["inference_stats"]["cache_hit"], json!({"count": 0, "ns": 0}));
+        assert_eq!(m["inference_stats"]["cache_miss"], json!({"count": 0, "ns": 0}));
         assert_eq!(
             m["batch_stats"],
             json!([{
@@ -993,12 +853,7 @@ mod tests {
     #[test]
     fn index_layout() {
         let entries = [
-            IndexEntry {
-                name: "a".into(),
-                version: "1".into(),
-                state: "READY".into(),
-                reason: String::new(),
-            },
+            IndexEntry { name: "a".into(), version: "1".into(), state: "READY".into(), reason: String::new() },
             IndexEntry {
                 name: "b".into(),
                 version: String::new(),
@@ -1021,48 +876,21 @@ mod tests {
         assert!(!parse_index_request(b" \n").unwrap());
         assert!(parse_index_request(br#"{"ready": true}"#).unwrap());
         assert!(!parse_index_request(br#"{"ready": false, "x": 1}"#).unwrap());
-        assert!(
-            parse_index_request(br#"{"ready": "yes"}"#)
-                .unwrap_err()
-                .message
-                .contains("'ready'")
-        );
-        assert!(
-            parse_index_request(b"{")
-                .unwrap_err()
-                .message
-                .contains("column")
-        );
+        assert!(parse_index_request(br#"{"ready": "yes"}"#).unwrap_err().message.contains("'ready'"));
+        assert!(parse_index_request(b"{").unwrap_err().message.contains("column"));
 
         assert_eq!(parse_load_request(b"").unwrap(), None);
         assert_eq!(parse_load_request(br#"{"parameters": {}}"#).unwrap(), None);
         let cfg = r#"{"name":"m","max_batch_size":4}"#;
         let body = json!({"parameters": {"config": cfg}}).to_string();
-        assert_eq!(
-            parse_load_request(body.as_bytes()).unwrap().as_deref(),
-            Some(cfg)
-        );
+        assert_eq!(parse_load_request(body.as_bytes()).unwrap().as_deref(), Some(cfg));
         let e = parse_load_request(br#"{"parameters": {"config": {"name": "m"}}}"#).unwrap_err();
-        assert!(
-            e.message.contains("parameters.config must be a string"),
-            "{}",
-            e.message
-        );
-        let e =
-            parse_load_request(br#"{"parameters": {"file:1/model.onnx": "AAAA"}}"#).unwrap_err();
+        assert!(e.message.contains("parameters.config must be a string"), "{}", e.message);
+        let e = parse_load_request(br#"{"parameters": {"file:1/model.onnx": "AAAA"}}"#).unwrap_err();
         assert_eq!(e.code, Code::Unimplemented);
         let e = parse_load_request(br#"{"parameters": 3}"#).unwrap_err();
-        assert!(
-            e.message.contains("'parameters' must be an object"),
-            "{}",
-            e.message
-        );
-        assert!(
-            parse_load_request(b"[1]")
-                .unwrap_err()
-                .message
-                .contains("JSON object")
-        );
+        assert!(e.message.contains("'parameters' must be an object"), "{}", e.message);
+        assert!(parse_load_request(b"[1]").unwrap_err().message.contains("JSON object"));
 
         parse_unload_request(b"").unwrap();
         parse_unload_request(br#"{"parameters": {"unload_dependents": true}}"#).unwrap();
@@ -1096,21 +924,13 @@ mod tests {
     }
 
     fn response_with(binary: bool) -> (InferResponse, OutputFormat) {
-        let data: Vec<u8> = [1.0f32, 2.0, 3.0]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
+        let data: Vec<u8> = [1.0f32, 2.0, 3.0].iter().flat_map(|v| v.to_le_bytes()).collect();
         let response = InferResponse {
             model_name: "m".into(),
             model_version: 2,
             id: String::new(),
             outputs: vec![
-                OutputTensor {
-                    name: "A".into(),
-                    datatype: DataType::Fp32,
-                    shape: vec![3],
-                    data: Bytes::from(data),
-                },
+                OutputTensor { name: "A".into(), datatype: DataType::Fp32, shape: vec![3], data: Bytes::from(data) },
                 OutputTensor {
                     name: "B".into(),
                     datatype: DataType::Uint8,
@@ -1119,13 +939,7 @@ mod tests {
                 },
             ],
         };
-        (
-            response,
-            OutputFormat {
-                binary_default: binary,
-                explicit: vec![],
-            },
-        )
+        (response, OutputFormat { binary_default: binary, explicit: vec![] })
     }
 
     #[tokio::test]
@@ -1145,19 +959,9 @@ mod tests {
     async fn infer_response_binary_form() {
         let (resp, format) = response_with(true);
         let r = infer_response(render_infer_response(&resp, &format).unwrap());
-        assert_eq!(
-            r.headers()[header::CONTENT_TYPE],
-            "application/octet-stream"
-        );
-        let n: usize = r.headers()[HEADER_CONTENT_LENGTH]
-            .to_str()
-            .unwrap()
-            .parse()
-            .unwrap();
-        assert_eq!(
-            hyper::body::Body::size_hint(r.body()).exact(),
-            Some((n + 12 + 2) as u64)
-        );
+        assert_eq!(r.headers()[header::CONTENT_TYPE], "application/octet-stream");
+        let n: usize = r.headers()[HEADER_CONTENT_LENGTH].to_str().unwrap().parse().unwrap();
+        assert_eq!(hyper::body::Body::size_hint(r.body()).exact(), Some((n + 12 + 2) as u64));
         let body = body_bytes(r).await;
         assert_eq!(body.len(), n + 14);
         let v: Value = serde_json::from_slice(&body[..n]).unwrap();
@@ -1172,43 +976,27 @@ mod tests {
         let mut headers = HeaderMap::new();
         let b = read_body(&headers, Body::from("hello"), 10).await.unwrap();
         assert_eq!(&b[..], b"hello");
-        let e = read_body(&headers, Body::from("hello world!"), 10)
-            .await
-            .unwrap_err();
+        let e = read_body(&headers, Body::from("hello world!"), 10).await.unwrap_err();
         assert!(e.message.contains("limit of 10 bytes"), "{}", e.message);
         // Several chunks are joined.
-        let chunks = futures::stream::iter(
-            ["ab", "cd", "ef"].map(|s| Ok::<_, Infallible>(Bytes::from_static(s.as_bytes()))),
-        );
-        let b = read_body(&headers, Body::from_stream(chunks), 10)
-            .await
-            .unwrap();
+        let chunks =
+            futures::stream::iter(["ab", "cd", "ef"].map(|s| Ok::<_, Infallible>(Bytes::from_static(s.as_bytes()))));
+        let b = read_body(&headers, Body::from_stream(chunks), 10).await.unwrap();
         assert_eq!(&b[..], b"abcdef");
         let chunks = futures::stream::iter(
             ["abcd", "efgh", "ijkl"].map(|s| Ok::<_, Infallible>(Bytes::from_static(s.as_bytes()))),
         );
-        assert!(
-            read_body(&headers, Body::from_stream(chunks), 10)
-                .await
-                .is_err()
-        );
+        assert!(read_body(&headers, Body::from_stream(chunks), 10).await.is_err());
         // A declared Content-Length over the limit is refused before reading.
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("1000"));
         let e = read_body(&headers, Body::from("x"), 10).await.unwrap_err();
-        assert!(
-            e.message.contains("1000 bytes exceeds the limit of 10"),
-            "{}",
-            e.message
-        );
+        assert!(e.message.contains("1000 bytes exceeds the limit of 10"), "{}", e.message);
         headers.remove(header::CONTENT_LENGTH);
         headers.insert(header::CONTENT_ENCODING, HeaderValue::from_static("br"));
         let e = read_body(&headers, Body::from("x"), 10).await.unwrap_err();
         assert_eq!(e.code, Code::Unimplemented);
         assert!(e.message.contains("'br'"), "{}", e.message);
-        headers.insert(
-            header::CONTENT_ENCODING,
-            HeaderValue::from_static("identity"),
-        );
+        headers.insert(header::CONTENT_ENCODING, HeaderValue::from_static("identity"));
         let b = read_body(&headers, Body::from("hello"), 10).await.unwrap();
         assert_eq!(&b[..], b"hello");
     }
@@ -1250,45 +1038,29 @@ mod tests {
         ] {
             assert_ne!(body, plain);
             let headers = encoded(name);
-            let b = read_body(&headers, Body::from(body), 1 << 20)
-                .await
-                .unwrap();
+            let b = read_body(&headers, Body::from(body), 1 << 20).await.unwrap();
             assert_eq!(&b[..], &plain[..], "{name}");
             // Inference-Header-Content-Length counts in the inflated body.
             let p = parse_infer_request("m", None, b, Some(json.len()), 1 << 20).unwrap();
             assert_eq!(&p.request.inputs[0].data[..], &tensor[..], "{name}");
-            assert_eq!(
-                &p.request.inputs[1].data[..],
-                &[7, 0, 0, 0, 8, 0, 0, 0],
-                "{name}"
-            );
+            assert_eq!(&p.request.inputs[1].data[..], &[7, 0, 0, 0, 8, 0, 0, 0], "{name}");
         }
         // A JSON body in several chunks.
         let body = gzip(br#"{"inputs":[]}"#);
         let (a, b) = body.split_at(body.len() / 2);
-        let chunks = futures::stream::iter(
-            [a.to_vec(), b.to_vec()].map(|c| Ok::<_, Infallible>(Bytes::from(c))),
-        );
-        let b = read_body(&encoded("gzip"), Body::from_stream(chunks), 100)
-            .await
-            .unwrap();
+        let chunks = futures::stream::iter([a.to_vec(), b.to_vec()].map(|c| Ok::<_, Infallible>(Bytes::from(c))));
+        let b = read_body(&encoded("gzip"), Body::from_stream(chunks), 100).await.unwrap();
         assert_eq!(&b[..], br#"{"inputs":[]}"#);
         // An empty body stays empty.
-        let b = read_body(&encoded("gzip"), Body::empty(), 100)
-            .await
-            .unwrap();
+        let b = read_body(&encoded("gzip"), Body::empty(), 100).await.unwrap();
         assert!(b.is_empty());
         // Corrupt data is a 400 naming the coding.
-        let e = read_body(&encoded("gzip"), Body::from("not gzip at all"), 100)
-            .await
-            .unwrap_err();
+        let e = read_body(&encoded("gzip"), Body::from("not gzip at all"), 100).await.unwrap_err();
         assert_eq!(e.code, Code::InvalidArgument);
         assert!(e.message.contains("gzip"), "{}", e.message);
         let mut truncated = zlib(&plain);
         truncated.truncate(truncated.len() / 2);
-        let e = read_body(&encoded("deflate"), Body::from(truncated), 1 << 20)
-            .await
-            .unwrap_err();
+        let e = read_body(&encoded("deflate"), Body::from(truncated), 1 << 20).await.unwrap_err();
         assert_eq!(e.code, Code::InvalidArgument);
         assert!(e.message.contains("deflate"), "{}", e.message);
     }
@@ -1302,30 +1074,18 @@ mod tests {
         inflated.extend_from_slice(br#""}"#);
         for (name, body) in [("gzip", gzip(&inflated)), ("deflate", zlib(&inflated))] {
             assert!(body.len() < MAX / 4, "{}", body.len());
-            let e = read_body(&encoded(name), Body::from(body), MAX)
-                .await
-                .unwrap_err();
+            let e = read_body(&encoded(name), Body::from(body), MAX).await.unwrap_err();
             assert_eq!(e.code, Code::InvalidArgument);
-            assert!(
-                e.message.contains("exceeds the limit of 1048576 bytes"),
-                "{}",
-                e.message
-            );
+            assert!(e.message.contains("exceeds the limit of 1048576 bytes"), "{}", e.message);
         }
         // Exactly the limit inflated is fine; one byte more is not.
         let exact = vec![b'x'; MAX];
-        assert_eq!(
-            inflate(Coding::Gzip, &gzip(&exact), MAX).unwrap().len(),
-            MAX
-        );
+        assert_eq!(inflate(Coding::Gzip, &gzip(&exact), MAX).unwrap().len(), MAX);
         assert!(inflate(Coding::Gzip, &gzip(&exact), MAX - 1).is_err());
         // The inflating buffer never grows past max + 1 bytes.
         let bomb = gzip(&inflated);
         let reader = flate2::bufread::GzDecoder::new(&bomb[..]);
-        let mut counting = CapturingReader {
-            inner: reader,
-            largest_read: 0,
-        };
+        let mut counting = CapturingReader { inner: reader, largest_read: 0 };
         assert!(read_bounded(&mut counting, 100, MAX).unwrap().is_none());
         assert!(counting.largest_read <= MAX + 1);
         let out = read_bounded(&exact[..], 10, MAX).unwrap().unwrap();
@@ -1383,22 +1143,13 @@ mod tests {
         };
         for coding in [Coding::Gzip, Coding::Deflate] {
             // Binary form: the header length counts in the inflated body.
-            let format = OutputFormat {
-                binary_default: true,
-                explicit: vec![],
-            };
+            let format = OutputFormat { binary_default: true, explicit: vec![] };
             let rendered = render_infer_response(&response, &format).unwrap();
             let json_len = rendered.json.len();
             let r = compressed_infer_response(rendered, coding).unwrap();
             assert_eq!(r.headers()[header::CONTENT_ENCODING], coding.name());
-            assert_eq!(
-                r.headers()[header::CONTENT_TYPE],
-                "application/octet-stream"
-            );
-            assert_eq!(
-                r.headers()[HEADER_CONTENT_LENGTH].to_str().unwrap(),
-                json_len.to_string()
-            );
+            assert_eq!(r.headers()[header::CONTENT_TYPE], "application/octet-stream");
+            assert_eq!(r.headers()[HEADER_CONTENT_LENGTH].to_str().unwrap(), json_len.to_string());
             let body = inflate_all(coding, &body_bytes(r).await);
             let v: Value = serde_json::from_slice(&body[..json_len]).unwrap();
             assert_eq!(v["outputs"][0]["parameters"]["binary_data_size"], 4000);

@@ -7,8 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use nereid_common::config::{
-    Severity, dynamic_batching, parse_model_config, parse_model_config_json, unsupported_fields,
-    validate_model_config,
+    Severity, dynamic_batching, parse_model_config, parse_model_config_json, unsupported_fields, validate_model_config,
 };
 use nereid_common::{DataType, Status};
 use nereid_proto::inference::model_config::SchedulingChoice;
@@ -115,7 +114,9 @@ pub fn load_model(
     for field in unsupported_fields(&config) {
         match field.severity {
             Severity::Error => return Err(fail(format!("config field '{}' is not supported by Nereid", field.path))),
-            Severity::Warning => warnings.push(format!("config field '{}' is not supported and is ignored", field.path)),
+            Severity::Warning => {
+                warnings.push(format!("config field '{}' is not supported and is ignored", field.path))
+            }
         }
     }
     check_backend(&config)?;
@@ -172,8 +173,9 @@ pub fn load_model(
             .collect();
         warmup(&config, dir, &spec, &mut instances).map_err(|e| fail(format!("version {version}: warmup: {e}")))?;
         let stats = metrics.version(name, version);
-        let scheduler = Scheduler::start(&format!("{name}:{version}"), policy.clone(), preserve, instances, stats.clone())
-            .map_err(|e| Status::internal(format!("cannot start instance threads: {e}")))?;
+        let scheduler =
+            Scheduler::start(&format!("{name}:{version}"), policy.clone(), preserve, instances, stats.clone())
+                .map_err(|e| Status::internal(format!("cannot start instance threads: {e}")))?;
         loaded_versions.insert(version, Arc::new(ModelVersion { version, scheduler, stats }));
     }
     Ok(LoadedModel {
@@ -284,7 +286,11 @@ fn instance_devices(config: &ModelConfig) -> Result<Vec<Device>, Status> {
                 if gpus == 0 {
                     return Err(fail(format!(
                         "instance_group[{i}] asks for KIND_GPU, but no GPU is available{}",
-                        if cfg!(feature = "cuda") { "" } else { " (this build has no CUDA support: cargo feature `cuda`)" }
+                        if cfg!(feature = "cuda") {
+                            ""
+                        } else {
+                            " (this build has no CUDA support: cargo feature `cuda`)"
+                        }
                     )));
                 }
                 true
@@ -361,12 +367,8 @@ fn autocomplete(config: &mut ModelConfig, io: &ModelIo) {
     }
     if config.instance_group.is_empty() {
         let kind = if backend::gpu_count() > 0 { Kind::Gpu } else { Kind::Cpu };
-        config.instance_group = vec![ModelInstanceGroup {
-            name: config.name.clone(),
-            count: 1,
-            kind: kind as i32,
-            ..Default::default()
-        }];
+        config.instance_group =
+            vec![ModelInstanceGroup { name: config.name.clone(), count: 1, kind: kind as i32, ..Default::default() }];
     }
 }
 
@@ -395,7 +397,8 @@ fn check_against_model(config: &ModelConfig, io: &ModelIo) -> Result<(), String>
                 config.max_batch_size, t.dims
             ));
         }
-        let full: Vec<i64> = if batch { std::iter::once(-1).chain(dims.iter().copied()).collect() } else { dims.to_vec() };
+        let full: Vec<i64> =
+            if batch { std::iter::once(-1).chain(dims.iter().copied()).collect() } else { dims.to_vec() };
         let compatible = t.dims.len() == full.len()
             && t.dims.iter().zip(&full).enumerate().all(|(i, (&m, &c))| {
                 if batch && i == 0 {
@@ -532,8 +535,12 @@ fn pseudo_random(len: usize, dt: DataType) -> Vec<u8> {
     match dt {
         DataType::Fp32 => (0..len / 4).flat_map(|_| ((next() % 1000) as f32 / 1000.0).to_le_bytes()).collect(),
         DataType::Fp64 => (0..len / 8).flat_map(|_| ((next() % 1000) as f64 / 1000.0).to_le_bytes()).collect(),
-        DataType::Fp16 => (0..len / 2).flat_map(|_| half::f16::from_f32((next() % 1000) as f32 / 1000.0).to_le_bytes()).collect(),
-        DataType::Bf16 => (0..len / 2).flat_map(|_| half::bf16::from_f32((next() % 1000) as f32 / 1000.0).to_le_bytes()).collect(),
+        DataType::Fp16 => {
+            (0..len / 2).flat_map(|_| half::f16::from_f32((next() % 1000) as f32 / 1000.0).to_le_bytes()).collect()
+        }
+        DataType::Bf16 => {
+            (0..len / 2).flat_map(|_| half::bf16::from_f32((next() % 1000) as f32 / 1000.0).to_le_bytes()).collect()
+        }
         DataType::Bool => (0..len).map(|_| (next() & 1) as u8).collect(),
         _ => (0..len).map(|_| (next() % 16) as u8).collect(),
     }

@@ -188,9 +188,12 @@ impl Repository {
 
     fn version(&self, model: &LoadedModel, version: Option<i64>) -> Result<Arc<ModelVersion>, Status> {
         match version {
-            None => model.versions.values().next_back().cloned().ok_or_else(|| {
-                Status::unavailable(format!("model '{}' has no ready version", model.name))
-            }),
+            None => model
+                .versions
+                .values()
+                .next_back()
+                .cloned()
+                .ok_or_else(|| Status::unavailable(format!("model '{}' has no ready version", model.name))),
             Some(v) => model.versions.get(&v).cloned().ok_or_else(|| {
                 Status::not_found(format!(
                     "model '{}' has no version {v} (ready versions: {})",
@@ -218,7 +221,11 @@ impl Repository {
                 .map(|t| TensorMetadata {
                     name: t.name.clone(),
                     datatype: t.datatype.wire_name().to_string(),
-                    shape: if batch { std::iter::once(-1).chain(t.dims.iter().copied()).collect() } else { t.dims.clone() },
+                    shape: if batch {
+                        std::iter::once(-1).chain(t.dims.iter().copied()).collect()
+                    } else {
+                        t.dims.clone()
+                    },
                 })
                 .collect()
         };
@@ -315,9 +322,10 @@ impl Repository {
         let options = self.options.clone();
         let owned_name = name.to_string();
         let metrics = self.metrics.clone();
-        let result = tokio::task::spawn_blocking(move || load::load_model(&options, &owned_name, config_override, &metrics))
-            .await
-            .unwrap_or_else(|e| Err(Status::internal(format!("model load panicked: {e}"))));
+        let result =
+            tokio::task::spawn_blocking(move || load::load_model(&options, &owned_name, config_override, &metrics))
+                .await
+                .unwrap_or_else(|e| Err(Status::internal(format!("model load panicked: {e}"))));
         match result {
             Ok(model) => {
                 for w in &model.warnings {
@@ -478,7 +486,11 @@ impl Repository {
     }
 }
 
-async fn run(spec: &ModelSpec, version: &ModelVersion, request: &mut InferRequest) -> Result<Vec<crate::tensor::OutputTensor>, Status> {
+async fn run(
+    spec: &ModelSpec,
+    version: &ModelVersion,
+    request: &mut InferRequest,
+) -> Result<Vec<crate::tensor::OutputTensor>, Status> {
     let v = validate(spec, request)?;
     let (tx, rx) = oneshot::channel();
     let mut job = Job::new(v.rows, v.shape_key, v.inputs, v.wanted, request.priority, request.timeout_us, tx);

@@ -64,7 +64,18 @@ impl Job {
         timeout_us: u64,
         reply: oneshot::Sender<JobResult>,
     ) -> Self {
-        Job { rows, shape_key, inputs, wanted, priority, timeout_us, arrived: Instant::now(), deadline: None, reply, seq: 0 }
+        Job {
+            rows,
+            shape_key,
+            inputs,
+            wanted,
+            priority,
+            timeout_us,
+            arrived: Instant::now(),
+            deadline: None,
+            reply,
+            seq: 0,
+        }
     }
 }
 
@@ -184,9 +195,7 @@ impl Scheduler {
         });
         for (i, session) in sessions.into_iter().enumerate() {
             let shared = shared.clone();
-            std::thread::Builder::new()
-                .name(format!("{label}#{i}"))
-                .spawn(move || instance_thread(session, shared))?;
+            std::thread::Builder::new().name(format!("{label}#{i}")).spawn(move || instance_thread(session, shared))?;
         }
         Ok(Scheduler { shared })
     }

@@ -92,11 +92,7 @@ impl BatchPolicy {
 
     /// The 1-based level a request with `priority` lands in.
     pub fn level_for(&self, priority: u64) -> usize {
-        if priority == 0 || priority as usize > self.levels.len() {
-            self.default_level
-        } else {
-            priority as usize
-        }
+        if priority == 0 || priority as usize > self.levels.len() { self.default_level } else { priority as usize }
     }
 
     /// The queue timeout for a request at `level` that asked for `requested` (0 = none).

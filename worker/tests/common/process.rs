@@ -40,7 +40,8 @@ impl WorkerProcess {
             std::thread::sleep(Duration::from_millis(10));
         };
         let port = |k: &str| ports[k].as_u64().unwrap() as u16;
-        let mut worker = WorkerProcess { child, http: port("http"), grpc: port("grpc"), metrics: port("metrics"), log, _dir: dir };
+        let mut worker =
+            WorkerProcess { child, http: port("http"), grpc: port("grpc"), metrics: port("metrics"), log, _dir: dir };
         let deadline = Instant::now() + Duration::from_secs(30);
         while worker.http_get("/v2/health/ready").0 != 200 {
             if let Ok(Some(status)) = worker.child.try_wait() {
