@@ -1,0 +1,110 @@
+//! Balance: picks the worker for an [`InferCall`] from the current routing table — among the
+//! ready workers holding the model version READY, minus those the call already failed on and
+//! those ejected as outliers — by the power of two choices on the requests this gateway has
+//! outstanding on each ([`p2c`]).
+//!
+//! Load is this gateway's own outstanding count for now; the worker's queue length will join it
+//! once workers report it in-band. When every holder is ejected, ejection is ignored (trying a
+//! suspect worker beats failing at once). No eligible worker → [`RouteError`] (NOT_FOUND or
+//! UNAVAILABLE), answered at once: the balancer never waits for one to appear.
+
+mod layer;
+mod p2c;
+mod service;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use rand::Rng;
+
+pub use self::layer::BalanceLayer;
+pub use self::p2c::p2c;
+pub use self::service::Balance;
+use crate::call::InferCall;
+use crate::routing::{RouteError, Routes, RoutingTable};
+use crate::upstream::{Upstream, UpstreamId};
+
+/// Chooses a worker among `holders` (indices into `table`), skipping `excluded`, and ejected
+/// workers unless every remaining one is ejected.
+pub fn choose<'t, R: Rng + ?Sized>(
+    table: &'t RoutingTable,
+    holders: &[usize],
+    excluded: &[UpstreamId],
+    now: Instant,
+    rng: &mut R,
+) -> Option<&'t Arc<Upstream>> {
+    let eligible: Vec<&Arc<Upstream>> =
+        holders.iter().map(|&i| table.upstream(i)).filter(|u| !excluded.contains(&u.id)).collect();
+    let healthy: Vec<&Arc<Upstream>> = eligible.iter().copied().filter(|u| !u.is_ejected(now)).collect();
+    let pool = if healthy.is_empty() { eligible } else { healthy };
+    let loads: Vec<u64> = pool.iter().map(|u| u.outstanding()).collect();
+    p2c(&loads, rng).map(|i| pool[i])
+}
+
+/// Resolves the call's model version and picks its worker in one snapshot of the table.
+pub fn pick(routes: &Routes, call: &InferCall, now: Instant) -> Result<Arc<Upstream>, RouteError> {
+    let table = routes.snapshot();
+    let route = table.resolve(call.model(), call.version)?;
+    choose(&table, route.holders, &call.excluded, now, &mut rand::rng())
+        .cloned()
+        .ok_or_else(|| RouteError::NoReadyWorker { model: call.model().to_string(), version: call.version })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outlier::Outcome;
+    use crate::routing::WorkerState;
+    use crate::routing::tests::{row, view};
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    #[tokio::test]
+    async fn skips_excluded_and_ejected_workers_unless_all_are_ejected() {
+        let t = RoutingTable::build(
+            vec![
+                view("a:1", WorkerState::Ready, vec![row("m", "1", "READY")]),
+                view("b:1", WorkerState::Ready, vec![row("m", "1", "READY")]),
+            ],
+            Instant::now(),
+        );
+        let mut rng = StdRng::seed_from_u64(3);
+        let now = Instant::now();
+        let holders = t.resolve("m", None).unwrap().holders.to_vec();
+        let a: UpstreamId = "a:1".into();
+        let b: UpstreamId = "b:1".into();
+        for _ in 0..20 {
+            assert_eq!(choose(&t, &holders, std::slice::from_ref(&a), now, &mut rng).unwrap().id, b);
+        }
+        assert!(choose(&t, &holders, &[a.clone(), b.clone()], now, &mut rng).is_none());
+
+        // Eject b: everything goes to a.
+        for _ in 0..5 {
+            t.upstream(1).record(Outcome::Failure, now);
+        }
+        assert!(t.upstream(1).is_ejected(now));
+        for _ in 0..20 {
+            assert_eq!(choose(&t, &holders, &[], now, &mut rng).unwrap().id, a);
+        }
+        // Only b is left (a excluded) and it is ejected: it is tried anyway.
+        assert_eq!(choose(&t, &holders, std::slice::from_ref(&a), now, &mut rng).unwrap().id, b);
+    }
+
+    #[tokio::test]
+    async fn prefers_the_less_loaded_worker() {
+        let t = RoutingTable::build(
+            vec![
+                view("a:1", WorkerState::Ready, vec![row("m", "1", "READY")]),
+                view("b:1", WorkerState::Ready, vec![row("m", "1", "READY")]),
+            ],
+            Instant::now(),
+        );
+        let _busy: Vec<_> = (0..3).map(|_| t.upstream(0).start_request()).collect();
+        let mut rng = StdRng::seed_from_u64(5);
+        for _ in 0..20 {
+            assert_eq!(&*choose(&t, &[0, 1], &[], Instant::now(), &mut rng).unwrap().id, "b:1");
+        }
+        drop(_busy);
+        assert_eq!(t.upstream(0).outstanding(), 0);
+    }
+}

@@ -1,0 +1,133 @@
+//! Command line: parsed once by clap, validated into a typed [`GatewayConfig`]. The listener
+//! flags mean what they mean for `nereid-worker` (0 = an ephemeral port, `--port-file`).
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::config::{
+    AdmissionConfig, DEFAULT_DISCOVERY_INTERVAL_MS, DEFAULT_DISCOVERY_TIMEOUT_MS, DEFAULT_EJECTION_BASE_MS,
+    DEFAULT_EJECTION_CONSECUTIVE_FAILURES, DEFAULT_EJECTION_MAX_MS, DEFAULT_EXIT_TIMEOUT_SECS,
+    DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_TIMEOUT_MS,
+    DEFAULT_RETRY_BUDGET_MIN_PER_SEC, DEFAULT_RETRY_BUDGET_PERCENT, DiscoveryConfig, GatewayConfig, ListenConfig,
+    OutlierConfig, RetryConfig,
+};
+
+/// nereid-gateway: one KServe v2 (HTTP + gRPC) endpoint in front of a fleet of nereid-workers.
+#[derive(Clone, Debug, Parser)]
+#[command(name = "nereid-gateway", version, about, long_about = None)]
+pub struct Args {
+    /// gRPC address (host:port) of a worker; repeat for each worker (static membership).
+    #[arg(long = "worker-grpc", value_name = "HOST:PORT", required = true)]
+    pub worker_grpc: Vec<String>,
+
+    /// Address the HTTP, gRPC and metrics servers bind to.
+    #[arg(long, default_value = "0.0.0.0", value_name = "IP")]
+    pub address: IpAddr,
+
+    /// HTTP port (KServe v2 REST). 0 picks a free port (see --port-file).
+    #[arg(long, default_value_t = 8000)]
+    pub http_port: u16,
+
+    /// gRPC port (inference.GRPCInferenceService). 0 picks a free port.
+    #[arg(long, default_value_t = 8001)]
+    pub grpc_port: u16,
+
+    /// Prometheus metrics port (`GET /metrics`). 0 picks a free port.
+    #[arg(long, default_value_t = 8002)]
+    pub metrics_port: u16,
+
+    /// Write the bound ports as JSON ({"http":..,"grpc":..,"metrics":..}) to this file once
+    /// listening (useful with port 0).
+    #[arg(long, value_name = "FILE")]
+    pub port_file: Option<PathBuf>,
+
+    /// Longest time a request may take through the gateway, in milliseconds; a client's
+    /// deadline (grpc-timeout, x-nereid-deadline-ms) is capped by it.
+    #[arg(long, default_value_t = DEFAULT_REQUEST_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub request_timeout_ms: u64,
+
+    /// Most inference requests in flight through the gateway; more are refused at once with
+    /// RESOURCE_EXHAUSTED / 429 + Retry-After.
+    #[arg(long, default_value_t = DEFAULT_MAX_CONCURRENT_REQUESTS, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_concurrent_requests: u64,
+
+    /// Retries allowed, as a percentage of requests over the last 10 s (plus
+    /// --retry-budget-min-per-sec). 0 disables retries.
+    #[arg(long, default_value_t = DEFAULT_RETRY_BUDGET_PERCENT, value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub retry_budget_percent: u32,
+
+    /// Retries always allowed per second, whatever the request rate.
+    #[arg(long, default_value_t = DEFAULT_RETRY_BUDGET_MIN_PER_SEC)]
+    pub retry_budget_min_per_sec: u32,
+
+    /// Consecutive connection failures / UNAVAILABLE answers after which a worker is ejected.
+    #[arg(long, default_value_t = DEFAULT_EJECTION_CONSECUTIVE_FAILURES, value_parser = clap::value_parser!(u32).range(1..))]
+    pub ejection_consecutive_failures: u32,
+
+    /// First ejection period in milliseconds; it doubles with each ejection in a row.
+    #[arg(long, default_value_t = DEFAULT_EJECTION_BASE_MS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub ejection_base_ms: u64,
+
+    /// Longest ejection period in milliseconds.
+    #[arg(long, default_value_t = DEFAULT_EJECTION_MAX_MS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub ejection_max_ms: u64,
+
+    /// How often each worker's repository index is polled, in milliseconds.
+    #[arg(long, default_value_t = DEFAULT_DISCOVERY_INTERVAL_MS, value_parser = clap::value_parser!(u64).range(10..))]
+    pub discovery_interval_ms: u64,
+
+    /// Time limit of one poll of one worker, in milliseconds (a worker that does not answer
+    /// in time has no routable models until it does).
+    #[arg(long, default_value_t = DEFAULT_DISCOVERY_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub discovery_timeout_ms: u64,
+
+    /// Largest accepted request (HTTP body or gRPC message) in bytes.
+    #[arg(long, default_value_t = DEFAULT_MAX_REQUEST_BYTES, value_parser = clap::value_parser!(u64).range(1024..=(1 << 32)))]
+    pub max_request_bytes: u64,
+
+    /// Seconds to finish in-flight requests after SIGTERM/SIGINT before exiting.
+    #[arg(long, default_value_t = DEFAULT_EXIT_TIMEOUT_SECS)]
+    pub exit_timeout_secs: u64,
+
+    /// Verbose logging level (0 = info, 1 = debug, 2+ = trace). RUST_LOG overrides.
+    #[arg(long, default_value_t = 0)]
+    pub log_verbose: u8,
+}
+
+impl Args {
+    /// The validated configuration; errors name the flag.
+    pub fn into_config(self) -> Result<GatewayConfig, String> {
+        let config = GatewayConfig {
+            workers: self.worker_grpc,
+            listen: ListenConfig {
+                address: self.address,
+                http_port: self.http_port,
+                grpc_port: self.grpc_port,
+                metrics_port: self.metrics_port,
+                port_file: self.port_file,
+            },
+            request_timeout: Duration::from_millis(self.request_timeout_ms),
+            admission: AdmissionConfig { max_concurrent_requests: self.max_concurrent_requests as usize },
+            retry: RetryConfig {
+                budget_percent: self.retry_budget_percent,
+                min_per_sec: self.retry_budget_min_per_sec,
+            },
+            outlier: OutlierConfig {
+                consecutive_failures: self.ejection_consecutive_failures,
+                base_ejection: Duration::from_millis(self.ejection_base_ms),
+                max_ejection: Duration::from_millis(self.ejection_max_ms),
+            },
+            discovery: DiscoveryConfig {
+                interval: Duration::from_millis(self.discovery_interval_ms),
+                timeout: Duration::from_millis(self.discovery_timeout_ms),
+            },
+            max_request_bytes: self.max_request_bytes as usize,
+            exit_timeout: Duration::from_secs(self.exit_timeout_secs),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}

@@ -1,0 +1,278 @@
+//! The non-inference KServe v2 calls: model readiness, metadata, config and statistics are
+//! forwarded to workers holding the model; the repository index is answered from the routing
+//! table (the union of the members' indexes), so it costs no fan-out.
+//!
+//! A forwarded call goes to one holder picked like an inference (p2c, ejected workers skipped)
+//! and is retried once on another holder when the first provably did not answer it. Statistics
+//! are summed over every reachable worker that lists the model, so they describe the fleet —
+//! what perf_analyzer and dashboards reading them through the gateway expect.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::time::Instant;
+
+use nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+use nereid_proto::inference::repository_index_response::ModelIndex;
+use nereid_proto::inference::*;
+use tonic::transport::Channel;
+
+use crate::balance::choose;
+use crate::deadline::DeadlineExceeded;
+use crate::error::GatewayError;
+use crate::forward::UpstreamError;
+use crate::routing::{RouteError, Routes, WorkerState};
+use crate::upstream::UpstreamId;
+
+type Client = GrpcInferenceServiceClient<Channel>;
+
+#[derive(Clone)]
+pub struct Control {
+    routes: Routes,
+}
+
+impl Control {
+    pub fn new(routes: Routes) -> Self {
+        Control { routes }
+    }
+
+    /// Runs `call` on a worker holding `model` (`version`) READY, within `deadline`; once more on
+    /// another holder when the first provably did not answer.
+    async fn on_holder<T, F, Fut>(
+        &self,
+        model: &str,
+        version: Option<i64>,
+        deadline: Instant,
+        call: F,
+    ) -> Result<T, GatewayError>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let mut excluded: Vec<UpstreamId> = Vec::new();
+        let mut last_error: Option<UpstreamError> = None;
+        loop {
+            let worker = {
+                let table = self.routes.snapshot();
+                let route = table.resolve(model, version)?;
+                choose(&table, route.holders, &excluded, Instant::now(), &mut rand::rng()).cloned()
+            };
+            let Some(worker) = worker else {
+                return Err(match last_error {
+                    Some(e) => e.into(),
+                    None => RouteError::NoReadyWorker { model: model.to_string(), version }.into(),
+                });
+            };
+            let mut timeout = deadline.saturating_duration_since(Instant::now());
+            if timeout.is_zero() {
+                return Err(DeadlineExceeded.into());
+            }
+            // Whole milliseconds at least: a zero grpc-timeout would fail at once.
+            timeout = timeout.max(std::time::Duration::from_millis(1));
+            let client = Client::new(worker.channel()).max_decoding_message_size(usize::MAX);
+            match tokio::time::timeout(timeout, call(client)).await {
+                Ok(Ok(response)) => return Ok(response.into_inner()),
+                Ok(Err(status)) => {
+                    let e = UpstreamError::new(worker.id.clone(), status);
+                    if !e.kind.safe_to_retry() || !excluded.is_empty() {
+                        return Err(e.into());
+                    }
+                    excluded.push(worker.id.clone());
+                    last_error = Some(e);
+                }
+                Err(_) => return Err(DeadlineExceeded.into()),
+            }
+        }
+    }
+
+    /// Ready when some worker holds the model (version) READY and confirms it.
+    pub async fn model_ready(&self, name: &str, version: Option<i64>, deadline: Instant) -> Result<bool, GatewayError> {
+        let request = ModelReadyRequest { name: name.to_string(), version: version_string(version) };
+        match self
+            .on_holder(name, version, deadline, |mut c| {
+                let r = request.clone();
+                async move { c.model_ready(r).await }
+            })
+            .await
+        {
+            Ok(r) => Ok(r.ready),
+            Err(GatewayError::Route(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub async fn model_metadata(
+        &self,
+        name: &str,
+        version: Option<i64>,
+        deadline: Instant,
+    ) -> Result<ModelMetadataResponse, GatewayError> {
+        let request = ModelMetadataRequest { name: name.to_string(), version: version_string(version) };
+        self.on_holder(name, version, deadline, |mut c| {
+            let r = request.clone();
+            async move { c.model_metadata(r).await }
+        })
+        .await
+    }
+
+    pub async fn model_config(
+        &self,
+        name: &str,
+        version: Option<i64>,
+        deadline: Instant,
+    ) -> Result<ModelConfigResponse, GatewayError> {
+        let request = ModelConfigRequest { name: name.to_string(), version: version_string(version) };
+        self.on_holder(name, version, deadline, |mut c| {
+            let r = request.clone();
+            async move { c.model_config(r).await }
+        })
+        .await
+    }
+
+    /// Statistics of one model (`name`), or of every model (`None`), summed over the reachable
+    /// workers that list it. Fails only when every one of them fails (with the first error).
+    pub async fn model_statistics(
+        &self,
+        name: Option<&str>,
+        version: Option<i64>,
+        deadline: Instant,
+    ) -> Result<ModelStatisticsResponse, GatewayError> {
+        let table = self.routes.snapshot();
+        if let Some(name) = name
+            && !table.knows(name)
+        {
+            return Err(RouteError::ModelNotFound { model: name.to_string() }.into());
+        }
+        let workers: Vec<_> = table
+            .workers()
+            .iter()
+            .filter(|w| w.state != WorkerState::Unreachable)
+            .filter(|w| name.is_none_or(|n| w.models.iter().any(|m| m.name == n)))
+            .map(|w| w.upstream.clone())
+            .collect();
+        drop(table);
+        let request = ModelStatisticsRequest { name: name.unwrap_or("").to_string(), version: version_string(version) };
+        let timeout = deadline.saturating_duration_since(Instant::now());
+        let calls = workers.iter().map(|w| {
+            let mut client = Client::new(w.channel()).max_decoding_message_size(usize::MAX);
+            let request = request.clone();
+            let id = w.id.clone();
+            async move {
+                match tokio::time::timeout(timeout, client.model_statistics(request)).await {
+                    Ok(Ok(r)) => Ok(r.into_inner()),
+                    Ok(Err(status)) => Err(GatewayError::from(UpstreamError::new(id, status))),
+                    Err(_) => Err(GatewayError::from(DeadlineExceeded)),
+                }
+            }
+        });
+        let results = futures::future::join_all(calls).await;
+        let mut first_error = None;
+        let mut responses = Vec::new();
+        for r in results {
+            match r {
+                Ok(r) => responses.push(r),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        match (responses.is_empty(), first_error) {
+            (true, Some(e)) => Err(e),
+            _ => Ok(merge_statistics(responses)),
+        }
+    }
+
+    /// The union of the members' repository indexes (see [`crate::routing::RoutingTable::index`]).
+    pub fn repository_index(&self, ready_only: bool) -> Vec<ModelIndex> {
+        self.routes.snapshot().index(ready_only)
+    }
+}
+
+fn version_string(version: Option<i64>) -> String {
+    version.map(|v| v.to_string()).unwrap_or_default()
+}
+
+fn add(a: &mut Option<StatisticDuration>, b: &Option<StatisticDuration>) {
+    if let Some(b) = b {
+        let a = a.get_or_insert_with(Default::default);
+        a.count += b.count;
+        a.ns += b.ns;
+    }
+}
+
+/// Sums per-worker statistics by (model, version): counts and durations add up, the last
+/// inference is the latest, batch statistics add up per batch size.
+pub fn merge_statistics(responses: Vec<ModelStatisticsResponse>) -> ModelStatisticsResponse {
+    let mut merged: BTreeMap<(String, i64, String), ModelStatistics> = BTreeMap::new();
+    for s in responses.into_iter().flat_map(|r| r.model_stats) {
+        let key = (s.name.clone(), s.version.parse::<i64>().unwrap_or(-1), s.version.clone());
+        let Some(m) = merged.get_mut(&key) else {
+            merged.insert(key, s);
+            continue;
+        };
+        m.last_inference = m.last_inference.max(s.last_inference);
+        m.inference_count += s.inference_count;
+        m.execution_count += s.execution_count;
+        if let Some(b) = &s.inference_stats {
+            let a = m.inference_stats.get_or_insert_with(Default::default);
+            add(&mut a.success, &b.success);
+            add(&mut a.fail, &b.fail);
+            add(&mut a.queue, &b.queue);
+            add(&mut a.compute_input, &b.compute_input);
+            add(&mut a.compute_infer, &b.compute_infer);
+            add(&mut a.compute_output, &b.compute_output);
+            add(&mut a.cache_hit, &b.cache_hit);
+            add(&mut a.cache_miss, &b.cache_miss);
+        }
+        for b in s.batch_stats {
+            match m.batch_stats.iter_mut().find(|x| x.batch_size == b.batch_size) {
+                Some(a) => {
+                    add(&mut a.compute_input, &b.compute_input);
+                    add(&mut a.compute_infer, &b.compute_infer);
+                    add(&mut a.compute_output, &b.compute_output);
+                }
+                None => m.batch_stats.push(b),
+            }
+        }
+        m.batch_stats.sort_by_key(|b| b.batch_size);
+    }
+    ModelStatisticsResponse { model_stats: merged.into_values().collect() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stats(name: &str, version: &str, count: u64, last: u64, batches: &[(u64, u64)]) -> ModelStatistics {
+        let d = |c: u64| Some(StatisticDuration { count: c, ns: c * 1000 });
+        ModelStatistics {
+            name: name.into(),
+            version: version.into(),
+            last_inference: last,
+            inference_count: count,
+            execution_count: count,
+            inference_stats: Some(InferStatistics { success: d(count), queue: d(count), ..Default::default() }),
+            batch_stats: batches
+                .iter()
+                .map(|&(size, n)| InferBatchStatistics { batch_size: size, compute_infer: d(n), ..Default::default() })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn statistics_sum_over_workers() {
+        let a = ModelStatisticsResponse {
+            model_stats: vec![stats("m", "1", 3, 10, &[(1, 3)]), stats("m", "2", 1, 5, &[])],
+        };
+        let b = ModelStatisticsResponse { model_stats: vec![stats("m", "1", 4, 20, &[(1, 2), (4, 1)])] };
+        let m = merge_statistics(vec![a, b]);
+        assert_eq!(m.model_stats.len(), 2);
+        let v1 = &m.model_stats[0];
+        assert_eq!((v1.version.as_str(), v1.inference_count, v1.last_inference), ("1", 7, 20));
+        let s = v1.inference_stats.as_ref().unwrap();
+        assert_eq!(s.success, Some(StatisticDuration { count: 7, ns: 7000 }));
+        assert_eq!(v1.batch_stats.len(), 2);
+        assert_eq!(v1.batch_stats[0].compute_infer, Some(StatisticDuration { count: 5, ns: 5000 }));
+        assert_eq!(m.model_stats[1].version, "2");
+    }
+}

@@ -1,0 +1,153 @@
+//! Every way a gateway request fails, typed where it happens, and rendered to a status here
+//! and only here: [`GatewayError::to_grpc`] for gRPC, [`GatewayError::http_status`] +
+//! [`GatewayError::json_body`] (+ `Retry-After`) for HTTP. Metrics label failures by
+//! [`code_label`], a closed set — never by message text.
+
+use std::time::Duration;
+
+use http::StatusCode;
+
+use crate::admission::Overloaded;
+use crate::deadline::DeadlineExceeded;
+use crate::forward::UpstreamError;
+use crate::routing::RouteError;
+
+/// What an overloaded client is told to wait before retrying.
+pub const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// No worker can serve the model (version): NOT_FOUND or UNAVAILABLE.
+    #[error(transparent)]
+    Route(#[from] RouteError),
+    /// Admission refused the request: RESOURCE_EXHAUSTED / 429 + Retry-After.
+    #[error(transparent)]
+    Overloaded(#[from] Overloaded),
+    /// The deadline passed: DEADLINE_EXCEEDED / 504.
+    #[error(transparent)]
+    DeadlineExceeded(#[from] DeadlineExceeded),
+    /// The worker failed or answered with an error.
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+    /// The client's request is malformed (refused before any worker saw it), with the code the
+    /// parser chose (INVALID_ARGUMENT, NOT_FOUND for a bad version, UNIMPLEMENTED, ...).
+    #[error("{}", .0.message)]
+    BadRequest(nereid_common::Status),
+}
+
+impl From<nereid_common::Status> for GatewayError {
+    fn from(s: nereid_common::Status) -> Self {
+        GatewayError::BadRequest(s)
+    }
+}
+
+impl GatewayError {
+    pub fn grpc_code(&self) -> tonic::Code {
+        match self {
+            GatewayError::Route(RouteError::ModelNotFound { .. } | RouteError::VersionNotFound { .. }) => {
+                tonic::Code::NotFound
+            }
+            GatewayError::Route(RouteError::NoReadyWorker { .. }) => tonic::Code::Unavailable,
+            GatewayError::Overloaded(_) => tonic::Code::ResourceExhausted,
+            GatewayError::DeadlineExceeded(_) => tonic::Code::DeadlineExceeded,
+            GatewayError::Upstream(e) => e.code(),
+            GatewayError::BadRequest(s) => s.code.grpc_code(),
+        }
+    }
+
+    pub fn http_status(&self) -> StatusCode {
+        http_status(self.grpc_code())
+    }
+
+    /// How long the client should wait before trying again, where that helps.
+    pub fn retry_after(&self) -> Option<Duration> {
+        matches!(self, GatewayError::Overloaded(_)).then_some(RETRY_AFTER)
+    }
+
+    pub fn to_grpc(&self) -> tonic::Status {
+        self.log();
+        tonic::Status::new(self.grpc_code(), self.to_string())
+    }
+
+    /// The KServe v2 HTTP error body, `{"error": "..."}`.
+    pub fn json_body(&self) -> String {
+        self.log();
+        serde_json::json!({ "error": self.to_string() }).to_string()
+    }
+
+    fn log(&self) {
+        if self.http_status().is_server_error() {
+            tracing::warn!(code = code_label(self.grpc_code()), "{self}");
+        } else {
+            tracing::debug!(code = code_label(self.grpc_code()), "{self}");
+        }
+    }
+}
+
+/// The HTTP status of a gRPC code, as Triton's HTTP endpoint answers the same condition.
+pub fn http_status(code: tonic::Code) -> StatusCode {
+    use tonic::Code as C;
+    match code {
+        C::Ok => StatusCode::OK,
+        C::InvalidArgument | C::OutOfRange | C::AlreadyExists => StatusCode::BAD_REQUEST,
+        C::NotFound => StatusCode::NOT_FOUND,
+        C::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
+        C::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        C::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+        C::Cancelled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
+        C::Unimplemented => StatusCode::NOT_IMPLEMENTED,
+        C::FailedPrecondition | C::Aborted => StatusCode::CONFLICT,
+        C::PermissionDenied => StatusCode::FORBIDDEN,
+        C::Unauthenticated => StatusCode::UNAUTHORIZED,
+        C::Internal | C::Unknown | C::DataLoss => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+/// The metrics label of a gRPC code (the closed set of canonical names).
+pub fn code_label(code: tonic::Code) -> &'static str {
+    use tonic::Code as C;
+    match code {
+        C::Ok => "OK",
+        C::Cancelled => "CANCELLED",
+        C::Unknown => "UNKNOWN",
+        C::InvalidArgument => "INVALID_ARGUMENT",
+        C::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        C::NotFound => "NOT_FOUND",
+        C::AlreadyExists => "ALREADY_EXISTS",
+        C::PermissionDenied => "PERMISSION_DENIED",
+        C::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        C::FailedPrecondition => "FAILED_PRECONDITION",
+        C::Aborted => "ABORTED",
+        C::OutOfRange => "OUT_OF_RANGE",
+        C::Unimplemented => "UNIMPLEMENTED",
+        C::Internal => "INTERNAL",
+        C::Unavailable => "UNAVAILABLE",
+        C::DataLoss => "DATA_LOSS",
+        C::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rendering() {
+        let e = GatewayError::from(RouteError::ModelNotFound { model: "m".into() });
+        assert_eq!(e.grpc_code(), tonic::Code::NotFound);
+        assert_eq!(e.http_status(), StatusCode::NOT_FOUND);
+        assert_eq!(e.json_body(), r#"{"error":"model 'm' is not found on any worker"}"#);
+        let e = GatewayError::from(RouteError::NoReadyWorker { model: "m".into(), version: Some(2) });
+        assert_eq!(e.http_status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.to_string(), "no worker has model 'm' version 2 ready");
+        let e = GatewayError::from(Overloaded { limit: 4 });
+        assert_eq!(e.http_status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(e.retry_after(), Some(RETRY_AFTER));
+        assert_eq!(e.to_grpc().code(), tonic::Code::ResourceExhausted);
+        let e = GatewayError::from(DeadlineExceeded);
+        assert_eq!(e.http_status(), StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(e.retry_after(), None);
+        let e = GatewayError::from(nereid_common::Status::invalid("bad"));
+        assert_eq!((e.grpc_code(), e.http_status()), (tonic::Code::InvalidArgument, StatusCode::BAD_REQUEST));
+    }
+}

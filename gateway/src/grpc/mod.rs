@@ -1,0 +1,214 @@
+//! gRPC ingress: `inference.GRPCInferenceService`, so tritonclient and perf_analyzer point at
+//! the gateway unchanged. Inference goes down the [`crate::stack`]; the other model calls to
+//! [`Control`]. The repository load/unload and shared-memory RPCs answer UNIMPLEMENTED (the
+//! generated default stubs): placement, not clients, decides what workers load.
+//!
+//! Deadlines: `grpc-timeout` (brought forward by the worker's margin, so the gateway answers
+//! DEADLINE_EXCEEDED before tonic's own timer cancels the RPC) or `x-nereid-deadline-ms`,
+//! capped by `--request-timeout-ms`. `ModelStreamInfer` forwards each request of a stream on
+//! its own, at most [`MAX_STREAM_IN_FLIGHT`] at once per stream (then the stream stops reading,
+//! and HTTP/2 flow control pushes back on the client).
+
+use std::time::{Duration, Instant};
+
+use futures::Stream;
+use futures::future::BoxFuture;
+use nereid_proto::inference::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
+use nereid_proto::inference::*;
+use nereid_worker::grpc::InferStream;
+use nereid_worker::grpc::convert::grpc_deadline;
+use nereid_worker::server::parse_version;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::codec::CompressionEncoding;
+use tonic::codegen::BoxStream;
+use tonic::{Request, Response};
+
+use crate::call::{DEADLINE_HEADER, parse_deadline_ms};
+use crate::error::GatewayError;
+use crate::ingress::Ingress;
+use crate::upstream::{HTTP2_CONNECTION_WINDOW, HTTP2_STREAM_WINDOW};
+
+/// Most requests of one `ModelStreamInfer` stream in flight at once.
+pub const MAX_STREAM_IN_FLIGHT: usize = 1024;
+/// Most concurrent HTTP/2 streams (RPCs) per client connection.
+const MAX_CONCURRENT_STREAMS: u32 = 4096;
+
+pub const SERVER_NAME: &str = "nereid-gateway";
+pub const SERVER_VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The KServe v2 / Triton protocol extensions the gateway implements.
+pub const EXTENSIONS: &[&str] = &["binary_tensor_data", "model_configuration", "parameters", "statistics"];
+
+type TonicResult<T> = Result<Response<T>, tonic::Status>;
+
+#[derive(Clone)]
+pub struct GatewayGrpc {
+    ingress: Ingress,
+    /// When cancelled, open streams stop reading requests, finish those in flight and end.
+    shutdown: CancellationToken,
+}
+
+/// The client's deadline from `grpc-timeout` or `x-nereid-deadline-ms`, the earlier of both.
+fn client_deadline(metadata: &tonic::metadata::MetadataMap, now: Instant) -> Option<Instant> {
+    let grpc = grpc_deadline(metadata, now);
+    let header = metadata.get(DEADLINE_HEADER).and_then(|v| v.to_str().ok()).and_then(|v| parse_deadline_ms(v, now));
+    match (grpc, header) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+fn version_of(name: &str, version: &str) -> Result<Option<i64>, tonic::Status> {
+    parse_version(name, version).map_err(|e| GatewayError::from(e).to_grpc())
+}
+
+#[tonic::async_trait]
+impl GrpcInferenceService for GatewayGrpc {
+    async fn server_live(&self, _: Request<ServerLiveRequest>) -> TonicResult<ServerLiveResponse> {
+        Ok(Response::new(ServerLiveResponse { live: true }))
+    }
+
+    async fn server_ready(&self, _: Request<ServerReadyRequest>) -> TonicResult<ServerReadyResponse> {
+        Ok(Response::new(ServerReadyResponse { ready: self.ingress.ready() }))
+    }
+
+    async fn model_ready(&self, request: Request<ModelReadyRequest>) -> TonicResult<ModelReadyResponse> {
+        let deadline = self.ingress.deadline(client_deadline(request.metadata(), Instant::now()), Instant::now());
+        let r = request.into_inner();
+        let version = version_of(&r.name, &r.version)?;
+        let ready = self.ingress.control.model_ready(&r.name, version, deadline).await.map_err(|e| e.to_grpc())?;
+        Ok(Response::new(ModelReadyResponse { ready }))
+    }
+
+    async fn server_metadata(&self, _: Request<ServerMetadataRequest>) -> TonicResult<ServerMetadataResponse> {
+        Ok(Response::new(ServerMetadataResponse {
+            name: SERVER_NAME.to_string(),
+            version: SERVER_VERSION.to_string(),
+            extensions: EXTENSIONS.iter().map(|e| e.to_string()).collect(),
+        }))
+    }
+
+    async fn model_metadata(&self, request: Request<ModelMetadataRequest>) -> TonicResult<ModelMetadataResponse> {
+        let deadline = self.ingress.deadline(client_deadline(request.metadata(), Instant::now()), Instant::now());
+        let r = request.into_inner();
+        let version = version_of(&r.name, &r.version)?;
+        let m = self.ingress.control.model_metadata(&r.name, version, deadline).await.map_err(|e| e.to_grpc())?;
+        Ok(Response::new(m))
+    }
+
+    async fn model_infer(&self, request: Request<ModelInferRequest>) -> TonicResult<ModelInferResponse> {
+        let now = Instant::now();
+        let deadline = self.ingress.deadline(client_deadline(request.metadata(), now), now);
+        // Awaited in place: if the client goes away, tonic drops this future and with it the
+        // forwarded call (the worker sees a cancelled RPC).
+        let response = self.ingress.infer(request.into_inner(), deadline).await.map_err(|e| e.to_grpc())?;
+        Ok(Response::new(response))
+    }
+
+    async fn model_stream_infer(
+        &self,
+        request: Request<tonic::Streaming<ModelInferRequest>>,
+    ) -> TonicResult<BoxStream<ModelStreamInferResponse>> {
+        // A stream's deadline bounds every request on it.
+        let stream_deadline = client_deadline(request.metadata(), Instant::now());
+        let ingress = self.ingress.clone();
+        let run = move |req: ModelInferRequest| -> BoxFuture<'static, ModelStreamInferResponse> {
+            let ingress = ingress.clone();
+            Box::pin(async move {
+                let deadline = ingress.deadline(stream_deadline, Instant::now());
+                let (id, model_name, model_version) =
+                    (req.id.clone(), req.model_name.clone(), req.model_version.clone());
+                match ingress.infer(req, deadline).await {
+                    Ok(response) => {
+                        ModelStreamInferResponse { error_message: String::new(), infer_response: Some(response) }
+                    }
+                    Err(e) => {
+                        let status = e.to_grpc();
+                        ModelStreamInferResponse {
+                            error_message: status.message().to_string(),
+                            infer_response: Some(ModelInferResponse {
+                                model_name,
+                                model_version,
+                                id,
+                                ..Default::default()
+                            }),
+                        }
+                    }
+                }
+            })
+        };
+        let stream = InferStream::new(request.into_inner(), run, MAX_STREAM_IN_FLIGHT)
+            .stop_on(self.shutdown.clone().cancelled_owned());
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn model_config(&self, request: Request<ModelConfigRequest>) -> TonicResult<ModelConfigResponse> {
+        let deadline = self.ingress.deadline(client_deadline(request.metadata(), Instant::now()), Instant::now());
+        let r = request.into_inner();
+        let version = version_of(&r.name, &r.version)?;
+        let c = self.ingress.control.model_config(&r.name, version, deadline).await.map_err(|e| e.to_grpc())?;
+        Ok(Response::new(c))
+    }
+
+    async fn model_statistics(&self, request: Request<ModelStatisticsRequest>) -> TonicResult<ModelStatisticsResponse> {
+        let deadline = self.ingress.deadline(client_deadline(request.metadata(), Instant::now()), Instant::now());
+        let r = request.into_inner();
+        let version = version_of(&r.name, &r.version)?;
+        let name = (!r.name.is_empty()).then_some(r.name.as_str());
+        let s = self.ingress.control.model_statistics(name, version, deadline).await.map_err(|e| e.to_grpc())?;
+        Ok(Response::new(s))
+    }
+
+    async fn repository_index(&self, request: Request<RepositoryIndexRequest>) -> TonicResult<RepositoryIndexResponse> {
+        let models = self.ingress.control.repository_index(request.into_inner().ready);
+        Ok(Response::new(RepositoryIndexResponse { models }))
+    }
+}
+
+/// Serves the gRPC ingress on `listener` until `shutdown` is cancelled, then stops accepting
+/// and lets open RPCs finish (open streams stop reading and end once answered). The caller
+/// bounds the wait.
+pub async fn serve(
+    listener: TcpListener,
+    ingress: Ingress,
+    shutdown: CancellationToken,
+) -> Result<(), tonic::transport::Error> {
+    let max_request = ingress.max_request_bytes;
+    let service = GrpcInferenceServiceServer::new(GatewayGrpc { ingress, shutdown: shutdown.clone() })
+        .max_decoding_message_size(max_request)
+        .max_encoding_message_size(usize::MAX)
+        .accept_compressed(CompressionEncoding::Gzip)
+        .accept_compressed(CompressionEncoding::Deflate);
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(60)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        // Large fixed windows (as the worker's): bursts of small requests on small adaptive
+        // windows trip h2's flood guard, failing every call on the connection.
+        .initial_connection_window_size(Some(HTTP2_CONNECTION_WINDOW))
+        .initial_stream_window_size(Some(HTTP2_STREAM_WINDOW))
+        .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
+        .add_service(service)
+        .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())
+        .await
+}
+
+/// Accepted connections with `TCP_NODELAY`; a short pause after an accept error (e.g. EMFILE)
+/// instead of spinning.
+fn incoming(listener: TcpListener) -> impl Stream<Item = Result<tokio::net::TcpStream, std::io::Error>> + Send {
+    futures::stream::unfold(listener, |listener| async move {
+        loop {
+            match listener.accept().await {
+                Ok((stream, _)) => {
+                    if let Err(e) = stream.set_nodelay(true) {
+                        tracing::debug!("grpc: cannot set TCP_NODELAY: {e}");
+                    }
+                    return Some((Ok(stream), listener));
+                }
+                Err(e) => {
+                    tracing::warn!("grpc: accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    })
+}

@@ -1,0 +1,287 @@
+//! HTTP ingress: the KServe v2 REST API on the same paths, JSON shapes and status codes as a
+//! worker (and tritonserver). An infer body (JSON, or JSON + binary tensor extension) is parsed
+//! once by the worker's own parser, converted into a gRPC `ModelInferRequest` with raw tensors,
+//! sent down the [`crate::stack`], and the worker's answer rendered back by the worker's own
+//! renderer — so HTTP through the gateway answers byte for byte what a worker would.
+//!
+//! Errors are `{"error": "..."}` with the status of their code; 429 carries `Retry-After`.
+//! Compressed request bodies (`Content-Encoding`) are refused with 501 in this version.
+
+mod convert;
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use nereid_common::Status;
+use nereid_common::config::config_to_json;
+use nereid_worker::http::{
+    HEADER_CONTENT_LENGTH, ParsedInfer, index_json, infer_response, model_metadata_json, parse_index_request,
+    parse_infer_request, render_infer_response, stats_json,
+};
+use nereid_worker::server::parse_version;
+use serde_json::{Value, json};
+
+use self::convert::{
+    index_entry_from_proto, infer_request_to_proto, infer_response_from_proto, metadata_from_proto, stats_from_proto,
+};
+use crate::call::{DEADLINE_HEADER, parse_deadline_ms};
+use crate::error::GatewayError;
+use crate::grpc::{EXTENSIONS, SERVER_NAME, SERVER_VERSION};
+use crate::ingress::Ingress;
+use crate::metrics::GatewayMetrics;
+use crate::routing::Routes;
+
+/// Bodies larger than this are parsed / rendered on the blocking pool.
+const OFFLOAD_JSON_BYTES: usize = 256 << 10;
+
+/// The KServe v2 HTTP API of the gateway.
+pub fn router(ingress: Ingress) -> Router {
+    Router::new()
+        .route("/v2", get(server_metadata))
+        .route("/v2/health/live", get(health_live))
+        .route("/v2/health/ready", get(health_ready))
+        .route("/v2/models/stats", get(all_model_stats))
+        .route("/v2/models/{model}", get(model_metadata))
+        .route("/v2/models/{model}/versions/{version}", get(model_metadata))
+        .route("/v2/models/{model}/ready", get(model_ready))
+        .route("/v2/models/{model}/versions/{version}/ready", get(model_ready))
+        .route("/v2/models/{model}/config", get(model_config))
+        .route("/v2/models/{model}/versions/{version}/config", get(model_config))
+        .route("/v2/models/{model}/stats", get(model_stats))
+        .route("/v2/models/{model}/versions/{version}/stats", get(model_stats))
+        .route("/v2/models/{model}/infer", post(infer))
+        .route("/v2/models/{model}/versions/{version}/infer", post(infer))
+        .route("/v2/repository/index", post(repository_index))
+        .route("/v2/repository/models/{model}/load", post(repository_control))
+        .route("/v2/repository/models/{model}/unload", post(repository_control))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(ingress)
+}
+
+/// `GET /metrics` on the metrics port.
+pub fn metrics_router(metrics: GatewayMetrics, routes: Routes) -> Router {
+    Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let text = metrics.render(&routes.snapshot(), Instant::now());
+                async move {
+                    (
+                        [(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"))],
+                        text,
+                    )
+                }
+            }),
+        )
+        .fallback(not_found)
+}
+
+impl IntoResponse for GatewayError {
+    fn into_response(self) -> Response {
+        let mut response = (
+            self.http_status(),
+            [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+            self.json_body(),
+        )
+            .into_response();
+        if let Some(after) = self.retry_after() {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(after.as_secs().max(1)));
+        }
+        response
+    }
+}
+
+async fn not_found(uri: Uri) -> GatewayError {
+    Status::not_found(format!("no endpoint at '{}'", uri.path())).into()
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    let body = json!({ "error": format!("method {method} is not allowed for '{}'", uri.path()) }).to_string();
+    (StatusCode::METHOD_NOT_ALLOWED, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], body)
+        .into_response()
+}
+
+/// The `{model}` and optional `{version}` path segments.
+fn model_ref(params: &HashMap<String, String>) -> Result<(String, Option<i64>), GatewayError> {
+    let name = params.get("model").cloned().unwrap_or_default();
+    let version = parse_version(&name, params.get("version").map_or("", String::as_str))?;
+    Ok((name, version))
+}
+
+/// The deadline of an HTTP request: `x-nereid-deadline-ms`, capped by the gateway's limit.
+fn deadline(ingress: &Ingress, headers: &HeaderMap, now: Instant) -> Instant {
+    let client = headers.get(DEADLINE_HEADER).and_then(|v| v.to_str().ok()).and_then(|v| parse_deadline_ms(v, now));
+    ingress.deadline(client, now)
+}
+
+fn ok_or_400(ok: bool) -> StatusCode {
+    if ok { StatusCode::OK } else { StatusCode::BAD_REQUEST }
+}
+
+async fn server_metadata() -> Json<Value> {
+    Json(json!({ "name": SERVER_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS }))
+}
+
+async fn health_live() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn health_ready(State(ingress): State<Ingress>) -> StatusCode {
+    ok_or_400(ingress.ready())
+}
+
+async fn model_ready(
+    State(ingress): State<Ingress>,
+    Path(params): Path<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Result<StatusCode, GatewayError> {
+    let (name, version) = model_ref(&params)?;
+    let ready = ingress.control.model_ready(&name, version, deadline(&ingress, &headers, Instant::now())).await?;
+    Ok(ok_or_400(ready))
+}
+
+async fn model_metadata(
+    State(ingress): State<Ingress>,
+    Path(params): Path<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, GatewayError> {
+    let (name, version) = model_ref(&params)?;
+    let m = ingress.control.model_metadata(&name, version, deadline(&ingress, &headers, Instant::now())).await?;
+    Ok(Json(model_metadata_json(&metadata_from_proto(m))))
+}
+
+async fn model_config(
+    State(ingress): State<Ingress>,
+    Path(params): Path<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, GatewayError> {
+    let (name, version) = model_ref(&params)?;
+    let c = ingress.control.model_config(&name, version, deadline(&ingress, &headers, Instant::now())).await?;
+    Ok(Json(c.config.as_ref().map(config_to_json).unwrap_or_else(|| json!({}))))
+}
+
+async fn model_stats(
+    State(ingress): State<Ingress>,
+    Path(params): Path<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, GatewayError> {
+    let (name, version) = model_ref(&params)?;
+    let s =
+        ingress.control.model_statistics(Some(&name), version, deadline(&ingress, &headers, Instant::now())).await?;
+    let stats: Vec<_> = s.model_stats.into_iter().map(stats_from_proto).collect();
+    Ok(Json(stats_json(&stats)))
+}
+
+async fn all_model_stats(State(ingress): State<Ingress>, headers: HeaderMap) -> Result<Json<Value>, GatewayError> {
+    let s = ingress.control.model_statistics(None, None, deadline(&ingress, &headers, Instant::now())).await?;
+    let stats: Vec<_> = s.model_stats.into_iter().map(stats_from_proto).collect();
+    Ok(Json(stats_json(&stats)))
+}
+
+async fn repository_index(
+    State(ingress): State<Ingress>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<Value>, GatewayError> {
+    let body = read_body(&headers, body, ingress.max_request_bytes).await?;
+    let ready = parse_index_request(&body)?;
+    let rows: Vec<_> = ingress.control.repository_index(ready).into_iter().map(index_entry_from_proto).collect();
+    Ok(Json(index_json(&rows)))
+}
+
+async fn repository_control(uri: Uri) -> GatewayError {
+    Status::unimplemented(format!(
+        "'{}': the gateway does not load or unload models; placement decides what workers serve",
+        uri.path()
+    ))
+    .into()
+}
+
+/// Reads a request body, refusing a declared or actual size over `max`, and compressed bodies.
+async fn read_body(headers: &HeaderMap, body: Body, max: usize) -> Result<Bytes, GatewayError> {
+    if let Some(coding) = headers.get(header::CONTENT_ENCODING) {
+        let coding = coding.to_str().unwrap_or("?").trim();
+        if !(coding.is_empty() || coding.eq_ignore_ascii_case("identity")) {
+            return Err(Status::unimplemented(format!(
+                "Content-Encoding '{coding}' is not supported by the gateway; send the request uncompressed"
+            ))
+            .into());
+        }
+    }
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        return Err(Status::invalid(format!("request body exceeds the limit of {max} bytes")).into());
+    }
+    match Limited::new(body, max).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(Status::invalid(format!("request body exceeds the limit of {max} bytes")).into())
+        }
+        Err(e) => Err(Status::invalid(format!("failed to read the request body: {e}")).into()),
+    }
+}
+
+/// Runs `f` on the blocking pool when `heavy`, inline otherwise.
+async fn maybe_offload<T: Send + 'static>(
+    heavy: bool,
+    f: impl FnOnce() -> Result<T, Status> + Send + 'static,
+) -> Result<T, GatewayError> {
+    if heavy {
+        Ok(tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| Status::internal(format!("request conversion task failed: {e}")))??)
+    } else {
+        Ok(f()?)
+    }
+}
+
+async fn infer(
+    State(ingress): State<Ingress>,
+    Path(params): Path<HashMap<String, String>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, GatewayError> {
+    let now = Instant::now();
+    let deadline = deadline(&ingress, &headers, now);
+    let (name, version) = model_ref(&params)?;
+    let header_length = match headers.get(HEADER_CONTENT_LENGTH) {
+        None => None,
+        Some(v) => Some(v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok()).ok_or_else(|| {
+            Status::invalid(format!("Inference-Header-Content-Length must be a non-negative integer, got {v:?}"))
+        })?),
+    };
+    let max = ingress.max_request_bytes;
+    let body = read_body(&headers, body, max).await?;
+
+    let heavy = header_length.unwrap_or(body.len()).min(body.len()) > OFFLOAD_JSON_BYTES;
+    let (request, format) = maybe_offload(heavy, move || {
+        let ParsedInfer { request, format } = parse_infer_request(&name, version, body, header_length, max)?;
+        Ok((infer_request_to_proto(request), format))
+    })
+    .await?;
+
+    // Awaited here: if the client goes away, this future and the forwarded call are dropped.
+    let response = ingress.infer(request, deadline).await?;
+
+    let heavy = response.raw_output_contents.iter().map(Vec::len).sum::<usize>() > OFFLOAD_JSON_BYTES / 4;
+    let rendered = maybe_offload(heavy, move || {
+        let response = infer_response_from_proto(response)?;
+        render_infer_response(&response, &format)
+    })
+    .await?;
+    Ok(infer_response(rendered))
+}
+
+/// Serves `router` on `listener` until `shutdown` is cancelled, then finishes the requests in
+/// flight (the worker's HTTP server loop: HTTP/1.1 keep-alive and h2, `TCP_NODELAY`).
+pub use nereid_worker::http::serve;

@@ -1,0 +1,49 @@
+//! What the two ingresses (gRPC and HTTP) share: the inference stack, the control-plane
+//! forwarding, the routing table, and the gateway's own readiness.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use nereid_proto::inference::{ModelInferRequest, ModelInferResponse};
+use nereid_worker::server::parse_version;
+use tower::ServiceExt;
+
+use crate::call::{InferCall, effective_deadline};
+use crate::control::Control;
+use crate::error::GatewayError;
+use crate::routing::Routes;
+use crate::stack::InferService;
+
+/// What both ingresses share. Cheap to clone.
+#[derive(Clone)]
+pub struct Ingress {
+    pub infer: InferService,
+    pub control: Control,
+    pub routes: Routes,
+    pub request_timeout: Duration,
+    pub max_request_bytes: usize,
+    /// Set once shutdown begins: readiness turns false so load balancers stop sending.
+    pub draining: Arc<AtomicBool>,
+}
+
+impl Ingress {
+    pub fn ready(&self) -> bool {
+        !self.draining.load(Ordering::Relaxed) && self.routes.snapshot().ready()
+    }
+
+    /// The deadline of a request that arrived at `now` with `client`'s own deadline.
+    pub fn deadline(&self, client: Option<Instant>, now: Instant) -> Instant {
+        effective_deadline(client, self.request_timeout, now)
+    }
+
+    /// Runs one inference down the stack.
+    pub async fn infer(
+        &self,
+        request: ModelInferRequest,
+        deadline: Instant,
+    ) -> Result<ModelInferResponse, GatewayError> {
+        let version = parse_version(&request.model_name, &request.model_version)?;
+        self.infer.clone().oneshot(InferCall::new(request, version, deadline)).await
+    }
+}

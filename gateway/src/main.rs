@@ -1,0 +1,64 @@
+//! nereid-gateway: parse and validate flags, serve until SIGTERM/SIGINT, then drain.
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use nereid_gateway::app;
+use nereid_gateway::cli::Args;
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    init_tracing(args.log_verbose);
+    let config = match args.into_config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("nereid-gateway: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("nereid-gw").build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("nereid-gateway: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        // Installed before anything else: a signal during start-up also shuts down cleanly.
+        let shutdown = shutdown_signal()?;
+        app::run(config, shutdown).await
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("nereid-gateway: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_tracing(verbose: u8) {
+    let default = match verbose {
+        0 => "info",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_target(false).try_init();
+}
+
+/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
+}

@@ -1,0 +1,118 @@
+//! The gateway's Prometheus metrics, names as constants here. Labels are bounded: `model` is a
+//! name from the routing table or [`crate::routing::UNKNOWN_MODEL_LABEL`], `code` a canonical
+//! gRPC code name, `state` a worker state.
+
+mod layer;
+
+use std::time::Instant;
+
+use prometheus::{
+    Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+use crate::routing::{RoutingTable, WorkerState};
+pub use layer::RequestMetricsLayer;
+
+pub const REQUESTS_TOTAL: &str = "nereid_gateway_requests_total";
+pub const REQUEST_DURATION_US: &str = "nereid_gateway_request_duration_us";
+pub const RETRIES_TOTAL: &str = "nereid_gateway_retries_total";
+pub const EJECTIONS_TOTAL: &str = "nereid_gateway_ejections_total";
+pub const ROUTING_TABLE_AGE_SECONDS: &str = "nereid_gateway_routing_table_age_seconds";
+pub const WORKERS: &str = "nereid_gateway_workers";
+
+/// Worker states as the `nereid_gateway_workers{state}` gauge reports them: the membership
+/// state, with `ejected` for ready workers that outlier detection currently skips.
+pub const WORKER_STATES: [&str; 4] = ["ready", "ejected", "not_ready", "unreachable"];
+
+const LATENCY_BUCKETS_US: [f64; 17] = [
+    50.0,
+    100.0,
+    250.0,
+    500.0,
+    1_000.0,
+    2_500.0,
+    5_000.0,
+    10_000.0,
+    25_000.0,
+    50_000.0,
+    100_000.0,
+    250_000.0,
+    500_000.0,
+    1_000_000.0,
+    2_500_000.0,
+    10_000_000.0,
+    60_000_000.0,
+];
+
+#[derive(Clone)]
+pub struct GatewayMetrics {
+    registry: Registry,
+    pub requests: IntCounterVec,
+    pub duration_us: HistogramVec,
+    pub retries: IntCounter,
+    pub ejections: IntCounter,
+    table_age: Gauge,
+    workers: IntGaugeVec,
+}
+
+impl GatewayMetrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new(REQUESTS_TOTAL, "Inference requests through the gateway, by model and final gRPC status code"),
+            &["model", "code"],
+        )
+        .expect("valid metric");
+        let duration_us = HistogramVec::new(
+            HistogramOpts::new(REQUEST_DURATION_US, "Inference request latency through the gateway, in microseconds")
+                .buckets(LATENCY_BUCKETS_US.to_vec()),
+            &["model"],
+        )
+        .expect("valid metric");
+        let retries = IntCounter::new(RETRIES_TOTAL, "Retries sent to another worker").expect("valid metric");
+        let ejections = IntCounter::new(EJECTIONS_TOTAL, "Workers ejected by outlier detection").expect("valid metric");
+        let table_age = Gauge::new(ROUTING_TABLE_AGE_SECONDS, "Seconds since the routing table was last rebuilt")
+            .expect("valid metric");
+        let workers =
+            IntGaugeVec::new(Opts::new(WORKERS, "Member workers by state"), &["state"]).expect("valid metric");
+        for c in [
+            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(duration_us.clone()),
+            Box::new(retries.clone()),
+            Box::new(ejections.clone()),
+            Box::new(table_age.clone()),
+            Box::new(workers.clone()),
+        ] {
+            registry.register(c).expect("metric names are unique");
+        }
+        GatewayMetrics { registry, requests, duration_us, retries, ejections, table_age, workers }
+    }
+
+    /// The text exposition, with the gauges derived from `table` as of `now`.
+    pub fn render(&self, table: &RoutingTable, now: Instant) -> String {
+        self.table_age.set(table.age(now).as_secs_f64());
+        let mut counts = [0i64; WORKER_STATES.len()];
+        for w in table.workers() {
+            let i = match w.state {
+                WorkerState::Ready if w.upstream.is_ejected(now) => 1,
+                WorkerState::Ready => 0,
+                WorkerState::NotReady => 2,
+                WorkerState::Unreachable => 3,
+            };
+            counts[i] += 1;
+        }
+        for (state, n) in WORKER_STATES.iter().zip(counts) {
+            self.workers.with_label_values(&[state]).set(n);
+        }
+        TextEncoder::new().encode_to_string(&self.registry.gather()).unwrap_or_else(|e| {
+            tracing::warn!("metrics encoding failed: {e}");
+            String::new()
+        })
+    }
+}
+
+impl Default for GatewayMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

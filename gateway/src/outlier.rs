@@ -1,0 +1,199 @@
+//! Outlier ejection for one worker: a pure state machine on an explicit clock.
+//!
+//! A worker that fails `consecutive_failures` requests in a row — connection refused or reset,
+//! or an UNAVAILABLE answer (draining, unloading) — is *ejected*: the balancer skips it for
+//! `base_ejection × 2^k` (capped at `max_ejection`), `k` being the ejections in a row before
+//! this one. When the period ends the worker is on *probation*: it takes traffic again; its
+//! first success re-admits it fully (and resets `k`), its first failure ejects it again for
+//! twice as long. Outcomes reported while it is ejected (stragglers that were already in
+//! flight) change nothing. Any answer other than UNAVAILABLE — even an error such as
+//! INVALID_ARGUMENT — shows the worker is up and counts as a success.
+//!
+//! The balancer ignores ejections when every worker holding a model is ejected (better to try a
+//! suspect worker than to fail the request outright), as Envoy's panic threshold does.
+
+use std::time::{Duration, Instant};
+
+use crate::config::OutlierConfig;
+
+/// What a finished request says about the worker's health.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The worker answered (whatever the status, except UNAVAILABLE).
+    Success,
+    /// Connection failure or UNAVAILABLE.
+    Failure,
+    /// Says nothing about the worker (e.g. the client cancelled or its deadline passed).
+    Neutral,
+}
+
+#[derive(Clone, Debug)]
+pub struct OutlierDetector {
+    config: OutlierConfig,
+    consecutive_failures: u32,
+    /// Ejections in a row without a success in between (drives the backoff).
+    ejections_in_a_row: u32,
+    /// Set while ejected; kept once the period is over (probation) until the next outcome.
+    ejected_until: Option<Instant>,
+}
+
+impl OutlierDetector {
+    pub fn new(config: OutlierConfig) -> Self {
+        OutlierDetector { config, consecutive_failures: 0, ejections_in_a_row: 0, ejected_until: None }
+    }
+
+    /// Whether the balancer should skip this worker at `now`.
+    pub fn is_ejected(&self, now: Instant) -> bool {
+        self.ejected_until.is_some_and(|until| now < until)
+    }
+
+    /// Records a finished request; returns `true` when this outcome ejected the worker.
+    pub fn record(&mut self, outcome: Outcome, now: Instant) -> bool {
+        if self.is_ejected(now) {
+            return false;
+        }
+        let on_probation = self.ejected_until.is_some();
+        match outcome {
+            Outcome::Neutral => false,
+            Outcome::Success => {
+                self.consecutive_failures = 0;
+                if on_probation {
+                    self.ejected_until = None;
+                    self.ejections_in_a_row = 0;
+                }
+                false
+            }
+            Outcome::Failure => {
+                self.consecutive_failures += 1;
+                if on_probation || self.consecutive_failures >= self.config.consecutive_failures {
+                    self.eject(now);
+                    true
+                } else {
+                    false
+                }
+            }
+        }
+    }
+
+    /// The ejection period for the next ejection.
+    pub fn next_ejection(&self) -> Duration {
+        let factor = 1u32.checked_shl(self.ejections_in_a_row.min(31)).unwrap_or(u32::MAX);
+        self.config.base_ejection.saturating_mul(factor).min(self.config.max_ejection)
+    }
+
+    fn eject(&mut self, now: Instant) {
+        self.ejected_until = Some(now + self.next_ejection());
+        self.ejections_in_a_row = self.ejections_in_a_row.saturating_add(1);
+        self.consecutive_failures = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn config() -> OutlierConfig {
+        OutlierConfig {
+            consecutive_failures: 3,
+            base_ejection: Duration::from_secs(1),
+            max_ejection: Duration::from_secs(5),
+        }
+    }
+
+    #[test]
+    fn ejects_after_consecutive_failures_and_readmits_after_the_period() {
+        let t0 = Instant::now();
+        let mut d = OutlierDetector::new(config());
+        assert!(!d.record(Outcome::Failure, t0));
+        assert!(!d.record(Outcome::Failure, t0));
+        // A success in between resets the count.
+        assert!(!d.record(Outcome::Success, t0));
+        assert!(!d.record(Outcome::Failure, t0));
+        assert!(!d.record(Outcome::Failure, t0));
+        assert!(!d.is_ejected(t0));
+        assert!(d.record(Outcome::Failure, t0), "third failure in a row ejects");
+        assert!(d.is_ejected(t0));
+        assert!(d.is_ejected(t0 + Duration::from_millis(999)));
+        // Stragglers while ejected change nothing.
+        assert!(!d.record(Outcome::Failure, t0 + Duration::from_millis(500)));
+        assert!(!d.record(Outcome::Success, t0 + Duration::from_millis(500)));
+        // Re-admitted (on probation) once the period is over.
+        let t1 = t0 + Duration::from_secs(1);
+        assert!(!d.is_ejected(t1));
+        // A failure on probation ejects again at once, for twice as long.
+        assert!(d.record(Outcome::Failure, t1));
+        assert!(d.is_ejected(t1 + Duration::from_millis(1999)));
+        let t2 = t1 + Duration::from_secs(2);
+        assert!(!d.is_ejected(t2));
+        // A success on probation re-admits fully: the backoff starts over.
+        assert!(!d.record(Outcome::Success, t2));
+        assert_eq!(d.next_ejection(), Duration::from_secs(1));
+        assert!(!d.record(Outcome::Failure, t2), "no longer on probation: one failure is not enough");
+    }
+
+    #[test]
+    fn backoff_is_capped() {
+        let mut now = Instant::now();
+        let mut d = OutlierDetector::new(config());
+        for _ in 0..3 {
+            d.record(Outcome::Failure, now);
+        }
+        let mut periods = vec![];
+        for _ in 0..6 {
+            let start = now;
+            while d.is_ejected(now) {
+                now += Duration::from_millis(100);
+            }
+            periods.push((now - start).as_millis());
+            assert!(d.record(Outcome::Failure, now));
+        }
+        assert_eq!(periods, vec![1000, 2000, 4000, 5000, 5000, 5000]);
+    }
+
+    #[test]
+    fn neutral_outcomes_count_for_nothing() {
+        let t0 = Instant::now();
+        let mut d = OutlierDetector::new(config());
+        d.record(Outcome::Failure, t0);
+        d.record(Outcome::Failure, t0);
+        d.record(Outcome::Neutral, t0);
+        assert!(d.record(Outcome::Failure, t0));
+    }
+
+    proptest! {
+        /// Whatever the outcomes: an ejection lasts between the base and the max period, and a
+        /// worker is never ejected without `consecutive_failures` failures in a row (or one on
+        /// probation) right before.
+        #[test]
+        fn ejections_are_bounded(steps in proptest::collection::vec((0u8..3, 0u64..3000), 1..200)) {
+            let cfg = config();
+            let mut now = Instant::now();
+            let mut d = OutlierDetector::new(cfg);
+            let mut run = 0u32;
+            for (o, dt) in steps {
+                now += Duration::from_millis(dt);
+                let outcome = [Outcome::Success, Outcome::Failure, Outcome::Neutral][o as usize];
+                let was_ejected = d.is_ejected(now);
+                let on_probation = d.ejected_until.is_some() && !was_ejected;
+                if !was_ejected {
+                    match outcome {
+                        Outcome::Failure => run += 1,
+                        Outcome::Success => run = 0,
+                        Outcome::Neutral => {}
+                    }
+                }
+                let ejected = d.record(outcome, now);
+                if ejected {
+                    prop_assert!(!was_ejected);
+                    prop_assert!(run >= cfg.consecutive_failures || on_probation);
+                    run = 0;
+                    let until = d.ejected_until.unwrap();
+                    prop_assert!(until - now >= cfg.base_ejection && until - now <= cfg.max_ejection);
+                    prop_assert!(d.is_ejected(now));
+                    prop_assert!(!d.is_ejected(now + cfg.max_ejection));
+                }
+            }
+        }
+    }
+}

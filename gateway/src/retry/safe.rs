@@ -1,0 +1,45 @@
+//! [`SafeRetry`]: the gateway's retry policy for inference. A failed call is retried only when
+//! the worker provably did not run it ([`crate::forward::FailureKind::safe_to_retry`]: the
+//! connection could not be made or the stream was refused, or the worker answered UNAVAILABLE
+//! because it is draining or unloading) and another worker holding the model version is
+//! available. The retry excludes every worker the call already failed on.
+
+use std::time::Instant;
+
+use super::Policy;
+use crate::balance::choose;
+use crate::call::InferCall;
+use crate::error::GatewayError;
+use crate::routing::Routes;
+
+#[derive(Clone)]
+pub struct SafeRetry {
+    routes: Routes,
+}
+
+impl SafeRetry {
+    pub fn new(routes: Routes) -> Self {
+        SafeRetry { routes }
+    }
+}
+
+impl Policy<InferCall, GatewayError> for SafeRetry {
+    fn retry(&self, call: &InferCall, error: &GatewayError) -> Option<InferCall> {
+        let GatewayError::Upstream(e) = error else {
+            return None;
+        };
+        if !e.kind.safe_to_retry() {
+            return None;
+        }
+        let mut next = call.clone();
+        next.target = None;
+        if !next.excluded.contains(&e.worker) {
+            next.excluded.push(e.worker.clone());
+        }
+        // Pointless when no other worker could take it: the client gets the real error.
+        let table = self.routes.snapshot();
+        let route = table.resolve(call.model(), call.version).ok()?;
+        choose(&table, route.holders, &next.excluded, Instant::now(), &mut rand::rng())?;
+        Some(next)
+    }
+}

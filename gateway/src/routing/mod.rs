@@ -1,0 +1,289 @@
+//! The routing table: an immutable snapshot of the members and of the model versions each
+//! holds, swapped whole whenever membership publishes a new one. Readers take an `Arc` of the
+//! current snapshot and never wait on whoever builds the next one (the request path never waits
+//! on discovery or, later, on etcd).
+//!
+//! Only workers that are *ready* (not draining, reachable) route traffic, and only to versions
+//! they report READY. A model no member lists at all is unknown (NOT_FOUND); a model listed but
+//! READY nowhere is UNAVAILABLE.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nereid_proto::inference::repository_index_response::ModelIndex;
+use tokio::sync::watch;
+
+use crate::upstream::Upstream;
+
+/// Metrics label of a model that is not in the routing table.
+pub const UNKNOWN_MODEL_LABEL: &str = "_unknown";
+
+/// What membership last observed about one worker.
+#[derive(Clone, Debug)]
+pub struct WorkerView {
+    pub upstream: Arc<Upstream>,
+    pub state: WorkerState,
+    /// Its repository index (every model and version, any state).
+    pub models: Vec<ModelIndex>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerState {
+    /// Answers and reports itself ready: routes traffic.
+    Ready,
+    /// Answers but is not ready (starting, or draining): no new traffic.
+    NotReady,
+    /// Did not answer the last poll (or, later, lost its etcd lease).
+    Unreachable,
+}
+
+impl WorkerState {
+    pub fn label(self) -> &'static str {
+        match self {
+            WorkerState::Ready => "ready",
+            WorkerState::NotReady => "not_ready",
+            WorkerState::Unreachable => "unreachable",
+        }
+    }
+}
+
+/// Why a request has nowhere to go.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    #[error("model '{model}' is not found on any worker")]
+    ModelNotFound { model: String },
+    #[error("model '{model}' has no version '{version}' on any worker")]
+    VersionNotFound { model: String, version: i64 },
+    #[error("no worker has model '{model}'{} ready", version.map(|v| format!(" version {v}")).unwrap_or_default())]
+    NoReadyWorker { model: String, version: Option<i64> },
+}
+
+#[derive(Debug, Default)]
+struct ModelRoutes {
+    /// Indices (into `workers`) of the ready workers holding each version READY.
+    ready: BTreeMap<i64, Vec<usize>>,
+    /// Every version some member lists, in any state.
+    known_versions: BTreeSet<i64>,
+}
+
+/// Where a request for one model version may go.
+#[derive(Debug)]
+pub struct Route<'a> {
+    /// The version resolved (the latest READY one when the request named none).
+    pub version: i64,
+    /// Indices of the workers holding it READY (see [`RoutingTable::upstream`]).
+    pub holders: &'a [usize],
+}
+
+#[derive(Debug)]
+pub struct RoutingTable {
+    built_at: Instant,
+    workers: Vec<WorkerView>,
+    models: HashMap<String, ModelRoutes>,
+}
+
+impl RoutingTable {
+    /// The table before anything was discovered: no workers, no models.
+    pub fn empty(now: Instant) -> Self {
+        RoutingTable { built_at: now, workers: Vec::new(), models: HashMap::new() }
+    }
+
+    /// Builds a snapshot from what membership observed at `built_at`.
+    pub fn build(workers: Vec<WorkerView>, built_at: Instant) -> Self {
+        let mut models: HashMap<String, ModelRoutes> = HashMap::new();
+        for (i, w) in workers.iter().enumerate() {
+            for m in &w.models {
+                let routes = models.entry(m.name.clone()).or_default();
+                let Ok(version) = m.version.parse::<i64>() else {
+                    continue; // A model without a loaded version: known, not routable.
+                };
+                routes.known_versions.insert(version);
+                if w.state == WorkerState::Ready && m.state == "READY" {
+                    let holders = routes.ready.entry(version).or_default();
+                    if !holders.contains(&i) {
+                        holders.push(i);
+                    }
+                }
+            }
+        }
+        RoutingTable { built_at, workers, models }
+    }
+
+    /// Where `model` (`version`, or the latest READY one) may be served.
+    pub fn resolve(&self, model: &str, version: Option<i64>) -> Result<Route<'_>, RouteError> {
+        let routes = self.models.get(model).ok_or_else(|| RouteError::ModelNotFound { model: model.to_string() })?;
+        match version {
+            Some(v) => match routes.ready.get(&v) {
+                Some(holders) if !holders.is_empty() => Ok(Route { version: v, holders }),
+                _ if routes.known_versions.contains(&v) => {
+                    Err(RouteError::NoReadyWorker { model: model.to_string(), version: Some(v) })
+                }
+                _ => Err(RouteError::VersionNotFound { model: model.to_string(), version: v }),
+            },
+            None => routes
+                .ready
+                .iter()
+                .rev()
+                .find(|(_, h)| !h.is_empty())
+                .map(|(v, holders)| Route { version: *v, holders })
+                .ok_or_else(|| RouteError::NoReadyWorker { model: model.to_string(), version: None }),
+        }
+    }
+
+    /// The worker at `index` (from a [`Route`]).
+    pub fn upstream(&self, index: usize) -> &Arc<Upstream> {
+        &self.workers[index].upstream
+    }
+
+    pub fn workers(&self) -> &[WorkerView] {
+        &self.workers
+    }
+
+    /// Ready when at least one worker routes at least one model version.
+    pub fn ready(&self) -> bool {
+        self.models.values().any(|m| m.ready.values().any(|h| !h.is_empty()))
+    }
+
+    /// Whether `model` is known to any member (in any state).
+    pub fn knows(&self, model: &str) -> bool {
+        self.models.contains_key(model)
+    }
+
+    /// The bounded metrics label for a model name: itself when the table knows it.
+    pub fn model_label<'a>(&self, model: &'a str) -> &'a str {
+        if self.knows(model) { model } else { UNKNOWN_MODEL_LABEL }
+    }
+
+    /// The union of the members' repository indexes: one row per (model, version), READY when
+    /// any ready worker has it READY, else the state some member reports.
+    pub fn index(&self, ready_only: bool) -> Vec<ModelIndex> {
+        let mut rows: BTreeMap<(String, String), ModelIndex> = BTreeMap::new();
+        for w in &self.workers {
+            for m in &w.models {
+                let routable = w.state == WorkerState::Ready && m.state == "READY";
+                let key = (m.name.clone(), m.version.clone());
+                match rows.get_mut(&key) {
+                    Some(row) if row.state != "READY" && routable => *row = m.clone(),
+                    Some(_) => {}
+                    None => {
+                        let mut row = m.clone();
+                        if m.state == "READY" && !routable {
+                            row.state = "UNAVAILABLE".into();
+                            row.reason = format!("worker {} is {}", w.upstream.id, w.state.label().replace('_', " "));
+                        }
+                        rows.insert(key, row);
+                    }
+                }
+            }
+        }
+        // A versionless row ("not loaded") is dropped when some version of the model is listed.
+        let versioned: BTreeSet<String> = rows.keys().filter(|(_, v)| !v.is_empty()).map(|(n, _)| n.clone()).collect();
+        rows.into_iter()
+            .filter(|((n, v), _)| !(v.is_empty() && versioned.contains(n)))
+            .map(|(_, row)| row)
+            .filter(|row| !ready_only || row.state == "READY")
+            .collect()
+    }
+
+    pub fn age(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.built_at)
+    }
+}
+
+/// The read side: the current snapshot, without waiting. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Routes(watch::Receiver<Arc<RoutingTable>>);
+
+/// The write side, held by the membership task.
+#[derive(Debug)]
+pub struct RoutesPublisher(watch::Sender<Arc<RoutingTable>>);
+
+/// A publisher with the empty table, and its reader.
+pub fn routes(now: Instant) -> (RoutesPublisher, Routes) {
+    let (tx, rx) = watch::channel(Arc::new(RoutingTable::empty(now)));
+    (RoutesPublisher(tx), Routes(rx))
+}
+
+impl Routes {
+    /// The current snapshot (an `Arc` clone under a short read lock).
+    pub fn snapshot(&self) -> Arc<RoutingTable> {
+        self.0.borrow().clone()
+    }
+}
+
+impl RoutesPublisher {
+    /// Makes `table` the current snapshot for every reader.
+    pub fn publish(&self, table: RoutingTable) {
+        self.0.send_replace(Arc::new(table));
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::config::OutlierConfig;
+
+    pub fn row(name: &str, version: &str, state: &str) -> ModelIndex {
+        ModelIndex { name: name.into(), version: version.into(), state: state.into(), reason: String::new() }
+    }
+
+    pub fn view(addr: &str, state: WorkerState, models: Vec<ModelIndex>) -> WorkerView {
+        WorkerView { upstream: Arc::new(Upstream::new(addr, OutlierConfig::default()).unwrap()), state, models }
+    }
+
+    #[tokio::test]
+    async fn resolution_and_index() {
+        let t = RoutingTable::build(
+            vec![
+                view(
+                    "a:1",
+                    WorkerState::Ready,
+                    vec![row("m", "1", "READY"), row("m", "2", "READY"), row("x", "", "UNAVAILABLE")],
+                ),
+                view("b:1", WorkerState::Ready, vec![row("m", "1", "READY"), row("m", "3", "LOADING")]),
+                view("c:1", WorkerState::NotReady, vec![row("m", "2", "READY"), row("d", "1", "READY")]),
+            ],
+            Instant::now(),
+        );
+        assert!(t.ready());
+        // Latest READY version when none is named; version 3 is only loading.
+        let r = t.resolve("m", None).unwrap();
+        assert_eq!((r.version, r.holders), (2, &[0usize][..]));
+        assert_eq!(t.resolve("m", Some(1)).unwrap().holders, &[0, 1]);
+        assert_eq!(
+            t.resolve("m", Some(3)).unwrap_err(),
+            RouteError::NoReadyWorker { model: "m".into(), version: Some(3) }
+        );
+        assert_eq!(t.resolve("m", Some(9)).unwrap_err(), RouteError::VersionNotFound { model: "m".into(), version: 9 });
+        assert_eq!(t.resolve("nope", None).unwrap_err(), RouteError::ModelNotFound { model: "nope".into() });
+        // Known only on a draining worker: unavailable, not unknown.
+        assert_eq!(t.resolve("d", None).unwrap_err(), RouteError::NoReadyWorker { model: "d".into(), version: None });
+        assert_eq!(t.resolve("x", None).unwrap_err(), RouteError::NoReadyWorker { model: "x".into(), version: None });
+        assert_eq!(t.model_label("m"), "m");
+        assert_eq!(t.model_label("nope"), UNKNOWN_MODEL_LABEL);
+
+        let index: Vec<(String, String, String)> =
+            t.index(false).into_iter().map(|r| (r.name, r.version, r.state)).collect();
+        assert_eq!(
+            index,
+            vec![
+                ("d".into(), "1".into(), "UNAVAILABLE".into()),
+                ("m".into(), "1".into(), "READY".into()),
+                ("m".into(), "2".into(), "READY".into()),
+                ("m".into(), "3".into(), "LOADING".into()),
+                ("x".into(), "".into(), "UNAVAILABLE".into()),
+            ]
+        );
+        let ready: Vec<String> = t.index(true).into_iter().map(|r| format!("{}/{}", r.name, r.version)).collect();
+        assert_eq!(ready, vec!["m/1", "m/2"]);
+    }
+
+    #[tokio::test]
+    async fn empty_table_is_not_ready() {
+        let t = RoutingTable::empty(Instant::now());
+        assert!(!t.ready());
+        let t = RoutingTable::build(vec![view("a:1", WorkerState::Unreachable, vec![])], Instant::now());
+        assert!(!t.ready());
+    }
+}

@@ -1,0 +1,246 @@
+//! Harness for the gateway's integration tests: real `nereid-worker` processes on the example
+//! models (real ONNX Runtime) and a real `nereid-gateway` process, all on loopback with
+//! ephemeral ports reported through `--port-file`. Every wait is on a condition, bounded.
+//!
+//! The worker binary is the workspace's `target/debug/nereid-worker` (next to this test's own
+//! binary; `NEREID_WORKER_BIN` overrides): build it first with `cargo build -p nereid-worker`
+//! (CI builds the whole workspace before testing).
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+use nereid_proto::inference::model_infer_request::InferInputTensor;
+use nereid_proto::inference::{ModelInferRequest, ModelStatisticsRequest};
+use tonic::transport::Channel;
+
+pub const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+pub fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+pub fn example_models() -> PathBuf {
+    workspace().join("examples/models")
+}
+
+fn worker_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("NEREID_WORKER_BIN") {
+        return p.into();
+    }
+    // target/<profile>/deps/<this test> → target/<profile>/nereid-worker
+    let exe = std::env::current_exe().expect("current_exe");
+    let beside = exe.parent().and_then(Path::parent).map(|d| d.join("nereid-worker"));
+    match beside {
+        Some(p) if p.is_file() => p,
+        _ => workspace().join("target/debug/nereid-worker"),
+    }
+}
+
+fn ort_lib() -> PathBuf {
+    std::env::var_os("NEREID_ORT_LIB")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join(".deps/onnxruntime/libonnxruntime.so"))
+}
+
+/// A child process with ephemeral ports, killed (SIGKILL) on drop.
+pub struct Proc {
+    pub name: &'static str,
+    pub child: Child,
+    pub http: u16,
+    pub grpc: u16,
+    pub metrics: u16,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Proc {
+    fn spawn(name: &'static str, bin: &Path, args: &[String], env: &[(&str, PathBuf)]) -> Proc {
+        assert!(
+            bin.is_file(),
+            "{} is missing — build it first (`cargo build --workspace`, or `cargo build -p nereid-worker`)",
+            bin.display()
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let port_file = dir.path().join("ports.json");
+        let log = dir.path().join(format!("{name}.log"));
+        let mut cmd = Command::new(bin);
+        cmd.args(args)
+            .args(["--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
+            .arg("--port-file")
+            .arg(&port_file)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {}: {e}", bin.display()));
+        let deadline = Instant::now() + START_TIMEOUT;
+        let ports: serde_json::Value = loop {
+            if let Ok(text) = std::fs::read_to_string(&port_file) {
+                break serde_json::from_str(&text).unwrap();
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("{name} exited with {status}: {}", std::fs::read_to_string(&log).unwrap_or_default());
+            }
+            assert!(Instant::now() < deadline, "{name} did not write its port file");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let port = |k: &str| ports[k].as_u64().unwrap() as u16;
+        Proc { name, child, http: port("http"), grpc: port("grpc"), metrics: port("metrics"), log, _dir: dir }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn grpc_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.grpc)
+    }
+
+    pub fn http_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.http)
+    }
+
+    pub async fn client(&self) -> GrpcInferenceServiceClient<Channel> {
+        GrpcInferenceServiceClient::connect(format!("http://127.0.0.1:{}", self.grpc)).await.unwrap()
+    }
+
+    pub async fn metrics_text(&self) -> String {
+        match reqwest::get(format!("http://127.0.0.1:{}/metrics", self.metrics)).await {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        }
+    }
+
+    /// The value of one series (exact name + labels as rendered), if present.
+    pub async fn metric(&self, series: &str) -> Option<f64> {
+        self.metrics_text()
+            .await
+            .lines()
+            .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) {
+        let status = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        assert!(status.success());
+    }
+
+    /// Waits (bounded) for the process to exit; its exit code.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<i32> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code();
+            }
+            assert!(Instant::now() < deadline, "{} did not exit in {within:?}: {}", self.name, self.log());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits (bounded) until `cond` holds.
+pub async fn wait_until<F, Fut>(what: &str, within: Duration, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    while !cond().await {
+        assert!(Instant::now() < deadline, "timed out after {within:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn http_status(url: &str) -> u16 {
+    reqwest::get(url).await.map(|r| r.status().as_u16()).unwrap_or(0)
+}
+
+/// A worker on `repo` (loading `models` explicitly, or everything when empty), ready.
+pub async fn start_worker(repo: &Path, models: &[&str]) -> Proc {
+    let mut args = vec!["--model-repository".to_string(), repo.display().to_string()];
+    if !models.is_empty() {
+        args.extend(["--model-control-mode".into(), "explicit".into()]);
+        for m in models {
+            args.extend(["--load-model".into(), m.to_string()]);
+        }
+    }
+    let worker = Proc::spawn("worker", &worker_bin(), &args, &[("NEREID_ORT_LIB", ort_lib())]);
+    let url = worker.http_url("/v2/health/ready");
+    wait_until("the worker to be ready", START_TIMEOUT, || async { http_status(&url).await == 200 }).await;
+    worker
+}
+
+/// A gateway in front of `workers`, waited on until every worker is ready in its table.
+pub async fn start_gateway(workers: &[&Proc], extra: &[&str]) -> Proc {
+    let mut args: Vec<String> = Vec::new();
+    for w in workers {
+        args.extend(["--worker-grpc".into(), w.grpc_addr()]);
+    }
+    args.extend(["--discovery-interval-ms".into(), "100".into()]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let gateway = Proc::spawn("gateway", Path::new(env!("CARGO_BIN_EXE_nereid-gateway")), &args, &[]);
+    let n = workers.len() as f64;
+    wait_until("the gateway to route to every worker", START_TIMEOUT, || async {
+        gateway.metric("nereid_gateway_workers{state=\"ready\"}").await == Some(n)
+    })
+    .await;
+    assert_eq!(http_status(&gateway.http_url("/v2/health/ready")).await, 200);
+    gateway
+}
+
+/// A temporary repository with `identity_fp32`'s ONNX file served as each `(name, config)`.
+pub fn identity_repo(models: &[(&str, &str)]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let onnx = example_models().join("identity_fp32/1/model.onnx");
+    assert!(onnx.is_file(), "{} is missing — run `bash scripts/setup.sh`", onnx.display());
+    for (name, config) in models {
+        let v = dir.path().join(name).join("1");
+        std::fs::create_dir_all(&v).unwrap();
+        std::fs::copy(&onnx, v.join("model.onnx")).unwrap();
+        std::fs::write(dir.path().join(name).join("config.pbtxt"), config).unwrap();
+    }
+    dir
+}
+
+/// An FP32 request with one input `INPUT0` of `shape`, values `f(i)`.
+pub fn fp32_request(model: &str, version: &str, shape: &[i64], f: impl Fn(usize) -> f32) -> ModelInferRequest {
+    let n: i64 = shape.iter().product();
+    let data: Vec<u8> = (0..n as usize).flat_map(|i| f(i).to_le_bytes()).collect();
+    ModelInferRequest {
+        model_name: model.into(),
+        model_version: version.into(),
+        inputs: vec![InferInputTensor {
+            name: "INPUT0".into(),
+            datatype: "FP32".into(),
+            shape: shape.to_vec(),
+            ..Default::default()
+        }],
+        raw_input_contents: vec![data],
+        ..Default::default()
+    }
+}
+
+/// `inference_count` of `model` as the worker's own statistics report it.
+pub async fn inference_count(worker: &Proc, model: &str) -> u64 {
+    let stats = worker
+        .client()
+        .await
+        .model_statistics(ModelStatisticsRequest { name: model.into(), version: String::new() })
+        .await
+        .unwrap()
+        .into_inner();
+    stats.model_stats.iter().map(|s| s.inference_count).sum()
+}

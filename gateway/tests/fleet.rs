@@ -1,0 +1,337 @@
+//! Two real workers behind a real gateway: results through the gateway equal results straight
+//! from a worker (gRPC, HTTP JSON and binary), load spreads over both, a worker killed with
+//! SIGKILL under load costs at most the requests in flight on it, unknown models are NOT_FOUND,
+//! and the gateway's metrics are there.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::{Proc, example_models, fp32_request, inference_count, start_gateway, start_worker, wait_until};
+use nereid_proto::inference::*;
+use serde_json::{Value, json};
+
+const MODELS: &[&str] = &["identity_fp32", "mlp_fp32", "versioned_scale"];
+
+async fn fleet() -> (Proc, Proc, Proc) {
+    let repo = example_models();
+    let (a, b) = tokio::join!(start_worker(&repo, MODELS), start_worker(&repo, MODELS));
+    let gateway = start_gateway(&[&a, &b], &[]).await;
+    (a, b, gateway)
+}
+
+fn strip_id(mut r: ModelInferResponse) -> ModelInferResponse {
+    r.parameters.clear();
+    r
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn results_through_the_gateway_equal_results_from_a_worker() {
+    let (a, _b, gateway) = fleet().await;
+    let mut direct = a.client().await;
+    let mut through = gateway.client().await;
+    let cases = [
+        fp32_request("identity_fp32", "", &[2, 16], |i| i as f32 * 0.5 - 3.0),
+        fp32_request("mlp_fp32", "", &[3, 256], |i| ((i * 37) % 101) as f32 / 50.0 - 1.0),
+        fp32_request("versioned_scale", "1", &[1, 4], |i| i as f32 + 1.0),
+        fp32_request("versioned_scale", "2", &[1, 4], |i| i as f32 + 1.0),
+        fp32_request("versioned_scale", "", &[1, 4], |i| i as f32 + 1.0),
+    ];
+    for mut req in cases {
+        req.id = format!("{}-{}", req.model_name, req.model_version);
+        let want = strip_id(direct.model_infer(req.clone()).await.unwrap().into_inner());
+        let got = strip_id(through.model_infer(req.clone()).await.unwrap().into_inner());
+        assert_eq!(got, want, "{}", req.id);
+    }
+    // The version pin is honoured: versions 1 and 2 answer differently.
+    let v = |version: &str| fp32_request("versioned_scale", version, &[1, 4], |_| 1.0);
+    let one = through.model_infer(v("1")).await.unwrap().into_inner();
+    let two = through.model_infer(v("2")).await.unwrap().into_inner();
+    assert_eq!((one.model_version.as_str(), two.model_version.as_str()), ("1", "2"));
+    assert_ne!(one.raw_output_contents, two.raw_output_contents);
+
+    // HTTP JSON, with and without a version, and the binary tensor extension.
+    let http = reqwest::Client::new();
+    let body =
+        json!({"id": "j", "inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4.5]}]});
+    for path in ["/v2/models/versioned_scale/infer", "/v2/models/versioned_scale/versions/1/infer"] {
+        let want: Value = http.post(a.http_url(path)).json(&body).send().await.unwrap().json().await.unwrap();
+        let got = http.post(gateway.http_url(path)).json(&body).send().await.unwrap();
+        assert_eq!(got.status(), 200);
+        assert_eq!(got.json::<Value>().await.unwrap(), want, "{path}");
+    }
+    let header = br#"{"inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"FP32","parameters":{"binary_data_size":64}}],"parameters":{"binary_data_output":true}}"#;
+    let mut binary = header.to_vec();
+    binary.extend((0..16).flat_map(|i| (i as f32 * 1.25).to_le_bytes()));
+    let send = |port_url: String| {
+        http.post(port_url)
+            .header("Inference-Header-Content-Length", header.len().to_string())
+            .header("Content-Type", "application/octet-stream")
+            .body(binary.clone())
+            .send()
+    };
+    let want = send(a.http_url("/v2/models/identity_fp32/infer")).await.unwrap();
+    let got = send(gateway.http_url("/v2/models/identity_fp32/infer")).await.unwrap();
+    assert_eq!(got.status(), 200);
+    assert_eq!(
+        got.headers().get("inference-header-content-length"),
+        want.headers().get("inference-header-content-length")
+    );
+    assert_eq!(got.bytes().await.unwrap(), want.bytes().await.unwrap());
+
+    // Model metadata, config, readiness and the repository index answer as the worker does.
+    for path in ["/v2/models/mlp_fp32", "/v2/models/versioned_scale/versions/2", "/v2/models/mlp_fp32/config"] {
+        let want: Value = reqwest::get(a.http_url(path)).await.unwrap().json().await.unwrap();
+        let got: Value = reqwest::get(gateway.http_url(path)).await.unwrap().json().await.unwrap();
+        assert_eq!(got, want, "{path}");
+    }
+    assert_eq!(reqwest::get(gateway.http_url("/v2/models/mlp_fp32/ready")).await.unwrap().status(), 200);
+    assert_eq!(reqwest::get(gateway.http_url("/v2/models/nope/ready")).await.unwrap().status(), 400);
+    let index: Value = http
+        .post(gateway.http_url("/v2/repository/index"))
+        .json(&json!({"ready": true}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let want: Value = http
+        .post(a.http_url("/v2/repository/index"))
+        .json(&json!({"ready": true}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(index, want);
+    let meta = through
+        .model_metadata(ModelMetadataRequest { name: "mlp_fp32".into(), version: String::new() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(meta.inputs[0].shape, vec![-1, 256]);
+    let config =
+        through.model_config(ModelConfigRequest { name: "mlp_fp32".into(), version: String::new() }).await.unwrap();
+    assert_eq!(config.into_inner().config.unwrap().max_batch_size, 64);
+    let index =
+        through.repository_index(RepositoryIndexRequest { repository_name: String::new(), ready: true }).await.unwrap();
+    assert_eq!(index.into_inner().models.len(), 4); // identity, mlp, versioned_scale 1 and 2
+
+    // Streaming: each request forwarded on its own, each answered.
+    let requests: Vec<ModelInferRequest> = (0..5)
+        .map(|k| {
+            let mut r = fp32_request("identity_fp32", "", &[1, 16], move |i| (i + k) as f32);
+            r.id = format!("s{k}");
+            r
+        })
+        .collect();
+    let stream = through.model_stream_infer(futures::stream::iter(requests.clone())).await.unwrap().into_inner();
+    let results: Vec<Result<ModelStreamInferResponse, tonic::Status>> = futures::StreamExt::collect(stream).await;
+    let mut responses: Vec<ModelStreamInferResponse> = results.into_iter().map(Result::unwrap).collect();
+    responses.sort_by(|x, y| x.infer_response.as_ref().unwrap().id.cmp(&y.infer_response.as_ref().unwrap().id));
+    assert_eq!(responses.len(), 5);
+    for (req, resp) in requests.iter().zip(&responses) {
+        assert_eq!(resp.error_message, "");
+        assert_eq!(resp.infer_response.as_ref().unwrap().raw_output_contents[0], req.raw_input_contents[0]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_models_are_not_found_and_metrics_are_bounded() {
+    let (_a, _b, gateway) = fleet().await;
+    let mut through = gateway.client().await;
+    let e = through.model_infer(fp32_request("no_such_model", "", &[1, 4], |_| 0.0)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    assert!(e.message().contains("no_such_model"), "{}", e.message());
+    let e = through.model_infer(fp32_request("versioned_scale", "7", &[1, 4], |_| 0.0)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    let e =
+        through.model_metadata(ModelMetadataRequest { name: "nope".into(), version: String::new() }).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+    // A worker's own error (wrong shape) passes through with its code and message.
+    let e = through.model_infer(fp32_request("identity_fp32", "", &[1, 3], |_| 0.0)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+
+    let http = reqwest::Client::new();
+    let r = http
+        .post(gateway.http_url("/v2/models/no_such_model/infer"))
+        .json(&json!({"inputs": [{"name": "INPUT0", "shape": [1], "datatype": "FP32", "data": [1]}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert!(r.json::<Value>().await.unwrap()["error"].as_str().unwrap().contains("no_such_model"));
+    assert_eq!(reqwest::get(gateway.http_url("/v2/models/nope")).await.unwrap().status(), 404);
+    assert_eq!(reqwest::get(gateway.http_url("/v2/nowhere")).await.unwrap().status(), 404);
+
+    through.model_infer(fp32_request("identity_fp32", "", &[1, 16], |_| 0.0)).await.unwrap();
+    let text = gateway.metrics_text().await;
+    for series in [
+        "nereid_gateway_requests_total{code=\"NOT_FOUND\",model=\"_unknown\"} 2",
+        "nereid_gateway_requests_total{code=\"NOT_FOUND\",model=\"versioned_scale\"} 1",
+        "nereid_gateway_requests_total{code=\"INVALID_ARGUMENT\",model=\"identity_fp32\"} 1",
+        "nereid_gateway_requests_total{code=\"OK\",model=\"identity_fp32\"} 1",
+        "nereid_gateway_request_duration_us_count{model=\"identity_fp32\"} 2",
+        "nereid_gateway_retries_total 0",
+        "nereid_gateway_ejections_total 0",
+        "nereid_gateway_workers{state=\"ready\"} 2",
+        "nereid_gateway_workers{state=\"unreachable\"} 0",
+    ] {
+        assert!(text.lines().any(|l| l == series), "missing `{series}` in:\n{text}");
+    }
+    let age = gateway.metric("nereid_gateway_routing_table_age_seconds").await.unwrap();
+    assert!((0.0..5.0).contains(&age), "{age}");
+    assert!(!text.contains("no_such_model"), "unknown model names must not become labels");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_spreads_over_both_workers() {
+    let (a, b, gateway) = fleet().await;
+    let mut through = gateway.client().await;
+    for i in 0..40 {
+        through.model_infer(fp32_request("mlp_fp32", "", &[1, 256], |j| (i + j) as f32 / 256.0)).await.unwrap();
+    }
+    let (na, nb) = (inference_count(&a, "mlp_fp32").await, inference_count(&b, "mlp_fp32").await);
+    assert_eq!(na + nb, 40);
+    assert!(na > 0 && nb > 0, "every request went to one worker: {na} / {nb}");
+    // Statistics through the gateway are the fleet's: the sum over both workers.
+    let stats = through
+        .model_statistics(ModelStatisticsRequest { name: "mlp_fp32".into(), version: String::new() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stats.model_stats.iter().map(|s| s.inference_count).sum::<u64>(), 40);
+    let json: Value = reqwest::get(gateway.http_url("/v2/models/mlp_fp32/stats")).await.unwrap().json().await.unwrap();
+    assert_eq!(json["model_stats"][0]["inference_count"], 40);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_a_worker_under_load_costs_only_its_in_flight_requests() {
+    const CLIENTS: usize = 4;
+    const PER_REQUEST: Duration = Duration::from_secs(10);
+    let (mut a, b, gateway) = fleet().await;
+    let ok = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let hung = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for c in 0..CLIENTS {
+        let mut client = gateway.client().await;
+        let (ok, failed, hung, stop) = (ok.clone(), failed.clone(), hung.clone(), stop.clone());
+        clients.push(tokio::spawn(async move {
+            let mut i = 0usize;
+            // Bounded: stops when told, or after 100 000 requests whatever happens.
+            while !stop.load(Ordering::Relaxed) && i < 100_000 {
+                i += 1;
+                let req = fp32_request("identity_fp32", "", &[1, 16], |j| (c * 1000 + i + j) as f32);
+                match tokio::time::timeout(PER_REQUEST, client.model_infer(req.clone())).await {
+                    Ok(Ok(r)) => {
+                        assert_eq!(r.into_inner().raw_output_contents[0], req.raw_input_contents[0]);
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(Err(e)) => {
+                        eprintln!("request failed: {e:?}");
+                        failed.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => {
+                        hung.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }));
+    }
+    // Load is flowing to both workers.
+    wait_until("requests on both workers", Duration::from_secs(30), || async {
+        inference_count(&a, "identity_fp32").await > 20 && inference_count(&b, "identity_fp32").await > 20
+    })
+    .await;
+    a.child.kill().unwrap(); // SIGKILL: no drain, connections reset.
+    a.child.wait().unwrap();
+    let at_kill = ok.load(Ordering::Relaxed);
+    wait_until("200 more successes after the kill", Duration::from_secs(60), || async {
+        ok.load(Ordering::Relaxed) >= at_kill + 200
+    })
+    .await;
+    wait_until("the dead worker to leave the routing table", Duration::from_secs(30), || async {
+        gateway.metric("nereid_gateway_workers{state=\"unreachable\"}").await == Some(1.0)
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        tokio::time::timeout(PER_REQUEST * 2, c).await.expect("a client loop hung").unwrap();
+    }
+    let (failed, hung) = (failed.load(Ordering::Relaxed), hung.load(Ordering::Relaxed));
+    assert_eq!(hung, 0, "requests hung");
+    assert!(failed <= CLIENTS as u64, "{failed} failures: more than the {CLIENTS} requests that can be in flight");
+    // Requests that found the dead worker's connection refused were retried elsewhere.
+    let retries = gateway.metric("nereid_gateway_retries_total").await.unwrap();
+    let ejections = gateway.metric("nereid_gateway_ejections_total").await.unwrap();
+    eprintln!("after the kill: {failed} failed, {retries} retried, {ejections} ejections");
+    // Everything now goes to the survivor.
+    let before = inference_count(&b, "identity_fp32").await;
+    let mut client = gateway.client().await;
+    for _ in 0..10 {
+        client.model_infer(fp32_request("identity_fp32", "", &[1, 16], |_| 1.0)).await.unwrap();
+    }
+    assert_eq!(inference_count(&b, "identity_fp32").await, before + 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_draining_on_sigterm_under_load_fails_no_request() {
+    const CLIENTS: usize = 4;
+    let (mut a, b, gateway) = fleet().await;
+    let ok = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for c in 0..CLIENTS {
+        let mut client = gateway.client().await;
+        let (ok, failed, stop, errors) = (ok.clone(), failed.clone(), stop.clone(), errors.clone());
+        clients.push(tokio::spawn(async move {
+            let mut i = 0usize;
+            while !stop.load(Ordering::Relaxed) && i < 100_000 {
+                i += 1;
+                let req = fp32_request("mlp_fp32", "", &[1, 256], |j| ((c + i + j) % 7) as f32);
+                match tokio::time::timeout(Duration::from_secs(10), client.model_infer(req)).await {
+                    Ok(Ok(_)) => ok.fetch_add(1, Ordering::Relaxed),
+                    Ok(Err(e)) => {
+                        errors.lock().unwrap().push(format!("{:?}: {}", e.code(), e.message()));
+                        failed.fetch_add(1, Ordering::Relaxed)
+                    }
+                    Err(_) => {
+                        errors.lock().unwrap().push("hung".into());
+                        failed.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+            }
+        }));
+    }
+    wait_until("requests on both workers", Duration::from_secs(30), || async {
+        inference_count(&a, "mlp_fp32").await > 20 && inference_count(&b, "mlp_fp32").await > 20
+    })
+    .await;
+    a.terminate();
+    assert_eq!(a.wait_exit(Duration::from_secs(30)), Some(0), "{}", a.log());
+    let at_exit = ok.load(Ordering::Relaxed);
+    wait_until("100 more successes after the drain", Duration::from_secs(60), || async {
+        ok.load(Ordering::Relaxed) >= at_exit + 100
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        tokio::time::timeout(Duration::from_secs(20), c).await.expect("a client loop hung").unwrap();
+    }
+    assert_eq!(
+        failed.load(Ordering::Relaxed),
+        0,
+        "a graceful drain must fail no request: {:?}\nworker log:\n{}\ngateway log:\n{}",
+        errors.lock().unwrap(),
+        a.log(),
+        gateway.log()
+    );
+}

@@ -1,0 +1,183 @@
+//! The `nereid-gateway` binary as operators run it: flag errors name the flag; admission sheds
+//! at once with RESOURCE_EXHAUSTED / 429 + Retry-After; deadlines propagate (the worker sees the
+//! request cancelled); SIGTERM lets the request in flight finish, then exits 0.
+//!
+//! A "held" model (identity with a long batching delay) keeps a request in flight for a known
+//! time without any sleep in the test: the test waits on the worker's pending-request gauge.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{Proc, fp32_request, identity_repo, start_gateway, start_worker, wait_until};
+use serde_json::json;
+
+/// One request waits in the batcher for up to 3 s (until 4 arrive, which they never do).
+const HELD: &str = r#"
+name: "held"
+max_batch_size: 4
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 3000000 }
+"#;
+
+/// Same, for 60 s: only a deadline or a cancellation ends its requests within a test.
+const STUCK: &str = r#"
+name: "stuck"
+max_batch_size: 4
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 60000000 }
+"#;
+
+const PENDING: &str = "nv_inference_pending_request_count{model=\"held\",version=\"1\"}";
+const STUCK_PENDING: &str = "nv_inference_pending_request_count{model=\"stuck\",version=\"1\"}";
+
+fn run_cli(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_nereid-gateway")).args(args).output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout),
+    )
+}
+
+#[test]
+fn invalid_flags_exit_non_zero_naming_the_flag() {
+    for (args, flag) in [
+        (vec!["--http-port", "0"], "--worker-grpc"),
+        (vec!["--worker-grpc", "nohost"], "--worker-grpc"),
+        (vec!["--worker-grpc", "http://h:1"], "--worker-grpc"),
+        (vec!["--worker-grpc", "h:1", "--worker-grpc", "h:1"], "--worker-grpc"),
+        (vec!["--worker-grpc", "h:1", "--max-concurrent-requests", "0"], "--max-concurrent-requests"),
+        (vec!["--worker-grpc", "h:1", "--retry-budget-percent", "101"], "--retry-budget-percent"),
+        (vec!["--worker-grpc", "h:1", "--request-timeout-ms", "x"], "--request-timeout-ms"),
+        (vec!["--worker-grpc", "h:1", "--ejection-base-ms", "5000", "--ejection-max-ms", "10"], "--ejection-max-ms"),
+        (vec!["--worker-grpc", "h:1", "--no-such-flag"], "--no-such-flag"),
+    ] {
+        let (code, output) = run_cli(&args);
+        assert_ne!(code, 0, "{args:?} should fail");
+        assert!(output.contains(flag), "{args:?}: output does not name {flag}:\n{output}");
+    }
+    let (code, help) = run_cli(&["--help"]);
+    assert_eq!(code, 0);
+    for flag in [
+        "--worker-grpc",
+        "--http-port",
+        "--grpc-port",
+        "--metrics-port",
+        "--address",
+        "--port-file",
+        "--request-timeout-ms",
+        "--max-concurrent-requests",
+        "--retry-budget-percent",
+    ] {
+        assert!(help.contains(flag), "--help lacks {flag}");
+    }
+}
+
+async fn held_fleet(gateway_flags: &[&str]) -> (Proc, Proc) {
+    let repo = identity_repo(&[("held", HELD), ("stuck", STUCK)]);
+    let worker = start_worker(repo.path(), &[]).await;
+    let gateway = start_gateway(&[&worker], gateway_flags).await;
+    // The worker has loaded the repository: the temporary copy may go.
+    drop(repo);
+    (worker, gateway)
+}
+
+async fn pending(worker: &Proc) -> Option<f64> {
+    worker.metric(PENDING).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_sheds_at_once_beyond_the_limit() {
+    let (worker, gateway) = held_fleet(&["--max-concurrent-requests", "1"]).await;
+    let mut client = gateway.client().await;
+    let held = tokio::spawn(async move { client.model_infer(fp32_request("held", "", &[1, 16], |i| i as f32)).await });
+    wait_until("the first request to be held at the worker", Duration::from_secs(10), || async {
+        pending(&worker).await == Some(1.0)
+    })
+    .await;
+
+    // gRPC: RESOURCE_EXHAUSTED, at once.
+    let start = Instant::now();
+    let e = gateway.client().await.model_infer(fp32_request("held", "", &[1, 16], |_| 0.0)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+    assert!(start.elapsed() < Duration::from_secs(1));
+    // HTTP: 429 with Retry-After.
+    let r = reqwest::Client::new()
+        .post(gateway.http_url("/v2/models/held/infer"))
+        .json(&json!({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": vec![0.0; 16]}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    assert!(r.text().await.unwrap().contains("limit of 1 concurrent requests"));
+
+    // The admitted request completes normally, and the slot is free again.
+    let out = held.await.unwrap().unwrap().into_inner();
+    assert_eq!(out.raw_output_contents[0].len(), 64);
+    assert_eq!(pending(&worker).await, Some(0.0));
+    let text = gateway.metrics_text().await;
+    assert!(text.contains("nereid_gateway_requests_total{code=\"RESOURCE_EXHAUSTED\",model=\"held\"} 2"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadlines_propagate_to_the_worker() {
+    let (worker, gateway) = held_fleet(&[]).await;
+    // grpc-timeout: the gateway answers DEADLINE_EXCEEDED long before the batcher's 60 s, and
+    // the worker sees the forwarded call cancelled (its request leaves the queue).
+    let mut req = tonic::Request::new(fp32_request("stuck", "", &[1, 16], |_| 0.0));
+    req.set_timeout(Duration::from_secs(1));
+    let start = Instant::now();
+    let e = gateway.client().await.model_infer(req).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+    assert!(start.elapsed() < Duration::from_secs(10), "{:?}", start.elapsed());
+    // (The worker counts such a request as CANCELED — unless its own deadline and the
+    // cancellation race, which its statistics can then miss: only the queue is checked.)
+    wait_until("the request to leave the worker's queue", Duration::from_secs(20), || async {
+        worker.metric(STUCK_PENDING).await == Some(0.0)
+    })
+    .await;
+
+    // x-nereid-deadline-ms over HTTP: 504.
+    let start = Instant::now();
+    let r = reqwest::Client::new()
+        .post(gateway.http_url("/v2/models/stuck/infer"))
+        .header("x-nereid-deadline-ms", "1000")
+        .json(&json!({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": vec![0.0; 16]}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 504);
+    assert!(start.elapsed() < Duration::from_secs(10));
+    wait_until("the second request to leave the worker's queue", Duration::from_secs(20), || async {
+        worker.metric(STUCK_PENDING).await == Some(0.0)
+    })
+    .await;
+    let text = gateway.metrics_text().await;
+    assert!(text.contains("nereid_gateway_requests_total{code=\"DEADLINE_EXCEEDED\",model=\"stuck\"} 2"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_the_request_in_flight_then_exits() {
+    let (worker, mut gateway) = held_fleet(&[]).await;
+    let mut client = gateway.client().await;
+    let held = tokio::spawn(async move { client.model_infer(fp32_request("held", "", &[1, 16], |i| i as f32)).await });
+    wait_until("the request to be held at the worker", Duration::from_secs(10), || async {
+        pending(&worker).await == Some(1.0)
+    })
+    .await;
+    gateway.terminate();
+    // New connections are refused once intake stops...
+    let url = gateway.http_url("/v2/health/live");
+    wait_until("the gateway to stop accepting", Duration::from_secs(10), || async {
+        reqwest::get(&url).await.is_err()
+    })
+    .await;
+    // ...but the request in flight is answered, and then the gateway exits cleanly.
+    let out = held.await.unwrap().expect("the in-flight request must complete").into_inner();
+    assert_eq!(out.raw_output_contents[0].len(), 64);
+    assert_eq!(gateway.wait_exit(Duration::from_secs(15)), Some(0), "{}", gateway.log());
+}

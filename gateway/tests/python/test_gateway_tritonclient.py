@@ -1,0 +1,173 @@
+"""tritonclient (HTTP and gRPC) through a real nereid-gateway in front of two real nereid-workers:
+the same answers as onnxruntime in Python, version pins, streaming, and NOT_FOUND for unknown
+models. Reuses the worker harness of tests/python.
+
+Run: .venv/bin/python -m pytest -q gateway/tests/python   (after `cargo build --workspace`)
+
+Environment: NEREID_GATEWAY_BIN (default <repo>/target/debug/nereid-gateway), plus the worker
+harness's NEREID_WORKER_BIN and NEREID_ORT_LIB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "tests" / "python"))
+
+import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.http as httpclient  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from nereid_harness import (  # noqa: E402
+    EXAMPLE_MODELS,
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
+    Worker,
+    assert_fp32_close,
+    check_example_models,
+    http_request,
+    ort_run,
+    wait_until,
+)
+
+GATEWAY_BIN = Path(os.environ.get("NEREID_GATEWAY_BIN", ROOT / "target" / "debug" / "nereid-gateway"))
+MODELS = ["identity_fp32", "mlp_fp32", "versioned_scale"]
+
+
+class Gateway:
+    def __init__(self, workers: list[Worker], workdir: Path):
+        if not GATEWAY_BIN.exists():
+            raise RuntimeError(f"{GATEWAY_BIN} does not exist (cargo build -p nereid-gateway, or set NEREID_GATEWAY_BIN)")
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port_file = workdir / "ports.json"
+        self.log_path = workdir / "gateway.log"
+        cmd = [str(GATEWAY_BIN), "--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
+               "--metrics-port", "0", "--port-file", str(self.port_file), "--discovery-interval-ms", "100"]
+        for w in workers:
+            cmd += ["--worker-grpc", w.grpc_url]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+
+        def ports():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}: {self.log_path.read_text()}")
+            try:
+                return json.loads(self.port_file.read_text())
+            except (OSError, json.JSONDecodeError):
+                return None
+
+        p = wait_until(ports, START_TIMEOUT_S, what="the gateway's port file")
+        self.http_url = f"127.0.0.1:{p['http']}"
+        self.grpc_url = f"127.0.0.1:{p['grpc']}"
+        wait_until(lambda: http_request(f"http://{self.http_url}/v2/health/ready", timeout=2.0)[0] == 200,
+                   START_TIMEOUT_S, what="the gateway to be ready")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    check_example_models()
+    load = [a for m in MODELS for a in ("--load-model", m)]
+    workers = [Worker(EXAMPLE_MODELS, ["--model-control-mode", "explicit", *load], tmp_path_factory.mktemp("worker"))
+               for _ in range(2)]
+    gateway = Gateway(workers, tmp_path_factory.mktemp("gateway"))
+    yield gateway, workers
+    gateway.stop()
+    for w in workers:
+        w.stop()
+
+
+def _x(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_infer_matches_onnxruntime(fleet, protocol):
+    gateway, _ = fleet
+    mod = httpclient if protocol == "http" else grpcclient
+    client = mod.InferenceServerClient(gateway.http_url if protocol == "http" else gateway.grpc_url)
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("mlp_fp32")
+    for model, shape in [("identity_fp32", (3, 16)), ("mlp_fp32", (2, 256))]:
+        x = _x(shape)
+        inp = mod.InferInput("INPUT0", list(shape), "FP32")
+        if protocol == "http":
+            inp.set_data_from_numpy(x, binary_data=True)
+        else:
+            inp.set_data_from_numpy(x)
+        out = client.infer(model, [inp]).as_numpy("OUTPUT0")
+        assert_fp32_close(out, ort_run(model, {"INPUT0": x})["OUTPUT0"])
+    # Version pins reach the version asked for.
+    x = _x((1, 4))
+    for version in ("1", "2"):
+        inp = mod.InferInput("INPUT0", [1, 4], "FP32")
+        inp.set_data_from_numpy(x)
+        result = client.infer("versioned_scale", [inp], model_version=version)
+        assert_fp32_close(result.as_numpy("OUTPUT0"), ort_run("versioned_scale", {"INPUT0": x}, version=int(version))["OUTPUT0"])
+    md = client.get_model_metadata("mlp_fp32")
+    name = md["name"] if protocol == "http" else md.name
+    assert name == "mlp_fp32"
+
+
+def test_unknown_model_is_not_found(fleet):
+    gateway, _ = fleet
+    inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+    inp.set_data_from_numpy(_x((1, 4)))
+    with pytest.raises(InferenceServerException) as e:
+        httpclient.InferenceServerClient(gateway.http_url).infer("no_such_model", [inp])
+    assert "no_such_model" in str(e.value)
+    ginp = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+    ginp.set_data_from_numpy(_x((1, 4)))
+    with pytest.raises(InferenceServerException) as e:
+        grpcclient.InferenceServerClient(gateway.grpc_url).infer("no_such_model", [ginp])
+    assert e.value.status() == "StatusCode.NOT_FOUND"
+
+
+def test_streaming_through_the_gateway(fleet):
+    gateway, _ = fleet
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    xs = [_x((1, 16), seed=i) for i in range(8)]
+    for i, x in enumerate(xs):
+        inp = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        inp.set_data_from_numpy(x)
+        client.async_stream_infer("identity_fp32", [inp], request_id=str(i))
+    got = {}
+    for _ in xs:
+        result, error = results.get(timeout=30)
+        assert error is None, error
+        got[result.get_response().id] = result.as_numpy("OUTPUT0")
+    client.stop_stream()
+    for i, x in enumerate(xs):
+        np.testing.assert_array_equal(got[str(i)], x)
+
+
+def test_load_reaches_both_workers(fleet):
+    gateway, workers = fleet
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    for i in range(30):
+        inp = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        inp.set_data_from_numpy(_x((1, 16), seed=i))
+        client.infer("identity_fp32", [inp])
+    counts = []
+    for w in workers:
+        stats = grpcclient.InferenceServerClient(w.grpc_url).get_inference_statistics("identity_fp32", as_json=True)
+        counts.append(sum(int(s.get("inference_count", 0)) for s in stats["model_stats"]))
+    assert all(c > 0 for c in counts), counts
+    total = client.get_inference_statistics("identity_fp32", as_json=True)
+    assert sum(int(s.get("inference_count", 0)) for s in total["model_stats"]) == sum(counts)
