@@ -273,8 +273,12 @@ impl Repository {
         let started = Instant::now();
         let model = self.model(&request.model_name)?;
         let version = self.version(&model, request.model_version)?;
-        let stats = version.stats.clone();
+        // Counted exactly once: here when the request finishes, or by the guard when the
+        // caller drops this future (client disconnect, gateway cancel) at any point.
+        let mut counted = CancelGuard { stats: &version.stats, started, armed: true };
         let outcome = run(&model.spec, &version, &mut request).await;
+        counted.armed = false;
+        let stats = &version.stats;
         let elapsed = started.elapsed();
         match outcome {
             Ok(outputs) => {
@@ -483,6 +487,21 @@ impl Repository {
 
     fn remember_stamp(&self, name: &str, stamp: Stamp) {
         self.attempted.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), stamp);
+    }
+}
+
+/// Counts a request as CANCELED if its future is dropped before it finished.
+struct CancelGuard<'a> {
+    stats: &'a VersionStats,
+    started: Instant,
+    armed: bool,
+}
+
+impl Drop for CancelGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.stats.record_failure(self.started.elapsed(), "CANCELED");
+        }
     }
 }
 

@@ -245,11 +245,8 @@ fn instance_thread(mut session: InstanceSession, shared: Arc<Shared>) {
         for (job, why) in state.queue.expire(now) {
             shared.stats.pending_add(-1);
             let status = match why {
-                DropReason::Cancelled => {
-                    // No one is left to count it on the request path.
-                    shared.stats.record_failure(now.saturating_duration_since(job.arrived), "CANCELED");
-                    Status::new(Code::Cancelled, "the request was cancelled")
-                }
+                // The request path counted it when its caller went away.
+                DropReason::Cancelled => Status::new(Code::Cancelled, "the request was cancelled"),
                 DropReason::TimedOut => Status::new(Code::DeadlineExceeded, "request timeout expired while queued"),
             };
             shared.delivery.skip(job.seq);
