@@ -27,7 +27,10 @@ def _pending(w):
 def test_sigterm_drains_in_flight_requests(repo_copy, make_worker):
     repo = repo_copy("identity_fp32")
     cfg = repo / "identity_fp32" / "config.pbtxt"
-    cfg.write_text(cfg.read_text().replace("max_queue_delay_microseconds: 100", f"max_queue_delay_microseconds: {QUEUE_DELAY_S * 1_000_000}"))
+    text = cfg.read_text()
+    held = text.replace("max_queue_delay_microseconds: 0\n", f"max_queue_delay_microseconds: {QUEUE_DELAY_S * 1_000_000}\n")
+    assert held != text, "the example identity_fp32 config no longer has the queue delay this test raises"
+    cfg.write_text(held)
     w = make_worker(repo, "--exit-timeout-secs", "20")
     x = np.arange(16, dtype=np.float32).reshape(1, 16)
 

@@ -323,7 +323,10 @@ def test_unload_and_reload_let_in_flight_requests_finish(repo_copy, make_worker)
 
     repo = repo_copy("identity_fp32")
     cfg = repo / "identity_fp32" / "config.pbtxt"
-    cfg.write_text(cfg.read_text().replace("max_queue_delay_microseconds: 100", "max_queue_delay_microseconds: 2000000"))
+    text = cfg.read_text()
+    held = text.replace("max_queue_delay_microseconds: 0\n", "max_queue_delay_microseconds: 2000000\n")
+    assert held != text, "the example identity_fp32 config no longer has the queue delay this test raises"
+    cfg.write_text(held)
     w = make_worker(repo, "--model-control-mode", "explicit", "--load-model", "identity_fp32")
     h = httpclient.InferenceServerClient(w.http_url)
     ch = grpc.insecure_channel(w.grpc_url)
