@@ -4,6 +4,7 @@
 pub mod config;
 pub mod dtype;
 pub mod status;
+pub mod telemetry;
 
 pub use dtype::DataType;
 pub use status::{Code, Status};

@@ -9,7 +9,7 @@ use nereid_gateway::cli::Args;
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    init_tracing(args.log_verbose);
+    nereid_common::telemetry::init_tracing(args.log_verbose);
     let config = match args.into_config() {
         Ok(c) => c,
         Err(e) => {
@@ -37,17 +37,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn init_tracing(verbose: u8) {
-    let default = match verbose {
-        0 => "info",
-        1 => "debug",
-        _ => "trace",
-    };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_target(false).try_init();
 }
 
 /// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called.

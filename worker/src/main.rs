@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    init_tracing(args.log_verbose);
+    nereid_common::telemetry::init_tracing(args.log_verbose);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("nereid-io").build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -35,17 +35,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn init_tracing(verbose: u8) {
-    let default = match verbose {
-        0 => "info",
-        1 => "debug",
-        _ => "trace",
-    };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_target(false).try_init();
 }
 
 async fn bind(enabled: bool, addr: std::net::IpAddr, port: u16, what: &str) -> anyhow::Result<Option<TcpListener>> {
