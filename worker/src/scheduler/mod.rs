@@ -306,3 +306,39 @@ fn run_batch(session: &mut InstanceSession, batch: Vec<Job>, dispatched: Instant
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(tag: i64) -> JobResult {
+        Ok(vec![OutputTensor {
+            name: "x".into(),
+            datatype: nereid_common::DataType::Int64,
+            shape: vec![tag],
+            data: Bytes::new(),
+        }])
+    }
+
+    fn tag(rx: &mut oneshot::Receiver<JobResult>) -> Option<i64> {
+        rx.try_recv().ok().map(|r| r.unwrap()[0].shape[0])
+    }
+
+    #[test]
+    fn sequencer_releases_answers_in_arrival_order() {
+        let seq = Sequencer::default();
+        let (tx0, mut rx0) = oneshot::channel();
+        let (tx1, mut rx1) = oneshot::channel();
+        let (tx3, mut rx3) = oneshot::channel();
+        // 1 and 3 finish first: nothing is released before 0.
+        seq.complete(1, Some((tx1, answer(1))));
+        seq.complete(3, Some((tx3, answer(3))));
+        assert_eq!(tag(&mut rx1), None);
+        seq.complete(0, Some((tx0, answer(0))));
+        assert_eq!((tag(&mut rx0), tag(&mut rx1)), (Some(0), Some(1)));
+        // 2 left the queue without an answer (timeout, cancel): 3 follows at once.
+        assert_eq!(tag(&mut rx3), None);
+        seq.complete(2, None);
+        assert_eq!(tag(&mut rx3), Some(3));
+    }
+}
