@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::time::Duration;
 
 use bytes::Bytes;
 use common::{TestModel, example_onnx, init_ort, repo};
@@ -278,7 +277,6 @@ async fn poll_mode_reloads_changes_without_dropping_in_flight_requests() {
     std::fs::copy(example_onnx("identity_fp32", 1), vdir.join("model.onnx")).unwrap();
     repo.poll_once().await;
     assert!(repo.model_ready("fresh", None));
-    tokio::time::sleep(Duration::from_millis(0)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
