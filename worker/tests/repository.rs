@@ -4,7 +4,6 @@
 
 mod common;
 
-
 use bytes::Bytes;
 use common::{TestModel, example_onnx, init_ort, repo};
 use nereid_common::{Code, DataType};
