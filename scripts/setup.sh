@@ -30,7 +30,7 @@ apt_install() {
   fi
 }
 
-apt_install protobuf-compiler ${NEREID_EXTRA_APT:-}
+apt_install protobuf-compiler etcd-server etcd-client ${NEREID_EXTRA_APT:-}
 
 # ONNX Runtime: the shared library out of the official wheel (no unversioned .so inside).
 ort_dir="$root/.deps/onnxruntime"

@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod dtype;
+pub mod fleet;
 pub mod status;
 pub mod telemetry;
 

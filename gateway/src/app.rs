@@ -15,8 +15,9 @@ use tokio_util::sync::CancellationToken;
 use crate::config::GatewayConfig;
 use crate::control::Control;
 use crate::ingress::Ingress;
-use crate::membership::{Membership, StaticMembership};
+use crate::membership::{EtcdMembership, Membership, StaticMembership};
 use crate::metrics::GatewayMetrics;
+use crate::placement::PlacementController;
 use crate::stack::infer_stack;
 use crate::{grpc, http, routing};
 
@@ -41,12 +42,25 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
 
     // Membership publishes routing tables; everything else reads them.
     let (publisher, routes) = routing::routes(Instant::now());
-    let membership =
-        StaticMembership::new(&config.workers, config.outlier, config.discovery).map_err(|e| anyhow::anyhow!(e))?;
-    let background = CancellationToken::new();
-    let membership_task = tokio::spawn(Box::new(membership).run(publisher, background.child_token()));
-
     let metrics = GatewayMetrics::new();
+    let membership: Box<dyn Membership> = match &config.etcd {
+        Some(etcd) => {
+            Box::new(EtcdMembership::new(etcd.endpoints.clone(), etcd.keys.clone(), config.outlier, metrics.clone()))
+        }
+        None => Box::new(
+            StaticMembership::new(&config.workers, config.outlier, config.discovery).map_err(|e| anyhow::anyhow!(e))?,
+        ),
+    };
+    let background = CancellationToken::new();
+    let membership_task = tokio::spawn(membership.run(publisher, background.child_token()));
+    let placement_task = match &config.etcd {
+        Some(etcd) if etcd.placement => {
+            let controller = PlacementController::new(etcd.clone(), metrics.clone());
+            Some(tokio::spawn(controller.run(background.child_token())))
+        }
+        _ => None,
+    };
+
     let draining = Arc::new(AtomicBool::new(false));
     let ingress = Ingress {
         infer: infer_stack(&config, &routes, &metrics),
@@ -72,7 +86,7 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
         std::fs::write(&tmp, ports.to_string()).with_context(|| format!("--port-file {}", path.display()))?;
         std::fs::rename(&tmp, path).with_context(|| format!("--port-file {}", path.display()))?;
     }
-    tracing::info!(%ports, workers = config.workers.len(), "gateway listening");
+    tracing::info!(%ports, static_workers = config.workers.len(), etcd = config.etcd.is_some(), "gateway listening");
 
     let result = tokio::select! {
         _ = shutdown_requested => {
@@ -98,5 +112,8 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
     }
     background.cancel();
     let _ = membership_task.await;
+    if let Some(task) = placement_task {
+        let _ = task.await;
+    }
     result
 }

@@ -11,8 +11,8 @@ use crate::config::{
     AdmissionConfig, DEFAULT_DISCOVERY_INTERVAL_MS, DEFAULT_DISCOVERY_TIMEOUT_MS, DEFAULT_EJECTION_BASE_MS,
     DEFAULT_EJECTION_CONSECUTIVE_FAILURES, DEFAULT_EJECTION_MAX_MS, DEFAULT_EXIT_TIMEOUT_SECS,
     DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_TIMEOUT_MS,
-    DEFAULT_RETRY_BUDGET_MIN_PER_SEC, DEFAULT_RETRY_BUDGET_PERCENT, DiscoveryConfig, GatewayConfig, ListenConfig,
-    OutlierConfig, RetryConfig,
+    DEFAULT_RETRY_BUDGET_MIN_PER_SEC, DEFAULT_RETRY_BUDGET_PERCENT, DiscoveryConfig, EtcdConfig, GatewayConfig,
+    ListenConfig, OutlierConfig, RetryConfig,
 };
 
 /// nereid-gateway: one KServe v2 (HTTP + gRPC) endpoint in front of a fleet of nereid-workers.
@@ -20,8 +20,30 @@ use crate::config::{
 #[command(name = "nereid-gateway", version, about, long_about = None)]
 pub struct Args {
     /// gRPC address (host:port) of a worker; repeat for each worker (static membership).
-    #[arg(long = "worker-grpc", value_name = "HOST:PORT", required = true)]
+    #[arg(long = "worker-grpc", value_name = "HOST:PORT")]
     pub worker_grpc: Vec<String>,
+
+    /// etcd endpoints (comma-separated http://host:port): the fleet's membership, model
+    /// placement and status come from etcd instead of --worker-grpc.
+    #[arg(long, env = "NEREID_ETCD_ENDPOINTS", value_name = "URLS")]
+    pub etcd_endpoints: Option<String>,
+
+    /// Prefix of every Nereid key in etcd.
+    #[arg(long, default_value = nereid_common::fleet::DEFAULT_PREFIX, value_name = "PREFIX")]
+    pub etcd_prefix: String,
+
+    /// This gateway's name in the placement controller's election. Default: <hostname>-<pid>.
+    #[arg(long, value_name = "ID")]
+    pub gateway_id: Option<String>,
+
+    /// Run for leader of the placement controller (assigns declared models to workers); at
+    /// most one gateway leads at a time.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub placement: bool,
+
+    /// TTL of the placement election lease in seconds (how long a dead leader blocks the next).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=300))]
+    pub election_ttl_secs: u64,
 
     /// Address the HTTP, gRPC and metrics servers bind to.
     #[arg(long, default_value = "0.0.0.0", value_name = "IP")]
@@ -100,8 +122,25 @@ pub struct Args {
 impl Args {
     /// The validated configuration; errors name the flag.
     pub fn into_config(self) -> Result<GatewayConfig, String> {
+        let etcd = match &self.etcd_endpoints {
+            None => None,
+            Some(e) => Some(EtcdConfig {
+                endpoints: nereid_common::fleet::parse_endpoints(e).map_err(|e| format!("--etcd-endpoints: {e}"))?,
+                keys: nereid_common::fleet::Keys::new(&self.etcd_prefix).map_err(|e| format!("--etcd-prefix: {e}"))?,
+                gateway_id: match &self.gateway_id {
+                    Some(id) => {
+                        nereid_common::fleet::keys::check_name("--gateway-id", id)?;
+                        id.clone()
+                    }
+                    None => default_gateway_id(),
+                },
+                placement: self.placement,
+                election_ttl: Duration::from_secs(self.election_ttl_secs),
+            }),
+        };
         let config = GatewayConfig {
             workers: self.worker_grpc,
+            etcd,
             listen: ListenConfig {
                 address: self.address,
                 http_port: self.http_port,
@@ -130,4 +169,10 @@ impl Args {
         config.validate()?;
         Ok(config)
     }
+}
+
+fn default_gateway_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+    let host = if host.is_empty() { "gateway".to_string() } else { host };
+    format!("{host}-{}", std::process::id())
 }

@@ -21,6 +21,8 @@ pub const DEFAULT_EXIT_TIMEOUT_SECS: u64 = 30;
 pub struct GatewayConfig {
     /// Workers' gRPC addresses (`host:port`), for the static membership.
     pub workers: Vec<String>,
+    /// The fleet in etcd (instead of `workers`).
+    pub etcd: Option<EtcdConfig>,
     pub listen: ListenConfig,
     /// Cap on every request's deadline.
     pub request_timeout: Duration,
@@ -31,6 +33,18 @@ pub struct GatewayConfig {
     pub max_request_bytes: usize,
     /// Grace period for in-flight requests after SIGTERM.
     pub exit_timeout: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct EtcdConfig {
+    pub endpoints: Vec<String>,
+    pub keys: nereid_common::fleet::Keys,
+    /// This gateway's name in the placement election.
+    pub gateway_id: String,
+    /// Whether this gateway runs for placement controller leader.
+    pub placement: bool,
+    /// TTL of the election lease: how long a dead leader blocks a new one.
+    pub election_ttl: Duration,
 }
 
 #[derive(Clone, Debug)]
@@ -81,8 +95,12 @@ pub struct DiscoveryConfig {
 impl GatewayConfig {
     /// Checks what clap's per-flag parsers cannot; messages name the flag.
     pub fn validate(&self) -> Result<(), String> {
-        if self.workers.is_empty() {
-            return Err("--worker-grpc: at least one worker address is required".into());
+        match (&self.etcd, self.workers.is_empty()) {
+            (None, true) => {
+                return Err("give the fleet with --etcd-endpoints, or static workers with --worker-grpc".into());
+            }
+            (Some(_), false) => return Err("--worker-grpc and --etcd-endpoints cannot be combined".into()),
+            _ => {}
         }
         for w in &self.workers {
             validate_host_port(w).map_err(|e| format!("--worker-grpc '{w}': {e}"))?;

@@ -4,8 +4,9 @@
 //! → the tower stack assembled in [`stack::infer_stack`]: [`metrics`] → [`admission`] →
 //! [`deadline`] → [`retry`] → [`balance`] (reads the [`routing`] table) → [`forward`] (pooled
 //! channel of an [`upstream`]). Model metadata / config / statistics go through [`control`].
-//! The routing table is published by [`membership`] (static list + polling in this version;
-//! etcd next) and never waited on by requests.
+//! The routing table is published by [`membership`] (etcd watch, or a static list polled) and
+//! never waited on by requests. With etcd, the leader-elected [`placement`] controller assigns
+//! declared models to workers.
 
 pub mod admission;
 pub mod app;
@@ -23,6 +24,7 @@ pub mod ingress;
 pub mod membership;
 pub mod metrics;
 pub mod outlier;
+pub mod placement;
 pub mod retry;
 pub mod routing;
 pub mod stack;

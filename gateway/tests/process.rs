@@ -54,6 +54,11 @@ fn invalid_flags_exit_non_zero_naming_the_flag() {
         (vec!["--worker-grpc", "h:1", "--request-timeout-ms", "x"], "--request-timeout-ms"),
         (vec!["--worker-grpc", "h:1", "--ejection-base-ms", "5000", "--ejection-max-ms", "10"], "--ejection-max-ms"),
         (vec!["--worker-grpc", "h:1", "--no-such-flag"], "--no-such-flag"),
+        (vec!["--etcd-endpoints", "127.0.0.1:2379"], "--etcd-endpoints"),
+        (vec!["--etcd-endpoints", "http://h:1", "--worker-grpc", "h:1"], "--worker-grpc"),
+        (vec!["--etcd-endpoints", "http://h:1", "--etcd-prefix", "x"], "--etcd-prefix"),
+        (vec!["--etcd-endpoints", "http://h:1", "--gateway-id", "a b"], "--gateway-id"),
+        (vec!["--etcd-endpoints", "http://h:1", "--election-ttl-secs", "0"], "--election-ttl-secs"),
     ] {
         let (code, output) = run_cli(&args);
         assert_ne!(code, 0, "{args:?} should fail");

@@ -113,4 +113,46 @@ pub struct Args {
     /// listening (useful with port 0).
     #[arg(long, value_name = "FILE")]
     pub port_file: Option<PathBuf>,
+
+    /// etcd endpoints (comma-separated http://host:port). With it the worker joins the fleet:
+    /// it registers under a lease, loads what the placement controller assigns it (requires
+    /// --model-control-mode=explicit) and publishes each model's state.
+    #[arg(long, env = "NEREID_ETCD_ENDPOINTS", value_name = "URLS")]
+    pub etcd_endpoints: Option<String>,
+
+    /// Prefix of every Nereid key in etcd.
+    #[arg(long, default_value = nereid_common::fleet::DEFAULT_PREFIX, value_name = "PREFIX")]
+    pub etcd_prefix: String,
+
+    /// This worker's id in the fleet (unique). Default: <hostname>-<grpc port>.
+    #[arg(long, value_name = "ID")]
+    pub worker_id: Option<String>,
+
+    /// Host the gateway dials for this worker (with the bound gRPC/HTTP ports). Default: the
+    /// --address, or 127.0.0.1 when that is a wildcard address.
+    #[arg(long, value_name = "HOST")]
+    pub advertise_address: Option<String>,
+
+    /// TTL of the etcd lease in seconds: a worker that stops sending keep-alives (crash,
+    /// partition) leaves the fleet this long after its last one.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=300))]
+    pub etcd_lease_ttl_secs: u64,
+
+    /// A label (key=value) in the worker record, for placement and operators; repeatable.
+    #[arg(long = "label", value_name = "KEY=VALUE")]
+    pub labels: Vec<String>,
+
+    /// Memory this worker offers for models, in MiB, as the placement controller counts it
+    /// against each model's declared resources.memory_mb. Default: the host's total memory.
+    #[arg(long, value_name = "MIB")]
+    pub memory_capacity_mb: Option<u64>,
+
+    /// Most model versions the placement controller may assign to this worker (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    pub max_models: u32,
+
+    /// After SIGTERM, milliseconds between marking this worker draining in etcd and closing
+    /// the listeners, so gateways stop sending before connections are refused (etcd mode only).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(0..=60_000))]
+    pub drain_delay_ms: u64,
 }

@@ -7,6 +7,7 @@
 
 pub mod backend;
 pub mod cli;
+pub mod fleet;
 pub mod gpu;
 pub mod grpc;
 pub mod http;

@@ -8,8 +8,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use nereid_common::fleet::records::{self, Capacity, WorkerRecord, WorkerState};
+use nereid_common::fleet::{self, Keys};
 use nereid_worker::backend::{self, SessionOptions};
 use nereid_worker::cli::Args;
+use nereid_worker::fleet::{FleetAgent, FleetOptions};
 use nereid_worker::metrics::Metrics;
 use nereid_worker::repository::{ControlMode, Repository, RepositoryOptions};
 use nereid_worker::server::{Limits, Server};
@@ -67,6 +70,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if options.mode != ControlMode::Explicit && !args.load_model.is_empty() {
         anyhow::bail!("--load-model requires --model-control-mode=explicit");
     }
+    if options.mode != ControlMode::Explicit && args.etcd_endpoints.is_some() {
+        anyhow::bail!("--etcd-endpoints requires --model-control-mode=explicit (placement decides what is loaded)");
+    }
     let repository = Arc::new(Repository::new(options, metrics.clone()));
     let server = Server {
         repository: repository.clone(),
@@ -78,6 +84,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let grpc_listener = bind(args.allow_grpc, args.address, args.grpc_port, "grpc").await?;
     let metrics_listener = bind(args.allow_metrics, args.address, args.metrics_port, "metrics").await?;
     let port = |l: &Option<TcpListener>| l.as_ref().and_then(|l| l.local_addr().ok()).map(|a| a.port());
+    let (grpc_listener_port, http_listener_port) = (port(&grpc_listener), port(&http_listener));
     let ports = serde_json::json!({
         "http": port(&http_listener),
         "grpc": port(&grpc_listener),
@@ -105,11 +112,19 @@ async fn run(args: Args) -> anyhow::Result<()> {
         std::fs::rename(&tmp, path).with_context(|| format!("--port-file {}", path.display()))?;
     }
 
+    let mut fleet = match fleet_options(&args, grpc_listener_port, http_listener_port)? {
+        Some(options) => Some(FleetAgent::start(options, repository.clone()).context("cannot start the etcd agent")?),
+        None => None,
+    };
+
     let failed = tokio::select! {
         failed = repository.load_startup_models() => failed,
         _ = &mut shutdown_requested => {
             tracing::info!("shutdown requested during start-up");
             shutdown.cancel();
+            if let Some(fleet) = fleet {
+                fleet.stop(Duration::from_secs(5)).await;
+            }
             return Ok(());
         }
     };
@@ -135,14 +150,86 @@ async fn run(args: Args) -> anyhow::Result<()> {
             anyhow::bail!("a server stopped unexpectedly");
         }
     }
-    // Stop intake (servers stop accepting and finish in-flight requests), bounded in time.
+    // Not ready any more; in the fleet, tell the gateways first and give them --drain-delay-ms
+    // to stop sending while this worker still accepts.
     repository.set_draining();
+    if let Some(fleet) = fleet.as_mut() {
+        fleet.drain(Duration::from_secs(3)).await;
+        tokio::time::sleep(Duration::from_millis(args.drain_delay_ms)).await;
+    }
+    // Stop intake (servers stop accepting and finish in-flight requests), bounded in time.
     shutdown.cancel();
     let drain = async { while servers.join_next().await.is_some() {} };
     if tokio::time::timeout(Duration::from_secs(args.exit_timeout_secs), drain).await.is_err() {
         tracing::warn!("in-flight requests did not finish within --exit-timeout-secs; exiting anyway");
     }
+    // Leave the fleet: the lease's revocation removes the registration and statuses at once.
+    if let Some(fleet) = fleet {
+        fleet.stop(Duration::from_secs(5)).await;
+    }
     Ok(())
+}
+
+/// The fleet agent's options when --etcd-endpoints is given; errors name the flag.
+fn fleet_options(args: &Args, grpc_port: Option<u16>, http_port: Option<u16>) -> anyhow::Result<Option<FleetOptions>> {
+    let Some(endpoints) = &args.etcd_endpoints else { return Ok(None) };
+    let endpoints = fleet::parse_endpoints(endpoints).map_err(|e| anyhow::anyhow!("--etcd-endpoints: {e}"))?;
+    let keys = Keys::new(&args.etcd_prefix).map_err(|e| anyhow::anyhow!("--etcd-prefix: {e}"))?;
+    let grpc_port = grpc_port.context("--etcd-endpoints requires the gRPC server (--allow-grpc=true)")?;
+    let host = match &args.advertise_address {
+        Some(h) => h.clone(),
+        None if args.address.is_unspecified() => "127.0.0.1".to_string(),
+        None => args.address.to_string(),
+    };
+    let host = if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host };
+    let id = match &args.worker_id {
+        Some(id) => id.clone(),
+        None => format!("{}-{grpc_port}", hostname()),
+    };
+    let mut labels = std::collections::BTreeMap::new();
+    for l in &args.labels {
+        let (k, v) = l.split_once('=').with_context(|| format!("--label '{l}': expected key=value"))?;
+        anyhow::ensure!(!k.is_empty(), "--label '{l}': the key is empty");
+        labels.insert(k.to_string(), v.to_string());
+    }
+    let mut devices = vec!["cpu".to_string()];
+    devices.extend((0..backend::gpu_count()).map(|i| format!("gpu:{i}")));
+    let record = WorkerRecord {
+        schema: records::SCHEMA_VERSION,
+        id,
+        grpc: format!("{host}:{grpc_port}"),
+        http: http_port.map(|p| format!("{host}:{p}")),
+        state: WorkerState::Ready,
+        capacity: Capacity {
+            memory_mb: args.memory_capacity_mb.unwrap_or_else(host_memory_mb),
+            max_models: args.max_models,
+        },
+        devices,
+        labels,
+        cost_classes: Vec::new(),
+    };
+    records::encode(&record).map_err(|e| anyhow::anyhow!("--worker-id / --advertise-address / --label: {e}"))?;
+    Ok(Some(FleetOptions { endpoints, keys, record, lease_ttl: Duration::from_secs(args.etcd_lease_ttl_secs) }))
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "worker".to_string())
+}
+
+/// MemTotal from /proc/meminfo, in MiB (0 when unknown).
+fn host_memory_mb() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb / 1024)
 }
 
 /// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called.

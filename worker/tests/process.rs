@@ -43,12 +43,30 @@ fn run_cli(args: &[&str]) -> (i32, String) {
 fn invalid_flags_exit_non_zero_naming_the_flag() {
     let repo = common::example_models();
     let repo = repo.to_str().unwrap();
+    let fleet = |extra: &[&'static str]| {
+        let mut v = vec!["--model-repository", repo, "--model-control-mode", "explicit", "--http-port", "0"];
+        v.extend(["--grpc-port", "0", "--metrics-port", "0", "--etcd-endpoints"]);
+        v.extend(extra);
+        v
+    };
+    for (args, flag) in [
+        (fleet(&["127.0.0.1:2379"]), "--etcd-endpoints"),
+        (fleet(&["http://127.0.0.1:9", "--etcd-prefix", "nereid"]), "--etcd-prefix"),
+        (fleet(&["http://127.0.0.1:9", "--label", "novalue"]), "--label"),
+        (fleet(&["http://127.0.0.1:9", "--worker-id", "a/b"]), "--worker-id"),
+    ] {
+        let (code, output) = run_cli(&args);
+        assert_ne!(code, 0, "{args:?} should fail");
+        assert!(output.contains(flag), "{args:?}: output does not name {flag}:\n{output}");
+    }
     for (args, flag) in [
         (vec!["--model-repository", repo, "--http-port", "http"], "--http-port"),
         (vec!["--model-repository", repo, "--model-control-mode", "sometimes"], "--model-control-mode"),
         (vec!["--model-repository", repo, "--strict-model-config", "maybe"], "--strict-model-config"),
         (vec!["--model-repository", repo, "--repository-poll-secs", "0"], "--repository-poll-secs"),
         (vec!["--model-repository", repo, "--no-such-flag"], "--no-such-flag"),
+        (vec!["--model-repository", repo, "--etcd-endpoints", "http://127.0.0.1:9"], "--etcd-endpoints"),
+        (vec!["--model-repository", repo, "--etcd-lease-ttl-secs", "0"], "--etcd-lease-ttl-secs"),
         (vec!["--http-port", "1"], "--model-repository"),
         (vec!["--model-repository", "/nonexistent/repo", "--http-port", "0"], "--model-repository"),
         (

@@ -1,12 +1,13 @@
 //! Membership: who the workers are and what each serves, published as routing tables.
 //!
-//! [`Membership`] is the seam between the routing core and where membership comes from. This
-//! increment has [`StaticMembership`]: a fixed list of workers (`--worker-grpc`), each polled for
-//! its readiness and repository index. The etcd implementation (next increment) will build the
-//! same [`crate::routing::WorkerView`]s from `workers/` and `status/` watches instead, and reuse
-//! [`crate::routing::RoutingTable::build`] and the [`crate::upstream::Upstream`] registry, so
-//! nothing downstream changes.
+//! [`Membership`] is the seam between the routing core and where membership comes from:
+//! [`EtcdMembership`] follows the fleet's `workers/`, `status/` and `drain/` keys in etcd
+//! (`--etcd-endpoints`); [`StaticMembership`] polls a fixed list of workers (`--worker-grpc`)
+//! for their readiness and repository index. Both build the same
+//! [`crate::routing::WorkerView`]s and keep each worker's [`crate::upstream::Upstream`] across
+//! tables, so nothing downstream depends on which one runs.
 
+mod etcd;
 mod polling;
 
 use futures::future::BoxFuture;
@@ -14,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::routing::RoutesPublisher;
 
+pub use etcd::EtcdMembership;
 pub use polling::StaticMembership;
 
 /// A source of routing tables. Implementations own their state in one task ([`Membership::run`])

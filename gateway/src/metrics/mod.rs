@@ -7,7 +7,7 @@ mod layer;
 use std::time::Instant;
 
 use prometheus::{
-    Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+    Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::routing::{RoutingTable, WorkerState};
@@ -19,6 +19,13 @@ pub const RETRIES_TOTAL: &str = "nereid_gateway_retries_total";
 pub const EJECTIONS_TOTAL: &str = "nereid_gateway_ejections_total";
 pub const ROUTING_TABLE_AGE_SECONDS: &str = "nereid_gateway_routing_table_age_seconds";
 pub const WORKERS: &str = "nereid_gateway_workers";
+pub const ETCD_WATCH_CONNECTED: &str = "nereid_gateway_etcd_watch_connected";
+pub const ETCD_INVALID_VALUES_TOTAL: &str = "nereid_gateway_etcd_invalid_values_total";
+pub const ETCD_RESYNCS_TOTAL: &str = "nereid_gateway_etcd_resyncs_total";
+pub const PLACEMENT_LEADER: &str = "nereid_gateway_placement_leader";
+pub const PLACEMENT_UNPLACED: &str = "nereid_gateway_placement_unplaced_replicas";
+pub const PLACEMENT_WRITES_TOTAL: &str = "nereid_gateway_placement_writes_total";
+pub const PLACEMENT_PLANS_TOTAL: &str = "nereid_gateway_placement_plans_total";
 
 /// Worker states as the `nereid_gateway_workers{state}` gauge reports them: the membership
 /// state, with `ejected` for ready workers that outlier detection currently skips.
@@ -53,6 +60,20 @@ pub struct GatewayMetrics {
     pub ejections: IntCounter,
     table_age: Gauge,
     workers: IntGaugeVec,
+    /// 1 while the etcd watch is established (etcd membership only).
+    pub etcd_watch_connected: IntGauge,
+    /// Values in etcd rejected as invalid, by key kind (`worker`, `model`, `status`, …).
+    pub etcd_invalid_values: IntCounterVec,
+    /// Full re-reads of etcd (start, and after a watch fell behind a compaction).
+    pub etcd_resyncs: IntCounter,
+    /// 1 while this gateway is the placement controller's leader.
+    pub placement_leader: IntGauge,
+    /// Replicas declared but not placed (no worker with room), as of the last plan.
+    pub placement_unplaced: IntGauge,
+    /// Placement transactions committed by this gateway as leader.
+    pub placement_writes: IntCounter,
+    /// Placement plans computed as leader (whether or not they changed anything).
+    pub placement_plans: IntCounter,
 }
 
 impl GatewayMetrics {
@@ -75,8 +96,36 @@ impl GatewayMetrics {
             .expect("valid metric");
         let workers =
             IntGaugeVec::new(Opts::new(WORKERS, "Member workers by state"), &["state"]).expect("valid metric");
+        let etcd_watch_connected =
+            IntGauge::new(ETCD_WATCH_CONNECTED, "1 while the etcd membership watch is established")
+                .expect("valid metric");
+        let etcd_invalid_values = IntCounterVec::new(
+            Opts::new(
+                ETCD_INVALID_VALUES_TOTAL,
+                "Values read from etcd that were rejected (the last good value is kept)",
+            ),
+            &["kind"],
+        )
+        .expect("valid metric");
+        let etcd_resyncs =
+            IntCounter::new(ETCD_RESYNCS_TOTAL, "Full re-reads of the fleet state from etcd").expect("valid metric");
+        let placement_leader = IntGauge::new(PLACEMENT_LEADER, "1 while this gateway leads the placement controller")
+            .expect("valid metric");
+        let placement_unplaced =
+            IntGauge::new(PLACEMENT_UNPLACED, "Declared model replicas no worker has room for").expect("valid metric");
+        let placement_writes = IntCounter::new(PLACEMENT_WRITES_TOTAL, "Placement transactions committed as leader")
+            .expect("valid metric");
+        let placement_plans =
+            IntCounter::new(PLACEMENT_PLANS_TOTAL, "Placement plans computed as leader").expect("valid metric");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(placement_plans.clone()),
+            Box::new(etcd_watch_connected.clone()),
+            Box::new(etcd_invalid_values.clone()),
+            Box::new(etcd_resyncs.clone()),
+            Box::new(placement_leader.clone()),
+            Box::new(placement_unplaced.clone()),
+            Box::new(placement_writes.clone()),
             Box::new(duration_us.clone()),
             Box::new(retries.clone()),
             Box::new(ejections.clone()),
@@ -85,7 +134,22 @@ impl GatewayMetrics {
         ] {
             registry.register(c).expect("metric names are unique");
         }
-        GatewayMetrics { registry, requests, duration_us, retries, ejections, table_age, workers }
+        GatewayMetrics {
+            registry,
+            requests,
+            duration_us,
+            retries,
+            ejections,
+            table_age,
+            workers,
+            etcd_watch_connected,
+            etcd_invalid_values,
+            etcd_resyncs,
+            placement_leader,
+            placement_unplaced,
+            placement_writes,
+            placement_plans,
+        }
     }
 
     /// The text exposition, with the gauges derived from `table` as of `now`.

@@ -244,3 +244,117 @@ pub async fn inference_count(worker: &Proc, model: &str) -> u64 {
         .into_inner();
     stats.model_stats.iter().map(|s| s.inference_count).sum()
 }
+
+/// A real etcd server (Debian's `etcd`, installed by scripts/setup.sh; `NEREID_ETCD_BIN`
+/// overrides) on free loopback ports with its own data directory; SIGKILLed on drop.
+pub struct Etcd {
+    child: Option<Child>,
+    pub client_port: u16,
+    peer_port: u16,
+    dir: tempfile::TempDir,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+impl Etcd {
+    pub async fn start() -> Etcd {
+        let mut etcd =
+            Etcd { child: None, client_port: free_port(), peer_port: free_port(), dir: tempfile::tempdir().unwrap() };
+        etcd.launch().await;
+        etcd
+    }
+
+    async fn launch(&mut self) {
+        let bin = std::env::var_os("NEREID_ETCD_BIN").map(PathBuf::from).unwrap_or_else(|| "etcd".into());
+        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("etcd.log")).unwrap();
+        let child = Command::new(&bin)
+            .args(["--name", "test", "--data-dir"])
+            .arg(self.dir.path().join("data"))
+            .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &format!("test={peer}")])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start etcd ({}): {e} — run `bash scripts/setup.sh`", bin.display()));
+        self.child = Some(child);
+        let url = format!("{client}/health");
+        wait_until("etcd to be healthy", START_TIMEOUT, || async {
+            match reqwest::get(&url).await {
+                Ok(r) => r.text().await.unwrap_or_default().contains("\"health\":\"true\""),
+                Err(_) => false,
+            }
+        })
+        .await;
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    pub async fn client(&self) -> nereid_common::fleet::etcd_client::Client {
+        nereid_common::fleet::connect(&[self.endpoint()]).await.unwrap()
+    }
+
+    /// Kills the server (SIGKILL); its data stays for [`Etcd::restart`].
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again on the same ports and data.
+    pub async fn restart(&mut self) {
+        self.stop();
+        self.launch().await;
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("etcd.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A worker in the fleet: explicit mode, registered in `etcd` as `id`, models from placement.
+pub fn spawn_fleet_worker(etcd: &Etcd, id: &str, extra: &[&str]) -> Proc {
+    let mut args: Vec<String> = vec![
+        "--model-repository".into(),
+        example_models().display().to_string(),
+        "--model-control-mode".into(),
+        "explicit".into(),
+        "--etcd-endpoints".into(),
+        etcd.endpoint(),
+        "--worker-id".into(),
+        id.into(),
+        "--etcd-lease-ttl-secs".into(),
+        "2".into(),
+        "--drain-delay-ms".into(),
+        "300".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Proc::spawn("worker", &worker_bin(), &args, &[("NEREID_ORT_LIB", ort_lib())])
+}
+
+/// A gateway following `etcd` (and running for placement leader).
+pub fn spawn_fleet_gateway(etcd: &Etcd, id: &str, extra: &[&str]) -> Proc {
+    let mut args: Vec<String> = vec![
+        "--etcd-endpoints".into(),
+        etcd.endpoint(),
+        "--gateway-id".into(),
+        id.into(),
+        "--election-ttl-secs".into(),
+        "2".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Proc::spawn("gateway", Path::new(env!("CARGO_BIN_EXE_nereid-gateway")), &args, &[])
+}

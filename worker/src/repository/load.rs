@@ -85,6 +85,7 @@ pub fn load_model(
     options: &RepositoryOptions,
     name: &str,
     config_override: Option<String>,
+    versions: Option<&[i64]>,
     metrics: &Metrics,
 ) -> Result<LoadedModel, Status> {
     let models = scan_models(&options.paths);
@@ -105,6 +106,14 @@ pub fn load_model(
         }
         None => ModelConfig::default(),
     };
+    if let Some(versions) = versions {
+        // Placement names the versions: it overrides the config's version policy.
+        config.version_policy = Some(nereid_proto::inference::ModelVersionPolicy {
+            policy_choice: Some(PolicyChoice::Specific(nereid_proto::inference::model_version_policy::Specific {
+                versions: versions.to_vec(),
+            })),
+        });
+    }
     if config.name.is_empty() {
         config.name = name.to_string();
     } else if config.name != name {

@@ -144,7 +144,7 @@ impl Repository {
         };
         let mut failed = Vec::new();
         for name in names {
-            if let Err(e) = self.load_inner(&name, None).await {
+            if let Err(e) = self.load_inner(&name, None, None).await {
                 tracing::error!(model = %name, error = %e, "model failed to load");
                 failed.push((name, e.message));
             }
@@ -305,7 +305,18 @@ impl Repository {
                 "explicit model load / unload is only allowed with --model-control-mode=explicit",
             ));
         }
-        self.load_inner(name, config).await
+        self.load_inner(name, config, None).await
+    }
+
+    /// Loads (or reloads) exactly `versions` of `name`, whatever the control mode and the
+    /// config's version policy: what etcd placement assigned to this worker.
+    pub async fn load_versions(&self, name: &str, versions: Vec<i64>) -> Result<(), Status> {
+        self.load_inner(name, None, Some(versions)).await
+    }
+
+    /// Unloads `name` whatever the control mode (etcd placement removed it from this worker).
+    pub async fn unload_placed(&self, name: &str) -> Result<(), Status> {
+        self.unload_inner(name).await
     }
 
     pub async fn unload(&self, name: &str) -> Result<(), Status> {
@@ -318,7 +329,12 @@ impl Repository {
         self.unload_inner(name).await
     }
 
-    async fn load_inner(&self, name: &str, config_override: Option<String>) -> Result<(), Status> {
+    async fn load_inner(
+        &self,
+        name: &str,
+        config_override: Option<String>,
+        versions: Option<Vec<i64>>,
+    ) -> Result<(), Status> {
         let _serial = self.changes.lock().await;
         let previous = self.slot(name);
         let serving = previous.as_ref().and_then(|s| s.model.clone());
@@ -326,10 +342,11 @@ impl Repository {
         let options = self.options.clone();
         let owned_name = name.to_string();
         let metrics = self.metrics.clone();
-        let result =
-            tokio::task::spawn_blocking(move || load::load_model(&options, &owned_name, config_override, &metrics))
-                .await
-                .unwrap_or_else(|e| Err(Status::internal(format!("model load panicked: {e}"))));
+        let result = tokio::task::spawn_blocking(move || {
+            load::load_model(&options, &owned_name, config_override, versions.as_deref(), &metrics)
+        })
+        .await
+        .unwrap_or_else(|e| Err(Status::internal(format!("model load panicked: {e}"))));
         match result {
             Ok(model) => {
                 for w in &model.warnings {
@@ -467,7 +484,7 @@ impl Repository {
             };
             if needs_load {
                 tracing::info!(model = %name, "repository change detected; loading");
-                if let Err(e) = self.load_inner(name, None).await {
+                if let Err(e) = self.load_inner(name, None, None).await {
                     tracing::error!(model = %name, error = %e, "load after repository change failed");
                 }
                 self.remember_stamp(name, stamp);

@@ -1,0 +1,120 @@
+//! The fleet's shared state in etcd: the key schema ([`keys`]), the JSON records stored under it
+//! ([`records`]), and a connection helper ([`connect`]). Workers, gateways and `nereidctl` all
+//! read and write etcd through these, so the schema lives in one place.
+//!
+//! ```text
+//! <prefix>/workers/<id>                worker record, under the worker's lease
+//! <prefix>/models/<model>              declared model: versions, replicas, resources
+//! <prefix>/placement/<worker>/<m>/<v>  assignment written by the placement controller
+//! <prefix>/status/<worker>/<m>/<v>     LOADING | READY | FAILED(reason), under the worker's lease
+//! <prefix>/routes/<model>              version weights, sticky key, pins
+//! <prefix>/drain/<worker>              operator's drain (cordon) request
+//! <prefix>/leader/placement            election of the placement controller
+//! ```
+//!
+//! Values are JSON objects with a `schema` version; a value with an unknown version, unknown
+//! fields or impossible numbers is rejected by [`records::decode`] — readers keep their last good
+//! state and count the rejection.
+
+pub mod keys;
+pub mod records;
+pub mod state;
+
+use std::time::Duration;
+
+pub use etcd_client;
+pub use keys::{Key, Keys};
+pub use state::{Assignment, FleetState, Rejected};
+
+/// Default key prefix.
+pub const DEFAULT_PREFIX: &str = "/nereid/v1";
+
+/// Options every Nereid etcd client uses: bounded connect and request times, and HTTP/2
+/// keep-alives so a dead etcd is noticed on an idle watch stream within a few seconds.
+pub fn connect_options() -> etcd_client::ConnectOptions {
+    etcd_client::ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(2))
+        .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+        .with_keep_alive_while_idle(true)
+}
+
+/// Splits and checks `--etcd-endpoints` (comma-separated `http://host:port`).
+pub fn parse_endpoints(value: &str) -> Result<Vec<String>, String> {
+    let endpoints: Vec<String> = value.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
+    if endpoints.is_empty() {
+        return Err("no endpoint given".into());
+    }
+    for e in &endpoints {
+        let rest = e
+            .strip_prefix("http://")
+            .ok_or_else(|| format!("'{e}': expected http://host:port (TLS to etcd is not supported yet)"))?;
+        let (host, port) = rest.rsplit_once(':').ok_or_else(|| format!("'{e}': expected http://host:port"))?;
+        if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) || rest.contains('/') {
+            return Err(format!("'{e}': expected http://host:port"));
+        }
+    }
+    Ok(endpoints)
+}
+
+/// Connects (lazily: the first request fails if etcd is down) with [`connect_options`].
+pub async fn connect(endpoints: &[String]) -> Result<etcd_client::Client, etcd_client::Error> {
+    etcd_client::Client::connect(endpoints, Some(connect_options())).await
+}
+
+/// Bounded exponential back-off for reconnect loops: 100 ms doubling to 2 s.
+#[derive(Debug)]
+pub struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    pub const MIN: Duration = Duration::from_millis(100);
+    pub const MAX: Duration = Duration::from_secs(2);
+
+    pub fn new() -> Self {
+        Backoff { next: Self::MIN }
+    }
+
+    /// The delay before the next attempt (and doubles the one after).
+    pub fn next_delay(&mut self) -> Duration {
+        let d = self.next;
+        self.next = (self.next * 2).min(Self::MAX);
+        d
+    }
+
+    pub fn reset(&mut self) {
+        self.next = Self::MIN;
+    }
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        assert_eq!(parse_endpoints("http://127.0.0.1:2379").unwrap(), vec!["http://127.0.0.1:2379"]);
+        assert_eq!(parse_endpoints("http://a:1, http://b:2").unwrap().len(), 2);
+        assert!(parse_endpoints("").is_err());
+        assert!(parse_endpoints("127.0.0.1:2379").unwrap_err().contains("http://host:port"));
+        assert!(parse_endpoints("https://a:1").is_err());
+        assert!(parse_endpoints("http://a").is_err());
+        assert!(parse_endpoints("http://a:0").is_err());
+        assert!(parse_endpoints("http://a:1/x").is_err());
+    }
+
+    #[test]
+    fn backoff_doubles_to_a_cap() {
+        let mut b = Backoff::new();
+        let delays: Vec<u64> = (0..7).map(|_| b.next_delay().as_millis() as u64).collect();
+        assert_eq!(delays, vec![100, 200, 400, 800, 1600, 2000, 2000]);
+        b.reset();
+        assert_eq!(b.next_delay(), Backoff::MIN);
+    }
+}

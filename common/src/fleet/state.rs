@@ -1,0 +1,251 @@
+//! [`FleetState`]: the fleet as read from etcd — every record under the prefix, decoded and
+//! validated — kept current by applying watch events. Gateways build routing tables from it, the
+//! placement controller plans from it, `nereidctl` prints it.
+//!
+//! An invalid value never replaces a good one: [`FleetState::apply`] reports the rejection and
+//! the key keeps its last good value (or stays absent).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::keys::{Key, Keys};
+use super::records::{self, DrainRecord, ModelRecord, PlacementRecord, RouteRecord, StatusRecord, WorkerRecord};
+
+/// A (worker, model, version) triple.
+pub type Assignment = (String, String, i64);
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FleetState {
+    pub workers: BTreeMap<String, WorkerRecord>,
+    /// worker → (model, version) → status.
+    pub statuses: BTreeMap<String, BTreeMap<(String, i64), StatusRecord>>,
+    pub models: BTreeMap<String, ModelRecord>,
+    pub placements: BTreeSet<Assignment>,
+    pub routes: BTreeMap<String, RouteRecord>,
+    pub drains: BTreeMap<String, DrainRecord>,
+}
+
+/// A value that was not applied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rejected {
+    /// Bounded label: the key's kind.
+    pub kind: &'static str,
+    pub key: String,
+    pub reason: String,
+}
+
+impl std::fmt::Display for Rejected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "rejected {} value at {}: {}", self.kind, self.key, self.reason)
+    }
+}
+
+impl FleetState {
+    /// Applies a put (`Some(value)`) or a delete (`None`) of `key`. Returns whether anything
+    /// changed; keys outside the schema are ignored.
+    pub fn apply(&mut self, keys: &Keys, key: &[u8], value: Option<&[u8]>) -> Result<bool, Rejected> {
+        let Some(parsed) = keys.parse(key) else { return Ok(false) };
+        let reject =
+            |reason: String| Rejected { kind: parsed.kind(), key: String::from_utf8_lossy(key).into_owned(), reason };
+        fn decoded<T: records::Record>(v: &[u8]) -> Result<T, String> {
+            records::decode::<T>(v).map_err(|e| e.to_string())
+        }
+        Ok(match (&parsed, value) {
+            (Key::Worker(id), Some(v)) => {
+                let record: WorkerRecord = decoded(v).map_err(reject)?;
+                if record.id != *id {
+                    return Err(reject(format!("record id '{}' does not match the key", record.id)));
+                }
+                self.workers.insert(id.clone(), record.clone()) != Some(record)
+            }
+            (Key::Worker(id), None) => {
+                // The lease is gone: its statuses go with it (etcd deletes them too).
+                let statuses = self.statuses.remove(id).is_some();
+                self.workers.remove(id).is_some() || statuses
+            }
+            (Key::Status { worker, model, version }, Some(v)) => {
+                let record: StatusRecord = decoded(v).map_err(reject)?;
+                let per_worker = self.statuses.entry(worker.clone()).or_default();
+                per_worker.insert((model.clone(), *version), record.clone()) != Some(record)
+            }
+            (Key::Status { worker, model, version }, None) => {
+                let Some(per_worker) = self.statuses.get_mut(worker) else { return Ok(false) };
+                let removed = per_worker.remove(&(model.clone(), *version)).is_some();
+                if per_worker.is_empty() {
+                    self.statuses.remove(worker);
+                }
+                removed
+            }
+            (Key::Model(m), Some(v)) => {
+                let record: ModelRecord = decoded(v).map_err(reject)?;
+                self.models.insert(m.clone(), record.clone()) != Some(record)
+            }
+            (Key::Model(m), None) => self.models.remove(m).is_some(),
+            (Key::Placement { worker, model, version }, Some(v)) => {
+                let _: PlacementRecord = decoded(v).map_err(reject)?;
+                self.placements.insert((worker.clone(), model.clone(), *version))
+            }
+            (Key::Placement { worker, model, version }, None) => {
+                self.placements.remove(&(worker.clone(), model.clone(), *version))
+            }
+            (Key::Route(m), Some(v)) => {
+                let record: RouteRecord = decoded(v).map_err(reject)?;
+                self.routes.insert(m.clone(), record.clone()) != Some(record)
+            }
+            (Key::Route(m), None) => self.routes.remove(m).is_some(),
+            (Key::Drain(w), Some(v)) => {
+                let record: DrainRecord = decoded(v).map_err(reject)?;
+                self.drains.insert(w.clone(), record.clone()) != Some(record)
+            }
+            (Key::Drain(w), None) => self.drains.remove(w).is_some(),
+            (Key::Other, _) => false,
+        })
+    }
+
+    /// Builds a state from a full read (`(key, value)` pairs), with every rejection.
+    pub fn from_kvs<'a>(
+        keys: &Keys,
+        kvs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>,
+    ) -> (FleetState, Vec<Rejected>) {
+        let mut state = FleetState::default();
+        let mut rejected = Vec::new();
+        for (k, v) in kvs {
+            if let Err(r) = state.apply(keys, k, Some(v)) {
+                rejected.push(r);
+            }
+        }
+        (state, rejected)
+    }
+
+    /// Re-reads the whole state from `kvs`; a key whose new value is rejected keeps the value
+    /// it has in `self` (the last good one).
+    pub fn reread<'a>(
+        &self,
+        keys: &Keys,
+        kvs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>,
+    ) -> (FleetState, Vec<Rejected>) {
+        let mut state = FleetState::default();
+        let mut rejected = Vec::new();
+        for (k, v) in kvs {
+            if let Err(r) = state.apply(keys, k, Some(v)) {
+                if let Some(parsed) = keys.parse(k) {
+                    state.carry(self, &parsed);
+                }
+                rejected.push(r);
+            }
+        }
+        (state, rejected)
+    }
+
+    /// Copies the entry for `key` from `from`, if it has one.
+    fn carry(&mut self, from: &FleetState, key: &Key) {
+        match key {
+            Key::Worker(id) => {
+                if let Some(w) = from.workers.get(id) {
+                    self.workers.insert(id.clone(), w.clone());
+                }
+            }
+            Key::Status { worker, model, version } => {
+                if let Some(s) = from.statuses.get(worker).and_then(|m| m.get(&(model.clone(), *version))) {
+                    self.statuses.entry(worker.clone()).or_default().insert((model.clone(), *version), s.clone());
+                }
+            }
+            Key::Model(m) => {
+                if let Some(r) = from.models.get(m) {
+                    self.models.insert(m.clone(), r.clone());
+                }
+            }
+            Key::Placement { worker, model, version } => {
+                let a = (worker.clone(), model.clone(), *version);
+                if from.placements.contains(&a) {
+                    self.placements.insert(a);
+                }
+            }
+            Key::Route(m) => {
+                if let Some(r) = from.routes.get(m) {
+                    self.routes.insert(m.clone(), r.clone());
+                }
+            }
+            Key::Drain(w) => {
+                if let Some(r) = from.drains.get(w) {
+                    self.drains.insert(w.clone(), r.clone());
+                }
+            }
+            Key::Other => {}
+        }
+    }
+
+    /// Whether the worker takes traffic and placements: registered, not draining itself, not
+    /// drained by an operator.
+    pub fn is_active(&self, worker: &str) -> bool {
+        self.workers.get(worker).is_some_and(|w| w.state == records::WorkerState::Ready)
+            && !self.drains.contains_key(worker)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fleet::records::ModelState;
+
+    fn worker_json(id: &str) -> String {
+        format!(r#"{{"schema":1,"id":"{id}","grpc":"127.0.0.1:9","state":"ready"}}"#)
+    }
+
+    #[test]
+    fn applies_events_and_keeps_last_good_values() {
+        let keys = Keys::new("/n").unwrap();
+        let (mut s, rejected) = FleetState::from_kvs(
+            &keys,
+            [
+                (b"/n/workers/a".as_slice(), worker_json("a").as_bytes()),
+                (b"/n/status/a/m/1", br#"{"schema":1,"state":"READY"}"#),
+                (b"/n/models/m", br#"{"schema":1,"versions":[1],"replicas":2}"#),
+                (b"/n/placement/a/m/1", br#"{"schema":1,"leader_revision":5}"#),
+                (b"/n/workers/b", b"{not json"),
+                (b"/n/leader/placement/1234", b"anything"),
+            ],
+        );
+        assert_eq!(rejected.len(), 1);
+        assert_eq!(rejected[0].kind, "worker");
+        assert!(rejected[0].to_string().contains("/n/workers/b"), "{}", rejected[0]);
+        assert!(s.is_active("a"));
+        assert!(!s.is_active("b"));
+        assert_eq!(s.statuses["a"][&("m".to_string(), 1)].state, ModelState::Ready);
+        assert!(s.placements.contains(&("a".into(), "m".into(), 1)));
+
+        // A bad update keeps the previous good value.
+        let before = s.clone();
+        let r = s.apply(&keys, b"/n/models/m", Some(br#"{"schema":2,"versions":[1],"replicas":2}"#)).unwrap_err();
+        assert!(r.reason.contains("unknown schema version 2"), "{r}");
+        let r = s.apply(&keys, b"/n/models/m", Some(br#"{"schema":1,"versions":[1],"replicas":-3}"#)).unwrap_err();
+        assert_eq!(r.kind, "model");
+        let r = s.apply(&keys, b"/n/workers/a", Some(worker_json("z").as_bytes())).unwrap_err();
+        assert!(r.reason.contains("does not match"), "{r}");
+        assert_eq!(s, before);
+
+        // Same value again: no change. Drain, then lease expiry removes the worker and statuses.
+        assert!(!s.apply(&keys, b"/n/workers/a", Some(worker_json("a").as_bytes())).unwrap());
+        assert!(s.apply(&keys, b"/n/drain/a", Some(br#"{"schema":1}"#)).unwrap());
+        assert!(!s.is_active("a"));
+        assert!(s.apply(&keys, b"/n/workers/a", None).unwrap());
+        assert!(s.statuses.is_empty());
+        assert!(!s.apply(&keys, b"/other/workers/a", None).unwrap());
+    }
+
+    #[test]
+    fn reread_keeps_last_good_values_of_rejected_keys() {
+        let keys = Keys::new("/n").unwrap();
+        let (old, _) = FleetState::from_kvs(
+            &keys,
+            [
+                (b"/n/models/m".as_slice(), br#"{"schema":1,"versions":[1],"replicas":2}"#.as_slice()),
+                (b"/n/models/gone", br#"{"schema":1,"versions":[1],"replicas":1}"#),
+            ],
+        );
+        let (new, rejected) =
+            old.reread(&keys, [(b"/n/models/m".as_slice(), br#"{"schema":1,"versions":[1],"replicas":0}"#.as_slice())]);
+        assert_eq!(rejected.len(), 1);
+        assert_eq!(new.models["m"].replicas, 2, "last good value kept");
+        assert!(!new.models.contains_key("gone"), "deleted keys are gone");
+    }
+}

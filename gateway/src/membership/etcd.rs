@@ -1,0 +1,239 @@
+//! [`EtcdMembership`]: the fleet as etcd says it is. One task reads everything under the prefix
+//! once, then follows one prefix watch from the next revision, applying each event to a
+//! [`FleetState`] and publishing a routing table built from it.
+//!
+//! - **Resume, not restart.** When the watch breaks (etcd restarted, network), the task
+//!   reconnects with back-off and resumes the watch from the last revision it applied; only when
+//!   etcd has compacted that revision away does it re-read everything (counted as a resync).
+//! - **Last good table.** While etcd is away nothing is published: requests keep routing on the
+//!   last table, whose age (`nereid_gateway_routing_table_age_seconds`) grows, and
+//!   `nereid_gateway_etcd_watch_connected` reads 0. An empty table is never published because
+//!   etcd could not be read.
+//! - **Invalid values** are rejected by [`FleetState::apply`]: the key keeps its last good
+//!   value, the rejection is logged and counted in `nereid_gateway_etcd_invalid_values_total`.
+//! - **Connections survive snapshots.** Each worker's [`Upstream`] (its pooled channel, load and
+//!   ejection state) is created once and handed to every table while the worker's gRPC address
+//!   stays the same.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use nereid_common::fleet::etcd_client::{Client, EventType, GetOptions, WatchOptions};
+use nereid_common::fleet::records::{ModelState, WorkerState as RecordState};
+use nereid_common::fleet::{self, Backoff, FleetState, Keys};
+use nereid_proto::inference::repository_index_response::ModelIndex;
+use tokio_util::sync::CancellationToken;
+
+use super::Membership;
+use crate::config::OutlierConfig;
+use crate::metrics::GatewayMetrics;
+use crate::routing::{RoutesPublisher, RoutingTable, WorkerState, WorkerView};
+use crate::upstream::Upstream;
+
+/// While connected, the table is republished this often even without events (so its age says
+/// how current it is).
+const REFRESH_INTERVAL: Duration = Duration::from_secs(1);
+const CALL_TIMEOUT: Duration = Duration::from_secs(3);
+
+pub struct EtcdMembership {
+    endpoints: Vec<String>,
+    keys: Keys,
+    outlier: OutlierConfig,
+    metrics: GatewayMetrics,
+    state: FleetState,
+    /// Last revision applied (0: nothing read yet).
+    revision: i64,
+    /// worker id → (gRPC address, upstream), kept across tables.
+    upstreams: HashMap<String, (String, Arc<Upstream>)>,
+}
+
+enum Disconnect {
+    /// Reconnect and resume from `revision`.
+    Resume(String),
+    /// The revision was compacted: re-read everything.
+    Resync(String),
+    Shutdown,
+}
+
+impl EtcdMembership {
+    pub fn new(endpoints: Vec<String>, keys: Keys, outlier: OutlierConfig, metrics: GatewayMetrics) -> Self {
+        EtcdMembership {
+            endpoints,
+            keys,
+            outlier,
+            metrics,
+            state: FleetState::default(),
+            revision: 0,
+            upstreams: HashMap::new(),
+        }
+    }
+
+    /// Applies one put/delete, counting a rejected value.
+    fn apply(&mut self, key: &[u8], value: Option<&[u8]>) -> bool {
+        match self.state.apply(&self.keys, key, value) {
+            Ok(changed) => changed,
+            Err(rejected) => {
+                tracing::warn!("{rejected}; keeping the last good value");
+                self.metrics.etcd_invalid_values.with_label_values(&[rejected.kind]).inc();
+                false
+            }
+        }
+    }
+
+    /// Reads everything under the prefix and notes its revision.
+    async fn resync(&mut self, client: &mut Client) -> Result<(), String> {
+        let resp =
+            tokio::time::timeout(CALL_TIMEOUT, client.get(self.keys.all(), Some(GetOptions::new().with_prefix())))
+                .await
+                .map_err(|_| "read: no answer".to_string())?
+                .map_err(|e| format!("read: {e}"))?;
+        let (state, rejected) = self.state.reread(&self.keys, resp.kvs().iter().map(|kv| (kv.key(), kv.value())));
+        for r in rejected {
+            tracing::warn!("{r}; keeping the last good value");
+            self.metrics.etcd_invalid_values.with_label_values(&[r.kind]).inc();
+        }
+        self.state = state;
+        self.revision = resp.header().map(|h| h.revision()).unwrap_or(0);
+        self.metrics.etcd_resyncs.inc();
+        Ok(())
+    }
+
+    fn publish(&mut self, publisher: &RoutesPublisher) {
+        let mut views = Vec::with_capacity(self.state.workers.len());
+        let mut upstreams = HashMap::with_capacity(self.state.workers.len());
+        for (id, record) in &self.state.workers {
+            let upstream = match self.upstreams.remove(id) {
+                Some((address, u)) if address == record.grpc => u,
+                _ => match Upstream::new(&record.grpc, self.outlier) {
+                    Ok(u) => Arc::new(u),
+                    Err(e) => {
+                        tracing::warn!(worker = %id, address = %record.grpc, "cannot use the worker's address: {e}");
+                        continue;
+                    }
+                },
+            };
+            let state = if record.state == RecordState::Draining || self.state.drains.contains_key(id) {
+                WorkerState::NotReady
+            } else {
+                WorkerState::Ready
+            };
+            let models = self
+                .state
+                .statuses
+                .get(id)
+                .into_iter()
+                .flatten()
+                .map(|((model, version), status)| ModelIndex {
+                    name: model.clone(),
+                    version: version.to_string(),
+                    state: match status.state {
+                        ModelState::Ready => "READY",
+                        ModelState::Loading => "LOADING",
+                        ModelState::Failed => "UNAVAILABLE",
+                    }
+                    .to_string(),
+                    reason: status.reason.clone(),
+                })
+                .collect();
+            upstreams.insert(id.clone(), (record.grpc.clone(), upstream.clone()));
+            views.push(WorkerView { upstream, state, models });
+        }
+        self.upstreams = upstreams;
+        publisher.publish(RoutingTable::build(views, Instant::now()));
+    }
+
+    /// One connection: (re)read if needed, watch from the next revision, apply events until
+    /// the watch breaks or shutdown.
+    async fn follow(&mut self, publisher: &RoutesPublisher, shutdown: &CancellationToken, resync: bool) -> Disconnect {
+        let connect = tokio::time::timeout(CALL_TIMEOUT, fleet::connect(&self.endpoints));
+        let mut client = match connect.await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return Disconnect::Resume(format!("connect: {e}")),
+            Err(_) => return Disconnect::Resume("connect: no answer".into()),
+        };
+        if resync || self.revision == 0 {
+            if let Err(e) = self.resync(&mut client).await {
+                return if resync { Disconnect::Resync(e) } else { Disconnect::Resume(e) };
+            }
+            self.publish(publisher);
+        }
+        let options = WatchOptions::new().with_prefix().with_start_revision(self.revision + 1).with_progress_notify();
+        let mut watch = match tokio::time::timeout(CALL_TIMEOUT, client.watch(self.keys.all(), Some(options))).await {
+            Ok(Ok(w)) => w,
+            Ok(Err(e)) => return Disconnect::Resume(format!("watch: {e}")),
+            Err(_) => return Disconnect::Resume("watch: no answer".into()),
+        };
+        self.metrics.etcd_watch_connected.set(1);
+        tracing::info!(revision = self.revision, "following etcd");
+        let mut refresh = tokio::time::interval(REFRESH_INTERVAL);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return Disconnect::Shutdown,
+                _ = refresh.tick() => self.publish(publisher),
+                msg = watch.message() => {
+                    let resp = match msg {
+                        Ok(Some(r)) => r,
+                        Ok(None) => return Disconnect::Resume("the watch stream ended".into()),
+                        Err(e) => return Disconnect::Resume(format!("watch: {e}")),
+                    };
+                    if resp.compact_revision() > 0 {
+                        return Disconnect::Resync(format!("revision {} was compacted", self.revision + 1));
+                    }
+                    if resp.canceled() {
+                        return Disconnect::Resume(format!("the watch was cancelled: {}", resp.cancel_reason()));
+                    }
+                    let mut changed = false;
+                    for event in resp.events() {
+                        let Some(kv) = event.kv() else { continue };
+                        let value = (event.event_type() == EventType::Put).then(|| kv.value());
+                        changed |= self.apply(kv.key(), value);
+                        self.revision = self.revision.max(kv.mod_revision());
+                    }
+                    if resp.events().is_empty()
+                        && let Some(h) = resp.header()
+                    {
+                        // A progress notification: everything up to here was delivered.
+                        self.revision = self.revision.max(h.revision());
+                    }
+                    if changed {
+                        self.publish(publisher);
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Membership for EtcdMembership {
+    fn run(mut self: Box<Self>, publisher: RoutesPublisher, shutdown: CancellationToken) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            let mut backoff = Backoff::new();
+            let mut resync = true;
+            loop {
+                let started = Instant::now();
+                let outcome = self.follow(&publisher, &shutdown, resync).await;
+                self.metrics.etcd_watch_connected.set(0);
+                resync = false;
+                match outcome {
+                    Disconnect::Shutdown => return,
+                    Disconnect::Resume(e) => {
+                        tracing::warn!(revision = self.revision, "etcd: {e}; routing on the last good table");
+                    }
+                    Disconnect::Resync(e) => {
+                        tracing::warn!("etcd: {e}; re-reading the fleet state");
+                        resync = true;
+                    }
+                }
+                if started.elapsed() > Backoff::MAX * 5 {
+                    backoff.reset();
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(backoff.next_delay()) => {}
+                }
+            }
+        })
+    }
+}

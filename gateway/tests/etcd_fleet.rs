@@ -1,0 +1,388 @@
+//! The fleet through a real etcd: workers register under leases and load what the placement
+//! controller (inside the gateway, leader-elected) assigns them; the gateway routes on what
+//! etcd says. Real etcd server, real workers on the example models, real gateways; loopback,
+//! ephemeral ports, every wait on a condition and bounded.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{Etcd, Proc, fp32_request, spawn_fleet_gateway, spawn_fleet_worker, wait_until};
+use nereid_common::fleet::etcd_client::{Client, GetOptions};
+use nereid_proto::inference::ModelInferRequest;
+
+const WAIT: Duration = Duration::from_secs(30);
+const PREFIX: &str = "/nereid/v1";
+
+async fn put(client: &mut Client, key: &str, value: &str) {
+    client.put(format!("{PREFIX}/{key}"), value, None).await.unwrap();
+}
+
+async fn keys_under(client: &mut Client, prefix: &str) -> Vec<String> {
+    let resp = client.get(format!("{PREFIX}/{prefix}"), Some(GetOptions::new().with_prefix().with_keys_only())).await;
+    match resp {
+        Ok(r) => r.kvs().iter().map(|kv| kv.key_str().unwrap().trim_start_matches(PREFIX).to_string()).collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// Workers holding `model`/`version` READY, per their status keys.
+async fn ready_on(client: &mut Client, model: &str, version: i64) -> Vec<String> {
+    let resp = client.get(format!("{PREFIX}/status/"), Some(GetOptions::new().with_prefix())).await.unwrap();
+    let mut out = Vec::new();
+    for kv in resp.kvs() {
+        let key = kv.key_str().unwrap();
+        let parts: Vec<&str> = key.trim_start_matches(PREFIX).split('/').collect();
+        if parts.len() == 5
+            && parts[3] == model
+            && parts[4] == version.to_string()
+            && kv.value_str().unwrap().contains("READY")
+        {
+            out.push(parts[2].to_string());
+        }
+    }
+    out.sort();
+    out
+}
+
+async fn infer_ok(gateway: &Proc, request: ModelInferRequest) -> bool {
+    let mut client = gateway.client().await;
+    client.model_infer(request).await.is_ok()
+}
+
+/// Closed-loop gRPC load through the gateway: `concurrency` clients, each request bounded in
+/// time (a hang counts as a failure), each client bounded in count.
+struct Load {
+    stop: Arc<AtomicBool>,
+    ok: Arc<AtomicU64>,
+    failures: Arc<Mutex<Vec<String>>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(gateway: &Proc, concurrency: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let ok = Arc::new(AtomicU64::new(0));
+        let failures = Arc::new(Mutex::new(Vec::new()));
+        let tasks = (0..concurrency)
+            .map(|i| {
+                let (stop, ok, failures) = (stop.clone(), ok.clone(), failures.clone());
+                let addr = format!("http://127.0.0.1:{}", gateway.grpc);
+                tokio::spawn(async move {
+                    let mut client =
+                        nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient::connect(
+                            addr,
+                        )
+                        .await
+                        .unwrap();
+                    for n in 0..20_000 {
+                        if stop.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        let req = fp32_request("identity_fp32", "", &[1, 16], |k| (i * 1000 + n + k) as f32);
+                        match tokio::time::timeout(Duration::from_secs(10), client.model_infer(req)).await {
+                            Ok(Ok(_)) => {
+                                ok.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Ok(Err(e)) => failures.lock().unwrap().push(format!("{:?}: {}", e.code(), e.message())),
+                            Err(_) => failures.lock().unwrap().push("hung for 10 s".into()),
+                        }
+                    }
+                })
+            })
+            .collect();
+        Load { stop, ok, failures, tasks }
+    }
+
+    fn ok(&self) -> u64 {
+        self.ok.load(Ordering::Relaxed)
+    }
+
+    /// Waits until `n` more requests have succeeded.
+    async fn progress(&self, n: u64) {
+        let target = self.ok() + n;
+        wait_until("load to make progress", WAIT, || async { self.ok() >= target }).await;
+    }
+
+    async fn finish(self) -> (u64, Vec<String>) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            t.await.unwrap();
+        }
+        let failures = self.failures.lock().unwrap().clone();
+        (self.ok.load(Ordering::Relaxed), failures)
+    }
+}
+
+async fn wait_metric(proc: &Proc, series: &str, what: &str, pred: impl Fn(f64) -> bool) {
+    wait_until(what, WAIT, || async { proc.metric(series).await.is_some_and(&pred) }).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn declared_models_are_placed_within_capacity_and_routed() {
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let _w1 = spawn_fleet_worker(&etcd, "w1", &["--memory-capacity-mb", "1000"]);
+    let w2 = spawn_fleet_worker(&etcd, "w2", &["--memory-capacity-mb", "1000"]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    wait_metric(&gateway, "nereid_gateway_workers{state=\"ready\"}", "both workers registered", |v| v == 2.0).await;
+    let record =
+        String::from_utf8(client.get(format!("{PREFIX}/workers/w2"), None).await.unwrap().kvs()[0].value().to_vec())
+            .unwrap();
+    assert!(record.contains(&format!("\"grpc\":\"127.0.0.1:{}\"", w2.grpc)), "{record}");
+    assert!(record.contains("\"memory_mb\":1000"), "{record}");
+
+    // identity (300 MiB) fits both workers; mlp (800 MiB) then fits neither; versioned_scale's
+    // two versions (100 MiB each) go one per worker.
+    put(
+        &mut client,
+        "models/identity_fp32",
+        r#"{"schema":1,"versions":[1],"replicas":2,"resources":{"memory_mb":300}}"#,
+    )
+    .await;
+    put(&mut client, "models/mlp_fp32", r#"{"schema":1,"versions":[1],"replicas":2,"resources":{"memory_mb":800}}"#)
+        .await;
+    put(
+        &mut client,
+        "models/versioned_scale",
+        r#"{"schema":1,"versions":[1,2],"replicas":1,"resources":{"memory_mb":100}}"#,
+    )
+    .await;
+    wait_until("identity_fp32 READY on both workers", WAIT, || async {
+        ready_on(&mut etcd.client().await, "identity_fp32", 1).await == ["w1", "w2"]
+    })
+    .await;
+    wait_until("versioned_scale 1 and 2 READY", WAIT, || async {
+        let mut c = etcd.client().await;
+        ready_on(&mut c, "versioned_scale", 1).await.len() == 1
+            && ready_on(&mut c, "versioned_scale", 2).await.len() == 1
+    })
+    .await;
+    wait_metric(&gateway, "nereid_gateway_placement_unplaced_replicas", "mlp reported unplaced", |v| v == 2.0).await;
+    assert!(keys_under(&mut client, "placement/").await.iter().all(|k| !k.contains("mlp_fp32")));
+    assert_eq!(gateway.metric("nereid_gateway_placement_leader").await, Some(1.0));
+
+    // Routed through the gateway, with each version's own answer (version 2 scales by 2).
+    let mut through = gateway.client().await;
+    wait_until("the gateway to route versioned_scale 2", WAIT, || async {
+        infer_ok(&gateway, fp32_request("versioned_scale", "2", &[1, 4], |i| i as f32)).await
+    })
+    .await;
+    let one = through.model_infer(fp32_request("versioned_scale", "1", &[1, 4], |i| i as f32 + 1.0)).await.unwrap();
+    let two = through.model_infer(fp32_request("versioned_scale", "2", &[1, 4], |i| i as f32 + 1.0)).await.unwrap();
+    assert_ne!(one.get_ref().raw_output_contents, two.get_ref().raw_output_contents);
+    let identity = through.model_infer(fp32_request("identity_fp32", "", &[2, 16], |i| i as f32)).await.unwrap();
+    let expected: Vec<u8> = (0..32).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    assert_eq!(identity.get_ref().raw_output_contents[0], expected);
+    let missing = through.model_infer(fp32_request("mlp_fp32", "", &[1, 256], |_| 0.0)).await.unwrap_err();
+    assert_eq!(missing.code(), tonic::Code::NotFound, "{missing:?}");
+
+    // Undeclaring a model unloads it everywhere.
+    client.delete(format!("{PREFIX}/models/versioned_scale"), None).await.unwrap();
+    wait_until("versioned_scale unloaded", WAIT, || async {
+        let mut c = etcd.client().await;
+        ready_on(&mut c, "versioned_scale", 1).await.is_empty()
+            && ready_on(&mut c, "versioned_scale", 2).await.is_empty()
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_is_replaced_and_a_lost_lease_re_registers() {
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let mut workers = [
+        spawn_fleet_worker(&etcd, "w1", &[]),
+        spawn_fleet_worker(&etcd, "w2", &[]),
+        spawn_fleet_worker(&etcd, "w3", &[]),
+    ];
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":2}"#).await;
+    wait_until("identity_fp32 READY on two workers", WAIT, || async {
+        ready_on(&mut etcd.client().await, "identity_fp32", 1).await.len() == 2
+    })
+    .await;
+    wait_until("the gateway to route identity_fp32", WAIT, || async {
+        infer_ok(&gateway, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await
+    })
+    .await;
+
+    // SIGKILL one holder under load: only requests in flight on it may fail, none hangs.
+    let concurrency = 4;
+    let load = Load::start(&gateway, concurrency);
+    load.progress(100).await;
+    let holders = ready_on(&mut client, "identity_fp32", 1).await;
+    let victim = holders[0].clone();
+    let index = ["w1", "w2", "w3"].iter().position(|w| *w == victim).unwrap();
+    workers[index].child.kill().unwrap();
+    workers[index].child.wait().unwrap();
+    // The lease expires (TTL 2 s), the controller re-places on the third worker.
+    wait_until("the replica re-placed on the spare worker", WAIT, || async {
+        let now = ready_on(&mut etcd.client().await, "identity_fp32", 1).await;
+        now.len() == 2 && !now.contains(&victim)
+    })
+    .await;
+    wait_metric(&gateway, "nereid_gateway_workers{state=\"ready\"}", "the dead worker out of routing", |v| v == 2.0)
+        .await;
+    load.progress(100).await;
+    let (ok, failures) = load.finish().await;
+    assert!(failures.len() <= concurrency, "{} failures (ok {ok}): {failures:?}", failures.len());
+    assert!(failures.iter().all(|f| !f.contains("hung")), "{failures:?}");
+
+    // A lost lease (revoked behind the worker's back) is noticed and the worker re-registers.
+    let survivor = ["w1", "w2", "w3"].iter().find(|w| **w != victim).unwrap().to_string();
+    let key = format!("{PREFIX}/workers/{survivor}");
+    let lease = client.get(key.as_str(), None).await.unwrap().kvs()[0].lease();
+    client.lease_revoke(lease).await.unwrap();
+    wait_until("the worker to re-register under a new lease", WAIT, || async {
+        let mut c = etcd.client().await;
+        let resp = c.get(key.as_str(), None).await.unwrap();
+        resp.kvs().first().is_some_and(|kv| kv.lease() != lease && kv.lease() != 0)
+    })
+    .await;
+    wait_metric(&gateway, "nereid_gateway_workers{state=\"ready\"}", "the worker routed again", |v| v == 2.0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serving_continues_while_etcd_is_down_and_watches_resume() {
+    let mut etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
+    wait_until("the gateway to route identity_fp32", WAIT, || async {
+        infer_ok(&gateway, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await
+    })
+    .await;
+    wait_metric(&gateway, "nereid_gateway_etcd_watch_connected", "the watch up", |v| v == 1.0).await;
+    let resyncs = gateway.metric("nereid_gateway_etcd_resyncs_total").await;
+
+    let load = Load::start(&gateway, 2);
+    load.progress(50).await;
+    etcd.stop();
+    wait_metric(&gateway, "nereid_gateway_etcd_watch_connected", "the watch to notice etcd is gone", |v| v == 0.0)
+        .await;
+    load.progress(200).await; // serving on the last good table
+
+    etcd.restart().await;
+    wait_metric(&gateway, "nereid_gateway_etcd_watch_connected", "the watch to resume", |v| v == 1.0).await;
+    // Resumed from the last revision, not re-read.
+    assert_eq!(gateway.metric("nereid_gateway_etcd_resyncs_total").await, resyncs);
+    let mut client = etcd.client().await;
+    put(&mut client, "models/versioned_scale", r#"{"schema":1,"versions":[2],"replicas":1}"#).await;
+    wait_until("a model declared after the outage to be routable", WAIT, || async {
+        infer_ok(&gateway, fp32_request("versioned_scale", "2", &[1, 4], |i| i as f32)).await
+    })
+    .await;
+    load.progress(50).await;
+    let (ok, failures) = load.finish().await;
+    assert!(failures.is_empty(), "ok {ok}, failures: {failures:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_values_are_rejected_and_the_last_good_state_kept() {
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
+    wait_until("the gateway to route identity_fp32", WAIT, || async {
+        infer_ok(&gateway, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await
+    })
+    .await;
+
+    put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":0}"#).await;
+    put(&mut client, "models/identity_fp32", r#"{"schema":2,"versions":[1],"replicas":1}"#).await;
+    put(&mut client, "models/broken", "{not json").await;
+    put(&mut client, "workers/w1", r#"{"schema":1,"id":"w1","grpc":"nowhere","state":"ready"}"#).await;
+    put(&mut client, "routes/identity_fp32", r#"{"schema":1,"weights":{"1":0}}"#).await;
+    wait_metric(&gateway, "nereid_gateway_etcd_invalid_values_total{kind=\"model\"}", "model rejections", |v| v >= 3.0)
+        .await;
+    wait_metric(&gateway, "nereid_gateway_etcd_invalid_values_total{kind=\"worker\"}", "worker rejection", |v| {
+        v >= 1.0
+    })
+    .await;
+    wait_metric(&gateway, "nereid_gateway_etcd_invalid_values_total{kind=\"route\"}", "route rejection", |v| v >= 1.0)
+        .await;
+    // Several re-plans later the model is still placed and routed: the last good values hold.
+    let writes = gateway.metric("nereid_gateway_placement_writes_total").await;
+    let plans = gateway.metric("nereid_gateway_placement_plans_total").await.unwrap();
+    wait_metric(&gateway, "nereid_gateway_placement_plans_total", "two more plans", |v| v >= plans + 2.0).await;
+    assert_eq!(gateway.metric("nereid_gateway_placement_writes_total").await, writes);
+    assert_eq!(keys_under(&mut client, "placement/").await, vec!["/placement/w1/identity_fp32/1"]);
+    assert!(infer_ok(&gateway, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_elect_one_placement_leader_and_fail_over() {
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let mut gateways = vec![spawn_fleet_gateway(&etcd, "g1", &[]), spawn_fleet_gateway(&etcd, "g2", &[])];
+    let leaders = |gws: &[Proc]| {
+        let ports: Vec<u16> = gws.iter().map(|g| g.metrics).collect();
+        async move {
+            let mut n = Vec::new();
+            for (i, p) in ports.iter().enumerate() {
+                let text = reqwest::get(format!("http://127.0.0.1:{p}/metrics")).await.unwrap().text().await.unwrap();
+                if text.lines().any(|l| l == "nereid_gateway_placement_leader 1") {
+                    n.push(i);
+                }
+            }
+            n
+        }
+    };
+    wait_until("one leader", WAIT, || async { leaders(&gateways).await.len() == 1 }).await;
+    let leader = leaders(&gateways).await[0];
+    put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
+    wait_until("identity_fp32 placed", WAIT, || async {
+        !ready_on(&mut etcd.client().await, "identity_fp32", 1).await.is_empty()
+    })
+    .await;
+
+    // SIGKILL the leader: its election lease expires and the other gateway takes over.
+    gateways[leader].child.kill().unwrap();
+    gateways[leader].child.wait().unwrap();
+    let other = gateways.remove(1 - leader);
+    wait_metric(&other, "nereid_gateway_placement_leader", "the other gateway to lead", |v| v == 1.0).await;
+    put(&mut client, "models/versioned_scale", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
+    wait_until("the new leader to place a new model", WAIT, || async {
+        !ready_on(&mut etcd.client().await, "versioned_scale", 1).await.is_empty()
+    })
+    .await;
+    wait_until("the surviving gateway to route it", WAIT, || async {
+        infer_ok(&other, fp32_request("versioned_scale", "1", &[1, 4], |i| i as f32)).await
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_worker_under_load_fails_no_request() {
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let mut w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let _w2 = spawn_fleet_worker(&etcd, "w2", &[]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":2}"#).await;
+    wait_until("identity_fp32 READY on both workers", WAIT, || async {
+        ready_on(&mut etcd.client().await, "identity_fp32", 1).await.len() == 2
+    })
+    .await;
+    wait_until("the gateway to route identity_fp32", WAIT, || async {
+        infer_ok(&gateway, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await
+    })
+    .await;
+
+    let load = Load::start(&gateway, 4);
+    load.progress(200).await;
+    w1.terminate();
+    assert_eq!(w1.wait_exit(WAIT), Some(0), "{}", w1.log());
+    load.progress(200).await;
+    let (ok, failures) = load.finish().await;
+    assert!(failures.is_empty(), "ok {ok}, failures: {failures:?}");
+    // Its registration and statuses left with its lease.
+    assert!(keys_under(&mut client, "workers/").await == vec!["/workers/w2"]);
+    assert!(keys_under(&mut client, "status/w1/").await.is_empty());
+}

@@ -1,0 +1,440 @@
+//! Membership in the fleet through etcd: registration under a lease, the placement agent, and
+//! per-model status.
+//!
+//! Everything here runs on one dedicated OS thread with its own single-threaded tokio runtime
+//! ([`FleetAgent::start`]), so keep-alives never queue behind request work on the I/O runtime
+//! — request load cannot starve the lease.
+//!
+//! One *session* = connect → grant a lease → put `workers/<id>` and every `status/<id>/…` under
+//! it → read `placement/<id>/` and watch it from that revision. Inside a session one loop sends
+//! keep-alives (every TTL/3), applies placement events, republishes statuses that changed, and
+//! reacts to drain/stop. Any etcd error ends the session; the next one starts after a bounded
+//! back-off and re-registers from scratch (a fresh lease, a full re-read of placement), so a
+//! lost lease or an etcd restart heals the same way. While etcd is away the worker keeps serving
+//! what it has: placement is only acted on when it is read, never on a failure.
+//!
+//! Loads and unloads run in a separate task (the *reconciler*) so a slow model load never
+//! delays a keep-alive.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nereid_common::fleet::etcd_client::{Client, DeleteOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use nereid_common::fleet::records::{self, ModelState, PlacementRecord, StatusRecord, WorkerRecord, WorkerState};
+use nereid_common::fleet::{Backoff, Key, Keys};
+use tokio::sync::watch;
+
+use crate::repository::Repository;
+use crate::server::IndexEntry;
+
+/// How often model states are compared with what was last published.
+const STATUS_INTERVAL: Duration = Duration::from_millis(200);
+/// Bound on single etcd calls made inside a session.
+const CALL_TIMEOUT: Duration = Duration::from_secs(3);
+
+#[derive(Clone, Debug)]
+pub struct FleetOptions {
+    pub endpoints: Vec<String>,
+    pub keys: Keys,
+    /// The record to register (its `state` is set by the agent).
+    pub record: WorkerRecord,
+    pub lease_ttl: Duration,
+}
+
+/// What the process wants of the agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Serving,
+    Draining,
+    Stopped,
+}
+
+/// Versions of each model placed on this worker.
+type Placement = BTreeMap<String, BTreeSet<i64>>;
+
+/// Handle to the agent thread.
+pub struct FleetAgent {
+    phase: watch::Sender<Phase>,
+    /// True once the draining record is in etcd (or the agent gave up trying).
+    drained: watch::Receiver<bool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl FleetAgent {
+    /// Starts the agent thread. Returns at once; registration happens in the background (and
+    /// is retried until etcd answers).
+    pub fn start(options: FleetOptions, repository: Arc<Repository>) -> std::io::Result<FleetAgent> {
+        let (phase_tx, phase_rx) = watch::channel(Phase::Serving);
+        let (drained_tx, drained_rx) = watch::channel(false);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let thread = std::thread::Builder::new().name("nereid-etcd".into()).spawn(move || {
+            runtime.block_on(agent(options, repository, phase_rx, drained_tx));
+        })?;
+        Ok(FleetAgent { phase: phase_tx, drained: drained_rx, thread: Some(thread) })
+    }
+
+    /// Marks this worker draining in etcd (gateways stop routing to it, the placement
+    /// controller stops placing on it); waits until that is written, at most `timeout`.
+    pub async fn drain(&mut self, timeout: Duration) {
+        self.phase.send_replace(Phase::Draining);
+        let wait = self.drained.wait_for(|d| *d);
+        if tokio::time::timeout(timeout, wait).await.is_err() {
+            tracing::warn!("could not mark this worker draining in etcd within {timeout:?}");
+        }
+    }
+
+    /// Revokes the lease (removing the registration and statuses at once) and stops the thread,
+    /// waiting at most `timeout`.
+    pub async fn stop(mut self, timeout: Duration) {
+        self.phase.send_replace(Phase::Stopped);
+        if let Some(thread) = self.thread.take() {
+            let join = tokio::task::spawn_blocking(move || thread.join());
+            if tokio::time::timeout(timeout, join).await.is_err() {
+                tracing::warn!("the etcd agent did not stop within {timeout:?}");
+            }
+        }
+    }
+}
+
+async fn agent(
+    options: FleetOptions,
+    repository: Arc<Repository>,
+    mut phase: watch::Receiver<Phase>,
+    drained: watch::Sender<bool>,
+) {
+    let failures: Failures = Default::default();
+    let (desired_tx, desired_rx) = watch::channel(None::<Placement>);
+    let reconciler = tokio::spawn(reconcile(repository.clone(), desired_rx, failures.clone()));
+    let mut backoff = Backoff::new();
+    let mut previous_lease = None;
+    loop {
+        let mut session = Session {
+            options: &options,
+            repository: &repository,
+            failures: &failures,
+            desired: &desired_tx,
+            drained: &drained,
+            backoff: &mut backoff,
+            lease: None,
+            published: HashMap::new(),
+            placement: Placement::new(),
+        };
+        let result = session.run(&mut phase, previous_lease).await;
+        previous_lease = session.lease;
+        match result {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::warn!(worker = %options.record.id, "etcd session ended: {e}; re-registering");
+                if *phase.borrow() == Phase::Draining {
+                    // No etcd to tell: do not hold up the drain.
+                    drained.send_replace(true);
+                }
+                let delay = backoff.next_delay();
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = phase.wait_for(|p| *p == Phase::Stopped) => break,
+                }
+                if *phase.borrow() == Phase::Stopped {
+                    break;
+                }
+            }
+        }
+    }
+    reconciler.abort();
+}
+
+type Failures = Arc<Mutex<HashMap<String, String>>>;
+
+struct Session<'a> {
+    options: &'a FleetOptions,
+    repository: &'a Repository,
+    failures: &'a Failures,
+    desired: &'a watch::Sender<Option<Placement>>,
+    drained: &'a watch::Sender<bool>,
+    backoff: &'a mut Backoff,
+    lease: Option<i64>,
+    /// Statuses as last written in this session.
+    published: HashMap<(String, i64), StatusRecord>,
+    placement: Placement,
+}
+
+type SessionResult = Result<(), String>;
+
+async fn bounded<T>(
+    what: &str,
+    f: impl Future<Output = Result<T, nereid_common::fleet::etcd_client::Error>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(CALL_TIMEOUT, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(format!("{what}: {e}")),
+        Err(_) => Err(format!("{what}: no answer within {CALL_TIMEOUT:?}")),
+    }
+}
+
+impl Session<'_> {
+    /// Runs one session; `Ok` only when stopped.
+    async fn run(&mut self, phase: &mut watch::Receiver<Phase>, previous_lease: Option<i64>) -> SessionResult {
+        let keys = &self.options.keys;
+        let id = self.options.record.id.clone();
+        let mut client = bounded("connect", nereid_common::fleet::connect(&self.options.endpoints)).await?;
+        if let Some(old) = previous_lease {
+            // Best effort: keys of the old lease were re-put under the new one anyway.
+            let _ = tokio::time::timeout(CALL_TIMEOUT, client.lease_revoke(old)).await;
+        }
+        let ttl = self.options.lease_ttl.as_secs().max(1) as i64;
+        let lease = bounded("lease grant", client.lease_grant(ttl, None)).await?.id();
+        self.lease = Some(lease);
+        let (mut keeper, mut keepalives) = bounded("keep-alive", client.lease_keep_alive(lease)).await?;
+        self.put_record(&mut client, *phase.borrow()).await?;
+        self.publish_statuses(&mut client).await?;
+
+        // Placement: read it all, then watch from the next revision.
+        let resp = bounded("read placement", client.get(keys.placement_of(&id), Some(GetOptions::new().with_prefix())))
+            .await?;
+        let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
+        self.placement.clear();
+        for kv in resp.kvs() {
+            self.apply_placement(kv.key(), Some(kv.value()));
+        }
+        self.desired.send_replace(Some(self.placement.clone()));
+        let mut watch = bounded(
+            "watch placement",
+            client.watch(
+                keys.placement_of(&id),
+                Some(WatchOptions::new().with_prefix().with_start_revision(revision + 1)),
+            ),
+        )
+        .await?;
+        tracing::info!(worker = %id, lease, models = self.placement.len(), "registered in etcd");
+        self.backoff.reset();
+        if *phase.borrow() == Phase::Draining {
+            self.drained.send_replace(true);
+        }
+
+        let mut keepalive_tick = tokio::time::interval(self.options.lease_ttl / 3);
+        let mut status_tick = tokio::time::interval(STATUS_INTERVAL);
+        loop {
+            tokio::select! {
+                _ = keepalive_tick.tick() => bounded("keep-alive", keeper.keep_alive()).await?,
+                msg = keepalives.message() => match msg {
+                    Ok(Some(r)) if r.ttl() > 0 => {}
+                    Ok(Some(_)) => return Err("the lease expired".into()),
+                    Ok(None) => return Err("the keep-alive stream closed".into()),
+                    Err(e) => return Err(format!("keep-alive: {e}")),
+                },
+                msg = watch.message() => {
+                    let resp = msg.map_err(|e| format!("placement watch: {e}"))?.ok_or("the placement watch closed")?;
+                    if resp.canceled() {
+                        return Err(format!("the placement watch was cancelled: {}", resp.cancel_reason()));
+                    }
+                    for event in resp.events() {
+                        let Some(kv) = event.kv() else { continue };
+                        let value = (event.event_type() == EventType::Put).then(|| kv.value());
+                        self.apply_placement(kv.key(), value);
+                    }
+                    // A draining worker keeps what it serves until it exits.
+                    if *phase.borrow() == Phase::Serving {
+                        self.desired.send_replace(Some(self.placement.clone()));
+                    }
+                }
+                _ = status_tick.tick() => self.publish_statuses(&mut client).await?,
+                changed = phase.changed() => {
+                    let now = if changed.is_ok() { *phase.borrow_and_update() } else { Phase::Stopped };
+                    match now {
+                        Phase::Serving => {}
+                        Phase::Draining => {
+                            self.put_record(&mut client, now).await?;
+                            self.drained.send_replace(true);
+                            tracing::info!(worker = %id, "marked draining in etcd");
+                        }
+                        Phase::Stopped => {
+                            bounded("lease revoke", client.lease_revoke(lease)).await?;
+                            self.lease = None;
+                            tracing::info!(worker = %id, "lease revoked: deregistered from etcd");
+                            return Ok(());
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn put_record(&self, client: &mut Client, phase: Phase) -> SessionResult {
+        let mut record = self.options.record.clone();
+        record.state = if phase == Phase::Serving { WorkerState::Ready } else { WorkerState::Draining };
+        let value = records::encode(&record).map_err(|e| format!("worker record: {e}"))?;
+        let key = self.options.keys.worker(&record.id);
+        bounded(
+            "put worker record",
+            client.put(key, value, Some(PutOptions::new().with_lease(self.lease.unwrap_or(0)))),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Updates the local placement from one key (`None`: deleted). Invalid values are logged
+    /// and skipped — the assignment is the key; the value only names the writer.
+    fn apply_placement(&mut self, key: &[u8], value: Option<&[u8]>) {
+        let Some(Key::Placement { worker, model, version }) = self.options.keys.parse(key) else {
+            tracing::warn!(key = %String::from_utf8_lossy(key), "ignoring a key under the placement prefix that is not an assignment");
+            return;
+        };
+        if worker != self.options.record.id {
+            return;
+        }
+        match value {
+            Some(v) => {
+                if let Err(e) = records::decode::<PlacementRecord>(v) {
+                    tracing::warn!(%model, version, "placement value rejected ({e}); assignment kept by key");
+                }
+                self.placement.entry(model).or_default().insert(version);
+            }
+            None => {
+                if let Some(vs) = self.placement.get_mut(&model) {
+                    vs.remove(&version);
+                    if vs.is_empty() {
+                        self.placement.remove(&model);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes the statuses that changed since the last call (and deletes the ones gone).
+    async fn publish_statuses(&mut self, client: &mut Client) -> SessionResult {
+        let failures = self.failures.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let current = model_statuses(&self.repository.index(false), &self.placement, &failures);
+        let keys = &self.options.keys;
+        let id = &self.options.record.id;
+        let lease = self.lease.unwrap_or(0);
+        for ((model, version), status) in &current {
+            if self.published.get(&(model.clone(), *version)) != Some(status) {
+                let value = records::encode(status).map_err(|e| format!("status record: {e}"))?;
+                bounded(
+                    "put status",
+                    client.put(keys.status(id, model, *version), value, Some(PutOptions::new().with_lease(lease))),
+                )
+                .await?;
+                self.published.insert((model.clone(), *version), status.clone());
+            }
+        }
+        let gone: Vec<(String, i64)> = self.published.keys().filter(|k| !current.contains_key(*k)).cloned().collect();
+        for (model, version) in gone {
+            bounded("delete status", client.delete(keys.status(id, &model, version), None::<DeleteOptions>)).await?;
+            self.published.remove(&(model, version));
+        }
+        Ok(())
+    }
+}
+
+/// The status of every model version this worker serves or was asked to serve: READY for each
+/// loaded version; for a placed version not (yet) loaded, LOADING while its load runs or is
+/// pending, FAILED with the load error otherwise.
+fn model_statuses(
+    index: &[IndexEntry],
+    placement: &Placement,
+    failures: &HashMap<String, String>,
+) -> BTreeMap<(String, i64), StatusRecord> {
+    let status =
+        |state, reason: &str| StatusRecord { schema: records::SCHEMA_VERSION, state, reason: reason.to_string() };
+    let mut out = BTreeMap::new();
+    for e in index {
+        if let (Ok(v), "READY") = (e.version.parse::<i64>(), e.state.as_str()) {
+            out.insert((e.name.clone(), v), status(ModelState::Ready, ""));
+        }
+    }
+    for (model, versions) in placement {
+        let row = index.iter().find(|e| e.name == *model && e.version.is_empty());
+        for v in versions {
+            if out.contains_key(&(model.clone(), *v)) {
+                continue;
+            }
+            let s = match (row.map(|r| r.state.as_str()), failures.get(model)) {
+                (Some("LOADING"), _) => status(ModelState::Loading, ""),
+                (_, Some(reason)) => status(ModelState::Failed, reason),
+                (Some("UNAVAILABLE"), None) if row.is_some_and(|r| r.reason != "unloaded") => {
+                    status(ModelState::Failed, &row.map(|r| r.reason.clone()).unwrap_or_default())
+                }
+                _ => status(ModelState::Loading, ""),
+            };
+            out.insert((model.clone(), *v), s);
+        }
+    }
+    out
+}
+
+/// Applies each new placement to the repository: loads a model whose placed versions changed
+/// (exactly those versions), unloads one no longer placed here. A failed load is remembered
+/// (reported FAILED) and not retried until its placement changes.
+async fn reconcile(repository: Arc<Repository>, mut desired: watch::Receiver<Option<Placement>>, failures: Failures) {
+    let mut applied = Placement::new();
+    while desired.changed().await.is_ok() {
+        let Some(want) = desired.borrow_and_update().clone() else { continue };
+        for (model, versions) in &want {
+            if applied.get(model) == Some(versions) {
+                continue;
+            }
+            applied.insert(model.clone(), versions.clone());
+            failures.lock().unwrap_or_else(|e| e.into_inner()).remove(model);
+            tracing::info!(%model, ?versions, "placement: loading");
+            if let Err(e) = repository.load_versions(model, versions.iter().copied().collect()).await {
+                tracing::warn!(%model, "placement: load failed: {}", e.message);
+                failures.lock().unwrap_or_else(|e| e.into_inner()).insert(model.clone(), e.message.clone());
+            }
+        }
+        let removed: Vec<String> = applied.keys().filter(|m| !want.contains_key(*m)).cloned().collect();
+        for model in removed {
+            applied.remove(&model);
+            failures.lock().unwrap_or_else(|e| e.into_inner()).remove(&model);
+            tracing::info!(%model, "placement: unloading");
+            if let Err(e) = repository.unload_placed(&model).await {
+                tracing::warn!(%model, "placement: unload failed: {}", e.message);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, version: &str, state: &str, reason: &str) -> IndexEntry {
+        IndexEntry { name: name.into(), version: version.into(), state: state.into(), reason: reason.into() }
+    }
+
+    #[test]
+    fn statuses_from_index_and_placement() {
+        let index = vec![
+            entry("a", "1", "READY", ""),
+            entry("b", "", "LOADING", ""),
+            entry("c", "", "UNAVAILABLE", "bad model"),
+            entry("d", "", "", ""),
+            entry("e", "1", "READY", "reload failed: x"),
+        ];
+        let placement: Placement = [
+            ("a".to_string(), BTreeSet::from([1, 2])),
+            ("b".to_string(), BTreeSet::from([1])),
+            ("c".to_string(), BTreeSet::from([3])),
+            ("d".to_string(), BTreeSet::from([1])),
+            ("e".to_string(), BTreeSet::from([1, 2])),
+        ]
+        .into();
+        let failures = HashMap::from([("e".to_string(), "failed to load 'e': boom".to_string())]);
+        let s = model_statuses(&index, &placement, &failures);
+        let show: Vec<String> =
+            s.iter().map(|((m, v), r)| format!("{m}/{v}={}:{}", r.state.name(), r.reason)).collect();
+        assert_eq!(
+            show,
+            vec![
+                "a/1=READY:",
+                "a/2=LOADING:", // reload in progress or pending
+                "b/1=LOADING:",
+                "c/3=FAILED:bad model",
+                "d/1=LOADING:", // not yet attempted
+                "e/1=READY:",
+                "e/2=FAILED:failed to load 'e': boom",
+            ]
+        );
+    }
+}
