@@ -9,7 +9,8 @@ use clap::{Parser, ValueEnum};
 use crate::client::{Protocol, Target, normalize_url};
 use crate::driver::{Load, Measurement, RunConfig, WindowMode};
 use crate::error::PerfError;
-use crate::schedule::{Distribution, concurrency_levels, parse_trace, rate_levels};
+use crate::schedule::{Distribution, concurrency_bounds, concurrency_levels, parse_trace, rate_bounds, rate_levels};
+use crate::search::{SearchAxis, SearchSpace};
 use crate::workload::{Entry, InputData, Origin, Workload};
 
 pub const DEFAULT_GRPC_URL: &str = "localhost:8001";
@@ -28,7 +29,8 @@ Exit codes:
   2  bad input: invalid flags, workload or trace file (the message names the key or line),
      unknown model, or the server cannot be reached (after 3 attempts)
   3  the server stopped answering mid-run; results so far are printed and written
-  4  results printed, but no load level met the SLO (\"no load level met the SLO\")
+  4  results printed, but no load level met the SLO (\"no load level met the SLO\"; with
+     --binary-search: the range's lower bound misses it)
   5  results printed, but untrustworthy: no stable measurement within --max-trials, more than
      1% of open-loop sends started over 1 ms late, or no request succeeded at a level
   130 interrupted (Ctrl-C); results so far are printed and written
@@ -38,6 +40,12 @@ or generator that falls behind shows in the latencies (no coordinated omission).
 starts more than 1 ms late counts as late. A level meets the SLO when at least 99% of its
 completed requests succeeded within it (failures count as misses); a sweep stops at the first
 level that misses.
+
+Binary search (--binary-search, needs an SLO): probes the range's lower bound, then its upper
+bound, then bisects between the highest load that met the SLO and the lowest that missed it
+until they are at most the precision apart (--binary-search-precision, default the range's
+step). Each probe is measured like a sweep level. The answer is the highest probed load that
+met the SLO; every probe is reported.
 
 Workload file (--workload), JSON; unknown keys are errors:
   {\"entries\": [{\"model\": \"mlp_fp32\", \"version\": \"1\", \"weight\": 3, \"batch_size\": 4,
@@ -102,6 +110,15 @@ pub struct Args {
     /// Open loop: start[:end[:step]] requests per second.
     #[arg(long, conflicts_with = "trace_file")]
     pub request_rate_range: Option<String>,
+    /// Find the highest load meeting the SLO by bisecting the concurrency or request-rate range
+    /// (between its start and end) instead of sweeping it; needs --slo-p99-ms (or slo_ms on every
+    /// workload entry).
+    #[arg(long, conflicts_with = "trace_file")]
+    pub binary_search: bool,
+    /// --binary-search stops when the loads that met and missed the SLO are at most this far
+    /// apart (concurrency: a whole number) [default: the range's step].
+    #[arg(long, requires = "binary_search", value_name = "LOAD")]
+    pub binary_search_precision: Option<f64>,
     /// Open-loop arrival spacing.
     #[arg(long, value_enum, default_value = "constant")]
     pub request_distribution: DistributionArg,
@@ -138,6 +155,9 @@ pub struct Args {
     /// Write the full report as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Write a self-contained HTML report with plots (one file, no external resources) here.
+    #[arg(long, visible_alias = "html-report", value_name = "FILE")]
+    pub html: Option<PathBuf>,
     /// Seed of arrivals, input data and workload picks.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -205,7 +225,9 @@ impl Args {
             }
         }
 
-        let load = if let Some(path) = &self.trace_file {
+        let load = if self.binary_search {
+            self.search_load(&workload)?
+        } else if let Some(path) = &self.trace_file {
             let shown = path.display();
             let text =
                 std::fs::read_to_string(path).map_err(|e| usage(format!("trace file {shown}: cannot read it: {e}")))?;
@@ -249,13 +271,14 @@ impl Args {
 
         let outstanding = match &load {
             Load::Concurrency(levels) => levels.iter().copied().max().unwrap_or(1) as usize,
+            Load::BinarySearch { axis: SearchAxis::Concurrency, space } => space.high as usize,
             _ => self.max_inflight,
         };
-        let connections = self.connections.unwrap_or(match (protocol, &load) {
-            (Protocol::Grpc, Load::Concurrency(_)) => {
-                outstanding.div_ceil(REQUESTS_PER_GRPC_CHANNEL).clamp(1, MAX_GRPC_CHANNELS)
-            }
-            (Protocol::Grpc, _) => OPEN_LOOP_GRPC_CHANNELS,
+        let closed_loop =
+            matches!(load, Load::Concurrency(_) | Load::BinarySearch { axis: SearchAxis::Concurrency, .. });
+        let connections = self.connections.unwrap_or(match (protocol, closed_loop) {
+            (Protocol::Grpc, true) => outstanding.div_ceil(REQUESTS_PER_GRPC_CHANNEL).clamp(1, MAX_GRPC_CHANNELS),
+            (Protocol::Grpc, false) => OPEN_LOOP_GRPC_CHANNELS,
             (Protocol::Http { .. }, _) => outstanding,
         });
 
@@ -279,6 +302,46 @@ impl Args {
             },
             seed: self.seed,
         })
+    }
+}
+
+impl Args {
+    /// `--binary-search` over the concurrency or request-rate range's bounds.
+    fn search_load(&self, workload: &Workload) -> Result<Load, PerfError> {
+        let usage = |s: String| PerfError::Usage(s);
+        if workload.series.iter().any(|s| s.slo_ms.is_none()) {
+            return Err(usage(
+                "--binary-search needs an SLO: give --slo-p99-ms (or slo_ms on every workload entry)".into(),
+            ));
+        }
+        let (axis, (low, high, step), flag) = match (&self.concurrency_range, &self.request_rate_range) {
+            (Some(c), None) => {
+                let (low, high, step) = concurrency_bounds(c).map_err(|e| usage(e.to_string()))?;
+                (SearchAxis::Concurrency, (low as f64, high as f64, step as f64), "--concurrency-range")
+            }
+            (None, Some(r)) => {
+                let distribution = match self.request_distribution {
+                    DistributionArg::Constant => Distribution::Constant,
+                    DistributionArg::Poisson => Distribution::Poisson,
+                };
+                let bounds = rate_bounds(r).map_err(|e| usage(e.to_string()))?;
+                (SearchAxis::RequestRate { distribution }, bounds, "--request-rate-range")
+            }
+            _ => {
+                return Err(usage(
+                    "--binary-search needs a range to search: --concurrency-range START:END[:STEP] or \
+                     --request-rate-range START:END[:STEP]"
+                        .into(),
+                ));
+            }
+        };
+        let precision = self.binary_search_precision.unwrap_or(step);
+        let integer = axis == SearchAxis::Concurrency;
+        let space = SearchSpace::new(low, high, precision, integer).map_err(|e| match e {
+            crate::search::SearchSpaceError::Precision { .. } => usage(format!("--binary-search-precision: {e}")),
+            crate::search::SearchSpaceError::Bounds { .. } => usage(format!("{flag}: {e}")),
+        })?;
+        Ok(Load::BinarySearch { axis, space })
     }
 }
 
@@ -374,6 +437,51 @@ mod tests {
         assert_eq!(metrics_uri(Some("http://h:1"), "x:2").unwrap().to_string(), "http://h:1/metrics");
         assert_eq!(metrics_uri(Some("http://h:1/m"), "x:2").unwrap().to_string(), "http://h:1/m");
         assert!(args(&["-m", "m", "--no-server-stats"]).unwrap().metrics_url.is_none());
+    }
+
+    #[test]
+    fn binary_search_flags() {
+        let c = args(&["-m", "m", "--binary-search", "--concurrency-range", "2:300:4", "--slo-p99-ms", "5"]).unwrap();
+        let Load::BinarySearch { axis, space } = c.load else { panic!("{:?}", c.load) };
+        assert_eq!(axis, SearchAxis::Concurrency);
+        assert_eq!((space.low, space.high, space.precision, space.integer), (2.0, 300.0, 4.0, true));
+        assert_eq!(c.target.connections, MAX_GRPC_CHANNELS, "sized for the upper bound");
+        // A range wider than a sweep may expand to is fine for a search.
+        let c = args(&[
+            "-m",
+            "m",
+            "--binary-search",
+            "--request-rate-range",
+            "10:50000",
+            "--request-distribution",
+            "poisson",
+            "--binary-search-precision",
+            "2.5",
+            "--slo-p99-ms",
+            "5",
+        ])
+        .unwrap();
+        let Load::BinarySearch { axis, space } = c.load else { panic!("{:?}", c.load) };
+        assert_eq!(axis, SearchAxis::RequestRate { distribution: Distribution::Poisson });
+        assert_eq!((space.low, space.high, space.precision, space.integer), (10.0, 50_000.0, 2.5, false));
+
+        let e = |a: &[&str]| args(a).unwrap_err().to_string();
+        assert!(e(&["-m", "m", "--binary-search", "--concurrency-range", "1:8"]).contains("--slo-p99-ms"));
+        assert!(e(&["-m", "m", "--binary-search", "--slo-p99-ms", "5"]).contains("--concurrency-range START:END"));
+        let precision = e(&[
+            "-m",
+            "m",
+            "--binary-search",
+            "--concurrency-range",
+            "1:8",
+            "--slo-p99-ms",
+            "5",
+            "--binary-search-precision",
+            "0.5",
+        ]);
+        assert!(precision.contains("--binary-search-precision") && precision.contains("whole number"), "{precision}");
+        assert!(e(&["-m", "m", "--binary-search-precision", "2"]).contains("--binary-search"));
+        assert!(e(&["-m", "m", "--binary-search", "--trace-file", "t"]).contains("cannot be used with"));
     }
 
     #[test]

@@ -7,6 +7,10 @@
 //! loop holds at most `max_inflight` requests outstanding, and a send that has to wait for one
 //! counts as late. A window with no success and a server that no longer answers its liveness
 //! check ends the run as [`Stop::ServerLost`], keeping what was measured.
+//!
+//! Levels come from a fixed sweep (which stops at the first level missing the SLO) or, with
+//! `--binary-search`, from [`search::BinarySearch`](crate::search::BinarySearch), which picks
+//! each next level from the SLO verdicts of the previous ones.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -26,6 +30,7 @@ use crate::error::{PerfError, exit};
 use crate::measure::{Failure, Recorder, STABILITY_WINDOWS, Summary, Window, is_stable};
 use crate::report::Progress;
 use crate::schedule::{Arrivals, Distribution, LoadLevel, level_seed, trace_rate};
+use crate::search::{BinarySearch, SearchAxis, SearchOutcome, SearchReport, SearchSpace, SearchStatus};
 use crate::server_stats::{self, Breakdown, Scraper, Snapshot};
 use crate::workload::{InputData, ModelInfo, Picker, Series, Workload, resolve_inputs};
 
@@ -48,8 +53,46 @@ pub const SLO_QUANTILE: f64 = 0.99;
 #[derive(Clone, Debug)]
 pub enum Load {
     Concurrency(Vec<u32>),
-    RequestRate { rates: Vec<f64>, distribution: Distribution },
+    RequestRate {
+        rates: Vec<f64>,
+        distribution: Distribution,
+    },
     Trace(Arc<[Duration]>),
+    /// `--binary-search`: the highest load in the space that meets the SLO.
+    BinarySearch {
+        axis: SearchAxis,
+        space: SearchSpace,
+    },
+}
+
+impl Load {
+    /// One line for the report: what was offered.
+    pub fn describe(&self) -> String {
+        let list = |v: Vec<String>| v.join(", ");
+        match self {
+            Load::Concurrency(c) => format!("concurrency {}", list(c.iter().map(|c| c.to_string()).collect())),
+            Load::RequestRate { rates, distribution } => format!(
+                "request rate {} req/s ({})",
+                list(rates.iter().map(|r| r.to_string()).collect()),
+                distribution_name(*distribution)
+            ),
+            Load::Trace(t) => format!("trace replay of {} arrivals ({:.1} req/s)", t.len(), trace_rate(t)),
+            Load::BinarySearch { axis, space } => format!(
+                "binary search for the highest {} meeting the SLO between {} and {} (precision {})",
+                axis.noun(),
+                axis.level(space.low),
+                axis.level(space.high),
+                space.precision
+            ),
+        }
+    }
+}
+
+fn distribution_name(d: Distribution) -> &'static str {
+    match d {
+        Distribution::Constant => "constant",
+        Distribution::Poisson => "poisson",
+    }
 }
 
 /// How a window ends.
@@ -133,9 +176,14 @@ pub struct RunReport {
     pub metrics_url: Option<String>,
     pub seed: u64,
     pub measurement: Measurement,
+    /// What load was offered (the sweep's levels, the trace, or the search's range).
+    pub load: String,
     pub models: Vec<ModelInfo>,
     pub series: Vec<Series>,
+    /// Every level measured, in order (a binary search's probes included).
     pub levels: Vec<LevelResult>,
+    /// With `--binary-search`: its answer and probes.
+    pub binary_search: Option<SearchReport>,
     pub warnings: Vec<String>,
     /// Why the run ended early, if it did.
     pub stopped: Option<String>,
@@ -238,27 +286,24 @@ pub async fn run(config: RunConfig, progress: &Progress, interrupt: Cancellation
         interrupt,
     };
 
-    let levels: Vec<LoadLevel> = match &config.load {
-        Load::Concurrency(c) => c.iter().map(|n| LoadLevel::Concurrency(*n)).collect(),
-        Load::RequestRate { rates, distribution } => {
-            rates.iter().map(|r| LoadLevel::RequestRate { rate: *r, distribution: *distribution }).collect()
-        }
-        Load::Trace(t) => vec![LoadLevel::Trace { arrivals: t.len(), offered_rate: trace_rate(t) }],
-    };
-
+    let mut plan = Plan::new(&config.load);
     let has_slo = config.workload.has_slo();
+    let trace = match &config.load {
+        Load::Trace(t) => Some(t.clone()),
+        _ => None,
+    };
     let mut results = Vec::new();
     let mut stopped = None;
     let mut server_lost = None;
     let mut interrupted = false;
-    for (index, level) in levels.iter().enumerate() {
-        let trace = match &config.load {
-            Load::Trace(t) => Some(t.clone()),
-            _ => None,
-        };
-        let (result, stop) = run_level(&ctx, level, level_seed(config.seed, 1_000 + index), trace, progress).await;
+    while let Some(level) = plan.next_level() {
+        let index = results.len();
+        let (result, stop) =
+            run_level(&ctx, &level, level_seed(config.seed, 1_000 + index), trace.clone(), progress).await;
         let missed = result.slo_met == Some(false);
         progress.level_done(&result);
+        let complete = stop.is_none();
+        plan.record(&result, complete, progress);
         results.push(result);
         match stop {
             Some(Stop::ServerLost(why)) => {
@@ -273,13 +318,19 @@ pub async fn run(config: RunConfig, progress: &Progress, interrupt: Cancellation
             }
             None => {}
         }
-        if has_slo && missed && index + 1 < levels.len() {
+        if has_slo && missed && plan.stops_at_a_miss() {
             stopped = Some(format!("{level} missed the SLO; higher load levels were skipped"));
             break;
         }
     }
 
     let mut verdict = verdict(&results, has_slo, server_lost);
+    let binary_search = plan.search_report();
+    if let Some(search) = &binary_search
+        && search.outcome == SearchStatus::NothingMeets
+    {
+        verdict.problems.push(format!("binary search: {}", search.summary));
+    }
     if interrupted {
         verdict.exit_code = exit::INTERRUPTED;
         verdict.problems.insert(0, "interrupted; results so far were kept".into());
@@ -292,13 +343,90 @@ pub async fn run(config: RunConfig, progress: &Progress, interrupt: Cancellation
         metrics_url: ctx.scraper.as_ref().map(|s| s.uri().to_string()),
         seed: config.seed,
         measurement: config.measurement.clone(),
+        load: config.load.describe(),
         models: infos.into_iter().map(|(_, i)| i).collect(),
         series: config.workload.series.clone(),
         levels: results,
+        binary_search,
         warnings,
         stopped,
         verdict,
     })
+}
+
+/// Where the next level comes from.
+enum Plan {
+    /// A fixed list of levels (a sweep, or one trace); the sweep stops at the first SLO miss.
+    Levels(std::vec::IntoIter<LoadLevel>),
+    /// `--binary-search`: each probe follows from the SLO verdicts so far.
+    Search { axis: SearchAxis, search: BinarySearch, stopped: bool },
+}
+
+impl Plan {
+    fn new(load: &Load) -> Plan {
+        let levels: Vec<LoadLevel> = match load {
+            Load::Concurrency(c) => c.iter().map(|n| LoadLevel::Concurrency(*n)).collect(),
+            Load::RequestRate { rates, distribution } => {
+                rates.iter().map(|r| LoadLevel::RequestRate { rate: *r, distribution: *distribution }).collect()
+            }
+            Load::Trace(t) => vec![LoadLevel::Trace { arrivals: t.len(), offered_rate: trace_rate(t) }],
+            Load::BinarySearch { axis, space } => {
+                return Plan::Search { axis: *axis, search: BinarySearch::new(*space), stopped: false };
+            }
+        };
+        Plan::Levels(levels.into_iter())
+    }
+
+    fn next_level(&mut self) -> Option<LoadLevel> {
+        match self {
+            Plan::Levels(levels) => levels.next(),
+            Plan::Search { stopped: true, .. } => None,
+            Plan::Search { axis, search, .. } => search.next_probe().map(|v| axis.level(v)),
+        }
+    }
+
+    /// Feeds a measured level back; a search probe that did not complete ends the search.
+    fn record(&mut self, result: &LevelResult, complete: bool, progress: &Progress) {
+        if let Plan::Search { axis, search, stopped } = self {
+            if !complete {
+                *stopped = true;
+                return;
+            }
+            let met = result.slo_met == Some(true);
+            search.record(result.level.value(), met);
+            let space = search.space();
+            let bracket = match search.outcome() {
+                SearchOutcome::Unfinished { best, first_miss } => format!(
+                    "meets at {}, misses at {}",
+                    best.map(|b| axis.level(b).to_string()).unwrap_or_else(|| "-".into()),
+                    first_miss.map(|m| axis.level(m).to_string()).unwrap_or_else(|| "-".into())
+                ),
+                _ => "done".into(),
+            };
+            progress.note(&format!(
+                "binary search probe {}/{}: {} {} the SLO ({bracket})",
+                search.probes().len(),
+                space.max_probes(),
+                result.level,
+                if met { "meets" } else { "misses" },
+            ));
+        }
+    }
+
+    /// A sweep skips the levels above a miss; a search goes on bisecting.
+    fn stops_at_a_miss(&self) -> bool {
+        match self {
+            Plan::Levels(rest) => rest.len() > 0,
+            Plan::Search { .. } => false,
+        }
+    }
+
+    fn search_report(&self) -> Option<SearchReport> {
+        match self {
+            Plan::Levels(_) => None,
+            Plan::Search { axis, search, .. } => Some(SearchReport::of(*axis, search)),
+        }
+    }
 }
 
 /// Decides the exit code: server lost (3) before untrustworthy (5) before SLO not met (4).

@@ -2,17 +2,21 @@
 //!
 //! The hot path, from `main`: [`cli::Args::into_config`] → [`driver::run`] (connect, prepare
 //! each request once, then per load level: generate load, measure windows until stable,
-//! scrape `/metrics`) → [`report`] (table, CSV, JSON). Load shapes are in [`schedule`], the
+//! scrape `/metrics`) → [`report`] (table, CSV, JSON) and [`html`] (the HTML report, drawn
+//! with [`svg`]). Load shapes are in [`schedule`], `--binary-search` in [`search`], the
 //! requests in [`workload`] and [`client`], the numbers in [`measure`] and [`server_stats`].
 
 pub mod cli;
 pub mod client;
 pub mod driver;
 pub mod error;
+pub mod html;
 pub mod measure;
 pub mod report;
 pub mod schedule;
+pub mod search;
 pub mod server_stats;
+pub mod svg;
 pub mod workload;
 
 pub use driver::{RunConfig, RunReport, run};

@@ -77,6 +77,15 @@ impl Progress {
         let _ = err.flush();
     }
 
+    /// A line of its own (on a terminal, below the rewritten window line).
+    pub fn note(&self, line: &str) {
+        if !self.enabled {
+            return;
+        }
+        let mut err = std::io::stderr().lock();
+        let _ = if self.tty { writeln!(err, "\r\x1b[2K{line}") } else { writeln!(err, "{line}") };
+    }
+
     pub fn level_done(&self, result: &LevelResult) {
         if self.enabled && self.tty {
             let _ = writeln!(
@@ -124,6 +133,7 @@ pub fn table(report: &RunReport) -> String {
     };
     let models: Vec<&str> = report.models.iter().map(|m| m.name.as_str()).collect();
     let _ = writeln!(out, "nereid-perf: {} over {protocol} at {}", models.join(", "), report.url);
+    let _ = writeln!(out, "load: {}", report.load);
     let _ = writeln!(
         out,
         "{:<34} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6} {:>9} {:>10} {:>6} {:>7} {:>4}",
@@ -225,8 +235,21 @@ pub fn table(report: &RunReport) -> String {
     if let Some(s) = &report.stopped {
         let _ = writeln!(out, "stopped: {s}");
     }
-    if let Some(best) = &report.verdict.best_level_meeting_slo {
-        let _ = writeln!(out, "highest load meeting the SLO: {best}");
+    match &report.binary_search {
+        Some(search) => {
+            let probes: Vec<String> = search
+                .probes
+                .iter()
+                .map(|p| format!("{} {}", p.level, if p.slo_met { "met" } else { "MISS" }))
+                .collect();
+            let _ = writeln!(out, "binary search probes, in order: {}", probes.join(", "));
+            let _ = writeln!(out, "binary search: {}", search.summary);
+        }
+        None => {
+            if let Some(best) = &report.verdict.best_level_meeting_slo {
+                let _ = writeln!(out, "highest load meeting the SLO: {best}");
+            }
+        }
     }
     for p in &report.verdict.problems {
         let _ = writeln!(out, "PROBLEM: {p}");

@@ -88,6 +88,18 @@ pub struct RangeError {
 /// `start`, `step` to 1.
 pub fn concurrency_levels(value: &str) -> Result<Vec<u32>, RangeError> {
     let err = |reason: String| RangeError { flag: "--concurrency-range", value: value.to_string(), reason };
+    let (start, end, step) = concurrency_bounds(value)?;
+    let levels: Vec<u32> = (start..=end).step_by(step as usize).take(MAX_LEVELS + 1).collect();
+    if levels.len() > MAX_LEVELS {
+        return Err(err(format!("expands to more than {MAX_LEVELS} levels")));
+    }
+    Ok(levels)
+}
+
+/// `--concurrency-range start[:end[:step]]` as `(start, end, step)`, validated but not expanded
+/// (`--binary-search` probes between the bounds, so the range may be as wide as it likes).
+pub fn concurrency_bounds(value: &str) -> Result<(u32, u32, u32), RangeError> {
+    let err = |reason: String| RangeError { flag: "--concurrency-range", value: value.to_string(), reason };
     let parts = split_range(value).map_err(err)?;
     let parse = |s: &str| s.trim().parse::<u32>().map_err(|e| err(format!("'{s}' is not a whole number ({e})")));
     let start = parse(parts[0])?;
@@ -102,16 +114,23 @@ pub fn concurrency_levels(value: &str) -> Result<Vec<u32>, RangeError> {
     if step == 0 {
         return Err(err("step must be at least 1".into()));
     }
-    let levels: Vec<u32> = (start..=end).step_by(step as usize).take(MAX_LEVELS + 1).collect();
-    if levels.len() > MAX_LEVELS {
-        return Err(err(format!("expands to more than {MAX_LEVELS} levels")));
-    }
-    Ok(levels)
+    Ok((start, end, step))
 }
 
 /// Expands `start[:end[:step]]` for `--request-rate-range` (requests per second, fractional
 /// allowed): `end` defaults to `start`, `step` to 1.
 pub fn rate_levels(value: &str) -> Result<Vec<f64>, RangeError> {
+    let err = |reason: String| RangeError { flag: "--request-rate-range", value: value.to_string(), reason };
+    let (start, end, step) = rate_bounds(value)?;
+    let count = ((end - start) / step + 1e-9).floor() + 1.0;
+    if count > MAX_LEVELS as f64 {
+        return Err(err(format!("expands to more than {MAX_LEVELS} levels")));
+    }
+    Ok((0..count as usize).map(|i| start + step * i as f64).collect())
+}
+
+/// `--request-rate-range start[:end[:step]]` as `(start, end, step)`, validated but not expanded.
+pub fn rate_bounds(value: &str) -> Result<(f64, f64, f64), RangeError> {
     let err = |reason: String| RangeError { flag: "--request-rate-range", value: value.to_string(), reason };
     let parts = split_range(value).map_err(err)?;
     let parse = |s: &str| {
@@ -130,11 +149,7 @@ pub fn rate_levels(value: &str) -> Result<Vec<f64>, RangeError> {
     if step <= 0.0 {
         return Err(err("step must be above 0".into()));
     }
-    let count = ((end - start) / step + 1e-9).floor() + 1.0;
-    if count > MAX_LEVELS as f64 {
-        return Err(err(format!("expands to more than {MAX_LEVELS} levels")));
-    }
-    Ok((0..count as usize).map(|i| start + step * i as f64).collect())
+    Ok((start, end, step))
 }
 
 fn split_range(value: &str) -> Result<Vec<&str>, String> {
@@ -264,6 +279,10 @@ mod tests {
         assert!(concurrency_levels("a").unwrap_err().to_string().contains("--concurrency-range 'a'"));
         assert!(concurrency_levels("1::2").is_err());
         assert!(concurrency_levels("1:100000").unwrap_err().reason.contains("more than"));
+        // Bounds are not expanded, so a search range may be wide.
+        assert_eq!(concurrency_bounds("1:100000").unwrap(), (1, 100_000, 1));
+        assert_eq!(concurrency_bounds("2:64:4").unwrap(), (2, 64, 4));
+        assert!(concurrency_bounds("4:1").is_err());
     }
 
     #[test]
@@ -274,6 +293,8 @@ mod tests {
         assert!(rate_levels("0").is_err());
         assert!(rate_levels("nan").is_err());
         assert!(rate_levels("1:2:-1").is_err());
+        assert_eq!(rate_bounds("10:100000").unwrap(), (10.0, 100_000.0, 1.0));
+        assert!(rate_levels("10:100000").is_err());
     }
 
     #[test]

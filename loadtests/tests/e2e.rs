@@ -1,7 +1,8 @@
 //! End to end: the `nereid-perf` binary against a real `nereid-worker` serving the example
 //! models on real ONNX Runtime, over gRPC and HTTP (JSON and binary tensors), closed and open
-//! loop, plus the failure exits (unreachable server, bad workload file, server lost mid-run,
-//! SLO nothing meets). Runs are short and bounded; nothing asserts on speed.
+//! loop, the HTML report and `--binary-search`, plus the failure exits (unreachable server,
+//! bad workload file, server lost mid-run, SLO nothing meets). Runs are short and bounded;
+//! nothing asserts on speed.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -509,4 +510,108 @@ fn server_dying_mid_run_keeps_partial_results_and_exits_3() {
     let levels = report["levels"].as_array().unwrap();
     assert!(levels[0]["windows"].as_array().unwrap().len() >= 2, "windows measured before the death are kept");
     assert_eq!(levels.last().unwrap()["complete"].as_bool(), Some(false));
+}
+
+/// The parts of a report page that must be there, and nothing that loads from elsewhere.
+fn check_html(path: &Path) -> String {
+    let doc = std::fs::read_to_string(path).expect("HTML report written");
+    assert!(doc.starts_with("<!DOCTYPE html>") && doc.trim_end().ends_with("</html>"), "not a whole page");
+    for id in ["verdict", "latency", "goodput", "server", "levels", "parameters"] {
+        assert!(doc.contains(&format!("<section id=\"{id}\">")), "section {id} missing");
+    }
+    for needle in ["<script", "<link", "src=", "href=", "url(", "@import"] {
+        assert!(!doc.contains(needle), "the page refers out: {needle}");
+    }
+    doc
+}
+
+#[test]
+fn html_report_of_a_sweep() {
+    let Some(w) = Worker::start() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let html = dir.path().join("report.html");
+    let (u, m) = (w.grpc_url(), w.metrics_url());
+    let mut args = vec!["-m", "mlp_fp32", "-u", &u, "--metrics-url", &m, "--concurrency-range", "1:3:2", "-b", "2"];
+    args.extend(SHORT);
+    args.extend(["--slo-p99-ms", "10000", "--html", html.to_str().unwrap()]);
+    let run = perf(&args);
+    assert_measured(&run, false);
+    let doc = check_html(&html);
+    // Latency, goodput and (with /metrics) the server breakdown: one plot each.
+    assert_eq!(doc.matches("<svg").count(), 3, "three plots");
+    assert!(doc.contains("concurrency 1") && doc.contains("concurrency 3"));
+    assert!(doc.contains("Highest load meeting the SLO: concurrency 3"));
+    assert!(doc.contains("p99 ≤ 10000 ms"), "the SLO is in the parameters");
+    assert!(doc.contains("compute infer"), "the server breakdown is plotted");
+
+    // Without /metrics the page still renders, and says why the breakdown is missing.
+    let mut args = vec!["-m", "identity_fp32", "-u", &u, "--no-server-stats", "--concurrency-range", "2"];
+    args.extend(SHORT);
+    args.extend(["--html-report", html.to_str().unwrap()]);
+    let run = perf(&args);
+    assert_measured(&run, false);
+    let doc = check_html(&html);
+    assert_eq!(doc.matches("<svg").count(), 2);
+    assert!(doc.contains("No server-side breakdown"));
+}
+
+#[test]
+fn binary_search_closed_and_open_loop() {
+    let Some(w) = Worker::start() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (json, html) = (dir.path().join("out.json"), dir.path().join("out.html"));
+    let (u, m, j, h) = (w.grpc_url(), w.metrics_url(), json.to_str().unwrap(), html.to_str().unwrap());
+
+    // A generous SLO: the lower and then the upper bound meet it, and the upper bound is the answer.
+    let mut args = vec!["-m", "identity_fp32", "-u", &u, "--metrics-url", &m, "--binary-search"];
+    args.extend(["--concurrency-range", "1:4", "--slo-p99-ms", "10000", "--json", j, "--html", h]);
+    args.extend(SHORT);
+    let run = perf(&args);
+    assert_measured(&run, false);
+    assert!(
+        run.stdout.contains("binary search: highest load meeting the SLO: concurrency 4 — the upper bound"),
+        "{}",
+        run.stdout
+    );
+    let report = read_json(&json);
+    let search = &report["binary_search"];
+    assert_eq!(search["outcome"].as_str(), Some("found"), "{search}");
+    assert_eq!(search["highest_meeting_slo"]["concurrency"].as_u64(), Some(4));
+    assert!(search["lowest_missing_slo"].is_null());
+    let probes: Vec<u64> =
+        search["probes"].as_array().unwrap().iter().map(|p| p["level"]["concurrency"].as_u64().unwrap()).collect();
+    assert_eq!(probes, vec![1, 4], "the bounds, in order");
+    assert_eq!(report["levels"].as_array().unwrap().len(), 2, "every probe is a measured level");
+    for level in report["levels"].as_array().unwrap() {
+        check_level(level, "identity_fp32");
+    }
+    let doc = check_html(&html);
+    assert!(doc.contains("<section id=\"search\">") && doc.contains("Binary search: highest load meeting the SLO"));
+
+    // An SLO nothing meets: the lower bound misses, the search stops there, exit 4.
+    let mut args = vec!["-m", "identity_fp32", "-u", &u, "--metrics-url", &m, "--binary-search"];
+    args.extend(["--concurrency-range", "1:64", "--slo-p99-ms", "0.001", "--json", j]);
+    args.extend(["-p", "300", "-r", "1", "--warmup-ms", "100"]);
+    let run = perf(&args);
+    assert_eq!(run.code(), 4, "stdout:\n{}\nstderr:\n{}", run.stdout, run.stderr);
+    assert!(run.stdout.contains("no load level met the SLO"), "{}", run.stdout);
+    assert!(run.stdout.contains("the lower bound concurrency 1 misses the SLO"), "{}", run.stdout);
+    let report = read_json(&json);
+    assert_eq!(report["binary_search"]["outcome"].as_str(), Some("nothing_meets"));
+    assert_eq!(report["levels"].as_array().unwrap().len(), 1, "one probe is enough");
+    assert_eq!(report["verdict"]["exit_code"].as_i64(), Some(4));
+
+    // Open loop over a request-rate range.
+    let hu = w.http_url();
+    let mut args = vec!["-m", "mlp_fp32", "-i", "http", "-u", &hu, "--metrics-url", &m, "--binary-search"];
+    args.extend(["--request-rate-range", "20:60:10", "--slo-p99-ms", "10000", "--json", j]);
+    args.extend(SHORT);
+    let run = perf(&args);
+    assert_measured(&run, true);
+    let report = read_json(&json);
+    let search = &report["binary_search"];
+    assert_eq!(search["outcome"].as_str(), Some("found"), "{search}");
+    assert_eq!(search["highest_meeting_slo"]["request_rate"]["rate"].as_f64(), Some(60.0));
+    assert_eq!(search["precision"].as_f64(), Some(10.0), "the range's step");
+    assert!(run.stdout.contains("binary search probes, in order: 20 req/s (constant) met, 60 req/s (constant) met"));
 }

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use nereid_loadtests::cli::Args;
+use nereid_loadtests::html;
 use nereid_loadtests::report::{self, Progress};
 use nereid_loadtests::{PerfError, exit};
 
@@ -23,7 +24,7 @@ fn main() -> ExitCode {
 fn run(args: Args) -> Result<i32, PerfError> {
     let threads = args.threads;
     let progress = Progress::new(!args.quiet);
-    let (csv_path, json_path) = (args.csv.clone(), args.json.clone());
+    let (csv_path, json_path, html_path) = (args.csv.clone(), args.json.clone(), args.html.clone());
     let config = args.into_config()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
@@ -45,9 +46,11 @@ fn run(args: Args) -> Result<i32, PerfError> {
     print!("{}", report::table(&report));
     // Partial results are written too: a run that lost its server still keeps what it measured.
     let mut code = report.verdict.exit_code;
-    for (path, text) in [(csv_path, report::csv(&report)), (json_path, report::json(&report))] {
+    let outputs: [(_, fn(&_) -> String); 3] =
+        [(csv_path, report::csv), (json_path, report::json), (html_path, html::report)];
+    for (path, render) in outputs {
         if let Some(path) = path
-            && let Err(e) = report::write_file(&path, &text)
+            && let Err(e) = report::write_file(&path, &render(&report))
         {
             eprintln!("nereid-perf: {e}");
             if code == exit::OK {
