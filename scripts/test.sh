@@ -22,5 +22,5 @@ fi
 if [ -d tests/python ] && ls tests/python/test_*.py >/dev/null 2>&1; then
   echo "== python compatibility tests (tritonclient)"
   NEREID_WORKER_BIN="$root/target/debug/nereid-worker" \
-    .venv/bin/python -m pytest -q tests/python gateway/tests/python examples/test_generated_models.py
+    .venv/bin/python -m pytest -q tests/python gateway/tests/python examples/test_generated_models.py deploy
 fi

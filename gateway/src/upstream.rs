@@ -34,8 +34,17 @@ pub struct Upstream {
     pub id: UpstreamId,
     channel: Channel,
     outstanding: AtomicU64,
+    /// The queue the worker last reported in-band (its `nereid-queue` response header), and
+    /// when (milliseconds since `created`); a report older than [`QUEUE_REPORT_TTL`] counts 0.
+    reported_queue: AtomicU64,
+    reported_at_ms: AtomicU64,
+    created: Instant,
     outlier: Mutex<OutlierDetector>,
 }
+
+/// How long a worker's queue report is believed: a worker that gets no traffic sends no
+/// reports, and its last (possibly high) figure must not keep it unpicked forever.
+pub const QUEUE_REPORT_TTL: Duration = Duration::from_secs(1);
 
 impl Upstream {
     /// A member at gRPC address `address` (`host:port`). Nothing is connected yet.
@@ -54,6 +63,9 @@ impl Upstream {
             id: Arc::from(address),
             channel,
             outstanding: AtomicU64::new(0),
+            reported_queue: AtomicU64::new(0),
+            reported_at_ms: AtomicU64::new(0),
+            created: Instant::now(),
             outlier: Mutex::new(OutlierDetector::new(outlier)),
         })
     }
@@ -66,6 +78,29 @@ impl Upstream {
     /// Requests this gateway has in flight on the worker.
     pub fn outstanding(&self) -> u64 {
         self.outstanding.load(Ordering::Relaxed)
+    }
+
+    /// Records the queue length the worker reported on a response.
+    pub fn report_queue(&self, queue: u64) {
+        self.reported_queue.store(queue, Ordering::Relaxed);
+        let ms = self.created.elapsed().as_millis() as u64;
+        self.reported_at_ms.store(ms.max(1), Ordering::Relaxed);
+    }
+
+    /// The worker's last reported queue, when recent enough to believe (else 0).
+    pub fn reported_queue(&self, now: Instant) -> u64 {
+        let at = self.reported_at_ms.load(Ordering::Relaxed);
+        let now_ms = now.saturating_duration_since(self.created).as_millis() as u64;
+        if at == 0 || now_ms.saturating_sub(at) > QUEUE_REPORT_TTL.as_millis() as u64 {
+            return 0;
+        }
+        self.reported_queue.load(Ordering::Relaxed)
+    }
+
+    /// The balancer's load figure: this gateway's requests in flight on the worker plus the
+    /// worker's recently reported queue.
+    pub fn load(&self, now: Instant) -> u64 {
+        self.outstanding() + self.reported_queue(now)
     }
 
     /// Counts a request as outstanding until the guard is dropped.

@@ -95,6 +95,8 @@ pub struct VersionStats {
     execution_count: AtomicU64,
     last_inference_ms: AtomicU64,
     pending: AtomicI64,
+    /// The worker-wide pending count this version's changes also go to.
+    worker_pending: Arc<AtomicI64>,
     failures: [AtomicU64; 4],
     batches: Mutex<BTreeMap<u64, Arc<BatchCell>>>,
     request_latency: Histogram,
@@ -103,8 +105,9 @@ pub struct VersionStats {
 }
 
 impl VersionStats {
-    fn new(model: &str, version: &str) -> Self {
+    fn new(model: &str, version: &str, worker_pending: Arc<AtomicI64>) -> Self {
         VersionStats {
+            worker_pending,
             model: model.to_string(),
             version: version.to_string(),
             success: Default::default(),
@@ -175,6 +178,7 @@ impl VersionStats {
 
     pub fn pending_add(&self, delta: i64) {
         self.pending.fetch_add(delta, Relaxed);
+        self.worker_pending.fetch_add(delta, Relaxed);
     }
 
     pub fn pending(&self) -> i64 {
@@ -213,9 +217,16 @@ impl VersionStats {
 pub struct Metrics {
     versions: Mutex<BTreeMap<(String, String), Arc<VersionStats>>>,
     gpu: Option<GpuMonitor>,
+    /// Requests waiting in every model's queue: the load figure reported in-band to gateways.
+    pending: Arc<AtomicI64>,
 }
 
 impl Metrics {
+    /// Requests queued in every model of this worker, now (never negative).
+    pub fn pending_total(&self) -> u64 {
+        self.pending.load(Relaxed).max(0) as u64
+    }
+
     /// Model metrics only, no GPU series.
     pub fn new() -> Self {
         Self::default()
@@ -231,7 +242,10 @@ impl Metrics {
     pub fn version(&self, model: &str, version: i64) -> Arc<VersionStats> {
         let key = (model.to_string(), version.to_string());
         let mut versions = self.versions.lock().unwrap_or_else(|e| e.into_inner());
-        versions.entry(key).or_insert_with(|| Arc::new(VersionStats::new(model, &version.to_string()))).clone()
+        versions
+            .entry(key)
+            .or_insert_with(|| Arc::new(VersionStats::new(model, &version.to_string(), self.pending.clone())))
+            .clone()
     }
 
     /// Forgets a version's counters (after unload), as Triton drops an unloaded model's metrics.

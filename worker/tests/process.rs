@@ -213,3 +213,51 @@ impl WorkerProcessProbe {
         (code, out)
     }
 }
+
+#[test]
+fn responses_report_the_queue_in_band() {
+    use nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+    use nereid_proto::inference::{ModelInferRequest, model_infer_request::InferInputTensor};
+    let fast = HELD.replace("\"m\"", "\"fast\"").replace("20000000", "0");
+    let dir = repo(&[
+        TestModel { name: "m", source: "identity_fp32", config: Some(HELD) },
+        TestModel { name: "fast", source: "identity_fp32", config: Some(&fast) },
+    ]);
+    let worker = WorkerProcess::start(dir.path(), &[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let request = |model: &str| ModelInferRequest {
+        model_name: model.into(),
+        inputs: vec![InferInputTensor {
+            name: "INPUT0".into(),
+            datatype: "FP32".into(),
+            shape: vec![1, 16],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![vec![0u8; 64]],
+        ..Default::default()
+    };
+    let url = format!("http://127.0.0.1:{}", worker.grpc);
+    let queue_header = |url: String, req: ModelInferRequest| async move {
+        let mut client = GrpcInferenceServiceClient::connect(url).await.unwrap();
+        let resp = client.model_infer(req).await.unwrap();
+        resp.metadata().get("nereid-queue").map(|v| v.to_str().unwrap().to_string())
+    };
+    assert_eq!(rt.block_on(queue_header(url.clone(), request("fast"))).as_deref(), Some("0"));
+
+    // One request held in m's queue: every response now reports it.
+    let held = rt.spawn(queue_header(url.clone(), request("m")));
+    wait_for("the request to queue", &worker, |w| w.metric(PENDING) == Some(1.0));
+    assert_eq!(rt.block_on(queue_header(url, request("fast"))).as_deref(), Some("1"));
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", worker.http)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let head = format!(
+        "POST /v2/models/fast/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{INFER_BODY}",
+        INFER_BODY.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    assert!(out.to_ascii_lowercase().contains("\r\nnereid-queue: 1\r\n"), "{out}");
+    held.abort();
+}

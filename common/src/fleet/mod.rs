@@ -26,15 +26,22 @@ pub use etcd_client;
 pub use keys::{Key, Keys};
 pub use state::{Assignment, FleetState, Rejected};
 
+/// Response header (gRPC metadata and HTTP) in which a worker reports, in-band, how many
+/// requests are queued across its models when it answers; gateways balance on it. Load figures
+/// travel this way, not through etcd, so etcd's load does not grow with the request rate.
+pub const QUEUE_REPORT_HEADER: &str = "nereid-queue";
+
 /// Default key prefix.
 pub const DEFAULT_PREFIX: &str = "/nereid/v1";
 
-/// Options every Nereid etcd client uses: bounded connect and request times, and HTTP/2
-/// keep-alives so a dead etcd is noticed on an idle watch stream within a few seconds.
+/// Options every Nereid etcd client uses: bounded connect time, and HTTP/2 keep-alives so an
+/// etcd that vanished without closing the connection (a partition) is noticed on an idle watch
+/// within ~15 s. The ping interval stays above etcd's `--grpc-keepalive-min-time` (5 s by
+/// default): pinging more often makes etcd close the connection ("too many pings").
 pub fn connect_options() -> etcd_client::ConnectOptions {
     etcd_client::ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(2))
-        .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+        .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
         .with_keep_alive_while_idle(true)
 }
 

@@ -1,12 +1,14 @@
 //! Balance: picks the worker for an [`InferCall`] from the current routing table — among the
 //! ready workers holding the model version READY, minus those the call already failed on and
-//! those ejected as outliers — by the power of two choices on the requests this gateway has
-//! outstanding on each ([`p2c`]).
+//! those ejected as outliers — by the power of two choices ([`p2c`]) on each worker's load: the
+//! requests this gateway has outstanding on it plus the queue the worker last reported in-band
+//! ([`Upstream::load`]).
 //!
-//! Load is this gateway's own outstanding count for now; the worker's queue length will join it
-//! once workers report it in-band. When every holder is ejected, ejection is ignored (trying a
-//! suspect worker beats failing at once). No eligible worker → [`RouteError`] (NOT_FOUND or
-//! UNAVAILABLE), answered at once: the balancer never waits for one to appear.
+//! With many holders the two candidates are sampled directly (constant time, no allocation);
+//! when sampling finds fewer than two usable ones, every holder is scanned. When every holder
+//! is ejected, ejection is ignored (trying a suspect worker beats failing at once). No eligible
+//! worker → [`RouteError`] (NOT_FOUND or UNAVAILABLE), answered at once: the balancer never
+//! waits for one to appear.
 
 mod layer;
 mod p2c;
@@ -15,7 +17,7 @@ mod service;
 use std::sync::Arc;
 use std::time::Instant;
 
-use rand::Rng;
+use rand::{Rng, RngExt};
 
 pub use self::layer::BalanceLayer;
 pub use self::p2c::p2c;
@@ -23,6 +25,11 @@ pub use self::service::Balance;
 use crate::call::InferCall;
 use crate::routing::{RouteError, Routes, RoutingTable};
 use crate::upstream::{Upstream, UpstreamId};
+
+/// Up to this many holders, every one is scanned.
+const SCAN_BELOW: usize = 8;
+/// Random draws tried before falling back to a scan.
+const SAMPLE_DRAWS: usize = 8;
 
 /// Chooses a worker among `holders` (indices into `table`), skipping `excluded`, and ejected
 /// workers unless every remaining one is ejected.
@@ -33,11 +40,27 @@ pub fn choose<'t, R: Rng + ?Sized>(
     now: Instant,
     rng: &mut R,
 ) -> Option<&'t Arc<Upstream>> {
+    if holders.len() > SCAN_BELOW {
+        // Sample: two distinct usable holders in a few draws → the less loaded one.
+        let mut first: Option<(usize, &Arc<Upstream>)> = None;
+        for _ in 0..SAMPLE_DRAWS {
+            let i = rng.random_range(0..holders.len());
+            let u = table.upstream(holders[i]);
+            if excluded.contains(&u.id) || u.is_ejected(now) {
+                continue;
+            }
+            match first {
+                None => first = Some((i, u)),
+                Some((j, f)) if j != i => return Some(if u.load(now) < f.load(now) { u } else { f }),
+                Some(_) => {}
+            }
+        }
+    }
     let eligible: Vec<&Arc<Upstream>> =
         holders.iter().map(|&i| table.upstream(i)).filter(|u| !excluded.contains(&u.id)).collect();
     let healthy: Vec<&Arc<Upstream>> = eligible.iter().copied().filter(|u| !u.is_ejected(now)).collect();
     let pool = if healthy.is_empty() { eligible } else { healthy };
-    let loads: Vec<u64> = pool.iter().map(|u| u.outstanding()).collect();
+    let loads: Vec<u64> = pool.iter().map(|u| u.load(now)).collect();
     p2c(&loads, rng).map(|i| pool[i])
 }
 
@@ -106,5 +129,49 @@ mod tests {
         }
         drop(_busy);
         assert_eq!(t.upstream(0).outstanding(), 0);
+
+        // A worker's in-band queue report counts as load, while it is recent.
+        t.upstream(1).report_queue(10);
+        for _ in 0..20 {
+            assert_eq!(&*choose(&t, &[0, 1], &[], Instant::now(), &mut rng).unwrap().id, "a:1");
+        }
+        let later = Instant::now() + crate::upstream::QUEUE_REPORT_TTL * 2;
+        assert_eq!(t.upstream(1).reported_queue(later), 0, "stale reports are not believed");
+    }
+
+    #[tokio::test]
+    async fn many_holders_sampled_skipping_excluded_and_ejected() {
+        let views =
+            (0..40).map(|i| view(&format!("w{i}:1"), WorkerState::Ready, vec![row("m", "1", "READY")])).collect();
+        let t = RoutingTable::build(views, Instant::now());
+        let holders = t.resolve("m", None).unwrap().holders.to_vec();
+        let now = Instant::now();
+        // All but w7 excluded or ejected: the scan fallback finds it.
+        let excluded: Vec<UpstreamId> =
+            (0..20).map(|i| UpstreamId::from(format!("w{i}:1"))).filter(|id| &**id != "w7:1").collect();
+        for i in 20..40 {
+            for _ in 0..5 {
+                t.upstream(i).record(Outcome::Failure, now);
+            }
+        }
+        let mut rng = StdRng::seed_from_u64(9);
+        for _ in 0..50 {
+            assert_eq!(&*choose(&t, &holders, &excluded, now, &mut rng).unwrap().id, "w7:1");
+        }
+        // Load steers sampling: the busy half is picked less than a quarter of the time.
+        let t = RoutingTable::build(
+            (0..40).map(|i| view(&format!("v{i}:1"), WorkerState::Ready, vec![row("m", "1", "READY")])).collect(),
+            now,
+        );
+        for i in 0..20 {
+            t.upstream(i).report_queue(100);
+        }
+        let busy = (0..4000)
+            .filter(|_| {
+                let id = choose(&t, &holders, &[], Instant::now(), &mut rng).unwrap().id.clone();
+                id[1..id.len() - 2].parse::<usize>().unwrap() < 20
+            })
+            .count();
+        assert!(busy < 1200, "busy workers picked {busy} of 4000 times (random choice: ~2000, p2c: ~975)");
     }
 }

@@ -211,6 +211,14 @@ where
     grpc.ready().await.map_err(|e| err(tonic::Status::from_error(e.into())))?;
     let response =
         grpc.unary(request, PathAndQuery::from_static(path), SharedCodec::<T, U>::default()).await.map_err(err)?;
+    if let Some(queue) = response
+        .metadata()
+        .get(nereid_common::fleet::QUEUE_REPORT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        worker.report_queue(queue);
+    }
     Ok(response.into_inner())
 }
 

@@ -181,7 +181,7 @@ impl PlacementController {
         self.metrics.placement_plans.inc();
         self.metrics.placement_unplaced.set(planned.unplaced_replicas() as i64);
         for (model, version, missing) in &planned.unplaced {
-            tracing::warn!(%model, version, missing, "no worker has room for every replica");
+            tracing::warn!(%model, version, missing, "not enough active workers with room for every replica");
         }
         let value =
             records::encode(&PlacementRecord { schema: records::SCHEMA_VERSION, leader_revision: leader.rev() })

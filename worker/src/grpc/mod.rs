@@ -9,6 +9,7 @@
 
 pub mod convert;
 
+use nereid_common::fleet::QUEUE_REPORT_HEADER;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -186,7 +187,9 @@ impl GrpcInferenceService for GrpcFrontend {
         req.deadline = deadline;
         // Awaited in place: if the client goes away tonic drops this future, cancelling it.
         let resp = self.server.infer(req).await?;
-        Ok(Response::new(infer_response_to_proto(resp)))
+        let mut response = Response::new(infer_response_to_proto(resp));
+        response.metadata_mut().insert(QUEUE_REPORT_HEADER, self.server.metrics.pending_total().into());
+        Ok(response)
     }
 
     async fn model_stream_infer(

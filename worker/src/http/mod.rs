@@ -481,13 +481,18 @@ async fn infer(
     let json_bytes: usize = response.outputs.iter().filter(|o| !format.is_binary(&o.name)).map(|o| o.data.len()).sum();
     let rendered =
         maybe_offload(json_bytes > OFFLOAD_JSON_BYTES / 4, move || render_infer_response(&response, &format)).await?;
-    match accept {
+    let mut response = match accept {
         Some(coding) if rendered.total_len() > COMPRESS_MIN_BYTES => {
             let heavy = rendered.total_len() > OFFLOAD_JSON_BYTES;
-            Ok(maybe_offload(heavy, move || compressed_infer_response(rendered, coding)).await?)
+            maybe_offload(heavy, move || compressed_infer_response(rendered, coding)).await?
         }
-        _ => Ok(infer_response(rendered)),
-    }
+        _ => infer_response(rendered),
+    };
+    // The in-band load report gateways balance on.
+    response
+        .headers_mut()
+        .insert(nereid_common::fleet::QUEUE_REPORT_HEADER, HeaderValue::from(server.metrics.pending_total()));
+    Ok(response)
 }
 
 /// [`infer_response`] compressed as one `coding` stream (`Content-Encoding`);

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Brings up a whole Nereid fleet on loopback: etcd, N workers registered in it, and a gateway
+# (with the placement controller) in front; declares the example models, waits until the
+# gateway routes every one of them, and sends real inferences through the gateway.
+#
+#   bash deploy/local/up.sh            # 2 workers, gateway on 127.0.0.1:8000 (HTTP) / 8001 (gRPC) / 8002 (metrics)
+#   bash deploy/local/down.sh          # stops everything it started
+#
+# Environment: WORKERS (2), HTTP_PORT/GRPC_PORT/METRICS_PORT (8000/8001/8002), ETCD_PORT (2379),
+# ETCD_PEER_PORT (2380), NEREID_BUILD_PROFILE (release | debug), NEREID_LOCAL_STOP=1 (stop the
+# fleet again after the demo — used by the test suite), NEREID_LOCAL_DIR (state: logs, pids,
+# etcd data; default target/local-fleet). Idempotent: a running fleet from this folder is
+# stopped first.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$root"
+
+WORKERS="${WORKERS:-2}"
+HTTP_PORT="${HTTP_PORT:-8000}" GRPC_PORT="${GRPC_PORT:-8001}" METRICS_PORT="${METRICS_PORT:-8002}"
+ETCD_PORT="${ETCD_PORT:-2379}" ETCD_PEER_PORT="${ETCD_PEER_PORT:-2380}"
+PROFILE="${NEREID_BUILD_PROFILE:-release}"
+state="${NEREID_LOCAL_DIR:-$root/target/local-fleet}"
+endpoint="http://127.0.0.1:$ETCD_PORT"
+prefix="/nereid/v1"
+
+log() { printf '\033[1m[local]\033[0m %s\n' "$*" >&2; }
+die() { log "$*"; exit 1; }
+
+bash scripts/setup.sh
+if [ "$PROFILE" = release ]; then
+  cargo build --release --locked -p nereid-worker -p nereid-gateway
+else
+  cargo build --locked -p nereid-worker -p nereid-gateway
+fi
+bin="$root/target/$PROFILE"
+
+NEREID_LOCAL_DIR="$state" bash "$root/deploy/local/down.sh" >/dev/null 2>&1 || true
+rm -rf "$state"
+mkdir -p "$state"
+
+start() { # name, then the command: runs it in the background, remembers its pid
+  local name="$1"; shift
+  nohup "$@" >"$state/$name.log" 2>&1 &
+  echo $! >"$state/$name.pid"
+}
+
+wait_for() { # what, seconds, command...
+  local what="$1" secs="$2"; shift 2
+  local deadline=$((SECONDS + secs))
+  until "$@" >/dev/null 2>&1; do
+    [ "$SECONDS" -lt "$deadline" ] || die "timed out waiting for $what (logs: $state)"
+    sleep 0.2
+  done
+}
+
+log "etcd on $endpoint"
+start etcd etcd --name local --data-dir "$state/etcd" \
+  --listen-client-urls "$endpoint" --advertise-client-urls "$endpoint" \
+  --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+  --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+  --initial-cluster "local=http://127.0.0.1:$ETCD_PEER_PORT"
+etcd_healthy() { curl -sf "$endpoint/health" | grep -q '"health":"true"'; }
+wait_for "etcd" 30 etcd_healthy
+
+for i in $(seq 0 $((WORKERS - 1))); do
+  log "worker-$i"
+  start "worker-$i" env NEREID_ORT_LIB="$root/.deps/onnxruntime/libonnxruntime.so" \
+    "$bin/nereid-worker" --model-repository "$root/examples/models" --model-control-mode explicit \
+    --address 127.0.0.1 --http-port 0 --grpc-port 0 --metrics-port 0 --port-file "$state/worker-$i.ports" \
+    --etcd-endpoints "$endpoint" --worker-id "worker-$i" --label "zone=local"
+done
+
+log "gateway on 127.0.0.1:$HTTP_PORT (HTTP) / $GRPC_PORT (gRPC) / $METRICS_PORT (metrics)"
+start gateway "$bin/nereid-gateway" --etcd-endpoints "$endpoint" --gateway-id gateway-0 \
+  --address 127.0.0.1 --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" --metrics-port "$METRICS_PORT"
+
+# Declare the example models (what the placement controller assigns to workers).
+declare_model() { # name, JSON record
+  ETCDCTL_API=3 etcdctl --endpoints "$endpoint" put "$prefix/models/$1" "$2" >/dev/null
+}
+declare_model identity_fp32   "{\"schema\":1,\"versions\":[1],\"replicas\":$WORKERS}"
+declare_model mlp_fp32        "{\"schema\":1,\"versions\":[1],\"replicas\":$WORKERS,\"resources\":{\"memory_mb\":64}}"
+declare_model convnet_fp32    '{"schema":1,"versions":[1],"replicas":1,"resources":{"memory_mb":64}}'
+declare_model versioned_scale '{"schema":1,"versions":[1,2],"replicas":1}'
+declare_model mixed_types     '{"schema":1,"versions":[1],"replicas":1}'
+declare_model string_len      '{"schema":1,"versions":[1],"replicas":1}'
+declare_model autocomplete_add '{"schema":1,"versions":[1],"replicas":1}'
+
+ready_count() {
+  curl -sf -X POST "http://127.0.0.1:$HTTP_PORT/v2/repository/index" -d '{"ready":true}' |
+    python3 -c 'import json,sys; print(len({(m["name"], m["version"]) for m in json.load(sys.stdin)}))'
+}
+all_ready() { [ "$(ready_count)" = 8 ]; }
+wait_for "the gateway to route all 8 model versions" 180 all_ready
+for f in "$state"/*.pid; do kill -0 "$(cat "$f")" 2>/dev/null || die "$(basename "$f" .pid) exited: see $state"; done
+
+url="127.0.0.1:$HTTP_PORT"
+echo "== fleet up: etcd $endpoint, $WORKERS workers, gateway http://$url grpc 127.0.0.1:$GRPC_PORT (state: $state)"
+echo "== repository index through the gateway"
+curl -s -X POST "http://$url/v2/repository/index"; echo
+echo "== HTTP JSON inference through the gateway (versioned_scale, latest version = x3)"
+curl -s -X POST "http://$url/v2/models/versioned_scale/infer" -H 'Content-Type: application/json' \
+  -d '{"inputs":[{"name":"INPUT0","shape":[1,4],"datatype":"FP32","data":[1,2,3,4]}]}'; echo
+echo "== tritonclient (gRPC and HTTP) on mlp_fp32 through the gateway"
+.venv/bin/python - "$HTTP_PORT" "$GRPC_PORT" <<'PY'
+import sys, numpy as np
+import tritonclient.grpc as grpcclient, tritonclient.http as httpclient
+http_port, grpc_port = sys.argv[1], sys.argv[2]
+x = np.random.default_rng(0).standard_normal((2, 256), dtype=np.float32)
+for mod, url in ((grpcclient, f"127.0.0.1:{grpc_port}"), (httpclient, f"127.0.0.1:{http_port}")):
+    c = mod.InferenceServerClient(url)
+    i = mod.InferInput("INPUT0", list(x.shape), "FP32"); i.set_data_from_numpy(x)
+    out = c.infer("mlp_fp32", [i]).as_numpy("OUTPUT0")
+    print(f"{mod.__name__}: OUTPUT0 shape {out.shape}, argmax {out.argmax(axis=1).tolist()}")
+PY
+echo "== placement (etcd)"
+ETCDCTL_API=3 etcdctl --endpoints "$endpoint" get --prefix "$prefix/placement/" --keys-only | sed '/^$/d'
+echo "== gateway metrics sample"
+curl -s "http://127.0.0.1:$METRICS_PORT/metrics" | grep -E '^nereid_gateway_(workers|placement_leader|etcd_watch_connected)' || true
+
+if [ "${NEREID_LOCAL_STOP:-0}" = 1 ]; then
+  NEREID_LOCAL_DIR="$state" bash "$root/deploy/local/down.sh"
+else
+  cat <<TXT
+== the fleet keeps running. Try:
+   curl -s -X POST http://$url/v2/models/identity_fp32/infer -d '{"inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[$(seq -s, 1 16)]}]}'
+   .deps/perf_analyzer/perf_analyzer.sh -m mlp_fp32 -u 127.0.0.1:$GRPC_PORT -i grpc   # after: bash bench/setup_perf_analyzer.sh
+   ETCDCTL_API=3 etcdctl --endpoints $endpoint get --prefix $prefix/ --keys-only
+   curl -s http://127.0.0.1:$METRICS_PORT/metrics | grep nereid_gateway
+   stop:  bash deploy/local/down.sh
+TXT
+fi
