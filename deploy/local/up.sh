@@ -21,7 +21,6 @@ ETCD_PORT="${ETCD_PORT:-2379}" ETCD_PEER_PORT="${ETCD_PEER_PORT:-2380}"
 PROFILE="${NEREID_BUILD_PROFILE:-release}"
 state="${NEREID_LOCAL_DIR:-$root/target/local-fleet}"
 endpoint="http://127.0.0.1:$ETCD_PORT"
-prefix="/nereid/v1"
 
 log() { printf '\033[1m[local]\033[0m %s\n' "$*" >&2; }
 die() { log "$*"; exit 1; }
@@ -75,16 +74,14 @@ start gateway "$bin/nereid-gateway" --etcd-endpoints "$endpoint" --gateway-id ga
   --address 127.0.0.1 --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" --metrics-port "$METRICS_PORT"
 
 # Declare the example models (what the placement controller assigns to workers).
-declare_model() { # name, JSON record
-  ETCDCTL_API=3 etcdctl --endpoints "$endpoint" put "$prefix/models/$1" "$2" >/dev/null
-}
-declare_model identity_fp32   "{\"schema\":1,\"versions\":[1],\"replicas\":$WORKERS}"
-declare_model mlp_fp32        "{\"schema\":1,\"versions\":[1],\"replicas\":$WORKERS,\"resources\":{\"memory_mb\":64}}"
-declare_model convnet_fp32    '{"schema":1,"versions":[1],"replicas":1,"resources":{"memory_mb":64}}'
-declare_model versioned_scale '{"schema":1,"versions":[1,2],"replicas":1}'
-declare_model mixed_types     '{"schema":1,"versions":[1],"replicas":1}'
-declare_model string_len      '{"schema":1,"versions":[1],"replicas":1}'
-declare_model autocomplete_add '{"schema":1,"versions":[1],"replicas":1}'
+ctl() { "$bin/nereidctl" --etcd-endpoints "$endpoint" "$@"; }
+ctl model declare identity_fp32 --versions 1 --replicas "$WORKERS" >/dev/null
+ctl model declare mlp_fp32 --versions 1 --replicas "$WORKERS" --memory-mb 64 >/dev/null
+ctl model declare convnet_fp32 --versions 1 --replicas 1 --memory-mb 64 >/dev/null
+ctl model declare versioned_scale --versions 1,2 --replicas 1 >/dev/null
+ctl model declare mixed_types --versions 1 --replicas 1 >/dev/null
+ctl model declare string_len --versions 1 --replicas 1 >/dev/null
+ctl model declare autocomplete_add --versions 1 --replicas 1 >/dev/null
 
 ready_count() {
   curl -sf -X POST "http://127.0.0.1:$HTTP_PORT/v2/repository/index" -d '{"ready":true}' |
@@ -113,8 +110,8 @@ for mod, url in ((grpcclient, f"127.0.0.1:{grpc_port}"), (httpclient, f"127.0.0.
     out = c.infer("mlp_fp32", [i]).as_numpy("OUTPUT0")
     print(f"{mod.__name__}: OUTPUT0 shape {out.shape}, argmax {out.argmax(axis=1).tolist()}")
 PY
-echo "== placement (etcd)"
-ETCDCTL_API=3 etcdctl --endpoints "$endpoint" get --prefix "$prefix/placement/" --keys-only | sed '/^$/d'
+echo "== the fleet (nereidctl workers)"
+ctl workers
 echo "== gateway metrics sample"
 curl -s "http://127.0.0.1:$METRICS_PORT/metrics" | grep -E '^nereid_gateway_(workers|placement_leader|etcd_watch_connected)' || true
 
@@ -125,7 +122,7 @@ else
 == the fleet keeps running. Try:
    curl -s -X POST http://$url/v2/models/identity_fp32/infer -d '{"inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[$(seq -s, 1 16)]}]}'
    .deps/perf_analyzer/perf_analyzer.sh -m mlp_fp32 -u 127.0.0.1:$GRPC_PORT -i grpc   # after: bash bench/setup_perf_analyzer.sh
-   ETCDCTL_API=3 etcdctl --endpoints $endpoint get --prefix $prefix/ --keys-only
+   target/$PROFILE/nereidctl --etcd-endpoints $endpoint models        # also: workers, placement, drain, routes
    curl -s http://127.0.0.1:$METRICS_PORT/metrics | grep nereid_gateway
    stop:  bash deploy/local/down.sh
 TXT

@@ -15,6 +15,7 @@ pub mod call;
 pub mod cli;
 pub mod config;
 pub mod control;
+pub mod ctl;
 pub mod deadline;
 pub mod error;
 pub mod forward;

@@ -1,0 +1,141 @@
+//! `nereidctl`'s etcd access: a handful of reads and writes, each bounded by [`ETCD_TIMEOUT`].
+//! A call that runs out of time or fails becomes [`CtlError::Failed`] (exit 1), naming the
+//! endpoints, what was being done, and for writes that it may or may not have been applied.
+
+use std::future::Future;
+use std::time::Duration;
+
+use nereid_common::fleet::etcd_client::{self, Client, Compare, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp};
+use nereid_common::fleet::{FleetState, Keys, Rejected};
+
+use super::CtlError;
+
+/// Longest time any one etcd call may take.
+pub const ETCD_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// A key as read: `(key, value, lease)`.
+pub type RawKv = (Vec<u8>, Vec<u8>, i64);
+
+pub struct Store {
+    client: Client,
+    pub keys: Keys,
+    endpoints: String,
+}
+
+/// Whether a call changes anything (a failed write is reported as possibly applied).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Call {
+    Read,
+    Write,
+}
+
+impl Store {
+    pub async fn connect(endpoints: &[String], keys: Keys) -> Result<Store, CtlError> {
+        let joined = endpoints.join(",");
+        let client = bounded(&joined, "connect", Call::Read, nereid_common::fleet::connect(endpoints)).await?;
+        Ok(Store { client, keys, endpoints: joined })
+    }
+
+    async fn call<T>(
+        &self,
+        what: &str,
+        call: Call,
+        fut: impl Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, CtlError> {
+        bounded(&self.endpoints, what, call, fut).await
+    }
+
+    /// Every key under the prefix, in key order.
+    pub async fn read_all(&mut self) -> Result<Vec<RawKv>, CtlError> {
+        let prefix = self.keys.all();
+        let mut client = self.client.clone();
+        let resp = self
+            .call(
+                &format!("read {prefix}"),
+                Call::Read,
+                client.get(prefix.as_str(), Some(GetOptions::new().with_prefix())),
+            )
+            .await?;
+        Ok(resp.kvs().iter().map(|kv| (kv.key().to_vec(), kv.value().to_vec(), kv.lease())).collect())
+    }
+
+    /// The fleet under the prefix, with the values every reader rejects.
+    pub async fn state(&mut self) -> Result<(FleetState, Vec<Rejected>), CtlError> {
+        let kvs = self.read_all().await?;
+        Ok(FleetState::from_kvs(&self.keys, kvs.iter().map(|(k, v, _)| (k.as_slice(), v.as_slice()))))
+    }
+
+    /// One key's value and modification revision.
+    pub async fn get(&mut self, key: &str) -> Result<Option<(Vec<u8>, i64)>, CtlError> {
+        let mut client = self.client.clone();
+        let resp = self.call(&format!("read {key}"), Call::Read, client.get(key, None)).await?;
+        Ok(resp.kvs().first().map(|kv| (kv.value().to_vec(), kv.mod_revision())))
+    }
+
+    /// Writes `key`; the value it replaced, if any.
+    pub async fn put(&mut self, key: &str, value: &str) -> Result<Option<Vec<u8>>, CtlError> {
+        let mut client = self.client.clone();
+        let put = client.put(key, value, Some(PutOptions::new().with_prev_key()));
+        let resp = self.call(&format!("write {key}"), Call::Write, put).await?;
+        Ok(resp.prev_key().map(|kv| kv.value().to_vec()))
+    }
+
+    /// Writes `key` only if every comparison holds; whether it was written.
+    pub async fn put_if(&mut self, when: Vec<Compare>, key: &str, value: &str) -> Result<bool, CtlError> {
+        let mut client = self.client.clone();
+        let txn = Txn::new().when(when).and_then([TxnOp::put(key, value, None)]);
+        let resp = self.call(&format!("write {key}"), Call::Write, client.txn(txn)).await?;
+        Ok(resp.succeeded())
+    }
+
+    /// Deletes `key`; the value it held, or `None` if there was none.
+    pub async fn delete(&mut self, key: &str) -> Result<Option<Vec<u8>>, CtlError> {
+        let mut client = self.client.clone();
+        let delete = client.delete(key, Some(DeleteOptions::new().with_prev_key()));
+        let resp = self.call(&format!("delete {key}"), Call::Write, delete).await?;
+        Ok(resp.prev_kvs().first().map(|kv| kv.value().to_vec()))
+    }
+}
+
+async fn bounded<T>(
+    endpoints: &str,
+    what: &str,
+    call: Call,
+    fut: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, CtlError> {
+    let maybe = if call == Call::Write { " (it may or may not have been applied)" } else { "" };
+    match tokio::time::timeout(ETCD_TIMEOUT, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) if unreachable(&e) => Err(CtlError::Failed(format!(
+            "cannot reach etcd at {endpoints} ({what}): {}; is it running and reachable?",
+            root_cause(&e)
+        ))),
+        Ok(Err(e)) => Err(CtlError::Failed(format!("etcd at {endpoints}: {what} failed{maybe}: {e}"))),
+        Err(_) => Err(CtlError::Failed(format!(
+            "etcd at {endpoints} did not answer within {}s ({what}){maybe}; is it running and reachable?",
+            ETCD_TIMEOUT.as_secs()
+        ))),
+    }
+}
+
+/// The client could not connect (refused, no route, DNS): nothing reached etcd.
+fn unreachable(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::TransportError(_) => true,
+        etcd_client::Error::GRpcStatus(s) => s.code() == tonic::Code::Unavailable,
+        _ => false,
+    }
+}
+
+/// The root cause's message (e.g. "Connection refused (os error 111)").
+fn root_cause(e: &etcd_client::Error) -> String {
+    let mut cause: &(dyn std::error::Error + 'static) = match e {
+        etcd_client::Error::GRpcStatus(s) => s,
+        etcd_client::Error::TransportError(t) => t,
+        other => other,
+    };
+    while let Some(next) = cause.source() {
+        cause = next;
+    }
+    cause.to_string()
+}
