@@ -5,7 +5,8 @@
 //! renderer — so HTTP through the gateway answers byte for byte what a worker would.
 //!
 //! Errors are `{"error": "..."}` with the status of their code; 429 carries `Retry-After`.
-//! Compressed request bodies (`Content-Encoding`) are refused with 501 in this version.
+//! Request bodies may be gzip / deflate (`Content-Encoding`, inflated with the size limit on the
+//! inflated bytes); responses are compressed when the client's `Accept-Encoding` asks for it.
 
 mod convert;
 
@@ -19,7 +20,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use http_body_util::{BodyExt, Limited};
 use nereid_common::Status;
 use nereid_common::config::config_to_json;
 use nereid_worker::http::{
@@ -206,30 +206,16 @@ async fn repository_control(uri: Uri) -> GatewayError {
     .into()
 }
 
-/// Reads a request body, refusing a declared or actual size over `max`, and compressed bodies.
+/// Reads a request body exactly as a worker does (the worker's reader): a declared or actual
+/// size over `max` is refused before it is buffered, and a gzip / deflate body is inflated with
+/// `max` bounding the inflated size too.
 async fn read_body(headers: &HeaderMap, body: Body, max: usize) -> Result<Bytes, GatewayError> {
-    if let Some(coding) = headers.get(header::CONTENT_ENCODING) {
-        let coding = coding.to_str().unwrap_or("?").trim();
-        if !(coding.is_empty() || coding.eq_ignore_ascii_case("identity")) {
-            return Err(Status::unimplemented(format!(
-                "Content-Encoding '{coding}' is not supported by the gateway; send the request uncompressed"
-            ))
-            .into());
-        }
-    }
-    let declared =
-        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > max as u64) {
-        return Err(Status::invalid(format!("request body exceeds the limit of {max} bytes")).into());
-    }
-    match Limited::new(body, max).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(Status::invalid(format!("request body exceeds the limit of {max} bytes")).into())
-        }
-        Err(e) => Err(Status::invalid(format!("failed to read the request body: {e}")).into()),
-    }
+    Ok(nereid_worker::http::read_body(headers, body, max).await?)
 }
+
+/// Infer responses are compressed (when the client accepts it) only above this size, as a
+/// worker does.
+const COMPRESS_MIN_BYTES: usize = 1 << 10;
 
 /// Runs `f` on the blocking pool when `heavy`, inline otherwise.
 async fn maybe_offload<T: Send + 'static>(
@@ -279,7 +265,14 @@ async fn infer(
         render_infer_response(&response, &format)
     })
     .await?;
-    Ok(infer_response(rendered))
+    // Compressed like a worker compresses it, when the client accepts it and it is worth it.
+    match nereid_worker::http::response_coding(&headers) {
+        Some(coding) if rendered.total_len() > COMPRESS_MIN_BYTES => {
+            let heavy = rendered.total_len() > OFFLOAD_JSON_BYTES;
+            maybe_offload(heavy, move || nereid_worker::http::compressed_infer_response(rendered, coding)).await
+        }
+        _ => Ok(infer_response(rendered)),
+    }
 }
 
 /// Serves `router` on `listener` until `shutdown` is cancelled, then finishes the requests in

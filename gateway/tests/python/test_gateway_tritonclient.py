@@ -123,6 +123,46 @@ def test_infer_matches_onnxruntime(fleet, protocol):
     assert name == "mlp_fp32"
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_http_through_the_gateway(fleet, algorithm):
+    """tritonclient compresses the request body and asks for a compressed answer; the gateway
+    inflates, forwards, and compresses the answer like a worker does."""
+    gateway, _ = fleet
+    client = httpclient.InferenceServerClient(gateway.http_url)
+    x = _x((8, 256), seed=3)
+    inp = httpclient.InferInput("INPUT0", [8, 256], "FP32")
+    inp.set_data_from_numpy(x, binary_data=True)
+    out = client.infer("mlp_fp32", [inp], request_compression_algorithm=algorithm,
+                       response_compression_algorithm=algorithm).as_numpy("OUTPUT0")
+    assert_fp32_close(out, ort_run("mlp_fp32", {"INPUT0": x})["OUTPUT0"])
+    # JSON request, JSON answer, compressed both ways.
+    inp = httpclient.InferInput("INPUT0", [8, 256], "FP32")
+    inp.set_data_from_numpy(x, binary_data=False)
+    out = client.infer("mlp_fp32", [inp], outputs=[httpclient.InferRequestedOutput("OUTPUT0", binary_data=False)],
+                       request_compression_algorithm=algorithm, response_compression_algorithm=algorithm)
+    assert_fp32_close(out.as_numpy("OUTPUT0"), ort_run("mlp_fp32", {"INPUT0": x})["OUTPUT0"])
+
+
+def test_compressed_body_over_the_limit_once_inflated_is_refused(fleet):
+    """The size limit applies to the inflated bytes: a small gzip body that inflates past
+    --max-request-bytes (64 MiB) is refused with 400, and the gateway keeps serving."""
+    import gzip
+
+    gateway, _ = fleet
+    bomb = gzip.compress(b"[" + b" " * (65 << 20) + b"]")
+    url = f"http://{gateway.http_url}/v2/models/identity_fp32/infer"
+    status, _, body = http_request(url, "POST", bomb, {"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    assert status == 400, body
+    assert b"limit" in body, body
+    status, _, body = http_request(url, "POST", b"not gzip", {"Content-Encoding": "gzip"})
+    assert status == 400, body
+    status, _, body = http_request(url, "POST", b"{}", {"Content-Encoding": "br"})
+    assert status == 501, body
+    inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+    inp.set_data_from_numpy(_x((1, 16)))
+    httpclient.InferenceServerClient(gateway.http_url).infer("identity_fp32", [inp])
+
+
 def test_unknown_model_is_not_found(fleet):
     gateway, _ = fleet
     inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")

@@ -171,7 +171,7 @@ impl<S: Send + Sync> FromRequestParts<S> for ModelRef {
 /// (RFC 9110 §8.4.1.2), which is what tritonclient's `"deflate"` sends (`zlib.compress`) and
 /// expects back (`zlib.decompress`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Coding {
+pub enum Coding {
     Gzip,
     Deflate,
 }
@@ -220,7 +220,7 @@ fn request_coding(headers: &HeaderMap) -> Result<Option<Coding>, Status> {
 
 /// The coding to compress an infer response with, from `Accept-Encoding`: the accepted one
 /// (q > 0) of gzip and deflate with the highest q, gzip on a tie; `None` when neither is named.
-fn response_coding(headers: &HeaderMap) -> Option<Coding> {
+pub fn response_coding(headers: &HeaderMap) -> Option<Coding> {
     let mut best: Option<(Coding, f32)> = None;
     for value in headers.get_all(header::ACCEPT_ENCODING) {
         let Ok(value) = value.to_str() else {
@@ -257,7 +257,7 @@ fn response_coding(headers: &HeaderMap) -> Option<Coding> {
 /// A `gzip` or `deflate` body (`Content-Encoding`) is inflated, and `max` then bounds the
 /// inflated size too: inflation stops (400) as soon as it would pass `max`, so a small body
 /// that expands hugely never takes more than `max` bytes of memory.
-async fn read_body(headers: &HeaderMap, body: Body, max: usize) -> Result<Bytes, Status> {
+pub async fn read_body(headers: &HeaderMap, body: Body, max: usize) -> Result<Bytes, Status> {
     let coding = request_coding(headers)?;
     let raw = read_raw_body(headers, body, max).await?;
     match coding {
@@ -498,7 +498,7 @@ async fn infer(
 /// [`infer_response`] compressed as one `coding` stream (`Content-Encoding`);
 /// `Inference-Header-Content-Length` still gives the JSON part's length in the inflated body,
 /// as tritonserver sends it and tritonclient reads it.
-fn compressed_infer_response(rendered: RenderedResponse, coding: Coding) -> Result<Response, Status> {
+pub fn compressed_infer_response(rendered: RenderedResponse, coding: Coding) -> Result<Response, Status> {
     let header_length = rendered.header_length();
     let total = rendered.total_len();
     let parts = std::iter::once(rendered.json.as_slice()).chain(rendered.binary.iter().map(|b| &b[..]));

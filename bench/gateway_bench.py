@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""Gateway benchmark: the same perf_analyzer load straight to a worker and through the gateway,
+in one run, on one worker — what the gateway costs.
+
+    .venv/bin/python bench/gateway_bench.py            # full run (bounded: < 20 minutes)
+    .venv/bin/python bench/gateway_bench.py --quick    # smoke run (1 s windows)
+
+Measured per model (identity_fp32, mlp_fp32) x protocol (gRPC, HTTP) x concurrency (1, 16):
+infer/s and latency percentiles, direct and through the gateway, alternating which goes first
+per point. Reported: the p50 the gateway adds at concurrency 1 (target <= 50 us) and the
+throughput ratio gateway / direct at concurrency 16 (target >= 0.95). Also runs the
+routing-decision micro-benchmark (gateway/benches/routing.rs). Results:
+bench/results/gateway.json and gateway.md.
+
+The gateway runs with a static worker list (`--worker-grpc`): its request path is the same as
+with etcd membership (the table is a snapshot either way); etcd only changes how the table is
+built. Client, gateway and worker share this machine's cores — the ratios are what this host
+shows, not what separate hosts would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from worker_bench import (  # noqa: E402
+    ROOT,
+    Worker,
+    kill_group,
+    log,
+    machine_info,
+    pa_fields,
+    run_perf_analyzer,
+    sh,
+)
+
+MODELS = ["identity_fp32", "mlp_fp32"]
+PROTOCOLS = ["grpc", "http"]
+CONCURRENCY = [1, 16]
+TARGET_ADDED_P50_US = 50.0
+TARGET_RATIO_C16 = 0.95
+TOTAL_BUDGET_S = 19 * 60
+
+
+class Gateway:
+    def __init__(self, binary: Path, worker: Worker, workdir: Path):
+        self.binary, self.worker, self.workdir = binary, worker, workdir
+        self.proc: subprocess.Popen | None = None
+        self.ports: dict = {}
+
+    @property
+    def http(self) -> str:
+        return f"127.0.0.1:{self.ports['http']}"
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    def start(self, models: list[str]) -> None:
+        port_file = self.workdir / "gateway-ports.json"
+        cmd = [str(self.binary), "--worker-grpc", self.worker.grpc, "--address", "127.0.0.1",
+               "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--port-file", str(port_file),
+               "--discovery-interval-ms", "500"]
+        log(f"starting gateway: {' '.join(cmd)}")
+        with open(self.workdir / "gateway.log", "wb") as f:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}")
+            if not self.ports and port_file.is_file():
+                try:
+                    self.ports = json.loads(port_file.read_text())
+                except json.JSONDecodeError:
+                    pass
+            if self.ports and all(self._model_ready(m) for m in models):
+                log(f"gateway ready: {self.ports}")
+                return
+            time.sleep(0.2)
+        raise RuntimeError("gateway not routing every model within 60 s")
+
+    def _model_ready(self, model: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http}/v2/models/{model}/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            kill_group(self.proc, grace=10.0)
+
+
+class ThroughGateway:
+    """What run_perf_analyzer needs of a target: addresses from the gateway, statistics from
+    the worker behind it."""
+
+    def __init__(self, gateway: Gateway, worker: Worker):
+        self.gateway, self.worker = gateway, worker
+
+    @property
+    def http(self) -> str:
+        return self.gateway.http
+
+    @property
+    def grpc(self) -> str:
+        return self.gateway.grpc
+
+    def stats(self, model: str):
+        return self.worker.stats(model)
+
+    def alive(self) -> bool:
+        return self.gateway.alive() and self.worker.alive()
+
+
+def fmt(v, spec=",.0f") -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def write_markdown(path: Path, report: dict) -> None:
+    m = report["machine"]
+    lines = [
+        "# Gateway benchmark: through the gateway vs straight to the worker",
+        "",
+        f"Run {report['finished']} on {m['nproc']} cores ({m['cpu_model']}), commit `{m['git_commit'][:12]}`"
+        f"{' (dirty)' if m['git_dirty'] else ''}. perf_analyzer {report['pa_mode']} mode, "
+        f"{report['interval_ms']} ms windows; client, gateway and worker share the cores. "
+        "Produced by `bench/gateway_bench.py`.",
+        "",
+        "| model | protocol | concurrency | direct infer/s | gateway infer/s | ratio | direct p50 µs | gateway p50 µs | added p50 µs | direct p99 µs | gateway p99 µs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in report["points"]:
+        d, g = p["direct"], p["gateway"]
+        lines.append(
+            f"| {p['model']} | {p['protocol']} | {p['concurrency']} | {fmt(d.get('infer_per_s'))} | "
+            f"{fmt(g.get('infer_per_s'))} | {fmt(p.get('ratio'), '.3f')} | {fmt(d.get('p50_us'))} | "
+            f"{fmt(g.get('p50_us'))} | {fmt(p.get('added_p50_us'))} | {fmt(d.get('p99_us'))} | {fmt(g.get('p99_us'))} |"
+        )
+    lines += ["", "## Targets", ""]
+    for t in report["targets"]:
+        lines.append(f"- {t['name']}: **{t['value']}** (target {t['target']}) — {'PASS' if t['pass'] else 'FAIL'}")
+    r = report.get("routing")
+    if r:
+        lines += [
+            "",
+            "## Routing decision (micro-benchmark, `cargo bench -p nereid-gateway --bench routing`)",
+            "",
+            f"{r['workers']} workers × {r['models']} models, every worker holding every model: "
+            f"p50 {r['p50_us']:.2f} µs, p99 **{r['p99_us']:.2f} µs** (target ≤ 10 µs), p99.9 {r['p999_us']:.2f} µs; "
+            f"rebuilding the snapshot ({r['workers'] * r['models']:,} rows, off the request path) "
+            f"{r['snapshot_rebuild_ms']:.1f} ms.",
+        ]
+    lines += ["", "Bar to beat (issue 4): nginx in front of Triton adds ~200 µs p50 over gRPC and keeps 0.75 of "
+              "the throughput at concurrency 16 on this machine.", ""]
+    path.write_text("\n".join(lines))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1 s windows")
+    ap.add_argument("--no-build", action="store_true", help="use the binaries already in target/release")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--protocols", default=",".join(PROTOCOLS))
+    ap.add_argument("--interval-ms", type=int, default=None, help="perf_analyzer window; default 3000 (quick: 1000)")
+    ap.add_argument("--stability", type=int, default=20)
+    ap.add_argument("--max-trials", type=int, default=5)
+    ap.add_argument("--pa-mode", choices=["async", "sync"], default="async")
+    ap.add_argument("--pa-max-threads", type=int, default=4)
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    args.interval_ms = args.interval_ms or (1000 if args.quick else 3000)
+    args.retry_unstable = True
+    args.http_input_data = None
+    models = [m for m in args.models.split(",") if m]
+    protocols = [p for p in args.protocols.split(",") if p]
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_term)
+    t_end = time.monotonic() + TOTAL_BUDGET_S
+
+    if not args.no_build:
+        res = sh(["cargo", "build", "--release", "--locked", "-p", "nereid-worker", "-p", "nereid-gateway"], timeout=900)
+        if res.returncode != 0:
+            print(res.stdout[-3000:], file=sys.stderr)
+            return 1
+    res = sh(["bash", str(ROOT / "bench/setup_perf_analyzer.sh")], timeout=600)
+    if res.returncode != 0:
+        print(res.stdout[-3000:], file=sys.stderr)
+        return 1
+    pa = ROOT / ".deps/perf_analyzer/perf_analyzer.sh"
+    machine = machine_info()
+
+    workdir = Path(tempfile.mkdtemp(prefix="nereid-gw-bench-"))
+    worker = Worker(ROOT / "target/release/nereid-worker", ROOT / "examples/models", workdir, 1)
+    gateway = Gateway(ROOT / "target/release/nereid-gateway", worker, workdir)
+    points = []
+    try:
+        worker.start()
+        gateway.start(models)
+        through = ThroughGateway(gateway, worker)
+        for model in models:
+            for protocol in protocols:
+                for i, c in enumerate(CONCURRENCY):
+                    order = [("direct", worker), ("gateway", through)]
+                    if i % 2:
+                        order.reverse()
+                    point = {"model": model, "protocol": protocol, "concurrency": c}
+                    for name, target in order:
+                        left = t_end - time.monotonic()
+                        if left < 30:
+                            raise TimeoutError("time budget spent")
+                        log(f"{model} {protocol} c={c} {name}")
+                        rec = run_perf_analyzer(pa, target, model, protocol, c, args, workdir, timeout=min(180, left))
+                        point[name] = pa_fields(rec) if rec.get("ok") else {"error": rec.get("attempts")}
+                    d, g = point["direct"], point["gateway"]
+                    if d.get("infer_per_s") and g.get("infer_per_s"):
+                        point["ratio"] = g["infer_per_s"] / d["infer_per_s"]
+                    if d.get("p50_us") is not None and g.get("p50_us") is not None:
+                        point["added_p50_us"] = g["p50_us"] - d["p50_us"]
+                    log(f"  -> ratio {point.get('ratio')}, added p50 {point.get('added_p50_us')} us")
+                    points.append(point)
+    finally:
+        gateway.stop()
+        worker.stop()
+
+    routing = None
+    bench_json = workdir / "routing.json"
+    res = sh(["cargo", "bench", "--locked", "-p", "nereid-gateway", "--bench", "routing", "--", "--json", str(bench_json)],
+             timeout=max(60, t_end - time.monotonic()))
+    if res.returncode == 0 and bench_json.is_file():
+        routing = json.loads(bench_json.read_text())
+    else:
+        log("routing micro-benchmark failed:\n" + res.stdout[-2000:])
+
+    targets = []
+    for p in points:
+        if p["concurrency"] == 1 and "added_p50_us" in p:
+            targets.append({"name": f"added p50, {p['model']} {p['protocol']} c=1 (µs)", "value": round(p["added_p50_us"]),
+                            "target": f"≤ {TARGET_ADDED_P50_US:.0f}", "pass": p["added_p50_us"] <= TARGET_ADDED_P50_US})
+        if p["concurrency"] == 16 and "ratio" in p:
+            targets.append({"name": f"throughput ratio, {p['model']} {p['protocol']} c=16", "value": round(p["ratio"], 3),
+                            "target": f"≥ {TARGET_RATIO_C16}", "pass": p["ratio"] >= TARGET_RATIO_C16})
+    if routing:
+        targets.append({"name": "routing decision p99 (µs)", "value": round(routing["p99_us"], 2), "target": "≤ 10",
+                        "pass": routing["p99_us"] <= 10.0})
+    report = {
+        "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine, "pa_mode": args.pa_mode, "interval_ms": args.interval_ms,
+        "points": points, "routing": routing, "targets": targets,
+    }
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gateway.json").write_text(json.dumps(report, indent=2))
+    write_markdown(out / "gateway.md", report)
+    print((out / "gateway.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
