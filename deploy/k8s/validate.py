@@ -74,7 +74,7 @@ BUILTIN_FLAGS = {
         "discovery-interval-ms": V, "discovery-timeout-ms": V, "max-request-bytes": V,
         "exit-timeout-secs": V, "log-verbose": V,
         "etcd-endpoints": V, "etcd-prefix": V, "gateway-id": V, "placement": (V, BOOL),
-        "election-ttl-secs": V,
+        "election-ttl-secs": V, "io-threads": V,
         "help": NONE, "version": NONE,
     },
 }
@@ -91,7 +91,7 @@ INTEGER_FLAGS = {
     "http-port", "grpc-port", "metrics-port", "exit-timeout-secs", "etcd-lease-ttl-secs",
     "memory-capacity-mb", "request-timeout-ms", "max-concurrent-requests", "log-verbose",
     "repository-poll-secs", "max-request-bytes", "intra-op-threads", "max-models",
-    "drain-delay-ms", "election-ttl-secs",
+    "drain-delay-ms", "election-ttl-secs", "io-threads",
 }
 HEALTH_PATHS = {"livenessProbe": "/v2/health/live", "readinessProbe": "/v2/health/ready",
                 "startupProbe": None}  # startup: live or ready

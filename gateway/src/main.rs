@@ -10,6 +10,7 @@ use nereid_gateway::cli::Args;
 fn main() -> ExitCode {
     let args = Args::parse();
     nereid_common::telemetry::init_tracing(args.log_verbose);
+    let io_threads = args.io_threads;
     let config = match args.into_config() {
         Ok(c) => c,
         Err(e) => {
@@ -17,7 +18,18 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("nereid-gw").build() {
+    // One event-loop thread (the default) or a work-stealing pool: see --io-threads.
+    let mut builder = match io_threads {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        n => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            if n > 1 {
+                b.worker_threads(n as usize);
+            }
+            b
+        }
+    };
+    let runtime = match builder.enable_all().thread_name("nereid-gw").build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("nereid-gateway: cannot start the async runtime: {e}");

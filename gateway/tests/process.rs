@@ -59,6 +59,7 @@ fn invalid_flags_exit_non_zero_naming_the_flag() {
         (vec!["--etcd-endpoints", "http://h:1", "--etcd-prefix", "x"], "--etcd-prefix"),
         (vec!["--etcd-endpoints", "http://h:1", "--gateway-id", "a b"], "--gateway-id"),
         (vec!["--etcd-endpoints", "http://h:1", "--election-ttl-secs", "0"], "--election-ttl-secs"),
+        (vec!["--worker-grpc", "h:1", "--io-threads", "x"], "--io-threads"),
     ] {
         let (code, output) = run_cli(&args);
         assert_ne!(code, 0, "{args:?} should fail");
@@ -185,4 +186,15 @@ async fn sigterm_finishes_the_request_in_flight_then_exits() {
     let out = held.await.unwrap().expect("the in-flight request must complete").into_inner();
     assert_eq!(out.raw_output_contents[0].len(), 64);
     assert_eq!(gateway.wait_exit(Duration::from_secs(15)), Some(0), "{}", gateway.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_on_a_thread_pool_as_on_one_event_loop() {
+    let worker = common::start_worker(&common::example_models(), &["identity_fp32"]).await;
+    for threads in ["0", "3"] {
+        let gateway = common::start_gateway(&[&worker], &["--io-threads", threads]).await;
+        let mut client = gateway.client().await;
+        let resp = client.model_infer(common::fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await;
+        assert!(resp.is_ok(), "--io-threads {threads}: {resp:?}");
+    }
 }
