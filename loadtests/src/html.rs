@@ -19,7 +19,7 @@ use crate::schedule::LoadLevel;
 use crate::svg::{self, LineChart, Rule, RuleAxis, Segment, Series, StackedBars, escape};
 
 /// Inline style sheet (no `>` selectors, so the page stays simple to check).
-const STYLE: &str = "
+pub(crate) const STYLE: &str = "
 body { font-family: sans-serif; margin: 2em auto; max-width: 1200px; padding: 0 1em; color: #222; }
 h1 { margin-bottom: 0.2em; }
 h2 { margin-top: 1.6em; border-bottom: 1px solid #ddd; padding-bottom: 0.2em; }

@@ -5,7 +5,11 @@
 //! scrape `/metrics`) → [`report`] (table, CSV, JSON) and [`html`] (the HTML report, drawn
 //! with [`svg`]). Load shapes are in [`schedule`], `--binary-search` in [`search`], the
 //! requests in [`workload`] and [`client`], the numbers in [`measure`] and [`server_stats`].
+//!
+//! nereid-analyze (config sweeps with a Pareto frontier) lives in [`analyze`] and measures
+//! each variant with the same [`driver`].
 
+pub mod analyze;
 pub mod cli;
 pub mod client;
 pub mod driver;

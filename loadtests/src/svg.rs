@@ -263,6 +263,17 @@ fn legend_entry(out: &mut String, index: usize, name: &str, swatch: impl FnOnce(
 
 /// A line chart as an `<svg>` element.
 pub fn line_chart(chart: &LineChart) -> String {
+    plot(chart, |_| true)
+}
+
+/// A scatter plot as an `<svg>` element: every series drawn as markers, and those whose
+/// `joined[i]` is true also joined by a line in the order of their points (a frontier over a
+/// cloud of points, say). Series beyond `joined` are not joined.
+pub fn scatter_chart(chart: &LineChart, joined: &[bool]) -> String {
+    plot(chart, |i| joined.get(i).copied().unwrap_or(false))
+}
+
+fn plot(chart: &LineChart, joined: impl Fn(usize) -> bool) -> String {
     let finite = |(x, y): &(f64, f64)| x.is_finite() && y.is_finite();
     let points: Vec<Vec<(f64, f64)>> =
         chart.series.iter().map(|s| s.points.iter().copied().filter(finite).collect()).collect();
@@ -303,7 +314,7 @@ pub fn line_chart(chart: &LineChart) -> String {
     for (i, (series, pts)) in chart.series.iter().zip(&points).enumerate() {
         let c = color(i);
         let _ = write!(out, r#"<g class="series"><title>{}</title>"#, escape(&series.name));
-        if pts.len() > 1 {
+        if pts.len() > 1 && joined(i) {
             let path: Vec<String> = pts.iter().map(|(a, b)| format!("{:.1},{:.1}", px(*a), py(*b))).collect();
             let _ = write!(out, r#"<polyline fill="none" stroke="{c}" stroke-width="2" points="{}"/>"#, path.join(" "));
         }
@@ -321,13 +332,16 @@ pub fn line_chart(chart: &LineChart) -> String {
             );
         }
         out.push_str("</g>");
+        let line = joined(i);
         legend_entry(&mut out, i, &series.name, |out, lx, ly| {
-            let _ = write!(
-                out,
-                r#"<line x1="{lx:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{c}" stroke-width="2"/><circle cx="{:.1}" cy="{ly:.1}" r="3.5" fill="{c}"/>"#,
-                lx + 18.0,
-                lx + 9.0
-            );
+            if line {
+                let _ = write!(
+                    out,
+                    r#"<line x1="{lx:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{c}" stroke-width="2"/>"#,
+                    lx + 18.0
+                );
+            }
+            let _ = write!(out, r#"<circle cx="{:.1}" cy="{ly:.1}" r="3.5" fill="{c}"/>"#, lx + 9.0);
         });
     }
     out.push_str("</svg>");
@@ -463,6 +477,14 @@ pub(crate) mod tests {
         assert!(svg.contains("p99 &amp; &quot;friends&quot;"));
         assert!(svg.contains("SLO 5 ms") && svg.contains("stroke-dasharray"));
         assert!(!svg.contains("NaN"));
+    }
+
+    #[test]
+    fn scatter_charts_join_only_the_chosen_series() {
+        let svg = scatter_chart(&chart(), &[false, true]);
+        assert_well_formed(&svg);
+        assert_eq!(svg.matches("<polyline").count(), 1);
+        assert_eq!(svg.matches("<circle").count(), 5 + 2);
     }
 
     #[test]

@@ -22,6 +22,7 @@ use crate::measure::Failure;
 use crate::workload::{Entry, InputTensor, ModelInfo};
 
 pub use self::grpc::GrpcClient;
+pub(crate) use self::grpc::error_chain;
 pub use self::http::HttpClient;
 
 /// Time allowed to open one connection.

@@ -1,0 +1,162 @@
+//! The sweep's checkpoint: every variant's result so far, rewritten (atomically, through a
+//! temporary file) after each variant, so an interrupted or crashed sweep loses at most the
+//! variant it was measuring. `--resume` reads it back and reuses every final result whose
+//! key matches (see [`VariantStatus::is_final`](super::result::VariantStatus::is_final)).
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::result::VariantResult;
+
+/// Bumped when the format changes incompatibly.
+pub const CHECKPOINT_FORMAT: u32 = 1;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Checkpoint {
+    pub format: u32,
+    pub model: String,
+    /// The load each variant was measured with (`concurrency 4`), to warn on a resume that
+    /// measures differently.
+    pub load: String,
+    pub results: Vec<VariantResult>,
+}
+
+/// A checkpoint that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("checkpoint {path}: cannot read it: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("checkpoint {path}: not a nereid-analyze checkpoint: {source}")]
+    Parse { path: String, source: serde_json::Error },
+    #[error("checkpoint {path}: format {found}, this nereid-analyze reads format {CHECKPOINT_FORMAT}")]
+    Format { path: String, found: u32 },
+    #[error("checkpoint {path}: it is for model '{found}', not '{expected}'")]
+    Model { path: String, found: String, expected: String },
+    #[error("checkpoint {path}: cannot write it: {source}")]
+    Write { path: String, source: std::io::Error },
+}
+
+impl Checkpoint {
+    pub fn new(model: &str, load: &str) -> Checkpoint {
+        Checkpoint { format: CHECKPOINT_FORMAT, model: model.into(), load: load.into(), results: Vec::new() }
+    }
+
+    /// Reads `path`; `Ok(None)` when it does not exist. A checkpoint for another model or
+    /// format is an error.
+    pub fn read(path: &Path, model: &str) -> Result<Option<Checkpoint>, CheckpointError> {
+        let shown = path.display().to_string();
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(CheckpointError::Read { path: shown, source }),
+        };
+        let c: Checkpoint =
+            serde_json::from_str(&text).map_err(|source| CheckpointError::Parse { path: shown.clone(), source })?;
+        if c.format != CHECKPOINT_FORMAT {
+            return Err(CheckpointError::Format { path: shown, found: c.format });
+        }
+        if c.model != model {
+            return Err(CheckpointError::Model { path: shown, found: c.model, expected: model.into() });
+        }
+        Ok(Some(c))
+    }
+
+    /// Writes the checkpoint to `path` through a temporary file and a rename.
+    pub fn write(&self, path: &Path) -> Result<(), CheckpointError> {
+        let err = |source| CheckpointError::Write { path: path.display().to_string(), source };
+        let text = serde_json::to_string_pretty(self).expect("a checkpoint serializes");
+        let tmp = path.with_extension("tmp~");
+        std::fs::write(&tmp, text).map_err(err)?;
+        std::fs::rename(&tmp, path).map_err(err)
+    }
+
+    /// The final result recorded for `key`, if any (what `--resume` reuses).
+    pub fn reusable(&self, key: &str) -> Option<&VariantResult> {
+        self.results.iter().rev().find(|r| r.key == key && r.status.is_final())
+    }
+
+    /// Records `result`, replacing an earlier one for the same key.
+    pub fn record(&mut self, result: VariantResult) {
+        self.results.retain(|r| r.key != result.key);
+        self.results.push(result);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analyze::result::{Measured, VariantStatus};
+    use crate::analyze::space::Variant;
+
+    fn v(i: u32, d: u64) -> Variant {
+        Variant { instance_count: i, max_batch_size: 8, preferred_batch_size: 0, max_queue_delay_us: d }
+    }
+
+    fn sample() -> Checkpoint {
+        let mut c = Checkpoint::new("identity_fp32", "concurrency 4");
+        let mut measured = VariantResult::new(v(1, 0), VariantStatus::Measured);
+        measured.config = Some(serde_json::json!({"name": "identity_fp32", "max_batch_size": 8}));
+        measured.measured = Some(Measured {
+            throughput_infer_per_sec: 1234.5,
+            requests_per_sec: 1234.5,
+            goodput_infer_per_sec: 1200.25,
+            p50_ms: 0.5,
+            p99_ms: 2.125,
+            avg_ms: 0.75,
+            requests: 5000,
+            errors: 0,
+            stable: true,
+            slo_met: Some(true),
+            memory_mb: Some(87.5),
+            server_avg_batch_size: None,
+        });
+        c.record(measured);
+        let mut skipped = VariantResult::new(v(1, 100), VariantStatus::Skipped);
+        skipped.reason = Some("preferred_batch_size 16 > max_batch_size 8".into());
+        c.record(skipped);
+        let mut failed = VariantResult::new(v(2, 0), VariantStatus::Failed);
+        failed.reason = Some("the server was lost".into());
+        c.record(failed);
+        c
+    }
+
+    #[test]
+    fn round_trips_through_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("checkpoint.json");
+        assert!(Checkpoint::read(&path, "identity_fp32").unwrap().is_none(), "absent is not an error");
+        let c = sample();
+        c.write(&path).unwrap();
+        let back = Checkpoint::read(&path, "identity_fp32").unwrap().unwrap();
+        assert_eq!(back, c);
+        assert!(!path.with_extension("tmp~").exists());
+    }
+
+    #[test]
+    fn resume_reuses_final_results_only() {
+        let mut c = sample();
+        assert!(c.reusable("i1_b8_p0_d0").is_some());
+        assert!(c.reusable("i1_b8_p0_d100").is_some(), "a skip is final");
+        assert!(c.reusable("i2_b8_p0_d0").is_none(), "a failed measurement is retried");
+        assert!(c.reusable("i9_b8_p0_d0").is_none());
+        // A later result for the same key replaces the earlier one.
+        c.record(VariantResult::new(v(2, 0), VariantStatus::LoadFailed));
+        assert_eq!(c.results.len(), 3);
+        assert_eq!(c.reusable("i2_b8_p0_d0").unwrap().status, VariantStatus::LoadFailed);
+    }
+
+    #[test]
+    fn refuses_another_model_or_garbage() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.json");
+        sample().write(&path).unwrap();
+        let e = Checkpoint::read(&path, "mlp_fp32").unwrap_err().to_string();
+        assert!(e.contains("'identity_fp32', not 'mlp_fp32'"), "{e}");
+        std::fs::write(&path, "{\"format\": 1}").unwrap();
+        assert!(Checkpoint::read(&path, "m").unwrap_err().to_string().contains("not a nereid-analyze checkpoint"));
+        std::fs::write(&path, "{\"format\": 99, \"model\": \"m\", \"load\": \"\", \"results\": []}").unwrap();
+        assert!(Checkpoint::read(&path, "m").unwrap_err().to_string().contains("format 99"));
+    }
+}

@@ -1,0 +1,440 @@
+//! `nereid-analyze` flags, parsed once and validated into an [`AnalyzeConfig`]. Errors name
+//! the flag.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use nereid_common::config::parse_model_config;
+use nereid_proto::inference::ModelConfig;
+
+use super::config::check_base;
+use super::frontier::{Constraints, Objective};
+use super::report::CHECKPOINT_JSON;
+use super::space::{SearchSpace, parse_list};
+use super::sweep::{LoadSettings, LoadSpec, Strategy};
+use crate::cli::{DistributionArg, ProtocolArg};
+use crate::client::{Protocol, normalize_url};
+use crate::driver::{Measurement, WindowMode};
+use crate::schedule::Distribution;
+use crate::workload::InputData;
+
+/// Workers tried by default, in order, when neither --worker-bin nor --url is given.
+pub const DEFAULT_WORKER_BINS: [&str; 2] = ["target/release/nereid-worker", "target/debug/nereid-worker"];
+pub const DEFAULT_OUTPUT_DIR: &str = "nereid-analyze-results";
+
+const EXIT_CODES: &str = "\
+Exit codes (as nereid-perf's where they overlap):
+  0  every variant visited; a variant meets the constraints and is recommended
+  1  internal error, or an output file or the checkpoint could not be written
+  2  bad input: invalid flags, model or config.pbtxt, checkpoint for another model; the
+     worker cannot be started; the server (--url) cannot be reached
+  3  the server stopped answering (or the started worker exited) mid-sweep; results so far
+     are written and kept in the checkpoint (--resume continues)
+  4  results written, but no variant met the constraints (\"no variant met the constraints\")
+  130 interrupted (Ctrl-C); results so far are written and kept in the checkpoint
+
+Each variant: the base config.pbtxt with instance_group count, max_batch_size and
+dynamic_batching { preferred_batch_size, max_queue_delay_microseconds } set; an invalid
+combination (preferred > max batch) is skipped with its reason. It is unloaded and loaded
+through the repository API (explicit model control, Triton's parameters.config override); a
+load the server refuses is recorded with the server's message and the sweep goes on. Then one
+nereid-perf load level is measured (warm-up, windows until stable) while the worker's VmRSS is
+sampled every 100 ms (the peak is reported).
+
+Search: brute measures every variant; quick climbs from the smallest values one step along one
+dimension at a time (queue delay included), moving to the best neighbour while it improves,
+measuring at most --max-variants. Variants meeting the constraints beat those that do not.
+
+Outputs in --output-dir: results.json, results.csv, report.html, checkpoint.json (rewritten
+after every variant), recommended/config.pbtxt, worker.log (with --worker-bin).";
+
+/// Config sweeps for a model on a KServe v2 server (Model Analyzer's job): measures each
+/// variant of a search space, reports the Pareto frontier (throughput vs p99 vs memory) and
+/// writes the best config under the constraints as a ready config.pbtxt.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "nereid-analyze", version, after_help = EXIT_CODES)]
+pub struct AnalyzeArgs {
+    /// Model repository holding the model; its config.pbtxt is the base of every variant.
+    #[arg(long, value_name = "DIR")]
+    pub model_repository: PathBuf,
+    /// Model to sweep.
+    #[arg(short = 'm', long)]
+    pub model: String,
+    /// Start this nereid-worker (explicit model control, OS-assigned ports) and sweep it
+    /// [default: target/release/nereid-worker if it exists, else target/debug/nereid-worker].
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["url", "worker_pid"])]
+    pub worker_bin: Option<PathBuf>,
+    /// Extra argument for the started worker (repeat), e.g. --worker-arg=--intra-op-threads=2.
+    #[arg(long = "worker-arg", value_name = "ARG", allow_hyphen_values = true, conflicts_with = "url")]
+    pub worker_args: Vec<String>,
+    /// Sweep an already-running server in explicit model-control mode at host:port (its
+    /// gRPC port with -i grpc, its HTTP port with -i http).
+    #[arg(short = 'u', long)]
+    pub url: Option<String>,
+    /// With --url: the server's process id, to read its memory (else memory is unknown).
+    #[arg(long, requires = "url")]
+    pub worker_pid: Option<u32>,
+    /// With --url: Prometheus endpoint for the server's average batch size [default: the
+    /// --url host, port 8002].
+    #[arg(long, requires = "url")]
+    pub metrics_url: Option<String>,
+    /// Do not scrape /metrics.
+    #[arg(long, conflicts_with = "metrics_url")]
+    pub no_server_stats: bool,
+    /// Wire protocol of the measurement and the repository API.
+    #[arg(short = 'i', long, value_enum, default_value = "grpc")]
+    pub protocol: ProtocolArg,
+    /// HTTP: binary tensors instead of JSON.
+    #[arg(long)]
+    pub http_binary: bool,
+
+    /// Instance counts to try (comma-separated).
+    #[arg(long, default_value = "1,2")]
+    pub instance_counts: String,
+    /// max_batch_size values to try (0: no batching).
+    #[arg(long, default_value = "1,8,32")]
+    pub max_batch_sizes: String,
+    /// dynamic_batching.preferred_batch_size values to try (0: none).
+    #[arg(long, default_value = "0")]
+    pub preferred_batch_sizes: String,
+    /// dynamic_batching.max_queue_delay_microseconds values to try.
+    #[arg(long, default_value = "0,100,1000")]
+    pub max_queue_delays_us: String,
+
+    /// Constraint: p99 latency at most this many milliseconds (also goodput's SLO unless
+    /// --slo-p99-ms is given).
+    #[arg(long)]
+    pub max_p99_ms: Option<f64>,
+    /// Constraint: the worker's peak RSS at most this many MiB (needs a known PID).
+    #[arg(long)]
+    pub max_memory_mb: Option<f64>,
+    /// Latency SLO for goodput, in milliseconds [default: --max-p99-ms].
+    #[arg(long)]
+    pub slo_p99_ms: Option<f64>,
+    /// What the recommendation maximizes among variants meeting the constraints.
+    #[arg(long, value_enum, default_value = "goodput")]
+    pub objective: Objective,
+    /// brute: every variant; quick: hill climbing, at most --max-variants measured.
+    #[arg(long, value_enum, default_value = "brute")]
+    pub search: SearchArg,
+    /// Quick search: most variants measured.
+    #[arg(long, default_value_t = 16)]
+    pub max_variants: usize,
+
+    /// Closed loop: requests outstanding while each variant is measured [default: 4].
+    #[arg(long, conflicts_with = "request_rate")]
+    pub concurrency: Option<u32>,
+    /// Open loop: requests per second instead of a concurrency.
+    #[arg(long)]
+    pub request_rate: Option<f64>,
+    /// Open-loop arrival spacing.
+    #[arg(long, value_enum, default_value = "constant")]
+    pub request_distribution: DistributionArg,
+    /// Rows per request (every max_batch_size tried must allow it).
+    #[arg(short = 'b', long, default_value_t = 1)]
+    pub batch_size: u32,
+    #[arg(long, value_enum, default_value = "random")]
+    pub input_data: InputData,
+    /// Length of a measurement window, in milliseconds.
+    #[arg(short = 'p', long, default_value_t = 2000)]
+    pub measurement_interval: u64,
+    /// Load before the first window of each variant, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    pub warmup_ms: u64,
+    /// Stability band in percent (nereid-perf's -s).
+    #[arg(short = 's', long, default_value_t = 10.0)]
+    pub stability_percentage: f64,
+    /// Most windows per variant.
+    #[arg(short = 'r', long, default_value_t = 5)]
+    pub max_trials: u32,
+    #[arg(long, default_value_t = 10_000)]
+    pub request_timeout_ms: u64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+
+    /// Where results, the report, the checkpoint and the recommended config go.
+    #[arg(short = 'o', long, default_value = DEFAULT_OUTPUT_DIR)]
+    pub output_dir: PathBuf,
+    /// Checkpoint file [default: OUTPUT_DIR/checkpoint.json].
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    /// Reuse every variant the checkpoint already holds (same key) instead of measuring it.
+    #[arg(long)]
+    pub resume: bool,
+    /// Longest a model load (or unload) may take, in seconds.
+    #[arg(long, default_value_t = 120)]
+    pub load_timeout_s: u64,
+    /// Longest the started worker may take to listen, in seconds.
+    #[arg(long, default_value_t = 60)]
+    pub worker_start_timeout_s: u64,
+    /// Generator threads (tokio workers).
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// No progress lines on stderr.
+    #[arg(short = 'q', long)]
+    pub quiet: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SearchArg {
+    Brute,
+    Quick,
+}
+
+/// Which server to sweep.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ServerChoice {
+    /// Start this worker binary.
+    Start { bin: PathBuf, args: Vec<String>, start_timeout: Duration },
+    /// An already-running server.
+    External { url: String, pid: Option<u32>, metrics_url: Option<String> },
+}
+
+/// Everything `nereid-analyze` needs, validated.
+#[derive(Clone, Debug)]
+pub struct AnalyzeConfig {
+    pub model: String,
+    pub model_repository: PathBuf,
+    pub base: ModelConfig,
+    pub server: ServerChoice,
+    pub scrape_metrics: bool,
+    pub space: SearchSpace,
+    pub strategy: Strategy,
+    pub constraints: Constraints,
+    pub objective: Objective,
+    pub load: LoadSettings,
+    pub output_dir: PathBuf,
+    pub checkpoint: PathBuf,
+    pub resume: bool,
+    pub load_timeout: Duration,
+    pub threads: usize,
+    pub quiet: bool,
+}
+
+impl AnalyzeArgs {
+    pub fn into_config(self) -> Result<AnalyzeConfig, String> {
+        let positive = |flag: &str, v: Option<f64>| match v {
+            Some(x) if !(x.is_finite() && x > 0.0) => Err(format!("{flag} {x}: must be a positive number")),
+            _ => Ok(()),
+        };
+        positive("--max-p99-ms", self.max_p99_ms)?;
+        positive("--max-memory-mb", self.max_memory_mb)?;
+        positive("--slo-p99-ms", self.slo_p99_ms)?;
+        positive("--request-rate", self.request_rate)?;
+
+        let base = read_base(&self.model_repository, &self.model)?;
+        let space = SearchSpace::new(
+            parse_list("--instance-counts", &self.instance_counts).map_err(|e| e.0)?,
+            parse_list("--max-batch-sizes", &self.max_batch_sizes).map_err(|e| e.0)?,
+            parse_list("--preferred-batch-sizes", &self.preferred_batch_sizes).map_err(|e| e.0)?,
+            parse_list("--max-queue-delays-us", &self.max_queue_delays_us).map_err(|e| e.0)?,
+        )
+        .map_err(|e| e.0)?;
+        let strategy = match self.search {
+            SearchArg::Brute => Strategy::Brute,
+            SearchArg::Quick if self.max_variants == 0 => return Err("--max-variants: must be at least 1".into()),
+            SearchArg::Quick => Strategy::Quick { max_variants: self.max_variants },
+        };
+
+        let protocol = match (self.protocol, self.http_binary) {
+            (ProtocolArg::Grpc, true) => return Err("--http-binary needs --protocol http".into()),
+            (ProtocolArg::Grpc, false) => Protocol::Grpc,
+            (ProtocolArg::Http, binary) => Protocol::Http { binary },
+        };
+        let server = match (&self.url, &self.worker_bin) {
+            (Some(url), _) => ServerChoice::External {
+                url: normalize_url(url).map_err(|e| format!("--url {e}"))?,
+                pid: self.worker_pid,
+                metrics_url: self.metrics_url.clone(),
+            },
+            (None, bin) => {
+                let bin = match bin {
+                    Some(b) if b.is_file() => b.clone(),
+                    Some(b) => return Err(format!("--worker-bin {}: no such file", b.display())),
+                    None => DEFAULT_WORKER_BINS.iter().map(PathBuf::from).find(|p| p.is_file()).ok_or_else(|| {
+                        format!(
+                            "no worker to start: neither {} exists; give --worker-bin PATH or --url HOST:PORT",
+                            DEFAULT_WORKER_BINS.join(" nor ")
+                        )
+                    })?,
+                };
+                ServerChoice::Start {
+                    bin,
+                    args: self.worker_args.clone(),
+                    start_timeout: Duration::from_secs(self.worker_start_timeout_s.max(1)),
+                }
+            }
+        };
+
+        if self.measurement_interval == 0 {
+            return Err("--measurement-interval: must be at least 1 ms".into());
+        }
+        if !(self.stability_percentage.is_finite() && self.stability_percentage > 0.0) {
+            return Err(format!("--stability-percentage {}: must be above 0", self.stability_percentage));
+        }
+        if self.max_trials == 0 {
+            return Err("--max-trials: must be at least 1".into());
+        }
+        if self.request_timeout_ms == 0 {
+            return Err("--request-timeout-ms: must be at least 1".into());
+        }
+        if self.threads == 0 {
+            return Err("--threads: must be at least 1".into());
+        }
+        if self.batch_size == 0 {
+            return Err("--batch-size: must be at least 1".into());
+        }
+        let load = match (self.concurrency, self.request_rate) {
+            (Some(0), _) => return Err("--concurrency: must be at least 1".into()),
+            (Some(c), None) => LoadSpec::Concurrency(c),
+            (None, Some(rate)) => LoadSpec::RequestRate {
+                rate,
+                distribution: match self.request_distribution {
+                    DistributionArg::Constant => Distribution::Constant,
+                    DistributionArg::Poisson => Distribution::Poisson,
+                },
+            },
+            _ => LoadSpec::Concurrency(4),
+        };
+        let checkpoint = self.checkpoint.clone().unwrap_or_else(|| self.output_dir.join(CHECKPOINT_JSON));
+        Ok(AnalyzeConfig {
+            model: self.model.clone(),
+            model_repository: self.model_repository.clone(),
+            base,
+            server,
+            scrape_metrics: !self.no_server_stats,
+            space,
+            strategy,
+            constraints: Constraints { max_p99_ms: self.max_p99_ms, max_memory_mb: self.max_memory_mb },
+            objective: self.objective,
+            load: LoadSettings {
+                protocol,
+                load,
+                batch_size: self.batch_size,
+                input_data: self.input_data,
+                slo_p99_ms: self.slo_p99_ms.or(self.max_p99_ms),
+                measurement: Measurement {
+                    window: WindowMode::Time { ms: self.measurement_interval },
+                    warmup_ms: self.warmup_ms,
+                    stability_percentage: self.stability_percentage,
+                    max_trials: self.max_trials,
+                    request_timeout_ms: self.request_timeout_ms,
+                    max_inflight: 4096,
+                },
+                seed: self.seed,
+            },
+            output_dir: self.output_dir,
+            checkpoint,
+            resume: self.resume,
+            load_timeout: Duration::from_secs(self.load_timeout_s.max(1)),
+            threads: self.threads,
+            quiet: self.quiet,
+        })
+    }
+}
+
+/// Reads and checks `DIR/MODEL/config.pbtxt`.
+pub fn read_base(repository: &Path, model: &str) -> Result<ModelConfig, String> {
+    if model.is_empty() || model.contains(['/', '\\']) || model == "." || model == ".." {
+        return Err(format!("--model '{model}': not a model directory name"));
+    }
+    let dir = repository.join(model);
+    if !dir.is_dir() {
+        return Err(format!("--model {model}: no directory {} in --model-repository", dir.display()));
+    }
+    let path = dir.join("config.pbtxt");
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: cannot read it: {e}", path.display()))?;
+    let config = parse_model_config(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    check_base(&config).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn repo() -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("m");
+        std::fs::create_dir(&model).unwrap();
+        std::fs::write(
+            model.join("config.pbtxt"),
+            "name: \"m\"\nmax_batch_size: 8\ninput [ { name: \"I\" data_type: TYPE_FP32 dims: [ 4 ] } ]\n\
+             output [ { name: \"O\" data_type: TYPE_FP32 dims: [ 4 ] } ]\n",
+        )
+        .unwrap();
+        let worker = dir.path().join("worker");
+        std::fs::write(&worker, "").unwrap();
+        (dir, worker)
+    }
+
+    fn parse(repo: &Path, extra: &[&str]) -> Result<AnalyzeConfig, String> {
+        let mut argv = vec!["nereid-analyze", "--model-repository", repo.to_str().unwrap(), "-m", "m"];
+        argv.extend_from_slice(extra);
+        AnalyzeArgs::try_parse_from(argv).map_err(|e| e.to_string())?.into_config()
+    }
+
+    #[test]
+    fn flags_build_a_sweep() {
+        let (dir, worker) = repo();
+        let c = parse(
+            dir.path(),
+            &[
+                "--worker-bin",
+                worker.to_str().unwrap(),
+                "--instance-counts",
+                "2,1",
+                "--max-batch-sizes",
+                "8",
+                "--max-queue-delays-us",
+                "0,500",
+                "--max-p99-ms",
+                "20",
+                "--search",
+                "quick",
+                "--max-variants",
+                "3",
+                "--worker-arg=--intra-op-threads=2",
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.space.len(), 2 * 2);
+        assert_eq!(c.strategy, Strategy::Quick { max_variants: 3 });
+        assert_eq!(c.load.slo_p99_ms, Some(20.0), "the p99 constraint is the SLO");
+        assert_eq!(c.load.load, LoadSpec::Concurrency(4));
+        assert_eq!(c.checkpoint, PathBuf::from(DEFAULT_OUTPUT_DIR).join("checkpoint.json"));
+        let ServerChoice::Start { args, .. } = &c.server else { panic!("{:?}", c.server) };
+        assert_eq!(args, &vec!["--intra-op-threads=2".to_string()]);
+        let c = parse(dir.path(), &["-u", "http://h:9", "--worker-pid", "42", "--request-rate", "100"]).unwrap();
+        assert_eq!(c.server, ServerChoice::External { url: "h:9".into(), pid: Some(42), metrics_url: None });
+        assert!(matches!(c.load.load, LoadSpec::RequestRate { rate, .. } if rate == 100.0));
+    }
+
+    #[test]
+    fn errors_name_the_flag() {
+        let (dir, worker) = repo();
+        let w = worker.to_str().unwrap();
+        let e = |extra: &[&str]| parse(dir.path(), extra).unwrap_err();
+        assert!(e(&["--worker-bin", w, "--instance-counts", "0"]).contains("--instance-counts"));
+        assert!(e(&["--worker-bin", w, "--max-batch-sizes", "x"]).contains("--max-batch-sizes"));
+        assert!(e(&["--worker-bin", w, "--max-p99-ms", "0"]).contains("--max-p99-ms"));
+        assert!(e(&["--worker-bin", "/nonexistent/w"]).contains("--worker-bin"));
+        assert!(e(&["--worker-bin", w, "--url", "h:1"]).contains("cannot be used with"));
+        assert!(e(&["--worker-pid", "1"]).contains("--url"));
+        assert!(e(&["--worker-bin", w, "--search", "quick", "--max-variants", "0"]).contains("--max-variants"));
+        let missing = AnalyzeArgs::try_parse_from([
+            "nereid-analyze",
+            "--model-repository",
+            dir.path().to_str().unwrap(),
+            "-m",
+            "nope",
+            "--worker-bin",
+            w,
+        ])
+        .unwrap()
+        .into_config()
+        .unwrap_err();
+        assert!(missing.contains("--model nope"), "{missing}");
+    }
+}

@@ -1,0 +1,255 @@
+//! The Pareto frontier of measured variants (throughput ↑, p99 ↓, memory ↓) and the
+//! recommendation: the best variant by the objective among those meeting the constraints.
+//!
+//! Pure functions over plain numbers. A variant is on the frontier when no other is at least
+//! as good in all three and strictly better in one. Unknown memory counts as worse than any
+//! known amount (it cannot be shown to fit), and two unknowns are equal.
+
+use serde::{Deserialize, Serialize};
+
+use super::result::{Measured, VariantResult};
+
+/// The three things the frontier trades off.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Objectives {
+    pub throughput: f64,
+    pub p99_ms: f64,
+    pub memory_mb: Option<f64>,
+}
+
+impl Objectives {
+    pub fn of(m: &Measured) -> Objectives {
+        Objectives { throughput: m.throughput_infer_per_sec, p99_ms: m.p99_ms, memory_mb: m.memory_mb }
+    }
+}
+
+/// Whether `a` dominates `b`: no worse in throughput, p99 and memory, better in one.
+pub fn dominates(a: &Objectives, b: &Objectives) -> bool {
+    let mem = |m: Option<f64>| m.unwrap_or(f64::INFINITY);
+    let no_worse = a.throughput >= b.throughput && a.p99_ms <= b.p99_ms && mem(a.memory_mb) <= mem(b.memory_mb);
+    let better = a.throughput > b.throughput || a.p99_ms < b.p99_ms || mem(a.memory_mb) < mem(b.memory_mb);
+    no_worse && better
+}
+
+/// Indices of the points no other point dominates, in input order. Points with a non-finite
+/// throughput or p99 are left out. O(n²), fine for sweeps of thousands of variants.
+pub fn pareto_frontier(points: &[Objectives]) -> Vec<usize> {
+    let ok = |p: &Objectives| p.throughput.is_finite() && p.p99_ms.is_finite();
+    (0..points.len()).filter(|&i| ok(&points[i]) && !points.iter().any(|q| ok(q) && dominates(q, &points[i]))).collect()
+}
+
+/// What the recommendation optimizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Objective {
+    /// Most successful inferences per second within the SLO.
+    Goodput,
+    /// Most successful inferences per second.
+    Throughput,
+    /// Lowest p99 latency.
+    Latency,
+}
+
+impl Objective {
+    /// Higher is better: goodput, throughput, or minus the p99.
+    pub fn value(self, m: &Measured) -> f64 {
+        match self {
+            Objective::Goodput => m.goodput_infer_per_sec,
+            Objective::Throughput => m.throughput_infer_per_sec,
+            Objective::Latency => -m.p99_ms,
+        }
+    }
+}
+
+/// Limits a recommended variant must meet.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Constraints {
+    pub max_p99_ms: Option<f64>,
+    pub max_memory_mb: Option<f64>,
+}
+
+impl Constraints {
+    /// `None` if `m` meets every constraint, else why not (one sentence).
+    pub fn violation(&self, m: &Measured) -> Option<String> {
+        let mut why = Vec::new();
+        if let Some(max) = self.max_p99_ms
+            && m.p99_ms > max
+        {
+            why.push(format!("p99 {:.3} ms > {max} ms", m.p99_ms));
+        }
+        if let Some(max) = self.max_memory_mb {
+            match m.memory_mb {
+                Some(mem) if mem > max => why.push(format!("memory {mem:.1} MiB > {max} MiB")),
+                Some(_) => {}
+                None => why.push("memory unknown (give --worker-pid or use --worker-bin)".into()),
+            }
+        }
+        (!why.is_empty()).then(|| why.join("; "))
+    }
+
+    /// How far `m` is from meeting the constraints, relative to each limit (0 when it meets
+    /// them): what the quick search climbs down while nothing is feasible.
+    pub fn excess(&self, m: &Measured) -> f64 {
+        let over = |v: f64, max: f64| if max > 0.0 { (v / max - 1.0).max(0.0) } else { 0.0 };
+        let p99 = self.max_p99_ms.map(|max| over(m.p99_ms, max)).unwrap_or(0.0);
+        let mem = match (self.max_memory_mb, m.memory_mb) {
+            (Some(max), Some(v)) => over(v, max),
+            (Some(_), None) => 1.0,
+            _ => 0.0,
+        };
+        p99 + mem
+    }
+}
+
+/// The quick search's score of a measurement.
+pub fn score(m: &Measured, constraints: &Constraints, objective: Objective) -> super::quick::Score {
+    match constraints.violation(m) {
+        None => super::quick::Score { feasible: true, value: objective.value(m) },
+        Some(_) => super::quick::Score { feasible: false, value: -constraints.excess(m) },
+    }
+}
+
+/// The index of the best usable result meeting the constraints by `objective` (ties: lower
+/// p99, then higher throughput, then the earlier one), or `None` when nothing meets them.
+pub fn recommend(results: &[VariantResult], constraints: &Constraints, objective: Objective) -> Option<usize> {
+    let mut best: Option<(usize, &Measured)> = None;
+    for (i, r) in results.iter().enumerate() {
+        let Some(m) = r.usable() else { continue };
+        if constraints.violation(m).is_some() {
+            continue;
+        }
+        let better = match best {
+            None => true,
+            Some((_, b)) => {
+                let (x, y) = (objective.value(m), objective.value(b));
+                x > y
+                    || (x == y && m.p99_ms < b.p99_ms)
+                    || (x == y && m.p99_ms == b.p99_ms && m.throughput_infer_per_sec > b.throughput_infer_per_sec)
+            }
+        };
+        if better {
+            best = Some((i, m));
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analyze::result::VariantStatus;
+    use crate::analyze::space::Variant;
+    use proptest::prelude::*;
+
+    fn o(throughput: f64, p99_ms: f64, memory_mb: Option<f64>) -> Objectives {
+        Objectives { throughput, p99_ms, memory_mb }
+    }
+
+    pub(crate) fn measured(throughput: f64, goodput: f64, p99_ms: f64, memory_mb: Option<f64>) -> Measured {
+        Measured {
+            throughput_infer_per_sec: throughput,
+            requests_per_sec: throughput,
+            goodput_infer_per_sec: goodput,
+            p50_ms: p99_ms / 2.0,
+            p99_ms,
+            avg_ms: p99_ms / 2.0,
+            requests: 100,
+            errors: 0,
+            stable: true,
+            slo_met: None,
+            memory_mb,
+            server_avg_batch_size: None,
+        }
+    }
+
+    fn result(i: u32, m: Measured) -> VariantResult {
+        let v = Variant { instance_count: i, max_batch_size: 1, preferred_batch_size: 0, max_queue_delay_us: 0 };
+        let mut r = VariantResult::new(v, VariantStatus::Measured);
+        r.measured = Some(m);
+        r
+    }
+
+    #[test]
+    fn frontier_of_a_small_set() {
+        let pts = [
+            o(100.0, 5.0, Some(100.0)), // 0: dominated by 1
+            o(200.0, 4.0, Some(100.0)), // 1: frontier
+            o(300.0, 9.0, Some(120.0)), // 2: frontier (most throughput)
+            o(150.0, 2.0, Some(300.0)), // 3: frontier (lowest p99)
+            o(200.0, 4.0, Some(90.0)),  // 4: frontier (dominates 1 on memory)
+            o(200.0, 4.0, None),        // 5: dominated by 4 (unknown memory is worst)
+            o(f64::NAN, 1.0, Some(1.0)),
+        ];
+        assert_eq!(pareto_frontier(&pts), vec![2, 3, 4]);
+        // Equal points are both kept.
+        assert_eq!(pareto_frontier(&[o(1.0, 1.0, None), o(1.0, 1.0, None)]), vec![0, 1]);
+        assert!(pareto_frontier(&[]).is_empty());
+    }
+
+    #[test]
+    fn recommends_by_objective_under_constraints() {
+        let results = vec![
+            result(1, measured(1000.0, 900.0, 8.0, Some(200.0))),
+            result(2, measured(1500.0, 1000.0, 12.0, Some(250.0))),
+            result(3, measured(800.0, 800.0, 3.0, Some(500.0))),
+            {
+                let mut r = result(4, measured(5000.0, 5000.0, 1.0, Some(10.0)));
+                r.status = VariantStatus::Failed;
+                r
+            },
+        ];
+        let none = Constraints::default();
+        assert_eq!(recommend(&results, &none, Objective::Throughput), Some(1));
+        assert_eq!(recommend(&results, &none, Objective::Goodput), Some(1));
+        assert_eq!(recommend(&results, &none, Objective::Latency), Some(2));
+        let p99 = Constraints { max_p99_ms: Some(10.0), max_memory_mb: None };
+        assert_eq!(recommend(&results, &p99, Objective::Throughput), Some(0));
+        let both = Constraints { max_p99_ms: Some(10.0), max_memory_mb: Some(300.0) };
+        assert_eq!(recommend(&results, &both, Objective::Latency), Some(0));
+        let impossible = Constraints { max_p99_ms: Some(0.5), max_memory_mb: None };
+        assert_eq!(recommend(&results, &impossible, Objective::Throughput), None);
+        let v = both.violation(&results[1].measured.clone().unwrap()).unwrap();
+        assert!(v.contains("p99 12.000 ms > 10 ms"), "{v}");
+        let unknown = measured(1.0, 1.0, 1.0, None);
+        assert!(both.violation(&unknown).unwrap().contains("memory unknown"));
+        assert!(both.excess(&results[2].measured.clone().unwrap()) > 0.0);
+        assert_eq!(both.excess(&results[0].measured.clone().unwrap()), 0.0);
+    }
+
+    fn arb_point() -> impl Strategy<Value = Objectives> {
+        (0u32..20, 0u32..20, prop::option::of(0u32..20))
+            .prop_map(|(t, p, m)| o(t as f64 * 10.0, p as f64, m.map(|m| m as f64)))
+    }
+
+    proptest! {
+        #[test]
+        fn frontier_is_exactly_the_undominated_points(pts in prop::collection::vec(arb_point(), 0..40)) {
+            let f = pareto_frontier(&pts);
+            prop_assert_eq!(f.is_empty(), pts.is_empty());
+            for &i in &f {
+                for q in &pts {
+                    prop_assert!(!dominates(q, &pts[i]));
+                }
+            }
+            for (i, p) in pts.iter().enumerate() {
+                if !f.contains(&i) {
+                    // Dominated by someone, hence (transitively) by a frontier point.
+                    prop_assert!(f.iter().any(|&j| dominates(&pts[j], p)));
+                }
+            }
+        }
+
+        #[test]
+        fn the_throughput_recommendation_is_on_the_frontier(pts in prop::collection::vec(arb_point(), 1..30)) {
+            let results: Vec<VariantResult> = pts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| result(i as u32 + 1, measured(p.throughput, p.throughput, p.p99_ms, p.memory_mb)))
+                .collect();
+            let best = recommend(&results, &Constraints::default(), Objective::Throughput).unwrap();
+            let f = pareto_frontier(&pts);
+            // Ties may pick an equal twin; some frontier point matches it.
+            prop_assert!(f.iter().any(|&j| pts[j].throughput == pts[best].throughput && pts[j].p99_ms <= pts[best].p99_ms));
+        }
+    }
+}

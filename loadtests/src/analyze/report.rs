@@ -1,0 +1,587 @@
+//! The sweep's report: every variant with its config and numbers, the Pareto frontier, the
+//! recommendation and the verdict — as a table on stdout, `results.json`, `results.csv`, and
+//! `recommended/config.pbtxt` (a ready config in Triton's text format).
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use nereid_common::config::{config_to_text, parse_model_config_json};
+use serde::Serialize;
+
+use super::frontier::{Constraints, Objective, Objectives, pareto_frontier, recommend};
+use super::result::{Measured, VariantResult};
+use super::space::SearchSpace;
+use super::sweep::{LoadSettings, Stop, Strategy, SweepOutcome};
+use crate::error::exit;
+
+/// File names inside `--output-dir`.
+pub const RESULTS_JSON: &str = "results.json";
+pub const RESULTS_CSV: &str = "results.csv";
+pub const REPORT_HTML: &str = "report.html";
+pub const RECOMMENDED_DIR: &str = "recommended";
+pub const CHECKPOINT_JSON: &str = "checkpoint.json";
+
+/// One variant in the report: its result plus what the analysis says about it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    #[serde(flatten)]
+    pub result: VariantResult,
+    /// `None` when not measured.
+    pub meets_constraints: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub constraint_violation: Option<String>,
+    pub on_frontier: bool,
+    pub recommended: bool,
+}
+
+/// The recommended variant.
+#[derive(Clone, Debug, Serialize)]
+pub struct Recommendation {
+    pub key: String,
+    pub measured: Measured,
+    /// Where its config.pbtxt was written (absent until written).
+    pub config_pbtxt: Option<PathBuf>,
+}
+
+/// Exit code and the sentences that explain it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Verdict {
+    pub exit_code: i32,
+    pub problems: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AnalyzeReport {
+    pub tool: &'static str,
+    pub version: &'static str,
+    pub model: String,
+    pub url: String,
+    pub load: LoadSettings,
+    pub load_description: String,
+    pub space: SearchSpace,
+    pub search: Strategy,
+    pub search_end: String,
+    pub constraints: Constraints,
+    pub objective: Objective,
+    /// Results reused from the checkpoint (`--resume`).
+    pub reused: usize,
+    pub rows: Vec<Row>,
+    /// Keys of the Pareto-optimal variants (throughput ↑, p99 ↓, memory ↓).
+    pub frontier: Vec<String>,
+    pub recommended: Option<Recommendation>,
+    pub warnings: Vec<String>,
+    pub stopped: Option<String>,
+    pub verdict: Verdict,
+}
+
+/// The parts of a report that are not results.
+pub struct ReportContext<'a> {
+    pub model: &'a str,
+    pub url: &'a str,
+    pub load: &'a LoadSettings,
+    pub space: &'a SearchSpace,
+    pub search: Strategy,
+    pub constraints: Constraints,
+    pub objective: Objective,
+}
+
+impl AnalyzeReport {
+    /// Analyses a sweep's results: frontier, recommendation, verdict. The exit code is the
+    /// stop's (server lost 3, interrupted 130, checkpoint unwritable 1), else 4 when no
+    /// variant meets the constraints, else 0.
+    pub fn new(ctx: ReportContext<'_>, outcome: SweepOutcome) -> AnalyzeReport {
+        let results = outcome.results;
+        let usable: Vec<(usize, Objectives)> =
+            results.iter().enumerate().filter_map(|(i, r)| r.usable().map(|m| (i, Objectives::of(m)))).collect();
+        let points: Vec<Objectives> = usable.iter().map(|(_, o)| *o).collect();
+        let frontier_idx: Vec<usize> = pareto_frontier(&points).into_iter().map(|k| usable[k].0).collect();
+        let best = recommend(&results, &ctx.constraints, ctx.objective);
+        let rows: Vec<Row> = results
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let violation = r.usable().and_then(|m| ctx.constraints.violation(m));
+                Row {
+                    result: r.clone(),
+                    meets_constraints: r.usable().map(|_| violation.is_none()),
+                    constraint_violation: violation,
+                    on_frontier: frontier_idx.contains(&i),
+                    recommended: best == Some(i),
+                }
+            })
+            .collect();
+        let recommended = best.map(|i| Recommendation {
+            key: results[i].key.clone(),
+            measured: results[i].usable().expect("recommended results are usable").clone(),
+            config_pbtxt: None,
+        });
+
+        let mut problems = Vec::new();
+        let mut exit_code = exit::OK;
+        if let Some(stop) = &outcome.stop {
+            problems.push(format!("{}; results so far were kept", stop.describe()));
+            exit_code = stop.exit_code();
+        }
+        if recommended.is_none() {
+            let measured = rows.iter().filter(|r| r.result.usable().is_some()).count();
+            problems.push(if measured == 0 {
+                "no variant was measured successfully, so none can be recommended".into()
+            } else {
+                format!("no variant met the constraints ({})", describe_constraints(&ctx.constraints))
+            });
+            if exit_code == exit::OK {
+                exit_code = exit::SLO_NOT_MET;
+            }
+        }
+        AnalyzeReport {
+            tool: "nereid-analyze",
+            version: env!("CARGO_PKG_VERSION"),
+            model: ctx.model.into(),
+            url: ctx.url.into(),
+            load: ctx.load.clone(),
+            load_description: ctx.load.describe(),
+            space: ctx.space.clone(),
+            search: ctx.search,
+            search_end: outcome.search_end,
+            constraints: ctx.constraints,
+            objective: ctx.objective,
+            reused: outcome.reused,
+            frontier: frontier_idx.iter().map(|&i| results[i].key.clone()).collect(),
+            rows,
+            recommended,
+            warnings: outcome.warnings,
+            stopped: outcome.stop.as_ref().map(Stop::describe),
+            verdict: Verdict { exit_code, problems },
+        }
+    }
+
+    /// The recommended variant's row.
+    pub fn recommended_row(&self) -> Option<&Row> {
+        self.rows.iter().find(|r| r.recommended)
+    }
+}
+
+/// `p99 ≤ 10 ms, memory ≤ 512 MiB`, or `none`.
+pub fn describe_constraints(c: &Constraints) -> String {
+    let mut parts = Vec::new();
+    if let Some(p) = c.max_p99_ms {
+        parts.push(format!("p99 ≤ {p} ms"));
+    }
+    if let Some(m) = c.max_memory_mb {
+        parts.push(format!("memory ≤ {m} MiB"));
+    }
+    if parts.is_empty() { "none".into() } else { parts.join(", ") }
+}
+
+fn objective_name(o: Objective) -> &'static str {
+    match o {
+        Objective::Goodput => "goodput",
+        Objective::Throughput => "throughput",
+        Objective::Latency => "latency",
+    }
+}
+
+/// The human table and summary.
+pub fn table(report: &AnalyzeReport) -> String {
+    let mut out = String::new();
+    let search = match report.search {
+        Strategy::Brute => "brute".to_string(),
+        Strategy::Quick { max_variants } => format!("quick (at most {max_variants} variants)"),
+    };
+    let _ = writeln!(
+        out,
+        "nereid-analyze: {} at {}, {}; search {search} over {} variants: {}",
+        report.model,
+        report.url,
+        report.load_description,
+        report.space.len(),
+        report.search_end
+    );
+    let _ = writeln!(
+        out,
+        "{:<22} {:>4} {:>5} {:>4} {:>7} {:<11} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>5}",
+        "variant",
+        "inst",
+        "batch",
+        "pref",
+        "delay",
+        "status",
+        "infer/s",
+        "goodput/s",
+        "p50 ms",
+        "p99 ms",
+        "MiB",
+        "meets",
+        "pareto"
+    );
+    for row in &report.rows {
+        let r = &row.result;
+        let v = &r.variant;
+        let m = r.measured.as_ref();
+        let num =
+            |f: fn(&Measured) -> f64, prec: usize| m.map(|m| format!("{:.prec$}", f(m))).unwrap_or_else(|| "-".into());
+        let mem = m.and_then(|m| m.memory_mb).map(|x| format!("{x:.1}")).unwrap_or_else(|| "-".into());
+        let meets = match row.meets_constraints {
+            Some(true) => "yes",
+            Some(false) => "NO",
+            None => "-",
+        };
+        let mark = if row.recommended {
+            "*best"
+        } else if row.on_frontier {
+            "*"
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            out,
+            "{:<22} {:>4} {:>5} {:>4} {:>7} {:<11} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>5}",
+            r.key,
+            v.instance_count,
+            v.max_batch_size,
+            if v.preferred_batch_size == 0 { "-".to_string() } else { v.preferred_batch_size.to_string() },
+            v.max_queue_delay_us,
+            r.status.label(),
+            num(|m| m.throughput_infer_per_sec, 1),
+            num(|m| m.goodput_infer_per_sec, 1),
+            num(|m| m.p50_ms, 3),
+            num(|m| m.p99_ms, 3),
+            mem,
+            meets,
+            mark
+        );
+        if let Some(reason) = &r.reason {
+            let _ = writeln!(out, "  {}: {reason}", r.status.label());
+        }
+        if let Some(v) = &row.constraint_violation {
+            let _ = writeln!(out, "  misses the constraints: {v}");
+        }
+    }
+    let _ = writeln!(out, "Pareto frontier (throughput ↑, p99 ↓, memory ↓): {}", list_or_none(&report.frontier));
+    match &report.recommended {
+        Some(rec) => {
+            let m = &rec.measured;
+            let _ = writeln!(
+                out,
+                "recommended by {} under constraints ({}): {} — {:.1} infer/s, goodput {:.1}/s, p99 {:.3} ms, memory {}{}",
+                objective_name(report.objective),
+                describe_constraints(&report.constraints),
+                rec.key,
+                m.throughput_infer_per_sec,
+                m.goodput_infer_per_sec,
+                m.p99_ms,
+                m.memory_mb.map(|x| format!("{x:.1} MiB")).unwrap_or_else(|| "unknown".into()),
+                rec.config_pbtxt.as_ref().map(|p| format!(" → {}", p.display())).unwrap_or_default()
+            );
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "NO RECOMMENDATION: no measured variant meets the constraints ({})",
+                describe_constraints(&report.constraints)
+            );
+        }
+    }
+    if report.reused > 0 {
+        let _ = writeln!(out, "{} variants reused from the checkpoint (--resume)", report.reused);
+    }
+    for w in &report.warnings {
+        let _ = writeln!(out, "warning: {w}");
+    }
+    for p in &report.verdict.problems {
+        let _ = writeln!(out, "PROBLEM: {p}");
+    }
+    out
+}
+
+fn list_or_none(keys: &[String]) -> String {
+    if keys.is_empty() { "none".into() } else { keys.join(", ") }
+}
+
+/// The CSV header.
+pub const CSV_COLUMNS: [&str; 23] = [
+    "key",
+    "instance_count",
+    "max_batch_size",
+    "preferred_batch_size",
+    "max_queue_delay_us",
+    "status",
+    "reason",
+    "throughput_infer_per_sec",
+    "goodput_infer_per_sec",
+    "requests_per_sec",
+    "p50_ms",
+    "p99_ms",
+    "avg_ms",
+    "memory_mb",
+    "requests",
+    "errors",
+    "stable",
+    "slo_met",
+    "server_avg_batch_size",
+    "meets_constraints",
+    "constraint_violation",
+    "on_frontier",
+    "recommended",
+];
+
+/// One row per variant, in the order visited.
+pub fn csv(report: &AnalyzeReport) -> String {
+    let mut out = CSV_COLUMNS.join(",");
+    out.push('\n');
+    for row in &report.rows {
+        let r = &row.result;
+        let v = &r.variant;
+        let m = r.measured.as_ref();
+        let f = |x: Option<f64>| x.map(|x| format!("{}", (x * 1000.0).round() / 1000.0)).unwrap_or_default();
+        let b = |x: Option<bool>| x.map(|x| x.to_string()).unwrap_or_default();
+        let cells = [
+            r.key.clone(),
+            v.instance_count.to_string(),
+            v.max_batch_size.to_string(),
+            v.preferred_batch_size.to_string(),
+            v.max_queue_delay_us.to_string(),
+            r.status.label().replace(' ', "_"),
+            csv_field(r.reason.as_deref().unwrap_or("")),
+            f(m.map(|m| m.throughput_infer_per_sec)),
+            f(m.map(|m| m.goodput_infer_per_sec)),
+            f(m.map(|m| m.requests_per_sec)),
+            f(m.map(|m| m.p50_ms)),
+            f(m.map(|m| m.p99_ms)),
+            f(m.map(|m| m.avg_ms)),
+            f(m.and_then(|m| m.memory_mb)),
+            m.map(|m| m.requests.to_string()).unwrap_or_default(),
+            m.map(|m| m.errors.to_string()).unwrap_or_default(),
+            b(m.map(|m| m.stable)),
+            b(m.and_then(|m| m.slo_met)),
+            f(m.and_then(|m| m.server_avg_batch_size)),
+            b(row.meets_constraints),
+            csv_field(row.constraint_violation.as_deref().unwrap_or("")),
+            row.on_frontier.to_string(),
+            row.recommended.to_string(),
+        ];
+        out.push_str(&cells.join(","));
+        out.push('\n');
+    }
+    out
+}
+
+/// Quotes a CSV field when it holds a comma, quote or line break (RFC 4180).
+pub fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) { format!("\"{}\"", s.replace('"', "\"\"")) } else { s.to_string() }
+}
+
+pub fn json(report: &AnalyzeReport) -> String {
+    serde_json::to_string_pretty(report).unwrap_or_else(|e| format!("{{\"error\":\"serializing the report: {e}\"}}"))
+}
+
+/// The recommended variant's config in Triton's text format, checked to parse back.
+pub fn recommended_pbtxt(report: &AnalyzeReport) -> Option<Result<String, String>> {
+    let row = report.recommended_row()?;
+    let json = row.result.config.as_ref()?;
+    Some(
+        parse_model_config_json(&json.to_string())
+            .map(|c| {
+                format!(
+                    "# Recommended by nereid-analyze {} for '{}' ({}; objective {}; constraints: {}):\n\
+                     # {} — {:.1} infer/s, p99 {:.3} ms.\n{}",
+                    report.version,
+                    report.model,
+                    report.load_description,
+                    objective_name(report.objective),
+                    describe_constraints(&report.constraints),
+                    row.result.variant,
+                    row.result.measured.as_ref().map(|m| m.throughput_infer_per_sec).unwrap_or(0.0),
+                    row.result.measured.as_ref().map(|m| m.p99_ms).unwrap_or(0.0),
+                    config_to_text(&c)
+                )
+            })
+            .map_err(|e| format!("the recommended config does not parse back: {e}")),
+    )
+}
+
+/// Writes `results.json`, `results.csv`, `report.html` and (when there is one)
+/// `recommended/config.pbtxt` under `dir`; a stale recommended config is removed when
+/// nothing is recommended. Returns the errors (each file is attempted).
+pub fn write_all(report: &mut AnalyzeReport, dir: &Path) -> Vec<String> {
+    let mut errors = Vec::new();
+    let rec_dir = dir.join(RECOMMENDED_DIR);
+    let rec_path = rec_dir.join("config.pbtxt");
+    match recommended_pbtxt(report) {
+        Some(Ok(text)) => {
+            let written = std::fs::create_dir_all(&rec_dir)
+                .map_err(|e| format!("{}: {e}", rec_dir.display()))
+                .and_then(|_| crate::report::write_file(&rec_path, &text).map_err(|e| e.to_string()));
+            match written {
+                Ok(()) => {
+                    if let Some(r) = &mut report.recommended {
+                        r.config_pbtxt = Some(rec_path);
+                    }
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+        Some(Err(e)) => errors.push(e),
+        None => {
+            let _ = std::fs::remove_file(&rec_path);
+        }
+    }
+    type Render = fn(&AnalyzeReport) -> String;
+    let outputs: [(&str, Render); 3] = [(RESULTS_JSON, json), (RESULTS_CSV, csv), (REPORT_HTML, super::html::report)];
+    for (name, render) in outputs {
+        if let Err(e) = crate::report::write_file(&dir.join(name), &render(report)) {
+            errors.push(e.to_string());
+        }
+    }
+    errors
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::analyze::result::VariantStatus;
+    use crate::analyze::space::Variant;
+    use crate::analyze::sweep::{LoadSpec, SweepOutcome};
+    use crate::client::Protocol;
+    use crate::driver::{Measurement, WindowMode};
+    use crate::workload::InputData;
+    use nereid_common::config::{config_to_json, parse_model_config};
+
+    pub(crate) fn settings() -> LoadSettings {
+        LoadSettings {
+            protocol: Protocol::Grpc,
+            load: LoadSpec::Concurrency(4),
+            batch_size: 1,
+            input_data: InputData::Random,
+            slo_p99_ms: Some(10.0),
+            measurement: Measurement {
+                window: WindowMode::Time { ms: 1000 },
+                warmup_ms: 100,
+                stability_percentage: 10.0,
+                max_trials: 3,
+                request_timeout_ms: 1000,
+                max_inflight: 64,
+            },
+            seed: 1,
+        }
+    }
+
+    pub(crate) fn sample_results() -> Vec<VariantResult> {
+        let base = parse_model_config(
+            "name: \"m\"\nmax_batch_size: 8\ninput [ { name: \"I\" data_type: TYPE_FP32 dims: [ 4 ] } ]\n\
+             output [ { name: \"O\" data_type: TYPE_FP32 dims: [ 4 ] } ]\ndynamic_batching { }\n",
+        )
+        .unwrap();
+        let mk = |i: u32, tput: f64, p99: f64, mem: f64| {
+            let v = Variant { instance_count: i, max_batch_size: 8, preferred_batch_size: 0, max_queue_delay_us: 0 };
+            let mut r = VariantResult::new(v, VariantStatus::Measured);
+            let c = crate::analyze::config::variant_config(&base, "m", &v).unwrap();
+            r.config = Some(config_to_json(&c));
+            r.measured = Some(Measured {
+                throughput_infer_per_sec: tput,
+                requests_per_sec: tput,
+                goodput_infer_per_sec: tput * 0.9,
+                p50_ms: p99 / 2.0,
+                p99_ms: p99,
+                avg_ms: p99 / 2.0,
+                requests: 100,
+                errors: 0,
+                stable: true,
+                slo_met: Some(p99 <= 10.0),
+                memory_mb: Some(mem),
+                server_avg_batch_size: Some(1.5),
+            });
+            r
+        };
+        let skipped = {
+            let v = Variant { instance_count: 1, max_batch_size: 8, preferred_batch_size: 16, max_queue_delay_us: 0 };
+            let mut r = VariantResult::new(v, VariantStatus::Skipped);
+            r.reason = Some("preferred_batch_size 16 > max_batch_size 8, \"quoted\"".into());
+            r
+        };
+        vec![mk(1, 1000.0, 4.0, 80.0), mk(2, 1800.0, 6.0, 120.0), mk(3, 1900.0, 14.0, 160.0), skipped]
+    }
+
+    pub(crate) fn sample_report(constraints: Constraints, stop: Option<Stop>) -> AnalyzeReport {
+        let space = SearchSpace::new(vec![1, 2, 3], vec![8], vec![0, 16], vec![0]).unwrap();
+        let load = settings();
+        let ctx = ReportContext {
+            model: "m",
+            url: "127.0.0.1:1",
+            load: &load,
+            space: &space,
+            search: Strategy::Brute,
+            constraints,
+            objective: Objective::Throughput,
+        };
+        let outcome = SweepOutcome {
+            results: sample_results(),
+            reused: 0,
+            stop,
+            search_end: "every variant visited".into(),
+            warnings: vec![],
+        };
+        AnalyzeReport::new(ctx, outcome)
+    }
+
+    #[test]
+    fn analysis_marks_frontier_and_recommendation() {
+        let r = sample_report(Constraints { max_p99_ms: Some(10.0), max_memory_mb: None }, None);
+        assert_eq!(r.frontier, vec!["i1_b8_p0_d0", "i2_b8_p0_d0", "i3_b8_p0_d0"]);
+        assert_eq!(r.recommended.as_ref().unwrap().key, "i2_b8_p0_d0");
+        assert_eq!(r.verdict.exit_code, exit::OK);
+        assert_eq!(r.rows[2].meets_constraints, Some(false));
+        assert_eq!(r.rows[3].meets_constraints, None);
+        let t = table(&r);
+        assert!(t.contains("recommended by throughput"), "{t}");
+        assert!(t.contains("misses the constraints: p99 14.000 ms > 10 ms"), "{t}");
+        let pbtxt = recommended_pbtxt(&r).unwrap().unwrap();
+        let back = parse_model_config(&pbtxt).unwrap();
+        assert_eq!(back.instance_group[0].count, 2);
+        assert_eq!(back.max_batch_size, 8);
+    }
+
+    #[test]
+    fn nothing_meeting_the_constraints_is_exit_4_and_a_lost_server_wins() {
+        let r = sample_report(Constraints { max_p99_ms: Some(1.0), max_memory_mb: None }, None);
+        assert!(r.recommended.is_none());
+        assert_eq!(r.verdict.exit_code, exit::SLO_NOT_MET);
+        assert!(r.verdict.problems[0].contains("no variant met the constraints (p99 ≤ 1 ms)"));
+        assert!(table(&r).contains("NO RECOMMENDATION"));
+        assert!(recommended_pbtxt(&r).is_none());
+        let r = sample_report(Constraints::default(), Some(Stop::ServerLost("gone".into())));
+        assert_eq!(r.verdict.exit_code, exit::SERVER_LOST);
+        assert!(r.recommended.is_some(), "what was measured still yields a recommendation");
+    }
+
+    #[test]
+    fn csv_has_a_row_per_variant_and_quotes_text() {
+        let r = sample_report(Constraints::default(), None);
+        let text = csv(&r);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 1 + 4);
+        assert_eq!(lines[0].split(',').count(), CSV_COLUMNS.len());
+        assert!(lines[4].contains("\"preferred_batch_size 16 > max_batch_size 8, \"\"quoted\"\"\""), "{}", lines[4]);
+        assert!(lines[2].starts_with("i2_b8_p0_d0,2,8,0,0,measured,,1800,"), "{}", lines[2]);
+        let json: serde_json::Value = serde_json::from_str(&json(&r)).unwrap();
+        assert_eq!(json["rows"].as_array().unwrap().len(), 4);
+        assert_eq!(json["rows"][1]["key"], "i2_b8_p0_d0", "results are flattened into rows");
+        assert_eq!(json["rows"][1]["variant"]["instance_count"], 2);
+    }
+
+    #[test]
+    fn writes_every_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut r = sample_report(Constraints::default(), None);
+        assert!(write_all(&mut r, dir.path()).is_empty());
+        for f in [RESULTS_JSON, RESULTS_CSV, REPORT_HTML, "recommended/config.pbtxt"] {
+            assert!(dir.path().join(f).is_file(), "{f}");
+        }
+        let text = std::fs::read_to_string(dir.path().join("recommended/config.pbtxt")).unwrap();
+        assert_eq!(parse_model_config(&text).unwrap().instance_group[0].count, 3);
+        // A later sweep recommending nothing removes the stale config.
+        let mut none = sample_report(Constraints { max_p99_ms: Some(0.1), max_memory_mb: None }, None);
+        assert!(write_all(&mut none, dir.path()).is_empty());
+        assert!(!dir.path().join("recommended/config.pbtxt").exists());
+    }
+}

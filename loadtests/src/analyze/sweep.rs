@@ -1,0 +1,437 @@
+//! Runs a sweep: for each variant the search proposes, build its config, load it through the
+//! repository API, measure it with nereid-perf's driver (one load level) while sampling the
+//! worker's RSS, record the result and rewrite the checkpoint.
+//!
+//! Failure handling: an invalid config is skipped with its reason; a load the server refuses
+//! is recorded with the server's message and the sweep goes on; a server that stops answering
+//! (or a started worker that exits) ends the sweep as [`Stop::ServerLost`], keeping every
+//! result so far in the checkpoint. Ctrl-C ends it after the current window.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use nereid_common::config::config_to_json;
+use nereid_proto::inference::ModelConfig;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use super::checkpoint::{Checkpoint, CheckpointError};
+use super::config::variant_config;
+use super::frontier::{Constraints, Objective, score};
+use super::quick::{Outcome, QuickSearch};
+use super::result::{Measured, VariantResult, VariantStatus};
+use super::server::{RepositoryClient, RepositoryError, RssSampler, WorkerProcess};
+use super::space::{Point, SearchSpace, Variant};
+use crate::client::{Protocol, Target};
+use crate::driver::{self, Load, Measurement, RunConfig};
+use crate::error::{PerfError, exit};
+use crate::report::{Progress, combined_breakdown};
+use crate::schedule::Distribution;
+use crate::workload::{Entry, InputData, Origin, Workload};
+
+/// Liveness checks before the server is declared lost, and the pause between them.
+const LIVENESS_PROBES: u32 = 3;
+const LIVENESS_PROBE_INTERVAL: Duration = Duration::from_millis(200);
+
+/// How the variants are chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Strategy {
+    /// Every variant of the space, in order.
+    Brute,
+    /// Hill climbing (see [`QuickSearch`]), at most `max_variants` measured.
+    Quick { max_variants: usize },
+}
+
+/// The load each variant is measured under (one level).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoadSpec {
+    Concurrency(u32),
+    RequestRate { rate: f64, distribution: Distribution },
+}
+
+/// nereid-perf settings shared by every variant.
+#[derive(Clone, Debug, Serialize)]
+pub struct LoadSettings {
+    pub protocol: Protocol,
+    pub load: LoadSpec,
+    /// Rows per request.
+    pub batch_size: u32,
+    pub input_data: InputData,
+    /// Goodput's latency SLO.
+    pub slo_p99_ms: Option<f64>,
+    pub measurement: Measurement,
+    pub seed: u64,
+}
+
+impl LoadSettings {
+    pub fn describe(&self) -> String {
+        let load = match self.load {
+            LoadSpec::Concurrency(c) => format!("concurrency {c}"),
+            LoadSpec::RequestRate { rate, distribution } => {
+                format!("{rate} req/s ({})", if distribution == Distribution::Poisson { "poisson" } else { "constant" })
+            }
+        };
+        if self.batch_size > 1 { format!("{load}, batch {}", self.batch_size) } else { load }
+    }
+
+    /// nereid-perf's run config for `model` at `url`.
+    pub fn run_config(&self, model: &str, url: &str, metrics_url: Option<http::Uri>) -> Result<RunConfig, PerfError> {
+        let mut entry = Entry::for_model(model);
+        entry.batch_size = self.batch_size;
+        let workload = Workload::new(Origin::Flags, vec![entry], self.slo_p99_ms)?;
+        let (load, outstanding, closed) = match self.load {
+            LoadSpec::Concurrency(c) => (Load::Concurrency(vec![c]), c as usize, true),
+            LoadSpec::RequestRate { rate, distribution } => {
+                (Load::RequestRate { rates: vec![rate], distribution }, self.measurement.max_inflight, false)
+            }
+        };
+        let connections = match (self.protocol, closed) {
+            (Protocol::Grpc, true) => {
+                outstanding.div_ceil(crate::cli::REQUESTS_PER_GRPC_CHANNEL).clamp(1, crate::cli::MAX_GRPC_CHANNELS)
+            }
+            (Protocol::Grpc, false) => crate::cli::OPEN_LOOP_GRPC_CHANNELS,
+            (Protocol::Http { .. }, _) => outstanding.clamp(1, 256),
+        };
+        Ok(RunConfig {
+            target: Target { protocol: self.protocol, url: url.to_string(), connections },
+            metrics_url,
+            workload,
+            input_data: self.input_data,
+            load,
+            measurement: self.measurement.clone(),
+            seed: self.seed,
+        })
+    }
+}
+
+/// What a sweep needs, validated.
+pub struct Sweep {
+    pub model: String,
+    pub base: ModelConfig,
+    pub space: SearchSpace,
+    pub strategy: Strategy,
+    pub constraints: Constraints,
+    pub objective: Objective,
+    pub load: LoadSettings,
+    pub checkpoint_path: PathBuf,
+    /// With `--resume`: the checkpoint read back (its final results are reused).
+    pub resume_from: Option<Checkpoint>,
+}
+
+/// The server the sweep talks to.
+pub struct ServerHandle {
+    /// Inference endpoint (`host:port`) of the measurement protocol.
+    pub url: String,
+    pub repository: RepositoryClient,
+    pub metrics_url: Option<http::Uri>,
+    /// Whose RSS to sample; `None`: memory unknown.
+    pub pid: Option<u32>,
+    /// The worker this tool started, if it did.
+    pub worker: Option<WorkerProcess>,
+}
+
+impl ServerHandle {
+    /// Whether the server is gone: a started worker that exited, or [`LIVENESS_PROBES`]
+    /// failed liveness checks in a row. Returns why.
+    async fn gone(&mut self) -> Option<String> {
+        if let Some(w) = &mut self.worker
+            && let Some(status) = w.exit_status()
+        {
+            return Some(format!("the worker exited ({status}); see {}", w.log.display()));
+        }
+        for probe in 0..LIVENESS_PROBES {
+            if probe > 0 {
+                tokio::time::sleep(LIVENESS_PROBE_INTERVAL).await;
+            }
+            if self.repository.is_live().await {
+                return None;
+            }
+        }
+        Some(format!("{} fails its liveness check {LIVENESS_PROBES} times", self.url))
+    }
+}
+
+/// Why a sweep ended before its search did.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Stop {
+    ServerLost(String),
+    Interrupted,
+    /// The checkpoint could not be written.
+    Checkpoint(String),
+}
+
+impl Stop {
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Stop::ServerLost(_) => exit::SERVER_LOST,
+            Stop::Interrupted => exit::INTERRUPTED,
+            Stop::Checkpoint(_) => exit::INTERNAL,
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Stop::ServerLost(why) => format!("the server was lost mid-sweep: {why}"),
+            Stop::Interrupted => "interrupted".into(),
+            Stop::Checkpoint(why) => why.clone(),
+        }
+    }
+}
+
+/// What a sweep produced.
+pub struct SweepOutcome {
+    /// Every variant the search visited, in order (reused ones included).
+    pub results: Vec<VariantResult>,
+    /// How many came from the checkpoint instead of being measured.
+    pub reused: usize,
+    pub stop: Option<Stop>,
+    /// How the search ended, in words.
+    pub search_end: String,
+    pub warnings: Vec<String>,
+}
+
+/// Runs the sweep to its end (or a [`Stop`]).
+pub async fn run(
+    sweep: &Sweep,
+    server: &mut ServerHandle,
+    progress: &Progress,
+    interrupt: &CancellationToken,
+) -> SweepOutcome {
+    let mut checkpoint = Checkpoint::new(&sweep.model, &sweep.load.describe());
+    let mut warnings = Vec::new();
+    if let Some(previous) = &sweep.resume_from {
+        if previous.load != checkpoint.load {
+            warnings.push(format!(
+                "the checkpoint's variants were measured under '{}', this sweep uses '{}'; reused results are not comparable",
+                previous.load, checkpoint.load
+            ));
+        }
+        // Keep everything the earlier run recorded, even variants this search may not visit.
+        checkpoint.results = previous.results.clone();
+    }
+    let mut out = SweepOutcome { results: Vec::new(), reused: 0, stop: None, search_end: String::new(), warnings };
+    let total = match sweep.strategy {
+        Strategy::Brute => sweep.space.len(),
+        Strategy::Quick { max_variants } => max_variants.min(sweep.space.len()),
+    };
+    let mut search = Search::new(sweep);
+    let mut n = 0usize;
+    while let Some(point) = search.next() {
+        n += 1;
+        let variant = sweep.space.variant(point);
+        let reused = sweep.resume_from.as_ref().and_then(|c| c.reusable(&variant.key())).cloned();
+        let (result, stop) = match reused {
+            Some(r) => {
+                progress.note(&format!("[{n}/{total}] {}: {} (from the checkpoint)", r.key, r.status.label()));
+                out.reused += 1;
+                (r, None)
+            }
+            None => {
+                progress.note(&format!("[{n}/{total}] {}: {variant}", variant.key()));
+                let (r, stop) = measure_variant(sweep, server, &variant, progress, interrupt).await;
+                progress.note(&format!("[{n}/{total}] {}: {}", r.key, summary_line(&r)));
+                (r, stop)
+            }
+        };
+        search.record(point, outcome_of(&result, &sweep.constraints, sweep.objective));
+        checkpoint.record(result.clone());
+        out.results.push(result);
+        if let Err(e) = checkpoint.write(&sweep.checkpoint_path) {
+            out.stop = Some(Stop::Checkpoint(e.to_string()));
+            break;
+        }
+        if let Some(stop) = stop {
+            out.stop = Some(stop);
+            break;
+        }
+        if interrupt.is_cancelled() {
+            out.stop = Some(Stop::Interrupted);
+            break;
+        }
+    }
+    out.search_end = search.end(out.stop.is_some());
+    out
+}
+
+/// One line about a finished variant, for progress.
+fn summary_line(r: &VariantResult) -> String {
+    match (&r.measured, &r.reason) {
+        (Some(m), _) if r.status == VariantStatus::Measured => format!(
+            "{:.1} infer/s, p99 {:.3} ms, {}",
+            m.throughput_infer_per_sec,
+            m.p99_ms,
+            m.memory_mb.map(|x| format!("{x:.1} MiB")).unwrap_or_else(|| "memory unknown".into())
+        ),
+        (_, Some(reason)) => format!("{}: {reason}", r.status.label()),
+        _ => r.status.label().into(),
+    }
+}
+
+/// The search's view of a result.
+pub fn outcome_of(r: &VariantResult, constraints: &Constraints, objective: Objective) -> Outcome {
+    match (r.status, r.usable()) {
+        (VariantStatus::Skipped, _) => Outcome::Skipped,
+        (_, Some(m)) => Outcome::Scored(score(m, constraints, objective)),
+        _ => Outcome::Failed,
+    }
+}
+
+/// Brute or quick, behind one `next`/`record` interface.
+enum Search {
+    Brute { points: std::vec::IntoIter<Point> },
+    Quick(Box<QuickSearch>),
+}
+
+impl Search {
+    fn new(sweep: &Sweep) -> Search {
+        match sweep.strategy {
+            Strategy::Brute => Search::Brute { points: sweep.space.points().into_iter() },
+            Strategy::Quick { max_variants } => {
+                Search::Quick(Box::new(QuickSearch::new(sweep.space.clone(), max_variants)))
+            }
+        }
+    }
+
+    fn next(&mut self) -> Option<Point> {
+        match self {
+            Search::Brute { points } => points.next(),
+            Search::Quick(q) => q.next_point(),
+        }
+    }
+
+    fn record(&mut self, p: Point, outcome: Outcome) {
+        if let Search::Quick(q) = self {
+            q.record(p, outcome);
+        }
+    }
+
+    fn end(&self, stopped: bool) -> String {
+        if stopped {
+            return "stopped early".into();
+        }
+        match self {
+            Search::Brute { .. } => "every variant visited".into(),
+            Search::Quick(q) => match q.finish() {
+                Some(super::quick::Finish::LocalOptimum) => {
+                    format!("local optimum after {} measured variants", q.measured())
+                }
+                Some(super::quick::Finish::Budget) => format!("--max-variants reached ({} measured)", q.measured()),
+                Some(super::quick::Finish::Exhausted) => "every reachable variant visited".into(),
+                None => "unfinished".into(),
+            },
+        }
+    }
+}
+
+/// Loads and measures one variant; a `Stop` when the sweep cannot go on.
+async fn measure_variant(
+    sweep: &Sweep,
+    server: &mut ServerHandle,
+    variant: &Variant,
+    progress: &Progress,
+    interrupt: &CancellationToken,
+) -> (VariantResult, Option<Stop>) {
+    let mut result = VariantResult::new(*variant, VariantStatus::Skipped);
+    let config = match variant_config(&sweep.base, &sweep.model, variant) {
+        Ok(c) => c,
+        Err(reason) => {
+            result.reason = Some(reason.0);
+            return (result, None);
+        }
+    };
+    let json = config_to_json(&config);
+    let text = json.to_string();
+    result.config = Some(json);
+
+    // Unload first so the previous variant's memory is released before this one loads.
+    let loaded = match server.repository.unload(&sweep.model).await {
+        Err(RepositoryError::Unreachable(e)) => Err(RepositoryError::Unreachable(e)),
+        _ => server.repository.load(&sweep.model, &text).await,
+    };
+    match loaded {
+        Ok(()) => {}
+        Err(RepositoryError::Refused(reason)) => {
+            result.status = VariantStatus::LoadFailed;
+            result.reason = Some(reason);
+            return (result, None);
+        }
+        Err(RepositoryError::Unreachable(reason)) => {
+            if let Some(why) = server.gone().await {
+                result.status = VariantStatus::Failed;
+                result.reason = Some(format!("loading: {reason}"));
+                return (result, Some(Stop::ServerLost(why)));
+            }
+            result.status = VariantStatus::LoadFailed;
+            result.reason = Some(reason);
+            return (result, None);
+        }
+    }
+
+    let run_config = match sweep.load.run_config(&sweep.model, &server.url, server.metrics_url.clone()) {
+        Ok(c) => c,
+        Err(e) => {
+            result.status = VariantStatus::Failed;
+            result.reason = Some(e.to_string());
+            return (result, None);
+        }
+    };
+    let sampler = server.pid.map(RssSampler::start);
+    let report = driver::run(run_config, progress, interrupt.child_token()).await;
+    let memory_mb = match (sampler, server.pid) {
+        (Some(s), Some(pid)) => s.finish(pid),
+        _ => None,
+    };
+    result.status = VariantStatus::Failed;
+    let report = match report {
+        Ok(r) => r,
+        Err(e) => {
+            result.reason = Some(e.to_string());
+            let stop = server.gone().await.map(Stop::ServerLost);
+            return (result, stop);
+        }
+    };
+    let Some(level) = report.levels.last() else {
+        result.reason = Some("nothing was measured".into());
+        return (result, interrupt.is_cancelled().then_some(Stop::Interrupted));
+    };
+    let t = &level.total;
+    let ms = |us: u64| us as f64 / 1000.0;
+    result.measured = Some(Measured {
+        throughput_infer_per_sec: t.infer_per_sec,
+        requests_per_sec: t.requests_per_sec,
+        goodput_infer_per_sec: t.goodput_infer_per_sec,
+        p50_ms: ms(t.latency.p50_us),
+        p99_ms: ms(t.latency.p99_us),
+        avg_ms: ms(t.latency.avg_us),
+        requests: t.requests,
+        errors: t.errors,
+        stable: level.stable,
+        slo_met: level.slo_met,
+        memory_mb,
+        server_avg_batch_size: combined_breakdown(level).and_then(|b| b.avg_batch_size),
+    });
+    let stop = match report.verdict.exit_code {
+        exit::SERVER_LOST => Some(Stop::ServerLost(report.stopped.clone().unwrap_or_else(|| "no answer".into()))),
+        exit::INTERRUPTED => Some(Stop::Interrupted),
+        _ => None,
+    };
+    if stop.is_some() || !level.complete {
+        result.reason = Some(report.stopped.clone().unwrap_or_else(|| "the measurement did not complete".into()));
+    } else if t.ok == 0 {
+        let errors: Vec<String> = t.errors_by_status.iter().map(|(k, v)| format!("{k} ×{v}")).collect();
+        result.reason = Some(format!("no request succeeded ({})", errors.join(", ")));
+    } else {
+        result.status = VariantStatus::Measured;
+        if !level.stable {
+            result.reason = Some("no stable measurement within --max-trials windows".into());
+        }
+    }
+    (result, stop)
+}
+
+/// Reads the checkpoint for `--resume` (absent: start afresh).
+pub fn read_checkpoint(path: &std::path::Path, model: &str) -> Result<Option<Checkpoint>, CheckpointError> {
+    Checkpoint::read(path, model)
+}

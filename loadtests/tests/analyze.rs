@@ -1,0 +1,386 @@
+//! End to end: the `nereid-analyze` binary sweeping `identity_fp32` on a real `nereid-worker`
+//! (started by nereid-analyze itself, or by the test in explicit mode for `--url`), on real
+//! ONNX Runtime: results.json, the frontier, the recommended config.pbtxt parsing back,
+//! `--resume` skipping measured variants, quick search's bound, a load failure recorded, and
+//! the failure exits (unreachable server, worker that cannot start, server killed mid-sweep).
+//! Tiny spaces and short windows; nothing asserts on speed.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nereid_common::config::parse_model_config;
+use serde_json::Value;
+
+const ANALYZE: &str = env!("CARGO_BIN_EXE_nereid-analyze");
+/// Longest any single nereid-analyze run may take before the test kills it.
+const RUN_LIMIT: Duration = Duration::from_secs(180);
+const WORKER_START_LIMIT: Duration = Duration::from_secs(90);
+/// Short bounded windows: 2 × 250 ms after 150 ms of warm-up, a wide stability band.
+const SHORT: [&str; 8] = ["-p", "250", "-r", "2", "-s", "1000", "--warmup-ms", "150"];
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("loadtests/ is inside the workspace").to_path_buf()
+}
+
+/// The worker binary next to nereid-analyze (same target dir), else `<workspace>/target/debug`.
+fn worker_binary() -> Option<PathBuf> {
+    let sibling = Path::new(ANALYZE).with_file_name("nereid-worker");
+    let fallback = workspace().join("target/debug/nereid-worker");
+    let found = [sibling, fallback].into_iter().find(|p| p.exists());
+    if found.is_none() {
+        eprintln!(
+            "SKIPPED: nereid-worker is not built (looked next to {ANALYZE} and in target/debug); \
+             run `cargo build --workspace --all-targets` first"
+        );
+    }
+    found
+}
+
+fn ort_lib() -> PathBuf {
+    workspace().join(".deps/onnxruntime/libonnxruntime.so")
+}
+
+fn models() -> PathBuf {
+    workspace().join("examples/models")
+}
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl std::fmt::Display for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "exit {}\nstdout:\n{}\nstderr:\n{}", self.code, self.stdout, self.stderr)
+    }
+}
+
+/// Starts nereid-analyze with `args`; `on_wait` is called while it runs (every 20 ms).
+fn analyze_with(args: &[&str], mut on_wait: impl FnMut()) -> Run {
+    let mut child = Command::new(ANALYZE)
+        .args(args)
+        .env("NEREID_ORT_LIB", ort_lib())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start nereid-analyze");
+    let mut stdout = child.stdout.take().expect("piped");
+    let mut stderr = child.stderr.take().expect("piped");
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + RUN_LIMIT;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait on nereid-analyze") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("nereid-analyze {args:?} ran past {RUN_LIMIT:?}");
+        }
+        on_wait();
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Run {
+        code: status.code().unwrap_or(-1),
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    }
+}
+
+fn analyze(args: &[&str]) -> Run {
+    analyze_with(args, || {})
+}
+
+fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).expect("JSON parses")
+}
+
+fn rows(report: &Value) -> &Vec<Value> {
+    report["rows"].as_array().expect("rows")
+}
+
+#[test]
+fn brute_sweep_writes_results_frontier_and_a_config_that_parses_then_resumes() {
+    let Some(worker) = worker_binary() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let (w, o, m) = (worker.to_str().unwrap(), out.to_str().unwrap(), models());
+    let base = [
+        "--model-repository",
+        m.to_str().unwrap(),
+        "-m",
+        "identity_fp32",
+        "--worker-bin",
+        w,
+        "-o",
+        o,
+        "--instance-counts",
+        "1,2",
+        "--max-batch-sizes",
+        "8",
+        "--max-p99-ms",
+        "5000",
+        "--concurrency",
+        "2",
+    ];
+    // 2 × 2 variants.
+    let mut args: Vec<&str> = base.to_vec();
+    args.extend(["--max-queue-delays-us", "0,100"]);
+    args.extend(SHORT);
+    let run = analyze(&args);
+    assert_eq!(run.code, 0, "{run}");
+    assert!(run.stdout.contains("Pareto frontier") && run.stdout.contains("recommended by goodput"), "{run}");
+
+    let report = read_json(&out.join("results.json"));
+    let rs = rows(&report);
+    assert_eq!(rs.len(), 4);
+    let keys: Vec<&str> = rs.iter().map(|r| r["key"].as_str().unwrap()).collect();
+    assert_eq!(keys, ["i1_b8_p0_d0", "i1_b8_p0_d100", "i2_b8_p0_d0", "i2_b8_p0_d100"]);
+    for r in rs {
+        assert_eq!(r["status"], "measured", "{r}");
+        let m = &r["measured"];
+        assert!(m["throughput_infer_per_sec"].as_f64().unwrap() > 0.0);
+        assert!(m["p50_ms"].as_f64().unwrap() <= m["p99_ms"].as_f64().unwrap());
+        assert!(m["memory_mb"].as_f64().unwrap() > 0.0, "the started worker's RSS is known: {r}");
+        assert_eq!(r["config"]["instance_group"][0]["count"], r["variant"]["instance_count"]);
+        assert_eq!(r["meets_constraints"], true);
+    }
+    // The frontier: non-empty, made of measured variants, flagged on their rows.
+    let frontier: Vec<&str> = report["frontier"].as_array().unwrap().iter().map(|k| k.as_str().unwrap()).collect();
+    assert!(!frontier.is_empty());
+    for r in rs {
+        assert_eq!(r["on_frontier"].as_bool().unwrap(), frontier.contains(&r["key"].as_str().unwrap()));
+    }
+    // The recommendation: on the frontier's side of things, written as a config that parses.
+    let rec = report["recommended"]["key"].as_str().expect("a recommendation");
+    assert!(keys.contains(&rec));
+    let text = std::fs::read_to_string(out.join("recommended/config.pbtxt")).expect("config.pbtxt written");
+    let config = parse_model_config(&text).expect("the recommended config parses back");
+    let row = rs.iter().find(|r| r["key"] == rec).unwrap();
+    assert_eq!(config.name, "identity_fp32");
+    assert_eq!(config.max_batch_size, 8);
+    assert_eq!(i64::from(config.instance_group[0].count), row["variant"]["instance_count"].as_i64().unwrap());
+    let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 1 + 4);
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(html.contains("Pareto frontier") && html.contains("<svg"));
+    let checkpoint = read_json(&out.join("checkpoint.json"));
+    assert_eq!(checkpoint["results"].as_array().unwrap().len(), 4);
+
+    // Resume over a wider space: the 4 measured variants come from the checkpoint, only the
+    // 2 new ones are measured.
+    let mut args: Vec<&str> = base.to_vec();
+    args.extend(["--max-queue-delays-us", "0,100,500", "--resume"]);
+    args.extend(SHORT);
+    let run = analyze(&args);
+    assert_eq!(run.code, 0, "{run}");
+    assert_eq!(run.stderr.matches("(from the checkpoint)").count(), 4, "{run}");
+    let resumed = read_json(&out.join("results.json"));
+    assert_eq!(resumed["reused"], 4);
+    let rs2 = rows(&resumed);
+    assert_eq!(rs2.len(), 6);
+    for r in rs {
+        let again = rs2.iter().find(|x| x["key"] == r["key"]).expect("kept");
+        assert_eq!(again["measured"], r["measured"], "reused, not re-measured");
+    }
+    assert_eq!(read_json(&out.join("checkpoint.json"))["results"].as_array().unwrap().len(), 6);
+}
+
+#[test]
+fn quick_search_is_bounded_and_load_failures_are_recorded() {
+    let Some(worker) = worker_binary() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let m = models();
+    // max_batch_size 0 does not match the model's batch dim: the server refuses that load.
+    let mut args = vec![
+        "--model-repository",
+        m.to_str().unwrap(),
+        "-m",
+        "identity_fp32",
+        "--worker-bin",
+        worker.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "-i",
+        "http",
+        "--search",
+        "quick",
+        "--max-variants",
+        "3",
+        "--instance-counts",
+        "1,2,3",
+        "--max-batch-sizes",
+        "0,8",
+        "--max-queue-delays-us",
+        "0,100",
+        "--objective",
+        "throughput",
+    ];
+    args.extend(SHORT);
+    let run = analyze(&args);
+    assert_eq!(run.code, 0, "{run}");
+    let report = read_json(&out.join("results.json"));
+    let rs = rows(&report);
+    let measured_or_failed = rs.iter().filter(|r| r["status"] != "skipped").count();
+    assert!(measured_or_failed <= 3, "quick search measured more than --max-variants: {rs:?}");
+    let start = &rs[0];
+    assert_eq!(start["key"], "i1_b0_p0_d0", "the climb starts at the smallest values");
+    assert_eq!(start["status"], "load_failed", "{start}");
+    assert!(start["reason"].as_str().unwrap().contains("dims"), "the server's reason is kept: {start}");
+    assert!(report["recommended"]["key"].is_string());
+}
+
+#[test]
+fn an_unreachable_server_or_a_worker_that_cannot_start_is_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = models();
+    // A port nothing listens on: bind one, then free it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let url = format!("127.0.0.1:{port}");
+    let out = dir.path().join("out");
+    let run = analyze(&[
+        "--model-repository",
+        m.to_str().unwrap(),
+        "-m",
+        "identity_fp32",
+        "--url",
+        &url,
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(run.code, 2, "{run}");
+    assert!(run.stderr.contains("cannot reach") && run.stderr.contains(&url), "{run}");
+
+    let run = analyze(&[
+        "--model-repository",
+        m.to_str().unwrap(),
+        "-m",
+        "identity_fp32",
+        "--worker-bin",
+        "/bin/false",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(run.code, 2, "{run}");
+    assert!(run.stderr.contains("cannot start the worker"), "{run}");
+
+    let run = analyze(&["--model-repository", m.to_str().unwrap(), "-m", "no_such_model", "--url", &url]);
+    assert_eq!(run.code, 2, "{run}");
+    assert!(run.stderr.contains("--model no_such_model"), "{run}");
+}
+
+/// A worker in explicit mode started by the test, killed on drop.
+struct ExplicitWorker {
+    child: Child,
+    _dir: tempfile::TempDir,
+    grpc: u16,
+}
+
+impl ExplicitWorker {
+    fn start(bin: &Path) -> ExplicitWorker {
+        let dir = tempfile::tempdir().unwrap();
+        let ports_file = dir.path().join("ports.json");
+        let child = Command::new(bin)
+            .arg("--model-repository")
+            .arg(models())
+            .args(["--model-control-mode", "explicit", "--address", "127.0.0.1"])
+            .args(["--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
+            .arg("--port-file")
+            .arg(&ports_file)
+            .env("NEREID_ORT_LIB", ort_lib())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nereid-worker");
+        let mut w = ExplicitWorker { child, _dir: dir, grpc: 0 };
+        let deadline = Instant::now() + WORKER_START_LIMIT;
+        let ports: Value = loop {
+            if let Ok(text) = std::fs::read_to_string(&ports_file)
+                && let Ok(v) = serde_json::from_str(&text)
+            {
+                break v;
+            }
+            if let Ok(Some(status)) = w.child.try_wait() {
+                panic!("nereid-worker exited before writing its ports: {status}");
+            }
+            assert!(Instant::now() < deadline, "nereid-worker wrote no port file within {WORKER_START_LIMIT:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        w.grpc = ports["grpc"].as_u64().expect("grpc port") as u16;
+        w
+    }
+}
+
+impl Drop for ExplicitWorker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn a_server_killed_mid_sweep_keeps_partial_results_and_exits_3() {
+    let Some(bin) = worker_binary() else { return };
+    let mut worker = ExplicitWorker::start(&bin);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let m = models();
+    let (url, pid) = (format!("127.0.0.1:{}", worker.grpc), worker.child.id().to_string());
+    let mut args = vec![
+        "--model-repository",
+        m.to_str().unwrap(),
+        "-m",
+        "identity_fp32",
+        "--url",
+        &url,
+        "--worker-pid",
+        &pid,
+        "--no-server-stats",
+        "-o",
+        out.to_str().unwrap(),
+        "--instance-counts",
+        "1,2",
+        "--max-batch-sizes",
+        "8",
+        "--max-queue-delays-us",
+        "0,100,200,300",
+    ];
+    args.extend(SHORT);
+    // Kill the worker as soon as the first variant is in the checkpoint.
+    let checkpoint = out.join("checkpoint.json");
+    let mut killed = false;
+    let run = analyze_with(&args, || {
+        if !killed
+            && let Ok(text) = std::fs::read_to_string(&checkpoint)
+            && let Ok(v) = serde_json::from_str::<Value>(&text)
+            && v["results"].as_array().is_some_and(|r| !r.is_empty())
+        {
+            let _ = worker.child.kill();
+            let _ = worker.child.wait();
+            killed = true;
+        }
+    });
+    assert!(killed, "the sweep ended before the first checkpoint was seen: {run}");
+    assert_eq!(run.code, 3, "{run}");
+    assert!(run.stdout.contains("the server was lost mid-sweep"), "{run}");
+    let report = read_json(&out.join("results.json"));
+    let first = &rows(&report)[0];
+    assert_eq!(first["status"], "measured", "{first}");
+    assert!(first["measured"]["memory_mb"].as_f64().unwrap() > 0.0, "--worker-pid gives memory: {first}");
+    assert!(rows(&report).len() < 8, "the sweep stopped early");
+    let kept = read_json(&checkpoint);
+    assert!(!kept["results"].as_array().unwrap().is_empty());
+}
