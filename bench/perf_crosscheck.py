@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Cross-check: nereid-perf and NVIDIA's perf_analyzer on the same worker and the same
+closed-loop load agree on throughput and p50 latency (issue 3 asks for within 10 %).
+
+    .venv/bin/python bench/perf_crosscheck.py            # identity_fp32 + mlp_fp32, gRPC, concurrency 1,4,16
+    .venv/bin/python bench/perf_crosscheck.py --quick    # 1 s windows
+
+Both tools write perf_analyzer-style CSV (nereid-perf's `-f` uses the same column names), read
+here by the same parser. The two run one after the other on the same worker, alternating which
+goes first per point; the client shares the machine's cores with the worker. Results:
+bench/results/crosscheck.json and crosscheck.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from worker_bench import ROOT, Worker, log, machine_info, parse_pa_csv, sh  # noqa: E402
+
+MODELS = ["identity_fp32", "mlp_fp32"]
+CONCURRENCY = [1, 4, 16]
+TOLERANCE = 0.10
+
+
+def measure(tool: str, cmd: list[str], csv_path: Path, timeout: float) -> dict:
+    csv_path.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    res = sh(cmd + ["-f", str(csv_path)], timeout=timeout)
+    rec = {"tool": tool, "cmd": " ".join(cmd), "rc": res.returncode, "wall_s": round(time.monotonic() - t0, 1)}
+    row = parse_pa_csv(csv_path)
+    if res.returncode != 0 or row is None:
+        rec["output_tail"] = "\n".join((res.stdout or "").splitlines()[-12:])
+        return rec
+    rec["infer_per_s"] = row.get("Inferences/Second")
+    rec["p50_us"] = row.get("p50 latency")
+    rec["p99_us"] = row.get("p99 latency")
+    return rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-build", action="store_true")
+    ap.add_argument("--interval-ms", type=int, default=None)
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    interval = args.interval_ms or (1000 if args.quick else 3000)
+
+    if not args.no_build:
+        res = sh(["cargo", "build", "--release", "--locked", "-p", "nereid-worker", "-p", "nereid-loadtests"], timeout=900)
+        if res.returncode != 0:
+            print(res.stdout[-3000:], file=sys.stderr)
+            return 1
+    res = sh(["bash", str(ROOT / "bench/setup_perf_analyzer.sh")], timeout=600)
+    if res.returncode != 0:
+        print(res.stdout[-3000:], file=sys.stderr)
+        return 1
+    pa = str(ROOT / ".deps/perf_analyzer/perf_analyzer.sh")
+    perf = str(ROOT / "target/release/nereid-perf")
+    machine = machine_info()
+    workdir = Path(tempfile.mkdtemp(prefix="nereid-crosscheck-"))
+    worker = Worker(ROOT / "target/release/nereid-worker", ROOT / "examples/models", workdir, 1)
+    points = []
+    try:
+        worker.start()
+        for model in MODELS:
+            for i, c in enumerate(CONCURRENCY):
+                common = ["-m", model, "-u", worker.grpc, "-i", "grpc", "--concurrency-range", f"{c}:{c}",
+                          "--measurement-interval", str(interval), "--stability-percentage", "20", "--max-trials", "6"]
+                runs = [
+                    ("perf_analyzer", [pa, *common, "--async", "--max-threads", "4", "-b", "1"]),
+                    ("nereid-perf", [perf, *common, "--metrics-url", f"127.0.0.1:{worker.ports['metrics']}", "-q"]),
+                ]
+                if i % 2:
+                    runs.reverse()
+                point = {"model": model, "concurrency": c}
+                for tool, cmd in runs:
+                    log(f"{model} c={c} {tool}")
+                    point[tool] = measure(tool, cmd, workdir / f"{tool}-{model}-{c}.csv", timeout=240)
+                pa_rec, np_rec = point["perf_analyzer"], point["nereid-perf"]
+                for key in ("infer_per_s", "p50_us"):
+                    if pa_rec.get(key) and np_rec.get(key):
+                        point[f"{key}_ratio"] = np_rec[key] / pa_rec[key]
+                point["agree"] = all(abs(point.get(f"{k}_ratio", 99) - 1) <= TOLERANCE for k in ("infer_per_s", "p50_us"))
+                log(f"  -> {point.get('infer_per_s_ratio')}, {point.get('p50_us_ratio')}")
+                points.append(point)
+    finally:
+        worker.stop()
+
+    report = {"finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine,
+              "interval_ms": interval, "tolerance": TOLERANCE, "points": points}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "crosscheck.json").write_text(json.dumps(report, indent=2))
+    f = lambda v, s=",.0f": "–" if v is None else format(v, s)  # noqa: E731
+    lines = [
+        "# nereid-perf vs perf_analyzer on the same worker and load",
+        "",
+        f"Run {report['finished']} on {machine['nproc']} cores, commit `{machine['git_commit'][:12]}`; gRPC, closed loop, "
+        f"{interval} ms windows; produced by `bench/perf_crosscheck.py`. Agreement: throughput and p50 within "
+        f"{TOLERANCE:.0%}.",
+        "",
+        "| model | concurrency | perf_analyzer infer/s | nereid-perf infer/s | ratio | perf_analyzer p50 µs | nereid-perf p50 µs | ratio | within 10 % |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        a, b = p["perf_analyzer"], p["nereid-perf"]
+        lines.append(f"| {p['model']} | {p['concurrency']} | {f(a.get('infer_per_s'))} | {f(b.get('infer_per_s'))} | "
+                     f"{f(p.get('infer_per_s_ratio'), '.3f')} | {f(a.get('p50_us'))} | {f(b.get('p50_us'))} | "
+                     f"{f(p.get('p50_us_ratio'), '.3f')} | {'yes' if p['agree'] else 'NO'} |")
+    (out / "crosscheck.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
