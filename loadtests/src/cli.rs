@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use clap::{Parser, ValueEnum};
 
-use crate::client::{Protocol, Target, normalize_url};
+use crate::client::{Protocol, Target, Tls, TlsSettings, normalize_url, split_url};
 use crate::driver::{Load, Measurement, RunConfig, WindowMode};
 use crate::error::PerfError;
 use crate::schedule::{Distribution, concurrency_bounds, concurrency_levels, parse_trace, rate_bounds, rate_levels};
 use crate::search::{SearchAxis, SearchSpace};
-use crate::workload::{Entry, InputData, Origin, Workload};
+use crate::workload::{Entry, InputSource, Origin, Workload};
 
 pub const DEFAULT_GRPC_URL: &str = "localhost:8001";
 pub const DEFAULT_HTTP_URL: &str = "localhost:8000";
@@ -27,7 +27,8 @@ Exit codes:
   0  every level measured; the SLO (if any) was met at some level
   1  internal error, or an output file could not be written
   2  bad input: invalid flags, workload or trace file (the message names the key or line),
-     unknown model, or the server cannot be reached (after 3 attempts)
+     unknown model, or the server cannot be reached (after 3 attempts; a failed TLS
+     handshake included)
   3  the server stopped answering mid-run; results so far are printed and written
   4  results printed, but no load level met the SLO (\"no load level met the SLO\"; with
      --binary-search: the range's lower bound misses it)
@@ -52,6 +53,16 @@ Workload file (--workload), JSON; unknown keys are errors:
                 \"shapes\": {\"INPUT0\": [256]}, \"data\": \"random\", \"tenant\": \"acme\",
                 \"api_key\": \"...\", \"priority\": 1, \"timeout_us\": 50000, \"slo_ms\": 20,
                 \"class\": \"small\"}]}
+  \"data\" is zero, random, or an input data file (see --input-data) relative to the workload file.
+
+Input data file (--input-data FILE.json), perf_analyzer's format; one entry per batch-1
+request, cycled in order (with -b B, a request's rows are B consecutive entries):
+  {\"data\": [{\"INPUT0\": [1.0, 2.0, 3.0]},
+            {\"INPUT0\": {\"content\": [1, 2, 3], \"shape\": [3]}},
+            {\"INPUT0\": {\"b64\": \"AACAPwAAAEAAAEBA\"}}]}
+  A flat array takes its shape from --shape or the model; \"shape\" has no batch dimension;
+  b64 is raw little-endian bytes; BYTES inputs take strings. Every value is checked against
+  the model before the run (exit 2 naming data[i] and the input).
 
 Trace file (--trace-file): one arrival offset per line, in milliseconds from the start,
 non-decreasing; '#' comments. The whole trace is measured as one window.";
@@ -79,7 +90,8 @@ pub struct Args {
     /// Model version (default: the server's latest ready version).
     #[arg(short = 'x', long = "model-version", conflicts_with = "workload")]
     pub model_version: Option<String>,
-    /// Server address, host:port [default: localhost:8001 for gRPC, localhost:8000 for HTTP].
+    /// Server address, host:port or http(s)://host:port (https:// turns TLS on) [default:
+    /// localhost:8001 for gRPC, localhost:8000 for HTTP].
     #[arg(short = 'u', long)]
     pub url: Option<String>,
     /// Wire protocol.
@@ -88,6 +100,36 @@ pub struct Args {
     /// HTTP: send inputs and ask for outputs in the binary-tensor extension instead of JSON.
     #[arg(long)]
     pub http_binary: bool,
+    /// Use TLS: gRPC over TLS or HTTPS (also --ssl-grpc-use-ssl); implied by an https:// --url
+    /// or any other --ssl flag. The server's certificate must match the --url host.
+    #[arg(long, alias = "ssl-grpc-use-ssl")]
+    pub ssl: bool,
+    /// PEM file of the CA certificates that sign the server's certificate [default: the system's
+    /// CA bundle] (also --ssl-grpc-root-certifications-file, --ssl-https-ca-certificates-file).
+    #[arg(
+        long,
+        value_name = "FILE",
+        aliases = ["ssl-grpc-root-certifications-file", "ssl-https-ca-certificates-file"]
+    )]
+    pub ssl_ca: Option<PathBuf>,
+    /// Client certificate chain (PEM) for mutual TLS; needs --ssl-key (also
+    /// --ssl-grpc-certificate-chain-file, --ssl-https-client-certificate-file).
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "ssl_key",
+        aliases = ["ssl-grpc-certificate-chain-file", "ssl-https-client-certificate-file"]
+    )]
+    pub ssl_cert: Option<PathBuf>,
+    /// Private key (PEM: PKCS#8, PKCS#1 or SEC1) of --ssl-cert (also --ssl-grpc-private-key-file,
+    /// --ssl-https-private-key-file).
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "ssl_cert",
+        aliases = ["ssl-grpc-private-key-file", "ssl-https-private-key-file"]
+    )]
+    pub ssl_key: Option<PathBuf>,
     /// Prometheus endpoint for the server-side breakdown: host:port or a URL
     /// [default: the --url host, port 8002, /metrics].
     #[arg(long)]
@@ -101,9 +143,10 @@ pub struct Args {
     /// Non-batch dims of an input with variable dims, NAME:D1,D2,... (repeatable).
     #[arg(long = "shape", value_name = "NAME:DIMS", conflicts_with = "workload")]
     pub shapes: Vec<String>,
-    /// Input contents (a workload entry's "data" overrides it).
-    #[arg(long, value_enum, default_value = "random")]
-    pub input_data: InputData,
+    /// Input contents: zero, random, or the path of a JSON input data file in perf_analyzer's
+    /// format (see below); a workload entry's "data" overrides it.
+    #[arg(long, value_name = "zero|random|FILE.json", default_value = "random")]
+    pub input_data: String,
     /// Closed loop: start[:end[:step]] outstanding requests [default: 1].
     #[arg(long, conflicts_with_all = ["request_rate_range", "trace_file"])]
     pub concurrency_range: Option<String>,
@@ -188,7 +231,17 @@ impl Args {
             (ProtocolArg::Http, binary) => Protocol::Http { binary },
         };
         let default_url = if protocol == Protocol::Grpc { DEFAULT_GRPC_URL } else { DEFAULT_HTTP_URL };
-        let url = normalize_url(self.url.as_deref().unwrap_or(default_url)).map_err(|e| usage(format!("--url {e}")))?;
+        let (url, https) =
+            split_url(self.url.as_deref().unwrap_or(default_url)).map_err(|e| usage(format!("--url {e}")))?;
+        let tls = if self.ssl || https || self.ssl_ca.is_some() || self.ssl_cert.is_some() {
+            let settings = TlsSettings {
+                ca_file: self.ssl_ca.clone(),
+                client_auth: self.ssl_cert.clone().zip(self.ssl_key.clone()),
+            };
+            Some(Tls::new(&settings).map_err(usage)?)
+        } else {
+            None
+        };
         let metrics_url =
             if self.no_server_stats { None } else { Some(metrics_uri(self.metrics_url.as_deref(), &url)?) };
 
@@ -216,6 +269,7 @@ impl Args {
             }
             _ => return Err(usage("give either -m/--model or --workload".into())),
         };
+        let input_data = InputSource::from_arg(&self.input_data).map_err(|e| usage(format!("--input-data: {e}")))?;
         if let Some(key) = &self.api_key {
             if key.is_empty() || key.chars().any(|c| c.is_control() || c == ' ') {
                 return Err(usage("--api-key: must be a non-empty token without spaces".into()));
@@ -287,10 +341,10 @@ impl Args {
             None => WindowMode::Time { ms: self.measurement_interval },
         };
         Ok(RunConfig {
-            target: Target { protocol, url, connections },
+            target: Target { protocol, url, connections, tls },
             metrics_url,
             workload,
-            input_data: self.input_data,
+            input_data,
             load,
             measurement: Measurement {
                 window,
@@ -366,7 +420,7 @@ pub fn metrics_uri(flag: Option<&str>, server: &str) -> Result<http::Uri, PerfEr
     let text = match flag {
         Some(v) if v.contains("://") => {
             if v.starts_with("https://") {
-                return Err(bad(v, "TLS is not supported yet".into()));
+                return Err(bad(v, "/metrics is scraped over plain HTTP only (TLS is for --url)".into()));
             }
             let uri: http::Uri = v.parse().map_err(|e| bad(v, format!("{e}")))?;
             if uri.path() == "/" && !v.ends_with('/') {
@@ -418,13 +472,17 @@ mod tests {
         assert!(e(&["-m", "m", "--concurrency-range", "0"]).contains("--concurrency-range"));
         assert!(e(&["-m", "m", "--request-rate-range", "x"]).contains("--request-rate-range"));
         assert!(e(&["-m", "m", "--http-binary"]).contains("--protocol http"));
-        assert!(e(&["-m", "m", "-u", "https://x:1"]).contains("TLS"));
+        assert!(e(&["-m", "m", "--ssl-ca", "/nonexistent/ca.pem"]).contains("--ssl-ca /nonexistent/ca.pem"));
+        assert!(e(&["-m", "m", "--ssl", "--ssl-cert", "c.pem"]).contains("--ssl-key"));
+        assert!(e(&["-m", "m", "--ssl-https-private-key-file", "k.pem"]).contains("--ssl-cert"));
         assert!(e(&["-m", "m", "--max-trials", "0"]).contains("--max-trials"));
         assert!(e(&["-m", "m", "--slo-p99-ms", "0"]).contains("--slo-p99-ms"));
         assert!(e(&["-m", "m", "--workload", "w.json"]).contains("cannot be used with"));
         assert!(e(&[]).contains("--model"));
         assert!(e(&["--workload", "/nonexistent/w.json"]).contains("cannot read"));
         assert!(e(&["-m", "m", "--trace-file", "/nonexistent/t"]).contains("trace file"));
+        let data = e(&["-m", "m", "--input-data", "/nonexistent/d.json"]);
+        assert!(data.contains("--input-data") && data.contains("/nonexistent/d.json"), "{data}");
     }
 
     #[test]
@@ -437,6 +495,29 @@ mod tests {
         assert_eq!(metrics_uri(Some("http://h:1"), "x:2").unwrap().to_string(), "http://h:1/metrics");
         assert_eq!(metrics_uri(Some("http://h:1/m"), "x:2").unwrap().to_string(), "http://h:1/m");
         assert!(args(&["-m", "m", "--no-server-stats"]).unwrap().metrics_url.is_none());
+    }
+
+    #[test]
+    fn tls_flags() {
+        assert!(args(&["-m", "m"]).unwrap().target.tls.is_none());
+        let dir = tempfile::tempdir().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["localhost".into()]).unwrap().self_signed(&key).unwrap();
+        let (ca, k) = (dir.path().join("ca.pem"), dir.path().join("k.pem"));
+        std::fs::write(&ca, cert.pem()).unwrap();
+        std::fs::write(&k, key.serialize_pem()).unwrap();
+        let (ca, k) = (ca.to_str().unwrap(), k.to_str().unwrap());
+        // Any --ssl flag, or https://, turns TLS on; perf_analyzer's names are aliases.
+        let c = args(&["-m", "m", "--ssl-grpc-root-certifications-file", ca]).unwrap();
+        assert!(c.target.tls.is_some());
+        assert_eq!(c.target.url, "localhost:8001");
+        let c = args(&["-m", "m", "-i", "http", "-u", "https://h:8443", "--ssl-ca", ca]).unwrap();
+        assert_eq!((c.target.url.as_str(), c.target.tls.is_some()), ("h:8443", true));
+        assert_eq!(c.metrics_url.unwrap().to_string(), "http://h:8002/metrics");
+        let c = args(&["-m", "m", "--ssl-ca", ca, "--ssl-grpc-certificate-chain-file", ca, "--ssl-key", k]).unwrap();
+        assert!(c.target.tls.is_some());
+        let e = args(&["-m", "m", "--metrics-url", "https://h:1"]).unwrap_err().to_string();
+        assert!(e.contains("plain HTTP"), "{e}");
     }
 
     #[test]

@@ -14,6 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use rand::rngs::StdRng;
@@ -32,7 +33,7 @@ use crate::report::Progress;
 use crate::schedule::{Arrivals, Distribution, LoadLevel, level_seed, trace_rate};
 use crate::search::{BinarySearch, SearchAxis, SearchOutcome, SearchReport, SearchSpace, SearchStatus};
 use crate::server_stats::{self, Breakdown, Scraper, Snapshot};
-use crate::workload::{InputData, ModelInfo, Picker, Series, Workload, resolve_inputs};
+use crate::workload::{InputSource, ModelInfo, Picker, Series, Workload, WorkloadError, resolve_requests};
 
 /// A send that starts later than this after its scheduled time counts as late.
 pub const LATE_BOUND: Duration = Duration::from_millis(1);
@@ -121,7 +122,8 @@ pub struct RunConfig {
     /// `/metrics` to scrape; `None` skips the server-side breakdown.
     pub metrics_url: Option<http::Uri>,
     pub workload: Workload,
-    pub input_data: InputData,
+    /// Input contents of entries without their own `data`.
+    pub input_data: InputSource,
     pub load: Load,
     pub measurement: Measurement,
     pub seed: u64,
@@ -201,7 +203,7 @@ enum Stop {
 /// What every level shares.
 struct Context {
     client: Client,
-    requests: Arc<[Prepared]>,
+    requests: Arc<[EntryRequests]>,
     picker: Picker,
     slos: Vec<Option<Duration>>,
     series: Vec<Series>,
@@ -223,33 +225,7 @@ struct Context {
 pub async fn run(config: RunConfig, progress: &Progress, interrupt: CancellationToken) -> Result<RunReport, PerfError> {
     let client = Client::connect(&config.target).await?;
     let mut warnings = Vec::new();
-
-    // Model metadata, once per (model, version).
-    let mut infos: Vec<((String, Option<String>), ModelInfo)> = Vec::new();
-    for (model, version) in config.workload.models() {
-        let info = client.model_info(&model, version.as_deref()).await?;
-        infos.push(((model, version), info));
-    }
-
-    // Requests, encoded once per entry.
-    let mut requests = Vec::with_capacity(config.workload.entries.len());
-    for (i, entry) in config.workload.entries.iter().enumerate() {
-        let info = &infos
-            .iter()
-            .find(|(k, _)| k.0 == entry.model && k.1 == entry.version)
-            .expect("every model was looked up")
-            .1;
-        let data = entry.data.unwrap_or(config.input_data);
-        let inputs = resolve_inputs(entry, info, data, level_seed(config.seed, i)).map_err(|e| {
-            let name = config.workload.entry_name(i);
-            PerfError::Workload(crate::workload::WorkloadError(if name.is_empty() {
-                e.0
-            } else {
-                format!("{name}: {}", e.0)
-            }))
-        })?;
-        requests.push(client.prepare(entry, &inputs, config.workload.series_of[i])?);
-    }
+    let PreparedWorkload { models: infos, requests } = prepare(&client, &config).await?;
 
     let scraper = match &config.metrics_url {
         None => None,
@@ -352,6 +328,85 @@ pub async fn run(config: RunConfig, progress: &Progress, interrupt: Cancellation
         stopped,
         verdict,
     })
+}
+
+/// One workload entry's requests, encoded once: a single one for generated data, or one per
+/// distinct request of an input data file, sent in turn across all senders.
+#[derive(Debug)]
+pub struct EntryRequests {
+    variants: Box<[Prepared]>,
+    next: AtomicUsize,
+}
+
+impl EntryRequests {
+    pub fn new(variants: Vec<Prepared>) -> Self {
+        assert!(!variants.is_empty(), "an entry has at least one request");
+        EntryRequests { variants: variants.into(), next: AtomicUsize::new(0) }
+    }
+
+    /// Every distinct request, in the order they are sent.
+    pub fn variants(&self) -> &[Prepared] {
+        &self.variants
+    }
+
+    /// The index of the request to send next (round robin; one shared counter per entry).
+    pub fn next_index(&self) -> usize {
+        if self.variants.len() == 1 {
+            return 0;
+        }
+        self.next.fetch_add(1, Ordering::Relaxed) % self.variants.len()
+    }
+
+    pub fn get(&self, index: usize) -> &Prepared {
+        &self.variants[index % self.variants.len()]
+    }
+}
+
+/// What [`prepare`] builds before any load: each model's metadata and every entry's requests.
+pub struct PreparedWorkload {
+    /// `(model, version)` → metadata, in first-use order.
+    pub models: Vec<((String, Option<String>), ModelInfo)>,
+    /// `requests[i]`: workload entry `i`'s requests.
+    pub requests: Vec<EntryRequests>,
+}
+
+/// Looks up every model's metadata and encodes every entry's requests once, checking input
+/// data files value by value against the models: nothing is sent before this succeeds.
+/// Errors name the entry (`entries[1]` in a workload file) and, for data files, the file's
+/// entry and input.
+pub async fn prepare(client: &Client, config: &RunConfig) -> Result<PreparedWorkload, PerfError> {
+    let mut infos: Vec<((String, Option<String>), ModelInfo)> = Vec::new();
+    for (model, version) in config.workload.models() {
+        let info = client.model_info(&model, version.as_deref()).await?;
+        infos.push(((model, version), info));
+    }
+    let mut requests = Vec::with_capacity(config.workload.entries.len());
+    for (i, entry) in config.workload.entries.iter().enumerate() {
+        let info = &infos
+            .iter()
+            .find(|(k, _)| k.0 == entry.model && k.1 == entry.version)
+            .expect("every model was looked up")
+            .1;
+        let name = config.workload.entry_name(i);
+        let named = |msg: String| {
+            PerfError::Workload(WorkloadError(if name.is_empty() { msg } else { format!("{name}: {msg}") }))
+        };
+        let source = config.workload.data[i].as_ref().unwrap_or(&config.input_data);
+        let built = resolve_requests(entry, info, source, level_seed(config.seed, i)).map_err(|e| named(e.0))?;
+        let mut variants = Vec::with_capacity(built.len());
+        for request in built {
+            let prepared = client.prepare(entry, &request.inputs, config.workload.series_of[i]);
+            variants.push(match (prepared, source) {
+                (Ok(p), _) => p,
+                (Err(e), InputSource::File(file)) => {
+                    return Err(named(format!("input data file {}: {}: {e}", file.path, request.source)));
+                }
+                (Err(e), InputSource::Generated(_)) => return Err(e.into()),
+            });
+        }
+        requests.push(EntryRequests::new(variants));
+    }
+    Ok(PreparedWorkload { models: infos, requests })
 }
 
 /// Where the next level comes from.
@@ -702,7 +757,7 @@ async fn wait_window(mode: WindowMode, recorder: &Recorder) {
 struct ClosedLoopWorker {
     lane_index: usize,
     client: Client,
-    requests: Arc<[Prepared]>,
+    requests: Arc<[EntryRequests]>,
     picker: Picker,
     rng: StdRng,
     recorder: Arc<Recorder>,
@@ -714,7 +769,8 @@ impl ClosedLoopWorker {
     async fn run(mut self) {
         let mut lane = self.client.lane(self.lane_index);
         while !self.stop.is_cancelled() {
-            let req = &self.requests[self.picker.pick(self.rng.random())];
+            let entry = &self.requests[self.picker.pick(self.rng.random())];
+            let req = entry.get(entry.next_index());
             let sent = Instant::now();
             let outcome = lane.send(req, self.timeout).await;
             self.recorder.record(req.series, sent.elapsed(), outcome, req.batch_size);
@@ -739,7 +795,7 @@ const STOP_POLL: Duration = Duration::from_millis(10);
 struct Dispatcher {
     runtime: tokio::runtime::Handle,
     client: Client,
-    requests: Arc<[Prepared]>,
+    requests: Arc<[EntryRequests]>,
     picker: Picker,
     rng: StdRng,
     recorder: Arc<Recorder>,
@@ -810,13 +866,14 @@ impl Dispatcher {
                 }
             };
             let index = self.picker.pick(self.rng.random());
+            let variant = self.requests[index].next_index();
             let sent = std::time::Instant::now();
-            self.recorder.record_send(self.requests[index].series, sent > scheduled + LATE_BOUND);
+            self.recorder.record_send(self.requests[index].get(variant).series, sent > scheduled + LATE_BOUND);
             let (requests, recorder, timeout) = (self.requests.clone(), self.recorder.clone(), self.timeout);
             let mut lane = self.client.lane(n);
             self.tracker.spawn_on(
                 async move {
-                    let req = &requests[index];
+                    let req = requests[index].get(variant);
                     let outcome = lane.send(req, timeout).await;
                     recorder.record(req.series, scheduled.min(sent).elapsed(), outcome, req.batch_size);
                     drop(permit);

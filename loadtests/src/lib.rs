@@ -4,7 +4,7 @@
 //! each request once, then per load level: generate load, measure windows until stable,
 //! scrape `/metrics`) → [`report`] (table, CSV, JSON) and [`html`] (the HTML report, drawn
 //! with [`svg`]). Load shapes are in [`schedule`], `--binary-search` in [`search`], the
-//! requests in [`workload`] and [`client`], the numbers in [`measure`] and [`server_stats`].
+//! requests in [`workload`] (input data files in [`data_file`]) and [`client`], the numbers in [`measure`] and [`server_stats`].
 //!
 //! nereid-analyze (config sweeps with a Pareto frontier) lives in [`analyze`] and measures
 //! each variant with the same [`driver`].
@@ -12,6 +12,7 @@
 pub mod analyze;
 pub mod cli;
 pub mod client;
+pub mod data_file;
 pub mod driver;
 pub mod error;
 pub mod html;

@@ -8,9 +8,13 @@
 //!     { "model": "mlp_fp32", "weight": 3, "batch_size": 1, "class": "small", "slo_ms": 20,
 //!       "tenant": "acme", "api_key": "k-acme", "priority": 1, "timeout_us": 50000 },
 //!     { "model": "identity_fp32", "version": "1", "batch_size": 8,
-//!       "shapes": { "INPUT0": [16] }, "data": "zero" }
+//!       "shapes": { "INPUT0": [16] }, "data": "zero" },
+//!     { "model": "identity_fp32", "data": "inputs/identity.json" }
 //! ] }
 //! ```
+//!
+//! `data` is `zero`, `random`, or the path (relative to the workload file) of an input data
+//! file in perf_analyzer's format ([`crate::data_file`]), read and checked when the workload is.
 //!
 //! The file is parsed with unknown keys refused and every value checked; errors name the key
 //! (`entries[1].batch_size`) or the line and column. Input shapes and data types come from the
@@ -18,11 +22,15 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use nereid_common::dtype::DataType;
 use rand::rngs::StdRng;
 use rand::{Rng, RngExt, SeedableRng};
 use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::data_file::{DataFile, DataRequest};
 
 pub const DEFAULT_WEIGHT: f64 = 1.0;
 pub const DEFAULT_BATCH_SIZE: u32 = 1;
@@ -42,6 +50,65 @@ pub enum InputData {
     /// Seeded pseudo-random values: floats in [0, 1), integers over their range, booleans,
     /// 16-character lowercase ASCII strings.
     Random,
+}
+
+/// Where a request's input values come from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum InputSource {
+    /// Made up by the generator, once per workload entry.
+    Generated(InputData),
+    /// Read from an input data file; requests cycle through its entries in order.
+    File(Arc<DataFile>),
+}
+
+impl InputSource {
+    /// `zero`, `random`, or else the path of an input data file, read and checked now.
+    /// `shown` is the name used in messages.
+    pub fn from_arg(value: &str) -> Result<InputSource, WorkloadError> {
+        match value {
+            "zero" => Ok(InputSource::Generated(InputData::Zero)),
+            "random" => Ok(InputSource::Generated(InputData::Random)),
+            path => Ok(InputSource::File(Arc::new(read_data_file(Path::new(path), path)?))),
+        }
+    }
+}
+
+/// Reads and parses an input data file; `shown` names it in messages.
+pub fn read_data_file(path: &Path, shown: &str) -> Result<DataFile, WorkloadError> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        WorkloadError(format!("input data '{shown}': not zero or random, and not a readable JSON input data file: {e}"))
+    })?;
+    DataFile::from_json(shown, &text)
+}
+
+/// A workload entry's `data`: `"zero"`, `"random"` or a file path.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(from = "String", into = "String")]
+pub enum DataSpec {
+    Zero,
+    Random,
+    /// An input data file, relative to the workload file's directory.
+    File(PathBuf),
+}
+
+impl From<String> for DataSpec {
+    fn from(s: String) -> Self {
+        match s.as_str() {
+            "zero" => DataSpec::Zero,
+            "random" => DataSpec::Random,
+            _ => DataSpec::File(PathBuf::from(s)),
+        }
+    }
+}
+
+impl From<DataSpec> for String {
+    fn from(d: DataSpec) -> Self {
+        match d {
+            DataSpec::Zero => "zero".into(),
+            DataSpec::Random => "random".into(),
+            DataSpec::File(p) => p.display().to_string(),
+        }
+    }
 }
 
 /// A workload file.
@@ -68,8 +135,9 @@ pub struct Entry {
     /// Non-batch dims per input name, for inputs with variable dims (`-1`) or to check fixed ones.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub shapes: BTreeMap<String, Vec<i64>>,
+    /// Input contents: `zero`, `random` or an input data file; absent: the run's `--input-data`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub data: Option<InputData>,
+    pub data: Option<DataSpec>,
     /// Label for reports; defaults to nothing (the API key is never printed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
@@ -171,6 +239,8 @@ pub struct Workload {
     /// `series_of[i]` is the index in `series` of entry `i`.
     pub series_of: Vec<usize>,
     pub series: Vec<Series>,
+    /// `data[i]`: entry `i`'s own input contents (files read), `None` for the run's default.
+    pub data: Vec<Option<InputSource>>,
 }
 
 /// A group of entries reported together.
@@ -211,6 +281,34 @@ impl Workload {
             validate_entry(e)
                 .map_err(|(key, msg)| WorkloadError(format!("{prefix}{}{key}: {msg}", entry_key(&origin, i))))?;
         }
+        // Data files, each read once, relative to the workload file.
+        let base = match &origin {
+            Origin::File(p) => Path::new(p).parent().map(Path::to_path_buf).unwrap_or_default(),
+            Origin::Flags => PathBuf::new(),
+        };
+        let mut files: Vec<(PathBuf, Arc<DataFile>)> = Vec::new();
+        let mut data = Vec::with_capacity(entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            data.push(match &e.data {
+                None => None,
+                Some(DataSpec::Zero) => Some(InputSource::Generated(InputData::Zero)),
+                Some(DataSpec::Random) => Some(InputSource::Generated(InputData::Random)),
+                Some(DataSpec::File(p)) => {
+                    let path = base.join(p);
+                    let file = match files.iter().find(|(f, _)| *f == path) {
+                        Some((_, file)) => file.clone(),
+                        None => {
+                            let file = Arc::new(read_data_file(&path, &path.display().to_string()).map_err(|e| {
+                                WorkloadError(format!("{prefix}{}.data: {}", entry_key(&origin, i), e.0))
+                            })?);
+                            files.push((path, file.clone()));
+                            file
+                        }
+                    };
+                    Some(InputSource::File(file))
+                }
+            });
+        }
         let mut series: Vec<Series> = Vec::new();
         let mut series_of = Vec::with_capacity(entries.len());
         let mut first_of: Vec<usize> = Vec::new();
@@ -250,7 +348,7 @@ impl Workload {
                 }
             }
         }
-        Ok(Workload { origin, entries, series_of, series })
+        Ok(Workload { origin, entries, series_of, series, data })
     }
 
     /// How an entry is named in messages: `entries[3]` for files, `-m <model>` for flags.
@@ -331,6 +429,11 @@ fn validate_entry(e: &Entry) -> Result<(), (String, String)> {
         && c.is_empty()
     {
         return bad("class", "must not be empty".into());
+    }
+    if let Some(DataSpec::File(p)) = &e.data
+        && p.as_os_str().is_empty()
+    {
+        return bad("data", "must be zero, random or the path of an input data file".into());
     }
     Ok(())
 }
@@ -418,24 +521,7 @@ pub fn resolve_inputs(
     seed: u64,
 ) -> Result<Vec<InputTensor>, WorkloadError> {
     let err = |msg: String| Err(WorkloadError(format!("model '{}': {msg}", model.name)));
-    if model.max_batch_size == 0 && entry.batch_size != 1 {
-        return err(format!(
-            "batch size {} requested but the model does not batch (max_batch_size 0)",
-            entry.batch_size
-        ));
-    }
-    if model.max_batch_size > 0 && entry.batch_size > model.max_batch_size {
-        return err(format!(
-            "batch size {} exceeds the model's max_batch_size {}",
-            entry.batch_size, model.max_batch_size
-        ));
-    }
-    for name in entry.shapes.keys() {
-        if !model.inputs.iter().any(|i| &i.name == name) {
-            let known: Vec<&str> = model.inputs.iter().map(|i| i.name.as_str()).collect();
-            return err(format!("shape given for '{name}', which is not an input (inputs: {})", known.join(", ")));
-        }
-    }
+    check_entry_fits(entry, model)?;
     let mut rng = StdRng::seed_from_u64(seed);
     let mut total_bytes = 0u64;
     let mut out = Vec::with_capacity(model.inputs.len());
@@ -493,6 +579,49 @@ pub fn resolve_inputs(
         out.push(InputTensor { name: input.name.clone(), datatype: dtype, shape, data });
     }
     Ok(out)
+}
+
+/// The distinct requests of `entry` for `model`: one for generated data (see
+/// [`resolve_inputs`]), one per row group of an input data file (see [`DataFile::requests`]).
+pub fn resolve_requests(
+    entry: &Entry,
+    model: &ModelInfo,
+    source: &InputSource,
+    seed: u64,
+) -> Result<Vec<DataRequest>, WorkloadError> {
+    match source {
+        InputSource::Generated(data) => {
+            Ok(vec![DataRequest { source: "generated".into(), inputs: resolve_inputs(entry, model, *data, seed)? }])
+        }
+        InputSource::File(file) => {
+            check_entry_fits(entry, model)?;
+            file.requests(entry, model).map_err(|e| WorkloadError(format!("model '{}': {}", model.name, e.0)))
+        }
+    }
+}
+
+/// The batch size fits the model and `shapes` names only its inputs.
+fn check_entry_fits(entry: &Entry, model: &ModelInfo) -> Result<(), WorkloadError> {
+    let err = |msg: String| Err(WorkloadError(format!("model '{}': {msg}", model.name)));
+    if model.max_batch_size == 0 && entry.batch_size != 1 {
+        return err(format!(
+            "batch size {} requested but the model does not batch (max_batch_size 0)",
+            entry.batch_size
+        ));
+    }
+    if model.max_batch_size > 0 && entry.batch_size > model.max_batch_size {
+        return err(format!(
+            "batch size {} exceeds the model's max_batch_size {}",
+            entry.batch_size, model.max_batch_size
+        ));
+    }
+    for name in entry.shapes.keys() {
+        if !model.inputs.iter().any(|i| &i.name == name) {
+            let known: Vec<&str> = model.inputs.iter().map(|i| i.name.as_str()).collect();
+            return err(format!("shape given for '{name}', which is not an input (inputs: {})", known.join(", ")));
+        }
+    }
+    Ok(())
 }
 
 /// Element bytes for `n` elements of `dtype`.
@@ -570,6 +699,45 @@ pub fn json_data(dtype: DataType, raw: &[u8]) -> serde_json::Value {
     Value::Array(values)
 }
 
+/// Why a tensor cannot be written exactly as KServe v2 JSON (a NaN or infinite float, a
+/// `BYTES` element that is not UTF-8), or `None` if it can. Only `b64` values of an input data
+/// file can hold such elements.
+pub fn json_unrepresentable(dtype: DataType, raw: &[u8]) -> Option<String> {
+    let bad_float = |i: usize| Some(format!("element {i} is NaN or infinite, which JSON cannot carry"));
+    match dtype {
+        DataType::Fp32 => raw
+            .chunks_exact(4)
+            .position(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite())
+            .and_then(bad_float),
+        DataType::Fp64 => raw
+            .chunks_exact(8)
+            .position(|c| !f64::from_le_bytes(c.try_into().unwrap_or([0; 8])).is_finite())
+            .and_then(bad_float),
+        // Exponent bits all set: infinity or NaN.
+        DataType::Fp16 => {
+            raw.chunks_exact(2).position(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7c00 == 0x7c00).and_then(bad_float)
+        }
+        DataType::Bf16 => {
+            raw.chunks_exact(2).position(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80).and_then(bad_float)
+        }
+        DataType::Bytes => {
+            let mut rest = raw;
+            let mut i = 0;
+            while rest.len() >= 4 {
+                let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+                let end = (4 + len).min(rest.len());
+                if std::str::from_utf8(&rest[4..end]).is_err() {
+                    return Some(format!("element {i} is not UTF-8, which a JSON string cannot carry"));
+                }
+                rest = &rest[end..];
+                i += 1;
+            }
+            None
+        }
+        _ => None,
+    }
+}
+
 /// IEEE 754 half → single (normals, subnormals, infinities and NaN).
 fn f16_to_f32(h: u16) -> f32 {
     let sign = ((h >> 15) as u32) << 31;
@@ -616,7 +784,9 @@ mod tests {
         .unwrap();
         assert_eq!(w.entries.len(), 3);
         assert_eq!(w.entries[1].version.as_deref(), Some("1"));
-        assert_eq!(w.entries[1].data, Some(InputData::Zero));
+        assert_eq!(w.entries[1].data, Some(DataSpec::Zero));
+        assert_eq!(w.data[1], Some(InputSource::Generated(InputData::Zero)));
+        assert_eq!(w.data[0], None, "no data: the run's --input-data");
         assert_eq!(w.series.len(), 2);
         assert_eq!(w.series_of, vec![0, 1, 0]);
         assert_eq!(w.series[0].name, "small");
@@ -647,7 +817,10 @@ mod tests {
         assert!(e(r#"{"entries":[{"model":"m","slo_ms":-1}]}"#).contains("entries[0].slo_ms"));
         assert!(e(r#"{"entries":[{"model":"m","shapes":{"X":[2,-1]}}]}"#).contains("entries[0].shapes.X"));
         assert!(e(r#"{"entries":[{"model":"m","api_key":"a b"}]}"#).contains("entries[0].api_key"));
-        assert!(e(r#"{"entries":[{"model":"m","data":"ones"}]}"#).contains("unknown variant `ones`"));
+        let data = e(r#"{"entries":[{"model":"m","data":"ones"}]}"#);
+        assert!(data.contains("entries[0].data") && data.contains("not zero or random"), "{data}");
+        assert!(e(r#"{"entries":[{"model":"m","data":""}]}"#).contains("entries[0].data"));
+        assert!(e(r#"{"entries":[{"model":"m","data":3}]}"#).contains("expected a string"));
         let slo = e(r#"{"entries":[{"model":"a","class":"c","slo_ms":5},{"model":"b","class":"c","slo_ms":6}]}"#);
         assert!(slo.contains("entries[1].slo_ms") && slo.contains("entries[0]") && slo.contains("'c'"), "{slo}");
         assert!(e("{").contains("EOF while parsing"));
@@ -689,6 +862,40 @@ mod tests {
         assert_eq!(r[0].data.len(), 6 * (4 + STRING_LENGTH));
         e.batch_size = 2;
         assert!(resolve_inputs(&e, &var, InputData::Zero, 1).unwrap_err().0.contains("does not batch"));
+    }
+
+    #[test]
+    fn entries_read_data_files_relative_to_the_workload_file() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("in")).unwrap();
+        std::fs::write(dir.path().join("in/d.json"), r#"{"data":[{"INPUT0":[1,2]}]}"#).unwrap();
+        let path = dir.path().join("w.json");
+        let text = r#"{"entries":[{"model":"a","data":"in/d.json"},{"model":"b","data":"in/d.json"},{"model":"c"}]}"#;
+        let w = Workload::from_json(path.to_str().unwrap(), text, None).unwrap();
+        let (Some(InputSource::File(a)), Some(InputSource::File(b))) = (&w.data[0], &w.data[1]) else {
+            panic!("{:?}", w.data)
+        };
+        assert!(Arc::ptr_eq(a, b), "one file is read once");
+        assert_eq!(a.entries.len(), 1);
+        assert_eq!(w.data[2], None);
+        assert_eq!(serde_json::to_value(&w.entries[0]).unwrap()["data"], "in/d.json");
+
+        std::fs::write(dir.path().join("in/d.json"), r#"{"data":[{"INPUT0":{"b64":"!!"}}]}"#).unwrap();
+        let err = Workload::from_json(path.to_str().unwrap(), text, None).unwrap_err().0;
+        assert!(err.contains("entries[0].data") && err.contains("data[0].INPUT0.b64: not valid base64"), "{err}");
+    }
+
+    #[test]
+    fn json_safety_of_tensors() {
+        assert_eq!(json_unrepresentable(DataType::Fp32, &1.0f32.to_le_bytes()), None);
+        assert!(json_unrepresentable(DataType::Fp32, &f32::NAN.to_le_bytes()).unwrap().contains("element 0"));
+        assert!(json_unrepresentable(DataType::Fp16, &0x7c00u16.to_le_bytes()).is_some());
+        assert!(json_unrepresentable(DataType::Bf16, &0x7f80u16.to_le_bytes()).is_some());
+        assert!(json_unrepresentable(DataType::Fp64, &f64::INFINITY.to_le_bytes()).is_some());
+        let mut s = 1u32.to_le_bytes().to_vec();
+        s.push(0xff);
+        assert!(json_unrepresentable(DataType::Bytes, &s).unwrap().contains("UTF-8"));
+        assert_eq!(json_unrepresentable(DataType::Int32, &[0xff; 4]), None);
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! End to end: the `nereid-perf` binary against a real `nereid-worker` serving the example
 //! models on real ONNX Runtime, over gRPC and HTTP (JSON and binary tensors), closed and open
-//! loop, the HTML report and `--binary-search`, plus the failure exits (unreachable server,
+//! loop, the HTML report and `--binary-search`, input data files (checked value by value against
+//! what the server answers), TLS and mutual TLS through a TLS-terminating proxy in front of the
+//! worker, plus the failure exits (unreachable server,
 //! bad workload file, server lost mid-run, SLO nothing meets). Runs are short and bounded;
 //! nothing asserts on speed.
 
@@ -8,9 +10,17 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use base64::Engine;
+use clap::Parser;
+use nereid_loadtests::cli::Args;
+use nereid_loadtests::client::Client;
+use nereid_loadtests::driver::prepare;
+use nereid_proto::inference::ModelInferResponse;
+use prost::Message;
+use serde_json::{Value, json};
 
 const PERF: &str = env!("CARGO_BIN_EXE_nereid-perf");
 /// Longest any single nereid-perf run may take before the test kills it.
@@ -614,4 +624,280 @@ fn binary_search_closed_and_open_loop() {
     assert_eq!(search["highest_meeting_slo"]["request_rate"]["rate"].as_f64(), Some(60.0));
     assert_eq!(search["precision"].as_f64(), Some(10.0), "the range's step");
     assert!(run.stdout.contains("binary search probes, in order: 20 req/s (constant) met, 60 req/s (constant) met"));
+}
+
+/// Three distinct rows for identity_fp32 (INPUT0: 16 × FP32), values that are not round in
+/// binary so a lossy path would show.
+fn identity_rows() -> Vec<Vec<f32>> {
+    (0..3).map(|k| (0..16).map(|j| (k * 16 + j) as f32 * 0.37 - 5.1).collect()).collect()
+}
+
+/// An input data file giving the rows in each of the three forms: a flat array, `content`
+/// with `shape`, and `b64`.
+fn write_identity_data(path: &Path) {
+    let rows = identity_rows();
+    let raw: Vec<u8> = rows[2].iter().flat_map(|f| f.to_le_bytes()).collect();
+    let file = json!({"data": [
+        {"INPUT0": rows[0]},
+        {"INPUT0": {"content": rows[1], "shape": [16]}},
+        {"INPUT0": {"b64": base64::engine::general_purpose::STANDARD.encode(raw)}},
+    ]});
+    std::fs::write(path, file.to_string()).unwrap();
+}
+
+/// OUTPUT0 of an infer response body as f32 values: a gRPC message frame, KServe JSON, or
+/// JSON followed by binary tensors.
+fn output_values(protocol: &str, body: &[u8]) -> Vec<f32> {
+    let from_le = |raw: &[u8]| raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    if protocol == "grpc" {
+        let len = u32::from_be_bytes(body[1..5].try_into().unwrap()) as usize;
+        let response = ModelInferResponse::decode(&body[5..5 + len]).expect("a ModelInferResponse");
+        return from_le(&response.raw_output_contents[0]);
+    }
+    let mut stream = serde_json::Deserializer::from_slice(body).into_iter::<Value>();
+    let header = stream.next().expect("a JSON header").expect("valid JSON");
+    let output = &header["outputs"][0];
+    match output["parameters"]["binary_data_size"].as_u64() {
+        Some(n) => {
+            assert_eq!(protocol, "http-binary", "binary output only when asked for: {header}");
+            let start = stream.byte_offset();
+            from_le(&body[start..start + n as usize])
+        }
+        None => output["data"].as_array().expect("JSON data").iter().map(|v| v.as_f64().unwrap() as f32).collect(),
+    }
+}
+
+#[test]
+fn input_data_file_values_reach_the_server_exactly() {
+    let Some(w) = Worker::start() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("inputs.json");
+    write_identity_data(&data);
+    let d = data.to_str().unwrap();
+    let rows = identity_rows();
+
+    // Through the same preparation as a run: every distinct request, sent once, echoes its rows.
+    // At batch size 2 the 3 entries make 3 requests: rows (0, 1), (2, 0), (1, 2).
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (gu, hu) = (w.grpc_url(), w.http_url());
+    let cases: [(&str, &[&str]); 3] = [
+        ("grpc", &["-u", &gu]),
+        ("http-json", &["-u", &hu, "-i", "http"]),
+        ("http-binary", &["-u", &hu, "-i", "http", "--http-binary"]),
+    ];
+    for (protocol, flags) in cases {
+        let mut argv = vec!["nereid-perf", "-m", "identity_fp32", "--input-data", d, "-b", "2"];
+        argv.extend(flags);
+        let config = Args::try_parse_from(argv).unwrap().into_config().unwrap();
+        runtime.block_on(async {
+            let client = Client::connect(&config.target).await.unwrap();
+            let prepared = prepare(&client, &config).await.unwrap();
+            let variants = prepared.requests[0].variants();
+            assert_eq!(variants.len(), 3, "{protocol}");
+            let mut lane = client.lane(0);
+            for (k, request) in variants.iter().enumerate() {
+                let body =
+                    lane.fetch(request, Duration::from_secs(10)).await.unwrap_or_else(|f| panic!("{protocol}: {f:?}"));
+                let got = output_values(protocol, &body);
+                let want: Vec<f32> = [(2 * k) % 3, (2 * k + 1) % 3].iter().flat_map(|r| rows[*r].clone()).collect();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
+                assert_eq!(bits(&got), bits(&want), "{protocol}: request {k} did not echo its rows");
+            }
+        });
+    }
+
+    // Measured runs with the file: over gRPC from the flag, over HTTP binary from a workload
+    // entry whose "data" names the file relative to the workload file.
+    let json = dir.path().join("out.json");
+    let (m, j) = (w.metrics_url(), json.to_str().unwrap().to_string());
+    let mut args = vec!["-m", "identity_fp32", "-u", &gu, "--metrics-url", &m, "--json", &j, "--input-data", d];
+    args.extend(["-b", "2", "--concurrency-range", "2"]);
+    args.extend(SHORT);
+    let run = perf(&args);
+    assert_measured(&run, false);
+    check_level(&read_json(&json)["levels"][0], "identity_fp32");
+    let workload = dir.path().join("workload.json");
+    std::fs::write(&workload, r#"{"entries": [{"model": "identity_fp32", "batch_size": 3, "data": "inputs.json"}]}"#)
+        .unwrap();
+    let w_path = workload.to_str().unwrap().to_string();
+    let mut args = vec!["--workload", &w_path, "-i", "http", "--http-binary", "-u", &hu, "--metrics-url", &m];
+    args.extend(["--json", &j, "--concurrency-range", "2"]);
+    args.extend(SHORT);
+    let run = perf(&args);
+    assert_measured(&run, false);
+    check_level(&read_json(&json)["levels"][0], "identity_fp32");
+
+    // A file that does not fit the model is refused before any load, naming the entry and input.
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, r#"{"data": [{"INPUT0": [0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15]}, {"INPUT0": [1, 2]}]}"#)
+        .unwrap();
+    let run = perf(&["-m", "identity_fp32", "-u", &gu, "--input-data", bad.to_str().unwrap()]);
+    assert_eq!(run.code(), 2, "{}", run.stderr);
+    assert!(run.stderr.contains("data[1].INPUT0: 2 values given, but shape [16] needs 16"), "{}", run.stderr);
+    std::fs::write(&bad, r#"{"data": [{"INPUT1": [1]}]}"#).unwrap();
+    let run = perf(&["-m", "identity_fp32", "-i", "http", "-u", &hu, "--input-data", bad.to_str().unwrap()]);
+    assert_eq!(run.code(), 2, "{}", run.stderr);
+    assert!(run.stderr.contains("data[0].INPUT1") && run.stderr.contains("no input 'INPUT1'"), "{}", run.stderr);
+    // Bad base64 is caught when the file is read, before connecting.
+    std::fs::write(&bad, r#"{"data": [{"INPUT0": {"b64": "%%%"}}]}"#).unwrap();
+    let run = perf(&["-m", "identity_fp32", "-u", "127.0.0.1:1", "--input-data", bad.to_str().unwrap()]);
+    assert_eq!(run.code(), 2, "{}", run.stderr);
+    assert!(run.stderr.contains("data[0].INPUT0.b64: not valid base64"), "{}", run.stderr);
+}
+
+/// A test CA, a server certificate for `localhost` and a client certificate it signed, and a
+/// second, unrelated CA; PEM files in `dir`.
+struct TestPki {
+    ca: PathBuf,
+    rogue_ca: PathBuf,
+    client_cert: PathBuf,
+    client_key: PathBuf,
+    ca_der: rustls::pki_types::CertificateDer<'static>,
+    server_cert: rustls::pki_types::CertificateDer<'static>,
+    server_key: Vec<u8>,
+}
+
+impl TestPki {
+    fn new(dir: &Path) -> TestPki {
+        use rcgen::{
+            BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
+        };
+        let new_ca = |name: &str| {
+            let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.distinguished_name.push(rcgen::DnType::CommonName, name);
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+            let key = KeyPair::generate().unwrap();
+            let cert = params.self_signed(&key).unwrap();
+            (cert, Issuer::new(params, key))
+        };
+        let (ca_cert, issuer) = new_ca("nereid test CA");
+        let (rogue_cert, _) = new_ca("another CA");
+        let leaf = |name: &str, purpose: ExtendedKeyUsagePurpose| {
+            let mut params = CertificateParams::new(vec![name.to_string()]).unwrap();
+            params.extended_key_usages = vec![purpose];
+            let key = KeyPair::generate().unwrap();
+            (params.signed_by(&key, &issuer).unwrap(), key)
+        };
+        let (server_cert, server_key) = leaf("localhost", ExtendedKeyUsagePurpose::ServerAuth);
+        let (client_cert, client_key) = leaf("client", ExtendedKeyUsagePurpose::ClientAuth);
+        let write = |name: &str, text: String| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            path
+        };
+        TestPki {
+            ca: write("ca.pem", ca_cert.pem()),
+            rogue_ca: write("rogue-ca.pem", rogue_cert.pem()),
+            client_cert: write("client.pem", client_cert.pem()),
+            client_key: write("client.key", client_key.serialize_pem()),
+            ca_der: ca_cert.der().clone(),
+            server_cert: server_cert.der().clone(),
+            server_key: server_key.serialize_der(),
+        }
+    }
+
+    /// The proxy's config: ALPN h2 and http/1.1; with `mutual`, a client certificate signed by
+    /// the CA is required.
+    fn server_config(&self, mutual: bool) -> rustls::ServerConfig {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .unwrap();
+        let builder = if mutual {
+            let mut roots = rustls::RootCertStore::empty();
+            roots.add(self.ca_der.clone()).unwrap();
+            let verifier =
+                rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider).build().unwrap();
+            builder.with_client_cert_verifier(verifier)
+        } else {
+            builder.with_no_client_auth()
+        };
+        let key = rustls::pki_types::PrivatePkcs8KeyDer::from(self.server_key.clone());
+        let mut config = builder.with_single_cert(vec![self.server_cert.clone()], key.into()).unwrap();
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        config
+    }
+}
+
+/// A TLS-terminating proxy on 127.0.0.1 (OS-assigned port) in front of a plain worker port:
+/// each accepted TLS session is piped to a new connection upstream. Stops when dropped.
+struct TlsProxy {
+    port: u16,
+    _runtime: tokio::runtime::Runtime,
+}
+
+impl TlsProxy {
+    fn start(upstream: u16, config: rustls::ServerConfig) -> TlsProxy {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        runtime.spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    // A refused handshake (no or an unknown client certificate) just closes.
+                    let Ok(mut tls) = acceptor.accept(tcp).await else { return };
+                    let Ok(mut up) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else { return };
+                    let _ = tokio::io::copy_bidirectional(&mut tls, &mut up).await;
+                });
+            }
+        });
+        TlsProxy { port, _runtime: runtime }
+    }
+}
+
+#[test]
+fn tls_and_mutual_tls_through_a_terminating_proxy() {
+    let Some(w) = Worker::start() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::new(dir.path());
+    let grpc = TlsProxy::start(w.grpc, pki.server_config(false));
+    let https = TlsProxy::start(w.http, pki.server_config(false));
+    let mutual = TlsProxy::start(w.grpc, pki.server_config(true));
+    let json = dir.path().join("out.json");
+    let (m, j, ca) = (w.metrics_url(), json.to_str().unwrap().to_string(), pki.ca.to_str().unwrap().to_string());
+
+    // gRPC over TLS, with perf_analyzer's flag names.
+    let u = format!("localhost:{}", grpc.port);
+    let mut args =
+        vec!["-m", "identity_fp32", "-u", &u, "--ssl-grpc-use-ssl", "--ssl-grpc-root-certifications-file", &ca];
+    args.extend(["--metrics-url", &m, "--json", &j, "--concurrency-range", "2"]);
+    args.extend(SHORT);
+    let run = perf(&args);
+    assert_measured(&run, false);
+    check_level(&read_json(&json)["levels"][0], "identity_fp32");
+
+    // HTTPS with binary tensors, TLS from the https:// URL.
+    let u = format!("https://localhost:{}", https.port);
+    let mut args = vec!["-m", "mlp_fp32", "-i", "http", "--http-binary", "-u", &u, "--ssl-ca", &ca];
+    args.extend(["--metrics-url", &m, "--json", &j, "--request-rate-range", "100"]);
+    args.extend(SHORT);
+    let run = perf(&args);
+    assert_measured(&run, true);
+    check_level(&read_json(&json)["levels"][0], "mlp_fp32");
+
+    // Mutual TLS: refused without a client certificate, measured with one.
+    let u = format!("localhost:{}", mutual.port);
+    let run = perf(&["-m", "identity_fp32", "-u", &u, "--ssl-ca", &ca, "-p", "100"]);
+    assert_eq!(run.code(), 2, "{}", run.stderr);
+    assert!(run.stderr.contains(&format!("cannot reach {u}")), "{}", run.stderr);
+    let (cert, key) = (pki.client_cert.to_str().unwrap(), pki.client_key.to_str().unwrap());
+    let mut args = vec!["-m", "identity_fp32", "-u", &u, "--ssl-ca", &ca, "--ssl-cert", cert, "--ssl-key", key];
+    args.extend(["--metrics-url", &m, "--json", &j, "--concurrency-range", "2"]);
+    args.extend(SHORT);
+    let run = perf(&args);
+    assert_measured(&run, false);
+    check_level(&read_json(&json)["levels"][0], "identity_fp32");
+
+    // A server certificate the client cannot trust, or for another name: exit 2, saying why.
+    let u = format!("localhost:{}", grpc.port);
+    let run = perf(&["-m", "identity_fp32", "-u", &u, "--ssl-ca", pki.rogue_ca.to_str().unwrap()]);
+    assert_eq!(run.code(), 2, "{}", run.stderr);
+    assert!(run.stderr.contains("TLS handshake failed") && run.stderr.contains("UnknownIssuer"), "{}", run.stderr);
+    let u = format!("127.0.0.1:{}", https.port);
+    let run = perf(&["-m", "identity_fp32", "-i", "http", "-u", &u, "--ssl-ca", &ca]);
+    assert_eq!(run.code(), 2, "{}", run.stderr);
+    assert!(run.stderr.contains("TLS handshake failed") && run.stderr.contains("not valid for name"), "{}", run.stderr);
 }

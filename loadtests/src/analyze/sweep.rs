@@ -27,7 +27,7 @@ use crate::driver::{self, Load, Measurement, RunConfig};
 use crate::error::{PerfError, exit};
 use crate::report::{Progress, combined_breakdown};
 use crate::schedule::Distribution;
-use crate::workload::{Entry, InputData, Origin, Workload};
+use crate::workload::{Entry, InputData, InputSource, Origin, Workload};
 
 /// Liveness checks before the server is declared lost, and the pause between them.
 const LIVENESS_PROBES: u32 = 3;
@@ -95,10 +95,10 @@ impl LoadSettings {
             (Protocol::Http { .. }, _) => outstanding.clamp(1, 256),
         };
         Ok(RunConfig {
-            target: Target { protocol: self.protocol, url: url.to_string(), connections },
+            target: Target { protocol: self.protocol, url: url.to_string(), connections, tls: None },
             metrics_url,
             workload,
-            input_data: self.input_data,
+            input_data: InputSource::Generated(self.input_data),
             load,
             measurement: self.measurement.clone(),
             seed: self.seed,

@@ -16,6 +16,7 @@ use prost::Message;
 use tonic::codegen::Service;
 use tonic::transport::{Channel, Endpoint};
 
+use super::tls::ALPN_H2;
 use super::{CONNECT_TIMEOUT, CONTROL_TIMEOUT, ClientError, Target};
 use crate::measure::Failure;
 use crate::workload::{Entry, InputTensor, ModelInfo, TensorSpec};
@@ -56,7 +57,8 @@ impl GrpcClient {
     /// Opens `target.connections` channels (at least one); fails if the first cannot connect.
     pub async fn connect(target: &Target) -> Result<Self, ClientError> {
         let unreachable = |reason: String| ClientError::Unreachable { url: target.url.clone(), reason };
-        let endpoint = Endpoint::from_shared(format!("http://{}", target.url))
+        let scheme = if target.tls.is_some() { "https" } else { "http" };
+        let endpoint = Endpoint::from_shared(format!("{scheme}://{}", target.url))
             .map_err(|e| ClientError::Invalid(format!("--url '{}': {e}", target.url)))?
             .connect_timeout(CONNECT_TIMEOUT)
             .tcp_nodelay(true)
@@ -69,8 +71,13 @@ impl GrpcClient {
             .initial_stream_window_size(GRPC_STREAM_WINDOW);
         let mut channels = Vec::with_capacity(target.connections.max(1));
         for _ in 0..target.connections.max(1) {
-            let channel = endpoint.connect().await.map_err(|e| unreachable(error_chain(&e)))?;
-            channels.push(channel);
+            // With TLS our connector does TCP and the handshake (tonic is built without its own
+            // TLS, so an https:// endpoint reaches the connector as is).
+            let channel = match &target.tls {
+                None => endpoint.connect().await,
+                Some(tls) => endpoint.connect_with_connector(tls.connector(ALPN_H2)).await,
+            };
+            channels.push(channel.map_err(|e| unreachable(error_chain(&e)))?);
         }
         let client = GrpcClient { url: target.url.clone(), channels };
         // A TCP listener that is not a KServe gRPC server fails here rather than mid-run.
@@ -178,6 +185,38 @@ impl GrpcLane {
             }
         }
         // The stream ended without a status: a protocol violation by the server.
+        Err(Failure::Grpc(tonic::Code::Internal as i32))
+    }
+}
+
+impl GrpcLane {
+    /// Sends one request and returns the response's gRPC message frames (5-byte prefix, then
+    /// the protobuf `ModelInferResponse`), for checks; the load path never decodes.
+    pub async fn fetch(&mut self, frame: &Bytes, parts: &GrpcParts) -> Result<Bytes, Failure> {
+        let mut request = http::Request::new(tonic::body::Body::new(Full::new(frame.clone())));
+        *request.method_mut() = http::Method::POST;
+        *request.uri_mut() = self.path.clone();
+        *request.headers_mut() = parts.headers.clone();
+        futures::future::poll_fn(|cx| self.channel.poll_ready(cx)).await.map_err(|_| Failure::Connection)?;
+        let response = self.channel.call(request).await.map_err(|_| Failure::Connection)?;
+        let (head, mut body) = response.into_parts();
+        if head.status != http::StatusCode::OK {
+            return Err(Failure::Http(head.status.as_u16()));
+        }
+        if let Some(code) = grpc_status(&head.headers) {
+            return status_outcome(code).map(|()| Bytes::new());
+        }
+        let mut data = BytesMut::new();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|_| Failure::Connection)?;
+            if let Some(trailers) = frame.trailers_ref() {
+                status_outcome(grpc_status(trailers).unwrap_or(tonic::Code::Unknown as i32))?;
+                return Ok(data.freeze());
+            }
+            if let Some(chunk) = frame.data_ref() {
+                data.extend_from_slice(chunk);
+            }
+        }
         Err(Failure::Grpc(tonic::Code::Internal as i32))
     }
 }

@@ -9,14 +9,14 @@ use http::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderValue};
 use http::{Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Map, Value, json};
 
 use super::grpc::error_chain;
-use super::{CONNECT_TIMEOUT, CONTROL_TIMEOUT, ClientError, Target};
+use super::tls::{ALPN_HTTP1, Connector};
+use super::{CONTROL_TIMEOUT, ClientError, Target};
 use crate::measure::Failure;
-use crate::workload::{Entry, InputTensor, ModelInfo, TensorSpec, json_data};
+use crate::workload::{Entry, InputTensor, ModelInfo, TensorSpec, json_data, json_unrepresentable};
 
 /// Header carrying the JSON part's length in a binary-tensor request.
 pub const INFERENCE_HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
@@ -25,12 +25,14 @@ const MAX_CONTROL_BYTES: usize = 4 << 20;
 /// Idle pooled connections are closed after this long.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
-type Pool = Client<HttpConnector, Full<Bytes>>;
+type Pool = Client<Connector, Full<Bytes>>;
 
 /// A keep-alive HTTP/1.1 pool to one server.
 #[derive(Clone)]
 pub struct HttpClient {
     url: String,
+    /// `https` with TLS.
+    scheme: &'static str,
     binary: bool,
     pool: Arc<Pool>,
 }
@@ -45,14 +47,16 @@ pub struct HttpParts {
 impl HttpClient {
     /// Builds the pool and checks `GET /v2/health/live`.
     pub async fn connect(target: &Target, binary: bool) -> Result<Self, ClientError> {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
+        let connector = match &target.tls {
+            Some(tls) => tls.connector(ALPN_HTTP1),
+            None => Connector::new(None),
+        };
+        let scheme = if target.tls.is_some() { "https" } else { "http" };
         let pool = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(target.connections.max(1))
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .build(connector);
-        let client = HttpClient { url: target.url.clone(), binary, pool: Arc::new(pool) };
+        let client = HttpClient { url: target.url.clone(), scheme, binary, pool: Arc::new(pool) };
         let (status, _) = client.get("/v2/health/live").await?;
         if status != StatusCode::OK {
             return Err(ClientError::Unreachable {
@@ -131,9 +135,19 @@ impl HttpClient {
 
     /// Encodes an infer request body and builds its headers.
     pub fn encode(&self, entry: &Entry, inputs: &[InputTensor]) -> Result<(Bytes, HttpParts), ClientError> {
-        let uri: Uri = format!("http://{}{}", self.url, infer_path(&entry.model, entry.version.as_deref()))
+        let uri: Uri = format!("{}://{}{}", self.scheme, self.url, infer_path(&entry.model, entry.version.as_deref()))
             .parse()
             .map_err(|e| ClientError::Invalid(format!("model '{}' does not fit in a URL: {e}", entry.model)))?;
+        if !self.binary {
+            for i in inputs {
+                if let Some(why) = json_unrepresentable(i.datatype, &i.data) {
+                    return Err(ClientError::Invalid(format!(
+                        "input '{}': {why}; send it with --http-binary or over gRPC",
+                        i.name
+                    )));
+                }
+            }
+        }
         let mut headers = HeaderMap::new();
         if let Some(k) = &entry.api_key {
             let v = HeaderValue::try_from(format!("Bearer {k}"))
@@ -155,7 +169,7 @@ impl HttpClient {
 
     async fn get(&self, path: &str) -> Result<(StatusCode, Bytes), ClientError> {
         let unreachable = |reason: String| ClientError::Unreachable { url: self.url.clone(), reason };
-        let uri: Uri = format!("http://{}{path}", self.url)
+        let uri: Uri = format!("{}://{}{path}", self.scheme, self.url)
             .parse()
             .map_err(|e| ClientError::Invalid(format!("'{}{path}' is not a valid URL: {e}", self.url)))?;
         let request =
@@ -195,6 +209,19 @@ impl HttpLane {
             frame.map_err(|_| Failure::Connection)?;
         }
         if status == StatusCode::OK { Ok(()) } else { Err(Failure::Http(status.as_u16())) }
+    }
+
+    /// Sends one request and returns its whole response body (JSON, or with binary tensors the
+    /// JSON header followed by the output bytes), for checks; the load path never decodes.
+    pub async fn fetch(&mut self, body: &Bytes, parts: &HttpParts) -> Result<Bytes, Failure> {
+        let mut request = Request::new(Full::new(body.clone()));
+        *request.method_mut() = Method::POST;
+        *request.uri_mut() = parts.uri.clone();
+        *request.headers_mut() = parts.headers.clone();
+        let resp = self.pool.request(request).await.map_err(|_| Failure::Connection)?;
+        let status = resp.status();
+        let body = resp.into_body().collect().await.map_err(|_| Failure::Connection)?.to_bytes();
+        if status == StatusCode::OK { Ok(body) } else { Err(Failure::Http(status.as_u16())) }
     }
 }
 

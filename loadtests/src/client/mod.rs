@@ -1,5 +1,6 @@
 //! KServe v2 clients for the generator: gRPC (`raw_input_contents`) and HTTP (JSON tensors or
-//! the binary-tensor extension), with `authorization: Bearer <key>` and reused connections.
+//! the binary-tensor extension), with `authorization: Bearer <key>`, reused connections and
+//! optional TLS ([`tls`]).
 //!
 //! Request bodies are encoded once per workload entry ([`Client::prepare`]); each send clones
 //! a `Bytes` handle. Responses are checked for status and drained but not decoded, so the
@@ -13,6 +14,7 @@
 
 mod grpc;
 mod http;
+pub mod tls;
 
 use std::time::Duration;
 
@@ -24,6 +26,7 @@ use crate::workload::{Entry, InputTensor, ModelInfo};
 pub use self::grpc::GrpcClient;
 pub(crate) use self::grpc::error_chain;
 pub use self::http::HttpClient;
+pub use self::tls::{Tls, TlsSettings};
 
 /// Time allowed to open one connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -53,6 +56,8 @@ pub struct Target {
     pub url: String,
     /// HTTP/2 channels for gRPC; HTTP/1.1 pool size for HTTP.
     pub connections: usize,
+    /// TLS (gRPC over TLS, HTTPS); `None` for plain TCP.
+    pub tls: Option<Tls>,
 }
 
 /// The client could not be used.
@@ -173,19 +178,42 @@ impl Lane {
         };
         tokio::time::timeout(timeout, call).await.unwrap_or(Err(Failure::Timeout))
     }
+
+    /// Sends one request and returns its raw response body (the gRPC message frames, or the HTTP
+    /// body), at most `timeout`. For checking what a server answers to
+    /// the prepared requests; measurement uses [`Lane::send`], which decodes nothing.
+    pub async fn fetch(&mut self, req: &Prepared, timeout: Duration) -> Result<Bytes, Failure> {
+        let call = async {
+            match (self, &req.wire) {
+                (Lane::Grpc(l), Wire::Grpc(parts)) => l.fetch(&req.body, parts).await,
+                (Lane::Http(l), Wire::Http(parts)) => l.fetch(&req.body, parts).await,
+                _ => Err(Failure::Connection),
+            }
+        };
+        tokio::time::timeout(timeout, call).await.unwrap_or(Err(Failure::Timeout))
+    }
 }
 
-/// `host:port` from `host:port`, `http://host:port[/]`; refuses `https://` (TLS is not
-/// implemented yet) and anything else with a path.
+/// `host:port` from `host:port`, `http://host:port[/]`; refuses `https://` (TLS is only for
+/// nereid-perf's `--url`, see [`split_url`]) and anything else with a path.
 pub fn normalize_url(url: &str) -> Result<String, String> {
-    let rest = if let Some(r) = url.strip_prefix("http://") {
-        r
-    } else if url.starts_with("https://") {
-        return Err(format!("'{url}': TLS (https://) is not supported yet; use a plain host:port"));
+    match split_url(url)? {
+        (_, true) => Err(format!("'{url}': TLS (https://) is not supported here; use a plain host:port")),
+        (host_port, false) => Ok(host_port),
+    }
+}
+
+/// `(host:port, https)` from `host:port`, `http://host:port[/]` or `https://host:port[/]`;
+/// refuses other schemes and anything with a path.
+pub fn split_url(url: &str) -> Result<(String, bool), String> {
+    let (rest, https) = if let Some(r) = url.strip_prefix("http://") {
+        (r, false)
+    } else if let Some(r) = url.strip_prefix("https://") {
+        (r, true)
     } else if url.contains("://") {
         return Err(format!("'{url}': expected host:port"));
     } else {
-        url
+        (url, false)
     };
     let rest = rest.trim_end_matches('/');
     if rest.is_empty() || rest.contains('/') {
@@ -196,7 +224,7 @@ pub fn normalize_url(url: &str) -> Result<String, String> {
     if uri.host().is_none_or(str::is_empty) {
         return Err(format!("'{url}': expected host:port"));
     }
-    Ok(rest.to_string())
+    Ok((rest.to_string(), https))
 }
 
 #[cfg(test)]
@@ -211,5 +239,8 @@ mod tests {
         assert!(normalize_url("x:1/v2").is_err());
         assert!(normalize_url("").is_err());
         assert!(normalize_url("grpc://x:1").is_err());
+        assert_eq!(split_url("https://h:443/").unwrap(), ("h:443".to_string(), true));
+        assert_eq!(split_url("h:1").unwrap(), ("h:1".to_string(), false));
+        assert!(split_url("https://h:1/x").is_err());
     }
 }
