@@ -116,6 +116,21 @@ impl Load {
     }
 }
 
+/// Declares identity_fp32 with `replicas` and waits until that many workers hold it READY
+/// and the gateway routes it.
+async fn declare_identity_and_wait(etcd: &Etcd, gateway: &Proc, replicas: usize) {
+    let mut client = etcd.client().await;
+    put(&mut client, "models/identity_fp32", &format!(r#"{{"schema":1,"versions":[1],"replicas":{replicas}}}"#)).await;
+    wait_until("identity_fp32 READY on every replica", WAIT, || async {
+        ready_on(&mut etcd.client().await, "identity_fp32", 1).await.len() == replicas
+    })
+    .await;
+    wait_until("the gateway to route identity_fp32", WAIT, || async {
+        infer_ok(gateway, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await
+    })
+    .await;
+}
+
 async fn wait_metric(proc: &Proc, series: &str, what: &str, pred: impl Fn(f64) -> bool) {
     wait_until(what, WAIT, || async { proc.metric(series).await.is_some_and(&pred) }).await;
 }
@@ -199,15 +214,7 @@ async fn a_killed_worker_is_replaced_and_a_lost_lease_re_registers() {
         spawn_fleet_worker(&etcd, "w3", &[]),
     ];
     let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
-    put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":2}"#).await;
-    wait_until("identity_fp32 READY on two workers", WAIT, || async {
-        ready_on(&mut etcd.client().await, "identity_fp32", 1).await.len() == 2
-    })
-    .await;
-    wait_until("the gateway to route identity_fp32", WAIT, || async {
-        infer_ok(&gateway, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await
-    })
-    .await;
+    declare_identity_and_wait(&etcd, &gateway, 2).await;
 
     // SIGKILL one holder under load: only requests in flight on it may fail, none hangs.
     let concurrency = 4;
@@ -365,15 +372,7 @@ async fn a_draining_worker_under_load_fails_no_request() {
     let mut w1 = spawn_fleet_worker(&etcd, "w1", &[]);
     let _w2 = spawn_fleet_worker(&etcd, "w2", &[]);
     let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
-    put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":2}"#).await;
-    wait_until("identity_fp32 READY on both workers", WAIT, || async {
-        ready_on(&mut etcd.client().await, "identity_fp32", 1).await.len() == 2
-    })
-    .await;
-    wait_until("the gateway to route identity_fp32", WAIT, || async {
-        infer_ok(&gateway, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await
-    })
-    .await;
+    declare_identity_and_wait(&etcd, &gateway, 2).await;
 
     let load = Load::start(&gateway, 4);
     load.progress(200).await;

@@ -106,14 +106,7 @@ impl FleetState {
         keys: &Keys,
         kvs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>,
     ) -> (FleetState, Vec<Rejected>) {
-        let mut state = FleetState::default();
-        let mut rejected = Vec::new();
-        for (k, v) in kvs {
-            if let Err(r) = state.apply(keys, k, Some(v)) {
-                rejected.push(r);
-            }
-        }
-        (state, rejected)
+        FleetState::default().reread(keys, kvs)
     }
 
     /// Re-reads the whole state from `kvs`; a key whose new value is rejected keeps the value
