@@ -140,7 +140,7 @@ async fn declared_models_are_placed_within_capacity_and_routed() {
     let etcd = Etcd::start().await;
     let mut client = etcd.client().await;
     let _w1 = spawn_fleet_worker(&etcd, "w1", &["--memory-capacity-mb", "1000"]);
-    let w2 = spawn_fleet_worker(&etcd, "w2", &["--memory-capacity-mb", "1000"]);
+    let w2 = spawn_fleet_worker(&etcd, "w2", &["--memory-capacity-mb", "1000", "--label", "zone=b"]);
     let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
     wait_metric(&gateway, "nereid_gateway_workers{state=\"ready\"}", "both workers registered", |v| v == 2.0).await;
     let record =
@@ -150,7 +150,7 @@ async fn declared_models_are_placed_within_capacity_and_routed() {
     assert!(record.contains("\"memory_mb\":1000"), "{record}");
 
     // identity (300 MiB) fits both workers; mlp (800 MiB) then fits neither; versioned_scale's
-    // two versions (100 MiB each) go one per worker.
+    // two versions (100 MiB each) go where its selector allows: w2 only.
     put(
         &mut client,
         "models/identity_fp32",
@@ -162,17 +162,16 @@ async fn declared_models_are_placed_within_capacity_and_routed() {
     put(
         &mut client,
         "models/versioned_scale",
-        r#"{"schema":1,"versions":[1,2],"replicas":1,"resources":{"memory_mb":100}}"#,
+        r#"{"schema":1,"versions":[1,2],"replicas":1,"resources":{"memory_mb":100},"selector":{"zone":"b"}}"#,
     )
     .await;
     wait_until("identity_fp32 READY on both workers", WAIT, || async {
         ready_on(&mut etcd.client().await, "identity_fp32", 1).await == ["w1", "w2"]
     })
     .await;
-    wait_until("versioned_scale 1 and 2 READY", WAIT, || async {
+    wait_until("versioned_scale 1 and 2 READY on w2 (its selector)", WAIT, || async {
         let mut c = etcd.client().await;
-        ready_on(&mut c, "versioned_scale", 1).await.len() == 1
-            && ready_on(&mut c, "versioned_scale", 2).await.len() == 1
+        ready_on(&mut c, "versioned_scale", 1).await == ["w2"] && ready_on(&mut c, "versioned_scale", 2).await == ["w2"]
     })
     .await;
     wait_metric(&gateway, "nereid_gateway_placement_unplaced_replicas", "mlp reported unplaced", |v| v == 2.0).await;

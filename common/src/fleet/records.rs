@@ -189,6 +189,10 @@ pub struct ModelRecord {
     pub resources: Resources,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost_class: Option<String>,
+    /// Worker labels a worker must carry (all of them) to be given this model, e.g.
+    /// `{"device": "gpu"}` for a model whose config asks for KIND_GPU.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub selector: BTreeMap<String, String>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -223,6 +227,12 @@ impl Record for ModelRecord {
         }
         if let Some(c) = &self.cost_class {
             check_name("cost_class", c)?;
+        }
+        if self.selector.len() > 16 {
+            return Err("selector has more than 16 labels".into());
+        }
+        if self.selector.keys().any(|k| k.is_empty()) {
+            return Err("selector has an empty label key".into());
         }
         Ok(())
     }
@@ -323,6 +333,7 @@ mod tests {
             replicas: 2,
             resources: Resources { memory_mb: 64 },
             cost_class: None,
+            selector: [("device".to_string(), "gpu".to_string())].into(),
         };
         assert_eq!(decode::<ModelRecord>(encode(&m).unwrap().as_bytes()).unwrap(), m);
         let s = StatusRecord { schema: 1, state: ModelState::Failed, reason: "bad".into() };

@@ -112,6 +112,10 @@ pub enum ModelCommand {
         /// Cost class of the model's requests.
         #[arg(long, value_name = "CLASS", value_parser = cost_class)]
         cost_class: Option<String>,
+        /// Only workers with this label (KEY=VALUE, as given by the worker's --label); repeat
+        /// for several, all required. E.g. --selector device=gpu.
+        #[arg(long = "selector", value_name = "KEY=VALUE", value_parser = selector)]
+        selector: Vec<(String, String)>,
     },
     /// Undeclare a model: it is unloaded from every worker.
     Remove {
@@ -174,6 +178,14 @@ fn reason(value: &str) -> Result<String, String> {
         return Err(format!("longer than {MAX_REASON_BYTES} bytes"));
     }
     Ok(value.to_string())
+}
+
+/// Parses one `--selector KEY=VALUE`.
+pub fn selector(value: &str) -> Result<(String, String), String> {
+    match value.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.trim().to_string())),
+        _ => Err(format!("'{value}': expected KEY=VALUE with a non-empty key")),
+    }
 }
 
 /// Checked `--versions`: positive integers, each once.
@@ -296,14 +308,23 @@ mod tests {
         let cli =
             parse(&["model", "declare", "m", "--versions", "1,2", "--replicas", "2", "--memory-mb", "64"]).unwrap();
         match cli.command {
-            Command::Model(ModelCommand::Declare { name, versions, replicas, memory_mb, cost_class }) => {
+            Command::Model(ModelCommand::Declare { name, versions, replicas, memory_mb, cost_class, selector }) => {
                 assert_eq!(
                     (name.as_str(), versions.0, replicas, memory_mb, cost_class),
                     ("m", vec![1, 2], 2, 64, None)
                 );
+                assert!(selector.is_empty());
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn selectors_are_key_equals_value() {
+        assert_eq!(selector("device=gpu").unwrap(), ("device".to_string(), "gpu".to_string()));
+        assert_eq!(selector("zone=").unwrap(), ("zone".to_string(), String::new()));
+        assert!(selector("=gpu").unwrap_err().contains("non-empty key"));
+        assert!(selector("gpu").is_err());
     }
 
     #[test]

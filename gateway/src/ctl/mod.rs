@@ -66,8 +66,9 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
             let rows = render::keys(&store.keys, kvs.iter().map(|(k, v, l)| (k.as_slice(), v.as_slice(), *l)));
             Ok(show(output, || render::keys_table(&rows), || render::keys_json(&rows)))
         }
-        Command::Model(ModelCommand::Declare { name, versions, replicas, memory_mb, cost_class }) => {
-            let (record, value) = model_record(&versions.0, replicas, memory_mb, cost_class)?;
+        Command::Model(ModelCommand::Declare { name, versions, replicas, memory_mb, cost_class, selector }) => {
+            let selector = selector.into_iter().collect();
+            let (record, value) = model_record(&versions.0, replicas, memory_mb, cost_class, selector)?;
             let key = store.keys.model(&name);
             let previous = store.put(&key, &value).await?;
             // A route may now weight a version no longer declared: say so (the write stands).
@@ -179,6 +180,7 @@ pub fn model_record(
     replicas: u32,
     memory_mb: u64,
     cost_class: Option<String>,
+    selector: std::collections::BTreeMap<String, String>,
 ) -> Result<(ModelRecord, String), CtlError> {
     let record = ModelRecord {
         schema: records::SCHEMA_VERSION,
@@ -186,6 +188,7 @@ pub fn model_record(
         replicas,
         resources: Resources { memory_mb },
         cost_class,
+        selector,
     };
     let value = records::encode(&record).map_err(|e| {
         CtlError::Invalid(format!(
@@ -293,6 +296,7 @@ mod tests {
             replicas: 1,
             resources: Resources::default(),
             cost_class: None,
+            selector: Default::default(),
         }
     }
 
@@ -314,15 +318,15 @@ mod tests {
 
     #[test]
     fn model_records_are_validated_and_name_the_flags() {
-        let (r, json) = model_record(&[1, 2], 2, 64, None).unwrap();
+        let (r, json) = model_record(&[1, 2], 2, 64, None, Default::default()).unwrap();
         assert_eq!(r.versions, [1, 2]);
         assert_eq!(json, r#"{"schema":1,"versions":[1,2],"replicas":2,"resources":{"memory_mb":64}}"#);
-        let e = model_record(&[1], 0, 0, None).unwrap_err();
+        let e = model_record(&[1], 0, 0, None, Default::default()).unwrap_err();
         assert_eq!(e.exit_code(), 2);
         assert!(e.to_string().contains("--replicas 0") && e.to_string().contains("outside 1..="), "{e}");
-        let e = model_record(&[], 1, 0, None).unwrap_err().to_string();
+        let e = model_record(&[], 1, 0, None, Default::default()).unwrap_err().to_string();
         assert!(e.contains("versions is empty"), "{e}");
-        let e = model_record(&[1], 1, 0, Some("a b".into())).unwrap_err().to_string();
+        let e = model_record(&[1], 1, 0, Some("a b".into()), Default::default()).unwrap_err().to_string();
         assert!(e.contains("--cost-class a b"), "{e}");
     }
 

@@ -11,6 +11,8 @@
 //!   the fewest assignments, then the most free memory, then the smallest id — spreading models
 //!   and load, deterministically.
 //! - A worker where a version's load failed is not chosen for it again (`excluded`).
+//! - A model with a `selector` goes only to workers carrying every label of it (an existing
+//!   assignment on a worker that no longer matches is dropped).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -49,6 +51,10 @@ pub fn plan(state: &FleetState, excluded: &BTreeSet<Assignment>) -> Plan {
                 .is_some_and(|s| s.state == ModelState::Failed)
     };
     let memory_of = |m: &str| state.models.get(m).map_or(0, |d| d.resources.memory_mb);
+    let matches = |w: &str, m: &str| {
+        let (Some(worker), Some(model)) = (state.workers.get(w), state.models.get(m)) else { return false };
+        model.selector.iter().all(|(k, v)| worker.labels.get(k) == Some(v))
+    };
     let active: Vec<&String> = state.workers.keys().filter(|w| state.is_active(w)).collect();
     let mut load: BTreeMap<&str, Load> = active.iter().map(|w| (w.as_str(), Load::default())).collect();
 
@@ -60,6 +66,7 @@ pub fn plan(state: &FleetState, excluded: &BTreeSet<Assignment>) -> Plan {
         .filter(|(w, m, v)| {
             load.contains_key(w.as_str())
                 && state.models.get(m).is_some_and(|d| d.versions.contains(v))
+                && matches(w, m)
                 && !failed(w, m, *v)
         })
         .collect();
@@ -88,7 +95,7 @@ pub fn plan(state: &FleetState, excluded: &BTreeSet<Assignment>) -> Plan {
             while holders.len() < decl.replicas as usize {
                 let choice = active
                     .iter()
-                    .filter(|w| !holders.contains(**w) && !failed(w, model, version))
+                    .filter(|w| !holders.contains(**w) && matches(w, model) && !failed(w, model, version))
                     .filter(|w| {
                         let cap = state.workers[w.as_str()].capacity;
                         let l = &load[w.as_str()];
@@ -158,6 +165,7 @@ mod tests {
                 replicas,
                 resources: Resources { memory_mb },
                 cost_class: None,
+                selector: Default::default(),
             },
         );
     }
@@ -234,6 +242,21 @@ mod tests {
         s.placements.insert(a("w9", "gone", 1));
         let p = plan(&s, &BTreeSet::new());
         assert_eq!(p.assignments.len(), 1);
+    }
+
+    #[test]
+    fn selectors_restrict_workers() {
+        let mut s = FleetState::default();
+        for w in ["cpu1", "cpu2", "gpu1"] {
+            worker(&mut s, w, 0, 0);
+        }
+        s.workers.get_mut("gpu1").unwrap().labels.insert("device".into(), "gpu".into());
+        model(&mut s, "big", &[1], 2, 0);
+        s.models.get_mut("big").unwrap().selector.insert("device".into(), "gpu".into());
+        s.placements.insert(a("cpu1", "big", 1)); // placed before the selector: moved
+        let p = plan(&s, &BTreeSet::new());
+        assert_eq!(p.assignments, BTreeSet::from([a("gpu1", "big", 1)]));
+        assert_eq!(p.unplaced, vec![("big".to_string(), 1, 1)]);
     }
 
     #[test]
