@@ -1,6 +1,7 @@
 """deploy/local/up.sh end to end: etcd + 2 workers + gateway on free loopback ports, the example
 models declared and placed, real inferences through the gateway (curl and tritonclient), then
-deploy/local/down.sh. Uses the debug build the test suite already made."""
+deploy/local/down.sh. Uses the debug binaries the test suite already built (nereid-worker,
+nereid-gateway, nereidctl)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ def test_up_serves_every_example_model_through_the_gateway_and_down_stops_it(tmp
     env = dict(
         os.environ,
         NEREID_BUILD_PROFILE="debug",
+        # scripts/test.sh built the workspace already; a `-p` build would unify features
+        # differently and rebuild both crates.
+        NEREID_LOCAL_NO_BUILD="1",
         NEREID_LOCAL_STOP="1",
         NEREID_LOCAL_DIR=str(tmp_path / "fleet"),
         HTTP_PORT=str(http),

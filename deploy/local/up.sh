@@ -7,7 +7,8 @@
 #   bash deploy/local/down.sh          # stops everything it started
 #
 # Environment: WORKERS (2), HTTP_PORT/GRPC_PORT/METRICS_PORT (8000/8001/8002), ETCD_PORT (2379),
-# ETCD_PEER_PORT (2380), NEREID_BUILD_PROFILE (release | debug), NEREID_LOCAL_STOP=1 (stop the
+# ETCD_PEER_PORT (2380), NEREID_BUILD_PROFILE (release | debug), NEREID_LOCAL_NO_BUILD=1 (use
+# the binaries already built — the test suite's), NEREID_LOCAL_STOP=1 (stop the
 # fleet again after the demo — used by the test suite), NEREID_LOCAL_DIR (state: logs, pids,
 # etcd data; default target/local-fleet). Idempotent: a running fleet from this folder is
 # stopped first.
@@ -26,12 +27,14 @@ log() { printf '\033[1m[local]\033[0m %s\n' "$*" >&2; }
 die() { log "$*"; exit 1; }
 
 bash scripts/setup.sh
-if [ "$PROFILE" = release ]; then
+bin="$root/target/$PROFILE"
+if [ "${NEREID_LOCAL_NO_BUILD:-0}" = 1 ] && [ -x "$bin/nereid-worker" ] && [ -x "$bin/nereid-gateway" ] && [ -x "$bin/nereidctl" ]; then
+  log "using the binaries already in $bin (NEREID_LOCAL_NO_BUILD=1)"
+elif [ "$PROFILE" = release ]; then
   cargo build --release --locked -p nereid-worker -p nereid-gateway
 else
   cargo build --locked -p nereid-worker -p nereid-gateway
 fi
-bin="$root/target/$PROFILE"
 
 NEREID_LOCAL_DIR="$state" bash "$root/deploy/local/down.sh" >/dev/null 2>&1 || true
 rm -rf "$state"

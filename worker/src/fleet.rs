@@ -121,7 +121,8 @@ async fn agent(
             placement: Placement::new(),
         };
         let result = session.run(&mut phase, previous_lease).await;
-        previous_lease = session.lease;
+        // A session that failed before its grant leaves the older lease to revoke next time.
+        previous_lease = session.lease.or(previous_lease);
         match result {
             Ok(()) => break,
             Err(e) => {
