@@ -179,16 +179,18 @@ impl Session<'_> {
         let keys = &self.options.keys;
         let id = self.options.record.id.clone();
         let mut client = bounded("connect", nereid_common::fleet::connect(&self.options.endpoints)).await?;
-        if let Some(old) = previous_lease {
-            // Best effort: keys of the old lease were re-put under the new one anyway.
-            let _ = tokio::time::timeout(CALL_TIMEOUT, client.lease_revoke(old)).await;
-        }
         let ttl = self.options.lease_ttl.as_secs().max(1) as i64;
         let lease = bounded("lease grant", client.lease_grant(ttl, None)).await?.id();
         self.lease = Some(lease);
         let (mut keeper, mut keepalives) = bounded("keep-alive", client.lease_keep_alive(lease)).await?;
         self.put_record(&mut client, *phase.borrow()).await?;
         self.publish_statuses(&mut client).await?;
+        if let Some(old) = previous_lease {
+            // Only now: the registration and statuses were re-put under the new lease, so this
+            // removes just what is stale (revoking first would make gateways see this worker
+            // leave and come back).
+            let _ = tokio::time::timeout(CALL_TIMEOUT, client.lease_revoke(old)).await;
+        }
 
         // Placement: read it all, then watch from the next revision.
         let resp = bounded("read placement", client.get(keys.placement_of(&id), Some(GetOptions::new().with_prefix())))
