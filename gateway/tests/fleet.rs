@@ -171,11 +171,13 @@ async fn unknown_models_are_not_found_and_metrics_are_bounded() {
     through.model_infer(fp32_request("identity_fp32", "", &[1, 16], |_| 0.0)).await.unwrap();
     let text = gateway.metrics_text().await;
     for series in [
-        "nereid_gateway_requests_total{code=\"NOT_FOUND\",model=\"_unknown\"} 2",
-        "nereid_gateway_requests_total{code=\"NOT_FOUND\",model=\"versioned_scale\"} 1",
-        "nereid_gateway_requests_total{code=\"INVALID_ARGUMENT\",model=\"identity_fp32\"} 1",
-        "nereid_gateway_requests_total{code=\"OK\",model=\"identity_fp32\"} 1",
-        "nereid_gateway_request_duration_us_count{model=\"identity_fp32\"} 2",
+        "nereid_gateway_requests_total{code=\"NOT_FOUND\",model=\"_unknown\",version=\"\"} 2",
+        // Version 7 does not exist: not a label of its own.
+        "nereid_gateway_requests_total{code=\"NOT_FOUND\",model=\"versioned_scale\",version=\"\"} 1",
+        // Failed without naming a version: no version resolved for the label.
+        "nereid_gateway_requests_total{code=\"INVALID_ARGUMENT\",model=\"identity_fp32\",version=\"\"} 1",
+        "nereid_gateway_requests_total{code=\"OK\",model=\"identity_fp32\",version=\"1\"} 1",
+        "nereid_gateway_request_duration_us_count{model=\"identity_fp32\",version=\"1\"} 1",
         "nereid_gateway_retries_total 0",
         "nereid_gateway_ejections_total 0",
         "nereid_gateway_workers{state=\"ready\"} 2",

@@ -126,7 +126,10 @@ async fn admission_sheds_at_once_beyond_the_limit() {
     assert_eq!(out.raw_output_contents[0].len(), 64);
     assert_eq!(pending(&worker).await, Some(0.0));
     let text = gateway.metrics_text().await;
-    assert!(text.contains("nereid_gateway_requests_total{code=\"RESOURCE_EXHAUSTED\",model=\"held\"} 2"), "{text}");
+    assert!(
+        text.contains("nereid_gateway_requests_total{code=\"RESOURCE_EXHAUSTED\",model=\"held\",version=\"\"} 2"),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -163,7 +166,10 @@ async fn deadlines_propagate_to_the_worker() {
     })
     .await;
     let text = gateway.metrics_text().await;
-    assert!(text.contains("nereid_gateway_requests_total{code=\"DEADLINE_EXCEEDED\",model=\"stuck\"} 2"), "{text}");
+    assert!(
+        text.contains("nereid_gateway_requests_total{code=\"DEADLINE_EXCEEDED\",model=\"stuck\",version=\"\"} 2"),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,11 +1,13 @@
-//! The outermost layer of the infer stack: counts every request by model and final code and
-//! records its latency — rejections included. A request whose caller goes away before it
+//! The outermost layer of the infer stack: counts every request by model, version and final
+//! code and records its latency — rejections included. The version is the one that served the
+//! request (the worker's answer names it), else the one asked for when the table knows it. A request whose caller goes away before it
 //! completes is counted as CANCELLED.
 
 use std::task::{Context, Poll};
 use std::time::Instant;
 
 use futures::future::BoxFuture;
+use nereid_proto::inference::ModelInferResponse;
 use tower::{Layer, Service};
 
 use super::GatewayMetrics;
@@ -41,9 +43,8 @@ pub struct RequestMetrics<S> {
 
 impl<S> Service<InferCall> for RequestMetrics<S>
 where
-    S: Service<InferCall, Error = GatewayError>,
+    S: Service<InferCall, Response = ModelInferResponse, Error = GatewayError>,
     S::Future: Send + 'static,
-    S::Response: Send + 'static,
 {
     type Response = S::Response;
     type Error = GatewayError;
@@ -54,15 +55,27 @@ where
     }
 
     fn call(&mut self, call: InferCall) -> Self::Future {
-        let model = self.routes.snapshot().model_label(call.model()).to_string();
-        let record = Record { metrics: self.metrics.clone(), model, start: Instant::now(), code: None };
+        let table = self.routes.snapshot();
+        let model = table.model_label(call.model()).to_string();
+        let version = table.version_label(call.model(), call.version);
+        drop(table);
+        let routes = self.routes.clone();
+        let record = Record { metrics: self.metrics.clone(), model, version, start: Instant::now(), code: None };
         let fut = self.inner.call(call);
         Box::pin(async move {
             // Moved in whole: dropping the future drops (and records) it.
             let mut record = record;
             let result = fut.await;
             record.code = Some(match &result {
-                Ok(_) => tonic::Code::Ok,
+                Ok(response) => {
+                    if let Ok(served) = response.model_version.parse::<i64>() {
+                        let label = routes.snapshot().version_label(&response.model_name, Some(served));
+                        if !label.is_empty() {
+                            record.version = label;
+                        }
+                    }
+                    tonic::Code::Ok
+                }
                 Err(e) => e.grpc_code(),
             });
             result
@@ -74,6 +87,7 @@ where
 struct Record {
     metrics: GatewayMetrics,
     model: String,
+    version: String,
     start: Instant,
     code: Option<tonic::Code>,
 }
@@ -81,10 +95,8 @@ struct Record {
 impl Drop for Record {
     fn drop(&mut self) {
         let code = code_label(self.code.unwrap_or(tonic::Code::Cancelled));
-        self.metrics.requests.with_label_values(&[self.model.as_str(), code]).inc();
-        self.metrics
-            .duration_us
-            .with_label_values(&[self.model.as_str()])
-            .observe(self.start.elapsed().as_micros() as f64);
+        let (model, version) = (self.model.as_str(), self.version.as_str());
+        self.metrics.requests.with_label_values(&[model, version, code]).inc();
+        self.metrics.duration_us.with_label_values(&[model, version]).observe(self.start.elapsed().as_micros() as f64);
     }
 }

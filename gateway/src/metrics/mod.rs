@@ -1,6 +1,7 @@
 //! The gateway's Prometheus metrics, names as constants here. Labels are bounded: `model` is a
-//! name from the routing table or [`crate::routing::UNKNOWN_MODEL_LABEL`], `code` a canonical
-//! gRPC code name, `state` a worker state.
+//! name from the routing table or [`crate::routing::UNKNOWN_MODEL_LABEL`], `version` a version
+//! the table knows for that model (or empty), `code` a canonical gRPC code name, `state` a
+//! worker state.
 
 mod layer;
 
@@ -80,14 +81,17 @@ impl GatewayMetrics {
     pub fn new() -> Self {
         let registry = Registry::new();
         let requests = IntCounterVec::new(
-            Opts::new(REQUESTS_TOTAL, "Inference requests through the gateway, by model and final gRPC status code"),
-            &["model", "code"],
+            Opts::new(
+                REQUESTS_TOTAL,
+                "Inference requests through the gateway, by model, version served (empty: none resolved) and final gRPC status code",
+            ),
+            &["model", "version", "code"],
         )
         .expect("valid metric");
         let duration_us = HistogramVec::new(
             HistogramOpts::new(REQUEST_DURATION_US, "Inference request latency through the gateway, in microseconds")
                 .buckets(LATENCY_BUCKETS_US.to_vec()),
-            &["model"],
+            &["model", "version"],
         )
         .expect("valid metric");
         let retries = IntCounter::new(RETRIES_TOTAL, "Retries sent to another worker").expect("valid metric");

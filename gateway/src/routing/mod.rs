@@ -155,6 +155,15 @@ impl RoutingTable {
         if self.knows(model) { model } else { UNKNOWN_MODEL_LABEL }
     }
 
+    /// The bounded metrics label for a version of `model`: the version when the table knows it
+    /// for that model, else empty (no version named, or one nobody has).
+    pub fn version_label(&self, model: &str, version: Option<i64>) -> String {
+        match (self.models.get(model), version) {
+            (Some(routes), Some(v)) if routes.known_versions.contains(&v) => v.to_string(),
+            _ => String::new(),
+        }
+    }
+
     /// The union of the members' repository indexes: one row per (model, version), READY when
     /// any ready worker has it READY, else the state some member reports.
     pub fn index(&self, ready_only: bool) -> Vec<ModelIndex> {
@@ -262,6 +271,10 @@ pub(crate) mod tests {
         assert_eq!(t.resolve("x", None).unwrap_err(), RouteError::NoReadyWorker { model: "x".into(), version: None });
         assert_eq!(t.model_label("m"), "m");
         assert_eq!(t.model_label("nope"), UNKNOWN_MODEL_LABEL);
+        assert_eq!(t.version_label("m", Some(3)), "3");
+        assert_eq!(t.version_label("m", Some(99)), "");
+        assert_eq!(t.version_label("m", None), "");
+        assert_eq!(t.version_label("nope", Some(1)), "");
 
         let index: Vec<(String, String, String)> =
             t.index(false).into_iter().map(|r| (r.name, r.version, r.state)).collect();
