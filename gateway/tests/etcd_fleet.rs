@@ -254,14 +254,9 @@ async fn a_killed_worker_is_replaced_and_a_lost_lease_re_registers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serving_continues_while_etcd_is_down_and_watches_resume() {
     let mut etcd = Etcd::start().await;
-    let mut client = etcd.client().await;
     let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
     let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
-    put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
-    wait_until("the gateway to route identity_fp32", WAIT, || async {
-        infer_ok(&gateway, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await
-    })
-    .await;
+    declare_identity_and_wait(&etcd, &gateway, 1).await;
     wait_metric(&gateway, "nereid_gateway_etcd_watch_connected", "the watch up", |v| v == 1.0).await;
     let resyncs = gateway.metric("nereid_gateway_etcd_resyncs_total").await;
 
@@ -293,11 +288,7 @@ async fn invalid_values_are_rejected_and_the_last_good_state_kept() {
     let mut client = etcd.client().await;
     let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
     let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
-    put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
-    wait_until("the gateway to route identity_fp32", WAIT, || async {
-        infer_ok(&gateway, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await
-    })
-    .await;
+    declare_identity_and_wait(&etcd, &gateway, 1).await;
 
     put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":0}"#).await;
     put(&mut client, "models/identity_fp32", r#"{"schema":2,"versions":[1],"replicas":1}"#).await;

@@ -5,7 +5,8 @@
 //! the failure exits (unreachable server, worker that cannot start, server killed mid-sweep).
 //! Tiny spaces and short windows; nothing asserts on speed.
 
-use std::io::Read;
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -59,43 +60,11 @@ impl std::fmt::Display for Run {
 }
 
 /// Starts nereid-analyze with `args`; `on_wait` is called while it runs (every 20 ms).
-fn analyze_with(args: &[&str], mut on_wait: impl FnMut()) -> Run {
-    let mut child = Command::new(ANALYZE)
-        .args(args)
-        .env("NEREID_ORT_LIB", ort_lib())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start nereid-analyze");
-    let mut stdout = child.stdout.take().expect("piped");
-    let mut stderr = child.stderr.take().expect("piped");
-    let out = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
-    let err = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
-    });
-    let deadline = Instant::now() + RUN_LIMIT;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait on nereid-analyze") {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("nereid-analyze {args:?} ran past {RUN_LIMIT:?}");
-        }
-        on_wait();
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    Run {
-        code: status.code().unwrap_or(-1),
-        stdout: out.join().unwrap_or_default(),
-        stderr: err.join().unwrap_or_default(),
-    }
+fn analyze_with(args: &[&str], on_wait: impl FnMut()) -> Run {
+    let mut cmd = Command::new(ANALYZE);
+    cmd.args(args).env("NEREID_ORT_LIB", ort_lib());
+    let o = common::run_bounded(cmd, &format!("nereid-analyze {args:?}"), RUN_LIMIT, on_wait);
+    Run { code: o.status.code().unwrap_or(-1), stdout: o.stdout, stderr: o.stderr }
 }
 
 fn analyze(args: &[&str]) -> Run {

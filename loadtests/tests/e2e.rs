@@ -6,6 +6,8 @@
 //! bad workload file, server lost mid-run, SLO nothing meets). Runs are short and bounded;
 //! nothing asserts on speed.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -138,38 +140,10 @@ impl Run {
 
 /// Runs nereid-perf with `args` (quiet), killing it after [`RUN_LIMIT`].
 fn perf(args: &[&str]) -> Run {
-    let mut child = Command::new(PERF)
-        .args(args)
-        .arg("-q")
-        .env_remove("NEREID_API_KEY")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start nereid-perf");
-    let mut stdout = child.stdout.take().expect("piped");
-    let mut stderr = child.stderr.take().expect("piped");
-    let out = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
-    let err = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
-    });
-    let deadline = Instant::now() + RUN_LIMIT;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait on nereid-perf") {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("nereid-perf {args:?} ran past {RUN_LIMIT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    Run { status, stdout: out.join().unwrap_or_default(), stderr: err.join().unwrap_or_default() }
+    let mut cmd = Command::new(PERF);
+    cmd.args(args).arg("-q").env_remove("NEREID_API_KEY");
+    let o = common::run_bounded(cmd, &format!("nereid-perf {args:?}"), RUN_LIMIT, || {});
+    Run { status: o.status, stdout: o.stdout, stderr: o.stderr }
 }
 
 /// Exit 0, or 5 only because the open-loop generator fell behind on a busy machine.
