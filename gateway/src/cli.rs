@@ -178,7 +178,5 @@ impl Args {
 }
 
 fn default_gateway_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
-    let host = if host.is_empty() { "gateway".to_string() } else { host };
-    format!("{host}-{}", std::process::id())
+    format!("{}-{}", nereid_common::fleet::hostname("gateway"), std::process::id())
 }

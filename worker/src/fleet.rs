@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use nereid_common::fleet::etcd_client::{Client, DeleteOptions, EventType, GetOptions, PutOptions, WatchOptions};
 use nereid_common::fleet::records::{self, ModelState, PlacementRecord, StatusRecord, WorkerRecord, WorkerState};
-use nereid_common::fleet::{Backoff, Key, Keys};
+use nereid_common::fleet::{Backoff, CALL_TIMEOUT, Key, Keys, bounded, check_keepalive};
 use tokio::sync::watch;
 
 use crate::repository::Repository;
@@ -30,8 +30,6 @@ use crate::server::IndexEntry;
 
 /// How often model states are compared with what was last published.
 const STATUS_INTERVAL: Duration = Duration::from_millis(200);
-/// Bound on single etcd calls made inside a session.
-const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 
 #[derive(Clone, Debug)]
 pub struct FleetOptions {
@@ -162,17 +160,6 @@ struct Session<'a> {
 
 type SessionResult = Result<(), String>;
 
-async fn bounded<T>(
-    what: &str,
-    f: impl Future<Output = Result<T, nereid_common::fleet::etcd_client::Error>>,
-) -> Result<T, String> {
-    match tokio::time::timeout(CALL_TIMEOUT, f).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(format!("{what}: {e}")),
-        Err(_) => Err(format!("{what}: no answer within {CALL_TIMEOUT:?}")),
-    }
-}
-
 impl Session<'_> {
     /// Runs one session; `Ok` only when stopped.
     async fn run(&mut self, phase: &mut watch::Receiver<Phase>, previous_lease: Option<i64>) -> SessionResult {
@@ -220,12 +207,7 @@ impl Session<'_> {
         loop {
             tokio::select! {
                 _ = keepalive_tick.tick() => bounded("keep-alive", keeper.keep_alive()).await?,
-                msg = keepalives.message() => match msg {
-                    Ok(Some(r)) if r.ttl() > 0 => {}
-                    Ok(Some(_)) => return Err("the lease expired".into()),
-                    Ok(None) => return Err("the keep-alive stream closed".into()),
-                    Err(e) => return Err(format!("keep-alive: {e}")),
-                },
+                msg = keepalives.message() => check_keepalive(msg)?,
                 msg = watch.message() => {
                     let resp = msg.map_err(|e| format!("placement watch: {e}"))?.ok_or("the placement watch closed")?;
                     if resp.canceled() {

@@ -184,7 +184,7 @@ fn fleet_options(args: &Args, grpc_port: Option<u16>, http_port: Option<u16>) ->
     let host = if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host };
     let id = match &args.worker_id {
         Some(id) => id.clone(),
-        None => format!("{}-{grpc_port}", hostname()),
+        None => format!("{}-{grpc_port}", fleet::hostname("worker")),
     };
     let mut labels = std::collections::BTreeMap::new();
     for l in &args.labels {
@@ -210,14 +210,6 @@ fn fleet_options(args: &Args, grpc_port: Option<u16>, http_port: Option<u16>) ->
     };
     records::encode(&record).map_err(|e| anyhow::anyhow!("--worker-id / --advertise-address / --label: {e}"))?;
     Ok(Some(FleetOptions { endpoints, keys, record, lease_ttl: Duration::from_secs(args.etcd_lease_ttl_secs) }))
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "worker".to_string())
 }
 
 /// MemTotal from /proc/meminfo, in MiB (0 when unknown).

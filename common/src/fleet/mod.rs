@@ -68,6 +68,39 @@ pub async fn connect(endpoints: &[String]) -> Result<etcd_client::Client, etcd_c
     etcd_client::Client::connect(endpoints, Some(connect_options())).await
 }
 
+/// Bound on one etcd call made by a Nereid component (connect, read, write, grant, revoke).
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Awaits one etcd call, bounded by [`CALL_TIMEOUT`]; the error names `what`.
+pub async fn bounded<T>(what: &str, f: impl Future<Output = Result<T, etcd_client::Error>>) -> Result<T, String> {
+    match tokio::time::timeout(CALL_TIMEOUT, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(format!("{what}: {e}")),
+        Err(_) => Err(format!("{what}: no answer within {CALL_TIMEOUT:?}")),
+    }
+}
+
+/// Checks one message of a lease's keep-alive stream: `Ok` while the lease lives.
+pub fn check_keepalive(
+    msg: Result<Option<etcd_client::LeaseKeepAliveResponse>, etcd_client::Error>,
+) -> Result<(), String> {
+    match msg {
+        Ok(Some(r)) if r.ttl() > 0 => Ok(()),
+        Ok(Some(_)) => Err("the lease expired".into()),
+        Ok(None) => Err("the keep-alive stream closed".into()),
+        Err(e) => Err(format!("keep-alive: {e}")),
+    }
+}
+
+/// This host's name (for default worker and gateway ids), `fallback` when unknown.
+pub fn hostname(fallback: &str) -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| fallback.to_string())
+}
+
 /// Bounded exponential back-off for reconnect loops: 100 ms doubling to 2 s.
 #[derive(Debug)]
 pub struct Backoff {

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use nereid_common::fleet::etcd_client::{Client, EventType, GetOptions, WatchOptions};
 use nereid_common::fleet::records::{ModelState, WorkerState as RecordState};
-use nereid_common::fleet::{self, Backoff, FleetState, Keys};
+use nereid_common::fleet::{self, Backoff, FleetState, Keys, bounded};
 use nereid_proto::inference::repository_index_response::ModelIndex;
 use tokio_util::sync::CancellationToken;
 
@@ -35,7 +35,6 @@ use crate::upstream::Upstream;
 /// While connected, the table is republished this often even without events (so its age says
 /// how current it is).
 const REFRESH_INTERVAL: Duration = Duration::from_secs(1);
-const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 
 pub struct EtcdMembership {
     endpoints: Vec<String>,
@@ -84,11 +83,7 @@ impl EtcdMembership {
 
     /// Reads everything under the prefix and notes its revision.
     async fn resync(&mut self, client: &mut Client) -> Result<(), String> {
-        let resp =
-            tokio::time::timeout(CALL_TIMEOUT, client.get(self.keys.all(), Some(GetOptions::new().with_prefix())))
-                .await
-                .map_err(|_| "read: no answer".to_string())?
-                .map_err(|e| format!("read: {e}"))?;
+        let resp = bounded("read", client.get(self.keys.all(), Some(GetOptions::new().with_prefix()))).await?;
         let (state, rejected) = self.state.reread(&self.keys, resp.kvs().iter().map(|kv| (kv.key(), kv.value())));
         for r in rejected {
             tracing::warn!("{r}; keeping the last good value");
@@ -147,11 +142,9 @@ impl EtcdMembership {
     /// One connection: (re)read if needed, watch from the next revision, apply events until
     /// the watch breaks or shutdown.
     async fn follow(&mut self, publisher: &RoutesPublisher, shutdown: &CancellationToken, resync: bool) -> Disconnect {
-        let connect = tokio::time::timeout(CALL_TIMEOUT, fleet::connect(&self.endpoints));
-        let mut client = match connect.await {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => return Disconnect::Resume(format!("connect: {e}")),
-            Err(_) => return Disconnect::Resume("connect: no answer".into()),
+        let mut client = match bounded("connect", fleet::connect(&self.endpoints)).await {
+            Ok(c) => c,
+            Err(e) => return Disconnect::Resume(e),
         };
         if resync || self.revision == 0 {
             if let Err(e) = self.resync(&mut client).await {
@@ -160,10 +153,9 @@ impl EtcdMembership {
             self.publish(publisher);
         }
         let options = WatchOptions::new().with_prefix().with_start_revision(self.revision + 1).with_progress_notify();
-        let mut watch = match tokio::time::timeout(CALL_TIMEOUT, client.watch(self.keys.all(), Some(options))).await {
-            Ok(Ok(w)) => w,
-            Ok(Err(e)) => return Disconnect::Resume(format!("watch: {e}")),
-            Err(_) => return Disconnect::Resume("watch: no answer".into()),
+        let mut watch = match bounded("watch", client.watch(self.keys.all(), Some(options))).await {
+            Ok(w) => w,
+            Err(e) => return Disconnect::Resume(e),
         };
         self.metrics.etcd_watch_connected.set(1);
         tracing::info!(revision = self.revision, "following etcd");

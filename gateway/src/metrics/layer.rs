@@ -55,11 +55,10 @@ where
     }
 
     fn call(&mut self, call: InferCall) -> Self::Future {
+        // One snapshot per request, kept for labelling the served version too.
         let table = self.routes.snapshot();
         let model = table.model_label(call.model()).to_string();
         let version = table.version_label(call.model(), call.version);
-        drop(table);
-        let routes = self.routes.clone();
         let record = Record { metrics: self.metrics.clone(), model, version, start: Instant::now(), code: None };
         let fut = self.inner.call(call);
         Box::pin(async move {
@@ -69,7 +68,7 @@ where
             record.code = Some(match &result {
                 Ok(response) => {
                     if let Ok(served) = response.model_version.parse::<i64>() {
-                        let label = routes.snapshot().version_label(&response.model_name, Some(served));
+                        let label = table.version_label(&response.model_name, Some(served));
                         if !label.is_empty() {
                             record.version = label;
                         }

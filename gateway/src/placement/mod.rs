@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use nereid_common::fleet::etcd_client::{Client, Compare, CompareOp, GetOptions, LeaderKey, Txn, TxnOp, WatchOptions};
 use nereid_common::fleet::records::{self, ModelState, PlacementRecord};
-use nereid_common::fleet::{self, Assignment, Backoff, FleetState, Keys};
+use nereid_common::fleet::{self, Assignment, Backoff, CALL_TIMEOUT, FleetState, Keys, bounded, check_keepalive};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::EtcdConfig;
@@ -32,7 +32,6 @@ const REPLAN_INTERVAL: Duration = Duration::from_secs(2);
 const DEBOUNCE: Duration = Duration::from_millis(50);
 /// etcd's default limit on operations per transaction.
 const MAX_TXN_OPS: usize = 128;
-const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 
 pub struct PlacementController {
     config: EtcdConfig,
@@ -40,14 +39,6 @@ pub struct PlacementController {
     /// The fleet as last read, across terms: a value rejected as invalid keeps its last good
     /// value here, so a bad write to `models/<m>` never un-places the model.
     last: FleetState,
-}
-
-async fn bounded<T>(what: &str, f: impl Future<Output = Result<T, fleet::etcd_client::Error>>) -> Result<T, String> {
-    match tokio::time::timeout(CALL_TIMEOUT, f).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(format!("{what}: {e}")),
-        Err(_) => Err(format!("{what}: no answer within {CALL_TIMEOUT:?}")),
-    }
 }
 
 impl PlacementController {
@@ -211,15 +202,4 @@ impl PlacementController {
 
 fn is_placement(keys: &Keys, key: &[u8]) -> bool {
     matches!(keys.parse(key), Some(fleet::Key::Placement { .. }))
-}
-
-fn check_keepalive(
-    msg: Result<Option<fleet::etcd_client::LeaseKeepAliveResponse>, fleet::etcd_client::Error>,
-) -> Result<(), String> {
-    match msg {
-        Ok(Some(r)) if r.ttl() > 0 => Ok(()),
-        Ok(Some(_)) => Err("the election lease expired".into()),
-        Ok(None) => Err("the keep-alive stream closed".into()),
-        Err(e) => Err(format!("keep-alive: {e}")),
-    }
 }
