@@ -15,6 +15,7 @@ use nereid_gateway::call::InferCall;
 use nereid_gateway::config::OutlierConfig;
 use nereid_gateway::routing::{self, RoutingTable, WorkerState, WorkerView};
 use nereid_gateway::upstream::Upstream;
+use nereid_gateway::wire::InferRequest;
 use nereid_proto::inference::ModelInferRequest;
 use nereid_proto::inference::repository_index_response::ModelIndex;
 use std::sync::Arc;
@@ -59,7 +60,7 @@ async fn main() {
     let calls: Vec<InferCall> = (0..MODELS)
         .map(|m| {
             InferCall::new(
-                ModelInferRequest { model_name: format!("model-{m}"), ..Default::default() },
+                InferRequest::encode(&ModelInferRequest { model_name: format!("model-{m}"), ..Default::default() }),
                 None,
                 Instant::now() + Duration::from_secs(60),
             )

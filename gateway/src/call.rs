@@ -1,17 +1,16 @@
 //! [`InferCall`]: one inference request as it travels down the gateway's stack. Cloning it is
-//! cheap (the tensors are behind an `Arc`), so retries re-send the same encoded-once message.
+//! cheap (the encoded bytes are shared), so retries re-send the same bytes.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nereid_proto::inference::ModelInferRequest;
-
 use crate::deadline::Deadlined;
 use crate::upstream::{Upstream, UpstreamId};
+use crate::wire::InferRequest;
 
 #[derive(Clone, Debug)]
 pub struct InferCall {
-    pub request: Arc<ModelInferRequest>,
+    pub request: InferRequest,
     /// `request.model_version` parsed (`None`: the latest ready version).
     pub version: Option<i64>,
     /// When the gateway gives up: the client's deadline capped by `--request-timeout-ms`.
@@ -23,12 +22,12 @@ pub struct InferCall {
 }
 
 impl InferCall {
-    pub fn new(request: ModelInferRequest, version: Option<i64>, deadline: Instant) -> Self {
-        InferCall { request: Arc::new(request), version, deadline, excluded: Vec::new(), target: None }
+    pub fn new(request: InferRequest, version: Option<i64>, deadline: Instant) -> Self {
+        InferCall { request, version, deadline, excluded: Vec::new(), target: None }
     }
 
     pub fn model(&self) -> &str {
-        &self.request.model_name
+        &self.request.header.model_name
     }
 }
 

@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use nereid_proto::inference::{ModelInferRequest, ModelInferResponse};
 use nereid_worker::server::parse_version;
 use tower::ServiceExt;
 
@@ -14,6 +13,7 @@ use crate::control::Control;
 use crate::error::GatewayError;
 use crate::routing::Routes;
 use crate::stack::InferService;
+use crate::wire::{InferRequest, InferResponse};
 
 /// What both ingresses share. Cheap to clone.
 #[derive(Clone)]
@@ -37,13 +37,9 @@ impl Ingress {
         effective_deadline(client, self.request_timeout, now)
     }
 
-    /// Runs one inference down the stack.
-    pub async fn infer(
-        &self,
-        request: ModelInferRequest,
-        deadline: Instant,
-    ) -> Result<ModelInferResponse, GatewayError> {
-        let version = parse_version(&request.model_name, &request.model_version)?;
+    /// Runs one (encoded) inference down the stack.
+    pub async fn infer(&self, request: InferRequest, deadline: Instant) -> Result<InferResponse, GatewayError> {
+        let version = parse_version(&request.header.model_name, &request.header.model_version)?;
         self.infer.clone().oneshot(InferCall::new(request, version, deadline)).await
     }
 }

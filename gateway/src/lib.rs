@@ -30,3 +30,4 @@ pub mod retry;
 pub mod routing;
 pub mod stack;
 pub mod upstream;
+pub mod wire;

@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use nereid_proto::inference::ModelInferResponse;
 use tower::ServiceBuilder;
 use tower::util::BoxCloneSyncService;
 
@@ -18,9 +17,10 @@ use crate::forward::Forward;
 use crate::metrics::{GatewayMetrics, RequestMetricsLayer};
 use crate::retry::{RetryBudget, RetryLayer, SafeRetry};
 use crate::routing::Routes;
+use crate::wire::InferResponse;
 
 /// The boxed stack: cheap to clone (one clone per request).
-pub type InferService = BoxCloneSyncService<InferCall, ModelInferResponse, GatewayError>;
+pub type InferService = BoxCloneSyncService<InferCall, InferResponse, GatewayError>;
 
 pub fn infer_stack(config: &GatewayConfig, routes: &Routes, metrics: &GatewayMetrics) -> InferService {
     let budget = Arc::new(RetryBudget::new(config.retry.budget_percent, config.retry.min_per_sec, Instant::now()));

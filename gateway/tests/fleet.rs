@@ -337,3 +337,67 @@ async fn a_worker_draining_on_sigterm_under_load_fails_no_request() {
         gateway.log()
     );
 }
+
+/// Infer bytes go through undecoded: the gateway checks only the top-level framing (refusing a
+/// broken message itself, naming the field), the worker refuses a malformed tensor; either way
+/// INVALID_ARGUMENT, and everyone else keeps being served. A failed request on a stream is an
+/// error message carrying the request's id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_protobuf_is_refused_and_the_gateway_keeps_serving() {
+    use nereid_gateway::wire::BytesCodec;
+    use prost::Message;
+
+    let (_a, _b, gateway) = fleet().await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", gateway.grpc_addr()))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let send = |body: Vec<u8>| {
+        let channel = channel.clone();
+        async move {
+            let mut grpc = tonic::client::Grpc::new(channel);
+            grpc.ready().await.unwrap();
+            let path =
+                tonic::codegen::http::uri::PathAndQuery::from_static("/inference.GRPCInferenceService/ModelInfer");
+            grpc.unary(tonic::Request::new(bytes::Bytes::from(body)), path, BytesCodec::<bytes::Bytes>::default()).await
+        }
+    };
+
+    let good = fp32_request("identity_fp32", "", &[1, 16], |i| i as f32).encode_to_vec();
+    // Cut inside the tensor bytes: the top-level framing is broken, the gateway refuses it.
+    let e = send(good[..good.len() - 5].to_vec()).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("malformed ModelInferRequest") && e.message().contains("past the end"), "{e:?}");
+    // model_name encoded as a number.
+    let e = send(vec![0x08, 0x01]).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("model_name"), "{e:?}");
+
+    // Sound framing, garbage inside `inputs` (field 5): the worker decodes and refuses it.
+    let mut nested = ModelInferRequest { model_name: "identity_fp32".into(), ..Default::default() }.encode_to_vec();
+    nested.extend([0x2a, 0x03, 0xff, 0xff, 0xff]);
+    let e = send(nested).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+
+    // The good bytes, through the same raw path: answered, bit for bit the input.
+    let answer = ModelInferResponse::decode(send(good).await.unwrap().into_inner()).unwrap();
+    assert_eq!(answer.model_name, "identity_fp32");
+    let want: Vec<u8> = (0..16).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    assert_eq!(answer.raw_output_contents[0], want);
+
+    // A stream with one good and one unknown-model request: one answer, one error message.
+    let mut through = gateway.client().await;
+    let mut bad = fp32_request("no_such_model", "", &[1, 16], |_| 0.0);
+    bad.id = "bad-1".into();
+    let mut ok = fp32_request("identity_fp32", "", &[1, 16], |_| 1.0);
+    ok.id = "ok-1".into();
+    let stream = through.model_stream_infer(futures::stream::iter(vec![bad, ok])).await.unwrap().into_inner();
+    let results: Vec<_> = futures::StreamExt::collect::<Vec<_>>(stream).await;
+    let mut replies: Vec<ModelStreamInferResponse> = results.into_iter().map(Result::unwrap).collect();
+    replies.sort_by_key(|r| r.infer_response.as_ref().unwrap().id.clone());
+    assert!(replies[0].error_message.contains("no_such_model"), "{:?}", replies[0]);
+    assert_eq!(replies[0].infer_response.as_ref().unwrap().id, "bad-1");
+    assert_eq!(replies[1].error_message, "");
+    assert_eq!(replies[1].infer_response.as_ref().unwrap().id, "ok-1");
+}

@@ -1,28 +1,26 @@
 //! Forward: sends an [`InferCall`] to the worker the balancer picked, over that worker's pooled
 //! HTTP/2 channel, with the call's remaining time as the outgoing `grpc-timeout`. The request's
-//! tensors are not touched: the message decoded at ingress is re-encoded as it is.
+//! tensors are not touched: the bytes received at ingress are sent as they are, and the
+//! worker's answer comes back as bytes too ([`crate::wire`]).
 //!
 //! Each failure is classified once ([`FailureKind`]) by what it proves about the request — the
 //! basis of both retry safety and outlier ejection — and the outcome is fed to the worker's
 //! outlier detector. While the call is in flight it counts as outstanding on the worker.
 
-mod codec;
-
 use std::task::{Context, Poll};
 use std::time::Instant;
 
 use futures::future::BoxFuture;
-use nereid_proto::inference::{ModelInferRequest, ModelInferResponse};
 use nereid_worker::grpc::convert::deadline_margin;
 use prometheus::IntCounter;
 use tonic::codegen::http::uri::PathAndQuery;
 use tower::Service;
 
-pub use self::codec::SharedCodec;
 use crate::call::InferCall;
 use crate::error::GatewayError;
 use crate::outlier::Outcome;
 use crate::upstream::{Upstream, UpstreamId};
+use crate::wire::{BytesCodec, InferResponse};
 
 const MODEL_INFER_PATH: &str = "/inference.GRPCInferenceService/ModelInfer";
 
@@ -166,9 +164,9 @@ impl Forward {
 }
 
 impl Service<InferCall> for Forward {
-    type Response = ModelInferResponse;
+    type Response = InferResponse;
     type Error = GatewayError;
-    type Future = BoxFuture<'static, Result<ModelInferResponse, GatewayError>>;
+    type Future = BoxFuture<'static, Result<InferResponse, GatewayError>>;
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), GatewayError>> {
         Poll::Ready(Ok(()))
@@ -179,11 +177,15 @@ impl Service<InferCall> for Forward {
         Box::pin(async move {
             let worker = call.target.clone().expect("the balancer sets the target before forwarding");
             let _outstanding = worker.start_request();
-            let mut request = tonic::Request::new(call.request);
+            let mut request = tonic::Request::new(call.request.bytes);
             request.set_timeout(outgoing_timeout(call.deadline, Instant::now()));
-            let result = unary::<ModelInferRequest, ModelInferResponse>(&worker, MODEL_INFER_PATH, request).await;
+            let result = unary_bytes(&worker, MODEL_INFER_PATH, request).await;
             record_outcome(&worker, result.as_ref().map(|_| ()), &ejections);
-            Ok(result?)
+            let bytes = result?;
+            // A worker's answer is well-formed; one that is not is the worker's failure.
+            InferResponse::from_bytes(bytes).map_err(|e| {
+                GatewayError::from(UpstreamError::new(worker.id.clone(), tonic::Status::internal(e.to_string())))
+            })
         })
     }
 }
@@ -196,21 +198,19 @@ pub fn outgoing_timeout(deadline: Instant, now: Instant) -> std::time::Duration 
     left - deadline_margin(left)
 }
 
-/// One unary call on `worker`'s channel with a shared (`Arc`) request message.
-pub async fn unary<T, U>(
+/// One unary call on `worker`'s channel with an encoded request; the answer stays encoded.
+pub async fn unary_bytes(
     worker: &Upstream,
     path: &'static str,
-    request: tonic::Request<std::sync::Arc<T>>,
-) -> Result<U, UpstreamError>
-where
-    T: prost::Message + Send + Sync + 'static,
-    U: prost::Message + Default + Send + 'static,
-{
+    request: tonic::Request<bytes::Bytes>,
+) -> Result<bytes::Bytes, UpstreamError> {
     let mut grpc = tonic::client::Grpc::new(worker.channel()).max_decoding_message_size(usize::MAX);
     let err = |status| UpstreamError::new(worker.id.clone(), status);
     grpc.ready().await.map_err(|e| err(tonic::Status::from_error(e.into())))?;
-    let response =
-        grpc.unary(request, PathAndQuery::from_static(path), SharedCodec::<T, U>::default()).await.map_err(err)?;
+    let response = grpc
+        .unary(request, PathAndQuery::from_static(path), BytesCodec::<bytes::Bytes>::default())
+        .await
+        .map_err(err)?;
     if let Some(queue) = response
         .metadata()
         .get(nereid_common::fleet::QUEUE_REPORT_HEADER)

@@ -1,6 +1,6 @@
 //! gRPC ingress: `inference.GRPCInferenceService`, so tritonclient and perf_analyzer point at
-//! the gateway unchanged. Inference goes down the [`crate::stack`]; the other model calls to
-//! [`Control`]. The repository load/unload and shared-memory RPCs answer UNIMPLEMENTED (the
+//! the gateway unchanged. Inference goes down the [`crate::stack`] as encoded bytes (the
+//! tensors are never decoded: [`crate::wire`]); the other model calls to [`Control`]. The repository load/unload and shared-memory RPCs answer UNIMPLEMENTED (the
 //! generated default stubs): placement, not clients, decides what workers load.
 //!
 //! Deadlines: `grpc-timeout` (brought forward by the worker's margin, so the gateway answers
@@ -11,6 +11,7 @@
 
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use futures::Stream;
 use futures::future::BoxFuture;
 use nereid_proto::inference::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
@@ -28,6 +29,7 @@ use crate::call::{DEADLINE_HEADER, parse_deadline_ms};
 use crate::error::GatewayError;
 use crate::ingress::Ingress;
 use crate::upstream::{HTTP2_CONNECTION_WINDOW, HTTP2_STREAM_WINDOW};
+use crate::wire::{BytesCodec, InferRequest, StreamReply, WireEncode};
 
 /// Most requests of one `ModelStreamInfer` stream in flight at once.
 pub const MAX_STREAM_IN_FLIGHT: usize = 1024;
@@ -44,8 +46,6 @@ type TonicResult<T> = Result<Response<T>, tonic::Status>;
 #[derive(Clone)]
 pub struct GatewayGrpc {
     ingress: Ingress,
-    /// When cancelled, open streams stop reading requests, finish those in flight and end.
-    shutdown: CancellationToken,
 }
 
 /// The client's deadline from `grpc-timeout` or `x-nereid-deadline-ms`, the earlier of both.
@@ -96,52 +96,6 @@ impl GrpcInferenceService for GatewayGrpc {
         Ok(Response::new(m))
     }
 
-    async fn model_infer(&self, request: Request<ModelInferRequest>) -> TonicResult<ModelInferResponse> {
-        let now = Instant::now();
-        let deadline = self.ingress.deadline(client_deadline(request.metadata(), now), now);
-        // Awaited in place: if the client goes away, tonic drops this future and with it the
-        // forwarded call (the worker sees a cancelled RPC).
-        let response = self.ingress.infer(request.into_inner(), deadline).await.map_err(|e| e.to_grpc())?;
-        Ok(Response::new(response))
-    }
-
-    async fn model_stream_infer(
-        &self,
-        request: Request<tonic::Streaming<ModelInferRequest>>,
-    ) -> TonicResult<BoxStream<ModelStreamInferResponse>> {
-        // A stream's deadline bounds every request on it.
-        let stream_deadline = client_deadline(request.metadata(), Instant::now());
-        let ingress = self.ingress.clone();
-        let run = move |req: ModelInferRequest| -> BoxFuture<'static, ModelStreamInferResponse> {
-            let ingress = ingress.clone();
-            Box::pin(async move {
-                let deadline = ingress.deadline(stream_deadline, Instant::now());
-                let (id, model_name, model_version) =
-                    (req.id.clone(), req.model_name.clone(), req.model_version.clone());
-                match ingress.infer(req, deadline).await {
-                    Ok(response) => {
-                        ModelStreamInferResponse { error_message: String::new(), infer_response: Some(response) }
-                    }
-                    Err(e) => {
-                        let status = e.to_grpc();
-                        ModelStreamInferResponse {
-                            error_message: status.message().to_string(),
-                            infer_response: Some(ModelInferResponse {
-                                model_name,
-                                model_version,
-                                id,
-                                ..Default::default()
-                            }),
-                        }
-                    }
-                }
-            })
-        };
-        let stream = InferStream::new(request.into_inner(), run, MAX_STREAM_IN_FLIGHT)
-            .stop_on(self.shutdown.clone().cancelled_owned());
-        Ok(Response::new(Box::pin(stream)))
-    }
-
     async fn model_config(&self, request: Request<ModelConfigRequest>) -> TonicResult<ModelConfigResponse> {
         let deadline = self.ingress.deadline(client_deadline(request.metadata(), Instant::now()), Instant::now());
         let r = request.into_inner();
@@ -174,11 +128,12 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let max_request = ingress.max_request_bytes;
-    let service = GrpcInferenceServiceServer::new(GatewayGrpc { ingress, shutdown: shutdown.clone() })
+    let generated = GrpcInferenceServiceServer::new(GatewayGrpc { ingress: ingress.clone() })
         .max_decoding_message_size(max_request)
         .max_encoding_message_size(usize::MAX)
         .accept_compressed(CompressionEncoding::Gzip)
         .accept_compressed(CompressionEncoding::Deflate);
+    let service = InferenceService { generated, infer: InferHandler { ingress, shutdown: shutdown.clone() } };
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(60)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
@@ -190,6 +145,127 @@ pub async fn serve(
         .add_service(service)
         .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())
         .await
+}
+
+const MODEL_INFER_PATH: &str = "/inference.GRPCInferenceService/ModelInfer";
+const MODEL_STREAM_INFER_PATH: &str = "/inference.GRPCInferenceService/ModelStreamInfer";
+
+/// `inference.GRPCInferenceService`: `ModelInfer` and `ModelStreamInfer` are served on encoded
+/// messages ([`BytesCodec`]: the tensors pass through undecoded), every other method by the
+/// generated server (which answers UNIMPLEMENTED for the two infer methods, never reached).
+#[derive(Clone)]
+struct InferenceService {
+    generated: GrpcInferenceServiceServer<GatewayGrpc>,
+    infer: InferHandler,
+}
+
+impl tonic::server::NamedService for InferenceService {
+    const NAME: &'static str = <GrpcInferenceServiceServer<GatewayGrpc> as tonic::server::NamedService>::NAME;
+}
+
+impl tower::Service<http::Request<tonic::body::Body>> for InferenceService {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, _cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        let max_request = self.infer.ingress.max_request_bytes;
+        match request.uri().path() {
+            MODEL_INFER_PATH => {
+                let handler = self.infer.clone();
+                Box::pin(async move { Ok(bytes_server::<Bytes>(max_request).unary(handler, request).await) })
+            }
+            MODEL_STREAM_INFER_PATH => {
+                let handler = self.infer.clone();
+                Box::pin(async move { Ok(bytes_server::<StreamReply>(max_request).streaming(handler, request).await) })
+            }
+            _ => Box::pin(tower::Service::call(&mut self.generated, request)),
+        }
+    }
+}
+
+/// A server-side call on encoded messages, configured as the generated server is.
+fn bytes_server<E: WireEncode>(max_request: usize) -> tonic::server::Grpc<BytesCodec<E>> {
+    tonic::server::Grpc::new(BytesCodec::default())
+        .accept_compressed(CompressionEncoding::Gzip)
+        .accept_compressed(CompressionEncoding::Deflate)
+        .max_decoding_message_size(max_request)
+        .max_encoding_message_size(usize::MAX)
+}
+
+/// The two infer methods, on encoded messages.
+#[derive(Clone)]
+struct InferHandler {
+    ingress: Ingress,
+    /// When cancelled, open streams stop reading requests, finish those in flight and end.
+    shutdown: CancellationToken,
+}
+
+/// A request whose top-level framing is broken is refused here, naming the field.
+fn decode_request(bytes: Bytes) -> Result<InferRequest, tonic::Status> {
+    InferRequest::from_bytes(bytes).map_err(|e| tonic::Status::invalid_argument(e.to_string()))
+}
+
+impl tonic::server::UnaryService<Bytes> for InferHandler {
+    type Response = Bytes;
+    type Future = BoxFuture<'static, TonicResult<Bytes>>;
+
+    fn call(&mut self, request: Request<Bytes>) -> Self::Future {
+        let ingress = self.ingress.clone();
+        Box::pin(async move {
+            let now = Instant::now();
+            let deadline = ingress.deadline(client_deadline(request.metadata(), now), now);
+            let request = decode_request(request.into_inner())?;
+            // Awaited in place: if the client goes away, tonic drops this future and with it the
+            // forwarded call (the worker sees a cancelled RPC).
+            let response = ingress.infer(request, deadline).await.map_err(|e| e.to_grpc())?;
+            Ok(Response::new(response.bytes))
+        })
+    }
+}
+
+impl tonic::server::StreamingService<Bytes> for InferHandler {
+    type Response = StreamReply;
+    type ResponseStream = BoxStream<StreamReply>;
+    type Future = BoxFuture<'static, TonicResult<BoxStream<StreamReply>>>;
+
+    fn call(&mut self, request: Request<tonic::Streaming<Bytes>>) -> Self::Future {
+        // A stream's deadline bounds every request on it.
+        let stream_deadline = client_deadline(request.metadata(), Instant::now());
+        let ingress = self.ingress.clone();
+        let stop = self.shutdown.clone().cancelled_owned();
+        let run = move |bytes: Bytes| -> BoxFuture<'static, StreamReply> {
+            let ingress = ingress.clone();
+            Box::pin(async move {
+                let result = match decode_request(bytes) {
+                    Ok(request) => {
+                        let deadline = ingress.deadline(stream_deadline, Instant::now());
+                        let header = request.header.clone();
+                        ingress.infer(request, deadline).await.map_err(|e| (e.to_grpc(), header))
+                    }
+                    Err(status) => Err((status, Default::default())),
+                };
+                match result {
+                    Ok(response) => StreamReply::Ok(response.bytes),
+                    Err((status, header)) => StreamReply::Err(ModelStreamInferResponse {
+                        error_message: status.message().to_string(),
+                        infer_response: Some(ModelInferResponse {
+                            model_name: header.model_name.clone(),
+                            model_version: header.model_version.clone(),
+                            id: header.id.clone(),
+                            ..Default::default()
+                        }),
+                    }),
+                }
+            })
+        };
+        let stream = InferStream::new(request.into_inner(), run, MAX_STREAM_IN_FLIGHT).stop_on(stop);
+        Box::pin(async move { Ok(Response::new(Box::pin(stream) as BoxStream<StreamReply>)) })
+    }
 }
 
 /// Accepted connections with `TCP_NODELAY`; a short pause after an accept error (e.g. EMFILE)

@@ -38,6 +38,7 @@ use crate::grpc::{EXTENSIONS, SERVER_NAME, SERVER_VERSION};
 use crate::ingress::Ingress;
 use crate::metrics::GatewayMetrics;
 use crate::routing::Routes;
+use crate::wire::InferRequest;
 
 /// Bodies larger than this are parsed / rendered on the blocking pool.
 const OFFLOAD_JSON_BYTES: usize = 256 << 10;
@@ -250,17 +251,21 @@ async fn infer(
     let body = read_body(&headers, body, max).await?;
 
     let heavy = header_length.unwrap_or(body.len()).min(body.len()) > OFFLOAD_JSON_BYTES;
+    // Converted once, to the encoded gRPC request the stack forwards as it is.
     let (request, format) = maybe_offload(heavy, move || {
         let ParsedInfer { request, format } = parse_infer_request(&name, version, body, header_length, max)?;
-        Ok((infer_request_to_proto(request), format))
+        Ok((InferRequest::encode(&infer_request_to_proto(request)), format))
     })
     .await?;
 
     // Awaited here: if the client goes away, this future and the forwarded call are dropped.
     let response = ingress.infer(request, deadline).await?;
 
-    let heavy = response.raw_output_contents.iter().map(Vec::len).sum::<usize>() > OFFLOAD_JSON_BYTES / 4;
+    let heavy = response.bytes.len() > OFFLOAD_JSON_BYTES / 4;
     let rendered = maybe_offload(heavy, move || {
+        let response = response
+            .decode()
+            .map_err(|e| Status::internal(format!("the worker's answer could not be decoded: {e}")))?;
         let response = infer_response_from_proto(response)?;
         render_infer_response(&response, &format)
     })

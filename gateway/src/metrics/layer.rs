@@ -7,13 +7,13 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use futures::future::BoxFuture;
-use nereid_proto::inference::ModelInferResponse;
 use tower::{Layer, Service};
 
 use super::GatewayMetrics;
 use crate::call::InferCall;
 use crate::error::{GatewayError, code_label};
 use crate::routing::Routes;
+use crate::wire::InferResponse;
 
 #[derive(Clone)]
 pub struct RequestMetricsLayer {
@@ -43,7 +43,7 @@ pub struct RequestMetrics<S> {
 
 impl<S> Service<InferCall> for RequestMetrics<S>
 where
-    S: Service<InferCall, Response = ModelInferResponse, Error = GatewayError>,
+    S: Service<InferCall, Response = InferResponse, Error = GatewayError>,
     S::Future: Send + 'static,
 {
     type Response = S::Response;
@@ -67,8 +67,8 @@ where
             let result = fut.await;
             record.code = Some(match &result {
                 Ok(response) => {
-                    if let Ok(served) = response.model_version.parse::<i64>() {
-                        let label = table.version_label(&response.model_name, Some(served));
+                    if let Ok(served) = response.header.model_version.parse::<i64>() {
+                        let label = table.version_label(&response.header.model_name, Some(served));
                         if !label.is_empty() {
                             record.version = label;
                         }

@@ -291,10 +291,10 @@ fn stream_error(e: Status, id: String, model_name: String, model_version: String
 /// the connection closed — drops the in-flight futures, which cancels their requests. A failed
 /// request yields an error *message*; only a broken request stream (e.g. an undecodable or
 /// oversized message) ends the RPC, with that status, after the requests already read finish.
-pub struct InferStream<S, F> {
+pub struct InferStream<S, F, R = ModelStreamInferResponse> {
     incoming: Option<S>,
     run: F,
-    in_flight: FuturesUnordered<BoxFuture<'static, ModelStreamInferResponse>>,
+    in_flight: FuturesUnordered<BoxFuture<'static, R>>,
     limit: usize,
     /// Set when the request stream failed; reported once the in-flight requests drained.
     error: Option<tonic::Status>,
@@ -302,10 +302,10 @@ pub struct InferStream<S, F> {
     stop: Option<BoxFuture<'static, ()>>,
 }
 
-impl<S, F> InferStream<S, F>
+impl<S, F, Q, R> InferStream<S, F, R>
 where
-    S: Stream<Item = Result<ModelInferRequest, tonic::Status>> + Unpin + Send,
-    F: FnMut(ModelInferRequest) -> BoxFuture<'static, ModelStreamInferResponse> + Unpin + Send,
+    S: Stream<Item = Result<Q, tonic::Status>> + Unpin + Send,
+    F: FnMut(Q) -> BoxFuture<'static, R> + Unpin + Send,
 {
     pub fn new(incoming: S, run: F, limit: usize) -> Self {
         InferStream {
@@ -326,12 +326,12 @@ where
     }
 }
 
-impl<S, F> Stream for InferStream<S, F>
+impl<S, F, Q, R> Stream for InferStream<S, F, R>
 where
-    S: Stream<Item = Result<ModelInferRequest, tonic::Status>> + Unpin + Send,
-    F: FnMut(ModelInferRequest) -> BoxFuture<'static, ModelStreamInferResponse> + Unpin + Send,
+    S: Stream<Item = Result<Q, tonic::Status>> + Unpin + Send,
+    F: FnMut(Q) -> BoxFuture<'static, R> + Unpin + Send,
 {
-    type Item = Result<ModelStreamInferResponse, tonic::Status>;
+    type Item = Result<R, tonic::Status>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();

@@ -1,0 +1,340 @@
+//! Inference messages as they travel through the gateway: the encoded protobuf bytes, passed
+//! through untouched, plus the few top-level fields routing needs (`model_name`,
+//! `model_version`, `id`), read by a scan that skips every other field — tensors included —
+//! without decoding or copying it.
+//!
+//! A gRPC request arrives as one contiguous buffer; [`BytesCodec`] hands it over as [`Bytes`]
+//! (a reference-counted slice of the receive buffer) and writes it to the worker as it is; the
+//! worker's answer comes back the same way. The worker alone decodes the tensors, and answers
+//! INVALID_ARGUMENT for a malformed one. Only the top level is checked here: a request whose
+//! framing is broken never leaves the gateway.
+
+use bytes::{BufMut, Bytes};
+use prost::Message;
+use tonic::Status;
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+
+/// The top-level fields of a `ModelInferRequest` / `ModelInferResponse` the gateway reads:
+/// field numbers 1, 2 and 3 in both messages.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Header {
+    pub model_name: String,
+    pub model_version: String,
+    pub id: String,
+}
+
+const MODEL_NAME: u64 = 1;
+const MODEL_VERSION: u64 = 2;
+const ID: u64 = 3;
+
+/// Why [`scan`] refused a message: which field, and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed {message}: {reason}")]
+pub struct WireError {
+    message: &'static str,
+    reason: String,
+}
+
+/// Reads the [`Header`] of an encoded `message` (named in errors), checking the framing of
+/// every top-level field and skipping the contents of all but the header's. Later occurrences
+/// of a field win, as in protobuf decoding.
+pub fn scan(buf: &[u8], message: &'static str) -> Result<Header, WireError> {
+    let err = |reason: String| WireError { message, reason };
+    let mut header = Header::default();
+    let mut pos = 0;
+    while pos < buf.len() {
+        let key = varint(buf, &mut pos).ok_or_else(|| err(format!("truncated field key at byte {pos}")))?;
+        let (field, wire_type) = (key >> 3, key & 7);
+        if field == 0 {
+            return Err(err(format!("field number 0 at byte {pos}")));
+        }
+        let is_header = matches!(field, MODEL_NAME | MODEL_VERSION | ID);
+        if is_header && wire_type != 2 {
+            return Err(err(format!("field {} has wire type {wire_type}, expected 2 (string)", field_name(field))));
+        }
+        let end = match wire_type {
+            0 => {
+                varint(buf, &mut pos).ok_or_else(|| err(format!("truncated varint in field {field}")))?;
+                pos
+            }
+            1 => pos + 8,
+            2 => {
+                let len = varint(buf, &mut pos).ok_or_else(|| err(format!("truncated length of field {field}")))?;
+                usize::try_from(len).ok().and_then(|len| pos.checked_add(len)).unwrap_or(usize::MAX)
+            }
+            5 => pos + 4,
+            other => return Err(err(format!("field {field} has unsupported wire type {other}"))),
+        };
+        if end > buf.len() {
+            return Err(err(format!(
+                "field {} runs past the end of the message ({} bytes)",
+                field_name(field),
+                buf.len()
+            )));
+        }
+        if is_header {
+            let value = std::str::from_utf8(&buf[pos..end])
+                .map_err(|_| err(format!("field {} is not valid UTF-8", field_name(field))))?;
+            let slot = match field {
+                MODEL_NAME => &mut header.model_name,
+                MODEL_VERSION => &mut header.model_version,
+                _ => &mut header.id,
+            };
+            value.clone_into(slot);
+        }
+        pos = end;
+    }
+    Ok(header)
+}
+
+fn field_name(field: u64) -> String {
+    match field {
+        MODEL_NAME => "model_name".to_string(),
+        MODEL_VERSION => "model_version".to_string(),
+        ID => "id".to_string(),
+        n => n.to_string(),
+    }
+}
+
+/// A base-128 varint at `*pos`, advancing past it; `None` when truncated or longer than 10 bytes.
+fn varint(buf: &[u8], pos: &mut usize) -> Option<u64> {
+    let mut value = 0u64;
+    for shift in 0..10 {
+        let byte = *buf.get(*pos)?;
+        *pos += 1;
+        value |= u64::from(byte & 0x7f) << (7 * shift);
+        if byte < 0x80 {
+            return Some(value);
+        }
+    }
+    None
+}
+
+/// An encoded `ModelInferRequest` and its header. Cloning it (a retry) shares the bytes.
+#[derive(Clone, Debug)]
+pub struct InferRequest {
+    pub bytes: Bytes,
+    pub header: std::sync::Arc<Header>,
+}
+
+impl InferRequest {
+    /// A request received in encoded form (gRPC ingress).
+    pub fn from_bytes(bytes: Bytes) -> Result<Self, WireError> {
+        let header = scan(&bytes, "ModelInferRequest")?;
+        Ok(InferRequest { bytes, header: std::sync::Arc::new(header) })
+    }
+
+    /// A request built by the gateway (HTTP ingress), encoded once here.
+    pub fn encode(request: &nereid_proto::inference::ModelInferRequest) -> Self {
+        let header = Header {
+            model_name: request.model_name.clone(),
+            model_version: request.model_version.clone(),
+            id: request.id.clone(),
+        };
+        InferRequest { bytes: request.encode_to_vec().into(), header: std::sync::Arc::new(header) }
+    }
+}
+
+/// An encoded `ModelInferResponse` from a worker and its header.
+#[derive(Clone, Debug)]
+pub struct InferResponse {
+    pub bytes: Bytes,
+    pub header: Header,
+}
+
+impl InferResponse {
+    pub fn from_bytes(bytes: Bytes) -> Result<Self, WireError> {
+        let header = scan(&bytes, "ModelInferResponse")?;
+        Ok(InferResponse { bytes, header })
+    }
+
+    /// Decodes the whole message (HTTP egress renders it as JSON).
+    pub fn decode(&self) -> Result<nereid_proto::inference::ModelInferResponse, prost::DecodeError> {
+        nereid_proto::inference::ModelInferResponse::decode(self.bytes.clone())
+    }
+}
+
+/// A `ModelStreamInferResponse` to send: a worker's answer wrapped as its `infer_response`
+/// (field 2) without re-encoding it, or an error.
+#[derive(Debug)]
+pub enum StreamReply {
+    Ok(Bytes),
+    Err(nereid_proto::inference::ModelStreamInferResponse),
+}
+
+/// `ModelStreamInferResponse.infer_response`: field 2, length-delimited.
+const INFER_RESPONSE_KEY: u8 = (2 << 3) | 2;
+
+/// A codec that decodes a message to its bytes (zero-copy: a slice of the receive buffer) and
+/// encodes `E` by [`WireEncode`].
+pub struct BytesCodec<E>(std::marker::PhantomData<E>);
+
+impl<E> Default for BytesCodec<E> {
+    fn default() -> Self {
+        BytesCodec(std::marker::PhantomData)
+    }
+}
+
+/// How an outgoing item becomes a message body.
+pub trait WireEncode: Send + 'static {
+    /// Writes the message body; `buf` grows as needed (tonic's `EncodeBuf` does), so writing
+    /// cannot fail.
+    fn encode_to(self, buf: &mut impl BufMut);
+}
+
+impl WireEncode for Bytes {
+    fn encode_to(self, buf: &mut impl BufMut) {
+        buf.put(self);
+    }
+}
+
+impl WireEncode for StreamReply {
+    fn encode_to(self, buf: &mut impl BufMut) {
+        match self {
+            StreamReply::Ok(bytes) => {
+                buf.put_u8(INFER_RESPONSE_KEY);
+                prost::encoding::encode_varint(bytes.len() as u64, buf);
+                buf.put(bytes);
+            }
+            StreamReply::Err(message) => message.encode_raw(buf),
+        }
+    }
+}
+
+impl<E: WireEncode> Codec for BytesCodec<E> {
+    type Encode = E;
+    type Decode = Bytes;
+    type Encoder = WireEncoder<E>;
+    type Decoder = BytesDecoder;
+
+    fn encoder(&mut self) -> WireEncoder<E> {
+        WireEncoder(std::marker::PhantomData)
+    }
+
+    fn decoder(&mut self) -> BytesDecoder {
+        BytesDecoder
+    }
+}
+
+pub struct WireEncoder<E>(std::marker::PhantomData<E>);
+
+impl<E: WireEncode> Encoder for WireEncoder<E> {
+    type Item = E;
+    type Error = Status;
+
+    fn encode(&mut self, item: E, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        item.encode_to(buf);
+        Ok(())
+    }
+}
+
+pub struct BytesDecoder;
+
+impl Decoder for BytesDecoder {
+    type Item = Bytes;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, Status> {
+        use bytes::Buf;
+        Ok(Some(buf.copy_to_bytes(buf.remaining())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nereid_proto::inference::model_infer_request::InferInputTensor;
+    use nereid_proto::inference::{InferParameter, ModelInferRequest, ModelInferResponse, ModelStreamInferResponse};
+    use proptest::prelude::*;
+
+    fn request() -> ModelInferRequest {
+        ModelInferRequest {
+            model_name: "mlp_fp32".into(),
+            model_version: "2".into(),
+            id: "req-7".into(),
+            parameters: [("timeout".to_string(), InferParameter::default())].into(),
+            inputs: vec![InferInputTensor {
+                name: "INPUT0".into(),
+                datatype: "FP32".into(),
+                shape: vec![1, 4],
+                ..Default::default()
+            }],
+            raw_input_contents: vec![vec![7u8; 16], vec![]],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_header_is_read_and_everything_else_skipped() {
+        let bytes = request().encode_to_vec();
+        let h = scan(&bytes, "ModelInferRequest").unwrap();
+        assert_eq!(h, Header { model_name: "mlp_fp32".into(), model_version: "2".into(), id: "req-7".into() });
+        assert_eq!(scan(&[], "m").unwrap(), Header::default());
+    }
+
+    #[test]
+    fn a_later_occurrence_wins_as_in_protobuf() {
+        let mut bytes = request().encode_to_vec();
+        bytes.extend(ModelInferRequest { model_name: "other".into(), ..Default::default() }.encode_to_vec());
+        assert_eq!(scan(&bytes, "m").unwrap().model_name, "other");
+        assert_eq!(ModelInferRequest::decode(bytes.as_slice()).unwrap().model_name, "other");
+    }
+
+    #[test]
+    fn broken_framing_is_refused_with_the_field_named() {
+        let bytes = request().encode_to_vec();
+        // Cut inside the tensor bytes: the last field runs past the end.
+        let e = scan(&bytes[..bytes.len() - 3], "ModelInferRequest").unwrap_err();
+        assert!(e.to_string().contains("malformed ModelInferRequest: field 7 runs past the end"), "{e}");
+        // model_name as a varint.
+        let e = scan(&[0x08, 0x01], "m").unwrap_err();
+        assert!(e.to_string().contains("model_name has wire type 0"), "{e}");
+        // A truncated length, a group, field 0, invalid UTF-8.
+        assert!(scan(&[0x0a], "m").is_err());
+        assert!(scan(&[0x0b], "m").unwrap_err().to_string().contains("wire type 3"));
+        assert!(scan(&[0x00, 0x01], "m").unwrap_err().to_string().contains("field number 0"));
+        assert!(scan(&[0x0a, 0x01, 0xff], "m").unwrap_err().to_string().contains("UTF-8"));
+        // An over-long varint.
+        assert!(scan(&[0x80; 11], "m").is_err());
+    }
+
+    #[test]
+    fn a_stream_reply_wraps_the_workers_bytes_unchanged() {
+        let response = ModelInferResponse {
+            model_name: "m".into(),
+            raw_output_contents: vec![vec![1; 300]],
+            ..Default::default()
+        };
+        let bytes = Bytes::from(response.encode_to_vec());
+        let mut out = bytes::BytesMut::new();
+        StreamReply::Ok(bytes).encode_to(&mut out);
+        let decoded = ModelStreamInferResponse::decode(out.freeze()).unwrap();
+        assert_eq!(decoded.error_message, "");
+        assert_eq!(decoded.infer_response, Some(response));
+
+        let err = ModelStreamInferResponse { error_message: "bad".into(), infer_response: None };
+        let mut out = bytes::BytesMut::new();
+        StreamReply::Err(err.clone()).encode_to(&mut out);
+        assert_eq!(ModelStreamInferResponse::decode(out.freeze()).unwrap(), err);
+    }
+
+    proptest! {
+        /// On any encoding of a request, the scan agrees with prost's decoding.
+        #[test]
+        fn scan_agrees_with_prost(name in ".{0,12}", version in "[0-9]{0,3}", id in ".{0,8}",
+                                  raw in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..64), 0..4)) {
+            let r = ModelInferRequest { model_name: name, model_version: version, id, raw_input_contents: raw, ..request() };
+            let bytes = r.encode_to_vec();
+            let h = scan(&bytes, "m").unwrap();
+            prop_assert_eq!(&h.model_name, &r.model_name);
+            prop_assert_eq!(&h.model_version, &r.model_version);
+            prop_assert_eq!(&h.id, &r.id);
+        }
+
+        /// Arbitrary bytes never panic the scan.
+        #[test]
+        fn scan_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = scan(&bytes, "m");
+        }
+    }
+}
