@@ -1,8 +1,9 @@
 //! End to end: the `nereid-analyze` binary sweeping `identity_fp32` on a real `nereid-worker`
 //! (started by nereid-analyze itself, or by the test in explicit mode for `--url`), on real
 //! ONNX Runtime: results.json, the frontier, the recommended config.pbtxt parsing back,
-//! `--resume` skipping measured variants, quick search's bound, a load failure recorded, and
-//! the failure exits (unreachable server, worker that cannot start, server killed mid-sweep).
+//! `--resume` skipping measured variants, quick search's bound, a load failure recorded, a
+//! queue-policy sweep the worker accepts, and the failure exits (unreachable server, worker
+//! that cannot start, server killed mid-sweep).
 //! Tiny spaces and short windows; nothing asserts on speed.
 
 mod common;
@@ -11,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nereid_common::config::parse_model_config;
+use nereid_common::config::{dynamic_batching, parse_model_config};
 use serde_json::Value;
 
 const ANALYZE: &str = env!("CARGO_BIN_EXE_nereid-analyze");
@@ -210,6 +211,75 @@ fn quick_search_is_bounded_and_load_failures_are_recorded() {
     assert_eq!(start["status"], "load_failed", "{start}");
     assert!(start["reason"].as_str().unwrap().contains("dims"), "the server's reason is kept: {start}");
     assert!(report["recommended"]["key"].is_string());
+}
+
+#[test]
+fn a_queue_policy_sweep_loads_each_policy_and_writes_it_where_it_wins() {
+    let Some(worker) = worker_binary() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let m = models();
+    // 2 × 2: max_batch_size 0 does not match the model (the server refuses it) and cannot take
+    // a queue policy (skipped); max_batch_size 8 is measured with and without one. Two
+    // requests in flight never fill a queue of 4, so nothing is rejected for it.
+    let mut args = vec![
+        "--model-repository",
+        m.to_str().unwrap(),
+        "-m",
+        "identity_fp32",
+        "--worker-bin",
+        worker.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--instance-counts",
+        "1",
+        "--max-batch-sizes",
+        "0,8",
+        "--max-queue-delays-us",
+        "0",
+        "--max-queue-sizes",
+        "0,4",
+        "--max-p99-ms",
+        "5000",
+        "--concurrency",
+        "2",
+    ];
+    args.extend(SHORT);
+    let run = analyze(&args);
+    assert_eq!(run.code, 0, "{run}");
+
+    let report = read_json(&out.join("results.json"));
+    let rs = rows(&report);
+    let keys: Vec<&str> = rs.iter().map(|r| r["key"].as_str().unwrap()).collect();
+    assert_eq!(keys, ["i1_b0_p0_d0", "i1_b0_p0_d0_q4", "i1_b8_p0_d0", "i1_b8_p0_d0_q4"]);
+    let status: Vec<&str> = rs.iter().map(|r| r["status"].as_str().unwrap()).collect();
+    assert_eq!(status, ["load_failed", "skipped", "measured", "measured"], "{rs:?}");
+    assert!(rs[1]["reason"].as_str().unwrap().contains("queue policy"), "{}", rs[1]);
+    assert_eq!(report["space"]["max_queue_sizes"], serde_json::json!([0, 4]));
+    for r in &rs[2..] {
+        let q = r["variant"]["max_queue_size"].as_u64().unwrap_or(0);
+        let sent = r["config"]["dynamic_batching"]["default_queue_policy"]["max_queue_size"].as_u64().unwrap_or(0);
+        assert_eq!(sent, q, "the loaded config carries the variant's queue size: {r}");
+        assert!(r["measured"]["throughput_infer_per_sec"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert_eq!(rs[3]["variant"]["max_queue_size"], 4);
+    assert!(rs[2]["variant"].get("max_queue_size").is_none(), "no policy: the variant reads as before");
+
+    // Whichever wins, its config.pbtxt parses and has a queue policy exactly when it should.
+    let rec = report["recommended"]["key"].as_str().expect("a recommendation");
+    assert!(keys[2..].contains(&rec), "{rec}");
+    let text = std::fs::read_to_string(out.join("recommended/config.pbtxt")).expect("config.pbtxt written");
+    let config = parse_model_config(&text).expect("the recommended config parses back");
+    let policy = dynamic_batching(&config).and_then(|db| db.default_queue_policy);
+    assert_eq!(policy.map(|p| p.max_queue_size), rec.ends_with("_q4").then_some(4), "{text}");
+    assert_eq!(text.contains("default_queue_policy"), rec.ends_with("_q4"), "{text}");
+
+    let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
+    let lines: Vec<&str> = csv.lines().collect();
+    assert!(lines[0].ends_with(",max_queue_size,queue_timeout_us"), "{}", lines[0]);
+    assert!(lines[4].starts_with("i1_b8_p0_d0_q4,") && lines[4].ends_with(",4,0"), "{}", lines[4]);
+    let checkpoint = read_json(&out.join("checkpoint.json"));
+    assert_eq!(checkpoint["results"].as_array().unwrap().len(), 4);
 }
 
 #[test]

@@ -91,7 +91,14 @@ mod tests {
     use crate::analyze::space::Variant;
 
     fn v(i: u32, d: u64) -> Variant {
-        Variant { instance_count: i, max_batch_size: 8, preferred_batch_size: 0, max_queue_delay_us: d }
+        Variant {
+            instance_count: i,
+            max_batch_size: 8,
+            preferred_batch_size: 0,
+            max_queue_delay_us: d,
+            max_queue_size: 0,
+            queue_timeout_us: 0,
+        }
     }
 
     fn sample() -> Checkpoint {
@@ -145,6 +152,42 @@ mod tests {
         c.record(VariantResult::new(v(2, 0), VariantStatus::LoadFailed));
         assert_eq!(c.results.len(), 3);
         assert_eq!(c.reusable("i2_b8_p0_d0").unwrap().status, VariantStatus::LoadFailed);
+    }
+
+    #[test]
+    fn checkpoints_from_before_queue_policy_sweeps_still_resume() {
+        // Written by a nereid-analyze that could not sweep the queue policy.
+        let old = r#"{
+  "format": 1,
+  "model": "identity_fp32",
+  "load": "concurrency 4",
+  "results": [
+    {
+      "key": "i1_b8_p0_d100",
+      "variant": { "instance_count": 1, "max_batch_size": 8, "preferred_batch_size": 0, "max_queue_delay_us": 100 },
+      "status": "skipped",
+      "reason": "an old reason"
+    }
+  ]
+}"#;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("checkpoint.json");
+        std::fs::write(&path, old).unwrap();
+        let mut c = Checkpoint::read(&path, "identity_fp32").unwrap().unwrap();
+        let r = c.reusable(&v(1, 100).key()).expect("the same key without a queue policy");
+        assert_eq!(r.variant, v(1, 100));
+        // Written back unchanged in form; a queue-policy variant has its own key.
+        c.write(&path).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(!text.contains("max_queue_size") && !text.contains("queue_timeout_us"), "{text}");
+        let q = Variant { max_queue_size: 4, queue_timeout_us: 1000, ..v(1, 100) };
+        assert_eq!(q.key(), "i1_b8_p0_d100_q4_t1000");
+        assert!(c.reusable(&q.key()).is_none(), "not confused with the plain variant");
+        c.record(VariantResult::new(q, VariantStatus::Skipped));
+        c.write(&path).unwrap();
+        let back = Checkpoint::read(&path, "identity_fp32").unwrap().unwrap();
+        assert_eq!(back.reusable("i1_b8_p0_d100_q4_t1000").unwrap().variant, q);
+        assert_eq!(back.results.len(), 2);
     }
 
     #[test]

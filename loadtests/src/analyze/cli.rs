@@ -35,16 +35,21 @@ Exit codes (as nereid-perf's where they overlap):
   130 interrupted (Ctrl-C); results so far are written and kept in the checkpoint
 
 Each variant: the base config.pbtxt with instance_group count, max_batch_size and
-dynamic_batching { preferred_batch_size, max_queue_delay_microseconds } set; an invalid
-combination (preferred > max batch) is skipped with its reason. It is unloaded and loaded
-through the repository API (explicit model control, Triton's parameters.config override); a
-load the server refuses is recorded with the server's message and the sweep goes on. Then one
-nereid-perf load level is measured (warm-up, windows until stable) while the worker's VmRSS is
-sampled every 100 ms (the peak is reported).
+dynamic_batching { preferred_batch_size, max_queue_delay_microseconds } set. The queue policy
+can be swept too: --max-queue-sizes and --queue-timeouts-us set dynamic_batching
+{ default_queue_policy { max_queue_size, default_timeout_microseconds, timeout_action: REJECT } }
+(0 sets nothing, keeping the base config's value). An invalid combination (preferred > max
+batch, batching settings or a queue policy with max_batch_size 0) is skipped with its reason.
+The variant is unloaded and loaded through the repository API (explicit model control,
+Triton's parameters.config override); a load the server refuses is recorded with the
+server's message and the sweep goes on. Then one nereid-perf load level is measured (warm-up,
+windows until stable) while the worker's VmRSS is sampled every 100 ms (the peak is
+reported). Requests the queue policy rejects count as errors, not toward throughput.
 
 Search: brute measures every variant; quick climbs from the smallest values one step along one
-dimension at a time (queue delay included), moving to the best neighbour while it improves,
-measuring at most --max-variants. Variants meeting the constraints beat those that do not.
+dimension at a time (queue delay and queue policy included), moving to the best neighbour
+while it improves, measuring at most --max-variants. Variants meeting the constraints beat
+those that do not.
 
 Outputs in --output-dir: results.json, results.csv, report.html, checkpoint.json (rewritten
 after every variant), recommended/config.pbtxt, worker.log (with --worker-bin).";
@@ -101,6 +106,16 @@ pub struct AnalyzeArgs {
     /// dynamic_batching.max_queue_delay_microseconds values to try.
     #[arg(long, default_value = "0,100,1000")]
     pub max_queue_delays_us: String,
+    /// dynamic_batching.default_queue_policy.max_queue_size values to try (0: not set, so
+    /// unbounded unless the base config sets one). A full queue rejects requests at once: they count as errors, not
+    /// toward throughput or goodput (see the errors column of results.csv).
+    #[arg(long, default_value = "0")]
+    pub max_queue_sizes: String,
+    /// dynamic_batching.default_queue_policy.default_timeout_microseconds values to try, with
+    /// timeout_action REJECT (0: not set, so none unless the base config sets one). Requests queued longer are
+    /// rejected: they count as errors, not toward throughput or goodput.
+    #[arg(long, default_value = "0")]
+    pub queue_timeouts_us: String,
 
     /// Constraint: p99 latency at most this many milliseconds (also goodput's SLO unless
     /// --slo-p99-ms is given).
@@ -230,6 +245,12 @@ impl AnalyzeArgs {
             parse_list("--preferred-batch-sizes", &self.preferred_batch_sizes).map_err(|e| e.0)?,
             parse_list("--max-queue-delays-us", &self.max_queue_delays_us).map_err(|e| e.0)?,
         )
+        .and_then(|space| {
+            space.with_queue_policy(
+                parse_list("--max-queue-sizes", &self.max_queue_sizes)?,
+                parse_list("--queue-timeouts-us", &self.queue_timeouts_us)?,
+            )
+        })
         .map_err(|e| e.0)?;
         let strategy = match self.search {
             SearchArg::Brute => Strategy::Brute,
@@ -400,12 +421,34 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.space.len(), 2 * 2);
+        assert!(!c.space.sweeps_queue_policy(), "no queue policy by default");
         assert_eq!(c.strategy, Strategy::Quick { max_variants: 3 });
         assert_eq!(c.load.slo_p99_ms, Some(20.0), "the p99 constraint is the SLO");
         assert_eq!(c.load.load, LoadSpec::Concurrency(4));
         assert_eq!(c.checkpoint, PathBuf::from(DEFAULT_OUTPUT_DIR).join("checkpoint.json"));
         let ServerChoice::Start { args, .. } = &c.server else { panic!("{:?}", c.server) };
         assert_eq!(args, &vec!["--intra-op-threads=2".to_string()]);
+        let c = parse(
+            dir.path(),
+            &[
+                "--worker-bin",
+                worker.to_str().unwrap(),
+                "--instance-counts",
+                "1",
+                "--max-batch-sizes",
+                "8",
+                "--max-queue-delays-us",
+                "0",
+                "--max-queue-sizes",
+                "0,64",
+                "--queue-timeouts-us",
+                "5000,0,5000",
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.space.max_queue_sizes, vec![0, 64]);
+        assert_eq!(c.space.queue_timeouts_us, vec![0, 5000]);
+        assert_eq!(c.space.len(), 4);
         let c = parse(dir.path(), &["-u", "http://h:9", "--worker-pid", "42", "--request-rate", "100"]).unwrap();
         assert_eq!(c.server, ServerChoice::External { url: "h:9".into(), pid: Some(42), metrics_url: None });
         assert!(matches!(c.load.load, LoadSpec::RequestRate { rate, .. } if rate == 100.0));
@@ -419,6 +462,8 @@ mod tests {
         assert!(e(&["--worker-bin", w, "--instance-counts", "0"]).contains("--instance-counts"));
         assert!(e(&["--worker-bin", w, "--max-batch-sizes", "x"]).contains("--max-batch-sizes"));
         assert!(e(&["--worker-bin", w, "--max-p99-ms", "0"]).contains("--max-p99-ms"));
+        assert!(e(&["--worker-bin", w, "--max-queue-sizes", "4,x"]).contains("--max-queue-sizes"));
+        assert!(e(&["--worker-bin", w, "--queue-timeouts-us", ","]).contains("--queue-timeouts-us"));
         assert!(e(&["--worker-bin", "/nonexistent/w"]).contains("--worker-bin"));
         assert!(e(&["--worker-bin", w, "--url", "h:1"]).contains("cannot be used with"));
         assert!(e(&["--worker-pid", "1"]).contains("--url"));

@@ -1,11 +1,12 @@
 //! A variant's `ModelConfig`: the base `config.pbtxt` with the instance count, max batch size
-//! and dynamic batching settings of the variant. Pure; an invalid combination (a preferred
-//! batch above the max batch, dynamic batching on a model that does not batch) is a skip
-//! reason, not an error.
+//! and dynamic batching settings (queue policy included) of the variant. Pure; an invalid
+//! combination (a preferred batch above the max batch, dynamic batching or a queue policy on a
+//! model that does not batch) is a skip reason, not an error.
 
 use nereid_common::config::{dynamic_batching, validate_model_config};
 use nereid_proto::inference::model_config::SchedulingChoice;
-use nereid_proto::inference::{ModelConfig, ModelDynamicBatching, ModelInstanceGroup};
+use nereid_proto::inference::model_queue_policy::TimeoutAction;
+use nereid_proto::inference::{ModelConfig, ModelDynamicBatching, ModelInstanceGroup, ModelQueuePolicy};
 
 use super::space::Variant;
 
@@ -31,7 +32,10 @@ pub fn check_base(base: &ModelConfig) -> Result<(), String> {
 /// The base config with `v` applied: one instance group of `v.instance_count` (keeping the
 /// base's first group's kind and devices), `max_batch_size`, and — when the model batches —
 /// `dynamic_batching` (the base's, or a default one) with the preferred batch size and queue
-/// delay. A model that does not batch (`max_batch_size` 0) gets no dynamic batching.
+/// delay, and — when the variant sets them — the default queue policy's `max_queue_size` and
+/// `default_timeout_microseconds` with `timeout_action: REJECT` (a 0 leaves the base's policy
+/// field as it is, none by default). A model that does not batch (`max_batch_size` 0) gets no
+/// dynamic batching, so a variant with a queue policy on it is skipped.
 pub fn variant_config(base: &ModelConfig, model: &str, v: &Variant) -> Result<ModelConfig, SkipReason> {
     let skip = |s: String| Err(SkipReason(s));
     if v.instance_count == 0 {
@@ -41,6 +45,12 @@ pub fn variant_config(base: &ModelConfig, model: &str, v: &Variant) -> Result<Mo
         return skip(format!(
             "max_batch_size 0 (no batching) cannot take a preferred batch size ({}) or queue delay ({} µs)",
             v.preferred_batch_size, v.max_queue_delay_us
+        ));
+    }
+    if v.max_batch_size == 0 && v.has_queue_policy() {
+        return skip(format!(
+            "max_batch_size 0 (no batching) cannot take a queue policy (max_queue_size {}, timeout {} µs)",
+            v.max_queue_size, v.queue_timeout_us
         ));
     }
     if v.preferred_batch_size > v.max_batch_size {
@@ -63,6 +73,16 @@ pub fn variant_config(base: &ModelConfig, model: &str, v: &Variant) -> Result<Mo
         let mut db: ModelDynamicBatching = dynamic_batching(base).cloned().unwrap_or_default();
         db.preferred_batch_size = if preferred > 0 { vec![preferred] } else { vec![] };
         db.max_queue_delay_microseconds = v.max_queue_delay_us;
+        if v.has_queue_policy() {
+            let policy = db.default_queue_policy.get_or_insert_with(ModelQueuePolicy::default);
+            if v.max_queue_size > 0 {
+                policy.max_queue_size = v.max_queue_size;
+            }
+            if v.queue_timeout_us > 0 {
+                policy.default_timeout_microseconds = v.queue_timeout_us;
+                policy.timeout_action = TimeoutAction::Reject as i32;
+            }
+        }
         config.scheduling_choice = Some(SchedulingChoice::DynamicBatching(db));
     }
     validate_model_config(&config).map_err(|e| SkipReason(format!("invalid config: {e}")))?;
@@ -72,7 +92,9 @@ pub fn variant_config(base: &ModelConfig, model: &str, v: &Variant) -> Result<Mo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use nereid_common::config::{config_to_json, config_to_text, parse_model_config, parse_model_config_json};
+    use nereid_common::config::{
+        Severity, config_to_json, config_to_text, parse_model_config, parse_model_config_json, unsupported_fields,
+    };
 
     const BASE: &str = r#"
 name: "identity_fp32"
@@ -85,7 +107,28 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 "#;
 
     fn v(i: u32, b: u32, p: u32, d: u64) -> Variant {
-        Variant { instance_count: i, max_batch_size: b, preferred_batch_size: p, max_queue_delay_us: d }
+        Variant {
+            instance_count: i,
+            max_batch_size: b,
+            preferred_batch_size: p,
+            max_queue_delay_us: d,
+            max_queue_size: 0,
+            queue_timeout_us: 0,
+        }
+    }
+
+    fn vq(i: u32, b: u32, q: u32, t: u64) -> Variant {
+        Variant { max_queue_size: q, queue_timeout_us: t, ..v(i, b, 0, 0) }
+    }
+
+    /// What the worker checks before loading a config: it parses back from the JSON the
+    /// repository API sends, passes `validate_model_config`, and sets no field Nereid refuses.
+    fn assert_the_worker_accepts(c: &ModelConfig) {
+        let sent = parse_model_config_json(&config_to_json(c).to_string()).unwrap();
+        assert_eq!(&sent, c);
+        validate_model_config(&sent).unwrap();
+        let refused: Vec<_> = unsupported_fields(&sent).into_iter().filter(|f| f.severity == Severity::Error).collect();
+        assert!(refused.is_empty(), "{refused:?}");
     }
 
     #[test]
@@ -111,12 +154,75 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
     }
 
     #[test]
+    fn writes_the_default_queue_policy_only_when_set() {
+        let base = parse_model_config(BASE).unwrap();
+        // No queue policy: nothing written, as before.
+        let c = variant_config(&base, "identity_fp32", &v(1, 16, 0, 100)).unwrap();
+        assert_eq!(dynamic_batching(&c).unwrap().default_queue_policy, None);
+        assert!(!config_to_text(&c).contains("default_queue_policy"));
+
+        let c = variant_config(&base, "identity_fp32", &Variant { max_queue_delay_us: 100, ..vq(2, 16, 64, 5000) })
+            .unwrap();
+        let db = dynamic_batching(&c).unwrap();
+        let policy = db.default_queue_policy.as_ref().expect("a default queue policy");
+        assert_eq!(policy.max_queue_size, 64);
+        assert_eq!(policy.default_timeout_microseconds, 5000);
+        assert_eq!(policy.timeout_action, TimeoutAction::Reject as i32);
+        assert!(!policy.allow_timeout_override);
+        assert_eq!(db.max_queue_delay_microseconds, 100, "the rest of the variant is applied");
+        assert_eq!(db.priority_levels, 2, "the base's other batching settings are kept");
+        // The recommended config.pbtxt round trips, and the worker takes it.
+        let text = config_to_text(&c);
+        assert!(text.contains("default_queue_policy"), "{text}");
+        assert_eq!(parse_model_config(&text).unwrap(), c);
+        assert_the_worker_accepts(&c);
+
+        // One part only: the other field stays unset.
+        let c = variant_config(&base, "m", &vq(1, 8, 4, 0)).unwrap();
+        let policy = dynamic_batching(&c).unwrap().default_queue_policy.unwrap();
+        assert_eq!((policy.max_queue_size, policy.default_timeout_microseconds), (4, 0));
+        assert_the_worker_accepts(&c);
+        let c = variant_config(&base, "m", &vq(1, 8, 0, 250)).unwrap();
+        let policy = dynamic_batching(&c).unwrap().default_queue_policy.unwrap();
+        assert_eq!((policy.max_queue_size, policy.default_timeout_microseconds), (0, 250));
+        assert_the_worker_accepts(&c);
+    }
+
+    #[test]
+    fn a_base_queue_policy_is_kept_where_the_variant_does_not_set_it() {
+        let text = BASE.replace(
+            "default_priority_level: 1 }",
+            "default_priority_level: 1 default_queue_policy { timeout_action: DELAY default_timeout_microseconds: 900 \
+             allow_timeout_override: true max_queue_size: 16 } }",
+        );
+        let base = parse_model_config(&text).unwrap();
+        let kept = dynamic_batching(&base).unwrap().default_queue_policy;
+        assert!(kept.is_some());
+        let c = variant_config(&base, "m", &v(1, 8, 0, 0)).unwrap();
+        assert_eq!(dynamic_batching(&c).unwrap().default_queue_policy, kept, "no queue policy swept: the base's");
+        let c = variant_config(&base, "m", &vq(1, 8, 4, 0)).unwrap();
+        let p = dynamic_batching(&c).unwrap().default_queue_policy.unwrap();
+        assert_eq!(p.max_queue_size, 4);
+        assert_eq!((p.timeout_action, p.default_timeout_microseconds), (TimeoutAction::Delay as i32, 900));
+        assert!(p.allow_timeout_override);
+        let c = variant_config(&base, "m", &vq(1, 8, 0, 300)).unwrap();
+        let p = dynamic_batching(&c).unwrap().default_queue_policy.unwrap();
+        assert_eq!(p.max_queue_size, 16);
+        assert_eq!((p.timeout_action, p.default_timeout_microseconds), (TimeoutAction::Reject as i32, 300));
+        assert_the_worker_accepts(&c);
+    }
+
+    #[test]
     fn invalid_combinations_are_skipped_with_a_reason() {
         let base = parse_model_config(BASE).unwrap();
         let e = variant_config(&base, "m", &v(1, 8, 16, 0)).unwrap_err();
         assert_eq!(e.0, "preferred_batch_size 16 > max_batch_size 8");
         let e = variant_config(&base, "m", &v(1, 0, 0, 100)).unwrap_err();
         assert!(e.0.contains("max_batch_size 0"), "{e}");
+        let e = variant_config(&base, "m", &vq(1, 0, 4, 0)).unwrap_err();
+        assert!(e.0.contains("max_batch_size 0") && e.0.contains("queue policy"), "{e}");
+        let e = variant_config(&base, "m", &vq(1, 0, 0, 500)).unwrap_err();
+        assert!(e.0.contains("queue policy (max_queue_size 0, timeout 500 µs)"), "{e}");
         // No batching at all is a valid variant: no dynamic batching.
         let c = variant_config(&base, "m", &v(1, 0, 0, 0)).unwrap();
         assert!(c.scheduling_choice.is_none());

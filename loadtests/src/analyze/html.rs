@@ -142,10 +142,13 @@ fn bars(report: &AnalyzeReport) -> String {
 }
 
 fn variants(out: &mut String, report: &AnalyzeReport) {
-    let mut body = String::from(
+    // The queue policy's columns, only when it is swept.
+    let queue = report.shows_queue_policy();
+    let mut body = format!(
         "<div class=\"scroll\"><table>\n<tr><th>variant</th><th>instances</th><th>max batch</th><th>preferred</th>\
-         <th>queue delay µs</th><th>status</th><th>infer/s</th><th>goodput/s</th><th>p50 ms</th><th>p99 ms</th>\
+         <th>queue delay µs</th>{}<th>status</th><th>infer/s</th><th>goodput/s</th><th>p50 ms</th><th>p99 ms</th>\
          <th>memory MiB</th><th>constraints</th><th>frontier</th><th>note</th></tr>\n",
+        if queue { "<th>max queue</th><th>queue timeout µs</th>" } else { "" }
     );
     for row in &report.rows {
         let r = &row.result;
@@ -171,16 +174,26 @@ fn variants(out: &mut String, report: &AnalyzeReport) {
         } else {
             ""
         };
+        let dash_if_zero = |x: u64| if x == 0 { "-".to_string() } else { x.to_string() };
+        let queue_cells = if queue {
+            format!(
+                "<td class=\"num\">{}</td><td class=\"num\">{}</td>",
+                dash_if_zero(v.max_queue_size.into()),
+                dash_if_zero(v.queue_timeout_us)
+            )
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             body,
             "<tr><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>\
-             <td class=\"num\">{}</td><td class=\"{status_class}\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>\
+             <td class=\"num\">{}</td>{queue_cells}<td class=\"{status_class}\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>\
              <td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>{constraints}<td>{frontier}</td>\
              <td>{}</td></tr>",
             escape(&r.key),
             v.instance_count,
             v.max_batch_size,
-            if v.preferred_batch_size == 0 { "-".to_string() } else { v.preferred_batch_size.to_string() },
+            dash_if_zero(v.preferred_batch_size.into()),
             v.max_queue_delay_us,
             r.status.label(),
             num(m.map(|m| m.throughput_infer_per_sec), 1),
@@ -215,6 +228,7 @@ mod tests {
         assert!(doc.contains("Recommended: i2_b8_p0_d0"));
         assert!(doc.contains("&quot;quoted&quot;"), "reasons are escaped");
         assert!(!doc.contains("<script") && !doc.contains("http://") && !doc.contains("https://"));
+        assert!(!doc.contains("max queue"), "no queue-policy columns without a queue policy");
     }
 
     #[test]

@@ -1,10 +1,10 @@
 //! Quick search: steepest-ascent hill climbing over the grid of a [`SearchSpace`], one step
-//! along one dimension at a time — queue delay included, which Model Analyzer's quick search
-//! leaves out.
+//! along one dimension at a time — queue delay (and queue policy, when swept) included, which
+//! Model Analyzer's quick search leaves out.
 //!
 //! Pure state machine, no I/O: [`QuickSearch::next_point`] proposes a point, the caller measures it
 //! and feeds the outcome back with [`QuickSearch::record`]. It starts at the smallest value of
-//! every dimension, measures all unvisited neighbours of the current point, moves to the best
+//! every dimension, measures all unvisited neighbours (up to 12) of the current point, moves to the best
 //! of them if it beats the current point, and stops at a local optimum, when the space is
 //! exhausted, or after `max_variants` measured points (skipped, invalid points do not count).
 //! Every point is proposed at most once, so it always terminates.
@@ -81,7 +81,7 @@ impl QuickSearch {
             visited: BTreeMap::new(),
             measured: 0,
             current: None,
-            pending: VecDeque::from([[0, 0, 0, 0]]),
+            pending: VecDeque::from([[0; 6]]),
             waiting: None,
             finished: None,
         }
@@ -216,13 +216,16 @@ mod tests {
     use proptest::prelude::*;
     use std::collections::BTreeSet;
 
-    fn space(shape: [usize; 4]) -> SearchSpace {
+    /// A space of `shape` (dimensions beyond those given have one value: no queue policy).
+    fn space<const N: usize>(shape: [usize; N]) -> SearchSpace {
+        let dim = |d: usize| shape.get(d).copied().unwrap_or(1);
         SearchSpace::new(
-            (1..=shape[0] as u32).collect(),
-            (0..shape[1] as u32).collect(),
-            (0..shape[2] as u32).collect(),
-            (0..shape[3] as u64).collect(),
+            (1..=dim(0) as u32).collect(),
+            (0..dim(1) as u32).collect(),
+            (0..dim(2) as u32).collect(),
+            (0..dim(3) as u64).collect(),
         )
+        .and_then(|s| s.with_queue_policy((0..dim(4) as u32).collect(), (0..dim(5) as u64).collect()))
         .unwrap()
     }
 
@@ -246,9 +249,9 @@ mod tests {
     #[test]
     fn climbs_a_single_peak_including_the_queue_delay() {
         // Peak at instances 3 (index 2), batch index 2, preferred index 0, delay index 3.
-        let peak = [2usize, 2, 0, 3];
+        let peak = [2usize, 2, 0, 3, 0, 0];
         let f = |p: Point| -> Outcome {
-            let d: i64 = (0..4).map(|i| (p[i] as i64 - peak[i] as i64).abs()).sum();
+            let d: i64 = (0..6).map(|i| (p[i] as i64 - peak[i] as i64).abs()).sum();
             scored(-(d as f64))
         };
         let mut s = QuickSearch::new(space([4, 4, 2, 5]), 100);
@@ -257,11 +260,30 @@ mod tests {
         assert_eq!(s.finish(), Some(Finish::LocalOptimum));
         assert!(proposed.len() < 4 * 4 * 2 * 5, "fewer points than brute force: {}", proposed.len());
         assert!(proposed.iter().any(|p| p[3] > 0), "queue delay was explored");
+        assert!(proposed.iter().all(|p| p[4] == 0 && p[5] == 0), "no queue policy swept, none proposed");
+    }
+
+    #[test]
+    fn climbs_along_the_queue_policy_when_swept() {
+        // Peak at the largest queue size and the middle timeout.
+        let peak = [1usize, 1, 0, 0, 2, 1];
+        let f = |p: Point| -> Outcome {
+            let d: i64 = (0..6).map(|i| (p[i] as i64 - peak[i] as i64).abs()).sum();
+            scored(-(d as f64))
+        };
+        let sp = space([2, 2, 1, 2, 3, 3]);
+        let mut s = QuickSearch::new(sp.clone(), 200);
+        let proposed = drive(&mut s, f);
+        assert_eq!(s.current(), Some(peak));
+        assert_eq!(s.finish(), Some(Finish::LocalOptimum));
+        assert!(proposed.len() < sp.len(), "fewer points than brute force: {}", proposed.len());
+        // At most 12 neighbours per point, every one tried once.
+        assert!(sp.neighbours(peak).len() <= 12);
     }
 
     #[test]
     fn stops_at_the_budget() {
-        let mut s = QuickSearch::new(space([5, 5, 1, 5]), 4);
+        let mut s = QuickSearch::new(space([5, 5, 1, 5, 2, 2]), 4);
         let proposed = drive(&mut s, |p| scored((p[0] + p[1] + p[3]) as f64));
         assert_eq!(proposed.len(), 4);
         assert_eq!(s.finish(), Some(Finish::Budget));
@@ -271,17 +293,17 @@ mod tests {
     fn skipped_points_do_not_use_the_budget_and_failed_starts_spread_out() {
         // The start fails to load; its neighbours with preferred > 0 are skipped.
         let f = |p: Point| match p {
-            [0, 0, 0, 0] => Outcome::Failed,
-            [_, _, 1, _] => Outcome::Skipped,
+            [0, 0, 0, 0, 0, 0] => Outcome::Failed,
+            [_, _, 1, ..] => Outcome::Skipped,
             _ => scored(p[0] as f64),
         };
         let mut s = QuickSearch::new(space([3, 1, 2, 1]), 3);
         let proposed = drive(&mut s, f);
-        assert!(proposed.contains(&[0, 0, 1, 0]));
+        assert!(proposed.contains(&[0, 0, 1, 0, 0, 0]));
         assert_eq!(s.measured(), 3);
         assert_eq!(s.finish(), Some(Finish::Budget));
-        assert_eq!(s.current(), Some([1, 0, 0, 0]), "the budget ran out before the move");
-        assert_eq!(s.best(), Some([2, 0, 0, 0]));
+        assert_eq!(s.current(), Some([1, 0, 0, 0, 0, 0]), "the budget ran out before the move");
+        assert_eq!(s.best(), Some([2, 0, 0, 0, 0, 0]));
     }
 
     #[test]
@@ -305,13 +327,13 @@ mod tests {
     proptest! {
         #[test]
         fn any_landscape_terminates_without_repeats_within_the_budget(
-            shape in prop::array::uniform4(1usize..4),
-            values in prop::collection::vec(-100i32..100, 81),
-            kinds in prop::collection::vec(0u8..10, 81),
+            shape in prop::array::uniform6(1usize..4),
+            values in prop::collection::vec(-100i32..100, 729),
+            kinds in prop::collection::vec(0u8..10, 729),
             budget in 1usize..30,
         ) {
             let sp = space(shape);
-            let index = |p: Point| ((p[0] * 3 + p[1]) * 3 + p[2]) * 3 + p[3];
+            let index = |p: Point| p.iter().fold(0, |i, &x| i * 3 + x);
             let f = |p: Point| match kinds[index(p)] {
                 0 => Outcome::Skipped,
                 1 => Outcome::Failed,

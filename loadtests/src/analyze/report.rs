@@ -159,6 +159,12 @@ impl AnalyzeReport {
     pub fn recommended_row(&self) -> Option<&Row> {
         self.rows.iter().find(|r| r.recommended)
     }
+
+    /// Whether the queue policy is part of the sweep, so the table and the HTML page show
+    /// its columns (without it they look as they did before queue policy could be swept).
+    pub fn shows_queue_policy(&self) -> bool {
+        self.space.sweeps_queue_policy() || self.rows.iter().any(|r| r.result.variant.has_queue_policy())
+    }
 }
 
 /// `p99 ≤ 10 ms, memory ≤ 512 MiB`, or `none`.
@@ -197,14 +203,19 @@ pub fn table(report: &AnalyzeReport) -> String {
         report.space.len(),
         report.search_end
     );
+    // The queue policy's columns, only when it is swept.
+    let queue = report.shows_queue_policy();
+    let queue_cells =
+        |size: &str, timeout: &str| if queue { format!(" {size:>5} {timeout:>7}") } else { String::new() };
     let _ = writeln!(
         out,
-        "{:<22} {:>4} {:>5} {:>4} {:>7} {:<11} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>5}",
+        "{:<22} {:>4} {:>5} {:>4} {:>7}{} {:<11} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>5}",
         "variant",
         "inst",
         "batch",
         "pref",
         "delay",
+        queue_cells("queue", "timeout"),
         "status",
         "infer/s",
         "goodput/s",
@@ -233,14 +244,16 @@ pub fn table(report: &AnalyzeReport) -> String {
         } else {
             ""
         };
+        let dash_if_zero = |x: u64| if x == 0 { "-".to_string() } else { x.to_string() };
         let _ = writeln!(
             out,
-            "{:<22} {:>4} {:>5} {:>4} {:>7} {:<11} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>5}",
+            "{:<22} {:>4} {:>5} {:>4} {:>7}{} {:<11} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>5}",
             r.key,
             v.instance_count,
             v.max_batch_size,
-            if v.preferred_batch_size == 0 { "-".to_string() } else { v.preferred_batch_size.to_string() },
+            dash_if_zero(v.preferred_batch_size.into()),
             v.max_queue_delay_us,
+            queue_cells(&dash_if_zero(v.max_queue_size.into()), &dash_if_zero(v.queue_timeout_us)),
             r.status.label(),
             num(|m| m.throughput_infer_per_sec, 1),
             num(|m| m.goodput_infer_per_sec, 1),
@@ -298,8 +311,8 @@ fn list_or_none(keys: &[String]) -> String {
     if keys.is_empty() { "none".into() } else { keys.join(", ") }
 }
 
-/// The CSV header.
-pub const CSV_COLUMNS: [&str; 23] = [
+/// The CSV header. Columns are only ever added at the end.
+pub const CSV_COLUMNS: [&str; 25] = [
     "key",
     "instance_count",
     "max_batch_size",
@@ -323,6 +336,8 @@ pub const CSV_COLUMNS: [&str; 23] = [
     "constraint_violation",
     "on_frontier",
     "recommended",
+    "max_queue_size",
+    "queue_timeout_us",
 ];
 
 /// One row per variant, in the order visited.
@@ -359,6 +374,8 @@ pub fn csv(report: &AnalyzeReport) -> String {
             csv_field(row.constraint_violation.as_deref().unwrap_or("")),
             row.on_frontier.to_string(),
             row.recommended.to_string(),
+            v.max_queue_size.to_string(),
+            v.queue_timeout_us.to_string(),
         ];
         out.push_str(&cells.join(","));
         out.push('\n');
@@ -446,6 +463,7 @@ pub(crate) mod tests {
     use crate::driver::{Measurement, WindowMode};
     use crate::workload::InputData;
     use nereid_common::config::{config_to_json, parse_model_config};
+    use nereid_proto::inference::ModelConfig;
 
     pub(crate) fn settings() -> LoadSettings {
         LoadSettings {
@@ -466,36 +484,51 @@ pub(crate) mod tests {
         }
     }
 
-    pub(crate) fn sample_results() -> Vec<VariantResult> {
-        let base = parse_model_config(
+    fn base() -> ModelConfig {
+        parse_model_config(
             "name: \"m\"\nmax_batch_size: 8\ninput [ { name: \"I\" data_type: TYPE_FP32 dims: [ 4 ] } ]\n\
              output [ { name: \"O\" data_type: TYPE_FP32 dims: [ 4 ] } ]\ndynamic_batching { }\n",
         )
-        .unwrap();
-        let mk = |i: u32, tput: f64, p99: f64, mem: f64| {
-            let v = Variant { instance_count: i, max_batch_size: 8, preferred_batch_size: 0, max_queue_delay_us: 0 };
-            let mut r = VariantResult::new(v, VariantStatus::Measured);
-            let c = crate::analyze::config::variant_config(&base, "m", &v).unwrap();
-            r.config = Some(config_to_json(&c));
-            r.measured = Some(Measured {
-                throughput_infer_per_sec: tput,
-                requests_per_sec: tput,
-                goodput_infer_per_sec: tput * 0.9,
-                p50_ms: p99 / 2.0,
-                p99_ms: p99,
-                avg_ms: p99 / 2.0,
-                requests: 100,
-                errors: 0,
-                stable: true,
-                slo_met: Some(p99 <= 10.0),
-                memory_mb: Some(mem),
-                server_avg_batch_size: Some(1.5),
-            });
-            r
-        };
+        .unwrap()
+    }
+
+    fn variant(i: u32, preferred: u32) -> Variant {
+        Variant {
+            instance_count: i,
+            max_batch_size: 8,
+            preferred_batch_size: preferred,
+            max_queue_delay_us: 0,
+            max_queue_size: 0,
+            queue_timeout_us: 0,
+        }
+    }
+
+    /// `v` measured at `tput` infer/s, `p99` ms and `mem` MiB, with its config.
+    fn measured(v: Variant, tput: f64, p99: f64, mem: f64) -> VariantResult {
+        let mut r = VariantResult::new(v, VariantStatus::Measured);
+        let c = crate::analyze::config::variant_config(&base(), "m", &v).unwrap();
+        r.config = Some(config_to_json(&c));
+        r.measured = Some(Measured {
+            throughput_infer_per_sec: tput,
+            requests_per_sec: tput,
+            goodput_infer_per_sec: tput * 0.9,
+            p50_ms: p99 / 2.0,
+            p99_ms: p99,
+            avg_ms: p99 / 2.0,
+            requests: 100,
+            errors: 0,
+            stable: true,
+            slo_met: Some(p99 <= 10.0),
+            memory_mb: Some(mem),
+            server_avg_batch_size: Some(1.5),
+        });
+        r
+    }
+
+    pub(crate) fn sample_results() -> Vec<VariantResult> {
+        let mk = |i: u32, tput: f64, p99: f64, mem: f64| measured(variant(i, 0), tput, p99, mem);
         let skipped = {
-            let v = Variant { instance_count: 1, max_batch_size: 8, preferred_batch_size: 16, max_queue_delay_us: 0 };
-            let mut r = VariantResult::new(v, VariantStatus::Skipped);
+            let mut r = VariantResult::new(variant(1, 16), VariantStatus::Skipped);
             r.reason = Some("preferred_batch_size 16 > max_batch_size 8, \"quoted\"".into());
             r
         };
@@ -583,5 +616,67 @@ pub(crate) mod tests {
         let mut none = sample_report(Constraints { max_p99_ms: Some(0.1), max_memory_mb: None }, None);
         assert!(write_all(&mut none, dir.path()).is_empty());
         assert!(!dir.path().join("recommended/config.pbtxt").exists());
+    }
+
+    #[test]
+    fn a_sweep_without_queue_policy_reports_as_before() {
+        let r = sample_report(Constraints::default(), None);
+        assert!(!r.shows_queue_policy());
+        let t = table(&r);
+        assert!(!t.contains("timeout"), "no queue-policy columns: {t}");
+        let json = json(&r);
+        assert!(!json.contains("max_queue_size") && !json.contains("queue_timeout"), "{json}");
+        // The CSV's new columns are at the end, 0 without a policy.
+        let text = csv(&r);
+        assert!(text.lines().next().unwrap().ends_with(",on_frontier,recommended,max_queue_size,queue_timeout_us"));
+        assert!(text.lines().nth(2).unwrap().ends_with(",0,0"), "{text}");
+    }
+
+    #[test]
+    fn a_queue_policy_variant_is_reported_and_recommended_with_its_policy() {
+        let space = SearchSpace::new(vec![1], vec![8], vec![0], vec![0])
+            .unwrap()
+            .with_queue_policy(vec![0, 4], vec![0, 2000])
+            .unwrap();
+        let q = Variant { max_queue_size: 4, queue_timeout_us: 2000, ..variant(1, 0) };
+        let results = vec![measured(variant(1, 0), 1000.0, 4.0, 80.0), measured(q, 1200.0, 3.0, 80.0)];
+        let load = settings();
+        let ctx = ReportContext {
+            model: "m",
+            url: "127.0.0.1:1",
+            load: &load,
+            space: &space,
+            search: Strategy::Brute,
+            constraints: Constraints::default(),
+            objective: Objective::Throughput,
+        };
+        let outcome = SweepOutcome {
+            results,
+            reused: 0,
+            stop: None,
+            search_end: "every variant visited".into(),
+            warnings: vec![],
+        };
+        let r = AnalyzeReport::new(ctx, outcome);
+        assert!(r.shows_queue_policy());
+        assert_eq!(r.recommended.as_ref().unwrap().key, "i1_b8_p0_d0_q4_t2000");
+        let t = table(&r);
+        assert!(t.contains("timeout") && t.contains("i1_b8_p0_d0_q4_t2000"), "{t}");
+        let text = csv(&r);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[1].starts_with("i1_b8_p0_d0,") && lines[1].ends_with(",0,0"), "{}", lines[1]);
+        assert!(lines[2].starts_with("i1_b8_p0_d0_q4_t2000,1,8,0,0,measured,"), "{}", lines[2]);
+        assert!(lines[2].ends_with(",true,4,2000"), "{}", lines[2]);
+        let json: serde_json::Value = serde_json::from_str(&json(&r)).unwrap();
+        assert_eq!(json["rows"][1]["variant"]["max_queue_size"], 4);
+        assert_eq!(json["rows"][1]["variant"]["queue_timeout_us"], 2000);
+        assert_eq!(json["space"]["max_queue_sizes"], serde_json::json!([0, 4]));
+        let pbtxt = recommended_pbtxt(&r).unwrap().unwrap();
+        assert!(pbtxt.contains("max queue 4, queue timeout 2000 µs (reject)"), "{pbtxt}");
+        let back = parse_model_config(&pbtxt).unwrap();
+        let policy = nereid_common::config::dynamic_batching(&back).unwrap().default_queue_policy.unwrap();
+        assert_eq!((policy.max_queue_size, policy.default_timeout_microseconds), (4, 2000));
+        let doc = crate::analyze::html::report(&r);
+        assert!(doc.contains("<th>max queue</th>") && doc.contains("<th>queue timeout µs</th>"));
     }
 }
