@@ -44,7 +44,8 @@ The variant is unloaded and loaded through the repository API (explicit model co
 Triton's parameters.config override); a load the server refuses is recorded with the
 server's message and the sweep goes on. Then one nereid-perf load level is measured (warm-up,
 windows until stable) while the worker's VmRSS is sampled every 100 ms (the peak is
-reported). Requests the queue policy rejects count as errors, not toward throughput.
+reported). Requests the queue policy rejects count as errors, not toward throughput;
+--max-error-percent keeps such variants from winning by refusing work.
 
 Search: brute measures every variant; quick climbs from the smallest values one step along one
 dimension at a time (queue delay and queue policy included), moving to the best neighbour
@@ -124,6 +125,11 @@ pub struct AnalyzeArgs {
     /// Constraint: the worker's peak RSS at most this many MiB (needs a known PID).
     #[arg(long)]
     pub max_memory_mb: Option<f64>,
+    /// Constraint: failed requests (e.g. rejected by a swept queue policy) at most this
+    /// percentage of the completed ones. Recommended with --max-queue-sizes /
+    /// --queue-timeouts-us: without it, a variant can look good by refusing work.
+    #[arg(long, value_name = "PERCENT")]
+    pub max_error_percent: Option<f64>,
     /// Latency SLO for goodput, in milliseconds [default: --max-p99-ms].
     #[arg(long)]
     pub slo_p99_ms: Option<f64>,
@@ -235,6 +241,11 @@ impl AnalyzeArgs {
         };
         positive("--max-p99-ms", self.max_p99_ms)?;
         positive("--max-memory-mb", self.max_memory_mb)?;
+        if let Some(e) = self.max_error_percent
+            && !(e.is_finite() && (0.0..=100.0).contains(&e))
+        {
+            return Err(format!("--max-error-percent {e}: must be between 0 and 100"));
+        }
         positive("--slo-p99-ms", self.slo_p99_ms)?;
         positive("--request-rate", self.request_rate)?;
 
@@ -327,7 +338,11 @@ impl AnalyzeArgs {
             scrape_metrics: !self.no_server_stats,
             space,
             strategy,
-            constraints: Constraints { max_p99_ms: self.max_p99_ms, max_memory_mb: self.max_memory_mb },
+            constraints: Constraints {
+                max_p99_ms: self.max_p99_ms,
+                max_memory_mb: self.max_memory_mb,
+                max_error_percent: self.max_error_percent,
+            },
             objective: self.objective,
             load: LoadSettings {
                 protocol,
@@ -463,6 +478,8 @@ mod tests {
         assert!(e(&["--worker-bin", w, "--max-batch-sizes", "x"]).contains("--max-batch-sizes"));
         assert!(e(&["--worker-bin", w, "--max-p99-ms", "0"]).contains("--max-p99-ms"));
         assert!(e(&["--worker-bin", w, "--max-queue-sizes", "4,x"]).contains("--max-queue-sizes"));
+        assert!(e(&["--worker-bin", w, "--max-error-percent", "101"]).contains("--max-error-percent"));
+        assert!(e(&["--worker-bin", w, "--max-error-percent", "NaN"]).contains("--max-error-percent"));
         assert!(e(&["--worker-bin", w, "--queue-timeouts-us", ","]).contains("--queue-timeouts-us"));
         assert!(e(&["--worker-bin", "/nonexistent/w"]).contains("--worker-bin"));
         assert!(e(&["--worker-bin", w, "--url", "h:1"]).contains("cannot be used with"));

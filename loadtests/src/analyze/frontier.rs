@@ -66,6 +66,15 @@ impl Objective {
 pub struct Constraints {
     pub max_p99_ms: Option<f64>,
     pub max_memory_mb: Option<f64>,
+    /// Failed requests (rejected by a queue policy, timed out, ...) at most this percentage of
+    /// the completed ones: a variant must not look good by refusing work.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_error_percent: Option<f64>,
+}
+
+/// Failed requests as a percentage of the completed ones (0 when none completed).
+pub fn error_percent(m: &Measured) -> f64 {
+    if m.requests == 0 { 0.0 } else { 100.0 * m.errors as f64 / m.requests as f64 }
 }
 
 impl Constraints {
@@ -84,6 +93,11 @@ impl Constraints {
                 None => why.push("memory unknown (give --worker-pid or use --worker-bin)".into()),
             }
         }
+        if let Some(max) = self.max_error_percent
+            && error_percent(m) > max
+        {
+            why.push(format!("errors {:.2}% > {max}%", error_percent(m)));
+        }
         (!why.is_empty()).then(|| why.join("; "))
     }
 
@@ -97,7 +111,13 @@ impl Constraints {
             (Some(_), None) => 1.0,
             _ => 0.0,
         };
-        p99 + mem
+        // A limit of 0% is allowed: then any error counts as a whole limit over.
+        let errors = match self.max_error_percent {
+            Some(max) if max > 0.0 => over(error_percent(m), max),
+            Some(_) if m.errors > 0 => 1.0,
+            _ => 0.0,
+        };
+        p99 + mem + errors
     }
 }
 
@@ -209,11 +229,11 @@ mod tests {
         assert_eq!(recommend(&results, &none, Objective::Throughput), Some(1));
         assert_eq!(recommend(&results, &none, Objective::Goodput), Some(1));
         assert_eq!(recommend(&results, &none, Objective::Latency), Some(2));
-        let p99 = Constraints { max_p99_ms: Some(10.0), max_memory_mb: None };
+        let p99 = Constraints { max_p99_ms: Some(10.0), ..Default::default() };
         assert_eq!(recommend(&results, &p99, Objective::Throughput), Some(0));
-        let both = Constraints { max_p99_ms: Some(10.0), max_memory_mb: Some(300.0) };
+        let both = Constraints { max_p99_ms: Some(10.0), max_memory_mb: Some(300.0), ..Default::default() };
         assert_eq!(recommend(&results, &both, Objective::Latency), Some(0));
-        let impossible = Constraints { max_p99_ms: Some(0.5), max_memory_mb: None };
+        let impossible = Constraints { max_p99_ms: Some(0.5), ..Default::default() };
         assert_eq!(recommend(&results, &impossible, Objective::Throughput), None);
         let v = both.violation(&results[1].measured.clone().unwrap()).unwrap();
         assert!(v.contains("p99 12.000 ms > 10 ms"), "{v}");
@@ -221,6 +241,27 @@ mod tests {
         assert!(both.violation(&unknown).unwrap().contains("memory unknown"));
         assert!(both.excess(&results[2].measured.clone().unwrap()) > 0.0);
         assert_eq!(both.excess(&results[0].measured.clone().unwrap()), 0.0);
+    }
+
+    #[test]
+    fn a_variant_that_refuses_work_does_not_win_under_an_error_limit() {
+        // Variant 2 sheds a fifth of its requests and looks best on goodput.
+        let shedding = Measured { errors: 20, ..measured(3000.0, 3000.0, 2.0, None) };
+        let results = vec![result(1, measured(1000.0, 1000.0, 5.0, None)), result(2, shedding.clone())];
+        assert_eq!(recommend(&results, &Constraints::default(), Objective::Goodput), Some(1));
+        let limit = Constraints { max_error_percent: Some(1.0), ..Default::default() };
+        assert_eq!(recommend(&results, &limit, Objective::Goodput), Some(0));
+        assert!(limit.violation(&shedding).unwrap().contains("errors 20.00% > 1%"));
+        assert!((limit.excess(&shedding) - 19.0).abs() < 1e-9);
+        // 0%: any error disqualifies, and the quick search still sees how far off it is.
+        let zero = Constraints { max_error_percent: Some(0.0), ..Default::default() };
+        assert!(zero.violation(&shedding).is_some());
+        assert_eq!(zero.excess(&shedding), 1.0);
+        assert_eq!(zero.violation(&results[0].measured.clone().unwrap()), None);
+        // Old reports (no error limit) still read, and one without a limit writes none.
+        let old: Constraints = serde_json::from_str(r#"{"max_p99_ms": 5.0, "max_memory_mb": null}"#).unwrap();
+        assert_eq!(old.max_error_percent, None);
+        assert!(!serde_json::to_string(&old).unwrap().contains("error"));
     }
 
     fn arb_point() -> impl Strategy<Value = Objectives> {

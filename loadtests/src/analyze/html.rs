@@ -217,7 +217,7 @@ mod tests {
 
     #[test]
     fn the_page_is_well_formed_and_self_contained() {
-        let r = sample_report(Constraints { max_p99_ms: Some(10.0), max_memory_mb: None }, None);
+        let r = sample_report(Constraints { max_p99_ms: Some(10.0), ..Default::default() }, None);
         let doc = report(&r);
         assert_well_formed(&doc);
         for id in ["verdict", "frontier", "throughput", "variants"] {
@@ -233,7 +233,7 @@ mod tests {
 
     #[test]
     fn nothing_recommended_says_so() {
-        let r = sample_report(Constraints { max_p99_ms: Some(0.5), max_memory_mb: None }, None);
+        let r = sample_report(Constraints { max_p99_ms: Some(0.5), ..Default::default() }, None);
         let doc = report(&r);
         assert_well_formed(&doc);
         assert!(doc.contains("No variant met the constraints"));

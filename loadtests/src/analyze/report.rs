@@ -176,6 +176,9 @@ pub fn describe_constraints(c: &Constraints) -> String {
     if let Some(m) = c.max_memory_mb {
         parts.push(format!("memory ≤ {m} MiB"));
     }
+    if let Some(e) = c.max_error_percent {
+        parts.push(format!("errors ≤ {e}%"));
+    }
     if parts.is_empty() { "none".into() } else { parts.join(", ") }
 }
 
@@ -559,7 +562,7 @@ pub(crate) mod tests {
 
     #[test]
     fn analysis_marks_frontier_and_recommendation() {
-        let r = sample_report(Constraints { max_p99_ms: Some(10.0), max_memory_mb: None }, None);
+        let r = sample_report(Constraints { max_p99_ms: Some(10.0), ..Default::default() }, None);
         assert_eq!(r.frontier, vec!["i1_b8_p0_d0", "i2_b8_p0_d0", "i3_b8_p0_d0"]);
         assert_eq!(r.recommended.as_ref().unwrap().key, "i2_b8_p0_d0");
         assert_eq!(r.verdict.exit_code, exit::OK);
@@ -576,7 +579,7 @@ pub(crate) mod tests {
 
     #[test]
     fn nothing_meeting_the_constraints_is_exit_4_and_a_lost_server_wins() {
-        let r = sample_report(Constraints { max_p99_ms: Some(1.0), max_memory_mb: None }, None);
+        let r = sample_report(Constraints { max_p99_ms: Some(1.0), ..Default::default() }, None);
         assert!(r.recommended.is_none());
         assert_eq!(r.verdict.exit_code, exit::SLO_NOT_MET);
         assert!(r.verdict.problems[0].contains("no variant met the constraints (p99 ≤ 1 ms)"));
@@ -613,7 +616,7 @@ pub(crate) mod tests {
         let text = std::fs::read_to_string(dir.path().join("recommended/config.pbtxt")).unwrap();
         assert_eq!(parse_model_config(&text).unwrap().instance_group[0].count, 3);
         // A later sweep recommending nothing removes the stale config.
-        let mut none = sample_report(Constraints { max_p99_ms: Some(0.1), max_memory_mb: None }, None);
+        let mut none = sample_report(Constraints { max_p99_ms: Some(0.1), ..Default::default() }, None);
         assert!(write_all(&mut none, dir.path()).is_empty());
         assert!(!dir.path().join("recommended/config.pbtxt").exists());
     }
