@@ -130,8 +130,9 @@ pub struct Args {
         aliases = ["ssl-grpc-private-key-file", "ssl-https-private-key-file"]
     )]
     pub ssl_key: Option<PathBuf>,
-    /// Prometheus endpoint for the server-side breakdown: host:port or a URL
-    /// [default: the --url host, port 8002, /metrics].
+    /// Prometheus endpoint for the server-side breakdown: host:port or an http:// or https://
+    /// URL (HTTPS trusts what the --ssl flags trust, else the system's CA bundle) [default:
+    /// the --url host, port 8002, /metrics, plain HTTP].
     #[arg(long)]
     pub metrics_url: Option<String>,
     /// Do not scrape /metrics.
@@ -419,8 +420,8 @@ pub fn metrics_uri(flag: Option<&str>, server: &str) -> Result<http::Uri, PerfEr
     let bad = |v: &str, e: String| PerfError::Usage(format!("--metrics-url '{v}': {e}"));
     let text = match flag {
         Some(v) if v.contains("://") => {
-            if v.starts_with("https://") {
-                return Err(bad(v, "/metrics is scraped over plain HTTP only (TLS is for --url)".into()));
+            if !(v.starts_with("http://") || v.starts_with("https://")) {
+                return Err(bad(v, "the scheme must be http:// or https://".into()));
             }
             let uri: http::Uri = v.parse().map_err(|e| bad(v, format!("{e}")))?;
             if uri.path() == "/" && !v.ends_with('/') {
@@ -516,8 +517,11 @@ mod tests {
         assert_eq!(c.metrics_url.unwrap().to_string(), "http://h:8002/metrics");
         let c = args(&["-m", "m", "--ssl-ca", ca, "--ssl-grpc-certificate-chain-file", ca, "--ssl-key", k]).unwrap();
         assert!(c.target.tls.is_some());
-        let e = args(&["-m", "m", "--metrics-url", "https://h:1"]).unwrap_err().to_string();
-        assert!(e.contains("plain HTTP"), "{e}");
+        // /metrics over HTTPS (trusting what --ssl* trusts, else the system's bundle).
+        let c = args(&["-m", "m", "--metrics-url", "https://h:1"]).unwrap();
+        assert_eq!(c.metrics_url.unwrap().to_string(), "https://h:1/metrics");
+        let e = args(&["-m", "m", "--metrics-url", "ftp://h:1"]).unwrap_err().to_string();
+        assert!(e.contains("http:// or https://"), "{e}");
     }
 
     #[test]

@@ -230,9 +230,13 @@ pub async fn run(config: RunConfig, progress: &Progress, interrupt: Cancellation
     let scraper = match &config.metrics_url {
         None => None,
         Some(uri) => {
-            let s = Scraper::new(uri.clone());
-            match s.scrape().await {
-                Ok(_) => Some(s),
+            let scraper = Scraper::new(uri.clone(), config.target.tls.as_ref());
+            let first = match &scraper {
+                Ok(s) => s.scrape().await.map(|_| ()),
+                Err(e) => Err(e.clone()),
+            };
+            match first {
+                Ok(()) => scraper.ok(),
                 Err(e) => {
                     warnings.push(format!("server-side breakdown unavailable: {e}"));
                     None

@@ -6,7 +6,8 @@
 //! `nv_inference_exec_count`, `nv_inference_count`) are differenced across a window and divided
 //! by the requests served in it: average queue and compute time per request, and the average
 //! batch size the scheduler formed. A scrape that fails leaves the breakdown out; it never
-//! fails the run.
+//! fails the run. An `https://` metrics URL is scraped over TLS, trusting what the run's
+//! `--ssl*` flags trust (else the system's CA bundle).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -14,9 +15,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde::Serialize;
+
+use crate::client::tls::Connector;
+use crate::client::{Tls, TlsSettings};
 
 pub const REQUEST_SUCCESS: &str = "nv_inference_request_success";
 pub const INFERENCE_COUNT: &str = "nv_inference_count";
@@ -186,15 +189,15 @@ pub fn breakdown(before: &Snapshot, after: &Snapshot, model: &str, version: Opti
     })
 }
 
-/// Fetches `/metrics` over HTTP/1.1 on a reused connection.
+/// Fetches `/metrics` over HTTP/1.1 (or HTTPS) on a reused connection.
 #[derive(Clone)]
 pub struct Scraper {
-    client: Client<HttpConnector, Empty<Bytes>>,
+    client: Client<Connector, Empty<Bytes>>,
     uri: http::Uri,
 }
 
 /// A scrape failed.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 #[error("scraping {uri}: {reason}")]
 pub struct ScrapeError {
     pub uri: String,
@@ -202,9 +205,22 @@ pub struct ScrapeError {
 }
 
 impl Scraper {
-    pub fn new(uri: http::Uri) -> Self {
-        let client = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(1).build_http();
-        Scraper { client, uri }
+    /// A scraper of `uri`; an `https://` one uses `tls` (the run's TLS settings) or, without
+    /// them, the system's CA bundle.
+    pub fn new(uri: http::Uri, tls: Option<&Tls>) -> Result<Self, ScrapeError> {
+        let connector = match uri.scheme_str() {
+            Some("https") => {
+                let tls = match tls {
+                    Some(t) => t.clone(),
+                    None => Tls::new(&TlsSettings::default())
+                        .map_err(|reason| ScrapeError { uri: uri.to_string(), reason })?,
+                };
+                tls.connector(b"http/1.1")
+            }
+            _ => Connector::new(None),
+        };
+        let client = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(1).build(connector);
+        Ok(Scraper { client, uri })
     }
 
     pub fn uri(&self) -> &http::Uri {

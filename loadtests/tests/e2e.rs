@@ -843,14 +843,21 @@ fn tls_and_mutual_tls_through_a_terminating_proxy() {
     assert_measured(&run, false);
     check_level(&read_json(&json)["levels"][0], "identity_fp32");
 
-    // HTTPS with binary tensors, TLS from the https:// URL.
+    // HTTPS with binary tensors, TLS from the https:// URL; /metrics over HTTPS too, trusting
+    // the same CA.
     let u = format!("https://localhost:{}", https.port);
+    let metrics_tls = TlsProxy::start(w.metrics, pki.server_config(false));
+    let m_https = format!("https://localhost:{}/metrics", metrics_tls.port);
     let mut args = vec!["-m", "mlp_fp32", "-i", "http", "--http-binary", "-u", &u, "--ssl-ca", &ca];
-    args.extend(["--metrics-url", &m, "--json", &j, "--request-rate-range", "100"]);
+    args.extend(["--metrics-url", &m_https, "--json", &j, "--request-rate-range", "100"]);
     args.extend(SHORT);
     let run = perf(&args);
     assert_measured(&run, true);
-    check_level(&read_json(&json)["levels"][0], "mlp_fp32");
+    assert!(!run.stderr.contains("breakdown unavailable"), "{}", run.stderr);
+    let report = read_json(&json);
+    // check_level also requires the server-side breakdown: scraped over HTTPS.
+    check_level(&report["levels"][0], "mlp_fp32");
+    assert_eq!(report["metrics_url"], m_https.as_str(), "{report}");
 
     // Mutual TLS: refused without a client certificate, measured with one.
     let u = format!("localhost:{}", mutual.port);
