@@ -254,11 +254,12 @@ async fn a_killed_worker_is_replaced_and_a_lost_lease_re_registers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serving_continues_while_etcd_is_down_and_watches_resume() {
     let mut etcd = Etcd::start().await;
-    let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let w1 = spawn_fleet_worker(&etcd, "w1", &[]);
     let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
     declare_identity_and_wait(&etcd, &gateway, 1).await;
     wait_metric(&gateway, "nereid_gateway_etcd_watch_connected", "the watch up", |v| v == 1.0).await;
     let resyncs = gateway.metric("nereid_gateway_etcd_resyncs_total").await;
+    assert_eq!(w1.metric("nereid_worker_etcd_placement_reads_total").await, Some(1.0));
 
     let load = Load::start(&gateway, 2);
     load.progress(50).await;
@@ -280,6 +281,12 @@ async fn serving_continues_while_etcd_is_down_and_watches_resume() {
     load.progress(50).await;
     let (ok, failures) = load.finish().await;
     assert!(failures.is_empty(), "ok {ok}, failures: {failures:?}");
+    // The worker re-registered and resumed its placement watch (the model placed after the
+    // outage reached it through that watch) without reading its placement again.
+    wait_metric(&w1, "nereid_worker_etcd_connected", "the worker's session back", |v| v == 1.0).await;
+    assert!(w1.metric("nereid_worker_etcd_sessions_total").await.unwrap() >= 2.0);
+    assert!(w1.metric("nereid_worker_etcd_watch_resumes_total").await.unwrap() >= 1.0);
+    assert_eq!(w1.metric("nereid_worker_etcd_placement_reads_total").await, Some(1.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -338,6 +345,8 @@ async fn two_gateways_elect_one_placement_leader_and_fail_over() {
         !ready_on(&mut etcd.client().await, "identity_fp32", 1).await.is_empty()
     })
     .await;
+    // A bad write to its declaration: rejected, the leader plans on the last good value.
+    put(&mut client, "models/identity_fp32", r#"{"schema":2,"versions":[1],"replicas":1}"#).await;
 
     // SIGKILL the leader: its election lease expires and the other gateway takes over.
     gateways[leader].child.kill().unwrap();
@@ -353,6 +362,12 @@ async fn two_gateways_elect_one_placement_leader_and_fail_over() {
         infer_ok(&other, fp32_request("versioned_scale", "1", &[1, 4], |i| i as f32)).await
     })
     .await;
+    // The new leader never saw identity_fp32's declaration valid: it keeps the model's
+    // placement as it is instead of reading the model as undeclared (its plans ran: it placed
+    // versioned_scale).
+    let placed = keys_under(&mut client, "placement/").await;
+    assert!(placed.contains(&"/placement/w1/identity_fp32/1".to_string()), "{placed:?}");
+    assert!(infer_ok(&other, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

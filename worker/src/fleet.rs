@@ -9,22 +9,28 @@
 //! it → read `placement/<id>/` and watch it from that revision. Inside a session one loop sends
 //! keep-alives (every TTL/3), applies placement events, republishes statuses that changed, and
 //! reacts to drain/stop. Any etcd error ends the session; the next one starts after a bounded
-//! back-off and re-registers from scratch (a fresh lease, a full re-read of placement), so a
-//! lost lease or an etcd restart heals the same way. While etcd is away the worker keeps serving
-//! what it has: placement is only acted on when it is read, never on a failure.
+//! back-off and re-registers (a fresh lease), so a lost lease or an etcd restart heals the same
+//! way. The placement watch resumes from the last revision seen (placement is kept across
+//! sessions); only the first session, or a resume whose revision etcd has compacted away,
+//! reads the prefix whole. While etcd is away the worker keeps serving what it has: placement
+//! is only acted on when it is read, never on a failure.
 //!
 //! Loads and unloads run in a separate task (the *reconciler*) so a slow model load never
 //! delays a keep-alive.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nereid_common::fleet::etcd_client::{Client, DeleteOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use nereid_common::fleet::etcd_client::{
+    Client, DeleteOptions, EventType, GetOptions, PutOptions, WatchOptions, WatchStream,
+};
 use nereid_common::fleet::records::{self, ModelState, PlacementRecord, StatusRecord, WorkerRecord, WorkerState};
 use nereid_common::fleet::{Backoff, CALL_TIMEOUT, Key, Keys, bounded, check_keepalive};
 use tokio::sync::watch;
 
+use crate::metrics::FleetCounters;
 use crate::repository::Repository;
 use crate::server::IndexEntry;
 
@@ -51,6 +57,14 @@ enum Phase {
 /// Versions of each model placed on this worker.
 type Placement = BTreeMap<String, BTreeSet<i64>>;
 
+/// This worker's placement as known, kept across sessions: the assignments as of `revision`
+/// (`None` until first read, or after a compaction made resuming impossible).
+#[derive(Default)]
+struct PlacementView {
+    placement: Placement,
+    revision: Option<i64>,
+}
+
 /// Handle to the agent thread.
 pub struct FleetAgent {
     phase: watch::Sender<Phase>,
@@ -62,12 +76,16 @@ pub struct FleetAgent {
 impl FleetAgent {
     /// Starts the agent thread. Returns at once; registration happens in the background (and
     /// is retried until etcd answers).
-    pub fn start(options: FleetOptions, repository: Arc<Repository>) -> std::io::Result<FleetAgent> {
+    pub fn start(
+        options: FleetOptions,
+        repository: Arc<Repository>,
+        counters: Arc<FleetCounters>,
+    ) -> std::io::Result<FleetAgent> {
         let (phase_tx, phase_rx) = watch::channel(Phase::Serving);
         let (drained_tx, drained_rx) = watch::channel(false);
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let thread = std::thread::Builder::new().name("nereid-etcd".into()).spawn(move || {
-            runtime.block_on(agent(options, repository, phase_rx, drained_tx));
+            runtime.block_on(agent(options, repository, counters, phase_rx, drained_tx));
         })?;
         Ok(FleetAgent { phase: phase_tx, drained: drained_rx, thread: Some(thread) })
     }
@@ -98,6 +116,7 @@ impl FleetAgent {
 async fn agent(
     options: FleetOptions,
     repository: Arc<Repository>,
+    counters: Arc<FleetCounters>,
     mut phase: watch::Receiver<Phase>,
     drained: watch::Sender<bool>,
 ) {
@@ -106,7 +125,9 @@ async fn agent(
     let reconciler = tokio::spawn(reconcile(repository.clone(), desired_rx, failures.clone()));
     let mut backoff = Backoff::new();
     let mut previous_lease = None;
+    let mut view = PlacementView::default();
     loop {
+        counters.sessions.fetch_add(1, Ordering::Relaxed);
         let mut session = Session {
             options: &options,
             repository: &repository,
@@ -114,11 +135,13 @@ async fn agent(
             desired: &desired_tx,
             drained: &drained,
             backoff: &mut backoff,
+            counters: &counters,
             lease: None,
             published: HashMap::new(),
-            placement: Placement::new(),
+            view: &mut view,
         };
         let result = session.run(&mut phase, previous_lease).await;
+        counters.connected.store(0, Ordering::Relaxed);
         // A session that failed before its grant leaves the older lease to revoke next time.
         previous_lease = session.lease.or(previous_lease);
         match result {
@@ -152,10 +175,11 @@ struct Session<'a> {
     desired: &'a watch::Sender<Option<Placement>>,
     drained: &'a watch::Sender<bool>,
     backoff: &'a mut Backoff,
+    counters: &'a FleetCounters,
     lease: Option<i64>,
     /// Statuses as last written in this session.
     published: HashMap<(String, i64), StatusRecord>,
-    placement: Placement,
+    view: &'a mut PlacementView,
 }
 
 type SessionResult = Result<(), String>;
@@ -163,7 +187,6 @@ type SessionResult = Result<(), String>;
 impl Session<'_> {
     /// Runs one session; `Ok` only when stopped.
     async fn run(&mut self, phase: &mut watch::Receiver<Phase>, previous_lease: Option<i64>) -> SessionResult {
-        let keys = &self.options.keys;
         let id = self.options.record.id.clone();
         let mut client = bounded("connect", nereid_common::fleet::connect(&self.options.endpoints)).await?;
         let ttl = self.options.lease_ttl.as_secs().max(1) as i64;
@@ -179,24 +202,9 @@ impl Session<'_> {
             let _ = tokio::time::timeout(CALL_TIMEOUT, client.lease_revoke(old)).await;
         }
 
-        // Placement: read it all, then watch from the next revision.
-        let resp = bounded("read placement", client.get(keys.placement_of(&id), Some(GetOptions::new().with_prefix())))
-            .await?;
-        let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
-        self.placement.clear();
-        for kv in resp.kvs() {
-            self.apply_placement(kv.key(), Some(kv.value()));
-        }
-        self.desired.send_replace(Some(self.placement.clone()));
-        let mut watch = bounded(
-            "watch placement",
-            client.watch(
-                keys.placement_of(&id),
-                Some(WatchOptions::new().with_prefix().with_start_revision(revision + 1)),
-            ),
-        )
-        .await?;
-        tracing::info!(worker = %id, lease, models = self.placement.len(), "registered in etcd");
+        let mut watch = self.watch_placement(&mut client).await?;
+        tracing::info!(worker = %id, lease, models = self.view.placement.len(), "registered in etcd");
+        self.counters.connected.store(1, Ordering::Relaxed);
         self.backoff.reset();
         if *phase.borrow() == Phase::Draining {
             self.drained.send_replace(true);
@@ -210,6 +218,13 @@ impl Session<'_> {
                 msg = keepalives.message() => check_keepalive(msg)?,
                 msg = watch.message() => {
                     let resp = msg.map_err(|e| format!("placement watch: {e}"))?.ok_or("the placement watch closed")?;
+                    if resp.compact_revision() > 0 {
+                        // The revision to resume from is gone: read the placement whole.
+                        tracing::warn!(worker = %id, compacted = resp.compact_revision(), "placement watch behind a compaction; re-reading");
+                        self.view.revision = None;
+                        watch = self.watch_placement(&mut client).await?;
+                        continue;
+                    }
                     if resp.canceled() {
                         return Err(format!("the placement watch was cancelled: {}", resp.cancel_reason()));
                     }
@@ -217,10 +232,11 @@ impl Session<'_> {
                         let Some(kv) = event.kv() else { continue };
                         let value = (event.event_type() == EventType::Put).then(|| kv.value());
                         self.apply_placement(kv.key(), value);
+                        self.view.revision = self.view.revision.max(Some(kv.mod_revision()));
                     }
                     // A draining worker keeps what it serves until it exits.
                     if *phase.borrow() == Phase::Serving {
-                        self.desired.send_replace(Some(self.placement.clone()));
+                        self.desired.send_replace(Some(self.view.placement.clone()));
                     }
                 }
                 _ = status_tick.tick() => self.publish_statuses(&mut client).await?,
@@ -243,6 +259,37 @@ impl Session<'_> {
                 }
             }
         }
+    }
+
+    /// Watches this worker's placement prefix: from the revision after the last one seen, or —
+    /// the first time, or after a compaction — from a full read of it. Hands the (unchanged or
+    /// re-read) placement to the reconciler.
+    async fn watch_placement(&mut self, client: &mut Client) -> Result<WatchStream, String> {
+        let prefix = self.options.keys.placement_of(&self.options.record.id);
+        let start = match self.view.revision {
+            Some(seen) => {
+                self.counters.watch_resumes.fetch_add(1, Ordering::Relaxed);
+                seen + 1
+            }
+            None => {
+                let resp = bounded("read placement", client.get(prefix.clone(), Some(GetOptions::new().with_prefix())))
+                    .await?;
+                self.counters.placement_reads.fetch_add(1, Ordering::Relaxed);
+                let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
+                self.view.placement.clear();
+                for kv in resp.kvs() {
+                    self.apply_placement(kv.key(), Some(kv.value()));
+                }
+                self.view.revision = Some(revision);
+                revision + 1
+            }
+        };
+        self.desired.send_replace(Some(self.view.placement.clone()));
+        bounded(
+            "watch placement",
+            client.watch(prefix, Some(WatchOptions::new().with_prefix().with_start_revision(start))),
+        )
+        .await
     }
 
     async fn put_record(&self, client: &mut Client, phase: Phase) -> SessionResult {
@@ -273,13 +320,13 @@ impl Session<'_> {
                 if let Err(e) = records::decode::<PlacementRecord>(v) {
                     tracing::warn!(%model, version, "placement value rejected ({e}); assignment kept by key");
                 }
-                self.placement.entry(model).or_default().insert(version);
+                self.view.placement.entry(model).or_default().insert(version);
             }
             None => {
-                if let Some(vs) = self.placement.get_mut(&model) {
+                if let Some(vs) = self.view.placement.get_mut(&model) {
                     vs.remove(&version);
                     if vs.is_empty() {
-                        self.placement.remove(&model);
+                        self.view.placement.remove(&model);
                     }
                 }
             }
@@ -289,7 +336,7 @@ impl Session<'_> {
     /// Writes the statuses that changed since the last call (and deletes the ones gone).
     async fn publish_statuses(&mut self, client: &mut Client) -> SessionResult {
         let failures = self.failures.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let current = model_statuses(&self.repository.index(false), &self.placement, &failures);
+        let current = model_statuses(&self.repository.index(false), &self.view.placement, &failures);
         let keys = &self.options.keys;
         let id = &self.options.record.id;
         let lease = self.lease.unwrap_or(0);

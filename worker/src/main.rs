@@ -113,7 +113,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
 
     let mut fleet = match fleet_options(&args, grpc_listener_port, http_listener_port)? {
-        Some(options) => Some(FleetAgent::start(options, repository.clone()).context("cannot start the etcd agent")?),
+        Some(options) => Some(
+            FleetAgent::start(options, repository.clone(), server.metrics.fleet())
+                .context("cannot start the etcd agent")?,
+        ),
         None => None,
     };
 

@@ -212,11 +212,57 @@ impl VersionStats {
     }
 }
 
+/// What the etcd agent ([`crate::fleet`]) did, for operators: sessions (registrations),
+/// full reads of this worker's placement versus watches resumed from the last seen revision,
+/// and whether a session is up now.
+#[derive(Debug, Default)]
+pub struct FleetCounters {
+    pub sessions: AtomicU64,
+    pub placement_reads: AtomicU64,
+    pub watch_resumes: AtomicU64,
+    pub connected: AtomicI64,
+}
+
+impl FleetCounters {
+    fn render(&self, out: &mut String) {
+        for (name, kind, help, value) in [
+            (
+                "nereid_worker_etcd_sessions_total",
+                "counter",
+                "etcd sessions started (registrations under a fresh lease)",
+                self.sessions.load(Relaxed) as i64,
+            ),
+            (
+                "nereid_worker_etcd_placement_reads_total",
+                "counter",
+                "Full reads of this worker's placement (first session, or after a compacted revision)",
+                self.placement_reads.load(Relaxed) as i64,
+            ),
+            (
+                "nereid_worker_etcd_watch_resumes_total",
+                "counter",
+                "Placement watches resumed from the last seen revision after a lost session",
+                self.watch_resumes.load(Relaxed) as i64,
+            ),
+            (
+                "nereid_worker_etcd_connected",
+                "gauge",
+                "1 while an etcd session is up, else 0",
+                self.connected.load(Relaxed),
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+        }
+    }
+}
+
 /// Every model version's counters, plus the GPUs' readings where there are any, for `/metrics`.
 #[derive(Default)]
 pub struct Metrics {
     versions: Mutex<BTreeMap<(String, String), Arc<VersionStats>>>,
     gpu: Option<GpuMonitor>,
+    /// The etcd agent's counters, rendered once a fleet agent asked for them.
+    fleet: std::sync::OnceLock<Arc<FleetCounters>>,
     /// Requests waiting in every model's queue: the load figure reported in-band to gateways.
     pending: Arc<AtomicI64>,
 }
@@ -236,6 +282,11 @@ impl Metrics {
     /// time (see [`GpuMonitor::new`], which is `None` where there is no GPU).
     pub fn with_gpu(gpu: Option<GpuMonitor>) -> Self {
         Metrics { gpu, ..Self::default() }
+    }
+
+    /// The etcd agent's counters (from then on part of `/metrics`).
+    pub fn fleet(&self) -> Arc<FleetCounters> {
+        self.fleet.get_or_init(Default::default).clone()
     }
 
     /// The counters of `model`/`version`, created on first use and kept across reloads.
@@ -317,6 +368,9 @@ impl Metrics {
         );
         for s in &all {
             let _ = writeln!(out, "nv_inference_pending_request_count{{{}}} {}", labels(s), s.pending());
+        }
+        if let Some(f) = self.fleet.get() {
+            f.render(&mut out);
         }
         for (name, help, pick) in [
             ("nereid_inference_request_latency_us", "End-to-end request latency in microseconds", 0),

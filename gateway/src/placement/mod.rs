@@ -156,8 +156,12 @@ impl PlacementController {
         let resp = bounded("read", client.get(keys.all(), Some(GetOptions::new().with_prefix()))).await?;
         // Rejected values are logged and counted by the membership watch; here the last good
         // value of such a key is used.
-        let (state, _) = self.last.reread(&keys, resp.kvs().iter().map(|kv| (kv.key(), kv.value())));
+        let (state, rejected) = self.last.reread(&keys, resp.kvs().iter().map(|kv| (kv.key(), kv.value())));
         self.last = state.clone();
+        // A declaration rejected with no last good value to fall back on (a leader that never
+        // saw it valid): the model is neither re-planned nor undeclared — its placements stay
+        // as they are until a valid value is written or the key is deleted.
+        let frozen = frozen_models(&keys, &rejected, &state);
         let now = Instant::now();
         failed.retain(|_, at| now.duration_since(*at) < FAILED_COOLDOWN);
         for (worker, statuses) in &state.statuses {
@@ -168,7 +172,8 @@ impl PlacementController {
             }
         }
         let excluded: BTreeSet<Assignment> = failed.keys().cloned().collect();
-        let planned = plan::plan(&state, &excluded);
+        let mut planned = plan::plan(&state, &excluded);
+        planned.assignments.extend(state.placements.iter().filter(|(_, m, _)| frozen.contains(m)).cloned());
         self.metrics.placement_plans.inc();
         self.metrics.placement_unplaced.set(planned.unplaced_replicas() as i64);
         for (model, version, missing) in &planned.unplaced {
@@ -202,4 +207,14 @@ impl PlacementController {
 
 fn is_placement(keys: &Keys, key: &[u8]) -> bool {
     matches!(keys.parse(key), Some(fleet::Key::Placement { .. }))
+}
+/// Models whose `models/<m>` value was rejected and has no last good value in `state`.
+fn frozen_models(keys: &Keys, rejected: &[fleet::Rejected], state: &FleetState) -> BTreeSet<String> {
+    rejected
+        .iter()
+        .filter_map(|r| match keys.parse(r.key.as_bytes()) {
+            Some(fleet::Key::Model(m)) if !state.models.contains_key(&m) => Some(m),
+            _ => None,
+        })
+        .collect()
 }
