@@ -336,7 +336,7 @@ impl Session<'_> {
     /// Writes the statuses that changed since the last call (and deletes the ones gone).
     async fn publish_statuses(&mut self, client: &mut Client) -> SessionResult {
         let failures = self.failures.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let current = model_statuses(&self.repository.index(false), &self.view.placement, &failures);
+        let current = model_statuses(&self.repository.held_index(), &self.view.placement, &failures);
         let keys = &self.options.keys;
         let id = &self.options.record.id;
         let lease = self.lease.unwrap_or(0);

@@ -409,12 +409,28 @@ impl Repository {
     /// Every model in the repository and every loaded one, with its state.
     pub fn index(&self, ready_only: bool) -> Vec<IndexEntry> {
         let on_disk = scan_models(&self.options.paths);
+        let mut out = self.index_of(on_disk.keys());
+        if ready_only {
+            out.retain(|e| e.state == "READY");
+        }
+        out
+    }
+
+    /// The index rows of the models this repository holds state for (loaded, loading, failed
+    /// or unloaded), without scanning the repository directories: what the etcd agent
+    /// publishes as statuses, several times a second.
+    pub fn held_index(&self) -> Vec<IndexEntry> {
+        self.index_of(std::iter::empty())
+    }
+
+    /// Rows for `also` (models on disk) and every model with a slot, sorted by name.
+    fn index_of<'a>(&self, also: impl Iterator<Item = &'a String>) -> Vec<IndexEntry> {
         let slots = self.slots.read().unwrap_or_else(|e| e.into_inner()).clone();
-        let mut names: Vec<&String> = on_disk.keys().chain(slots.keys()).collect();
+        let mut names: Vec<String> = also.cloned().chain(slots.keys().cloned()).collect();
         names.sort();
         names.dedup();
         let mut out = Vec::new();
-        for name in names {
+        for name in &names {
             match slots.get(name) {
                 Some(Slot { model: Some(m), state, reload_error }) => {
                     for v in m.versions.keys() {
@@ -446,9 +462,6 @@ impl Repository {
                     reason: String::new(),
                 }),
             }
-        }
-        if ready_only {
-            out.retain(|e| e.state == "READY");
         }
         out
     }
