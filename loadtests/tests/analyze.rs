@@ -2,8 +2,9 @@
 //! (started by nereid-analyze itself, or by the test in explicit mode for `--url`), on real
 //! ONNX Runtime: results.json, the frontier, the recommended config.pbtxt parsing back,
 //! `--resume` skipping measured variants, quick search's bound, a load failure recorded, a
-//! queue-policy sweep the worker accepts, and the failure exits (unreachable server, worker
-//! that cannot start, server killed mid-sweep).
+//! queue-policy sweep the worker accepts, a `--url` sweep over TLS (gRPC, HTTPS with a client
+//! certificate, `/metrics` over HTTPS) through a TLS-terminating proxy, and the failure exits
+//! (unreachable server, worker that cannot start, server killed mid-sweep, untrusted CA).
 //! Tiny spaces and short windows; nothing asserts on speed.
 
 mod common;
@@ -326,6 +327,8 @@ struct ExplicitWorker {
     child: Child,
     _dir: tempfile::TempDir,
     grpc: u16,
+    http: u16,
+    metrics: u16,
 }
 
 impl ExplicitWorker {
@@ -344,7 +347,7 @@ impl ExplicitWorker {
             .stderr(Stdio::null())
             .spawn()
             .expect("start nereid-worker");
-        let mut w = ExplicitWorker { child, _dir: dir, grpc: 0 };
+        let mut w = ExplicitWorker { child, _dir: dir, grpc: 0, http: 0, metrics: 0 };
         let deadline = Instant::now() + WORKER_START_LIMIT;
         let ports: Value = loop {
             if let Ok(text) = std::fs::read_to_string(&ports_file)
@@ -358,7 +361,8 @@ impl ExplicitWorker {
             assert!(Instant::now() < deadline, "nereid-worker wrote no port file within {WORKER_START_LIMIT:?}");
             std::thread::sleep(Duration::from_millis(50));
         };
-        w.grpc = ports["grpc"].as_u64().expect("grpc port") as u16;
+        let port = |k: &str| ports[k].as_u64().unwrap_or_else(|| panic!("no {k} port in {ports}")) as u16;
+        (w.grpc, w.http, w.metrics) = (port("grpc"), port("http"), port("metrics"));
         w
     }
 }
@@ -422,4 +426,64 @@ fn a_server_killed_mid_sweep_keeps_partial_results_and_exits_3() {
     assert!(rows(&report).len() < 8, "the sweep stopped early");
     let kept = read_json(&checkpoint);
     assert!(!kept["results"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn a_url_sweep_over_tls_and_an_untrusted_ca_is_exit_2() {
+    let Some(bin) = worker_binary() else { return };
+    let worker = ExplicitWorker::start(&bin);
+    let dir = tempfile::tempdir().unwrap();
+    let pki = common::TestPki::new(dir.path());
+    let grpc = common::TlsProxy::start(worker.grpc, pki.server_config(false));
+    let mutual_https = common::TlsProxy::start(worker.http, pki.server_config(true));
+    let metrics = common::TlsProxy::start(worker.metrics, pki.server_config(false));
+    let (grpc_out, https_out) = (dir.path().join("grpc"), dir.path().join("https"));
+    let (m, ca) = (models(), pki.ca.to_str().unwrap().to_string());
+    let base = ["--model-repository", m.to_str().unwrap(), "-m", "identity_fp32", "--concurrency", "2"];
+    let space = ["--instance-counts", "1", "--max-batch-sizes", "8"];
+
+    // gRPC over TLS (the repository API and the measurement, with perf_analyzer's flag name),
+    // /metrics over HTTPS trusting the same CA: 2 variants, loaded and measured.
+    let (u, mu) = (format!("localhost:{}", grpc.port), format!("https://localhost:{}/metrics", metrics.port));
+    let mut args = base.to_vec();
+    args.extend(["-o", grpc_out.to_str().unwrap(), "--url", &u, "--ssl-grpc-root-certifications-file", &ca]);
+    args.extend(["--metrics-url", &mu]);
+    args.extend(space);
+    args.extend(["--max-queue-delays-us", "0,100"]);
+    args.extend(SHORT);
+    let run = analyze(&args);
+    assert_eq!(run.code, 0, "{run}");
+    let report = read_json(&grpc_out.join("results.json"));
+    let rs = rows(&report);
+    assert_eq!(rs.len(), 2, "{report}");
+    for r in rs {
+        assert_eq!(r["status"], "measured", "{r}");
+        assert!(r["measured"]["throughput_infer_per_sec"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["measured"]["server_avg_batch_size"].as_f64().is_some(), "/metrics scraped over HTTPS: {r}");
+    }
+
+    // HTTPS from the https:// URL, with a client certificate (mutual TLS): the repository API
+    // over HTTPS loads the variant.
+    let u = format!("https://localhost:{}", mutual_https.port);
+    let (cert, key) = (pki.client_cert.to_str().unwrap(), pki.client_key.to_str().unwrap());
+    let mut args = base.to_vec();
+    args.extend(["-o", https_out.to_str().unwrap(), "-i", "http", "--url", &u, "--ssl-ca", &ca]);
+    args.extend(["--ssl-cert", cert, "--ssl-key", key]);
+    args.extend(["--no-server-stats", "--max-queue-delays-us", "0"]);
+    args.extend(space);
+    args.extend(SHORT);
+    let run = analyze(&args);
+    assert_eq!(run.code, 0, "{run}");
+    let report = read_json(&https_out.join("results.json"));
+    assert_eq!(rows(&report).len(), 1, "{report}");
+    assert_eq!(rows(&report)[0]["status"], "measured", "{report}");
+
+    // A server certificate the client cannot trust: exit 2 before any variant, saying why.
+    let u = format!("localhost:{}", grpc.port);
+    let mut args = base.to_vec();
+    args.extend(["-o", grpc_out.to_str().unwrap(), "--url", &u, "--ssl-ca", pki.rogue_ca.to_str().unwrap()]);
+    let run = analyze(&args);
+    assert_eq!(run.code, 2, "{run}");
+    assert!(run.stderr.contains(&format!("cannot reach {u}")), "{run}");
+    assert!(run.stderr.contains("TLS handshake failed") && run.stderr.contains("UnknownIssuer"), "{run}");
 }

@@ -12,7 +12,6 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
@@ -719,117 +718,14 @@ fn input_data_file_values_reach_the_server_exactly() {
     assert!(run.stderr.contains("data[0].INPUT0.b64: not valid base64"), "{}", run.stderr);
 }
 
-/// A test CA, a server certificate for `localhost` and a client certificate it signed, and a
-/// second, unrelated CA; PEM files in `dir`.
-struct TestPki {
-    ca: PathBuf,
-    rogue_ca: PathBuf,
-    client_cert: PathBuf,
-    client_key: PathBuf,
-    ca_der: rustls::pki_types::CertificateDer<'static>,
-    server_cert: rustls::pki_types::CertificateDer<'static>,
-    server_key: Vec<u8>,
-}
-
-impl TestPki {
-    fn new(dir: &Path) -> TestPki {
-        use rcgen::{
-            BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
-        };
-        let new_ca = |name: &str| {
-            let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-            params.distinguished_name.push(rcgen::DnType::CommonName, name);
-            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-            params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
-            let key = KeyPair::generate().unwrap();
-            let cert = params.self_signed(&key).unwrap();
-            (cert, Issuer::new(params, key))
-        };
-        let (ca_cert, issuer) = new_ca("nereid test CA");
-        let (rogue_cert, _) = new_ca("another CA");
-        let leaf = |name: &str, purpose: ExtendedKeyUsagePurpose| {
-            let mut params = CertificateParams::new(vec![name.to_string()]).unwrap();
-            params.extended_key_usages = vec![purpose];
-            let key = KeyPair::generate().unwrap();
-            (params.signed_by(&key, &issuer).unwrap(), key)
-        };
-        let (server_cert, server_key) = leaf("localhost", ExtendedKeyUsagePurpose::ServerAuth);
-        let (client_cert, client_key) = leaf("client", ExtendedKeyUsagePurpose::ClientAuth);
-        let write = |name: &str, text: String| {
-            let path = dir.join(name);
-            std::fs::write(&path, text).unwrap();
-            path
-        };
-        TestPki {
-            ca: write("ca.pem", ca_cert.pem()),
-            rogue_ca: write("rogue-ca.pem", rogue_cert.pem()),
-            client_cert: write("client.pem", client_cert.pem()),
-            client_key: write("client.key", client_key.serialize_pem()),
-            ca_der: ca_cert.der().clone(),
-            server_cert: server_cert.der().clone(),
-            server_key: server_key.serialize_der(),
-        }
-    }
-
-    /// The proxy's config: ALPN h2 and http/1.1; with `mutual`, a client certificate signed by
-    /// the CA is required.
-    fn server_config(&self, mutual: bool) -> rustls::ServerConfig {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
-            .with_safe_default_protocol_versions()
-            .unwrap();
-        let builder = if mutual {
-            let mut roots = rustls::RootCertStore::empty();
-            roots.add(self.ca_der.clone()).unwrap();
-            let verifier =
-                rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider).build().unwrap();
-            builder.with_client_cert_verifier(verifier)
-        } else {
-            builder.with_no_client_auth()
-        };
-        let key = rustls::pki_types::PrivatePkcs8KeyDer::from(self.server_key.clone());
-        let mut config = builder.with_single_cert(vec![self.server_cert.clone()], key.into()).unwrap();
-        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-        config
-    }
-}
-
-/// A TLS-terminating proxy on 127.0.0.1 (OS-assigned port) in front of a plain worker port:
-/// each accepted TLS session is piped to a new connection upstream. Stops when dropped.
-struct TlsProxy {
-    port: u16,
-    _runtime: tokio::runtime::Runtime,
-}
-
-impl TlsProxy {
-    fn start(upstream: u16, config: rustls::ServerConfig) -> TlsProxy {
-        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-        runtime.spawn(async move {
-            while let Ok((tcp, _)) = listener.accept().await {
-                let acceptor = acceptor.clone();
-                tokio::spawn(async move {
-                    // A refused handshake (no or an unknown client certificate) just closes.
-                    let Ok(mut tls) = acceptor.accept(tcp).await else { return };
-                    let Ok(mut up) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else { return };
-                    let _ = tokio::io::copy_bidirectional(&mut tls, &mut up).await;
-                });
-            }
-        });
-        TlsProxy { port, _runtime: runtime }
-    }
-}
-
 #[test]
 fn tls_and_mutual_tls_through_a_terminating_proxy() {
     let Some(w) = Worker::start() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let pki = TestPki::new(dir.path());
-    let grpc = TlsProxy::start(w.grpc, pki.server_config(false));
-    let https = TlsProxy::start(w.http, pki.server_config(false));
-    let mutual = TlsProxy::start(w.grpc, pki.server_config(true));
+    let pki = common::TestPki::new(dir.path());
+    let grpc = common::TlsProxy::start(w.grpc, pki.server_config(false));
+    let https = common::TlsProxy::start(w.http, pki.server_config(false));
+    let mutual = common::TlsProxy::start(w.grpc, pki.server_config(true));
     let json = dir.path().join("out.json");
     let (m, j, ca) = (w.metrics_url(), json.to_str().unwrap().to_string(), pki.ca.to_str().unwrap().to_string());
 
@@ -846,7 +742,7 @@ fn tls_and_mutual_tls_through_a_terminating_proxy() {
     // HTTPS with binary tensors, TLS from the https:// URL; /metrics over HTTPS too, trusting
     // the same CA.
     let u = format!("https://localhost:{}", https.port);
-    let metrics_tls = TlsProxy::start(w.metrics, pki.server_config(false));
+    let metrics_tls = common::TlsProxy::start(w.metrics, pki.server_config(false));
     let m_https = format!("https://localhost:{}/metrics", metrics_tls.port);
     let mut args = vec!["-m", "mlp_fp32", "-i", "http", "--http-binary", "-u", &u, "--ssl-ca", &ca];
     args.extend(["--metrics-url", &m_https, "--json", &j, "--request-rate-range", "100"]);

@@ -14,7 +14,7 @@ use super::report::CHECKPOINT_JSON;
 use super::space::{SearchSpace, parse_list};
 use super::sweep::{LoadSettings, LoadSpec, Strategy};
 use crate::cli::{DistributionArg, ProtocolArg};
-use crate::client::{Protocol, normalize_url};
+use crate::client::{Protocol, Tls, TlsSettings, split_url};
 use crate::driver::{Measurement, WindowMode};
 use crate::schedule::Distribution;
 use crate::workload::InputData;
@@ -28,7 +28,8 @@ Exit codes (as nereid-perf's where they overlap):
   0  every variant visited; a variant meets the constraints and is recommended
   1  internal error, or an output file or the checkpoint could not be written
   2  bad input: invalid flags, model or config.pbtxt, checkpoint for another model; the
-     worker cannot be started; the server (--url) cannot be reached
+     worker cannot be started; the server (--url) cannot be reached (a failed TLS handshake
+     included)
   3  the server stopped answering (or the started worker exited) mid-sweep; results so far
      are written and kept in the checkpoint (--resume continues)
   4  results written, but no variant met the constraints (\"no variant met the constraints\")
@@ -69,20 +70,61 @@ pub struct AnalyzeArgs {
     pub model: String,
     /// Start this nereid-worker (explicit model control, OS-assigned ports) and sweep it
     /// [default: target/release/nereid-worker if it exists, else target/debug/nereid-worker].
-    #[arg(long, value_name = "PATH", conflicts_with_all = ["url", "worker_pid"])]
+    // Every --url-only flag is listed: clap does not apply `requires = "url"` once a flag that
+    // conflicts with --url is given.
+    #[arg(
+        long,
+        value_name = "PATH",
+        conflicts_with_all = ["url", "worker_pid", "metrics_url", "ssl", "ssl_ca", "ssl_cert", "ssl_key"]
+    )]
     pub worker_bin: Option<PathBuf>,
     /// Extra argument for the started worker (repeat), e.g. --worker-arg=--intra-op-threads=2.
     #[arg(long = "worker-arg", value_name = "ARG", allow_hyphen_values = true, conflicts_with = "url")]
     pub worker_args: Vec<String>,
-    /// Sweep an already-running server in explicit model-control mode at host:port (its
-    /// gRPC port with -i grpc, its HTTP port with -i http).
+    /// Sweep an already-running server in explicit model-control mode at host:port or
+    /// http(s)://host:port (its gRPC port with -i grpc, its HTTP port with -i http; https://
+    /// turns TLS on).
     #[arg(short = 'u', long)]
     pub url: Option<String>,
+    /// With --url: use TLS (gRPC over TLS or HTTPS) for the measurement and the repository API
+    /// (also --ssl-grpc-use-ssl); implied by an https:// --url or any other --ssl flag. The
+    /// server's certificate must match the --url host.
+    #[arg(long, alias = "ssl-grpc-use-ssl", requires = "url")]
+    pub ssl: bool,
+    /// With --url: PEM file of the CA certificates that sign the server's certificate
+    /// [default: the system's CA bundle] (also --ssl-grpc-root-certifications-file,
+    /// --ssl-https-ca-certificates-file).
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "url",
+        aliases = ["ssl-grpc-root-certifications-file", "ssl-https-ca-certificates-file"]
+    )]
+    pub ssl_ca: Option<PathBuf>,
+    /// With --url: client certificate chain (PEM) for mutual TLS; needs --ssl-key (also
+    /// --ssl-grpc-certificate-chain-file, --ssl-https-client-certificate-file).
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires_all = ["url", "ssl_key"],
+        aliases = ["ssl-grpc-certificate-chain-file", "ssl-https-client-certificate-file"]
+    )]
+    pub ssl_cert: Option<PathBuf>,
+    /// With --url: private key (PEM: PKCS#8, PKCS#1 or SEC1) of --ssl-cert (also
+    /// --ssl-grpc-private-key-file, --ssl-https-private-key-file).
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires_all = ["url", "ssl_cert"],
+        aliases = ["ssl-grpc-private-key-file", "ssl-https-private-key-file"]
+    )]
+    pub ssl_key: Option<PathBuf>,
     /// With --url: the server's process id, to read its memory (else memory is unknown).
     #[arg(long, requires = "url")]
     pub worker_pid: Option<u32>,
-    /// With --url: Prometheus endpoint for the server's average batch size [default: the
-    /// --url host, port 8002].
+    /// With --url: Prometheus endpoint for the server's average batch size: host:port or an
+    /// http:// or https:// URL (HTTPS trusts what the --ssl flags trust, else the system's CA
+    /// bundle) [default: the --url host, port 8002, /metrics, plain HTTP].
     #[arg(long, requires = "url")]
     pub metrics_url: Option<String>,
     /// Do not scrape /metrics.
@@ -204,12 +246,13 @@ pub enum SearchArg {
 }
 
 /// Which server to sweep.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub enum ServerChoice {
-    /// Start this worker binary.
+    /// Start this worker binary (plain TCP on 127.0.0.1: a started worker has no TLS).
     Start { bin: PathBuf, args: Vec<String>, start_timeout: Duration },
-    /// An already-running server.
-    External { url: String, pid: Option<u32>, metrics_url: Option<String> },
+    /// An already-running server at `url` (`host:port`), over TLS when `tls` is set (the
+    /// measurement, the repository API and an `https://` metrics URL alike).
+    External { url: String, pid: Option<u32>, metrics_url: Option<String>, tls: Option<Tls> },
 }
 
 /// Everything `nereid-analyze` needs, validated.
@@ -275,11 +318,19 @@ impl AnalyzeArgs {
             (ProtocolArg::Http, binary) => Protocol::Http { binary },
         };
         let server = match (&self.url, &self.worker_bin) {
-            (Some(url), _) => ServerChoice::External {
-                url: normalize_url(url).map_err(|e| format!("--url {e}"))?,
-                pid: self.worker_pid,
-                metrics_url: self.metrics_url.clone(),
-            },
+            (Some(url), _) => {
+                let (url, https) = split_url(url).map_err(|e| format!("--url {e}"))?;
+                let tls = if self.ssl || https || self.ssl_ca.is_some() || self.ssl_cert.is_some() {
+                    let settings = TlsSettings {
+                        ca_file: self.ssl_ca.clone(),
+                        client_auth: self.ssl_cert.clone().zip(self.ssl_key.clone()),
+                    };
+                    Some(Tls::new(&settings)?)
+                } else {
+                    None
+                };
+                ServerChoice::External { url, pid: self.worker_pid, metrics_url: self.metrics_url.clone(), tls }
+            }
             (None, bin) => {
                 let bin = match bin {
                     Some(b) if b.is_file() => b.clone(),
@@ -465,7 +516,9 @@ mod tests {
         assert_eq!(c.space.queue_timeouts_us, vec![0, 5000]);
         assert_eq!(c.space.len(), 4);
         let c = parse(dir.path(), &["-u", "http://h:9", "--worker-pid", "42", "--request-rate", "100"]).unwrap();
-        assert_eq!(c.server, ServerChoice::External { url: "h:9".into(), pid: Some(42), metrics_url: None });
+        let ServerChoice::External { url, pid, metrics_url, tls } = &c.server else { panic!("{:?}", c.server) };
+        assert_eq!((url.as_str(), *pid, metrics_url), ("h:9", Some(42), &None));
+        assert!(tls.is_none(), "plain TCP unless asked");
         assert!(matches!(c.load.load, LoadSpec::RequestRate { rate, .. } if rate == 100.0));
     }
 
@@ -498,5 +551,49 @@ mod tests {
         .into_config()
         .unwrap_err();
         assert!(missing.contains("--model nope"), "{missing}");
+    }
+
+    #[test]
+    fn tls_flags_need_url_and_turn_tls_on() {
+        let (dir, worker) = repo();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["localhost".into()]).unwrap().self_signed(&key).unwrap();
+        let (ca, k) = (dir.path().join("ca.pem"), dir.path().join("k.pem"));
+        std::fs::write(&ca, cert.pem()).unwrap();
+        std::fs::write(&k, key.serialize_pem()).unwrap();
+        let (ca, k) = (ca.to_str().unwrap(), k.to_str().unwrap());
+        let tls_of = |c: AnalyzeConfig| match c.server {
+            ServerChoice::External { url, tls, .. } => (url, tls.is_some()),
+            other => panic!("{other:?}"),
+        };
+
+        // An https:// --url, --ssl or any other --ssl flag turns TLS on; perf_analyzer's
+        // names are aliases.
+        let c = parse(dir.path(), &["-u", "https://h:8443", "--ssl-ca", ca]).unwrap();
+        assert_eq!(tls_of(c), ("h:8443".into(), true));
+        let c = parse(dir.path(), &["-u", "h:1", "--ssl-grpc-root-certifications-file", ca]).unwrap();
+        assert_eq!(tls_of(c), ("h:1".into(), true));
+        let c =
+            parse(dir.path(), &["-u", "h:1", "--ssl-ca", ca, "--ssl-grpc-certificate-chain-file", ca, "--ssl-key", k])
+                .unwrap();
+        assert_eq!(tls_of(c), ("h:1".into(), true));
+        let c = parse(dir.path(), &["-u", "http://h:1"]).unwrap();
+        assert_eq!(tls_of(c), ("h:1".into(), false));
+
+        let e = |extra: &[&str]| parse(dir.path(), extra).unwrap_err();
+        // Only with --url: a started worker has no TLS.
+        let w = worker.to_str().unwrap();
+        assert!(e(&["--ssl-ca", ca]).contains("--url"));
+        assert!(e(&["--worker-bin", w, "--ssl"]).contains("cannot be used with"));
+        assert!(e(&["--worker-bin", w, "--ssl-ca", ca]).contains("cannot be used with"));
+        assert!(e(&["--ssl-grpc-use-ssl"]).contains("--url"));
+        // The certificate and the key need each other.
+        assert!(e(&["-u", "h:1", "--ssl-cert", ca]).contains("--ssl-key"));
+        assert!(e(&["-u", "h:1", "--ssl-https-private-key-file", k]).contains("--ssl-cert"));
+        // Unreadable files are named with their flag.
+        let missing = e(&["-u", "h:1", "--ssl-ca", "/nonexistent/ca.pem"]);
+        assert!(missing.contains("--ssl-ca /nonexistent/ca.pem"), "{missing}");
+        assert!(e(&["-u", "h:1", "--ssl-ca", ca, "--ssl-cert", ca, "--ssl-key", ca]).contains("--ssl-key"));
+        assert!(e(&["-u", "ftp://h:1"]).contains("--url"));
     }
 }

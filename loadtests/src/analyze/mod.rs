@@ -148,23 +148,24 @@ async fn connect(config: &AnalyzeConfig, progress: &Progress) -> Result<ServerHa
                 .then(|| format!("http://127.0.0.1:{}/metrics", worker.metrics_port).parse().ok())
                 .flatten();
             Ok(ServerHandle {
-                repository: RepositoryClient::new(protocol, &url, config.load_timeout),
+                repository: RepositoryClient::new(protocol, &url, config.load_timeout, None),
                 url,
+                tls: None,
                 metrics_url,
                 pid: Some(worker.pid),
                 worker: Some(worker),
             })
         }
-        ServerChoice::External { url, pid, metrics_url } => {
-            let repository = RepositoryClient::new(protocol, url, config.load_timeout);
-            if !repository.is_live().await {
-                return Err(AnalyzeError::Unreachable {
-                    url: url.clone(),
-                    reason: "it does not answer its liveness check (is it a KServe v2 server, on the port of the \
-                             --protocol?)"
-                        .into(),
-                });
-            }
+        ServerChoice::External { url, pid, metrics_url, tls } => {
+            let repository = RepositoryClient::new(protocol, url, config.load_timeout, tls.as_ref());
+            repository.check_live().await.map_err(|reason| AnalyzeError::Unreachable {
+                url: url.clone(),
+                reason: format!(
+                    "it does not answer its liveness check (is it a KServe v2 server, on the port of the \
+                     --protocol{}?): {reason}",
+                    if tls.is_some() { ", speaking TLS" } else { "" }
+                ),
+            })?;
             let metrics_url = if config.scrape_metrics {
                 Some(
                     crate::cli::metrics_uri(metrics_url.as_deref(), url)
@@ -176,7 +177,7 @@ async fn connect(config: &AnalyzeConfig, progress: &Progress) -> Result<ServerHa
             if pid.is_none() {
                 progress.note("no --worker-pid: memory will be reported as unknown");
             }
-            Ok(ServerHandle { url: url.clone(), repository, metrics_url, pid: *pid, worker: None })
+            Ok(ServerHandle { url: url.clone(), tls: tls.clone(), repository, metrics_url, pid: *pid, worker: None })
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The server under test: a `nereid-worker` process this tool starts (explicit model control,
 //! OS-assigned ports read from `--port-file`), or one already running; its repository API
-//! (load with a config override, unload) over gRPC or HTTP; and its memory (VmRSS from
-//! `/proc/PID/status`, sampled while a variant is measured).
+//! (load with a config override, unload) over gRPC or HTTP, over TLS when `--url` asks for it;
+//! and its memory (VmRSS from `/proc/PID/status`, sampled while a variant is measured).
 //!
 //! Every wait is bounded: the worker's start by `start_timeout`, each repository call by
 //! `load_timeout`. A call that gets no answer at all is [`RepositoryError::Unreachable`] (the
@@ -19,7 +19,6 @@ use bytes::Bytes;
 use http::{Method, Request};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client as HyperClient;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use nereid_proto::inference::model_repository_parameter::ParameterChoice;
@@ -28,7 +27,8 @@ use tokio::process::{Child, Command};
 use tokio::time::Instant;
 use tonic::transport::Endpoint;
 
-use crate::client::{CONNECT_TIMEOUT, Protocol};
+use crate::client::tls::{ALPN_H2, ALPN_HTTP1, Connector};
+use crate::client::{CONNECT_TIMEOUT, Protocol, Tls, error_chain};
 
 /// How often the port file and the worker's health are polled while it starts.
 const START_POLL: Duration = Duration::from_millis(50);
@@ -115,7 +115,7 @@ impl WorkerProcess {
         if worker.http_port == 0 || worker.grpc_port == 0 {
             return Err(fail(format!("its port file lacks the http or grpc port: {ports}")));
         }
-        let repo = RepositoryClient::new(Protocol::Http { binary: false }, &worker.http_url(), start_timeout);
+        let repo = RepositoryClient::new(Protocol::Http { binary: false }, &worker.http_url(), start_timeout, None);
         while !repo.is_live().await {
             if !worker.is_running() {
                 return Err(fail(format!("it exited while starting; see {}", worker.log.display())));
@@ -163,23 +163,38 @@ pub enum RepositoryError {
     Unreachable(String),
 }
 
-/// The KServe v2 repository extension over gRPC or HTTP.
+/// The KServe v2 repository extension over gRPC or HTTP, over TLS when given one.
 #[derive(Clone)]
 pub enum RepositoryClient {
-    Grpc { url: String, timeout: Duration },
-    Http { url: String, timeout: Duration, pool: Arc<HyperClient<HttpConnector, Full<Bytes>>> },
+    Grpc {
+        url: String,
+        timeout: Duration,
+        tls: Option<Tls>,
+    },
+    Http {
+        url: String,
+        timeout: Duration,
+        /// `https` with TLS.
+        scheme: &'static str,
+        pool: Arc<HyperClient<Connector, Full<Bytes>>>,
+    },
 }
 
 impl RepositoryClient {
-    /// A client for the server at `url` (`host:port`); each call is bounded by `timeout`.
-    pub fn new(protocol: Protocol, url: &str, timeout: Duration) -> RepositoryClient {
+    /// A client for the server at `url` (`host:port`), over TLS with `tls` (gRPC: ALPN `h2`;
+    /// HTTP: `https://`, ALPN `http/1.1`); each call is bounded by `timeout`.
+    pub fn new(protocol: Protocol, url: &str, timeout: Duration, tls: Option<&Tls>) -> RepositoryClient {
         match protocol {
-            Protocol::Grpc => RepositoryClient::Grpc { url: url.into(), timeout },
+            Protocol::Grpc => RepositoryClient::Grpc { url: url.into(), timeout, tls: tls.cloned() },
             Protocol::Http { .. } => {
-                let mut connector = HttpConnector::new();
-                connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
+                // TCP (bounded by CONNECT_TIMEOUT) and, with TLS, the handshake (bounded too).
+                let connector = match tls {
+                    Some(tls) => tls.connector(ALPN_HTTP1),
+                    None => Connector::new(None),
+                };
                 let pool = HyperClient::builder(TokioExecutor::new()).build(connector);
-                RepositoryClient::Http { url: url.into(), timeout, pool: Arc::new(pool) }
+                let scheme = if tls.is_some() { "https" } else { "http" };
+                RepositoryClient::Http { url: url.into(), timeout, scheme, pool: Arc::new(pool) }
             }
         }
     }
@@ -188,8 +203,8 @@ impl RepositoryClient {
     /// place of its config.pbtxt: Triton's `parameters.config`.
     pub async fn load(&self, model: &str, config_json: &str) -> Result<(), RepositoryError> {
         match self {
-            RepositoryClient::Grpc { url, timeout } => {
-                let mut client = grpc_client(url).await?;
+            RepositoryClient::Grpc { url, timeout, tls } => {
+                let mut client = grpc_client(url, tls.as_ref()).await?;
                 let parameters = HashMap::from([(
                     "config".to_string(),
                     ModelRepositoryParameter {
@@ -213,8 +228,8 @@ impl RepositoryClient {
     /// Unloads `model` (so the next variant's memory is not measured on top of this one's).
     pub async fn unload(&self, model: &str) -> Result<(), RepositoryError> {
         match self {
-            RepositoryClient::Grpc { url, timeout } => {
-                let mut client = grpc_client(url).await?;
+            RepositoryClient::Grpc { url, timeout, tls } => {
+                let mut client = grpc_client(url, tls.as_ref()).await?;
                 let call = client.repository_model_unload(RepositoryModelUnloadRequest {
                     repository_name: String::new(),
                     model_name: model.into(),
@@ -230,32 +245,52 @@ impl RepositoryClient {
 
     /// Whether the server answers `GET /v2/health/live` (HTTP) or `ServerLive` (gRPC).
     pub async fn is_live(&self) -> bool {
+        self.check_live().await.is_ok()
+    }
+
+    /// [`is_live`](Self::is_live), saying why not (e.g. the TLS handshake failed). The
+    /// connection is bounded by [`CONNECT_TIMEOUT`] (and the handshake by as much again), the
+    /// call by [`CONNECT_TIMEOUT`].
+    pub async fn check_live(&self) -> Result<(), String> {
+        let no_answer = || format!("no answer within {CONNECT_TIMEOUT:?}");
         match self {
-            RepositoryClient::Grpc { url, .. } => {
-                let Ok(mut client) = grpc_client(url).await else { return false };
+            RepositoryClient::Grpc { url, tls, .. } => {
+                let mut client = grpc_client(url, tls.as_ref()).await.map_err(|e| e.to_string())?;
                 let call = client.server_live(nereid_proto::inference::ServerLiveRequest {});
-                matches!(tokio::time::timeout(CONNECT_TIMEOUT, call).await, Ok(Ok(r)) if r.get_ref().live)
+                match tokio::time::timeout(CONNECT_TIMEOUT, call).await {
+                    Ok(Ok(r)) if r.get_ref().live => Ok(()),
+                    Ok(Ok(_)) => Err("ServerLive: not live".into()),
+                    Ok(Err(s)) => Err(format!("ServerLive failed: {}: {}", s.code(), s.message())),
+                    Err(_) => Err(no_answer()),
+                }
             }
-            RepositoryClient::Http { url, pool, .. } => {
-                let Ok(req) = Request::get(format!("http://{url}/v2/health/live")).body(Full::new(Bytes::new())) else {
-                    return false;
-                };
-                matches!(tokio::time::timeout(CONNECT_TIMEOUT, pool.request(req)).await, Ok(Ok(r)) if r.status() == 200)
+            RepositoryClient::Http { url, scheme, pool, .. } => {
+                let req = Request::get(format!("{scheme}://{url}/v2/health/live"))
+                    .body(Full::new(Bytes::new()))
+                    .map_err(|e| format!("bad request: {e}"))?;
+                match tokio::time::timeout(CONNECT_TIMEOUT, pool.request(req)).await {
+                    Ok(Ok(r)) if r.status() == 200 => Ok(()),
+                    Ok(Ok(r)) => Err(format!("GET /v2/health/live answered HTTP {}", r.status())),
+                    Ok(Err(e)) => Err(format!("GET /v2/health/live: {}", error_chain(&e))),
+                    Err(_) => Err(no_answer()),
+                }
             }
         }
     }
 
     async fn http_post(&self, path: &str, body: String) -> Result<(), RepositoryError> {
-        let RepositoryClient::Http { url, timeout, pool } = self else { unreachable!("an HTTP client") };
+        let RepositoryClient::Http { url, timeout, scheme, pool } = self else { unreachable!("an HTTP client") };
         let req = Request::builder()
             .method(Method::POST)
-            .uri(format!("http://{url}{path}"))
+            .uri(format!("{scheme}://{url}{path}"))
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body)))
             .map_err(|e| RepositoryError::Refused(format!("bad request: {e}")))?;
         let call = async {
-            let resp =
-                pool.request(req).await.map_err(|e| RepositoryError::Unreachable(format!("POST {path}: {e}")))?;
+            let resp = pool
+                .request(req)
+                .await
+                .map_err(|e| RepositoryError::Unreachable(format!("POST {path}: {}", error_chain(&e))))?;
             let status = resp.status();
             let body = http_body_util::Limited::new(resp.into_body(), MAX_RESPONSE_BYTES)
                 .collect()
@@ -279,13 +314,23 @@ impl RepositoryClient {
     }
 }
 
-async fn grpc_client(url: &str) -> Result<GrpcInferenceServiceClient<tonic::transport::Channel>, RepositoryError> {
-    let endpoint = Endpoint::from_shared(format!("http://{url}"))
+/// A channel to `url` for one repository call: plain, or over TLS (ALPN `h2`) through our
+/// connector (tonic is built without its own TLS; an `https://` endpoint reaches the connector
+/// as is).
+async fn grpc_client(
+    url: &str,
+    tls: Option<&Tls>,
+) -> Result<GrpcInferenceServiceClient<tonic::transport::Channel>, RepositoryError> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let endpoint = Endpoint::from_shared(format!("{scheme}://{url}"))
         .map_err(|e| RepositoryError::Unreachable(format!("{url}: {e}")))?
         .connect_timeout(CONNECT_TIMEOUT);
-    let channel = endpoint.connect().await.map_err(|e| {
-        RepositoryError::Unreachable(format!("cannot connect to {url}: {}", crate::client::error_chain(&e)))
-    })?;
+    let channel = match tls {
+        None => endpoint.connect().await,
+        Some(tls) => endpoint.connect_with_connector(tls.connector(ALPN_H2)).await,
+    };
+    let channel =
+        channel.map_err(|e| RepositoryError::Unreachable(format!("cannot connect to {url}: {}", error_chain(&e))))?;
     Ok(GrpcInferenceServiceClient::new(channel).max_decoding_message_size(MAX_RESPONSE_BYTES))
 }
 
@@ -386,7 +431,7 @@ mod tests {
         // Port 9 (discard) on localhost: nothing listens there in a test sandbox; if
         // something does, it is not a KServe server and the call fails either way.
         for protocol in [Protocol::Grpc, Protocol::Http { binary: false }] {
-            let c = RepositoryClient::new(protocol, "127.0.0.1:9", Duration::from_secs(2));
+            let c = RepositoryClient::new(protocol, "127.0.0.1:9", Duration::from_secs(2), None);
             assert!(c.load("m", "{}").await.is_err());
             assert!(!c.is_live().await);
         }

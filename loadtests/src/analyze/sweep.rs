@@ -22,7 +22,7 @@ use super::quick::{Outcome, QuickSearch};
 use super::result::{Measured, VariantResult, VariantStatus};
 use super::server::{RepositoryClient, RepositoryError, RssSampler, WorkerProcess};
 use super::space::{Point, SearchSpace, Variant};
-use crate::client::{Protocol, Target};
+use crate::client::{Protocol, Target, Tls};
 use crate::driver::{self, Load, Measurement, RunConfig};
 use crate::error::{PerfError, exit};
 use crate::report::{Progress, combined_breakdown};
@@ -76,8 +76,8 @@ impl LoadSettings {
         if self.batch_size > 1 { format!("{load}, batch {}", self.batch_size) } else { load }
     }
 
-    /// nereid-perf's run config for `model` at `url`.
-    pub fn run_config(&self, model: &str, url: &str, metrics_url: Option<http::Uri>) -> Result<RunConfig, PerfError> {
+    /// nereid-perf's run config for `model` on `server` (its URL, TLS and metrics URL).
+    pub fn run_config(&self, model: &str, server: &ServerHandle) -> Result<RunConfig, PerfError> {
         let mut entry = Entry::for_model(model);
         entry.batch_size = self.batch_size;
         let workload = Workload::new(Origin::Flags, vec![entry], self.slo_p99_ms)?;
@@ -95,8 +95,9 @@ impl LoadSettings {
             (Protocol::Http { .. }, _) => outstanding.clamp(1, 256),
         };
         Ok(RunConfig {
-            target: Target { protocol: self.protocol, url: url.to_string(), connections, tls: None },
-            metrics_url,
+            // The scraper trusts `tls` too, for an https:// metrics URL.
+            target: Target { protocol: self.protocol, url: server.url.clone(), connections, tls: server.tls.clone() },
+            metrics_url: server.metrics_url.clone(),
             workload,
             input_data: InputSource::Generated(self.input_data),
             load,
@@ -124,6 +125,8 @@ pub struct Sweep {
 pub struct ServerHandle {
     /// Inference endpoint (`host:port`) of the measurement protocol.
     pub url: String,
+    /// TLS to `url` (and to an `https://` metrics URL); `None`: plain TCP.
+    pub tls: Option<Tls>,
     pub repository: RepositoryClient,
     pub metrics_url: Option<http::Uri>,
     /// Whose RSS to sample; `None`: memory unknown.
@@ -369,7 +372,7 @@ async fn measure_variant(
         }
     }
 
-    let run_config = match sweep.load.run_config(&sweep.model, &server.url, server.metrics_url.clone()) {
+    let run_config = match sweep.load.run_config(&sweep.model, server) {
         Ok(c) => c,
         Err(e) => {
             result.status = VariantStatus::Failed;

@@ -194,8 +194,9 @@ impl Lane {
     }
 }
 
-/// `host:port` from `host:port`, `http://host:port[/]`; refuses `https://` (TLS is only for
-/// nereid-perf's `--url`, see [`split_url`]) and anything else with a path.
+/// `host:port` from `host:port`, `http://host:port[/]`, for plain-HTTP addresses (a bare
+/// `--metrics-url host:port`); refuses `https://` (TLS URLs go through [`split_url`]) and
+/// anything else with a path.
 pub fn normalize_url(url: &str) -> Result<String, String> {
     match split_url(url)? {
         (_, true) => Err(format!("'{url}': TLS (https://) is not supported here; use a plain host:port")),
