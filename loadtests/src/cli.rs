@@ -100,36 +100,8 @@ pub struct Args {
     /// HTTP: send inputs and ask for outputs in the binary-tensor extension instead of JSON.
     #[arg(long)]
     pub http_binary: bool,
-    /// Use TLS: gRPC over TLS or HTTPS (also --ssl-grpc-use-ssl); implied by an https:// --url
-    /// or any other --ssl flag. The server's certificate must match the --url host.
-    #[arg(long, alias = "ssl-grpc-use-ssl")]
-    pub ssl: bool,
-    /// PEM file of the CA certificates that sign the server's certificate [default: the system's
-    /// CA bundle] (also --ssl-grpc-root-certifications-file, --ssl-https-ca-certificates-file).
-    #[arg(
-        long,
-        value_name = "FILE",
-        aliases = ["ssl-grpc-root-certifications-file", "ssl-https-ca-certificates-file"]
-    )]
-    pub ssl_ca: Option<PathBuf>,
-    /// Client certificate chain (PEM) for mutual TLS; needs --ssl-key (also
-    /// --ssl-grpc-certificate-chain-file, --ssl-https-client-certificate-file).
-    #[arg(
-        long,
-        value_name = "FILE",
-        requires = "ssl_key",
-        aliases = ["ssl-grpc-certificate-chain-file", "ssl-https-client-certificate-file"]
-    )]
-    pub ssl_cert: Option<PathBuf>,
-    /// Private key (PEM: PKCS#8, PKCS#1 or SEC1) of --ssl-cert (also --ssl-grpc-private-key-file,
-    /// --ssl-https-private-key-file).
-    #[arg(
-        long,
-        value_name = "FILE",
-        requires = "ssl_cert",
-        aliases = ["ssl-grpc-private-key-file", "ssl-https-private-key-file"]
-    )]
-    pub ssl_key: Option<PathBuf>,
+    #[command(flatten)]
+    pub tls: TlsArgs,
     /// Prometheus endpoint for the server-side breakdown: host:port or an http:// or https://
     /// URL (HTTPS trusts what the --ssl flags trust, else the system's CA bundle) [default:
     /// the --url host, port 8002, /metrics, plain HTTP].
@@ -222,6 +194,60 @@ pub struct Args {
     pub quiet: bool,
 }
 
+/// TLS to the server, with perf_analyzer's flag names as aliases; shared by nereid-perf and
+/// nereid-analyze.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct TlsArgs {
+    /// Use TLS: gRPC over TLS or HTTPS (also --ssl-grpc-use-ssl); implied by an https:// URL
+    /// or any other --ssl flag. The server's certificate must match the URL's host.
+    #[arg(long, alias = "ssl-grpc-use-ssl")]
+    pub ssl: bool,
+    /// PEM file of the CA certificates that sign the server's certificate [default: the system's
+    /// CA bundle] (also --ssl-grpc-root-certifications-file, --ssl-https-ca-certificates-file).
+    #[arg(
+        long,
+        value_name = "FILE",
+        aliases = ["ssl-grpc-root-certifications-file", "ssl-https-ca-certificates-file"]
+    )]
+    pub ssl_ca: Option<PathBuf>,
+    /// Client certificate chain (PEM) for mutual TLS; needs --ssl-key (also
+    /// --ssl-grpc-certificate-chain-file, --ssl-https-client-certificate-file).
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "ssl_key",
+        aliases = ["ssl-grpc-certificate-chain-file", "ssl-https-client-certificate-file"]
+    )]
+    pub ssl_cert: Option<PathBuf>,
+    /// Private key (PEM: PKCS#8, PKCS#1 or SEC1) of --ssl-cert (also --ssl-grpc-private-key-file,
+    /// --ssl-https-private-key-file).
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "ssl_cert",
+        aliases = ["ssl-grpc-private-key-file", "ssl-https-private-key-file"]
+    )]
+    pub ssl_key: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    /// Whether any TLS flag was given.
+    pub fn given(&self) -> bool {
+        self.ssl || self.ssl_ca.is_some() || self.ssl_cert.is_some() || self.ssl_key.is_some()
+    }
+
+    /// The TLS configuration when a flag or an `https://` URL asks for TLS (files read and
+    /// checked now; errors name the flag and file), else `None`.
+    pub fn tls(&self, https: bool) -> Result<Option<Tls>, String> {
+        if !(https || self.given()) {
+            return Ok(None);
+        }
+        let settings =
+            TlsSettings { ca_file: self.ssl_ca.clone(), client_auth: self.ssl_cert.clone().zip(self.ssl_key.clone()) };
+        Tls::new(&settings).map(Some)
+    }
+}
+
 impl Args {
     /// Validates the flags and reads the workload and trace files.
     pub fn into_config(self) -> Result<RunConfig, PerfError> {
@@ -234,15 +260,7 @@ impl Args {
         let default_url = if protocol == Protocol::Grpc { DEFAULT_GRPC_URL } else { DEFAULT_HTTP_URL };
         let (url, https) =
             split_url(self.url.as_deref().unwrap_or(default_url)).map_err(|e| usage(format!("--url {e}")))?;
-        let tls = if self.ssl || https || self.ssl_ca.is_some() || self.ssl_cert.is_some() {
-            let settings = TlsSettings {
-                ca_file: self.ssl_ca.clone(),
-                client_auth: self.ssl_cert.clone().zip(self.ssl_key.clone()),
-            };
-            Some(Tls::new(&settings).map_err(usage)?)
-        } else {
-            None
-        };
+        let tls = self.tls.tls(https).map_err(usage)?;
         let metrics_url =
             if self.no_server_stats { None } else { Some(metrics_uri(self.metrics_url.as_deref(), &url)?) };
 
@@ -502,11 +520,7 @@ mod tests {
     fn tls_flags() {
         assert!(args(&["-m", "m"]).unwrap().target.tls.is_none());
         let dir = tempfile::tempdir().unwrap();
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = rcgen::CertificateParams::new(vec!["localhost".into()]).unwrap().self_signed(&key).unwrap();
-        let (ca, k) = (dir.path().join("ca.pem"), dir.path().join("k.pem"));
-        std::fs::write(&ca, cert.pem()).unwrap();
-        std::fs::write(&k, key.serialize_pem()).unwrap();
+        let (ca, k) = crate::client::tls::write_test_cert(dir.path());
         let (ca, k) = (ca.to_str().unwrap(), k.to_str().unwrap());
         // Any --ssl flag, or https://, turns TLS on; perf_analyzer's names are aliases.
         let c = args(&["-m", "m", "--ssl-grpc-root-certifications-file", ca]).unwrap();

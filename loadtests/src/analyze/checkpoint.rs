@@ -91,14 +91,7 @@ mod tests {
     use crate::analyze::space::Variant;
 
     fn v(i: u32, d: u64) -> Variant {
-        Variant {
-            instance_count: i,
-            max_batch_size: 8,
-            preferred_batch_size: 0,
-            max_queue_delay_us: d,
-            max_queue_size: 0,
-            queue_timeout_us: 0,
-        }
+        Variant::batching(i, 8, 0, d)
     }
 
     fn sample() -> Checkpoint {

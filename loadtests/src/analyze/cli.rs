@@ -13,8 +13,8 @@ use super::frontier::{Constraints, Objective};
 use super::report::CHECKPOINT_JSON;
 use super::space::{SearchSpace, parse_list};
 use super::sweep::{LoadSettings, LoadSpec, Strategy};
-use crate::cli::{DistributionArg, ProtocolArg};
-use crate::client::{Protocol, Tls, TlsSettings, split_url};
+use crate::cli::{DistributionArg, ProtocolArg, TlsArgs};
+use crate::client::{Protocol, Tls, split_url};
 use crate::driver::{Measurement, WindowMode};
 use crate::schedule::Distribution;
 use crate::workload::InputData;
@@ -86,39 +86,10 @@ pub struct AnalyzeArgs {
     /// turns TLS on).
     #[arg(short = 'u', long)]
     pub url: Option<String>,
-    /// With --url: use TLS (gRPC over TLS or HTTPS) for the measurement and the repository API
-    /// (also --ssl-grpc-use-ssl); implied by an https:// --url or any other --ssl flag. The
-    /// server's certificate must match the --url host.
-    #[arg(long, alias = "ssl-grpc-use-ssl", requires = "url")]
-    pub ssl: bool,
-    /// With --url: PEM file of the CA certificates that sign the server's certificate
-    /// [default: the system's CA bundle] (also --ssl-grpc-root-certifications-file,
-    /// --ssl-https-ca-certificates-file).
-    #[arg(
-        long,
-        value_name = "FILE",
-        requires = "url",
-        aliases = ["ssl-grpc-root-certifications-file", "ssl-https-ca-certificates-file"]
-    )]
-    pub ssl_ca: Option<PathBuf>,
-    /// With --url: client certificate chain (PEM) for mutual TLS; needs --ssl-key (also
-    /// --ssl-grpc-certificate-chain-file, --ssl-https-client-certificate-file).
-    #[arg(
-        long,
-        value_name = "FILE",
-        requires_all = ["url", "ssl_key"],
-        aliases = ["ssl-grpc-certificate-chain-file", "ssl-https-client-certificate-file"]
-    )]
-    pub ssl_cert: Option<PathBuf>,
-    /// With --url: private key (PEM: PKCS#8, PKCS#1 or SEC1) of --ssl-cert (also
-    /// --ssl-grpc-private-key-file, --ssl-https-private-key-file).
-    #[arg(
-        long,
-        value_name = "FILE",
-        requires_all = ["url", "ssl_cert"],
-        aliases = ["ssl-grpc-private-key-file", "ssl-https-private-key-file"]
-    )]
-    pub ssl_key: Option<PathBuf>,
+    /// TLS for the measurement, the repository API and an https:// --metrics-url; with --url
+    /// only (a started worker serves plain HTTP and gRPC).
+    #[command(flatten)]
+    pub tls: TlsArgs,
     /// With --url: the server's process id, to read its memory (else memory is unknown).
     #[arg(long, requires = "url")]
     pub worker_pid: Option<u32>,
@@ -317,18 +288,15 @@ impl AnalyzeArgs {
             (ProtocolArg::Grpc, false) => Protocol::Grpc,
             (ProtocolArg::Http, binary) => Protocol::Http { binary },
         };
+        if self.url.is_none() && self.tls.given() {
+            return Err("--ssl, --ssl-ca, --ssl-cert and --ssl-key need --url (a started worker serves plain \
+                        HTTP and gRPC)"
+                .into());
+        }
         let server = match (&self.url, &self.worker_bin) {
             (Some(url), _) => {
                 let (url, https) = split_url(url).map_err(|e| format!("--url {e}"))?;
-                let tls = if self.ssl || https || self.ssl_ca.is_some() || self.ssl_cert.is_some() {
-                    let settings = TlsSettings {
-                        ca_file: self.ssl_ca.clone(),
-                        client_auth: self.ssl_cert.clone().zip(self.ssl_key.clone()),
-                    };
-                    Some(Tls::new(&settings)?)
-                } else {
-                    None
-                };
+                let tls = self.tls.tls(https)?;
                 ServerChoice::External { url, pid: self.worker_pid, metrics_url: self.metrics_url.clone(), tls }
             }
             (None, bin) => {
@@ -556,11 +524,7 @@ mod tests {
     #[test]
     fn tls_flags_need_url_and_turn_tls_on() {
         let (dir, worker) = repo();
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = rcgen::CertificateParams::new(vec!["localhost".into()]).unwrap().self_signed(&key).unwrap();
-        let (ca, k) = (dir.path().join("ca.pem"), dir.path().join("k.pem"));
-        std::fs::write(&ca, cert.pem()).unwrap();
-        std::fs::write(&k, key.serialize_pem()).unwrap();
+        let (ca, k) = crate::client::tls::write_test_cert(dir.path());
         let (ca, k) = (ca.to_str().unwrap(), k.to_str().unwrap());
         let tls_of = |c: AnalyzeConfig| match c.server {
             ServerChoice::External { url, tls, .. } => (url, tls.is_some()),

@@ -107,14 +107,7 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 "#;
 
     fn v(i: u32, b: u32, p: u32, d: u64) -> Variant {
-        Variant {
-            instance_count: i,
-            max_batch_size: b,
-            preferred_batch_size: p,
-            max_queue_delay_us: d,
-            max_queue_size: 0,
-            queue_timeout_us: 0,
-        }
+        Variant::batching(i, b, p, d)
     }
 
     fn vq(i: u32, b: u32, q: u32, t: u64) -> Variant {

@@ -183,14 +183,7 @@ mod tests {
     }
 
     fn result(i: u32, m: Measured) -> VariantResult {
-        let v = Variant {
-            instance_count: i,
-            max_batch_size: 1,
-            preferred_batch_size: 0,
-            max_queue_delay_us: 0,
-            max_queue_size: 0,
-            queue_timeout_us: 0,
-        };
+        let v = Variant::batching(i, 1, 0, 0);
         let mut r = VariantResult::new(v, VariantStatus::Measured);
         r.measured = Some(m);
         r

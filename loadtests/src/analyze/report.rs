@@ -496,14 +496,7 @@ pub(crate) mod tests {
     }
 
     fn variant(i: u32, preferred: u32) -> Variant {
-        Variant {
-            instance_count: i,
-            max_batch_size: 8,
-            preferred_batch_size: preferred,
-            max_queue_delay_us: 0,
-            max_queue_size: 0,
-            queue_timeout_us: 0,
-        }
+        Variant::batching(i, 8, preferred, 0)
     }
 
     /// `v` measured at `tput` infer/s, `p99` ms and `mem` MiB, with its config.

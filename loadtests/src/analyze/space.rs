@@ -52,6 +52,23 @@ pub struct Variant {
 }
 
 impl Variant {
+    /// A variant of the four batching dimensions, without a queue policy.
+    pub fn batching(
+        instance_count: u32,
+        max_batch_size: u32,
+        preferred_batch_size: u32,
+        max_queue_delay_us: u64,
+    ) -> Self {
+        Variant {
+            instance_count,
+            max_batch_size,
+            preferred_batch_size,
+            max_queue_delay_us,
+            max_queue_size: 0,
+            queue_timeout_us: 0,
+        }
+    }
+
     /// A stable, file-name-safe key: what checkpoints and `--resume` match on. The queue
     /// policy is appended only when set (`i1_b8_p0_d100_q64_t5000`), so keys of variants
     /// without one are those of sweeps that could not set it.
@@ -295,14 +312,7 @@ mod tests {
     }
 
     fn v(i: u32, b: u32, p: u32, d: u64) -> Variant {
-        Variant {
-            instance_count: i,
-            max_batch_size: b,
-            preferred_batch_size: p,
-            max_queue_delay_us: d,
-            max_queue_size: 0,
-            queue_timeout_us: 0,
-        }
+        Variant::batching(i, b, p, d)
     }
 
     #[test]

@@ -244,6 +244,18 @@ impl Write for Stream {
     }
 }
 
+/// Writes a self-signed certificate for `localhost` (`ca.pem`) and its key (`k.pem`) into
+/// `dir`, for the flag-parsing unit tests.
+#[cfg(test)]
+pub(crate) fn write_test_cert(dir: &Path) -> (PathBuf, PathBuf) {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["localhost".into()]).unwrap().self_signed(&key).unwrap();
+    let (ca, k) = (dir.join("ca.pem"), dir.join("k.pem"));
+    std::fs::write(&ca, cert.pem()).unwrap();
+    std::fs::write(&k, key.serialize_pem()).unwrap();
+    (ca, k)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
