@@ -48,43 +48,68 @@ pub fn scan(buf: &[u8], message: &'static str) -> Result<Header, WireError> {
         if field == 0 {
             return Err(err(format!("field number 0 at byte {pos}")));
         }
-        let is_header = matches!(field, MODEL_NAME | MODEL_VERSION | ID);
-        if is_header && wire_type != 2 {
+        let slot = match field {
+            MODEL_NAME => &mut header.model_name,
+            MODEL_VERSION => &mut header.model_version,
+            ID => &mut header.id,
+            _ => {
+                pos = value_end(buf, pos, field, wire_type, 0).map_err(err)?;
+                continue;
+            }
+        };
+        if wire_type != 2 {
             return Err(err(format!("field {} has wire type {wire_type}, expected 2 (string)", field_name(field))));
         }
-        let end = match wire_type {
-            0 => {
-                varint(buf, &mut pos).ok_or_else(|| err(format!("truncated varint in field {field}")))?;
-                pos
-            }
-            1 => pos + 8,
-            2 => {
-                let len = varint(buf, &mut pos).ok_or_else(|| err(format!("truncated length of field {field}")))?;
-                usize::try_from(len).ok().and_then(|len| pos.checked_add(len)).unwrap_or(usize::MAX)
-            }
-            5 => pos + 4,
-            other => return Err(err(format!("field {field} has unsupported wire type {other}"))),
-        };
-        if end > buf.len() {
-            return Err(err(format!(
-                "field {} runs past the end of the message ({} bytes)",
-                field_name(field),
-                buf.len()
-            )));
-        }
-        if is_header {
-            let value = std::str::from_utf8(&buf[pos..end])
-                .map_err(|_| err(format!("field {} is not valid UTF-8", field_name(field))))?;
-            let slot = match field {
-                MODEL_NAME => &mut header.model_name,
-                MODEL_VERSION => &mut header.model_version,
-                _ => &mut header.id,
-            };
-            value.clone_into(slot);
-        }
+        let end = value_end(buf, pos, field, 2, 0).map_err(err)?;
+        let mut start = pos;
+        varint(buf, &mut start); // past the length prefix (value_end checked it)
+        let value = std::str::from_utf8(&buf[start..end])
+            .map_err(|_| err(format!("field {} is not valid UTF-8", field_name(field))))?;
+        value.clone_into(slot);
         pos = end;
     }
     Ok(header)
+}
+
+/// Groups (deprecated, proto2) nest at most this deep, as prost's recursion limit bounds them.
+const MAX_GROUP_DEPTH: u32 = 100;
+
+/// Where the value of `field` (of `wire_type`) that starts at `pos` ends; a group is skipped
+/// whole, as protobuf decoders skip unknown fields.
+fn value_end(buf: &[u8], mut pos: usize, field: u64, wire_type: u64, depth: u32) -> Result<usize, String> {
+    let end = match wire_type {
+        0 => {
+            varint(buf, &mut pos).ok_or_else(|| format!("truncated varint in field {}", field_name(field)))?;
+            pos
+        }
+        1 => pos.saturating_add(8),
+        2 => {
+            let len =
+                varint(buf, &mut pos).ok_or_else(|| format!("truncated length of field {}", field_name(field)))?;
+            usize::try_from(len).ok().and_then(|len| pos.checked_add(len)).unwrap_or(usize::MAX)
+        }
+        3 => {
+            if depth >= MAX_GROUP_DEPTH {
+                return Err(format!("groups nested deeper than {MAX_GROUP_DEPTH}"));
+            }
+            loop {
+                let key = varint(buf, &mut pos).ok_or_else(|| format!("group {field} is not closed"))?;
+                let (inner, inner_type) = (key >> 3, key & 7);
+                match (inner, inner_type) {
+                    (0, _) => return Err(format!("field number 0 in group {field}")),
+                    (f, 4) if f == field => break pos,
+                    (f, 4) => return Err(format!("group {field} closed as group {f}")),
+                    (f, t) => pos = value_end(buf, pos, f, t, depth + 1)?,
+                }
+            }
+        }
+        4 => return Err(format!("field {field} ends a group that was not started")),
+        other => return Err(format!("field {field} has unsupported wire type {other}")),
+    };
+    if end > buf.len() {
+        return Err(format!("field {} runs past the end of the message ({} bytes)", field_name(field), buf.len()));
+    }
+    Ok(end)
 }
 
 fn field_name(field: u64) -> String {
@@ -289,13 +314,28 @@ mod tests {
         // model_name as a varint.
         let e = scan(&[0x08, 0x01], "m").unwrap_err();
         assert!(e.to_string().contains("model_name has wire type 0"), "{e}");
-        // A truncated length, a group, field 0, invalid UTF-8.
+        // A truncated length, model_name as a group, field 0, invalid UTF-8.
         assert!(scan(&[0x0a], "m").is_err());
         assert!(scan(&[0x0b], "m").unwrap_err().to_string().contains("wire type 3"));
         assert!(scan(&[0x00, 0x01], "m").unwrap_err().to_string().contains("field number 0"));
         assert!(scan(&[0x0a, 0x01, 0xff], "m").unwrap_err().to_string().contains("UTF-8"));
         // An over-long varint.
         assert!(scan(&[0x80; 11], "m").is_err());
+    }
+
+    #[test]
+    fn groups_in_other_fields_are_skipped_as_prost_skips_them() {
+        // Field 9 as a group holding a varint and a nested group 10, then model_name "m".
+        let bytes = [0x4b, 0x08, 0x01, 0x53, 0x54, 0x4c, 0x0a, 0x01, b'm'];
+        assert_eq!(scan(&bytes, "m").unwrap().model_name, "m");
+        assert_eq!(ModelInferRequest::decode(&bytes[..]).unwrap().model_name, "m");
+        // Not closed, closed as another group, an end without a start.
+        assert!(scan(&[0x4b, 0x08, 0x01], "m").unwrap_err().to_string().contains("not closed"));
+        assert!(scan(&[0x4b, 0x54], "m").unwrap_err().to_string().contains("closed as group 10"));
+        assert!(scan(&[0x4c], "m").unwrap_err().to_string().contains("not started"));
+        // Nesting is bounded, not a stack overflow.
+        let deep: Vec<u8> = std::iter::repeat_n(0x4b, 200_000).collect();
+        assert!(scan(&deep, "m").unwrap_err().to_string().contains("nested deeper"));
     }
 
     #[test]
