@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
+import resource
 import signal
 import subprocess
 import sys
@@ -126,6 +128,41 @@ class ThroughGateway:
         return self.gateway.alive() and self.worker.alive()
 
 
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time of process `pid` (all its threads), from /proc."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class CpuMeter:
+    """CPU used by the gateway, the worker and the client (perf_analyzer) during one run, as a
+    percentage of one core over the run's wall time."""
+
+    def __init__(self, gateway_pid: int | None, worker_pid: int | None):
+        self.pids = {"gateway": gateway_pid, "worker": worker_pid}
+        self.start = {k: cpu_seconds(p) for k, p in self.pids.items()}
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.client0 = r.ru_utime + r.ru_stime
+        self.t0 = time.monotonic()
+
+    def finish(self) -> dict:
+        wall = time.monotonic() - self.t0
+        out = {}
+        for k, p in self.pids.items():
+            now = cpu_seconds(p)
+            if now is not None and self.start[k] is not None and wall > 0:
+                out[k] = round(100 * (now - self.start[k]) / wall, 1)
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if wall > 0:
+            out["client"] = round(100 * (r.ru_utime + r.ru_stime - self.client0) / wall, 1)
+        return out
+
+
 def fmt(v, spec=",.0f") -> str:
     return "–" if v is None else format(v, spec)
 
@@ -149,6 +186,26 @@ def write_markdown(path: Path, report: dict) -> None:
             f"| {p['model']} | {p['protocol']} | {p['concurrency']} | {fmt(d.get('infer_per_s'))} | "
             f"{fmt(g.get('infer_per_s'))} | {fmt(p.get('ratio'), '.3f')} | {fmt(d.get('p50_us'))} | "
             f"{fmt(g.get('p50_us'))} | {fmt(p.get('added_p50_us'))} | {fmt(d.get('p99_us'))} | {fmt(g.get('p99_us'))} |"
+        )
+    lines += [
+        "",
+        "## CPU during each run",
+        "",
+        "Percent of one core over the whole perf_analyzer run (warm-up and every trial), from /proc; "
+        "*gateway µs/req* = gateway CPU ÷ gateway infer/s. Two cores in all: where the sum stays well "
+        "under 200 %, the run was bound by wake-up latency between the processes, not by CPU.",
+        "",
+        "| model | protocol | concurrency | direct: worker / client % | gateway run: gateway / worker / client % | gateway µs/req |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in report["points"]:
+        dc, gc = p["direct"].get("cpu_pct") or {}, p["gateway"].get("cpu_pct") or {}
+        per_req = (10_000 * gc["gateway"] / p["gateway"]["infer_per_s"]
+                   if gc.get("gateway") is not None and p["gateway"].get("infer_per_s") else None)
+        lines.append(
+            f"| {p['model']} | {p['protocol']} | {p['concurrency']} | {fmt(dc.get('worker'), '.0f')} / "
+            f"{fmt(dc.get('client'), '.0f')} | {fmt(gc.get('gateway'), '.0f')} / {fmt(gc.get('worker'), '.0f')} / "
+            f"{fmt(gc.get('client'), '.0f')} | {fmt(per_req, '.0f')} |"
         )
     lines += ["", "## Targets", ""]
     for t in report["targets"]:
@@ -233,8 +290,11 @@ def main() -> int:
                         if left < 30:
                             raise TimeoutError("time budget spent")
                         log(f"{model} {protocol} c={c} {name}")
+                        meter = CpuMeter(gateway.proc.pid if name == "gateway" and gateway.proc else None,
+                                         worker.proc.pid if worker.proc else None)
                         rec = run_perf_analyzer(pa, target, model, protocol, c, args, workdir, timeout=min(180, left))
                         point[name] = pa_fields(rec) if rec.get("ok") else {"error": rec.get("attempts")}
+                        point[name]["cpu_pct"] = meter.finish()
                     d, g = point["direct"], point["gateway"]
                     if d.get("infer_per_s") and g.get("infer_per_s"):
                         point["ratio"] = g["infer_per_s"] / d["infer_per_s"]
