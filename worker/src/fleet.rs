@@ -6,7 +6,7 @@
 //! — request load cannot starve the lease.
 //!
 //! One *session* = connect → grant a lease → put `workers/<id>` and every `status/<id>/…` under
-//! it → read `placement/<id>/` and watch it from that revision. Inside a session one loop sends
+//! it → watch `placement/<id>/` (after reading it whole, the first time). Inside a session one loop sends
 //! keep-alives (every TTL/3), applies placement events, republishes statuses that changed, and
 //! reacts to drain/stop. Any etcd error ends the session; the next one starts after a bounded
 //! back-off and re-registers (a fresh lease), so a lost lease or an etcd restart heals the same
