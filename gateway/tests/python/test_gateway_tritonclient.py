@@ -143,6 +143,19 @@ def test_compressed_http_through_the_gateway(fleet, algorithm):
     assert_fp32_close(out.as_numpy("OUTPUT0"), ort_run("mlp_fp32", {"INPUT0": x})["OUTPUT0"])
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_grpc_through_the_gateway(fleet, algorithm):
+    """tritonclient gRPC with a compressed request message: the gateway's pass-through path
+    inflates it (grpc-encoding) and forwards the message bytes to the worker."""
+    gateway, _ = fleet
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    x = _x((8, 256), seed=4)
+    inp = grpcclient.InferInput("INPUT0", [8, 256], "FP32")
+    inp.set_data_from_numpy(x)
+    out = client.infer("mlp_fp32", [inp], compression_algorithm=algorithm).as_numpy("OUTPUT0")
+    assert_fp32_close(out, ort_run("mlp_fp32", {"INPUT0": x})["OUTPUT0"])
+
+
 def test_compressed_body_over_the_limit_once_inflated_is_refused(fleet):
     """The size limit applies to the inflated bytes: a small gzip body that inflates past
     --max-request-bytes (64 MiB) is refused with 400, and the gateway keeps serving."""
