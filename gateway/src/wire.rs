@@ -361,9 +361,19 @@ mod tests {
     proptest! {
         /// On any encoding of a request, the scan agrees with prost's decoding.
         #[test]
-        fn scan_agrees_with_prost(name in ".{0,12}", version in "[0-9]{0,3}", id in ".{0,8}",
-                                  raw in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..64), 0..4)) {
-            let r = ModelInferRequest { model_name: name, model_version: version, id, raw_input_contents: raw, ..request() };
+        fn scan_agrees_with_prost(
+            name in ".{0,12}",
+            version in "[0-9]{0,3}",
+            id in ".{0,8}",
+            raw in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..64), 0..4),
+        ) {
+            let r = ModelInferRequest {
+                model_name: name,
+                model_version: version,
+                id,
+                raw_input_contents: raw,
+                ..request()
+            };
             let bytes = r.encode_to_vec();
             let h = scan(&bytes, "m").unwrap();
             prop_assert_eq!(&h.model_name, &r.model_name);

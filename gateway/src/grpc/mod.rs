@@ -1,7 +1,8 @@
 //! gRPC ingress: `inference.GRPCInferenceService`, so tritonclient and perf_analyzer point at
 //! the gateway unchanged. Inference goes down the [`crate::stack`] as encoded bytes (the
-//! tensors are never decoded: [`crate::wire`]); the other model calls to [`Control`]. The repository load/unload and shared-memory RPCs answer UNIMPLEMENTED (the
-//! generated default stubs): placement, not clients, decides what workers load.
+//! tensors are never decoded: [`crate::wire`]); the other model calls to [`Control`]. The
+//! repository load/unload and shared-memory RPCs answer UNIMPLEMENTED (the generated default
+//! stubs): placement, not clients, decides what workers load.
 //!
 //! Deadlines: `grpc-timeout` (brought forward by the worker's margin, so the gateway answers
 //! DEADLINE_EXCEEDED before tonic's own timer cancels the RPC) or `x-nereid-deadline-ms`,

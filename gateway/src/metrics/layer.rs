@@ -1,7 +1,7 @@
 //! The outermost layer of the infer stack: counts every request by model, version and final
 //! code and records its latency — rejections included. The version is the one that served the
-//! request (the worker's answer names it), else the one asked for when the table knows it. A request whose caller goes away before it
-//! completes is counted as CANCELLED.
+//! request (the worker's answer names it), else the one asked for when the table knows it. A
+//! request whose caller goes away before it completes is counted as CANCELLED.
 
 use std::task::{Context, Poll};
 use std::time::Instant;
