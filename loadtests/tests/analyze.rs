@@ -454,6 +454,7 @@ fn a_url_sweep_over_tls_and_an_untrusted_ca_is_exit_2() {
     let run = analyze(&args);
     assert_eq!(run.code, 0, "{run}");
     let report = read_json(&grpc_out.join("results.json"));
+    assert_eq!(report["url"], format!("https://localhost:{}", grpc.port), "the report says TLS was used");
     let rs = rows(&report);
     assert_eq!(rs.len(), 2, "{report}");
     for r in rs {

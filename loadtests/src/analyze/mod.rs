@@ -104,9 +104,11 @@ pub fn run(config: AnalyzeConfig) -> Result<i32, AnalyzeError> {
         if let Some(worker) = server.worker.take() {
             worker.stop().await;
         }
+        // Reports name the server as it was reached: https:// when over TLS.
+        let url = if server.tls.is_some() { format!("https://{}", server.url) } else { server.url.clone() };
         let ctx = ReportContext {
             model: &config.model,
-            url: &server.url,
+            url: &url,
             load: &config.load,
             space: &config.space,
             search: config.strategy,
