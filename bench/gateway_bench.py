@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import resource
 import signal
 import subprocess
 import sys
@@ -37,7 +35,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from worker_bench import (  # noqa: E402
     ROOT,
+    CpuMeter,
     Worker,
+    build_and_install_pa,
     kill_group,
     log,
     machine_info,
@@ -126,41 +126,6 @@ class ThroughGateway:
 
     def alive(self) -> bool:
         return self.gateway.alive() and self.worker.alive()
-
-
-def cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU time of process `pid` (all its threads), from /proc."""
-    if pid is None:
-        return None
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class CpuMeter:
-    """CPU used by the gateway, the worker and the client (perf_analyzer) during one run, as a
-    percentage of one core over the run's wall time."""
-
-    def __init__(self, gateway_pid: int | None, worker_pid: int | None):
-        self.pids = {"gateway": gateway_pid, "worker": worker_pid}
-        self.start = {k: cpu_seconds(p) for k, p in self.pids.items()}
-        r = resource.getrusage(resource.RUSAGE_CHILDREN)
-        self.client0 = r.ru_utime + r.ru_stime
-        self.t0 = time.monotonic()
-
-    def finish(self) -> dict:
-        wall = time.monotonic() - self.t0
-        out = {}
-        for k, p in self.pids.items():
-            now = cpu_seconds(p)
-            if now is not None and self.start[k] is not None and wall > 0:
-                out[k] = round(100 * (now - self.start[k]) / wall, 1)
-        r = resource.getrusage(resource.RUSAGE_CHILDREN)
-        if wall > 0:
-            out["client"] = round(100 * (r.ru_utime + r.ru_stime - self.client0) / wall, 1)
-        return out
 
 
 def fmt(v, spec=",.0f") -> str:
@@ -258,14 +223,7 @@ def main() -> int:
         write_report(out, report)
         return 0 if report["routing"] else 1
 
-    if not args.no_build:
-        res = sh(["cargo", "build", "--release", "--locked", "-p", "nereid-worker", "-p", "nereid-gateway"], timeout=900)
-        if res.returncode != 0:
-            print(res.stdout[-3000:], file=sys.stderr)
-            return 1
-    res = sh(["bash", str(ROOT / "bench/setup_perf_analyzer.sh")], timeout=600)
-    if res.returncode != 0:
-        print(res.stdout[-3000:], file=sys.stderr)
+    if not build_and_install_pa(["nereid-worker", "nereid-gateway"], build=not args.no_build):
         return 1
     pa = ROOT / ".deps/perf_analyzer/perf_analyzer.sh"
     machine = machine_info()
@@ -290,8 +248,10 @@ def main() -> int:
                         if left < 30:
                             raise TimeoutError("time budget spent")
                         log(f"{model} {protocol} c={c} {name}")
-                        meter = CpuMeter(gateway.proc.pid if name == "gateway" and gateway.proc else None,
-                                         worker.proc.pid if worker.proc else None)
+                        meter = CpuMeter({
+                            "gateway": gateway.proc.pid if name == "gateway" and gateway.proc else None,
+                            "worker": worker.proc.pid if worker.proc else None,
+                        })
                         rec = run_perf_analyzer(pa, target, model, protocol, c, args, workdir, timeout=min(180, left))
                         point[name] = pa_fields(rec) if rec.get("ok") else {"error": rec.get("attempts")}
                         point[name]["cpu_pct"] = meter.finish()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import datetime as dt
 import json
 import sys
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from worker_bench import ROOT, Worker, log, machine_info, parse_pa_csv, sh  # noqa: E402
+from worker_bench import ROOT, CpuMeter, Worker, build_and_install_pa, log, machine_info, parse_pa_csv, sh  # noqa: E402
 
 MODELS = ["identity_fp32", "mlp_fp32"]
 CONCURRENCY = [1, 4, 16]
@@ -37,13 +36,10 @@ TOLERANCE = 0.10
 def measure(tool: str, cmd: list[str], csv_path: Path, timeout: float) -> dict:
     csv_path.unlink(missing_ok=True)
     t0 = time.monotonic()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    meter = CpuMeter({})
     res = sh(cmd + ["-f", str(csv_path)], timeout=timeout)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    wall = time.monotonic() - t0
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    rec = {"tool": tool, "cmd": " ".join(cmd), "rc": res.returncode, "wall_s": round(wall, 1),
-           "client_cpu_pct": round(100 * cpu / wall, 1) if wall > 0 else None}
+    rec = {"tool": tool, "cmd": " ".join(cmd), "rc": res.returncode, "wall_s": round(time.monotonic() - t0, 1),
+           "client_cpu_pct": meter.finish().get("client")}
     row = parse_pa_csv(csv_path)
     if res.returncode != 0 or row is None:
         rec["output_tail"] = "\n".join((res.stdout or "").splitlines()[-12:])
@@ -64,14 +60,7 @@ def main() -> int:
     args = ap.parse_args()
     interval = args.interval_ms or (1000 if args.quick else 3000)
 
-    if not args.no_build:
-        res = sh(["cargo", "build", "--release", "--locked", "-p", "nereid-worker", "-p", "nereid-loadtests"], timeout=900)
-        if res.returncode != 0:
-            print(res.stdout[-3000:], file=sys.stderr)
-            return 1
-    res = sh(["bash", str(ROOT / "bench/setup_perf_analyzer.sh")], timeout=600)
-    if res.returncode != 0:
-        print(res.stdout[-3000:], file=sys.stderr)
+    if not build_and_install_pa(["nereid-worker", "nereid-loadtests"], build=not args.no_build):
         return 1
     pa = str(ROOT / ".deps/perf_analyzer/perf_analyzer.sh")
     perf = str(ROOT / "target/release/nereid-perf")

@@ -24,6 +24,7 @@ import datetime as dt
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -76,6 +77,56 @@ def sh(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
         kill_group(proc)
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def build_and_install_pa(packages: list[str], build: bool = True) -> bool:
+    """Builds `packages` in release mode (`--locked`; skipped when `build` is false) and installs
+    perf_analyzer; on failure prints the tail of the output and returns False."""
+    steps = [["bash", str(ROOT / "bench/setup_perf_analyzer.sh")]]
+    if build:
+        steps.insert(0, ["cargo", "build", "--release", "--locked", *[a for p in packages for a in ("-p", p)]])
+    for cmd in steps:
+        res = sh(cmd, timeout=900)
+        if res.returncode != 0:
+            print((res.stdout or "")[-3000:], file=sys.stderr)
+            return False
+    return True
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time of process `pid` (all its threads), from /proc."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class CpuMeter:
+    """CPU used during one client run by the named processes (`pids`: name → pid, or None when
+    not running) and by the client — the children this script ran meanwhile — as a percentage
+    of one core over the run's wall time."""
+
+    def __init__(self, pids: dict[str, int | None]):
+        self.pids = pids
+        self.start = {k: cpu_seconds(p) for k, p in self.pids.items()}
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.client0 = r.ru_utime + r.ru_stime
+        self.t0 = time.monotonic()
+
+    def finish(self) -> dict:
+        wall = time.monotonic() - self.t0
+        out = {}
+        for k, p in self.pids.items():
+            now = cpu_seconds(p)
+            if now is not None and self.start[k] is not None and wall > 0:
+                out[k] = round(100 * (now - self.start[k]) / wall, 1)
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if wall > 0:
+            out["client"] = round(100 * (r.ru_utime + r.ru_stime - self.client0) / wall, 1)
+        return out
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:

@@ -165,6 +165,25 @@ pub struct GrpcLane {
 
 impl GrpcLane {
     pub async fn send(&mut self, frame: &Bytes, parts: &GrpcParts) -> Result<(), Failure> {
+        self.exchange(frame, parts, None).await
+    }
+
+    /// Sends one request and returns the response's gRPC message frames (5-byte prefix, then
+    /// the protobuf `ModelInferResponse`), for checks; the load path never decodes.
+    pub async fn fetch(&mut self, frame: &Bytes, parts: &GrpcParts) -> Result<Bytes, Failure> {
+        let mut data = BytesMut::new();
+        self.exchange(frame, parts, Some(&mut data)).await?;
+        Ok(data.freeze())
+    }
+
+    /// One call: the response's status decides the outcome; its message frames are appended
+    /// to `keep` when given, else drained.
+    async fn exchange(
+        &mut self,
+        frame: &Bytes,
+        parts: &GrpcParts,
+        mut keep: Option<&mut BytesMut>,
+    ) -> Result<(), Failure> {
         let mut request = http::Request::new(tonic::body::Body::new(Full::new(frame.clone())));
         *request.method_mut() = http::Method::POST;
         *request.uri_mut() = self.path.clone();
@@ -183,40 +202,11 @@ impl GrpcLane {
             if let Some(trailers) = frame.trailers_ref() {
                 return status_outcome(grpc_status(trailers).unwrap_or(tonic::Code::Unknown as i32));
             }
+            if let (Some(keep), Some(chunk)) = (keep.as_deref_mut(), frame.data_ref()) {
+                keep.extend_from_slice(chunk);
+            }
         }
         // The stream ended without a status: a protocol violation by the server.
-        Err(Failure::Grpc(tonic::Code::Internal as i32))
-    }
-}
-
-impl GrpcLane {
-    /// Sends one request and returns the response's gRPC message frames (5-byte prefix, then
-    /// the protobuf `ModelInferResponse`), for checks; the load path never decodes.
-    pub async fn fetch(&mut self, frame: &Bytes, parts: &GrpcParts) -> Result<Bytes, Failure> {
-        let mut request = http::Request::new(tonic::body::Body::new(Full::new(frame.clone())));
-        *request.method_mut() = http::Method::POST;
-        *request.uri_mut() = self.path.clone();
-        *request.headers_mut() = parts.headers.clone();
-        futures::future::poll_fn(|cx| self.channel.poll_ready(cx)).await.map_err(|_| Failure::Connection)?;
-        let response = self.channel.call(request).await.map_err(|_| Failure::Connection)?;
-        let (head, mut body) = response.into_parts();
-        if head.status != http::StatusCode::OK {
-            return Err(Failure::Http(head.status.as_u16()));
-        }
-        if let Some(code) = grpc_status(&head.headers) {
-            return status_outcome(code).map(|()| Bytes::new());
-        }
-        let mut data = BytesMut::new();
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|_| Failure::Connection)?;
-            if let Some(trailers) = frame.trailers_ref() {
-                status_outcome(grpc_status(trailers).unwrap_or(tonic::Code::Unknown as i32))?;
-                return Ok(data.freeze());
-            }
-            if let Some(chunk) = frame.data_ref() {
-                data.extend_from_slice(chunk);
-            }
-        }
         Err(Failure::Grpc(tonic::Code::Internal as i32))
     }
 }
