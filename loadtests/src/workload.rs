@@ -9,9 +9,18 @@
 //!       "tenant": "acme", "api_key": "k-acme", "priority": 1, "timeout_us": 50000 },
 //!     { "model": "identity_fp32", "version": "1", "batch_size": 8,
 //!       "shapes": { "INPUT0": [16] }, "data": "zero" },
-//!     { "model": "identity_fp32", "data": "inputs/identity.json" }
+//!     { "model": "identity_fp32", "data": "inputs/identity.json" },
+//!     { "model": "text_encoder", "weight": 2, "mix": [
+//!         { "weight": 6, "batch_size": 1, "shapes": { "TOKENS": [32] } },
+//!         { "weight": 3, "batch_size": 4, "shapes": { "TOKENS": [128] } },
+//!         { "weight": 1, "batch_size": 8, "shapes": { "TOKENS": [512] } } ] }
 //! ] }
 //! ```
+//!
+//! `mix` gives one entry a distribution of request shapes: each item is picked in proportion
+//! to its weight within the entry's own weight, and sets the batch size and/or the shapes of
+//! some inputs (merged over the entry's). Everything else — model, tenant, priority, deadline,
+//! SLO, class — is the entry's, and the items are reported together as the entry's series.
 //!
 //! `data` is `zero`, `random`, or the path (relative to the workload file) of an input data
 //! file in perf_analyzer's format ([`crate::data_file`]), read and checked when the workload is.
@@ -38,6 +47,10 @@ pub const DEFAULT_BATCH_SIZE: u32 = 1;
 pub const STRING_LENGTH: usize = 16;
 /// Most entries a workload file may hold.
 pub const MAX_ENTRIES: usize = 1_000;
+/// Most items in one entry's `mix`.
+pub const MAX_MIX_ITEMS: usize = 256;
+/// Most request kinds a workload expands to (entries, each `mix` item counted).
+pub const MAX_EXPANDED_ENTRIES: usize = 10_000;
 /// Largest request body the generator will build for one entry (all inputs together).
 pub const MAX_INPUT_BYTES: u64 = 256 << 20;
 
@@ -156,6 +169,25 @@ pub struct Entry {
     /// Reporting class; entries of one class are reported together and must share an SLO.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub class: Option<String>,
+    /// A distribution of request shapes (see the module docs); empty: every request is
+    /// `batch_size` × `shapes`. Expanded away by [`Workload::new`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mix: Vec<MixItem>,
+}
+
+/// One request shape of an entry's `mix`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MixItem {
+    /// Relative frequency within the entry.
+    #[serde(default = "default_weight")]
+    pub weight: f64,
+    /// Rows per request [default: the entry's `batch_size`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<u32>,
+    /// Non-batch dims of some inputs, replacing the entry's `shapes` for those inputs.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub shapes: BTreeMap<String, Vec<i64>>,
 }
 
 fn default_weight() -> f64 {
@@ -198,6 +230,7 @@ impl Entry {
             timeout_us: None,
             slo_ms: None,
             class: None,
+            mix: Vec::new(),
         }
     }
 
@@ -241,6 +274,9 @@ pub struct Workload {
     pub series: Vec<Series>,
     /// `data[i]`: entry `i`'s own input contents (files read), `None` for the run's default.
     pub data: Vec<Option<InputSource>>,
+    /// `names[i]`: how entry `i` is named in messages (`entries[3]`, `entries[3].mix[1]`;
+    /// empty for flags).
+    names: Vec<String>,
 }
 
 /// A group of entries reported together.
@@ -281,6 +317,7 @@ impl Workload {
             validate_entry(e)
                 .map_err(|(key, msg)| WorkloadError(format!("{prefix}{}{key}: {msg}", entry_key(&origin, i))))?;
         }
+        let (entries, names) = expand_mixes(&origin, entries).map_err(|msg| WorkloadError(format!("{prefix}{msg}")))?;
         // Data files, each read once, relative to the workload file.
         let base = match &origin {
             Origin::File(p) => Path::new(p).parent().map(Path::to_path_buf).unwrap_or_default(),
@@ -298,9 +335,10 @@ impl Workload {
                     let file = match files.iter().find(|(f, _)| *f == path) {
                         Some((_, file)) => file.clone(),
                         None => {
-                            let file = Arc::new(read_data_file(&path, &path.display().to_string()).map_err(|e| {
-                                WorkloadError(format!("{prefix}{}.data: {}", entry_key(&origin, i), e.0))
-                            })?);
+                            let file = Arc::new(
+                                read_data_file(&path, &path.display().to_string())
+                                    .map_err(|e| WorkloadError(format!("{prefix}{}.data: {}", names[i], e.0)))?,
+                            );
                             files.push((path, file.clone()));
                             file
                         }
@@ -321,10 +359,10 @@ impl Workload {
                     if s.slo_ms != slo_ms {
                         return Err(WorkloadError(format!(
                             "{prefix}{}.slo_ms: {} differs from {} of {} in the same class '{name}'",
-                            entry_key(&origin, i),
+                            names[i],
                             fmt_opt(slo_ms),
                             fmt_opt(s.slo_ms),
-                            entry_key(&origin, first_of[j]),
+                            names[first_of[j]],
                         )));
                     }
                     if !s.models.contains(&e.model) {
@@ -348,12 +386,13 @@ impl Workload {
                 }
             }
         }
-        Ok(Workload { origin, entries, series_of, series, data })
+        Ok(Workload { origin, entries, series_of, series, data, names })
     }
 
-    /// How an entry is named in messages: `entries[3]` for files, `-m <model>` for flags.
+    /// How an entry is named in messages: `entries[3]` (or `entries[3].mix[1]`) for files,
+    /// empty for flags.
     pub fn entry_name(&self, i: usize) -> String {
-        entry_key(&self.origin, i)
+        self.names[i].clone()
     }
 
     /// Distinct `(model, version)` pairs, in first-use order.
@@ -385,6 +424,40 @@ fn entry_key(origin: &Origin, i: usize) -> String {
     }
 }
 
+/// Replaces every entry that has a `mix` by one entry per item (weight split in proportion,
+/// batch size and shapes from the item); returns the entries and their names for messages.
+fn expand_mixes(origin: &Origin, entries: Vec<Entry>) -> Result<(Vec<Entry>, Vec<String>), String> {
+    let mut out = Vec::with_capacity(entries.len());
+    let mut names = Vec::with_capacity(entries.len());
+    for (i, mut e) in entries.into_iter().enumerate() {
+        let name = entry_key(origin, i);
+        if e.mix.is_empty() {
+            out.push(e);
+            names.push(name);
+            continue;
+        }
+        let mix = std::mem::take(&mut e.mix);
+        let total: f64 = mix.iter().map(|m| m.weight).sum();
+        for (j, item) in mix.into_iter().enumerate() {
+            let mut x = e.clone();
+            x.weight = e.weight * item.weight / total;
+            if let Some(b) = item.batch_size {
+                x.batch_size = b;
+            }
+            x.shapes.extend(item.shapes);
+            out.push(x);
+            names.push(format!("{name}.mix[{j}]"));
+        }
+        if out.len() > MAX_EXPANDED_ENTRIES {
+            return Err(format!(
+                "{name}.mix: the workload expands to more than {MAX_EXPANDED_ENTRIES} request kinds \
+                 (entries × mix items)"
+            ));
+        }
+    }
+    Ok((out, names))
+}
+
 /// Checks one entry; on error returns the key (`.batch_size`, empty for flags-level) and why.
 fn validate_entry(e: &Entry) -> Result<(), (String, String)> {
     let bad = |key: &str, msg: String| Err((format!(".{key}"), msg));
@@ -397,14 +470,7 @@ fn validate_entry(e: &Entry) -> Result<(), (String, String)> {
     if e.batch_size == 0 {
         return bad("batch_size", "must be at least 1".into());
     }
-    for (name, dims) in &e.shapes {
-        if name.is_empty() {
-            return bad("shapes", "input names must not be empty".into());
-        }
-        if let Some(d) = dims.iter().find(|d| **d < 0) {
-            return bad(&format!("shapes.{name}"), format!("dims must be concrete (≥ 0), got {d}"));
-        }
-    }
+    check_shapes(&e.shapes)?;
     if let Some(t) = &e.tenant
         && t.is_empty()
     {
@@ -434,6 +500,31 @@ fn validate_entry(e: &Entry) -> Result<(), (String, String)> {
         && p.as_os_str().is_empty()
     {
         return bad("data", "must be zero, random or the path of an input data file".into());
+    }
+    if e.mix.len() > MAX_MIX_ITEMS {
+        return bad("mix", format!("at most {MAX_MIX_ITEMS} items, got {}", e.mix.len()));
+    }
+    for (j, m) in e.mix.iter().enumerate() {
+        if !(m.weight.is_finite() && m.weight > 0.0) {
+            return bad(&format!("mix[{j}].weight"), format!("must be a positive number, got {}", m.weight));
+        }
+        if m.batch_size == Some(0) {
+            return bad(&format!("mix[{j}].batch_size"), "must be at least 1".into());
+        }
+        check_shapes(&m.shapes).map_err(|(key, msg)| (format!(".mix[{j}]{key}"), msg))?;
+    }
+    Ok(())
+}
+
+/// Checks a `shapes` map; on error returns the key (`.shapes.INPUT0`) and why.
+fn check_shapes(shapes: &BTreeMap<String, Vec<i64>>) -> Result<(), (String, String)> {
+    for (name, dims) in shapes {
+        if name.is_empty() {
+            return Err((".shapes".into(), "input names must not be empty".into()));
+        }
+        if let Some(d) = dims.iter().find(|d| **d < 0) {
+            return Err((format!(".shapes.{name}"), format!("dims must be concrete (≥ 0), got {d}")));
+        }
     }
     Ok(())
 }
@@ -824,6 +915,62 @@ mod tests {
         let slo = e(r#"{"entries":[{"model":"a","class":"c","slo_ms":5},{"model":"b","class":"c","slo_ms":6}]}"#);
         assert!(slo.contains("entries[1].slo_ms") && slo.contains("entries[0]") && slo.contains("'c'"), "{slo}");
         assert!(e("{").contains("EOF while parsing"));
+    }
+
+    #[test]
+    fn a_mix_expands_into_weighted_request_shapes_of_one_series() {
+        let w = Workload::from_json(
+            "w.json",
+            r#"{"entries":[
+                {"model":"a","weight":1},
+                {"model":"t","weight":3,"batch_size":2,"shapes":{"X":[8],"Y":[4]},"tenant":"acme","priority":2,
+                 "mix":[{"weight":2,"shapes":{"X":[16]}},{"batch_size":8},{"weight":1,"batch_size":4,"shapes":{"Y":[1]}}]}
+            ]}"#,
+            None,
+        )
+        .unwrap();
+        assert_eq!(w.entries.len(), 4, "one entry per mix item");
+        let t = &w.entries[1..];
+        let weights: Vec<f64> = t.iter().map(|e| e.weight).collect();
+        assert_eq!(weights, vec![1.5, 0.75, 0.75], "the entry's weight split 2:1:1");
+        assert_eq!(t.iter().map(|e| e.batch_size).collect::<Vec<_>>(), vec![2, 8, 4], "item batch or the entry's");
+        assert_eq!(t[0].shapes["X"], vec![16]);
+        assert_eq!(t[0].shapes["Y"], vec![4], "shapes merge over the entry's");
+        assert_eq!(t[1].shapes["X"], vec![8]);
+        assert_eq!(t[2].shapes["Y"], vec![1]);
+        assert!(t.iter().all(|e| e.mix.is_empty() && e.priority == Some(2) && e.tenant.as_deref() == Some("acme")));
+        assert_eq!(w.series.len(), 2, "a mix is reported as its entry");
+        assert_eq!(w.series_of, vec![0, 1, 1, 1]);
+        assert_eq!(w.entry_name(0), "entries[0]");
+        assert_eq!(w.entry_name(2), "entries[1].mix[1]");
+
+        let e = |text: &str| Workload::from_json("w.json", text, None).unwrap_err().0;
+        assert!(e(r#"{"entries":[{"model":"m","mix":[{"weight":0}]}]}"#).contains("entries[0].mix[0].weight"));
+        assert!(
+            e(r#"{"entries":[{"model":"m","mix":[{},{"batch_size":0}]}]}"#).contains("entries[0].mix[1].batch_size")
+        );
+        assert!(
+            e(r#"{"entries":[{"model":"m","mix":[{"shapes":{"X":[-1]}}]}]}"#).contains("entries[0].mix[0].shapes.X")
+        );
+        assert!(e(r#"{"entries":[{"model":"m","mix":[{"batch":2}]}]}"#).contains("unknown field `batch`"));
+        let many = format!(r#"{{"entries":[{{"model":"m","mix":[{}]}}]}}"#, vec!["{}"; MAX_MIX_ITEMS + 1].join(","));
+        assert!(e(&many).contains("entries[0].mix: at most 256 items"));
+        let one = format!(r#"{{"model":"m","mix":[{}]}}"#, vec!["{}"; MAX_MIX_ITEMS].join(","));
+        let wide = format!(r#"{{"entries":[{}]}}"#, vec![one.as_str(); 40].join(","));
+        assert!(e(&wide).contains("expands to more than 10000 request kinds"), "{}", e(&wide));
+    }
+
+    #[test]
+    fn a_mix_item_s_shape_error_names_the_item() {
+        let w = Workload::from_json(
+            "w.json",
+            r#"{"entries":[{"model":"mlp_fp32","mix":[{"batch_size":2},{"shapes":{"INPUT0":[128]}}]}]}"#,
+            None,
+        )
+        .unwrap();
+        assert!(resolve_inputs(&w.entries[0], &mlp(), InputData::Zero, 1).is_ok());
+        assert!(resolve_inputs(&w.entries[1], &mlp(), InputData::Zero, 1).unwrap_err().0.contains("does not match"));
+        assert_eq!(w.entry_name(1), "entries[0].mix[1]", "what the driver prefixes the error with");
     }
 
     #[test]

@@ -316,14 +316,16 @@ fn grpc_open_loop_and_a_mixed_workload_file() {
     assert_eq!(level["level"]["trace"]["arrivals"].as_u64(), Some(60));
     assert_eq!(level["total"]["ok"].as_u64(), Some(60), "every trace arrival answered: {level}");
 
-    // Two models, two classes with their own SLOs, a tenant key, priority and timeout.
+    // Two models, two classes with their own SLOs, a tenant key, priority and timeout; the
+    // second entry mixes two batch sizes.
     let workload = dir.path().join("workload.json");
     std::fs::write(
         &workload,
         r#"{"entries": [
             {"model": "identity_fp32", "weight": 3, "batch_size": 4, "class": "small", "slo_ms": 10000,
              "tenant": "acme", "api_key": "k-acme", "priority": 1, "timeout_us": 5000000},
-            {"model": "mlp_fp32", "version": 1, "weight": 1, "class": "large", "slo_ms": 10000, "data": "zero"}
+            {"model": "mlp_fp32", "version": 1, "weight": 1, "class": "large", "slo_ms": 10000, "data": "zero",
+             "mix": [{"batch_size": 1}, {"batch_size": 8}]}
         ]}"#,
     )
     .unwrap();
@@ -351,6 +353,13 @@ fn grpc_open_loop_and_a_mixed_workload_file() {
         assert!(s["summary"]["ok"].as_u64().unwrap() > 0, "{s}");
         assert_eq!(s["slo_met"].as_bool(), Some(true));
     }
+    let large = series.iter().find(|s| s["name"] == "large").expect("the mixed entry's series");
+    let rows_per_request =
+        large["summary"]["infer_per_sec"].as_f64().unwrap() / large["summary"]["requests_per_sec"].as_f64().unwrap();
+    assert!(
+        (1.5..7.5).contains(&rows_per_request),
+        "batches of 1 and 8 in equal parts average about 4.5 rows a request, got {rows_per_request}: {large}"
+    );
     assert!(level["server"]["identity_fp32"]["requests"].as_u64().unwrap() > 0);
     assert!(level["server"]["mlp_fp32:1"]["requests"].as_u64().unwrap() > 0);
 }
