@@ -277,10 +277,73 @@ fn a_queue_policy_sweep_loads_each_policy_and_writes_it_where_it_wins() {
 
     let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
     let lines: Vec<&str> = csv.lines().collect();
-    assert!(lines[0].ends_with(",max_queue_size,queue_timeout_us"), "{}", lines[0]);
-    assert!(lines[4].starts_with("i1_b8_p0_d0_q4,") && lines[4].ends_with(",4,0"), "{}", lines[4]);
+    assert!(lines[0].ends_with(",max_queue_size,queue_timeout_us,concurrency,request_rate"), "{}", lines[0]);
+    assert!(lines[4].starts_with("i1_b8_p0_d0_q4,") && lines[4].ends_with(",4,0,2,"), "{}", lines[4]);
     let checkpoint = read_json(&out.join("checkpoint.json"));
     assert_eq!(checkpoint["results"].as_array().unwrap().len(), 4);
+}
+
+#[test]
+fn a_concurrency_range_credits_each_variant_with_its_best_level() {
+    let Some(worker) = worker_binary() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let m = models();
+    let mut args = vec![
+        "--model-repository",
+        m.to_str().unwrap(),
+        "-m",
+        "identity_fp32",
+        "--worker-bin",
+        worker.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--instance-counts",
+        "1",
+        "--max-batch-sizes",
+        "8",
+        "--max-queue-delays-us",
+        "0,100",
+        "--max-p99-ms",
+        "5000",
+        "--concurrency-range",
+        "1:4:3",
+    ];
+    args.extend(SHORT);
+    let run = analyze(&args);
+    assert_eq!(run.code, 0, "{run}");
+    assert!(run.stdout.contains("best level") && run.stdout.contains(" at c="), "{run}");
+
+    let report = read_json(&out.join("results.json"));
+    assert_eq!(report["load_description"], "concurrency 1, 4 (each variant at its best level)");
+    let rs = rows(&report);
+    assert_eq!(rs.len(), 2);
+    for r in rs {
+        assert_eq!(r["status"], "measured", "{r}");
+        let levels = r["levels"].as_array().expect("every level kept");
+        let measured_at: Vec<u64> = levels.iter().map(|l| l["concurrency"].as_u64().unwrap()).collect();
+        assert_eq!(measured_at, [1, 4], "{r}");
+        // Both levels meet p99 ≤ 5 s, so the credited one is the level with the most goodput.
+        let goodput = |l: &Value| l["goodput_infer_per_sec"].as_f64().unwrap();
+        let best = levels.iter().max_by(|a, b| goodput(a).total_cmp(&goodput(b))).unwrap();
+        assert_eq!(&r["measured"], best, "{r}");
+    }
+    let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
+    let lines: Vec<&str> = csv.lines().collect();
+    assert!(lines[0].ends_with(",concurrency,request_rate"), "{}", lines[0]);
+    for (line, r) in lines[1..].iter().zip(rs) {
+        assert!(line.ends_with(&format!(",{},", r["measured"]["concurrency"])), "{line}");
+    }
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(html.contains("across load levels") && html.contains("<th>best level</th>"), "levels chart and column");
+
+    // A resume under another load warns that the reused results are not comparable.
+    let mut args: Vec<&str> = args[..args.len() - SHORT.len() - 2].to_vec();
+    args.extend(["--concurrency", "2", "--resume"]);
+    args.extend(SHORT);
+    let run = analyze(&args);
+    assert_eq!(run.code, 0, "{run}");
+    assert!(run.stdout.contains("not comparable"), "{run}");
 }
 
 #[test]

@@ -111,6 +111,8 @@ mod tests {
             slo_met: Some(true),
             memory_mb: Some(87.5),
             server_avg_batch_size: None,
+            concurrency: None,
+            request_rate: None,
         });
         c.record(measured);
         let mut skipped = VariantResult::new(v(1, 100), VariantStatus::Skipped);

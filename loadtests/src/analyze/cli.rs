@@ -16,7 +16,7 @@ use super::sweep::{LoadSettings, LoadSpec, Strategy};
 use crate::cli::{DistributionArg, ProtocolArg, TlsArgs};
 use crate::client::{Protocol, Tls, split_url};
 use crate::driver::{Measurement, WindowMode};
-use crate::schedule::Distribution;
+use crate::schedule::{Distribution, concurrency_levels, rate_levels};
 use crate::workload::InputData;
 
 /// Workers tried by default, in order, when neither --worker-bin nor --url is given.
@@ -45,7 +45,9 @@ The variant is unloaded and loaded through the repository API (explicit model co
 Triton's parameters.config override); a load the server refuses is recorded with the
 server's message and the sweep goes on. Then one nereid-perf load level is measured (warm-up,
 windows until stable) while the worker's VmRSS is sampled every 100 ms (the peak is
-reported). Requests the queue policy rejects count as errors, not toward throughput;
+reported). With --concurrency-range or --request-rate-range each variant is measured at every
+level (stopping at the first that misses the SLO) and credited with its best level: the best
+by the objective among levels meeting the constraints, else the one closest to meeting them. Requests the queue policy rejects count as errors, not toward throughput;
 --max-error-percent keeps such variants from winning by refusing work.
 
 Search: brute measures every variant; quick climbs from the smallest values one step along one
@@ -157,11 +159,20 @@ pub struct AnalyzeArgs {
     pub max_variants: usize,
 
     /// Closed loop: requests outstanding while each variant is measured [default: 4].
-    #[arg(long, conflicts_with = "request_rate")]
+    #[arg(long, conflicts_with_all = ["request_rate", "concurrency_range", "request_rate_range"])]
     pub concurrency: Option<u32>,
+    /// Closed loop at several levels per variant (start:end[:step], as nereid-perf's): each
+    /// variant is credited with its best level (by the objective, among levels meeting the
+    /// constraints); levels stop at the first one that misses the SLO.
+    #[arg(long, value_name = "START:END[:STEP]", conflicts_with_all = ["request_rate", "request_rate_range"])]
+    pub concurrency_range: Option<String>,
     /// Open loop: requests per second instead of a concurrency.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "request_rate_range")]
     pub request_rate: Option<f64>,
+    /// Open loop at several rates per variant (start:end[:step] requests per second), each
+    /// variant credited with its best level as with --concurrency-range.
+    #[arg(long, value_name = "START:END[:STEP]")]
+    pub request_rate_range: Option<String>,
     /// Open-loop arrival spacing.
     #[arg(long, value_enum, default_value = "constant")]
     pub request_distribution: DistributionArg,
@@ -336,17 +347,21 @@ impl AnalyzeArgs {
         if self.batch_size == 0 {
             return Err("--batch-size: must be at least 1".into());
         }
-        let load = match (self.concurrency, self.request_rate) {
-            (Some(0), _) => return Err("--concurrency: must be at least 1".into()),
-            (Some(c), None) => LoadSpec::Concurrency(c),
-            (None, Some(rate)) => LoadSpec::RequestRate {
-                rate,
-                distribution: match self.request_distribution {
-                    DistributionArg::Constant => Distribution::Constant,
-                    DistributionArg::Poisson => Distribution::Poisson,
-                },
-            },
-            _ => LoadSpec::Concurrency(4),
+        let distribution = match self.request_distribution {
+            DistributionArg::Constant => Distribution::Constant,
+            DistributionArg::Poisson => Distribution::Poisson,
+        };
+        let load = if let Some(range) = &self.concurrency_range {
+            LoadSpec::Concurrency(concurrency_levels(range).map_err(|e| e.to_string())?)
+        } else if let Some(range) = &self.request_rate_range {
+            LoadSpec::RequestRate { rates: rate_levels(range).map_err(|e| e.to_string())?, distribution }
+        } else {
+            match (self.concurrency, self.request_rate) {
+                (Some(0), _) => return Err("--concurrency: must be at least 1".into()),
+                (Some(c), None) => LoadSpec::Concurrency(vec![c]),
+                (None, Some(rate)) => LoadSpec::RequestRate { rates: vec![rate], distribution },
+                _ => LoadSpec::Concurrency(vec![4]),
+            }
         };
         let checkpoint = self.checkpoint.clone().unwrap_or_else(|| self.output_dir.join(CHECKPOINT_JSON));
         Ok(AnalyzeConfig {
@@ -458,7 +473,7 @@ mod tests {
         assert!(!c.space.sweeps_queue_policy(), "no queue policy by default");
         assert_eq!(c.strategy, Strategy::Quick { max_variants: 3 });
         assert_eq!(c.load.slo_p99_ms, Some(20.0), "the p99 constraint is the SLO");
-        assert_eq!(c.load.load, LoadSpec::Concurrency(4));
+        assert_eq!(c.load.load, LoadSpec::Concurrency(vec![4]));
         assert_eq!(c.checkpoint, PathBuf::from(DEFAULT_OUTPUT_DIR).join("checkpoint.json"));
         let ServerChoice::Start { args, .. } = &c.server else { panic!("{:?}", c.server) };
         assert_eq!(args, &vec!["--intra-op-threads=2".to_string()]);
@@ -487,7 +502,14 @@ mod tests {
         let ServerChoice::External { url, pid, metrics_url, tls } = &c.server else { panic!("{:?}", c.server) };
         assert_eq!((url.as_str(), *pid, metrics_url), ("h:9", Some(42), &None));
         assert!(tls.is_none(), "plain TCP unless asked");
-        assert!(matches!(c.load.load, LoadSpec::RequestRate { rate, .. } if rate == 100.0));
+        assert!(matches!(c.load.load, LoadSpec::RequestRate { ref rates, .. } if rates == &[100.0]));
+        let c =
+            parse(dir.path(), &["--worker-bin", worker.to_str().unwrap(), "--concurrency-range", "1:16:5"]).unwrap();
+        assert_eq!(c.load.load, LoadSpec::Concurrency(vec![1, 6, 11, 16]));
+        assert_eq!(c.load.describe(), "concurrency 1, 6, 11, 16 (each variant at its best level)");
+        let c = parse(dir.path(), &["-u", "h:9", "--request-rate-range", "100:300:100"]).unwrap();
+        assert!(matches!(c.load.load, LoadSpec::RequestRate { ref rates, .. } if rates == &[100.0, 200.0, 300.0]));
+        assert_eq!(c.load.describe(), "100, 200, 300 req/s (constant) (each variant at its best level)");
     }
 
     #[test]
@@ -499,6 +521,10 @@ mod tests {
         assert!(e(&["--worker-bin", w, "--max-batch-sizes", "x"]).contains("--max-batch-sizes"));
         assert!(e(&["--worker-bin", w, "--max-p99-ms", "0"]).contains("--max-p99-ms"));
         assert!(e(&["--worker-bin", w, "--max-queue-sizes", "4,x"]).contains("--max-queue-sizes"));
+        assert!(e(&["--worker-bin", w, "--concurrency-range", "4:1"]).contains("--concurrency-range"));
+        assert!(e(&["--worker-bin", w, "--concurrency-range", "0:4"]).contains("--concurrency-range"));
+        assert!(e(&["--worker-bin", w, "--request-rate-range", "x"]).contains("--request-rate-range"));
+        assert!(e(&["--worker-bin", w, "--concurrency", "2", "--concurrency-range", "1:4"]).contains("cannot be used"));
         assert!(e(&["--worker-bin", w, "--max-error-percent", "101"]).contains("--max-error-percent"));
         assert!(e(&["--worker-bin", w, "--max-error-percent", "NaN"]).contains("--max-error-percent"));
         assert!(e(&["--worker-bin", w, "--queue-timeouts-us", ","]).contains("--queue-timeouts-us"));

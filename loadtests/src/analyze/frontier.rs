@@ -154,6 +154,30 @@ pub fn recommend(results: &[VariantResult], constraints: &Constraints, objective
     best.map(|(i, _)| i)
 }
 
+/// The level a variant is credited with when it was measured at several: the best by the
+/// objective among the levels meeting the constraints, else (nothing meets them) the level
+/// closest to meeting them, ties to the objective. Levels where nothing succeeded are never
+/// chosen; `None` when that is all of them.
+pub fn best_level(levels: &[Measured], constraints: &Constraints, objective: Objective) -> Option<usize> {
+    let usable = |m: &Measured| m.requests > m.errors;
+    let key = |m: &Measured| {
+        let feasible = constraints.violation(m).is_none();
+        (feasible, if feasible { 0.0 } else { -constraints.excess(m) }, objective.value(m))
+    };
+    let mut best: Option<(usize, (bool, f64, f64))> = None;
+    for (i, m) in levels.iter().enumerate().filter(|(_, m)| usable(m)) {
+        let k = key(m);
+        let better = match &best {
+            None => true,
+            Some((_, b)) => (k.0, k.1, k.2).partial_cmp(&(b.0, b.1, b.2)) == Some(std::cmp::Ordering::Greater),
+        };
+        if better {
+            best = Some((i, k));
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,6 +203,8 @@ mod tests {
             slo_met: None,
             memory_mb,
             server_avg_batch_size: None,
+            concurrency: None,
+            request_rate: None,
         }
     }
 
@@ -187,6 +213,28 @@ mod tests {
         let mut r = VariantResult::new(v, VariantStatus::Measured);
         r.measured = Some(m);
         r
+    }
+
+    #[test]
+    fn a_variant_is_credited_with_its_best_level_that_meets_the_constraints() {
+        let c = Constraints { max_p99_ms: Some(10.0), ..Constraints::default() };
+        let mut failed = measured(0.0, 0.0, 1.0, None);
+        failed.errors = failed.requests;
+        let levels = [
+            measured(100.0, 100.0, 2.0, None),  // 0: meets
+            failed.clone(),                     // 1: nothing succeeded: never chosen
+            measured(300.0, 290.0, 8.0, None),  // 2: meets, best goodput
+            measured(500.0, 200.0, 30.0, None), // 3: misses p99
+        ];
+        assert_eq!(best_level(&levels, &c, Objective::Goodput), Some(2));
+        assert_eq!(best_level(&levels, &c, Objective::Throughput), Some(2), "3 misses the constraint");
+        assert_eq!(best_level(&levels, &c, Objective::Latency), Some(0));
+        assert_eq!(best_level(&levels, &Constraints::default(), Objective::Throughput), Some(3));
+        // Nothing meets them: the level closest to meeting them, whatever its throughput.
+        let tight = Constraints { max_p99_ms: Some(1.0), ..Constraints::default() };
+        assert_eq!(best_level(&levels, &tight, Objective::Throughput), Some(0));
+        assert_eq!(best_level(&[failed.clone(), failed], &c, Objective::Goodput), None);
+        assert_eq!(best_level(&[], &c, Objective::Goodput), None);
     }
 
     #[test]

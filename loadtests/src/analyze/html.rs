@@ -30,6 +30,9 @@ pub fn report(report: &AnalyzeReport) -> String {
     verdict(&mut out, report);
     section(&mut out, "frontier", "Throughput vs p99 latency (Pareto frontier joined)", &scatter(report));
     section(&mut out, "throughput", "Throughput and goodput by variant", &bars(report));
+    if let Some(chart) = level_curves(report) {
+        section(&mut out, "levels", "Latency vs throughput across load levels (frontier variants)", &chart);
+    }
     variants(&mut out, report);
     let _ = write!(
         out,
@@ -119,6 +122,47 @@ fn scatter(report: &AnalyzeReport) -> String {
     )
 }
 
+/// Most variants drawn as level curves (the chart stays readable).
+const MAX_LEVEL_CURVES: usize = 8;
+
+/// With several load levels per variant: p99 against throughput at each level, one line per
+/// variant on the frontier (the recommended one first), at most [`MAX_LEVEL_CURVES`].
+fn level_curves(report: &AnalyzeReport) -> Option<String> {
+    let mut rows: Vec<&super::report::Row> =
+        report.rows.iter().filter(|r| (r.on_frontier || r.recommended) && r.result.levels.len() > 1).collect();
+    rows.sort_by_key(|r| !r.recommended);
+    rows.truncate(MAX_LEVEL_CURVES);
+    if rows.is_empty() {
+        return None;
+    }
+    let series = rows
+        .iter()
+        .map(|r| {
+            let points = r
+                .result
+                .levels
+                .iter()
+                .filter(|m| m.requests > m.errors)
+                .map(|m| (m.throughput_infer_per_sec, m.p99_ms))
+                .collect();
+            Series::new(r.result.key.clone(), points)
+        })
+        .collect();
+    let rules = report
+        .constraints
+        .max_p99_ms
+        .map(|ms| Rule { axis: RuleAxis::Y, value: ms, label: format!("p99 ≤ {} ms", svg::format_value(ms)) })
+        .into_iter()
+        .collect();
+    Some(svg::line_chart(&LineChart {
+        title: "p99 latency vs throughput by load level".into(),
+        x_label: "throughput (infer/s)".into(),
+        y_label: "p99 latency (ms)".into(),
+        series,
+        rules,
+    }))
+}
+
 /// Goodput and the rest of the throughput, stacked, per measured variant in visiting order.
 fn bars(report: &AnalyzeReport) -> String {
     let measured: Vec<&super::report::Row> = report.rows.iter().filter(|r| r.result.usable().is_some()).collect();
@@ -144,11 +188,14 @@ fn bars(report: &AnalyzeReport) -> String {
 fn variants(out: &mut String, report: &AnalyzeReport) {
     // The queue policy's columns, only when it is swept.
     let queue = report.shows_queue_policy();
+    // The credited load level, only when each variant was measured at several.
+    let levels = report.load.load.levels() > 1;
     let mut body = format!(
         "<div class=\"scroll\"><table>\n<tr><th>variant</th><th>instances</th><th>max batch</th><th>preferred</th>\
-         <th>queue delay µs</th>{}<th>status</th><th>infer/s</th><th>goodput/s</th><th>p50 ms</th><th>p99 ms</th>\
+         <th>queue delay µs</th>{}<th>status</th>{}<th>infer/s</th><th>goodput/s</th><th>p50 ms</th><th>p99 ms</th>\
          <th>memory MiB</th><th>constraints</th><th>frontier</th><th>note</th></tr>\n",
-        if queue { "<th>max queue</th><th>queue timeout µs</th>" } else { "" }
+        if queue { "<th>max queue</th><th>queue timeout µs</th>" } else { "" },
+        if levels { "<th>best level</th>" } else { "" }
     );
     for row in &report.rows {
         let r = &row.result;
@@ -184,10 +231,15 @@ fn variants(out: &mut String, report: &AnalyzeReport) {
         } else {
             String::new()
         };
+        let level_cell = if levels {
+            format!("<td class=\"num\">{}</td>", escape(&m.map(|m| m.level_label()).unwrap_or_default()))
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             body,
             "<tr><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>\
-             <td class=\"num\">{}</td>{queue_cells}<td class=\"{status_class}\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>\
+             <td class=\"num\">{}</td>{queue_cells}<td class=\"{status_class}\">{}</td>{level_cell}<td class=\"num\">{}</td><td class=\"num\">{}</td>\
              <td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>{constraints}<td>{frontier}</td>\
              <td>{}</td></tr>",
             escape(&r.key),

@@ -210,9 +210,12 @@ pub fn table(report: &AnalyzeReport) -> String {
     let queue = report.shows_queue_policy();
     let queue_cells =
         |size: &str, timeout: &str| if queue { format!(" {size:>5} {timeout:>7}") } else { String::new() };
+    // The credited load level, only when each variant was measured at several.
+    let levels = report.load.load.levels() > 1;
+    let level_cell = |level: &str| if levels { format!(" {level:>12}") } else { String::new() };
     let _ = writeln!(
         out,
-        "{:<22} {:>4} {:>5} {:>4} {:>7}{} {:<11} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>5}",
+        "{:<22} {:>4} {:>5} {:>4} {:>7}{} {:<11}{} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>5}",
         "variant",
         "inst",
         "batch",
@@ -220,6 +223,7 @@ pub fn table(report: &AnalyzeReport) -> String {
         "delay",
         queue_cells("queue", "timeout"),
         "status",
+        level_cell("best level"),
         "infer/s",
         "goodput/s",
         "p50 ms",
@@ -250,7 +254,7 @@ pub fn table(report: &AnalyzeReport) -> String {
         let dash_if_zero = |x: u64| if x == 0 { "-".to_string() } else { x.to_string() };
         let _ = writeln!(
             out,
-            "{:<22} {:>4} {:>5} {:>4} {:>7}{} {:<11} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>5}",
+            "{:<22} {:>4} {:>5} {:>4} {:>7}{} {:<11}{} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>5}",
             r.key,
             v.instance_count,
             v.max_batch_size,
@@ -258,6 +262,7 @@ pub fn table(report: &AnalyzeReport) -> String {
             v.max_queue_delay_us,
             queue_cells(&dash_if_zero(v.max_queue_size.into()), &dash_if_zero(v.queue_timeout_us)),
             r.status.label(),
+            level_cell(&m.map(|m| m.level_label()).unwrap_or_default()),
             num(|m| m.throughput_infer_per_sec, 1),
             num(|m| m.goodput_infer_per_sec, 1),
             num(|m| m.p50_ms, 3),
@@ -277,9 +282,10 @@ pub fn table(report: &AnalyzeReport) -> String {
     match &report.recommended {
         Some(rec) => {
             let m = &rec.measured;
+            let at = if levels { format!(" at {}", m.level_label()) } else { String::new() };
             let _ = writeln!(
                 out,
-                "recommended by {} under constraints ({}): {} — {:.1} infer/s, goodput {:.1}/s, p99 {:.3} ms, memory {}{}",
+                "recommended by {} under constraints ({}): {}{at} — {:.1} infer/s, goodput {:.1}/s, p99 {:.3} ms, memory {}{}",
                 objective_name(report.objective),
                 describe_constraints(&report.constraints),
                 rec.key,
@@ -315,7 +321,7 @@ fn list_or_none(keys: &[String]) -> String {
 }
 
 /// The CSV header. Columns are only ever added at the end.
-pub const CSV_COLUMNS: [&str; 25] = [
+pub const CSV_COLUMNS: [&str; 27] = [
     "key",
     "instance_count",
     "max_batch_size",
@@ -341,6 +347,8 @@ pub const CSV_COLUMNS: [&str; 25] = [
     "recommended",
     "max_queue_size",
     "queue_timeout_us",
+    "concurrency",
+    "request_rate",
 ];
 
 /// One row per variant, in the order visited.
@@ -379,6 +387,8 @@ pub fn csv(report: &AnalyzeReport) -> String {
             row.recommended.to_string(),
             v.max_queue_size.to_string(),
             v.queue_timeout_us.to_string(),
+            m.and_then(|m| m.concurrency).map(|c| c.to_string()).unwrap_or_default(),
+            f(m.and_then(|m| m.request_rate)),
         ];
         out.push_str(&cells.join(","));
         out.push('\n');
@@ -471,7 +481,7 @@ pub(crate) mod tests {
     pub(crate) fn settings() -> LoadSettings {
         LoadSettings {
             protocol: Protocol::Grpc,
-            load: LoadSpec::Concurrency(4),
+            load: LoadSpec::Concurrency(vec![4]),
             batch_size: 1,
             input_data: InputData::Random,
             slo_p99_ms: Some(10.0),
@@ -517,6 +527,8 @@ pub(crate) mod tests {
             slo_met: Some(p99 <= 10.0),
             memory_mb: Some(mem),
             server_avg_batch_size: Some(1.5),
+            concurrency: Some(4),
+            request_rate: None,
         });
         r
     }
@@ -624,8 +636,9 @@ pub(crate) mod tests {
         assert!(!json.contains("max_queue_size") && !json.contains("queue_timeout"), "{json}");
         // The CSV's new columns are at the end, 0 without a policy.
         let text = csv(&r);
-        assert!(text.lines().next().unwrap().ends_with(",on_frontier,recommended,max_queue_size,queue_timeout_us"));
-        assert!(text.lines().nth(2).unwrap().ends_with(",0,0"), "{text}");
+        assert!(text.lines().next().unwrap().contains(",on_frontier,recommended,max_queue_size,queue_timeout_us,"));
+        assert!(text.lines().nth(2).unwrap().ends_with(",0,0,4,"), "{text}");
+        assert!(!t.contains("best level"), "one load level: no level column: {t}");
     }
 
     #[test]
@@ -660,9 +673,9 @@ pub(crate) mod tests {
         assert!(t.contains("timeout") && t.contains("i1_b8_p0_d0_q4_t2000"), "{t}");
         let text = csv(&r);
         let lines: Vec<&str> = text.lines().collect();
-        assert!(lines[1].starts_with("i1_b8_p0_d0,") && lines[1].ends_with(",0,0"), "{}", lines[1]);
+        assert!(lines[1].starts_with("i1_b8_p0_d0,") && lines[1].ends_with(",0,0,4,"), "{}", lines[1]);
         assert!(lines[2].starts_with("i1_b8_p0_d0_q4_t2000,1,8,0,0,measured,"), "{}", lines[2]);
-        assert!(lines[2].ends_with(",true,4,2000"), "{}", lines[2]);
+        assert!(lines[2].ends_with(",true,4,2000,4,"), "{}", lines[2]);
         let json: serde_json::Value = serde_json::from_str(&json(&r)).unwrap();
         assert_eq!(json["rows"][1]["variant"]["max_queue_size"], 4);
         assert_eq!(json["rows"][1]["variant"]["queue_timeout_us"], 2000);

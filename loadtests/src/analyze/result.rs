@@ -58,6 +58,23 @@ pub struct Measured {
     pub memory_mb: Option<f64>,
     /// Average batch the server executed, from `/metrics` (`None` when not scraped).
     pub server_avg_batch_size: Option<f64>,
+    /// The closed-loop level measured (absent in checkpoints from before load ranges).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<u32>,
+    /// The open-loop level measured, requests per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_rate: Option<f64>,
+}
+
+impl Measured {
+    /// `c=8`, `100 req/s`, or empty when the level is not recorded.
+    pub fn level_label(&self) -> String {
+        match (self.concurrency, self.request_rate) {
+            (Some(c), _) => format!("c={c}"),
+            (None, Some(r)) => format!("{r} req/s"),
+            _ => String::new(),
+        }
+    }
 }
 
 /// One variant's record.
@@ -74,13 +91,25 @@ pub struct VariantResult {
     /// The full ModelConfig sent to the server, as protobuf JSON (absent when skipped).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub config: Option<serde_json::Value>,
+    /// The credited level when the variant was measured at several load levels.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub measured: Option<Measured>,
+    /// Every load level measured, in order, when there were several (`measured` is the best).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub levels: Vec<Measured>,
 }
 
 impl VariantResult {
     pub fn new(variant: Variant, status: VariantStatus) -> Self {
-        VariantResult { key: variant.key(), variant, status, reason: None, config: None, measured: None }
+        VariantResult {
+            key: variant.key(),
+            variant,
+            status,
+            reason: None,
+            config: None,
+            measured: None,
+            levels: Vec::new(),
+        }
     }
 
     /// The measurement, when the variant was measured and something succeeded.

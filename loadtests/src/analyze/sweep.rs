@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::checkpoint::{Checkpoint, CheckpointError};
 use super::config::variant_config;
-use super::frontier::{Constraints, Objective, score};
+use super::frontier::{Constraints, Objective, best_level, score};
 use super::quick::{Outcome, QuickSearch};
 use super::result::{Measured, VariantResult, VariantStatus};
 use super::server::{RepositoryClient, RepositoryError, RssSampler, WorkerProcess};
@@ -26,7 +26,7 @@ use crate::client::{Protocol, Target, Tls};
 use crate::driver::{self, Load, Measurement, RunConfig};
 use crate::error::{PerfError, exit};
 use crate::report::{Progress, combined_breakdown};
-use crate::schedule::Distribution;
+use crate::schedule::{Distribution, LoadLevel};
 use crate::workload::{Entry, InputData, InputSource, Origin, Workload};
 
 /// Liveness checks before the server is declared lost, and the pause between them.
@@ -43,12 +43,24 @@ pub enum Strategy {
     Quick { max_variants: usize },
 }
 
-/// The load each variant is measured under (one level).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+/// The load each variant is measured under: one level, or several (`--concurrency-range`,
+/// `--request-rate-range`) of which the variant is credited with its best (see
+/// [`best_level`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LoadSpec {
-    Concurrency(u32),
-    RequestRate { rate: f64, distribution: Distribution },
+    Concurrency(Vec<u32>),
+    RequestRate { rates: Vec<f64>, distribution: Distribution },
+}
+
+impl LoadSpec {
+    /// How many load levels each variant is measured at.
+    pub fn levels(&self) -> usize {
+        match self {
+            LoadSpec::Concurrency(c) => c.len(),
+            LoadSpec::RequestRate { rates, .. } => rates.len(),
+        }
+    }
 }
 
 /// nereid-perf settings shared by every variant.
@@ -66,13 +78,21 @@ pub struct LoadSettings {
 }
 
 impl LoadSettings {
+    /// `concurrency 4`, `concurrency 1, 4, 16 (each variant at its best level)`, `100 req/s
+    /// (constant)`: what the checkpoint records and a resume compares.
     pub fn describe(&self) -> String {
-        let load = match self.load {
-            LoadSpec::Concurrency(c) => format!("concurrency {c}"),
-            LoadSpec::RequestRate { rate, distribution } => {
-                format!("{rate} req/s ({})", if distribution == Distribution::Poisson { "poisson" } else { "constant" })
-            }
+        let list = |v: Vec<String>| v.join(", ");
+        let mut load = match &self.load {
+            LoadSpec::Concurrency(c) => format!("concurrency {}", list(c.iter().map(u32::to_string).collect())),
+            LoadSpec::RequestRate { rates, distribution } => format!(
+                "{} req/s ({})",
+                list(rates.iter().map(f64::to_string).collect()),
+                if *distribution == Distribution::Poisson { "poisson" } else { "constant" }
+            ),
         };
+        if self.load.levels() > 1 {
+            load.push_str(" (each variant at its best level)");
+        }
         if self.batch_size > 1 { format!("{load}, batch {}", self.batch_size) } else { load }
     }
 
@@ -81,11 +101,15 @@ impl LoadSettings {
         let mut entry = Entry::for_model(model);
         entry.batch_size = self.batch_size;
         let workload = Workload::new(Origin::Flags, vec![entry], self.slo_p99_ms)?;
-        let (load, outstanding, closed) = match self.load {
-            LoadSpec::Concurrency(c) => (Load::Concurrency(vec![c]), c as usize, true),
-            LoadSpec::RequestRate { rate, distribution } => {
-                (Load::RequestRate { rates: vec![rate], distribution }, self.measurement.max_inflight, false)
+        let (load, outstanding, closed) = match &self.load {
+            LoadSpec::Concurrency(c) => {
+                (Load::Concurrency(c.clone()), c.iter().copied().max().unwrap_or(1) as usize, true)
             }
+            LoadSpec::RequestRate { rates, distribution } => (
+                Load::RequestRate { rates: rates.clone(), distribution: *distribution },
+                self.measurement.max_inflight,
+                false,
+            ),
         };
         let connections = match (self.protocol, closed) {
             (Protocol::Grpc, true) => {
@@ -395,13 +419,44 @@ async fn measure_variant(
             return (result, stop);
         }
     };
-    let Some(level) = report.levels.last() else {
-        result.reason = Some("nothing was measured".into());
-        return (result, interrupt.is_cancelled().then_some(Stop::Interrupted));
+    let stop = match report.verdict.exit_code {
+        exit::SERVER_LOST => Some(Stop::ServerLost(report.stopped.clone().unwrap_or_else(|| "no answer".into()))),
+        exit::INTERRUPTED => Some(Stop::Interrupted),
+        _ => None,
     };
+    if report.levels.is_empty() {
+        result.reason = Some("nothing was measured".into());
+        return (result, stop.or(interrupt.is_cancelled().then_some(Stop::Interrupted)));
+    }
+    let levels: Vec<Measured> = report.levels.iter().map(|level| measured_of(level, memory_mb)).collect();
+    let complete = report.levels.iter().all(|l| l.complete);
+    let chosen = best_level(&levels, &sweep.constraints, sweep.objective);
+    if stop.is_some() || !complete {
+        result.reason = Some(report.stopped.clone().unwrap_or_else(|| "the measurement did not complete".into()));
+        result.measured = levels.last().cloned();
+    } else if let Some(i) = chosen {
+        result.status = VariantStatus::Measured;
+        if !levels[i].stable {
+            result.reason = Some("no stable measurement within --max-trials windows".into());
+        }
+        result.measured = Some(levels[i].clone());
+    } else {
+        let t = &report.levels[report.levels.len() - 1].total;
+        let errors: Vec<String> = t.errors_by_status.iter().map(|(k, v)| format!("{k} ×{v}")).collect();
+        result.reason = Some(format!("no request succeeded ({})", errors.join(", ")));
+        result.measured = levels.last().cloned();
+    }
+    if levels.len() > 1 {
+        result.levels = levels;
+    }
+    (result, stop)
+}
+
+/// One load level's numbers (`memory_mb`: the peak over the variant's whole measurement).
+fn measured_of(level: &driver::LevelResult, memory_mb: Option<f64>) -> Measured {
     let t = &level.total;
     let ms = |us: u64| us as f64 / 1000.0;
-    result.measured = Some(Measured {
+    Measured {
         throughput_infer_per_sec: t.infer_per_sec,
         requests_per_sec: t.requests_per_sec,
         goodput_infer_per_sec: t.goodput_infer_per_sec,
@@ -414,24 +469,15 @@ async fn measure_variant(
         slo_met: level.slo_met,
         memory_mb,
         server_avg_batch_size: combined_breakdown(level).and_then(|b| b.avg_batch_size),
-    });
-    let stop = match report.verdict.exit_code {
-        exit::SERVER_LOST => Some(Stop::ServerLost(report.stopped.clone().unwrap_or_else(|| "no answer".into()))),
-        exit::INTERRUPTED => Some(Stop::Interrupted),
-        _ => None,
-    };
-    if stop.is_some() || !level.complete {
-        result.reason = Some(report.stopped.clone().unwrap_or_else(|| "the measurement did not complete".into()));
-    } else if t.ok == 0 {
-        let errors: Vec<String> = t.errors_by_status.iter().map(|(k, v)| format!("{k} ×{v}")).collect();
-        result.reason = Some(format!("no request succeeded ({})", errors.join(", ")));
-    } else {
-        result.status = VariantStatus::Measured;
-        if !level.stable {
-            result.reason = Some("no stable measurement within --max-trials windows".into());
-        }
+        concurrency: match level.level {
+            LoadLevel::Concurrency(c) => Some(c),
+            _ => None,
+        },
+        request_rate: match level.level {
+            LoadLevel::RequestRate { rate, .. } => Some(rate),
+            _ => None,
+        },
     }
-    (result, stop)
 }
 
 /// Reads the checkpoint for `--resume` (absent: start afresh).
