@@ -277,8 +277,12 @@ fn a_queue_policy_sweep_loads_each_policy_and_writes_it_where_it_wins() {
 
     let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
     let lines: Vec<&str> = csv.lines().collect();
-    assert!(lines[0].ends_with(",max_queue_size,queue_timeout_us,concurrency,request_rate"), "{}", lines[0]);
-    assert!(lines[4].starts_with("i1_b8_p0_d0_q4,") && lines[4].ends_with(",4,0,2,"), "{}", lines[4]);
+    assert!(
+        lines[0].ends_with(",max_queue_size,queue_timeout_us,concurrency,request_rate,priority_levels"),
+        "{}",
+        lines[0]
+    );
+    assert!(lines[4].starts_with("i1_b8_p0_d0_q4,") && lines[4].ends_with(",4,0,2,,0"), "{}", lines[4]);
     let checkpoint = read_json(&out.join("checkpoint.json"));
     assert_eq!(checkpoint["results"].as_array().unwrap().len(), 4);
 }
@@ -330,9 +334,9 @@ fn a_concurrency_range_credits_each_variant_with_its_best_level() {
     }
     let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
     let lines: Vec<&str> = csv.lines().collect();
-    assert!(lines[0].ends_with(",concurrency,request_rate"), "{}", lines[0]);
+    assert!(lines[0].ends_with(",concurrency,request_rate,priority_levels"), "{}", lines[0]);
     for (line, r) in lines[1..].iter().zip(rs) {
-        assert!(line.ends_with(&format!(",{},", r["measured"]["concurrency"])), "{line}");
+        assert!(line.ends_with(&format!(",{},,0", r["measured"]["concurrency"])), "{line}");
     }
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();
     assert!(html.contains("across load levels") && html.contains("<th>best level</th>"), "levels chart and column");
@@ -344,6 +348,82 @@ fn a_concurrency_range_credits_each_variant_with_its_best_level() {
     let run = analyze(&args);
     assert_eq!(run.code, 0, "{run}");
     assert!(run.stdout.contains("not comparable"), "{run}");
+}
+
+#[test]
+fn a_priority_sweep_with_a_workload_sheds_only_the_lower_level() {
+    let Some(worker) = worker_binary() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let workload = dir.path().join("workload.json");
+    std::fs::write(
+        &workload,
+        r#"{"entries": [
+            {"model": "identity_fp32", "weight": 1, "priority": 1, "class": "gold", "slo_ms": 5000},
+            {"model": "identity_fp32", "weight": 3, "priority": 2, "class": "bronze", "slo_ms": 5000,
+             "mix": [{"batch_size": 1}, {"batch_size": 4}]}
+        ]}"#,
+    )
+    .unwrap();
+    let m = models();
+    let mut args = vec![
+        "--model-repository",
+        m.to_str().unwrap(),
+        "-m",
+        "identity_fp32",
+        "--worker-bin",
+        worker.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--workload",
+        workload.to_str().unwrap(),
+        "--instance-counts",
+        "1",
+        "--max-batch-sizes",
+        "8",
+        "--max-queue-delays-us",
+        "0",
+        "--max-queue-sizes",
+        "0,1",
+        "--priority-levels",
+        "0,2",
+        "--concurrency",
+        "8",
+    ];
+    args.extend(SHORT);
+    let run = analyze(&args);
+    assert_eq!(run.code, 0, "{run}");
+    assert!(run.stdout.contains("  gold: ") && run.stdout.contains("  bronze: "), "per-class lines: {run}");
+
+    let report = read_json(&out.join("results.json"));
+    assert!(report["load_description"].as_str().unwrap().ends_with("workload.json"), "{}", report["load_description"]);
+    let rs = rows(&report);
+    let keys: Vec<&str> = rs.iter().map(|r| r["key"].as_str().unwrap()).collect();
+    assert_eq!(keys, ["i1_b8_p0_d0", "i1_b8_p0_d0_l2", "i1_b8_p0_d0_q1", "i1_b8_p0_d0_q1_l2"]);
+    for r in rs {
+        assert_eq!(r["status"], "measured", "{r}");
+        let series: Vec<&str> =
+            r["measured"]["series"].as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect();
+        assert_eq!(series, ["gold", "bronze"], "{r}");
+    }
+    let db = |i: usize| &rs[i]["config"]["dynamic_batching"];
+    assert_eq!(db(1)["priority_levels"], "2", "{}", db(1));
+    assert_eq!(db(1)["default_priority_level"], "2");
+    assert!(db(3)["default_queue_policy"].is_null(), "the top level keeps no policy: {}", db(3));
+    assert_eq!(db(3)["priority_queue_policy"]["2"]["max_queue_size"], 1, "{}", db(3));
+    assert!(db(3)["priority_queue_policy"].get("1").is_none());
+    // Gold (priority 1) has no queue limit there: none of its requests is refused.
+    let gold = &rs[3]["measured"]["series"][0];
+    assert_eq!((gold["name"].as_str(), gold["errors"].as_u64()), (Some("gold"), Some(0)), "{gold}");
+    assert!(gold["requests"].as_u64().unwrap() > 0);
+    let text = std::fs::read_to_string(out.join("results.csv")).unwrap();
+    assert!(text.lines().nth(4).unwrap().ends_with(",2"), "priority_levels column: {text}");
+
+    // A workload entry for another model is refused before anything starts.
+    std::fs::write(&workload, r#"{"entries": [{"model": "mlp_fp32"}]}"#).unwrap();
+    let run = analyze(&args);
+    assert_eq!(run.code, 2, "{run}");
+    assert!(run.stderr.contains("entries[0].model") && run.stderr.contains("not the swept model"), "{run}");
 }
 
 #[test]

@@ -113,6 +113,7 @@ mod tests {
             server_avg_batch_size: None,
             concurrency: None,
             request_rate: None,
+            series: Vec::new(),
         });
         c.record(measured);
         let mut skipped = VariantResult::new(v(1, 100), VariantStatus::Skipped);

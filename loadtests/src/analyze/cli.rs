@@ -17,7 +17,7 @@ use crate::cli::{DistributionArg, ProtocolArg, TlsArgs};
 use crate::client::{Protocol, Tls, split_url};
 use crate::driver::{Measurement, WindowMode};
 use crate::schedule::{Distribution, concurrency_levels, rate_levels};
-use crate::workload::InputData;
+use crate::workload::{InputData, Workload};
 
 /// Workers tried by default, in order, when neither --worker-bin nor --url is given.
 pub const DEFAULT_WORKER_BINS: [&str; 2] = ["target/release/nereid-worker", "target/debug/nereid-worker"];
@@ -39,19 +39,24 @@ Each variant: the base config.pbtxt with instance_group count, max_batch_size an
 dynamic_batching { preferred_batch_size, max_queue_delay_microseconds } set. The queue policy
 can be swept too: --max-queue-sizes and --queue-timeouts-us set dynamic_batching
 { default_queue_policy { max_queue_size, default_timeout_microseconds, timeout_action: REJECT } }
-(0 sets nothing, keeping the base config's value). An invalid combination (preferred > max
-batch, batching settings or a queue policy with max_batch_size 0) is skipped with its reason.
+(0 sets nothing, keeping the base config's value). --priority-levels sets dynamic_batching
+{ priority_levels: N default_priority_level: N }; with N >= 2 the swept queue policy goes to
+priority_queue_policy for levels 2..N, so the top priority is never shed. Use a --workload
+whose entries send \"priority\" (per-class SLOs and results per class). An invalid combination
+(preferred > max batch, batching settings, a queue policy or priority levels with
+max_batch_size 0) is skipped with its reason.
 The variant is unloaded and loaded through the repository API (explicit model control,
 Triton's parameters.config override); a load the server refuses is recorded with the
 server's message and the sweep goes on. Then one nereid-perf load level is measured (warm-up,
 windows until stable) while the worker's VmRSS is sampled every 100 ms (the peak is
 reported). With --concurrency-range or --request-rate-range each variant is measured at every
 level (stopping at the first that misses the SLO) and credited with its best level: the best
-by the objective among levels meeting the constraints, else the one closest to meeting them. Requests the queue policy rejects count as errors, not toward throughput;
---max-error-percent keeps such variants from winning by refusing work.
+by the objective among levels meeting the constraints, else the one closest to meeting them.
+Requests the queue policy rejects count as errors, not toward throughput; --max-error-percent
+keeps such variants from winning by refusing work.
 
 Search: brute measures every variant; quick climbs from the smallest values one step along one
-dimension at a time (queue delay and queue policy included), moving to the best neighbour
+dimension at a time (queue delay, queue policy and priority levels included), moving to the best neighbour
 while it improves, measuring at most --max-variants. Variants meeting the constraints beat
 those that do not.
 
@@ -132,6 +137,17 @@ pub struct AnalyzeArgs {
     /// rejected: they count as errors, not toward throughput or goodput.
     #[arg(long, default_value = "0")]
     pub queue_timeouts_us: String,
+    /// dynamic_batching.priority_levels values to try (0: the base config's), the lowest
+    /// level being the default. With 2 or more levels the swept queue policy applies to every
+    /// level but the top one (priority_queue_policy). Give a --workload whose entries set
+    /// "priority" to send requests at several levels.
+    #[arg(long, default_value = "0")]
+    pub priority_levels: String,
+    /// Workload file (nereid-perf's format) instead of -b/--batch-size: weighted entries with
+    /// batch sizes and shape mixes, priorities, deadlines and per-class SLOs. Every entry must
+    /// name --model and no version.
+    #[arg(long, value_name = "FILE", conflicts_with = "batch_size")]
+    pub workload: Option<PathBuf>,
 
     /// Constraint: p99 latency at most this many milliseconds (also goodput's SLO unless
     /// --slo-p99-ms is given).
@@ -287,7 +303,13 @@ impl AnalyzeArgs {
                 parse_list("--queue-timeouts-us", &self.queue_timeouts_us)?,
             )
         })
+        .and_then(|space| space.with_priority_levels(parse_list("--priority-levels", &self.priority_levels)?))
         .map_err(|e| e.0)?;
+        let slo_p99_ms = self.slo_p99_ms.or(self.max_p99_ms);
+        let workload = match &self.workload {
+            None => None,
+            Some(path) => Some(read_workload(path, &self.model, slo_p99_ms)?),
+        };
         let strategy = match self.search {
             SearchArg::Brute => Strategy::Brute,
             SearchArg::Quick if self.max_variants == 0 => return Err("--max-variants: must be at least 1".into()),
@@ -383,7 +405,9 @@ impl AnalyzeArgs {
                 load,
                 batch_size: self.batch_size,
                 input_data: self.input_data,
-                slo_p99_ms: self.slo_p99_ms.or(self.max_p99_ms),
+                slo_p99_ms,
+                workload_file: self.workload.as_ref().map(|p| p.display().to_string()),
+                workload,
                 measurement: Measurement {
                     window: WindowMode::Time { ms: self.measurement_interval },
                     warmup_ms: self.warmup_ms,
@@ -402,6 +426,30 @@ impl AnalyzeArgs {
             quiet: self.quiet,
         })
     }
+}
+
+/// Reads and checks a `--workload` file: valid for nereid-perf, and every entry for `model`
+/// without a version (the sweep loads the variant's versions as its config says).
+fn read_workload(path: &Path, model: &str, slo_p99_ms: Option<f64>) -> Result<Workload, String> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| format!("--workload {shown}: cannot read it: {e}"))?;
+    let workload = Workload::from_json(&shown, &text, slo_p99_ms).map_err(|e| e.0)?;
+    for (i, e) in workload.entries.iter().enumerate() {
+        let name = workload.entry_name(i);
+        if e.model != model {
+            return Err(format!(
+                "workload file {shown}: {name}.model: '{}' is not the swept model '{model}' (--model)",
+                e.model
+            ));
+        }
+        if e.version.is_some() {
+            return Err(format!(
+                "workload file {shown}: {name}.version: leave it out; each variant is loaded with the versions its \
+                 config serves"
+            ));
+        }
+    }
+    Ok(workload)
 }
 
 /// Reads and checks `DIR/MODEL/config.pbtxt`.

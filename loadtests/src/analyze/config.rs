@@ -34,8 +34,12 @@ pub fn check_base(base: &ModelConfig) -> Result<(), String> {
 /// `dynamic_batching` (the base's, or a default one) with the preferred batch size and queue
 /// delay, and — when the variant sets them — the default queue policy's `max_queue_size` and
 /// `default_timeout_microseconds` with `timeout_action: REJECT` (a 0 leaves the base's policy
-/// field as it is, none by default). A model that does not batch (`max_batch_size` 0) gets no
-/// dynamic batching, so a variant with a queue policy on it is skipped.
+/// field as it is, none by default). With `priority_levels` set, `dynamic_batching` gets that
+/// many levels with the lowest as `default_priority_level`; with 2 or more the queue policy
+/// goes to `priority_queue_policy` for every level but the top one (which keeps the default
+/// policy), so only lower priorities are shed. A model that does not batch (`max_batch_size`
+/// 0) gets no dynamic batching, so a variant with a queue policy or priority levels on it is
+/// skipped.
 pub fn variant_config(base: &ModelConfig, model: &str, v: &Variant) -> Result<ModelConfig, SkipReason> {
     let skip = |s: String| Err(SkipReason(s));
     if v.instance_count == 0 {
@@ -46,6 +50,9 @@ pub fn variant_config(base: &ModelConfig, model: &str, v: &Variant) -> Result<Mo
             "max_batch_size 0 (no batching) cannot take a preferred batch size ({}) or queue delay ({} µs)",
             v.preferred_batch_size, v.max_queue_delay_us
         ));
+    }
+    if v.max_batch_size == 0 && v.priority_levels > 0 {
+        return skip(format!("max_batch_size 0 (no batching) cannot take priority levels ({})", v.priority_levels));
     }
     if v.max_batch_size == 0 && v.has_queue_policy() {
         return skip(format!(
@@ -73,14 +80,31 @@ pub fn variant_config(base: &ModelConfig, model: &str, v: &Variant) -> Result<Mo
         let mut db: ModelDynamicBatching = dynamic_batching(base).cloned().unwrap_or_default();
         db.preferred_batch_size = if preferred > 0 { vec![preferred] } else { vec![] };
         db.max_queue_delay_microseconds = v.max_queue_delay_us;
+        if v.priority_levels > 0 {
+            let levels = u64::from(v.priority_levels);
+            db.priority_levels = levels;
+            db.default_priority_level = levels;
+            // The base's per-level policies of levels that no longer exist go.
+            db.priority_queue_policy.retain(|&level, _| level <= levels);
+        }
         if v.has_queue_policy() {
-            let policy = db.default_queue_policy.get_or_insert_with(ModelQueuePolicy::default);
-            if v.max_queue_size > 0 {
-                policy.max_queue_size = v.max_queue_size;
-            }
-            if v.queue_timeout_us > 0 {
-                policy.default_timeout_microseconds = v.queue_timeout_us;
-                policy.timeout_action = TimeoutAction::Reject as i32;
+            let apply = |policy: &mut ModelQueuePolicy| {
+                if v.max_queue_size > 0 {
+                    policy.max_queue_size = v.max_queue_size;
+                }
+                if v.queue_timeout_us > 0 {
+                    policy.default_timeout_microseconds = v.queue_timeout_us;
+                    policy.timeout_action = TimeoutAction::Reject as i32;
+                }
+            };
+            if v.priority_levels >= 2 {
+                // Every level but the top one: the highest priority is never shed.
+                let default = db.default_queue_policy.unwrap_or_default();
+                for level in 2..=u64::from(v.priority_levels) {
+                    apply(db.priority_queue_policy.entry(level).or_insert(default));
+                }
+            } else {
+                apply(db.default_queue_policy.get_or_insert_with(ModelQueuePolicy::default));
             }
         }
         config.scheduling_choice = Some(SchedulingChoice::DynamicBatching(db));
@@ -203,6 +227,53 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
         assert_eq!(p.max_queue_size, 16);
         assert_eq!((p.timeout_action, p.default_timeout_microseconds), (TimeoutAction::Reject as i32, 300));
         assert_the_worker_accepts(&c);
+    }
+
+    #[test]
+    fn priority_levels_shed_every_level_but_the_top_one() {
+        let base = parse_model_config(&BASE.replace("priority_levels: 2 default_priority_level: 1", "")).unwrap();
+        let levels = |n: u32, q: u32, t: u64| Variant { priority_levels: n, ..vq(1, 8, q, t) };
+        // Levels alone: the lowest is the default, no policy.
+        let c = variant_config(&base, "m", &levels(3, 0, 0)).unwrap();
+        let db = dynamic_batching(&c).unwrap();
+        assert_eq!((db.priority_levels, db.default_priority_level), (3, 3));
+        assert!(db.priority_queue_policy.is_empty() && db.default_queue_policy.is_none());
+        assert_the_worker_accepts(&c);
+        // With a queue policy: levels 2 and 3 get it, level 1 (and the default) does not.
+        let c = variant_config(&base, "m", &levels(3, 4, 500)).unwrap();
+        let db = dynamic_batching(&c).unwrap();
+        assert_eq!(db.default_queue_policy, None, "the top level is not shed");
+        let mut keys: Vec<u64> = db.priority_queue_policy.keys().copied().collect();
+        keys.sort();
+        assert_eq!(keys, [2, 3]);
+        for p in db.priority_queue_policy.values() {
+            assert_eq!((p.max_queue_size, p.default_timeout_microseconds), (4, 500));
+            assert_eq!(p.timeout_action, TimeoutAction::Reject as i32);
+        }
+        let text = config_to_text(&c);
+        assert!(text.contains("priority_queue_policy"), "{text}");
+        assert_eq!(parse_model_config(&text).unwrap(), c);
+        assert_the_worker_accepts(&c);
+        // One level: nothing to protect, the default policy as without levels.
+        let c = variant_config(&base, "m", &levels(1, 4, 0)).unwrap();
+        let db = dynamic_batching(&c).unwrap();
+        assert_eq!(db.default_queue_policy.as_ref().map(|p| p.max_queue_size), Some(4));
+        assert!(db.priority_queue_policy.is_empty());
+        // The base's own per-level policies: kept (and the swept fields set) where the level
+        // still exists, dropped where it does not.
+        let text = BASE.replace(
+            "default_priority_level: 1 }",
+            "default_priority_level: 1 priority_queue_policy { key: 2 value: { allow_timeout_override: true } } }",
+        );
+        let base = parse_model_config(&text).unwrap();
+        let c = variant_config(&base, "m", &levels(2, 8, 0)).unwrap();
+        let p = &dynamic_batching(&c).unwrap().priority_queue_policy[&2];
+        assert!(p.allow_timeout_override && p.max_queue_size == 8);
+        let text = text.replace("key: 2", "key: 1");
+        let c = variant_config(&parse_model_config(&text).unwrap(), "m", &levels(1, 0, 0)).unwrap();
+        assert_eq!(dynamic_batching(&c).unwrap().priority_queue_policy.len(), 1, "level 1 exists");
+        let e = variant_config(&base, "m", &Variant { priority_levels: 2, ..v(1, 0, 0, 0) }).unwrap_err();
+        assert!(e.0.contains("priority levels"), "{e}");
     }
 
     #[test]

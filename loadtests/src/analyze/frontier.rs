@@ -205,6 +205,7 @@ mod tests {
             server_avg_batch_size: None,
             concurrency: None,
             request_rate: None,
+            series: Vec::new(),
         }
     }
 

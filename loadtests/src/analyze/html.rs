@@ -194,7 +194,8 @@ fn variants(out: &mut String, report: &AnalyzeReport) {
         "<div class=\"scroll\"><table>\n<tr><th>variant</th><th>instances</th><th>max batch</th><th>preferred</th>\
          <th>queue delay µs</th>{}<th>status</th>{}<th>infer/s</th><th>goodput/s</th><th>p50 ms</th><th>p99 ms</th>\
          <th>memory MiB</th><th>constraints</th><th>frontier</th><th>note</th></tr>\n",
-        if queue { "<th>max queue</th><th>queue timeout µs</th>" } else { "" },
+        if queue { "<th>max queue</th><th>queue timeout µs</th>" } else { "" }.to_string()
+            + if report.shows_priority_levels() { "<th>priority levels</th>" } else { "" },
         if levels { "<th>best level</th>" } else { "" }
     );
     for row in &report.rows {
@@ -228,6 +229,10 @@ fn variants(out: &mut String, report: &AnalyzeReport) {
                 dash_if_zero(v.max_queue_size.into()),
                 dash_if_zero(v.queue_timeout_us)
             )
+        } else {
+            String::new()
+        } + &if report.shows_priority_levels() {
+            format!("<td class=\"num\">{}</td>", dash_if_zero(v.priority_levels.into()))
         } else {
             String::new()
         };

@@ -81,7 +81,7 @@ impl QuickSearch {
             visited: BTreeMap::new(),
             measured: 0,
             current: None,
-            pending: VecDeque::from([[0; 6]]),
+            pending: VecDeque::from([[0; 7]]),
             waiting: None,
             finished: None,
         }
@@ -226,6 +226,7 @@ mod tests {
             (0..dim(3) as u64).collect(),
         )
         .and_then(|s| s.with_queue_policy((0..dim(4) as u32).collect(), (0..dim(5) as u64).collect()))
+        .and_then(|s| s.with_priority_levels((0..dim(6) as u32).collect()))
         .unwrap()
     }
 
@@ -249,9 +250,9 @@ mod tests {
     #[test]
     fn climbs_a_single_peak_including_the_queue_delay() {
         // Peak at instances 3 (index 2), batch index 2, preferred index 0, delay index 3.
-        let peak = [2usize, 2, 0, 3, 0, 0];
+        let peak = [2usize, 2, 0, 3, 0, 0, 0];
         let f = |p: Point| -> Outcome {
-            let d: i64 = (0..6).map(|i| (p[i] as i64 - peak[i] as i64).abs()).sum();
+            let d: i64 = (0..7).map(|i| (p[i] as i64 - peak[i] as i64).abs()).sum();
             scored(-(d as f64))
         };
         let mut s = QuickSearch::new(space([4, 4, 2, 5]), 100);
@@ -260,25 +261,25 @@ mod tests {
         assert_eq!(s.finish(), Some(Finish::LocalOptimum));
         assert!(proposed.len() < 4 * 4 * 2 * 5, "fewer points than brute force: {}", proposed.len());
         assert!(proposed.iter().any(|p| p[3] > 0), "queue delay was explored");
-        assert!(proposed.iter().all(|p| p[4] == 0 && p[5] == 0), "no queue policy swept, none proposed");
+        assert!(proposed.iter().all(|p| p[4] == 0 && p[5] == 0 && p[6] == 0), "no queue policy swept, none proposed");
     }
 
     #[test]
-    fn climbs_along_the_queue_policy_when_swept() {
+    fn climbs_along_the_queue_policy_and_priority_levels_when_swept() {
         // Peak at the largest queue size and the middle timeout.
-        let peak = [1usize, 1, 0, 0, 2, 1];
+        let peak = [1usize, 1, 0, 0, 2, 1, 1];
         let f = |p: Point| -> Outcome {
-            let d: i64 = (0..6).map(|i| (p[i] as i64 - peak[i] as i64).abs()).sum();
+            let d: i64 = (0..7).map(|i| (p[i] as i64 - peak[i] as i64).abs()).sum();
             scored(-(d as f64))
         };
-        let sp = space([2, 2, 1, 2, 3, 3]);
+        let sp = space([2, 2, 1, 2, 3, 3, 2]);
         let mut s = QuickSearch::new(sp.clone(), 200);
         let proposed = drive(&mut s, f);
         assert_eq!(s.current(), Some(peak));
         assert_eq!(s.finish(), Some(Finish::LocalOptimum));
         assert!(proposed.len() < sp.len(), "fewer points than brute force: {}", proposed.len());
-        // At most 12 neighbours per point, every one tried once.
-        assert!(sp.neighbours(peak).len() <= 12);
+        // At most 14 neighbours per point, every one tried once.
+        assert!(sp.neighbours(peak).len() <= 14);
     }
 
     #[test]
@@ -293,17 +294,17 @@ mod tests {
     fn skipped_points_do_not_use_the_budget_and_failed_starts_spread_out() {
         // The start fails to load; its neighbours with preferred > 0 are skipped.
         let f = |p: Point| match p {
-            [0, 0, 0, 0, 0, 0] => Outcome::Failed,
+            [0, 0, 0, 0, 0, 0, 0] => Outcome::Failed,
             [_, _, 1, ..] => Outcome::Skipped,
             _ => scored(p[0] as f64),
         };
         let mut s = QuickSearch::new(space([3, 1, 2, 1]), 3);
         let proposed = drive(&mut s, f);
-        assert!(proposed.contains(&[0, 0, 1, 0, 0, 0]));
+        assert!(proposed.contains(&[0, 0, 1, 0, 0, 0, 0]));
         assert_eq!(s.measured(), 3);
         assert_eq!(s.finish(), Some(Finish::Budget));
-        assert_eq!(s.current(), Some([1, 0, 0, 0, 0, 0]), "the budget ran out before the move");
-        assert_eq!(s.best(), Some([2, 0, 0, 0, 0, 0]));
+        assert_eq!(s.current(), Some([1, 0, 0, 0, 0, 0, 0]), "the budget ran out before the move");
+        assert_eq!(s.best(), Some([2, 0, 0, 0, 0, 0, 0]));
     }
 
     #[test]
@@ -327,9 +328,9 @@ mod tests {
     proptest! {
         #[test]
         fn any_landscape_terminates_without_repeats_within_the_budget(
-            shape in prop::array::uniform6(1usize..4),
-            values in prop::collection::vec(-100i32..100, 729),
-            kinds in prop::collection::vec(0u8..10, 729),
+            shape in prop::array::uniform7(1usize..4),
+            values in prop::collection::vec(-100i32..100, 2187),
+            kinds in prop::collection::vec(0u8..10, 2187),
             budget in 1usize..30,
         ) {
             let sp = space(shape);

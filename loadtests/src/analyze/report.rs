@@ -165,6 +165,11 @@ impl AnalyzeReport {
     pub fn shows_queue_policy(&self) -> bool {
         self.space.sweeps_queue_policy() || self.rows.iter().any(|r| r.result.variant.has_queue_policy())
     }
+
+    /// Whether priority levels are part of the sweep (their column is shown).
+    pub fn shows_priority_levels(&self) -> bool {
+        self.space.sweeps_priority_levels() || self.rows.iter().any(|r| r.result.variant.priority_levels > 0)
+    }
 }
 
 /// `p99 ≤ 10 ms, memory ≤ 512 MiB`, or `none`.
@@ -208,8 +213,14 @@ pub fn table(report: &AnalyzeReport) -> String {
     );
     // The queue policy's columns, only when it is swept.
     let queue = report.shows_queue_policy();
-    let queue_cells =
-        |size: &str, timeout: &str| if queue { format!(" {size:>5} {timeout:>7}") } else { String::new() };
+    let priority = report.shows_priority_levels();
+    let queue_cells = |size: &str, timeout: &str, levels: &str| {
+        let mut cells = if queue { format!(" {size:>5} {timeout:>7}") } else { String::new() };
+        if priority {
+            cells.push_str(&format!(" {levels:>6}"));
+        }
+        cells
+    };
     // The credited load level, only when each variant was measured at several.
     let levels = report.load.load.levels() > 1;
     let level_cell = |level: &str| if levels { format!(" {level:>12}") } else { String::new() };
@@ -221,7 +232,7 @@ pub fn table(report: &AnalyzeReport) -> String {
         "batch",
         "pref",
         "delay",
-        queue_cells("queue", "timeout"),
+        queue_cells("queue", "timeout", "levels"),
         "status",
         level_cell("best level"),
         "infer/s",
@@ -260,7 +271,11 @@ pub fn table(report: &AnalyzeReport) -> String {
             v.max_batch_size,
             dash_if_zero(v.preferred_batch_size.into()),
             v.max_queue_delay_us,
-            queue_cells(&dash_if_zero(v.max_queue_size.into()), &dash_if_zero(v.queue_timeout_us)),
+            queue_cells(
+                &dash_if_zero(v.max_queue_size.into()),
+                &dash_if_zero(v.queue_timeout_us),
+                &dash_if_zero(v.priority_levels.into())
+            ),
             r.status.label(),
             level_cell(&m.map(|m| m.level_label()).unwrap_or_default()),
             num(|m| m.throughput_infer_per_sec, 1),
@@ -271,6 +286,13 @@ pub fn table(report: &AnalyzeReport) -> String {
             meets,
             mark
         );
+        for s in m.map(|m| m.series.as_slice()).unwrap_or_default() {
+            let _ = writeln!(
+                out,
+                "  {}: {:.1} infer/s, goodput {:.1}/s, p99 {:.3} ms, errors {}",
+                s.name, s.throughput_infer_per_sec, s.goodput_infer_per_sec, s.p99_ms, s.errors
+            );
+        }
         if let Some(reason) = &r.reason {
             let _ = writeln!(out, "  {}: {reason}", r.status.label());
         }
@@ -321,7 +343,7 @@ fn list_or_none(keys: &[String]) -> String {
 }
 
 /// The CSV header. Columns are only ever added at the end.
-pub const CSV_COLUMNS: [&str; 27] = [
+pub const CSV_COLUMNS: [&str; 28] = [
     "key",
     "instance_count",
     "max_batch_size",
@@ -349,6 +371,7 @@ pub const CSV_COLUMNS: [&str; 27] = [
     "queue_timeout_us",
     "concurrency",
     "request_rate",
+    "priority_levels",
 ];
 
 /// One row per variant, in the order visited.
@@ -389,6 +412,7 @@ pub fn csv(report: &AnalyzeReport) -> String {
             v.queue_timeout_us.to_string(),
             m.and_then(|m| m.concurrency).map(|c| c.to_string()).unwrap_or_default(),
             f(m.and_then(|m| m.request_rate)),
+            v.priority_levels.to_string(),
         ];
         out.push_str(&cells.join(","));
         out.push('\n');
@@ -485,6 +509,8 @@ pub(crate) mod tests {
             batch_size: 1,
             input_data: InputData::Random,
             slo_p99_ms: Some(10.0),
+            workload: None,
+            workload_file: None,
             measurement: Measurement {
                 window: WindowMode::Time { ms: 1000 },
                 warmup_ms: 100,
@@ -529,6 +555,7 @@ pub(crate) mod tests {
             server_avg_batch_size: Some(1.5),
             concurrency: Some(4),
             request_rate: None,
+            series: Vec::new(),
         });
         r
     }
@@ -637,7 +664,7 @@ pub(crate) mod tests {
         // The CSV's new columns are at the end, 0 without a policy.
         let text = csv(&r);
         assert!(text.lines().next().unwrap().contains(",on_frontier,recommended,max_queue_size,queue_timeout_us,"));
-        assert!(text.lines().nth(2).unwrap().ends_with(",0,0,4,"), "{text}");
+        assert!(text.lines().nth(2).unwrap().ends_with(",0,0,4,,0"), "{text}");
         assert!(!t.contains("best level"), "one load level: no level column: {t}");
     }
 
@@ -673,9 +700,9 @@ pub(crate) mod tests {
         assert!(t.contains("timeout") && t.contains("i1_b8_p0_d0_q4_t2000"), "{t}");
         let text = csv(&r);
         let lines: Vec<&str> = text.lines().collect();
-        assert!(lines[1].starts_with("i1_b8_p0_d0,") && lines[1].ends_with(",0,0,4,"), "{}", lines[1]);
+        assert!(lines[1].starts_with("i1_b8_p0_d0,") && lines[1].ends_with(",0,0,4,,0"), "{}", lines[1]);
         assert!(lines[2].starts_with("i1_b8_p0_d0_q4_t2000,1,8,0,0,measured,"), "{}", lines[2]);
-        assert!(lines[2].ends_with(",true,4,2000,4,"), "{}", lines[2]);
+        assert!(lines[2].ends_with(",true,4,2000,4,,0"), "{}", lines[2]);
         let json: serde_json::Value = serde_json::from_str(&json(&r)).unwrap();
         assert_eq!(json["rows"][1]["variant"]["max_queue_size"], 4);
         assert_eq!(json["rows"][1]["variant"]["queue_timeout_us"], 2000);

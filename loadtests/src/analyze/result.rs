@@ -64,6 +64,26 @@ pub struct Measured {
     /// The open-loop level measured, requests per second.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_rate: Option<f64>,
+    /// Per class (or tenant) of a `--workload` with several: what each got at this level —
+    /// how a priority or queue policy shares the capacity out.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub series: Vec<SeriesMeasured>,
+}
+
+/// One workload series' numbers at a level.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SeriesMeasured {
+    pub name: String,
+    pub throughput_infer_per_sec: f64,
+    pub goodput_infer_per_sec: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub requests: u64,
+    pub errors: u64,
+    /// The series' SLO (`None` without one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo_ms: Option<f64>,
 }
 
 impl Measured {

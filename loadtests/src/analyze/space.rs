@@ -1,24 +1,26 @@
 //! The search space of a sweep: instance count × max_batch_size × preferred_batch_size ×
-//! max_queue_delay_microseconds × (optionally) the default queue policy's max_queue_size ×
-//! default_timeout_microseconds, each a sorted list of values, and the variants it holds.
+//! max_queue_delay_microseconds × (optionally) the queue policy's max_queue_size ×
+//! default_timeout_microseconds × priority_levels, each a sorted list of values, and the
+//! variants it holds.
 //!
 //! Pure: enumeration (brute search) and grid neighbours (quick search) work on indices into
-//! the six lists, so a point is always inside the space. The queue-policy lists default to
-//! `[0]` (no policy), which leaves the space — its order, neighbours and keys — as it is
-//! without them.
+//! the seven lists, so a point is always inside the space. The queue-policy and priority lists
+//! default to `[0]` (not set), which leaves the space — its order, neighbours and keys — as it
+//! is without them.
 
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
 /// Dimensions of the space, in the order of a [`Point`].
-pub const DIMENSIONS: [&str; 6] = [
+pub const DIMENSIONS: [&str; 7] = [
     "instance_count",
     "max_batch_size",
     "preferred_batch_size",
     "max_queue_delay_us",
     "max_queue_size",
     "queue_timeout_us",
+    "priority_levels",
 ];
 
 /// Largest space a sweep accepts (a brute search measures every variant).
@@ -49,6 +51,11 @@ pub struct Variant {
     /// `timeout_action: REJECT` (0: the base config's, none unless it sets one).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub queue_timeout_us: u64,
+    /// `dynamic_batching.priority_levels`, with `default_priority_level` the lowest (0: the
+    /// base config's). With 2 or more levels the queue policy applies to every level but the
+    /// top one (`priority_queue_policy`), so the top priority is never shed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub priority_levels: u32,
 }
 
 impl Variant {
@@ -66,6 +73,7 @@ impl Variant {
             max_queue_delay_us,
             max_queue_size: 0,
             queue_timeout_us: 0,
+            priority_levels: 0,
         }
     }
 
@@ -82,6 +90,9 @@ impl Variant {
         }
         if self.queue_timeout_us > 0 {
             key.push_str(&format!("_t{}", self.queue_timeout_us));
+        }
+        if self.priority_levels > 0 {
+            key.push_str(&format!("_l{}", self.priority_levels));
         }
         key
     }
@@ -107,12 +118,15 @@ impl fmt::Display for Variant {
         if self.queue_timeout_us > 0 {
             write!(f, ", queue timeout {} µs (reject)", self.queue_timeout_us)?;
         }
+        if self.priority_levels > 0 {
+            write!(f, ", {} priority levels", self.priority_levels)?;
+        }
         Ok(())
     }
 }
 
-/// Indices into the six dimensions' value lists.
-pub type Point = [usize; 6];
+/// Indices into the seven dimensions' value lists.
+pub type Point = [usize; 7];
 
 /// A search space that is not usable; the message names the flag.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -140,6 +154,9 @@ pub struct SearchSpace {
     /// `[0]` unless queue policy is swept (then written to JSON).
     #[serde(default = "no_policy", skip_serializing_if = "is_no_policy")]
     pub queue_timeouts_us: Vec<u64>,
+    /// `[0]` unless priority levels are swept (then written to JSON).
+    #[serde(default = "no_policy", skip_serializing_if = "is_no_policy")]
+    pub priority_levels: Vec<u32>,
 }
 
 fn tidy<T: Ord>(v: &mut Vec<T>, flag: &str) -> Result<(), SpaceError> {
@@ -172,6 +189,7 @@ impl SearchSpace {
             max_queue_delays_us,
             max_queue_sizes: no_policy(),
             queue_timeouts_us: no_policy(),
+            priority_levels: no_policy(),
         }
         .checked()
     }
@@ -186,6 +204,17 @@ impl SearchSpace {
         tidy(&mut max_queue_sizes, "--max-queue-sizes")?;
         tidy(&mut queue_timeouts_us, "--queue-timeouts-us")?;
         SearchSpace { max_queue_sizes, queue_timeouts_us, ..self }.checked()
+    }
+
+    /// The space with `dynamic_batching.priority_levels` swept too (`0`: the base config's).
+    pub fn with_priority_levels(self, mut priority_levels: Vec<u32>) -> Result<SearchSpace, SpaceError> {
+        tidy(&mut priority_levels, "--priority-levels")?;
+        SearchSpace { priority_levels, ..self }.checked()
+    }
+
+    /// Whether priority levels are swept (a list other than `[0]`).
+    pub fn sweeps_priority_levels(&self) -> bool {
+        !is_no_policy(&self.priority_levels)
     }
 
     fn checked(self) -> Result<SearchSpace, SpaceError> {
@@ -204,7 +233,7 @@ impl SearchSpace {
     }
 
     /// Number of values per dimension.
-    pub fn shape(&self) -> [usize; 6] {
+    pub fn shape(&self) -> [usize; 7] {
         [
             self.instance_counts.len(),
             self.max_batch_sizes.len(),
@@ -212,6 +241,7 @@ impl SearchSpace {
             self.max_queue_delays_us.len(),
             self.max_queue_sizes.len(),
             self.queue_timeouts_us.len(),
+            self.priority_levels.len(),
         ]
     }
 
@@ -233,11 +263,12 @@ impl SearchSpace {
             max_queue_delay_us: self.max_queue_delays_us[p[3]],
             max_queue_size: self.max_queue_sizes[p[4]],
             queue_timeout_us: self.queue_timeouts_us[p[5]],
+            priority_levels: self.priority_levels[p[6]],
         }
     }
 
-    /// Every point, instance count outermost, queue timeout innermost (the brute search's
-    /// order; without a queue policy, queue delay is innermost).
+    /// Every point, instance count outermost, priority levels innermost (the brute search's
+    /// order; without a queue policy or priority levels, queue delay is innermost).
     pub fn points(&self) -> Vec<Point> {
         let s = self.shape();
         let mut out = Vec::with_capacity(self.len());
@@ -245,7 +276,7 @@ impl SearchSpace {
             return out;
         }
         // An odometer: the last dimension turns fastest.
-        let mut p: Point = [0; 6];
+        let mut p: Point = [0; 7];
         loop {
             out.push(p);
             let mut dim = s.len();
@@ -269,8 +300,8 @@ impl SearchSpace {
     }
 
     /// The grid neighbours of `p`: one step down or up along each dimension, queue delay and
-    /// queue policy included (Model Analyzer's quick search leaves the queue delay out). At
-    /// most 12.
+    /// queue policy and priority levels included (Model Analyzer's quick search leaves the
+    /// queue delay out). At most 14.
     pub fn neighbours(&self, p: Point) -> Vec<Point> {
         let s = self.shape();
         let mut out = Vec::with_capacity(2 * s.len());
@@ -335,7 +366,7 @@ mod tests {
     fn the_queue_policy_adds_two_innermost_dimensions() {
         let s = space(&[1, 2], &[8], &[0], &[0, 100]).with_queue_policy(vec![64, 0], vec![0, 5000]).unwrap();
         assert!(s.sweeps_queue_policy());
-        assert_eq!(s.shape(), [2, 1, 1, 2, 2, 2]);
+        assert_eq!(s.shape(), [2, 1, 1, 2, 2, 2, 1]);
         assert_eq!(s.len(), 16);
         let all = s.variants();
         assert_eq!(all.iter().map(Variant::key).collect::<BTreeSet<_>>().len(), 16, "keys are unique");
@@ -352,6 +383,22 @@ mod tests {
         // Only [0] lists: the same space as without.
         let plain = space(&[1, 2], &[8], &[0], &[0, 100]);
         assert_eq!(plain.clone().with_queue_policy(vec![0, 0], vec![0]).unwrap(), plain);
+    }
+
+    #[test]
+    fn priority_levels_are_the_innermost_dimension() {
+        let s = space(&[1], &[8], &[0], &[0, 100]).with_priority_levels(vec![2, 0]).unwrap();
+        assert!(s.sweeps_priority_levels() && !s.sweeps_queue_policy());
+        assert_eq!(s.len(), 4);
+        let keys: Vec<String> = s.variants().iter().map(Variant::key).collect();
+        assert_eq!(keys, ["i1_b8_p0_d0", "i1_b8_p0_d0_l2", "i1_b8_p0_d100", "i1_b8_p0_d100_l2"]);
+        assert!(s.variants()[1].to_string().ends_with(", 2 priority levels"));
+        let text = serde_json::to_string(&s.variants()[1]).unwrap();
+        assert!(text.contains("\"priority_levels\":2"), "{text}");
+        assert_eq!(serde_json::from_str::<SearchSpace>(&serde_json::to_string(&s).unwrap()).unwrap(), s);
+        assert!(!serde_json::to_string(&space(&[1], &[8], &[0], &[0])).unwrap().contains("priority"));
+        let e = s.with_priority_levels(vec![]).unwrap_err();
+        assert!(e.0.contains("--priority-levels"), "{e}");
     }
 
     #[test]
@@ -396,25 +443,33 @@ mod tests {
     #[test]
     fn neighbours_step_one_along_each_dimension() {
         let s = space(&[1, 2, 4], &[1, 8], &[0], &[0, 100, 1000]);
-        let n = s.neighbours([1, 0, 0, 1, 0, 0]);
+        let n = s.neighbours([1, 0, 0, 1, 0, 0, 0]);
         assert_eq!(
             n,
-            vec![[0, 0, 0, 1, 0, 0], [2, 0, 0, 1, 0, 0], [1, 1, 0, 1, 0, 0], [1, 0, 0, 0, 0, 0], [1, 0, 0, 2, 0, 0]]
+            vec![
+                [0, 0, 0, 1, 0, 0, 0],
+                [2, 0, 0, 1, 0, 0, 0],
+                [1, 1, 0, 1, 0, 0, 0],
+                [1, 0, 0, 0, 0, 0, 0],
+                [1, 0, 0, 2, 0, 0, 0]
+            ]
         );
         assert!(n.iter().any(|p| p[3] != 1), "queue delay is a move");
         let s = s.with_queue_policy(vec![0, 8, 64], vec![0, 1000]).unwrap();
-        let n = s.neighbours([1, 1, 0, 1, 1, 1]);
+        let n = s.neighbours([1, 1, 0, 1, 1, 1, 0]);
         // Two steps along instances, delay and queue size; one along batch and timeout.
         assert_eq!(n.len(), 8);
-        assert!(n.contains(&[1, 1, 0, 1, 0, 1]) && n.contains(&[1, 1, 0, 1, 2, 1]), "queue size is a move");
-        assert!(n.contains(&[1, 1, 0, 1, 1, 0]), "queue timeout is a move");
+        assert!(n.contains(&[1, 1, 0, 1, 0, 1, 0]) && n.contains(&[1, 1, 0, 1, 2, 1, 0]), "queue size is a move");
+        assert!(n.contains(&[1, 1, 0, 1, 1, 0, 0]), "queue timeout is a move");
+        let s = s.with_priority_levels(vec![0, 2]).unwrap();
+        assert!(s.neighbours([1, 1, 0, 1, 1, 1, 0]).contains(&[1, 1, 0, 1, 1, 1, 1]), "priority levels are a move");
     }
 
     proptest! {
         #[test]
         fn neighbours_are_in_the_space_and_one_step_away(
-            shape in prop::array::uniform6(1usize..4),
-            seed in prop::array::uniform6(0usize..4),
+            shape in prop::array::uniform7(1usize..4),
+            seed in prop::array::uniform7(0usize..4),
         ) {
             let s = SearchSpace::new(
                 (1..=shape[0] as u32).collect(),
@@ -424,7 +479,7 @@ mod tests {
             ).unwrap().with_queue_policy(
                 (0..shape[4] as u32).collect(),
                 (0..shape[5] as u64).collect(),
-            ).unwrap();
+            ).unwrap().with_priority_levels((0..shape[6] as u32).collect()).unwrap();
             let p: Point = std::array::from_fn(|d| seed[d] % shape[d]);
             let points = s.points();
             let all: BTreeSet<Point> = points.iter().copied().collect();
@@ -432,12 +487,12 @@ mod tests {
             prop_assert_eq!(points.len(), s.len());
             prop_assert!(points.windows(2).all(|w| w[0] < w[1]), "points are in lexicographic order");
             let neighbours = s.neighbours(p);
-            prop_assert!(neighbours.len() <= 12);
-            let expected: usize = (0..6).map(|d| usize::from(p[d] > 0) + usize::from(p[d] + 1 < shape[d])).sum();
+            prop_assert!(neighbours.len() <= 14);
+            let expected: usize = (0..7).map(|d| usize::from(p[d] > 0) + usize::from(p[d] + 1 < shape[d])).sum();
             prop_assert_eq!(neighbours.len(), expected);
             for q in neighbours {
                 prop_assert!(all.contains(&q));
-                let diff: usize = (0..6).map(|d| p[d].abs_diff(q[d])).sum();
+                let diff: usize = (0..7).map(|d| p[d].abs_diff(q[d])).sum();
                 prop_assert_eq!(diff, 1);
             }
         }

@@ -19,7 +19,7 @@ use super::checkpoint::{Checkpoint, CheckpointError};
 use super::config::variant_config;
 use super::frontier::{Constraints, Objective, best_level, score};
 use super::quick::{Outcome, QuickSearch};
-use super::result::{Measured, VariantResult, VariantStatus};
+use super::result::{Measured, SeriesMeasured, VariantResult, VariantStatus};
 use super::server::{RepositoryClient, RepositoryError, RssSampler, WorkerProcess};
 use super::space::{Point, SearchSpace, Variant};
 use crate::client::{Protocol, Target, Tls};
@@ -71,8 +71,15 @@ pub struct LoadSettings {
     /// Rows per request.
     pub batch_size: u32,
     pub input_data: InputData,
-    /// Goodput's latency SLO.
+    /// Goodput's latency SLO (workload entries may set their own).
     pub slo_p99_ms: Option<f64>,
+    /// `--workload`: the requests each variant is measured with, instead of one entry of
+    /// `batch_size` rows.
+    #[serde(skip)]
+    pub workload: Option<Workload>,
+    /// Its path, for reports and the checkpoint's load description.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workload_file: Option<String>,
     pub measurement: Measurement,
     pub seed: u64,
 }
@@ -93,14 +100,22 @@ impl LoadSettings {
         if self.load.levels() > 1 {
             load.push_str(" (each variant at its best level)");
         }
+        if let Some(file) = &self.workload_file {
+            return format!("{load}, workload {file}");
+        }
         if self.batch_size > 1 { format!("{load}, batch {}", self.batch_size) } else { load }
     }
 
     /// nereid-perf's run config for `model` on `server` (its URL, TLS and metrics URL).
     pub fn run_config(&self, model: &str, server: &ServerHandle) -> Result<RunConfig, PerfError> {
-        let mut entry = Entry::for_model(model);
-        entry.batch_size = self.batch_size;
-        let workload = Workload::new(Origin::Flags, vec![entry], self.slo_p99_ms)?;
+        let workload = match &self.workload {
+            Some(w) => w.clone(),
+            None => {
+                let mut entry = Entry::for_model(model);
+                entry.batch_size = self.batch_size;
+                Workload::new(Origin::Flags, vec![entry], self.slo_p99_ms)?
+            }
+        };
         let (load, outstanding, closed) = match &self.load {
             LoadSpec::Concurrency(c) => {
                 (Load::Concurrency(c.clone()), c.iter().copied().max().unwrap_or(1) as usize, true)
@@ -476,6 +491,24 @@ fn measured_of(level: &driver::LevelResult, memory_mb: Option<f64>) -> Measured 
         request_rate: match level.level {
             LoadLevel::RequestRate { rate, .. } => Some(rate),
             _ => None,
+        },
+        series: if level.series.len() > 1 {
+            level
+                .series
+                .iter()
+                .map(|s| SeriesMeasured {
+                    name: s.name.clone(),
+                    throughput_infer_per_sec: s.summary.infer_per_sec,
+                    goodput_infer_per_sec: s.summary.goodput_infer_per_sec,
+                    p50_ms: ms(s.summary.latency.p50_us),
+                    p99_ms: ms(s.summary.latency.p99_us),
+                    requests: s.summary.requests,
+                    errors: s.summary.errors,
+                    slo_ms: s.slo_ms,
+                })
+                .collect()
+        } else {
+            Vec::new()
         },
     }
 }
