@@ -156,6 +156,10 @@ pub struct LevelResult {
     pub server: BTreeMap<String, Breakdown>,
     /// `None` without an SLO.
     pub slo_met: Option<bool>,
+    /// Most GPU memory the server reported in use (`nv_gpu_memory_used_bytes`, summed over its
+    /// GPUs) at the level's scrapes, in MiB; `None` without GPU series or scrapes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_memory_mib: Option<f64>,
 }
 
 /// The run's answer and why it may not be trustworthy.
@@ -704,6 +708,7 @@ async fn run_level(
             }
         }
     }
+    let gpu_memory_mib = snapshots.iter().flatten().filter_map(Snapshot::gpu_memory_used_mib).reduce(f64::max);
     let result = LevelResult {
         level: level.clone(),
         windows: summaries,
@@ -714,6 +719,7 @@ async fn run_level(
         series,
         server,
         slo_met,
+        gpu_memory_mib,
     };
     (result, stop_reason)
 }
@@ -909,6 +915,7 @@ mod tests {
             series: vec![],
             server: BTreeMap::new(),
             slo_met,
+            gpu_memory_mib: None,
         }
     }
 

@@ -487,6 +487,7 @@ mod tests {
             total,
             server,
             slo_met: Some(slo_met),
+            gpu_memory_mib: None,
         }
     }
 

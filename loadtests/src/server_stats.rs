@@ -46,13 +46,24 @@ pub struct Counters {
     pub compute_output_us: f64,
 }
 
-/// One scrape: counters per `(model, version)`.
+/// Used GPU memory per device (`gpu_uuid`), where the server has GPUs.
+pub const GPU_MEMORY_USED: &str = "nv_gpu_memory_used_bytes";
+
+/// One scrape: counters per `(model, version)`, and GPU memory per device.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Snapshot {
     pub models: BTreeMap<(String, String), Counters>,
+    /// `nv_gpu_memory_used_bytes` per `gpu_uuid` (empty: no GPU series).
+    pub gpu_memory_used_bytes: BTreeMap<String, f64>,
 }
 
 impl Snapshot {
+    /// Used memory over every GPU the server reports, in MiB (`None`: no GPU series).
+    pub fn gpu_memory_used_mib(&self) -> Option<f64> {
+        (!self.gpu_memory_used_bytes.is_empty())
+            .then(|| self.gpu_memory_used_bytes.values().sum::<f64>() / (1024.0 * 1024.0))
+    }
+
     /// Sum of the counters of `model`, over one version or all of them.
     fn model(&self, model: &str, version: Option<&str>) -> Option<Counters> {
         let mut found = None::<Counters>;
@@ -82,6 +93,11 @@ pub fn parse(text: &str) -> Snapshot {
             continue;
         }
         let Some((name, labels, value)) = split_sample(line) else { continue };
+        if name == GPU_MEMORY_USED {
+            let gpu = parse_labels(labels).remove("gpu_uuid").unwrap_or_default();
+            snap.gpu_memory_used_bytes.insert(gpu, value);
+            continue;
+        }
         let field: fn(&mut Counters) -> &mut f64 = match name {
             REQUEST_SUCCESS => |c| &mut c.request_success,
             INFERENCE_COUNT => |c| &mut c.inference_count,
@@ -288,6 +304,19 @@ nv_inference_compute_output_duration_us{model="mlp",version="1"} 550 17000000000
             550.0,
             "timestamps ignored"
         );
+    }
+
+    #[test]
+    fn gpu_memory_is_summed_over_devices() {
+        assert_eq!(parse(BEFORE).gpu_memory_used_mib(), None, "no GPU series: unknown, not 0");
+        let text = "# TYPE nv_gpu_memory_used_bytes gauge\n\
+                    nv_gpu_memory_used_bytes{gpu_uuid=\"GPU-aaaa\"} 1048576\n\
+                    nv_gpu_memory_used_bytes{gpu_uuid=\"GPU-bbbb\"} 3145728\n\
+                    nv_gpu_memory_total_bytes{gpu_uuid=\"GPU-aaaa\"} 81559781376\n";
+        let s = parse(&format!("{BEFORE}{text}"));
+        assert_eq!(s.gpu_memory_used_mib(), Some(4.0));
+        assert_eq!(s.gpu_memory_used_bytes.len(), 2, "total memory is not used memory");
+        assert_eq!(s.models, parse(BEFORE).models, "the model counters are unaffected");
     }
 
     #[test]

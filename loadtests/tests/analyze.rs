@@ -278,11 +278,11 @@ fn a_queue_policy_sweep_loads_each_policy_and_writes_it_where_it_wins() {
     let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
     let lines: Vec<&str> = csv.lines().collect();
     assert!(
-        lines[0].ends_with(",max_queue_size,queue_timeout_us,concurrency,request_rate,priority_levels"),
+        lines[0].ends_with(",max_queue_size,queue_timeout_us,concurrency,request_rate,priority_levels,gpu_memory_mb"),
         "{}",
         lines[0]
     );
-    assert!(lines[4].starts_with("i1_b8_p0_d0_q4,") && lines[4].ends_with(",4,0,2,,0"), "{}", lines[4]);
+    assert!(lines[4].starts_with("i1_b8_p0_d0_q4,") && lines[4].ends_with(",4,0,2,,0,"), "no GPU here: {}", lines[4]);
     let checkpoint = read_json(&out.join("checkpoint.json"));
     assert_eq!(checkpoint["results"].as_array().unwrap().len(), 4);
 }
@@ -334,9 +334,9 @@ fn a_concurrency_range_credits_each_variant_with_its_best_level() {
     }
     let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
     let lines: Vec<&str> = csv.lines().collect();
-    assert!(lines[0].ends_with(",concurrency,request_rate,priority_levels"), "{}", lines[0]);
+    assert!(lines[0].ends_with(",concurrency,request_rate,priority_levels,gpu_memory_mb"), "{}", lines[0]);
     for (line, r) in lines[1..].iter().zip(rs) {
-        assert!(line.ends_with(&format!(",{},,0", r["measured"]["concurrency"])), "{line}");
+        assert!(line.ends_with(&format!(",{},,0,", r["measured"]["concurrency"])), "{line}");
     }
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();
     assert!(html.contains("across load levels") && html.contains("<th>best level</th>"), "levels chart and column");
@@ -417,7 +417,7 @@ fn a_priority_sweep_with_a_workload_sheds_only_the_lower_level() {
     assert_eq!((gold["name"].as_str(), gold["errors"].as_u64()), (Some("gold"), Some(0)), "{gold}");
     assert!(gold["requests"].as_u64().unwrap() > 0);
     let text = std::fs::read_to_string(out.join("results.csv")).unwrap();
-    assert!(text.lines().nth(4).unwrap().ends_with(",2"), "priority_levels column: {text}");
+    assert!(text.lines().nth(4).unwrap().ends_with(",2,"), "priority_levels column: {text}");
 
     // A workload entry for another model is refused before anything starts.
     std::fs::write(&workload, r#"{"entries": [{"model": "mlp_fp32"}]}"#).unwrap();

@@ -110,6 +110,7 @@ mod tests {
             stable: true,
             slo_met: Some(true),
             memory_mb: Some(87.5),
+            gpu_memory_mb: None,
             server_avg_batch_size: None,
             concurrency: None,
             request_rate: None,

@@ -156,6 +156,10 @@ pub struct AnalyzeArgs {
     /// Constraint: the worker's peak RSS at most this many MiB (needs a known PID).
     #[arg(long)]
     pub max_memory_mb: Option<f64>,
+    /// Constraint: GPU memory in use at most this many MiB, summed over the server's GPUs
+    /// (nv_gpu_memory_used_bytes from its /metrics, highest at any scrape of the level).
+    #[arg(long, conflicts_with = "no_server_stats")]
+    pub max_gpu_memory_mb: Option<f64>,
     /// Constraint: failed requests (e.g. rejected by a swept queue policy) at most this
     /// percentage of the completed ones. Recommended with --max-queue-sizes /
     /// --queue-timeouts-us: without it, a variant can look good by refusing work.
@@ -282,6 +286,7 @@ impl AnalyzeArgs {
         };
         positive("--max-p99-ms", self.max_p99_ms)?;
         positive("--max-memory-mb", self.max_memory_mb)?;
+        positive("--max-gpu-memory-mb", self.max_gpu_memory_mb)?;
         if let Some(e) = self.max_error_percent
             && !(e.is_finite() && (0.0..=100.0).contains(&e))
         {
@@ -397,6 +402,7 @@ impl AnalyzeArgs {
             constraints: Constraints {
                 max_p99_ms: self.max_p99_ms,
                 max_memory_mb: self.max_memory_mb,
+                max_gpu_memory_mb: self.max_gpu_memory_mb,
                 max_error_percent: self.max_error_percent,
             },
             objective: self.objective,

@@ -1,9 +1,11 @@
-//! The Pareto frontier of measured variants (throughput ↑, p99 ↓, memory ↓) and the
-//! recommendation: the best variant by the objective among those meeting the constraints.
+//! The Pareto frontier of measured variants (throughput ↑, p99 ↓, memory ↓ — RSS, and GPU
+//! memory where the server reports it) and the recommendation: the best variant by the
+//! objective among those meeting the constraints.
 //!
 //! Pure functions over plain numbers. A variant is on the frontier when no other is at least
-//! as good in all three and strictly better in one. Unknown memory counts as worse than any
-//! known amount (it cannot be shown to fit), and two unknowns are equal.
+//! as good in every objective and strictly better in one. Unknown memory counts as worse than
+//! any known amount (it cannot be shown to fit), and two unknowns are equal (so a sweep
+//! without GPUs trades off three objectives).
 
 use serde::{Deserialize, Serialize};
 
@@ -15,19 +17,31 @@ pub struct Objectives {
     pub throughput: f64,
     pub p99_ms: f64,
     pub memory_mb: Option<f64>,
+    pub gpu_memory_mb: Option<f64>,
 }
 
 impl Objectives {
     pub fn of(m: &Measured) -> Objectives {
-        Objectives { throughput: m.throughput_infer_per_sec, p99_ms: m.p99_ms, memory_mb: m.memory_mb }
+        Objectives {
+            throughput: m.throughput_infer_per_sec,
+            p99_ms: m.p99_ms,
+            memory_mb: m.memory_mb,
+            gpu_memory_mb: m.gpu_memory_mb,
+        }
     }
 }
 
-/// Whether `a` dominates `b`: no worse in throughput, p99 and memory, better in one.
+/// Whether `a` dominates `b`: no worse in throughput, p99, memory and GPU memory, better in one.
 pub fn dominates(a: &Objectives, b: &Objectives) -> bool {
     let mem = |m: Option<f64>| m.unwrap_or(f64::INFINITY);
-    let no_worse = a.throughput >= b.throughput && a.p99_ms <= b.p99_ms && mem(a.memory_mb) <= mem(b.memory_mb);
-    let better = a.throughput > b.throughput || a.p99_ms < b.p99_ms || mem(a.memory_mb) < mem(b.memory_mb);
+    let no_worse = a.throughput >= b.throughput
+        && a.p99_ms <= b.p99_ms
+        && mem(a.memory_mb) <= mem(b.memory_mb)
+        && mem(a.gpu_memory_mb) <= mem(b.gpu_memory_mb);
+    let better = a.throughput > b.throughput
+        || a.p99_ms < b.p99_ms
+        || mem(a.memory_mb) < mem(b.memory_mb)
+        || mem(a.gpu_memory_mb) < mem(b.gpu_memory_mb);
     no_worse && better
 }
 
@@ -66,6 +80,9 @@ impl Objective {
 pub struct Constraints {
     pub max_p99_ms: Option<f64>,
     pub max_memory_mb: Option<f64>,
+    /// GPU memory in use (all the server's GPUs together) at most this many MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_gpu_memory_mb: Option<f64>,
     /// Failed requests (rejected by a queue policy, timed out, ...) at most this percentage of
     /// the completed ones: a variant must not look good by refusing work.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -93,6 +110,13 @@ impl Constraints {
                 None => why.push("memory unknown (give --worker-pid or use --worker-bin)".into()),
             }
         }
+        if let Some(max) = self.max_gpu_memory_mb {
+            match m.gpu_memory_mb {
+                Some(mem) if mem > max => why.push(format!("GPU memory {mem:.1} MiB > {max} MiB")),
+                Some(_) => {}
+                None => why.push("GPU memory unknown (the server's /metrics has no nv_gpu_memory_used_bytes)".into()),
+            }
+        }
         if let Some(max) = self.max_error_percent
             && error_percent(m) > max
         {
@@ -111,13 +135,18 @@ impl Constraints {
             (Some(_), None) => 1.0,
             _ => 0.0,
         };
+        let gpu = match (self.max_gpu_memory_mb, m.gpu_memory_mb) {
+            (Some(max), Some(v)) => over(v, max),
+            (Some(_), None) => 1.0,
+            _ => 0.0,
+        };
         // A limit of 0% is allowed: then any error counts as a whole limit over.
         let errors = match self.max_error_percent {
             Some(max) if max > 0.0 => over(error_percent(m), max),
             Some(_) if m.errors > 0 => 1.0,
             _ => 0.0,
         };
-        p99 + mem + errors
+        p99 + mem + gpu + errors
     }
 }
 
@@ -186,7 +215,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn o(throughput: f64, p99_ms: f64, memory_mb: Option<f64>) -> Objectives {
-        Objectives { throughput, p99_ms, memory_mb }
+        Objectives { throughput, p99_ms, memory_mb, gpu_memory_mb: None }
     }
 
     pub(crate) fn measured(throughput: f64, goodput: f64, p99_ms: f64, memory_mb: Option<f64>) -> Measured {
@@ -202,6 +231,7 @@ mod tests {
             stable: true,
             slo_met: None,
             memory_mb,
+            gpu_memory_mb: None,
             server_avg_batch_size: None,
             concurrency: None,
             request_rate: None,
@@ -236,6 +266,28 @@ mod tests {
         assert_eq!(best_level(&levels, &tight, Objective::Throughput), Some(0));
         assert_eq!(best_level(&[failed.clone(), failed], &c, Objective::Goodput), None);
         assert_eq!(best_level(&[], &c, Objective::Goodput), None);
+    }
+
+    #[test]
+    fn gpu_memory_is_a_fourth_objective_and_a_constraint() {
+        let gpu = |t: f64, p99: f64, g: Option<f64>| Objectives { gpu_memory_mb: g, ..o(t, p99, Some(100.0)) };
+        // Same throughput, p99 and RSS: less GPU memory dominates, and known beats unknown.
+        assert!(dominates(&gpu(100.0, 5.0, Some(1000.0)), &gpu(100.0, 5.0, Some(2000.0))));
+        assert!(dominates(&gpu(100.0, 5.0, Some(1000.0)), &gpu(100.0, 5.0, None)));
+        assert!(!dominates(&gpu(100.0, 5.0, None), &gpu(100.0, 5.0, None)), "two unknowns are equal");
+        // More throughput for more GPU memory: both on the frontier.
+        let pts = [gpu(100.0, 5.0, Some(1000.0)), gpu(200.0, 5.0, Some(3000.0)), gpu(90.0, 6.0, Some(1500.0))];
+        assert_eq!(pareto_frontier(&pts), vec![0, 1]);
+
+        let c = Constraints { max_gpu_memory_mb: Some(2048.0), ..Constraints::default() };
+        let mut m = measured(100.0, 100.0, 5.0, None);
+        m.gpu_memory_mb = Some(1024.0);
+        assert_eq!(c.violation(&m), None);
+        m.gpu_memory_mb = Some(4096.0);
+        assert!(c.violation(&m).unwrap().contains("GPU memory 4096.0 MiB > 2048 MiB"));
+        assert!((c.excess(&m) - 1.0).abs() < 1e-9);
+        m.gpu_memory_mb = None;
+        assert!(c.violation(&m).unwrap().contains("GPU memory unknown"));
     }
 
     #[test]

@@ -193,9 +193,10 @@ fn variants(out: &mut String, report: &AnalyzeReport) {
     let mut body = format!(
         "<div class=\"scroll\"><table>\n<tr><th>variant</th><th>instances</th><th>max batch</th><th>preferred</th>\
          <th>queue delay µs</th>{}<th>status</th>{}<th>infer/s</th><th>goodput/s</th><th>p50 ms</th><th>p99 ms</th>\
-         <th>memory MiB</th><th>constraints</th><th>frontier</th><th>note</th></tr>\n",
+         <th>memory MiB</th>{}<th>constraints</th><th>frontier</th><th>note</th></tr>\n",
         if queue { "<th>max queue</th><th>queue timeout µs</th>" } else { "" }.to_string()
             + if report.shows_priority_levels() { "<th>priority levels</th>" } else { "" },
+        if report.shows_gpu_memory() { "<th>GPU memory MiB</th>" } else { "" },
         if levels { "<th>best level</th>" } else { "" }
     );
     for row in &report.rows {
@@ -236,6 +237,11 @@ fn variants(out: &mut String, report: &AnalyzeReport) {
         } else {
             String::new()
         };
+        let gpu_cell = if report.shows_gpu_memory() {
+            format!("<td class=\"num\">{}</td>", num(m.and_then(|m| m.gpu_memory_mb), 1))
+        } else {
+            String::new()
+        };
         let level_cell = if levels {
             format!("<td class=\"num\">{}</td>", escape(&m.map(|m| m.level_label()).unwrap_or_default()))
         } else {
@@ -245,7 +251,7 @@ fn variants(out: &mut String, report: &AnalyzeReport) {
             body,
             "<tr><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>\
              <td class=\"num\">{}</td>{queue_cells}<td class=\"{status_class}\">{}</td>{level_cell}<td class=\"num\">{}</td><td class=\"num\">{}</td>\
-             <td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>{constraints}<td>{frontier}</td>\
+             <td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>{}{constraints}<td>{frontier}</td>\
              <td>{}</td></tr>",
             escape(&r.key),
             v.instance_count,
@@ -258,6 +264,7 @@ fn variants(out: &mut String, report: &AnalyzeReport) {
             num(m.map(|m| m.p50_ms), 3),
             num(m.map(|m| m.p99_ms), 3),
             num(m.and_then(|m| m.memory_mb), 1),
+            gpu_cell,
             escape(r.reason.as_deref().unwrap_or("")),
         );
     }

@@ -166,6 +166,11 @@ impl AnalyzeReport {
         self.space.sweeps_queue_policy() || self.rows.iter().any(|r| r.result.variant.has_queue_policy())
     }
 
+    /// Whether any variant has a GPU memory figure (the column is shown).
+    pub fn shows_gpu_memory(&self) -> bool {
+        self.rows.iter().any(|r| r.result.measured.as_ref().is_some_and(|m| m.gpu_memory_mb.is_some()))
+    }
+
     /// Whether priority levels are part of the sweep (their column is shown).
     pub fn shows_priority_levels(&self) -> bool {
         self.space.sweeps_priority_levels() || self.rows.iter().any(|r| r.result.variant.priority_levels > 0)
@@ -180,6 +185,9 @@ pub fn describe_constraints(c: &Constraints) -> String {
     }
     if let Some(m) = c.max_memory_mb {
         parts.push(format!("memory ≤ {m} MiB"));
+    }
+    if let Some(m) = c.max_gpu_memory_mb {
+        parts.push(format!("GPU memory ≤ {m} MiB"));
     }
     if let Some(e) = c.max_error_percent {
         parts.push(format!("errors ≤ {e}%"));
@@ -224,9 +232,11 @@ pub fn table(report: &AnalyzeReport) -> String {
     // The credited load level, only when each variant was measured at several.
     let levels = report.load.load.levels() > 1;
     let level_cell = |level: &str| if levels { format!(" {level:>12}") } else { String::new() };
+    let gpu = report.shows_gpu_memory();
+    let gpu_cell = |mib: &str| if gpu { format!(" {mib:>8}") } else { String::new() };
     let _ = writeln!(
         out,
-        "{:<22} {:>4} {:>5} {:>4} {:>7}{} {:<11}{} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>5}",
+        "{:<22} {:>4} {:>5} {:>4} {:>7}{} {:<11}{} {:>10} {:>10} {:>8} {:>8} {:>8}{} {:>6} {:>5}",
         "variant",
         "inst",
         "batch",
@@ -240,6 +250,7 @@ pub fn table(report: &AnalyzeReport) -> String {
         "p50 ms",
         "p99 ms",
         "MiB",
+        gpu_cell("GPU MiB"),
         "meets",
         "pareto"
     );
@@ -265,7 +276,7 @@ pub fn table(report: &AnalyzeReport) -> String {
         let dash_if_zero = |x: u64| if x == 0 { "-".to_string() } else { x.to_string() };
         let _ = writeln!(
             out,
-            "{:<22} {:>4} {:>5} {:>4} {:>7}{} {:<11}{} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>5}",
+            "{:<22} {:>4} {:>5} {:>4} {:>7}{} {:<11}{} {:>10} {:>10} {:>8} {:>8} {:>8}{} {:>6} {:>5}",
             r.key,
             v.instance_count,
             v.max_batch_size,
@@ -283,6 +294,7 @@ pub fn table(report: &AnalyzeReport) -> String {
             num(|m| m.p50_ms, 3),
             num(|m| m.p99_ms, 3),
             mem,
+            gpu_cell(&m.and_then(|m| m.gpu_memory_mb).map(|x| format!("{x:.1}")).unwrap_or_else(|| "-".into())),
             meets,
             mark
         );
@@ -314,7 +326,8 @@ pub fn table(report: &AnalyzeReport) -> String {
                 m.throughput_infer_per_sec,
                 m.goodput_infer_per_sec,
                 m.p99_ms,
-                m.memory_mb.map(|x| format!("{x:.1} MiB")).unwrap_or_else(|| "unknown".into()),
+                m.memory_mb.map(|x| format!("{x:.1} MiB")).unwrap_or_else(|| "unknown".into())
+                    + &m.gpu_memory_mb.map(|x| format!(", GPU memory {x:.1} MiB")).unwrap_or_default(),
                 rec.config_pbtxt.as_ref().map(|p| format!(" → {}", p.display())).unwrap_or_default()
             );
         }
@@ -343,7 +356,7 @@ fn list_or_none(keys: &[String]) -> String {
 }
 
 /// The CSV header. Columns are only ever added at the end.
-pub const CSV_COLUMNS: [&str; 28] = [
+pub const CSV_COLUMNS: [&str; 29] = [
     "key",
     "instance_count",
     "max_batch_size",
@@ -372,6 +385,7 @@ pub const CSV_COLUMNS: [&str; 28] = [
     "concurrency",
     "request_rate",
     "priority_levels",
+    "gpu_memory_mb",
 ];
 
 /// One row per variant, in the order visited.
@@ -413,6 +427,7 @@ pub fn csv(report: &AnalyzeReport) -> String {
             m.and_then(|m| m.concurrency).map(|c| c.to_string()).unwrap_or_default(),
             f(m.and_then(|m| m.request_rate)),
             v.priority_levels.to_string(),
+            f(m.and_then(|m| m.gpu_memory_mb)),
         ];
         out.push_str(&cells.join(","));
         out.push('\n');
@@ -552,6 +567,7 @@ pub(crate) mod tests {
             stable: true,
             slo_met: Some(p99 <= 10.0),
             memory_mb: Some(mem),
+            gpu_memory_mb: None,
             server_avg_batch_size: Some(1.5),
             concurrency: Some(4),
             request_rate: None,
@@ -590,6 +606,39 @@ pub(crate) mod tests {
             warnings: vec![],
         };
         AnalyzeReport::new(ctx, outcome)
+    }
+
+    #[test]
+    fn gpu_memory_is_reported_where_the_server_has_gpus() {
+        let plain = sample_report(Constraints::default(), None);
+        assert!(!plain.shows_gpu_memory() && !table(&plain).contains("GPU MiB"));
+        assert!(!crate::analyze::html::report(&plain).contains("GPU memory MiB"));
+
+        let mut results = sample_results();
+        for (r, gpu) in results.iter_mut().zip([3000.0, 5000.0, 9000.0]) {
+            r.measured.as_mut().unwrap().gpu_memory_mb = Some(gpu);
+        }
+        let space = SearchSpace::new(vec![1, 2, 3], vec![8], vec![0, 16], vec![0]).unwrap();
+        let load = settings();
+        let ctx = ReportContext {
+            model: "m",
+            url: "127.0.0.1:1",
+            load: &load,
+            space: &space,
+            search: Strategy::Brute,
+            constraints: Constraints { max_gpu_memory_mb: Some(8192.0), ..Constraints::default() },
+            objective: Objective::Throughput,
+        };
+        let outcome = SweepOutcome { results, reused: 0, stop: None, search_end: String::new(), warnings: vec![] };
+        let r = AnalyzeReport::new(ctx, outcome);
+        // i3 has the most throughput but needs 9000 MiB of GPU memory: i2 wins.
+        assert_eq!(r.recommended.as_ref().unwrap().key, "i2_b8_p0_d0");
+        assert_eq!(r.rows[2].meets_constraints, Some(false));
+        let t = table(&r);
+        assert!(t.contains("GPU MiB") && t.contains("9000.0") && t.contains("GPU memory ≤ 8192 MiB"), "{t}");
+        assert!(t.contains("GPU memory 5000.0 MiB"), "the recommendation names it: {t}");
+        assert!(csv(&r).lines().nth(1).unwrap().ends_with(",3000"), "{}", csv(&r));
+        assert!(crate::analyze::html::report(&r).contains("<th>GPU memory MiB</th>"));
     }
 
     #[test]
@@ -664,7 +713,7 @@ pub(crate) mod tests {
         // The CSV's new columns are at the end, 0 without a policy.
         let text = csv(&r);
         assert!(text.lines().next().unwrap().contains(",on_frontier,recommended,max_queue_size,queue_timeout_us,"));
-        assert!(text.lines().nth(2).unwrap().ends_with(",0,0,4,,0"), "{text}");
+        assert!(text.lines().nth(2).unwrap().ends_with(",0,0,4,,0,"), "{text}");
         assert!(!t.contains("best level"), "one load level: no level column: {t}");
     }
 
@@ -700,9 +749,9 @@ pub(crate) mod tests {
         assert!(t.contains("timeout") && t.contains("i1_b8_p0_d0_q4_t2000"), "{t}");
         let text = csv(&r);
         let lines: Vec<&str> = text.lines().collect();
-        assert!(lines[1].starts_with("i1_b8_p0_d0,") && lines[1].ends_with(",0,0,4,,0"), "{}", lines[1]);
+        assert!(lines[1].starts_with("i1_b8_p0_d0,") && lines[1].ends_with(",0,0,4,,0,"), "{}", lines[1]);
         assert!(lines[2].starts_with("i1_b8_p0_d0_q4_t2000,1,8,0,0,measured,"), "{}", lines[2]);
-        assert!(lines[2].ends_with(",true,4,2000,4,,0"), "{}", lines[2]);
+        assert!(lines[2].ends_with(",true,4,2000,4,,0,"), "{}", lines[2]);
         let json: serde_json::Value = serde_json::from_str(&json(&r)).unwrap();
         assert_eq!(json["rows"][1]["variant"]["max_queue_size"], 4);
         assert_eq!(json["rows"][1]["variant"]["queue_timeout_us"], 2000);

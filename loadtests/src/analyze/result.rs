@@ -56,6 +56,10 @@ pub struct Measured {
     pub slo_met: Option<bool>,
     /// The worker's peak resident set size during the level, in MiB (`None`: unknown).
     pub memory_mb: Option<f64>,
+    /// Most GPU memory the server reported in use (`nv_gpu_memory_used_bytes`, summed over
+    /// its GPUs) at the level's scrapes, in MiB (`None`: no GPU, or `/metrics` not scraped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_memory_mb: Option<f64>,
     /// Average batch the server executed, from `/metrics` (`None` when not scraped).
     pub server_avg_batch_size: Option<f64>,
     /// The closed-loop level measured (absent in checkpoints from before load ranges).

@@ -483,6 +483,7 @@ fn measured_of(level: &driver::LevelResult, memory_mb: Option<f64>) -> Measured 
         stable: level.stable,
         slo_met: level.slo_met,
         memory_mb,
+        gpu_memory_mb: level.gpu_memory_mib,
         server_avg_batch_size: combined_breakdown(level).and_then(|b| b.avg_batch_size),
         concurrency: match level.level {
             LoadLevel::Concurrency(c) => Some(c),
