@@ -10,11 +10,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{Etcd, Proc, fp32_request, spawn_fleet_gateway, spawn_fleet_worker, wait_until};
-use nereid_common::fleet::etcd_client::{Client, GetOptions};
+use nereid_common::fleet::etcd_client::{Client, CompactionOptions, GetOptions};
 use nereid_proto::inference::ModelInferRequest;
 
 const WAIT: Duration = Duration::from_secs(30);
 const PREFIX: &str = "/nereid/v1";
+const PLACEMENT_READS: &str = "nereid_worker_etcd_placement_reads_total";
+const WATCH_RESUMES: &str = "nereid_worker_etcd_watch_resumes_total";
 
 async fn put(client: &mut Client, key: &str, value: &str) {
     client.put(format!("{PREFIX}/{key}"), value, None).await.unwrap();
@@ -133,6 +135,14 @@ async fn declare_identity_and_wait(etcd: &Etcd, gateway: &Proc, replicas: usize)
 
 async fn wait_metric(proc: &Proc, series: &str, what: &str, pred: impl Fn(f64) -> bool) {
     wait_until(what, WAIT, || async { proc.metric(series).await.is_some_and(&pred) }).await;
+}
+
+/// Compacts etcd's history up to its current revision (physically: done when this returns), so
+/// that no watch can resume from an earlier revision; that revision.
+async fn compact_all(client: &mut Client) -> i64 {
+    let revision = client.get(PREFIX, None).await.unwrap().header().unwrap().revision();
+    client.compact(revision, Some(CompactionOptions::new().with_physical())).await.unwrap();
+    revision
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -287,6 +297,97 @@ async fn serving_continues_while_etcd_is_down_and_watches_resume() {
     assert!(w1.metric("nereid_worker_etcd_sessions_total").await.unwrap() >= 2.0);
     assert!(w1.metric("nereid_worker_etcd_watch_resumes_total").await.unwrap() >= 1.0);
     assert_eq!(w1.metric("nereid_worker_etcd_placement_reads_total").await, Some(1.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_placement_watch_behind_a_compaction_re_reads_the_placement() {
+    let mut etcd = Etcd::start().await;
+    let w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    declare_identity_and_wait(&etcd, &gateway, 1).await;
+    wait_metric(&w1, "nereid_worker_etcd_connected", "the worker's session up", |v| v == 1.0).await;
+    assert_eq!(w1.metric(PLACEMENT_READS).await, Some(1.0));
+    let resumes = w1.metric(WATCH_RESUMES).await.unwrap();
+
+    // etcd goes away, and comes back where only this test reaches it: the worker stays cut off
+    // (holding its placement and the revision to resume from) while history moves on.
+    etcd.stop();
+    wait_metric(&w1, "nereid_worker_etcd_connected", "the worker to lose its session", |v| v == 0.0).await;
+    let mut isolated = etcd.restart_isolated().await;
+    // A model placed on w1 and declared (placed as the controller would: the controller, back,
+    // finds it placed and writes nothing), then a change under another worker's prefix, so that
+    // w1's change lies strictly before the compaction: the worker can only learn it by reading.
+    put(&mut isolated, "placement/w1/versioned_scale/2", r#"{"schema":1,"leader_revision":1}"#).await;
+    put(&mut isolated, "models/versioned_scale", r#"{"schema":1,"versions":[2],"replicas":1}"#).await;
+    put(&mut isolated, "placement/w2/identity_fp32/1", r#"{"schema":1,"leader_revision":1}"#).await;
+    let compacted = compact_all(&mut isolated).await;
+    drop(isolated);
+    etcd.restart().await;
+
+    // The resumed watch is answered with compact_revision > 0: the worker reads its placement
+    // whole, once, and loads what was placed while it was away.
+    wait_metric(&w1, PLACEMENT_READS, "the worker to re-read its placement", |v| v == 2.0).await;
+    assert!(w1.metric(WATCH_RESUMES).await.unwrap() > resumes, "the watch resumed (from before {compacted}) first");
+    wait_until("versioned_scale 2 READY on w1", WAIT, || async {
+        ready_on(&mut etcd.client().await, "versioned_scale", 2).await == ["w1"]
+    })
+    .await;
+    assert!(infer_ok(&w1, fp32_request("versioned_scale", "2", &[1, 4], |i| i as f32)).await);
+    assert!(infer_ok(&w1, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await);
+    wait_until("the gateway to route versioned_scale 2", WAIT, || async {
+        infer_ok(&gateway, fp32_request("versioned_scale", "2", &[1, 4], |i| i as f32)).await
+    })
+    .await;
+
+    // The watch re-established after the read follows later changes: a version declared after
+    // the compaction reaches the worker as an event, with no further read.
+    put(&mut etcd.client().await, "models/versioned_scale", r#"{"schema":1,"versions":[1,2],"replicas":1}"#).await;
+    wait_until("versioned_scale 1 READY on w1", WAIT, || async {
+        ready_on(&mut etcd.client().await, "versioned_scale", 1).await == ["w1"]
+    })
+    .await;
+    wait_until("the gateway to route versioned_scale 1", WAIT, || async {
+        infer_ok(&gateway, fp32_request("versioned_scale", "1", &[1, 4], |i| i as f32)).await
+    })
+    .await;
+    assert!(infer_ok(&w1, fp32_request("versioned_scale", "1", &[1, 4], |i| i as f32)).await);
+    assert_eq!(w1.metric(PLACEMENT_READS).await, Some(2.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_worker_keeps_its_models_when_its_watch_resumes_or_re_reads() {
+    let mut etcd = Etcd::start().await;
+    let mut w1 = spawn_fleet_worker(&etcd, "w1", &["--drain-delay-ms", "60000"]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    declare_identity_and_wait(&etcd, &gateway, 1).await;
+    let identity = || fp32_request("identity_fp32", "", &[1, 16], |i| i as f32);
+
+    // Draining (for up to a minute): the controller takes its placement away; the worker
+    // keeps serving what it holds until it exits.
+    w1.terminate();
+    wait_until("the controller to remove the draining worker's placement", WAIT, || async {
+        keys_under(&mut etcd.client().await, "placement/").await.is_empty()
+    })
+    .await;
+    assert!(infer_ok(&w1, identity()).await);
+
+    // A lost session (the watch resumes), then a compaction (the placement is read again, now
+    // without identity_fp32): neither may unload what the draining worker serves.
+    etcd.stop();
+    wait_metric(&w1, "nereid_worker_etcd_connected", "the worker to lose its session", |v| v == 0.0).await;
+    let mut isolated = etcd.restart_isolated().await;
+    put(&mut isolated, "models/versioned_scale", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
+    put(&mut isolated, "placement/w2/versioned_scale/1", r#"{"schema":1,"leader_revision":1}"#).await;
+    compact_all(&mut isolated).await;
+    drop(isolated);
+    etcd.restart().await;
+    wait_metric(&w1, PLACEMENT_READS, "the worker to re-read its placement", |v| v == 2.0).await;
+    wait_metric(&w1, "nereid_worker_etcd_connected", "the worker's session back", |v| v == 1.0).await;
+    // A hundred requests after the read (an unload would have happened at once).
+    for n in 0..100 {
+        assert!(infer_ok(&w1, identity()).await, "request {n} after the re-read failed");
+    }
+    assert_eq!(w1.child.try_wait().unwrap(), None, "still draining, not exited");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -142,7 +142,7 @@ async fn results_through_the_gateway_equal_results_from_a_worker() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_models_are_not_found_and_metrics_are_bounded() {
-    let (_a, _b, gateway) = fleet().await;
+    let (a, b, gateway) = fleet().await;
     let mut through = gateway.client().await;
     let e = through.model_infer(fp32_request("no_such_model", "", &[1, 4], |_| 0.0)).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
@@ -174,16 +174,26 @@ async fn unknown_models_are_not_found_and_metrics_are_bounded() {
         "nereid_gateway_requests_total{code=\"NOT_FOUND\",model=\"_unknown\",version=\"\"} 2",
         // Version 7 does not exist: not a label of its own.
         "nereid_gateway_requests_total{code=\"NOT_FOUND\",model=\"versioned_scale\",version=\"\"} 1",
-        // Failed without naming a version: no version resolved for the label.
-        "nereid_gateway_requests_total{code=\"INVALID_ARGUMENT\",model=\"identity_fp32\",version=\"\"} 1",
+        // Failed without naming a version: counted against the version it resolved to, as the
+        // worker counts it (nv_inference_request_failure{version="1"}), not under an empty one.
+        "nereid_gateway_requests_total{code=\"INVALID_ARGUMENT\",model=\"identity_fp32\",version=\"1\"} 1",
         "nereid_gateway_requests_total{code=\"OK\",model=\"identity_fp32\",version=\"1\"} 1",
-        "nereid_gateway_request_duration_us_count{model=\"identity_fp32\",version=\"1\"} 1",
+        // Both identity_fp32 requests (the failed one and the OK one) under version 1.
+        "nereid_gateway_request_duration_us_count{model=\"identity_fp32\",version=\"1\"} 2",
         "nereid_gateway_retries_total 0",
         "nereid_gateway_ejections_total 0",
         "nereid_gateway_workers{state=\"ready\"} 2",
         "nereid_gateway_workers{state=\"unreachable\"} 0",
     ] {
         assert!(text.lines().any(|l| l == series), "missing `{series}` in:\n{text}");
+    }
+    // The worker that ran the INVALID_ARGUMENT request counted it against the same version; no
+    // worker labels a failure with an empty version.
+    let failed = "nv_inference_request_failure{model=\"identity_fp32\",version=\"1\",reason=\"REJECTED\"}";
+    assert_eq!(a.metric(failed).await.unwrap() + b.metric(failed).await.unwrap(), 1.0);
+    for w in [&a, &b] {
+        let text = w.metrics_text().await;
+        assert!(!text.contains("version=\"\""), "{text}");
     }
     let age = gateway.metric("nereid_gateway_routing_table_age_seconds").await.unwrap();
     assert!((0.0..5.0).contains(&age), "{age}");

@@ -127,7 +127,8 @@ async fn admission_sheds_at_once_beyond_the_limit() {
     assert_eq!(pending(&worker).await, Some(0.0));
     let text = gateway.metrics_text().await;
     assert!(
-        text.contains("nereid_gateway_requests_total{code=\"RESOURCE_EXHAUSTED\",model=\"held\",version=\"\"} 2"),
+        // Named no version: counted against the one they resolved to.
+        text.contains("nereid_gateway_requests_total{code=\"RESOURCE_EXHAUSTED\",model=\"held\",version=\"1\"} 2"),
         "{text}"
     );
 }
@@ -167,7 +168,7 @@ async fn deadlines_propagate_to_the_worker() {
     .await;
     let text = gateway.metrics_text().await;
     assert!(
-        text.contains("nereid_gateway_requests_total{code=\"DEADLINE_EXCEEDED\",model=\"stuck\",version=\"\"} 2"),
+        text.contains("nereid_gateway_requests_total{code=\"DEADLINE_EXCEEDED\",model=\"stuck\",version=\"1\"} 2"),
         "{text}"
     );
 }

@@ -202,7 +202,7 @@ impl Session<'_> {
             let _ = tokio::time::timeout(CALL_TIMEOUT, client.lease_revoke(old)).await;
         }
 
-        let mut watch = self.watch_placement(&mut client).await?;
+        let mut watch = self.watch_placement(&mut client, *phase.borrow()).await?;
         tracing::info!(worker = %id, lease, models = self.view.placement.len(), "registered in etcd");
         self.counters.connected.store(1, Ordering::Relaxed);
         self.backoff.reset();
@@ -222,7 +222,7 @@ impl Session<'_> {
                         // The revision to resume from is gone: read the placement whole.
                         tracing::warn!(worker = %id, compacted = resp.compact_revision(), "placement watch behind a compaction; re-reading");
                         self.view.revision = None;
-                        watch = self.watch_placement(&mut client).await?;
+                        watch = self.watch_placement(&mut client, *phase.borrow()).await?;
                         continue;
                     }
                     if resp.canceled() {
@@ -263,8 +263,9 @@ impl Session<'_> {
 
     /// Watches this worker's placement prefix: from the revision after the last one seen, or —
     /// the first time, or after a compaction — from a full read of it. Hands the (unchanged or
-    /// re-read) placement to the reconciler.
-    async fn watch_placement(&mut self, client: &mut Client) -> Result<WatchStream, String> {
+    /// re-read) placement to the reconciler while `phase` is serving: a draining worker keeps
+    /// what it serves until it exits, whatever it reads.
+    async fn watch_placement(&mut self, client: &mut Client, phase: Phase) -> Result<WatchStream, String> {
         let prefix = self.options.keys.placement_of(&self.options.record.id);
         let start = match self.view.revision {
             Some(seen) => {
@@ -284,7 +285,9 @@ impl Session<'_> {
                 revision + 1
             }
         };
-        self.desired.send_replace(Some(self.view.placement.clone()));
+        if phase == Phase::Serving {
+            self.desired.send_replace(Some(self.view.placement.clone()));
+        }
         bounded(
             "watch placement",
             client.watch(prefix, Some(WatchOptions::new().with_prefix().with_start_revision(start))),

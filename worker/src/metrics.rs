@@ -1,7 +1,10 @@
 //! Statistics and Prometheus metrics with Triton's names and labels. One set of atomic
 //! counters per model version feeds both the statistics endpoint and `/metrics`, so the two
 //! always agree. Labels are the model name and version only (bounded by the repository), plus
-//! a closed `reason` set on failures.
+//! a closed `reason` set on failures. Counters exist per loaded version only: a request is
+//! counted once resolved to a version (the latest READY one when it names none), so one that
+//! fails before that (unknown or unloaded model, absent version, unparseable body) counts
+//! against no version — there is never a series with an empty `version`.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

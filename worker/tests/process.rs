@@ -261,3 +261,112 @@ fn responses_report_the_queue_in_band() {
     assert!(out.to_ascii_lowercase().contains("\r\nnereid-queue: 1\r\n"), "{out}");
     held.abort();
 }
+
+/// Failures are counted (in `/metrics` and the statistics alike) against the model version that
+/// served — or, when the request named none, the latest READY version it resolved to — over
+/// HTTP and gRPC alike. A request that fails before any version is resolved (unknown or
+/// unloaded model, a version that does not exist, a malformed request) is counted against no
+/// version, as Triton does: no series with an empty version, none for a model not loaded.
+#[test]
+fn failures_count_against_the_resolved_version_only() {
+    use nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+    use nereid_proto::inference::{ModelInferRequest, ModelStatisticsRequest, model_infer_request::InferInputTensor};
+    let config = |name: &str| {
+        format!(
+            "name: \"{name}\"\nmax_batch_size: 4\n\
+             input [ {{ name: \"INPUT0\" data_type: TYPE_FP32 dims: [ 16 ] }} ]\n\
+             output [ {{ name: \"OUTPUT0\" data_type: TYPE_FP32 dims: [ 16 ] }} ]\n"
+        )
+    };
+    let (m, gone, never) = (config("m"), config("gone"), config("never"));
+    let dir = repo(&[
+        TestModel { name: "m", source: "identity_fp32", config: Some(&m) },
+        TestModel { name: "gone", source: "identity_fp32", config: Some(&gone) },
+        TestModel { name: "never", source: "identity_fp32", config: Some(&never) },
+    ]);
+    let explicit = ["--model-control-mode", "explicit", "--load-model", "m", "--load-model", "gone"];
+    let worker = WorkerProcess::start(dir.path(), &explicit);
+    let (status, body) = worker.http_request(worker.http, "POST", "/v2/repository/models/gone/unload", b"{}");
+    assert_eq!(status, 200, "{body}");
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let url = format!("http://127.0.0.1:{}", worker.grpc);
+    let grpc = |model: &str, version: &str, datatype: &str, raw: Vec<Vec<u8>>| {
+        let request = ModelInferRequest {
+            model_name: model.into(),
+            model_version: version.into(),
+            inputs: vec![InferInputTensor {
+                name: "INPUT0".into(),
+                datatype: datatype.into(),
+                shape: vec![1, 16],
+                ..Default::default()
+            }],
+            raw_input_contents: raw,
+            ..Default::default()
+        };
+        let url = url.clone();
+        rt.block_on(async move { GrpcInferenceServiceClient::connect(url).await.unwrap().model_infer(request).await })
+    };
+    let http = |path: &str, body: &str| worker.http_request(worker.http, "POST", path, body.as_bytes());
+    let int32_body = INFER_BODY.replace("FP32", "INT32");
+
+    // Resolved (m's latest version, 1), then rejected by the model's input check: counted.
+    assert_eq!(http("/v2/models/m/infer", &int32_body).0, 400);
+    assert_eq!(grpc("m", "", "INT32", vec![vec![0; 64]]).unwrap_err().code(), tonic::Code::InvalidArgument);
+    // Malformed before any model is looked at, a version that does not exist, a model not
+    // loaded (unloaded, or never loaded), an unknown one: counted nowhere.
+    for (path, body) in [
+        ("/v2/models/m/infer", "{not json"),
+        ("/v2/models/m/versions/7/infer", INFER_BODY),
+        ("/v2/models/gone/infer", INFER_BODY),
+        ("/v2/models/never/infer", INFER_BODY),
+        ("/v2/models/nope/infer", INFER_BODY),
+    ] {
+        let (status, answer) = http(path, body);
+        assert!((400..500).contains(&status) || status == 503, "{path}: {status} {answer}");
+    }
+    assert!(grpc("m", "", "FP32", vec![vec![0; 64], vec![0; 64]]).is_err());
+    for (model, version) in [("m", "7"), ("gone", ""), ("never", ""), ("nope", "")] {
+        assert!(grpc(model, version, "FP32", vec![vec![0; 64]]).is_err(), "{model} {version}");
+    }
+    // And one success, counted against version 1 too.
+    assert_eq!(http("/v2/models/m/infer", INFER_BODY).0, 200);
+
+    let text = worker.metrics_text();
+    let series: Vec<&str> = text.lines().filter(|l| l.starts_with("nv_inference_request_")).collect();
+    assert!(
+        series.contains(&"nv_inference_request_failure{model=\"m\",version=\"1\",reason=\"REJECTED\"} 2"),
+        "{text}"
+    );
+    assert!(series.contains(&"nv_inference_request_success{model=\"m\",version=\"1\"} 1"), "{text}");
+    assert!(
+        series
+            .iter()
+            .all(|l| l.starts_with("nv_inference_request_duration_us") || l.contains("model=\"m\",version=\"1\"")),
+        "{series:#?}"
+    );
+    assert!(!text.contains("version=\"\""), "{text}");
+    for model in ["gone", "never", "nope"] {
+        assert!(!text.contains(&format!("model=\"{model}\"")), "{text}");
+    }
+
+    // The statistics agree, over both protocols; a model not loaded has none.
+    let (status, body) = worker.http_get("/v2/models/m/stats");
+    assert_eq!(status, 200, "{body}");
+    let stats: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(stats["model_stats"].as_array().unwrap().len(), 1, "{stats}");
+    assert_eq!(stats["model_stats"][0]["version"], "1");
+    assert_eq!(stats["model_stats"][0]["inference_stats"]["fail"]["count"], 2);
+    assert_eq!(stats["model_stats"][0]["inference_stats"]["success"]["count"], 1);
+    let all = rt.block_on(async {
+        let mut client = GrpcInferenceServiceClient::connect(url.clone()).await.unwrap();
+        client.model_statistics(ModelStatisticsRequest::default()).await.unwrap().into_inner()
+    });
+    let rows: Vec<(String, String, u64)> = all
+        .model_stats
+        .iter()
+        .map(|s| (s.name.clone(), s.version.clone(), s.inference_stats.as_ref().unwrap().fail.as_ref().unwrap().count))
+        .collect();
+    assert_eq!(rows, vec![("m".to_string(), "1".to_string(), 2)]);
+    assert_ne!(worker.http_get("/v2/models/gone/stats").0, 200);
+}

@@ -1,7 +1,7 @@
 //! The gateway's Prometheus metrics, names as constants here. Labels are bounded: `model` is a
 //! name from the routing table or [`crate::routing::UNKNOWN_MODEL_LABEL`], `version` a version
-//! the table knows for that model (or empty), `code` a canonical gRPC code name, `state` a
-//! worker state.
+//! the table knows for that model (or empty when none could be resolved), `code` a canonical
+//! gRPC code name, `state` a worker state.
 
 mod layer;
 
@@ -83,7 +83,7 @@ impl GatewayMetrics {
         let requests = IntCounterVec::new(
             Opts::new(
                 REQUESTS_TOTAL,
-                "Inference requests through the gateway, by model, version served (empty: none resolved) and final gRPC status code",
+                "Inference requests through the gateway, by model, version served or resolved (empty: none could be) and final gRPC status code",
             ),
             &["model", "version", "code"],
         )

@@ -155,11 +155,16 @@ impl RoutingTable {
         if self.knows(model) { model } else { UNKNOWN_MODEL_LABEL }
     }
 
-    /// The bounded metrics label for a version of `model`: the version when the table knows it
-    /// for that model, else empty (no version named, or one nobody has).
+    /// The bounded metrics label for the version of `model` a request for `version` goes to:
+    /// the version named when the table knows it for that model; with none named, the version
+    /// it resolves to (the latest READY one) — so a request that fails is counted against the
+    /// version it would have been served by, as the worker counts it. Empty only when no version
+    /// can be resolved (the model is unknown or READY nowhere, or the version named is one
+    /// nobody has).
     pub fn version_label(&self, model: &str, version: Option<i64>) -> String {
         match (self.models.get(model), version) {
             (Some(routes), Some(v)) if routes.known_versions.contains(&v) => v.to_string(),
+            (Some(_), None) => self.resolve(model, None).map(|r| r.version.to_string()).unwrap_or_default(),
             _ => String::new(),
         }
     }
@@ -273,7 +278,11 @@ pub(crate) mod tests {
         assert_eq!(t.model_label("nope"), UNKNOWN_MODEL_LABEL);
         assert_eq!(t.version_label("m", Some(3)), "3");
         assert_eq!(t.version_label("m", Some(99)), "");
-        assert_eq!(t.version_label("m", None), "");
+        // None named: the version it resolves to (not 3, only loading); empty when none does.
+        assert_eq!(t.version_label("m", None), "2");
+        assert_eq!(t.version_label("d", None), "");
+        assert_eq!(t.version_label("x", None), "");
+        assert_eq!(t.version_label("nope", None), "");
         assert_eq!(t.version_label("nope", Some(1)), "");
 
         let index: Vec<(String, String, String)> =

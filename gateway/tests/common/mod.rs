@@ -262,13 +262,13 @@ impl Etcd {
     pub async fn start() -> Etcd {
         let mut etcd =
             Etcd { child: None, client_port: free_port(), peer_port: free_port(), dir: tempfile::tempdir().unwrap() };
-        etcd.launch().await;
+        etcd.launch(etcd.client_port).await;
         etcd
     }
 
-    async fn launch(&mut self) {
+    async fn launch(&mut self, client_port: u16) {
         let bin = std::env::var_os("NEREID_ETCD_BIN").map(PathBuf::from).unwrap_or_else(|| "etcd".into());
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let client = format!("http://127.0.0.1:{client_port}");
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("etcd.log")).unwrap();
         let child = Command::new(&bin)
@@ -311,7 +311,17 @@ impl Etcd {
     /// Starts it again on the same ports and data.
     pub async fn restart(&mut self) {
         self.stop();
-        self.launch().await;
+        self.launch(self.client_port).await;
+    }
+
+    /// Starts it again on the same data but on another client port, which no worker or gateway
+    /// was given: only the test reaches it, through the returned client, while everything else
+    /// sees etcd down. [`Etcd::restart`] brings it back on the usual port.
+    pub async fn restart_isolated(&mut self) -> nereid_common::fleet::etcd_client::Client {
+        self.stop();
+        let port = free_port();
+        self.launch(port).await;
+        nereid_common::fleet::connect(&[format!("http://127.0.0.1:{port}")]).await.unwrap()
     }
 
     pub fn log(&self) -> String {
@@ -325,7 +335,8 @@ impl Drop for Etcd {
     }
 }
 
-/// A worker in the fleet: explicit mode, registered in `etcd` as `id`, models from placement.
+/// A worker in the fleet: explicit mode, registered in `etcd` as `id`, models from placement
+/// (`extra` may set its own `--drain-delay-ms`; 300 otherwise).
 pub fn spawn_fleet_worker(etcd: &Etcd, id: &str, extra: &[&str]) -> Proc {
     let mut args: Vec<String> = vec![
         "--model-repository".into(),
@@ -338,9 +349,10 @@ pub fn spawn_fleet_worker(etcd: &Etcd, id: &str, extra: &[&str]) -> Proc {
         id.into(),
         "--etcd-lease-ttl-secs".into(),
         "2".into(),
-        "--drain-delay-ms".into(),
-        "300".into(),
     ];
+    if !extra.contains(&"--drain-delay-ms") {
+        args.extend(["--drain-delay-ms".into(), "300".into()]);
+    }
     args.extend(extra.iter().map(|s| s.to_string()));
     Proc::spawn("worker", &worker_bin(), &args, &[("NEREID_ORT_LIB", ort_lib())])
 }
