@@ -5,7 +5,7 @@
 //!
 //! Fields Nereid does not implement fall in two groups (see [`unsupported_fields`]):
 //! - **errors**: fields that would change results or the request protocol if ignored
-//!   (`sequence_batching`, `ensemble_scheduling`, decoupled transactions, ragged batching, shape
+//!   (`sequence_batching`, an ensemble step's `model_namespace`, decoupled transactions, ragged batching, shape
 //!   tensors, `reshape`, `batch_input`/`batch_output`): the model fails to load and the reason
 //!   names the field;
 //! - **warnings**: fields that only tune a backend Nereid does not have (`optimization`,
@@ -158,7 +158,9 @@ pub fn unsupported_fields(config: &ModelConfig) -> Vec<UnsupportedField> {
 fn classify(path: &str) -> Option<Severity> {
     use Severity::*;
     Some(match path {
-        "sequence_batching" | "ensemble_scheduling" | "batch_input" | "batch_output" => Error,
+        "sequence_batching" | "batch_input" | "batch_output" => Error,
+        "ensemble_scheduling.step.model_namespace" => Error,
+        "ensemble_scheduling.max_inflight_requests" => Warning,
         "input.reshape" | "output.reshape" | "input.is_shape_tensor" | "output.is_shape_tensor" => Error,
         "input.allow_ragged_batch" | "input.is_non_linear_format_io" => Error,
         "output.is_non_linear_format_io" | "output.label_filename" => Warning,

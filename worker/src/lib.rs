@@ -4,9 +4,11 @@
 //! Request path: `http` / `grpc` front end → [`server::Server::infer`] →
 //! [`repository::Repository`] (model + version lookup) → [`validate`] (against the config) →
 //! [`scheduler`] (dynamic batcher task) → [`backend`] instance thread (ONNX Runtime) → reply.
+//! An [`ensemble`] runs its steps as such requests to its composing models.
 
 pub mod backend;
 pub mod cli;
+pub mod ensemble;
 pub mod fleet;
 pub mod gpu;
 pub mod grpc;

@@ -144,8 +144,9 @@ impl Server {
         self.repository.load(name, config).await
     }
 
-    pub async fn unload_model(&self, name: &str) -> Result<(), Status> {
-        self.repository.unload(name).await
+    /// Unloads a model; with `dependents`, an ensemble's composing models too.
+    pub async fn unload_model(&self, name: &str, dependents: bool) -> Result<(), Status> {
+        self.repository.unload_with(name, dependents).await
     }
 
     /// Prometheus text exposition of every metric.

@@ -468,6 +468,22 @@ where
     Ok(config)
 }
 
+/// The `unload_dependents` parameter of an unload request (false when absent).
+pub fn unload_dependents_parameter<'a, I>(parameters: I) -> Result<bool, Status>
+where
+    I: IntoIterator<Item = (&'a String, &'a ModelRepositoryParameter)>,
+{
+    for (key, value) in parameters {
+        if key == "unload_dependents" {
+            return match &value.parameter_choice {
+                Some(RepoParameterChoice::BoolParam(b)) => Ok(*b),
+                _ => Err(Status::invalid("parameter 'unload_dependents' must be a bool_param")),
+            };
+        }
+    }
+    Ok(false)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

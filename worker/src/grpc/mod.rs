@@ -28,7 +28,7 @@ use tonic::{Request, Response};
 use crate::server::{EXTENSIONS, SERVER_NAME, SERVER_VERSION, Server, parse_version};
 use convert::{
     grpc_deadline, index_entry_to_proto, infer_request_from_proto, infer_response_to_proto, load_config_parameter,
-    model_metadata_to_proto, model_stats_to_proto,
+    model_metadata_to_proto, model_stats_to_proto, unload_dependents_parameter,
 };
 
 /// Most requests of one `ModelStreamInfer` stream in flight at once. Past it the stream stops
@@ -248,7 +248,8 @@ impl GrpcInferenceService for GrpcFrontend {
         request: Request<RepositoryModelUnloadRequest>,
     ) -> TonicResult<RepositoryModelUnloadResponse> {
         let r = request.into_inner();
-        self.server.unload_model(&r.model_name).await?;
+        let dependents = unload_dependents_parameter(&r.parameters)?;
+        self.server.unload_model(&r.model_name, dependents).await?;
         Ok(Response::new(RepositoryModelUnloadResponse {}))
     }
 }

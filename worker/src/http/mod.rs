@@ -563,8 +563,8 @@ async fn unload_model(
     body: Body,
 ) -> Result<StatusCode, ApiError> {
     let body = read_body(&headers, body, server.limits.max_request_bytes).await?;
-    parse_unload_request(&body)?;
-    server.unload_model(&model).await?;
+    let dependents = parse_unload_request(&body)?;
+    server.unload_model(&model, dependents).await?;
     Ok(StatusCode::OK)
 }
 
@@ -724,13 +724,18 @@ pub fn parse_load_request(body: &[u8]) -> Result<Option<String>, Status> {
     Ok(config)
 }
 
-/// Checks an unload request's body (`unload_dependents` is accepted; there are no ensembles).
-pub fn parse_unload_request(body: &[u8]) -> Result<(), Status> {
+/// Checks an unload request's body; returns its `parameters.unload_dependents` (an ensemble's
+/// composing models are unloaded too; false when absent).
+pub fn parse_unload_request(body: &[u8]) -> Result<bool, Status> {
     let what = "model unload request";
-    if let Some(obj) = parse_optional_object(body, what)? {
-        parameters_of(&obj, what)?;
+    let Some(obj) = parse_optional_object(body, what)? else { return Ok(false) };
+    match parameters_of(&obj, what)?.and_then(|p| p.get("unload_dependents")) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => {
+            Err(Status::invalid(format!("{what}: parameters.unload_dependents must be a boolean, got {other}")))
+        }
     }
-    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -897,8 +902,12 @@ mod tests {
         assert!(e.message.contains("'parameters' must be an object"), "{}", e.message);
         assert!(parse_load_request(b"[1]").unwrap_err().message.contains("JSON object"));
 
-        parse_unload_request(b"").unwrap();
-        parse_unload_request(br#"{"parameters": {"unload_dependents": true}}"#).unwrap();
+        assert!(!parse_unload_request(b"").unwrap());
+        assert!(parse_unload_request(br#"{"parameters": {"unload_dependents": true}}"#).unwrap());
+        assert!(!parse_unload_request(br#"{"parameters": {"unload_dependents": false}}"#).unwrap());
+        assert!(!parse_unload_request(br#"{"parameters": {}}"#).unwrap());
+        let e = parse_unload_request(br#"{"parameters": {"unload_dependents": "yes"}}"#).unwrap_err();
+        assert!(e.message.contains("unload_dependents must be a boolean"), "{}", e.message);
         assert!(parse_unload_request(b"nope").is_err());
     }
 

@@ -18,8 +18,9 @@ use nereid_proto::inference::{
     ModelConfig, ModelDynamicBatching, ModelInput, ModelInstanceGroup, ModelOutput, ModelQueuePolicy,
 };
 
-use super::{LoadedModel, ModelVersion, RepositoryOptions};
+use super::{Executor, LoadedModel, ModelVersion, RepositoryOptions};
 use crate::backend::{self, Device, InstanceSession, JobInputs, ModelIo, SessionOptions, TensorSpec};
+use crate::ensemble;
 use crate::metrics::Metrics;
 use crate::scheduler::Scheduler;
 use crate::scheduler::policy::{BatchPolicy, LevelPolicy, TimeoutAction};
@@ -128,6 +129,9 @@ pub fn load_model(
             }
         }
     }
+    if ensemble::is_ensemble(&config) {
+        return load_ensemble(config, name, dir, stamp, warnings, metrics);
+    }
     check_backend(&config)?;
     let session_options = session_options(&config, &options.session_defaults, &mut warnings)?;
 
@@ -185,7 +189,8 @@ pub fn load_model(
         let scheduler =
             Scheduler::start(&format!("{name}:{version}"), policy.clone(), preserve, instances, stats.clone())
                 .map_err(|e| Status::internal(format!("cannot start instance threads: {e}")))?;
-        loaded_versions.insert(version, Arc::new(ModelVersion { version, scheduler, stats }));
+        loaded_versions
+            .insert(version, Arc::new(ModelVersion { version, executor: Executor::Scheduler(scheduler), stats }));
     }
     Ok(LoadedModel {
         name: name.to_string(),
@@ -194,6 +199,46 @@ pub fn load_model(
         versions: loaded_versions,
         warnings,
         stamp,
+        ensemble: None,
+    })
+}
+
+/// An ensemble: its config and step graph checked, one version per version folder (empty, as
+/// in Triton). Its composing models are loaded and checked by the repository afterwards.
+fn load_ensemble(
+    config: ModelConfig,
+    name: &str,
+    dir: &Path,
+    stamp: super::Stamp,
+    mut warnings: Vec<String>,
+    metrics: &Metrics,
+) -> Result<LoadedModel, Status> {
+    let plan = ensemble::plan(&config).map_err(|e| fail(format!("config: {e}")))?;
+    validate_model_config(&config).map_err(|e| fail(format!("config: {e}")))?;
+    if !config.instance_group.is_empty() {
+        warnings.push("instance_group does not apply to an ensemble (its steps run on their models' instances)".into());
+    }
+    if !config.model_warmup.is_empty() {
+        warnings.push("model_warmup does not apply to an ensemble (warm up its composing models)".into());
+    }
+    let versions = select_versions(&config, &version_dirs(dir))?;
+    let spec = spec_from_config(&config)?;
+    let plan = Arc::new(plan);
+    let versions = versions
+        .into_iter()
+        .map(|version| {
+            let stats = metrics.version(name, version);
+            (version, Arc::new(ModelVersion { version, executor: Executor::Ensemble(plan.clone()), stats }))
+        })
+        .collect();
+    Ok(LoadedModel {
+        name: name.to_string(),
+        config: Arc::new(config),
+        spec: Arc::new(spec),
+        versions,
+        warnings,
+        stamp,
+        ensemble: Some(plan),
     })
 }
 

@@ -22,6 +22,7 @@ use nereid_proto::inference::ModelConfig;
 use tokio::sync::oneshot;
 
 use crate::backend::SessionOptions;
+use crate::ensemble::{self, Plan};
 use crate::metrics::{Metrics, VersionStats};
 use crate::scheduler::{Job, Scheduler};
 use crate::server::{IndexEntry, ModelMetadata, ModelStats, TensorMetadata};
@@ -51,11 +52,19 @@ pub struct RepositoryOptions {
     pub session_defaults: SessionOptions,
 }
 
-/// One loaded version: its scheduler and counters.
+/// One loaded version: what runs its requests, and its counters.
 pub struct ModelVersion {
     pub version: i64,
-    pub scheduler: Scheduler,
+    pub executor: Executor,
     pub stats: Arc<VersionStats>,
+}
+
+/// What runs a version's requests.
+pub enum Executor {
+    /// The dynamic batcher in front of the version's ONNX Runtime instances.
+    Scheduler(Scheduler),
+    /// An ensemble's steps, each a request to a composing model.
+    Ensemble(Arc<Plan>),
 }
 
 /// A model as it serves: one config, one spec, one or more versions.
@@ -66,6 +75,8 @@ pub struct LoadedModel {
     pub versions: BTreeMap<i64, Arc<ModelVersion>>,
     pub warnings: Vec<String>,
     pub stamp: Stamp,
+    /// The step graph, for an ensemble.
+    pub ensemble: Option<Arc<Plan>>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -144,6 +155,9 @@ impl Repository {
         };
         let mut failed = Vec::new();
         for name in names {
+            if self.slot(&name).is_some_and(|s| s.state == State::Ready) {
+                continue; // loaded already, as an ensemble's composing model
+            }
             if let Err(e) = self.load_inner(&name, None, None).await {
                 tracing::error!(model = %name, error = %e, "model failed to load");
                 failed.push((name, e.message));
@@ -232,7 +246,7 @@ impl Repository {
         Ok(ModelMetadata {
             name: model.name.clone(),
             versions,
-            platform: "onnxruntime_onnx".to_string(),
+            platform: if model.ensemble.is_some() { "ensemble" } else { "onnxruntime_onnx" }.to_string(),
             inputs: tensors(&model.spec.inputs),
             outputs: tensors(&model.spec.outputs),
         })
@@ -269,14 +283,22 @@ impl Repository {
     }
 
     /// Validates, queues and awaits one request. Dropping the future cancels it.
-    pub async fn infer(&self, mut request: InferRequest) -> Result<InferResponse, Status> {
+    pub async fn infer(&self, request: InferRequest) -> Result<InferResponse, Status> {
+        self.infer_at(request, 0).await
+    }
+
+    /// [`infer`](Self::infer) for a request `depth` ensembles deep.
+    async fn infer_at(&self, mut request: InferRequest, depth: usize) -> Result<InferResponse, Status> {
         let started = Instant::now();
         let model = self.model(&request.model_name)?;
         let version = self.version(&model, request.model_version)?;
         // Counted exactly once: here when the request finishes, or by the guard when the
         // caller drops this future (client disconnect, gateway cancel) at any point.
         let mut counted = CancelGuard { stats: &version.stats, started, armed: true };
-        let outcome = run(&model.spec, &version, &mut request).await;
+        let outcome = match &version.executor {
+            Executor::Scheduler(scheduler) => run(&model.spec, scheduler, &mut request).await,
+            Executor::Ensemble(plan) => self.run_ensemble(&model, plan, &mut request, depth).await,
+        };
         counted.armed = false;
         let stats = &version.stats;
         let elapsed = started.elapsed();
@@ -295,6 +317,106 @@ impl Repository {
                 Err(status)
             }
         }
+    }
+
+    /// Runs an ensemble's steps, wave by wave (the steps of a wave concurrently), each as a
+    /// request to its composing model carrying the caller's priority, timeout and deadline.
+    /// A step's failure fails the request with the step's code, naming the step.
+    async fn run_ensemble(
+        &self,
+        model: &LoadedModel,
+        plan: &Plan,
+        request: &mut InferRequest,
+        depth: usize,
+    ) -> Result<Vec<crate::tensor::OutputTensor>, Status> {
+        if depth >= ensemble::MAX_DEPTH {
+            return Err(Status::invalid(format!(
+                "ensemble '{}' is nested more than {} deep (do its steps form a cycle?)",
+                model.name,
+                ensemble::MAX_DEPTH
+            )));
+        }
+        let v = validate(&model.spec, request)?;
+        let mut tensors: HashMap<String, crate::tensor::InputTensor> = HashMap::new();
+        for (spec, (shape, data)) in model.spec.inputs.iter().zip(v.inputs) {
+            tensors.insert(
+                spec.name.clone(),
+                crate::tensor::InputTensor { name: spec.name.clone(), datatype: spec.datatype, shape, data },
+            );
+        }
+        for wave in &plan.waves {
+            let calls = wave.iter().map(|&i| {
+                let step = &plan.steps[i];
+                let sub = InferRequest {
+                    model_name: step.model.clone(),
+                    model_version: step.version,
+                    id: request.id.clone(),
+                    inputs: step
+                        .inputs
+                        .iter()
+                        .map(|(input, tensor)| {
+                            let t = &tensors[tensor];
+                            crate::tensor::InputTensor { name: input.clone(), ..t.clone() }
+                        })
+                        .collect(),
+                    outputs: step
+                        .outputs
+                        .iter()
+                        .map(|(output, _)| crate::tensor::RequestedOutput { name: output.clone(), binary_data: None })
+                        .collect(),
+                    priority: request.priority,
+                    timeout_us: request.timeout_us,
+                    deadline: request.deadline,
+                };
+                async move {
+                    let answer = Box::pin(self.infer_at(sub, depth + 1)).await.map_err(|e| {
+                        Status::new(
+                            e.code,
+                            format!("ensemble '{}' step {i} (model '{}'): {}", model.name, step.model, e.message),
+                        )
+                    })?;
+                    Ok::<_, Status>((i, answer))
+                }
+            });
+            for (i, answer) in futures::future::try_join_all(calls).await? {
+                for out in answer.outputs {
+                    let Some((_, tensor)) = plan.steps[i].outputs.iter().find(|(o, _)| *o == out.name) else {
+                        continue;
+                    };
+                    tensors.insert(
+                        tensor.clone(),
+                        crate::tensor::InputTensor {
+                            name: tensor.clone(),
+                            datatype: out.datatype,
+                            shape: out.shape,
+                            data: out.data,
+                        },
+                    );
+                }
+            }
+        }
+        let mut outputs = Vec::new();
+        for (spec, wanted) in model.spec.outputs.iter().zip(&v.wanted) {
+            if !wanted {
+                continue;
+            }
+            let t = tensors.remove(&spec.name).ok_or_else(|| {
+                Status::internal(format!("ensemble '{}': no step produced output '{}'", model.name, spec.name))
+            })?;
+            if t.datatype != spec.datatype {
+                return Err(Status::internal(format!(
+                    "ensemble '{}': output '{}' came back as {}, but the config declares {}",
+                    model.name, spec.name, t.datatype, spec.datatype
+                )));
+            }
+            outputs.push(crate::tensor::OutputTensor {
+                name: spec.name.clone(),
+                datatype: t.datatype,
+                shape: t.shape,
+                data: t.data,
+            });
+        }
+        Ok(outputs)
     }
 
     /// Loads or reloads `name`. `config` (JSON) overrides the repository's config.pbtxt.
@@ -320,13 +442,39 @@ impl Repository {
     }
 
     pub async fn unload(&self, name: &str) -> Result<(), Status> {
+        self.unload_with(name, false).await
+    }
+
+    /// Unloads `name`; with `dependents` (Triton's `unload_dependents`), an ensemble's
+    /// composing models too, nested ensembles' included.
+    pub async fn unload_with(&self, name: &str, dependents: bool) -> Result<(), Status> {
         if self.options.mode != ControlMode::Explicit {
             return Err(Status::new(
                 Code::FailedPrecondition,
                 "explicit model load / unload is only allowed with --model-control-mode=explicit",
             ));
         }
-        self.unload_inner(name).await
+        let mut pending = vec![name.to_string()];
+        let mut done: Vec<String> = Vec::new();
+        while let Some(next) = pending.pop() {
+            if done.contains(&next) {
+                continue;
+            }
+            if dependents
+                && let Ok(model) = self.model(&next)
+                && let Some(plan) = &model.ensemble
+            {
+                pending.extend(plan.models().into_iter().map(str::to_string));
+            }
+            let unloaded = self.unload_inner(&next).await;
+            if next == name {
+                unloaded?;
+            } else if let Err(e) = unloaded {
+                tracing::warn!(model = %next, error = %e, "could not unload a composing model");
+            }
+            done.push(next);
+        }
+        Ok(())
     }
 
     async fn load_inner(
@@ -336,17 +484,99 @@ impl Repository {
         versions: Option<Vec<i64>>,
     ) -> Result<(), Status> {
         let _serial = self.changes.lock().await;
-        let previous = self.slot(name);
-        let serving = previous.as_ref().and_then(|s| s.model.clone());
-        self.set_slot(name, Slot { state: State::Loading, model: serving.clone(), reload_error: None });
-        let options = self.options.clone();
-        let owned_name = name.to_string();
-        let metrics = self.metrics.clone();
-        let result = tokio::task::spawn_blocking(move || {
-            load::load_model(&options, &owned_name, config_override, versions.as_deref(), &metrics)
+        self.load_locked(name, config_override, versions, &mut Vec::new()).await
+    }
+
+    /// Loads `name` with the change lock held. An ensemble first loads those of its composing
+    /// models that are not ready (as Triton does), then is checked against them; `loading`
+    /// holds the ensembles being loaded above this one, to refuse a cycle.
+    fn load_locked<'a>(
+        &'a self,
+        name: &'a str,
+        config_override: Option<String>,
+        versions: Option<Vec<i64>>,
+        loading: &'a mut Vec<String>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Status>> + Send + 'a>> {
+        Box::pin(async move {
+            let previous = self.slot(name);
+            let serving = previous.as_ref().and_then(|s| s.model.clone());
+            self.set_slot(name, Slot { state: State::Loading, model: serving.clone(), reload_error: None });
+            let options = self.options.clone();
+            let owned_name = name.to_string();
+            let metrics = self.metrics.clone();
+            let mut result = tokio::task::spawn_blocking(move || {
+                load::load_model(&options, &owned_name, config_override, versions.as_deref(), &metrics)
+            })
+            .await
+            .unwrap_or_else(|e| Err(Status::internal(format!("model load panicked: {e}"))));
+            if let Ok(model) = &result
+                && let Some(plan) = &model.ensemble
+            {
+                loading.push(name.to_string());
+                let composed = self.prepare_composing(&model.config, plan, loading).await;
+                loading.pop();
+                if let Err(e) = composed {
+                    result = Err(e);
+                }
+            }
+            self.finish_load(name, previous, serving, result)
         })
-        .await
-        .unwrap_or_else(|e| Err(Status::internal(format!("model load panicked: {e}"))));
+    }
+
+    /// Loads an ensemble's composing models that are not ready (and, for a composing ensemble
+    /// already loaded, what it needs in turn), then checks the ensemble's tensors against them.
+    fn prepare_composing<'a>(
+        &'a self,
+        config: &'a ModelConfig,
+        plan: &'a Plan,
+        loading: &'a mut Vec<String>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Status>> + Send + 'a>> {
+        Box::pin(async move { self.prepare_composing_inner(config, plan, loading).await })
+    }
+
+    async fn prepare_composing_inner(
+        &self,
+        config: &ModelConfig,
+        plan: &Plan,
+        loading: &mut Vec<String>,
+    ) -> Result<(), Status> {
+        for composing in plan.models() {
+            if loading.iter().any(|l| l == composing) {
+                return Err(Status::invalid(format!("ensembles form a cycle: {} → {composing}", loading.join(" → "))));
+            }
+            match self.model(composing) {
+                Ok(loaded) => {
+                    if let Some(inner) = &loaded.ensemble {
+                        loading.push(composing.to_string());
+                        let ready = self.prepare_composing(&loaded.config, inner, loading).await;
+                        loading.pop();
+                        ready
+                            .map_err(|e| Status::invalid(format!("composing ensemble '{composing}': {}", e.message)))?;
+                    }
+                }
+                Err(_) => {
+                    self.load_locked(composing, None, None, loading).await.map_err(|e| {
+                        Status::invalid(format!("composing model '{composing}' could not be loaded: {}", e.message))
+                    })?;
+                }
+            }
+        }
+        ensemble::check_composing(config, plan, |step| {
+            let model = self.model(&step.model).map_err(|e| e.message)?;
+            self.version(&model, step.version).map_err(|e| e.message)?;
+            Ok(model.spec.clone())
+        })
+        .map_err(|e| Status::invalid(format!("config: {e}")))
+    }
+
+    /// Swaps a loaded model in, or records why the load failed.
+    fn finish_load(
+        &self,
+        name: &str,
+        previous: Option<Slot>,
+        serving: Option<Arc<LoadedModel>>,
+        result: Result<LoadedModel, Status>,
+    ) -> Result<(), Status> {
         match result {
             Ok(model) => {
                 for w in &model.warnings {
@@ -537,14 +767,14 @@ impl Drop for CancelGuard<'_> {
 
 async fn run(
     spec: &ModelSpec,
-    version: &ModelVersion,
+    scheduler: &Scheduler,
     request: &mut InferRequest,
 ) -> Result<Vec<crate::tensor::OutputTensor>, Status> {
     let v = validate(spec, request)?;
     let (tx, rx) = oneshot::channel();
     let mut job = Job::new(v.rows, v.shape_key, v.inputs, v.wanted, request.priority, request.timeout_us, tx);
     job.deadline = request.deadline;
-    version.scheduler.submit(job)?;
+    scheduler.submit(job)?;
     let answer = match request.deadline {
         Some(deadline) => match tokio::time::timeout_at(deadline.into(), rx).await {
             Ok(answer) => answer,

@@ -1,0 +1,242 @@
+//! Ensembles with real ONNX Runtime: the example `scale_ensemble` (two chained steps and one in
+//! parallel over two versions of `versioned_scale`), composing models loaded on demand in
+//! EXPLICIT mode and unloaded with `unload_dependents`, and ensembles that fail to load (each
+//! with a reason naming the step or tensor) or fail at run time (naming the step).
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use common::{example_models, example_onnx, init_ort};
+use nereid_common::{Code, DataType};
+use nereid_worker::backend::SessionOptions;
+use nereid_worker::metrics::Metrics;
+use nereid_worker::repository::{ControlMode, Repository, RepositoryOptions};
+use nereid_worker::tensor::{InferRequest, InputTensor, RequestedOutput};
+
+fn repository(dir: &Path, mode: ControlMode) -> Arc<Repository> {
+    init_ort();
+    Arc::new(Repository::new(
+        RepositoryOptions {
+            paths: vec![dir.to_path_buf()],
+            mode,
+            strict_config: false,
+            startup_models: vec![],
+            session_defaults: SessionOptions::default(),
+        },
+        Arc::new(Metrics::new()),
+    ))
+}
+
+fn f32_bytes(values: &[f32]) -> Bytes {
+    Bytes::from(values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())
+}
+
+fn floats(data: &[u8]) -> Vec<f32> {
+    data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+fn request(model: &str, rows: &[[f32; 4]], outputs: &[&str]) -> InferRequest {
+    let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+    InferRequest {
+        model_name: model.into(),
+        inputs: vec![InputTensor {
+            name: "INPUT0".into(),
+            datatype: DataType::Fp32,
+            shape: vec![rows.len() as i64, 4],
+            data: f32_bytes(&flat),
+        }],
+        outputs: outputs.iter().map(|n| RequestedOutput { name: n.to_string(), binary_data: None }).collect(),
+        ..Default::default()
+    }
+}
+
+fn reason(repo: &Repository, model: &str) -> String {
+    let index = repo.index(false);
+    let row = index.iter().find(|e| e.name == model).unwrap_or_else(|| panic!("{model} not in {index:?}"));
+    assert_eq!(row.state, "UNAVAILABLE", "{row:?}");
+    row.reason.clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_ensemble_chains_and_parallels_its_steps() {
+    let repo = repository(&example_models(), ControlMode::None);
+    let failed = repo.load_startup_models().await;
+    assert!(failed.is_empty(), "{failed:?}");
+    assert!(repo.model_ready("scale_ensemble", None));
+    let md = repo.model_metadata("scale_ensemble", None).unwrap();
+    assert_eq!(md.platform, "ensemble");
+    assert_eq!(md.inputs[0].shape, vec![-1, 4]);
+
+    let rows = [[1.0, 2.0, 3.0, 4.0], [-0.5, 0.0, 0.25, 10.0]];
+    let answer = repo.infer(request("scale_ensemble", &rows, &[])).await.unwrap();
+    assert_eq!(answer.model_version, 1);
+    let names: Vec<&str> = answer.outputs.iter().map(|o| o.name.as_str()).collect();
+    assert_eq!(names, ["SCALED6", "SCALED3"], "every output, in config order");
+    let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+    assert_eq!(answer.outputs[0].shape, vec![2, 4]);
+    assert_eq!(floats(&answer.outputs[0].data), flat.iter().map(|x| x * 6.0).collect::<Vec<_>>(), "x2 then x3");
+    assert_eq!(floats(&answer.outputs[1].data), flat.iter().map(|x| x * 3.0).collect::<Vec<_>>());
+    assert_eq!(answer.outputs[1].datatype, DataType::Fp32);
+
+    // One output asked for: only it comes back.
+    let answer = repo.infer(request("scale_ensemble", &rows[..1], &["SCALED3"])).await.unwrap();
+    assert_eq!(answer.outputs.len(), 1);
+    assert_eq!(floats(&answer.outputs[0].data), vec![3.0, 6.0, 9.0, 12.0]);
+
+    // Statistics: the ensemble and each composing version count their requests.
+    let stats = |m: &str, v: i64| repo.model_statistics(Some(m), Some(v)).unwrap()[0].clone();
+    assert_eq!(stats("scale_ensemble", 1).success.count, 2);
+    assert_eq!(stats("versioned_scale", 1).success.count, 2, "one step on version 1 per request");
+    assert_eq!(stats("versioned_scale", 2).success.count, 4, "two steps on version 2 per request");
+
+    // The ensemble checks its own inputs first, naming itself.
+    let mut bad = request("scale_ensemble", &rows, &[]);
+    bad.inputs[0].shape = vec![2, 3];
+    let e = repo.infer(bad).await.unwrap_err();
+    assert_eq!(e.code, Code::InvalidArgument);
+    assert!(e.message.contains("model 'scale_ensemble' expects [batch, 4]"), "{e}");
+    let e = repo.infer(request("scale_ensemble", &rows, &["OUTPUT0"])).await.unwrap_err();
+    assert!(e.message.contains("unexpected inference output 'OUTPUT0'"), "{e}");
+    assert_eq!(stats("scale_ensemble", 1).fail.count, 2);
+}
+
+/// A repository holding `versioned_scale` (versions 1 and 2) and the given ensembles.
+fn ensemble_repo(ensembles: &[(&str, &str)]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let src = example_models().join("versioned_scale");
+    for v in [1, 2] {
+        let vdir = dir.path().join("versioned_scale").join(v.to_string());
+        std::fs::create_dir_all(&vdir).unwrap();
+        std::fs::copy(example_onnx("versioned_scale", v), vdir.join("model.onnx")).unwrap();
+    }
+    std::fs::copy(src.join("config.pbtxt"), dir.path().join("versioned_scale/config.pbtxt")).unwrap();
+    for (name, config) in ensembles {
+        std::fs::create_dir_all(dir.path().join(name).join("1")).unwrap();
+        std::fs::write(dir.path().join(name).join("config.pbtxt"), config).unwrap();
+    }
+    dir
+}
+
+/// An ensemble `name` of one step on `model` mapping `input` → `output`.
+fn one_step(name: &str, model: &str, input: &str, output: &str) -> String {
+    format!(
+        r#"name: "{name}"
+platform: "ensemble"
+max_batch_size: 16
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+ensemble_scheduling {{ step [ {{ model_name: "{model}" model_version: -1
+  input_map {{ key: "{input}" value: "INPUT0" }} output_map {{ key: "{output}" value: "OUT" }} }} ] }}
+"#
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explicit_loading_brings_composing_models_and_unload_dependents_takes_them() {
+    let nested = one_step("outer", "inner", "INPUT0", "OUT");
+    let inner = one_step("inner", "versioned_scale", "INPUT0", "OUTPUT0");
+    let dir = ensemble_repo(&[("inner", &inner), ("outer", &nested)]);
+    let repo = repository(dir.path(), ControlMode::Explicit);
+    assert!(repo.load_startup_models().await.is_empty());
+    assert!(!repo.model_ready("versioned_scale", None));
+
+    // Loading the outer ensemble loads the inner one, which loads versioned_scale.
+    repo.load("outer", None).await.unwrap();
+    for m in ["outer", "inner", "versioned_scale"] {
+        assert!(repo.model_ready(m, None), "{m} ready");
+    }
+    let answer = repo.infer(request("outer", &[[1.0, 1.0, 1.0, 1.0]], &[])).await.unwrap();
+    assert_eq!(floats(&answer.outputs[0].data), vec![3.0; 4], "latest versioned_scale (x3) through two ensembles");
+
+    // A composing model unloaded under a loaded ensemble: the ensemble fails naming the step.
+    repo.unload("versioned_scale").await.unwrap();
+    let e = repo.infer(request("outer", &[[1.0; 4]], &[])).await.unwrap_err();
+    assert_eq!(e.code, Code::Unavailable, "{e}");
+    assert!(e.message.contains("ensemble 'outer' step 0 (model 'inner')"), "{e}");
+    assert!(e.message.contains("ensemble 'inner' step 0 (model 'versioned_scale')"), "{e}");
+    assert!(e.message.contains("model 'versioned_scale' is not ready"), "{e}");
+
+    // Reloading the outer one loads what is missing again; unload_dependents takes all three.
+    repo.load("outer", None).await.unwrap();
+    assert!(repo.model_ready("versioned_scale", None));
+    repo.unload_with("outer", true).await.unwrap();
+    for m in ["outer", "inner", "versioned_scale"] {
+        assert!(!repo.model_ready(m, None), "{m} unloaded");
+    }
+    // Without unload_dependents only the ensemble goes.
+    repo.load("inner", None).await.unwrap();
+    repo.unload_with("inner", false).await.unwrap();
+    assert!(!repo.model_ready("inner", None) && repo.model_ready("versioned_scale", None));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_ensembles_fail_to_load_with_the_reason_and_others_keep_serving() {
+    let unknown = one_step("unknown", "no_such_model", "INPUT0", "OUTPUT0");
+    let wrong_input = one_step("wrong_input", "versioned_scale", "X", "OUTPUT0");
+    let wrong_output = one_step("wrong_output", "versioned_scale", "INPUT0", "Y");
+    let wrong_type = one_step("wrong_type", "versioned_scale", "INPUT0", "OUTPUT0")
+        .replace("output [ { name: \"OUT\" data_type: TYPE_FP32", "output [ { name: \"OUT\" data_type: TYPE_FP16");
+    let cycle_a = one_step("cycle_a", "cycle_b", "INPUT0", "OUT");
+    let cycle_b = one_step("cycle_b", "cycle_a", "INPUT0", "OUT");
+    let dangling = one_step("dangling", "versioned_scale", "INPUT0", "OUTPUT0")
+        .replace("value: \"INPUT0\" }", "value: \"nowhere\" }");
+    let namespace = one_step("namespace", "versioned_scale", "INPUT0", "OUTPUT0")
+        .replace("model_version: -1", "model_version: -1 model_namespace: \"ns\"");
+    let missing_version = one_step("missing_version", "versioned_scale", "INPUT0", "OUTPUT0")
+        .replace("model_version: -1", "model_version: 7");
+    let good = one_step("good", "versioned_scale", "INPUT0", "OUTPUT0");
+    let dir = ensemble_repo(&[
+        ("unknown", &unknown),
+        ("wrong_input", &wrong_input),
+        ("wrong_output", &wrong_output),
+        ("wrong_type", &wrong_type),
+        ("cycle_a", &cycle_a),
+        ("cycle_b", &cycle_b),
+        ("dangling", &dangling),
+        ("namespace", &namespace),
+        ("missing_version", &missing_version),
+        ("good", &good),
+    ]);
+    let repo = repository(dir.path(), ControlMode::None);
+    let failed = repo.load_startup_models().await;
+    let mut names: Vec<&str> = failed.iter().map(|(n, _)| n.as_str()).collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "cycle_a",
+            "cycle_b",
+            "dangling",
+            "missing_version",
+            "namespace",
+            "unknown",
+            "wrong_input",
+            "wrong_output",
+            "wrong_type"
+        ],
+        "{failed:?}"
+    );
+    let r = reason(&repo, "unknown");
+    assert!(r.contains("composing model 'no_such_model' could not be loaded"), "{r}");
+    let r = reason(&repo, "wrong_input");
+    assert!(r.contains("step[0] ('versioned_scale').input_map: 'versioned_scale' has no input 'X'"), "{r}");
+    assert!(reason(&repo, "wrong_output").contains("has no output 'Y'"));
+    let r = reason(&repo, "wrong_type");
+    assert!(r.contains("output 'OUT': declared FP16, but the step producing it gives FP32"), "{r}");
+    for (a, b) in [("cycle_a", "cycle_b"), ("cycle_b", "cycle_a")] {
+        let r = reason(&repo, a);
+        assert!(r.contains("ensembles form a cycle: ") && r.contains(&format!("{a} → {b}")), "{r}");
+    }
+    assert!(reason(&repo, "dangling").contains("reads tensor 'nowhere'"));
+    assert!(reason(&repo, "namespace").contains("'ensemble_scheduling.step.model_namespace' is not supported"));
+    assert!(reason(&repo, "missing_version").contains("has no version 7"));
+
+    // The good ensemble and its composing model serve; a broken one answers UNAVAILABLE.
+    let answer = repo.infer(request("good", &[[2.0; 4]], &[])).await.unwrap();
+    assert_eq!(floats(&answer.outputs[0].data), vec![6.0; 4]);
+    let e = repo.infer(request("wrong_type", &[[2.0; 4]], &[])).await.unwrap_err();
+    assert_eq!(e.code, Code::Unavailable);
+}
