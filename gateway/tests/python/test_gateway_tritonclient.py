@@ -40,7 +40,7 @@ from nereid_harness import (  # noqa: E402
 )
 
 GATEWAY_BIN = Path(os.environ.get("NEREID_GATEWAY_BIN", ROOT / "target" / "debug" / "nereid-gateway"))
-MODELS = ["identity_fp32", "mlp_fp32", "versioned_scale"]
+MODELS = ["identity_fp32", "mlp_fp32", "versioned_scale", "scale_ensemble"]
 
 
 class Gateway:
@@ -121,6 +121,21 @@ def test_infer_matches_onnxruntime(fleet, protocol):
     md = client.get_model_metadata("mlp_fp32")
     name = md["name"] if protocol == "http" else md.name
     assert name == "mlp_fp32"
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_an_ensemble_through_the_gateway(fleet, protocol):
+    """The gateway routes an ensemble like any model; the worker runs its steps."""
+    gateway, _ = fleet
+    mod = httpclient if protocol == "http" else grpcclient
+    client = mod.InferenceServerClient(gateway.http_url if protocol == "http" else gateway.grpc_url)
+    x = _x((2, 4), seed=5)
+    inp = mod.InferInput("INPUT0", [2, 4], "FP32")
+    inp.set_data_from_numpy(x)
+    result = client.infer("scale_ensemble", [inp])
+    doubled = ort_run("versioned_scale", {"INPUT0": x}, version=1)["OUTPUT0"]
+    assert_fp32_close(result.as_numpy("SCALED6"), ort_run("versioned_scale", {"INPUT0": doubled}, version=2)["OUTPUT0"])
+    assert_fp32_close(result.as_numpy("SCALED3"), ort_run("versioned_scale", {"INPUT0": x}, version=2)["OUTPUT0"])
 
 
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
