@@ -47,6 +47,8 @@ def test_up_serves_every_example_model_through_the_gateway_and_down_stops_it(tmp
     assert "== fleet up" in out, out
     # The JSON inference through the gateway answered with version 2 (x3).
     assert '"data":[3.0,6.0,9.0,12.0]' in out, out
+    # The ensemble: SCALED6 = x * 6.
+    assert '"name":"SCALED6","datatype":"FP32","shape":[1,4],"data":[6.0,12.0,18.0,24.0]' in out, out
     assert "tritonclient.grpc: OUTPUT0 shape (2, 10)" in out, out
     assert "tritonclient.http: OUTPUT0 shape (2, 10)" in out, out
     assert "nereid_gateway_placement_leader 1" in out, out

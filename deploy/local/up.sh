@@ -85,13 +85,15 @@ ctl model declare versioned_scale --versions 1,2 --replicas 1 >/dev/null
 ctl model declare mixed_types --versions 1 --replicas 1 >/dev/null
 ctl model declare string_len --versions 1 --replicas 1 >/dev/null
 ctl model declare autocomplete_add --versions 1 --replicas 1 >/dev/null
+# An ensemble: the worker it lands on loads its composing model (versioned_scale) too.
+ctl model declare scale_ensemble --versions 1 --replicas 1 >/dev/null
 
 ready_count() {
   curl -sf -X POST "http://127.0.0.1:$HTTP_PORT/v2/repository/index" -d '{"ready":true}' |
     python3 -c 'import json,sys; print(len({(m["name"], m["version"]) for m in json.load(sys.stdin)}))'
 }
-all_ready() { [ "$(ready_count)" = 8 ]; }
-wait_for "the gateway to route all 8 model versions" 180 all_ready
+all_ready() { [ "$(ready_count)" = 9 ]; }
+wait_for "the gateway to route all 9 model versions" 180 all_ready
 for f in "$state"/*.pid; do kill -0 "$(cat "$f")" 2>/dev/null || die "$(basename "$f" .pid) exited: see $state"; done
 
 url="127.0.0.1:$HTTP_PORT"
@@ -100,6 +102,9 @@ echo "== repository index through the gateway"
 curl -s -X POST "http://$url/v2/repository/index"; echo
 echo "== HTTP JSON inference through the gateway (versioned_scale, latest version = x3)"
 curl -s -X POST "http://$url/v2/models/versioned_scale/infer" -H 'Content-Type: application/json' \
+  -d '{"inputs":[{"name":"INPUT0","shape":[1,4],"datatype":"FP32","data":[1,2,3,4]}]}'; echo
+echo "== an ensemble through the gateway (scale_ensemble: x2 then x3, and x3)"
+curl -s -X POST "http://$url/v2/models/scale_ensemble/infer" -H 'Content-Type: application/json' \
   -d '{"inputs":[{"name":"INPUT0","shape":[1,4],"datatype":"FP32","data":[1,2,3,4]}]}'; echo
 echo "== tritonclient (gRPC and HTTP) on mlp_fp32 through the gateway"
 .venv/bin/python - "$HTTP_PORT" "$GRPC_PORT" <<'PY'

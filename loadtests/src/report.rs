@@ -224,6 +224,9 @@ pub fn table(report: &RunReport) -> String {
                 );
             }
         }
+        if let Some(mib) = level.gpu_memory_mib {
+            let _ = writeln!(out, "  server GPU memory in use: {mib:.0} MiB (highest over the level's scrapes)");
+        }
         if !level.total.errors_by_status.is_empty() {
             let errors: Vec<String> = level.total.errors_by_status.iter().map(|(k, v)| format!("{k} ×{v}")).collect();
             let _ = writeln!(out, "  errors: {}", errors.join(", "));

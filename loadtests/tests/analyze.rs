@@ -287,34 +287,32 @@ fn a_queue_policy_sweep_loads_each_policy_and_writes_it_where_it_wins() {
     assert_eq!(checkpoint["results"].as_array().unwrap().len(), 4);
 }
 
+/// A sweep of identity_fp32 by a started `worker` into `out`: the example repository, the
+/// flags in `parts`, then short windows.
+fn identity_sweep(worker: &Path, out: &Path, parts: &[&[&str]]) -> Vec<String> {
+    let m = models();
+    let mut args: Vec<String> = ["--model-repository", m.to_str().unwrap(), "-m", "identity_fp32"]
+        .into_iter()
+        .chain(["--worker-bin", worker.to_str().unwrap(), "-o", out.to_str().unwrap()])
+        .map(String::from)
+        .collect();
+    args.extend(parts.iter().flat_map(|p| p.iter().map(|a| a.to_string())));
+    args.extend(SHORT.iter().map(|a| a.to_string()));
+    args
+}
+
+fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
 #[test]
 fn a_concurrency_range_credits_each_variant_with_its_best_level() {
     let Some(worker) = worker_binary() else { return };
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
-    let m = models();
-    let mut args = vec![
-        "--model-repository",
-        m.to_str().unwrap(),
-        "-m",
-        "identity_fp32",
-        "--worker-bin",
-        worker.to_str().unwrap(),
-        "-o",
-        out.to_str().unwrap(),
-        "--instance-counts",
-        "1",
-        "--max-batch-sizes",
-        "8",
-        "--max-queue-delays-us",
-        "0,100",
-        "--max-p99-ms",
-        "5000",
-        "--concurrency-range",
-        "1:4:3",
-    ];
-    args.extend(SHORT);
-    let run = analyze(&args);
+    let space = ["--instance-counts", "1", "--max-batch-sizes", "8", "--max-queue-delays-us", "0,100"];
+    let args = identity_sweep(&worker, &out, &[&space[..], &["--max-p99-ms", "5000", "--concurrency-range", "1:4:3"]]);
+    let run = analyze(&strs(&args));
     assert_eq!(run.code, 0, "{run}");
     assert!(run.stdout.contains("best level") && run.stdout.contains(" at c="), "{run}");
 
@@ -342,10 +340,9 @@ fn a_concurrency_range_credits_each_variant_with_its_best_level() {
     assert!(html.contains("across load levels") && html.contains("<th>best level</th>"), "levels chart and column");
 
     // A resume under another load warns that the reused results are not comparable.
-    let mut args: Vec<&str> = args[..args.len() - SHORT.len() - 2].to_vec();
-    args.extend(["--concurrency", "2", "--resume"]);
-    args.extend(SHORT);
-    let run = analyze(&args);
+    let args =
+        identity_sweep(&worker, &out, &[&space[..], &["--max-p99-ms", "5000", "--concurrency", "2", "--resume"]]);
+    let run = analyze(&strs(&args));
     assert_eq!(run.code, 0, "{run}");
     assert!(run.stdout.contains("not comparable"), "{run}");
 }
@@ -365,16 +362,7 @@ fn a_priority_sweep_with_a_workload_sheds_only_the_lower_level() {
         ]}"#,
     )
     .unwrap();
-    let m = models();
-    let mut args = vec![
-        "--model-repository",
-        m.to_str().unwrap(),
-        "-m",
-        "identity_fp32",
-        "--worker-bin",
-        worker.to_str().unwrap(),
-        "-o",
-        out.to_str().unwrap(),
+    let sweep = [
         "--workload",
         workload.to_str().unwrap(),
         "--instance-counts",
@@ -390,7 +378,8 @@ fn a_priority_sweep_with_a_workload_sheds_only_the_lower_level() {
         "--concurrency",
         "8",
     ];
-    args.extend(SHORT);
+    let args = identity_sweep(&worker, &out, &[&sweep[..]]);
+    let args = strs(&args);
     let run = analyze(&args);
     assert_eq!(run.code, 0, "{run}");
     assert!(run.stdout.contains("  gold: ") && run.stdout.contains("  bronze: "), "per-class lines: {run}");

@@ -9,25 +9,13 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use common::{example_models, example_onnx, init_ort};
+use common::{example_models, example_onnx};
 use nereid_common::{Code, DataType};
-use nereid_worker::backend::SessionOptions;
-use nereid_worker::metrics::Metrics;
-use nereid_worker::repository::{ControlMode, Repository, RepositoryOptions};
+use nereid_worker::repository::{ControlMode, Repository};
 use nereid_worker::tensor::{InferRequest, InputTensor, RequestedOutput};
 
 fn repository(dir: &Path, mode: ControlMode) -> Arc<Repository> {
-    init_ort();
-    Arc::new(Repository::new(
-        RepositoryOptions {
-            paths: vec![dir.to_path_buf()],
-            mode,
-            strict_config: false,
-            startup_models: vec![],
-            session_defaults: SessionOptions::default(),
-        },
-        Arc::new(Metrics::new()),
-    ))
+    common::repository(dir, mode, false)
 }
 
 fn f32_bytes(values: &[f32]) -> Bytes {
@@ -170,6 +158,32 @@ async fn explicit_loading_brings_composing_models_and_unload_dependents_takes_th
     repo.load("inner", None).await.unwrap();
     repo.unload_with("inner", false).await.unwrap();
     assert!(!repo.model_ready("inner", None) && repo.model_ready("versioned_scale", None));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn versions_the_steps_name_are_kept_when_placement_narrows_a_composing_model() {
+    let config = std::fs::read_to_string(example_models().join("scale_ensemble/config.pbtxt")).unwrap();
+    let dir = ensemble_repo(&[("scale_ensemble", &config)]);
+    let repo = repository(dir.path(), ControlMode::Explicit);
+    assert!(repo.load_startup_models().await.is_empty());
+    let held = |repo: &Repository| -> Vec<String> {
+        repo.model_metadata("versioned_scale", None).map(|m| m.versions).unwrap_or_default()
+    };
+
+    // Placement put only version 1 here; the ensemble's steps name 1 and 2: 2 is loaded beside.
+    repo.load_versions("versioned_scale", vec![1]).await.unwrap();
+    assert_eq!(held(&repo), ["1"]);
+    repo.load("scale_ensemble", None).await.unwrap();
+    assert_eq!(held(&repo), ["1", "2"]);
+    // A later placement of version 1 only keeps 2 while the ensemble needs it.
+    repo.load_versions("versioned_scale", vec![1]).await.unwrap();
+    assert_eq!(held(&repo), ["1", "2"]);
+    let answer = repo.infer(request("scale_ensemble", &[[1.0, 2.0, 3.0, 4.0]], &["SCALED6"])).await.unwrap();
+    assert_eq!(floats(&answer.outputs[0].data), vec![6.0, 12.0, 18.0, 24.0]);
+    // Without the ensemble, placement decides alone.
+    repo.unload("scale_ensemble").await.unwrap();
+    repo.load_versions("versioned_scale", vec![1]).await.unwrap();
+    assert_eq!(held(&repo), ["1"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,13 +5,10 @@
 mod common;
 
 use bytes::Bytes;
-use common::{TestModel, example_onnx, init_ort, repo};
+use common::{TestModel, example_onnx, repo, repository};
 use nereid_common::{Code, DataType};
-use nereid_worker::backend::SessionOptions;
-use nereid_worker::metrics::Metrics;
-use nereid_worker::repository::{ControlMode, Repository, RepositoryOptions};
+use nereid_worker::repository::{ControlMode, Repository};
 use nereid_worker::tensor::{InferRequest, InputTensor};
-use std::sync::Arc;
 
 const GOOD: &str = r#"
 name: "good"
@@ -19,20 +16,6 @@ max_batch_size: 8
 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
 output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
 "#;
-
-fn repository(dir: &std::path::Path, mode: ControlMode, strict: bool) -> Arc<Repository> {
-    init_ort();
-    Arc::new(Repository::new(
-        RepositoryOptions {
-            paths: vec![dir.to_path_buf()],
-            mode,
-            strict_config: strict,
-            startup_models: vec![],
-            session_defaults: SessionOptions::default(),
-        },
-        Arc::new(Metrics::new()),
-    ))
-}
 
 fn identity_request(model: &str, version: Option<i64>) -> InferRequest {
     InferRequest {

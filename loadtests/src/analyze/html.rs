@@ -100,12 +100,7 @@ fn scatter(report: &AnalyzeReport) -> String {
     let mut frontier: Vec<(f64, f64)> = report.rows.iter().filter(|r| r.on_frontier).filter_map(point).collect();
     frontier.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
     let recommended: Vec<(f64, f64)> = report.recommended_row().and_then(point).into_iter().collect();
-    let rules = report
-        .constraints
-        .max_p99_ms
-        .map(|ms| Rule { axis: RuleAxis::Y, value: ms, label: format!("p99 ≤ {} ms", svg::format_value(ms)) })
-        .into_iter()
-        .collect();
+    let rules = p99_rule(report);
     svg::scatter_chart(
         &LineChart {
             title: "Throughput vs p99 latency".into(),
@@ -120,6 +115,16 @@ fn scatter(report: &AnalyzeReport) -> String {
         },
         &[false, true, false],
     )
+}
+
+/// The p99 constraint as a horizontal rule, when there is one.
+fn p99_rule(report: &AnalyzeReport) -> Vec<Rule> {
+    report
+        .constraints
+        .max_p99_ms
+        .map(|ms| Rule { axis: RuleAxis::Y, value: ms, label: format!("p99 ≤ {} ms", svg::format_value(ms)) })
+        .into_iter()
+        .collect()
 }
 
 /// Most variants drawn as level curves (the chart stays readable).
@@ -148,12 +153,7 @@ fn level_curves(report: &AnalyzeReport) -> Option<String> {
             Series::new(r.result.key.clone(), points)
         })
         .collect();
-    let rules = report
-        .constraints
-        .max_p99_ms
-        .map(|ms| Rule { axis: RuleAxis::Y, value: ms, label: format!("p99 ≤ {} ms", svg::format_value(ms)) })
-        .into_iter()
-        .collect();
+    let rules = p99_rule(report);
     Some(svg::line_chart(&LineChart {
         title: "p99 latency vs throughput by load level".into(),
         x_label: "throughput (infer/s)".into(),

@@ -587,6 +587,11 @@ pub(crate) mod tests {
     }
 
     pub(crate) fn sample_report(constraints: Constraints, stop: Option<Stop>) -> AnalyzeReport {
+        report_of(sample_results(), constraints, stop)
+    }
+
+    /// A brute sweep's report over the sample space, by throughput.
+    fn report_of(results: Vec<VariantResult>, constraints: Constraints, stop: Option<Stop>) -> AnalyzeReport {
         let space = SearchSpace::new(vec![1, 2, 3], vec![8], vec![0, 16], vec![0]).unwrap();
         let load = settings();
         let ctx = ReportContext {
@@ -598,13 +603,8 @@ pub(crate) mod tests {
             constraints,
             objective: Objective::Throughput,
         };
-        let outcome = SweepOutcome {
-            results: sample_results(),
-            reused: 0,
-            stop,
-            search_end: "every variant visited".into(),
-            warnings: vec![],
-        };
+        let outcome =
+            SweepOutcome { results, reused: 0, stop, search_end: "every variant visited".into(), warnings: vec![] };
         AnalyzeReport::new(ctx, outcome)
     }
 
@@ -618,19 +618,7 @@ pub(crate) mod tests {
         for (r, gpu) in results.iter_mut().zip([3000.0, 5000.0, 9000.0]) {
             r.measured.as_mut().unwrap().gpu_memory_mb = Some(gpu);
         }
-        let space = SearchSpace::new(vec![1, 2, 3], vec![8], vec![0, 16], vec![0]).unwrap();
-        let load = settings();
-        let ctx = ReportContext {
-            model: "m",
-            url: "127.0.0.1:1",
-            load: &load,
-            space: &space,
-            search: Strategy::Brute,
-            constraints: Constraints { max_gpu_memory_mb: Some(8192.0), ..Constraints::default() },
-            objective: Objective::Throughput,
-        };
-        let outcome = SweepOutcome { results, reused: 0, stop: None, search_end: String::new(), warnings: vec![] };
-        let r = AnalyzeReport::new(ctx, outcome);
+        let r = report_of(results, Constraints { max_gpu_memory_mb: Some(8192.0), ..Constraints::default() }, None);
         // i3 has the most throughput but needs 9000 MiB of GPU memory: i2 wins.
         assert_eq!(r.recommended.as_ref().unwrap().key, "i2_b8_p0_d0");
         assert_eq!(r.rows[2].meets_constraints, Some(false));

@@ -286,7 +286,7 @@ fn session_options(
     Ok(opts)
 }
 
-fn version_dirs(dir: &Path) -> Vec<i64> {
+pub(super) fn version_dirs(dir: &Path) -> Vec<i64> {
     let mut versions: Vec<i64> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()

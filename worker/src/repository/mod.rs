@@ -497,6 +497,8 @@ impl Repository {
         versions: Option<Vec<i64>>,
         loading: &'a mut Vec<String>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Status>> + Send + 'a>> {
+        // Placement names exact versions; keep those the loaded ensembles' steps need too.
+        let versions = versions.map(|v| self.versions_for_ensembles(name, v, None));
         Box::pin(async move {
             let previous = self.slot(name);
             let serving = previous.as_ref().and_then(|s| s.model.clone());
@@ -560,6 +562,20 @@ impl Repository {
                     })?;
                 }
             }
+            // A step may name a version the composing model does not serve (its version policy,
+            // or its placement, chose others): load it beside them when it exists on disk.
+            if let Ok(loaded) = self.model(composing)
+                && loaded.ensemble.is_none()
+            {
+                let held: Vec<i64> = loaded.versions.keys().copied().collect();
+                let wanted = self.versions_for_ensembles(composing, held.clone(), Some(plan));
+                if wanted != held {
+                    tracing::info!(model = %composing, ?wanted, "loading the versions an ensemble's steps name");
+                    self.load_locked(composing, None, Some(wanted), loading).await.map_err(|e| {
+                        Status::invalid(format!("composing model '{composing}' could not be loaded: {}", e.message))
+                    })?;
+                }
+            }
         }
         ensemble::check_composing(config, plan, |step| {
             let model = self.model(&step.model).map_err(|e| e.message)?;
@@ -567,6 +583,31 @@ impl Repository {
             Ok(model.spec.clone())
         })
         .map_err(|e| Status::invalid(format!("config: {e}")))
+    }
+
+    /// `versions` of `name` plus those that ensembles' steps name explicitly — the loaded
+    /// ensembles' and `extra`'s — where they exist on disk; sorted. An ensemble keeps working
+    /// when placement (or a reload) narrows the versions of a model it composes.
+    fn versions_for_ensembles(&self, name: &str, mut versions: Vec<i64>, extra: Option<&Plan>) -> Vec<i64> {
+        let plans: Vec<Arc<Plan>> = {
+            let slots = self.slots.read().unwrap_or_else(|e| e.into_inner());
+            slots.values().filter_map(|s| s.model.as_ref().and_then(|m| m.ensemble.clone())).collect()
+        };
+        let named: Vec<i64> = plans
+            .iter()
+            .map(|p| p.as_ref())
+            .chain(extra)
+            .flat_map(|p| p.steps.iter())
+            .filter(|s| s.model == name)
+            .filter_map(|s| s.version)
+            .collect();
+        if named.iter().any(|v| !versions.contains(v)) {
+            let on_disk = scan_models(&self.options.paths).get(name).map(|d| load::version_dirs(d)).unwrap_or_default();
+            versions.extend(named.into_iter().filter(|v| on_disk.contains(v)));
+        }
+        versions.sort_unstable();
+        versions.dedup();
+        versions
     }
 
     /// Swaps a loaded model in, or records why the load failed.

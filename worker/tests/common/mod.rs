@@ -54,6 +54,21 @@ pub fn repo(models: &[TestModel<'_>]) -> tempfile::TempDir {
     dir
 }
 
+/// A repository over `dir` (nothing loaded yet; `strict`: no auto-complete).
+pub fn repository(dir: &Path, mode: ControlMode, strict: bool) -> Arc<Repository> {
+    init_ort();
+    Arc::new(Repository::new(
+        RepositoryOptions {
+            paths: vec![dir.to_path_buf()],
+            mode,
+            strict_config: strict,
+            startup_models: vec![],
+            session_defaults: SessionOptions::default(),
+        },
+        Arc::new(Metrics::new()),
+    ))
+}
+
 pub async fn start(dir: &Path, mode: ControlMode) -> Arc<Repository> {
     init_ort();
     let options = RepositoryOptions {
