@@ -186,6 +186,19 @@ async fn versions_the_steps_name_are_kept_when_placement_narrows_a_composing_mod
     repo.unload("scale_ensemble").await.unwrap();
     repo.load_versions("versioned_scale", vec![1]).await.unwrap();
     assert_eq!(held(&repo), ["1"]);
+
+    // The same for the version policy: with `latest { 1 }` versioned_scale serves version 2
+    // alone, but while the ensemble is loaded a reload keeps version 1 too.
+    let config = std::fs::read_to_string(dir.path().join("versioned_scale/config.pbtxt")).unwrap();
+    let latest = config.replace("version_policy: { all: { } }", "version_policy: { latest: { num_versions: 1 } }");
+    assert_ne!(latest, config);
+    std::fs::write(dir.path().join("versioned_scale/config.pbtxt"), latest).unwrap();
+    repo.load("versioned_scale", None).await.unwrap();
+    assert_eq!(held(&repo), ["2"]);
+    repo.load("scale_ensemble", None).await.unwrap();
+    assert_eq!(held(&repo), ["1", "2"]);
+    repo.load("versioned_scale", None).await.unwrap();
+    assert_eq!(held(&repo), ["1", "2"], "a reload keeps what the ensemble names");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -81,12 +81,14 @@ fn fail(message: impl Into<String>) -> Status {
 }
 
 /// Reads, completes and validates the config, creates the sessions, warms them up and starts
-/// one scheduler per version.
+/// one scheduler per version. `versions` overrides the version policy; the versions in `also`
+/// that exist on disk are loaded besides (what ensembles' steps name).
 pub fn load_model(
     options: &RepositoryOptions,
     name: &str,
     config_override: Option<String>,
     versions: Option<&[i64]>,
+    also: &[i64],
     metrics: &Metrics,
 ) -> Result<LoadedModel, Status> {
     let models = scan_models(&options.paths);
@@ -130,14 +132,14 @@ pub fn load_model(
         }
     }
     if ensemble::is_ensemble(&config) {
-        return load_ensemble(config, name, dir, stamp, warnings, metrics);
+        return load_ensemble(config, name, dir, stamp, warnings, also, metrics);
     }
     check_backend(&config)?;
     let session_options = session_options(&config, &options.session_defaults, &mut warnings)?;
 
     // Versions on disk, then the version policy.
     let available = version_dirs(dir);
-    let versions = select_versions(&config, &available)?;
+    let versions = with_also(select_versions(&config, &available)?, &available, also);
     let filename = if config.default_model_filename.is_empty() {
         DEFAULT_MODEL_FILENAME.to_string()
     } else {
@@ -211,6 +213,7 @@ fn load_ensemble(
     dir: &Path,
     stamp: super::Stamp,
     mut warnings: Vec<String>,
+    also: &[i64],
     metrics: &Metrics,
 ) -> Result<LoadedModel, Status> {
     let plan = ensemble::plan(&config).map_err(|e| fail(format!("config: {e}")))?;
@@ -221,7 +224,8 @@ fn load_ensemble(
     if !config.model_warmup.is_empty() {
         warnings.push("model_warmup does not apply to an ensemble (warm up its composing models)".into());
     }
-    let versions = select_versions(&config, &version_dirs(dir))?;
+    let available = version_dirs(dir);
+    let versions = with_also(select_versions(&config, &available)?, &available, also);
     let spec = spec_from_config(&config)?;
     let plan = Arc::new(plan);
     let versions = versions
@@ -296,6 +300,14 @@ pub(super) fn version_dirs(dir: &Path) -> Vec<i64> {
         .filter(|v| *v >= 0)
         .collect();
     versions.sort();
+    versions
+}
+
+/// `versions` plus those of `also` that are `available`, sorted.
+fn with_also(mut versions: Vec<i64>, available: &[i64], also: &[i64]) -> Vec<i64> {
+    versions.extend(also.iter().filter(|v| available.contains(v)));
+    versions.sort_unstable();
+    versions.dedup();
     versions
 }
 

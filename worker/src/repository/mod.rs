@@ -489,7 +489,7 @@ impl Repository {
         versions: Option<Vec<i64>>,
     ) -> Result<(), Status> {
         let _serial = self.changes.lock().await;
-        self.load_locked(name, config_override, versions, &mut Vec::new()).await
+        self.load_locked(name, config_override, versions, Vec::new(), &mut Vec::new()).await
     }
 
     /// Loads `name` with the change lock held. An ensemble first loads those of its composing
@@ -500,10 +500,12 @@ impl Repository {
         name: &'a str,
         config_override: Option<String>,
         versions: Option<Vec<i64>>,
+        mut also: Vec<i64>,
         loading: &'a mut Vec<String>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Status>> + Send + 'a>> {
-        // Placement names exact versions; keep those the loaded ensembles' steps need too.
-        let versions = versions.map(|v| self.versions_for_ensembles(name, v, None));
+        // Whatever the version policy or placement says, keep the versions that loaded
+        // ensembles' steps name.
+        also.extend(self.ensemble_named_versions(name));
         Box::pin(async move {
             let previous = self.slot(name);
             let serving = previous.as_ref().and_then(|s| s.model.clone());
@@ -512,7 +514,7 @@ impl Repository {
             let owned_name = name.to_string();
             let metrics = self.metrics.clone();
             let mut result = tokio::task::spawn_blocking(move || {
-                load::load_model(&options, &owned_name, config_override, versions.as_deref(), &metrics)
+                load::load_model(&options, &owned_name, config_override, versions.as_deref(), &also, &metrics)
             })
             .await
             .unwrap_or_else(|e| Err(Status::internal(format!("model load panicked: {e}"))));
@@ -562,7 +564,8 @@ impl Repository {
                     }
                 }
                 Err(_) => {
-                    self.load_locked(composing, None, None, loading).await.map_err(|e| {
+                    let named = ensemble_named_versions([plan], composing);
+                    self.load_locked(composing, None, None, named, loading).await.map_err(|e| {
                         Status::invalid(format!("composing model '{composing}' could not be loaded: {}", e.message))
                     })?;
                 }
@@ -572,11 +575,16 @@ impl Repository {
             if let Ok(loaded) = self.model(composing)
                 && loaded.ensemble.is_none()
             {
-                let held: Vec<i64> = loaded.versions.keys().copied().collect();
-                let wanted = self.versions_for_ensembles(composing, held.clone(), Some(plan));
-                if wanted != held {
-                    tracing::info!(model = %composing, ?wanted, "loading the versions an ensemble's steps name");
-                    self.load_locked(composing, None, Some(wanted), loading).await.map_err(|e| {
+                let on_disk =
+                    scan_models(&self.options.paths).get(composing).map(|d| load::version_dirs(d)).unwrap_or_default();
+                let missing: Vec<i64> = ensemble_named_versions([plan], composing)
+                    .into_iter()
+                    .filter(|v| !loaded.versions.contains_key(v) && on_disk.contains(v))
+                    .collect();
+                if !missing.is_empty() {
+                    tracing::info!(model = %composing, ?missing, "loading the versions an ensemble's steps name");
+                    let held = loaded.versions.keys().copied().collect();
+                    self.load_locked(composing, None, Some(held), missing, loading).await.map_err(|e| {
                         Status::invalid(format!("composing model '{composing}' could not be loaded: {}", e.message))
                     })?;
                 }
@@ -590,29 +598,13 @@ impl Repository {
         .map_err(|e| Status::invalid(format!("config: {e}")))
     }
 
-    /// `versions` of `name` plus those that ensembles' steps name explicitly — the loaded
-    /// ensembles' and `extra`'s — where they exist on disk; sorted. An ensemble keeps working
-    /// when placement (or a reload) narrows the versions of a model it composes.
-    fn versions_for_ensembles(&self, name: &str, mut versions: Vec<i64>, extra: Option<&Plan>) -> Vec<i64> {
+    /// Versions of `name` that the loaded ensembles' steps name explicitly.
+    fn ensemble_named_versions(&self, name: &str) -> Vec<i64> {
         let plans: Vec<Arc<Plan>> = {
             let slots = self.slots.read().unwrap_or_else(|e| e.into_inner());
             slots.values().filter_map(|s| s.model.as_ref().and_then(|m| m.ensemble.clone())).collect()
         };
-        let named: Vec<i64> = plans
-            .iter()
-            .map(|p| p.as_ref())
-            .chain(extra)
-            .flat_map(|p| p.steps.iter())
-            .filter(|s| s.model == name)
-            .filter_map(|s| s.version)
-            .collect();
-        if named.iter().any(|v| !versions.contains(v)) {
-            let on_disk = scan_models(&self.options.paths).get(name).map(|d| load::version_dirs(d)).unwrap_or_default();
-            versions.extend(named.into_iter().filter(|v| on_disk.contains(v)));
-        }
-        versions.sort_unstable();
-        versions.dedup();
-        versions
+        ensemble_named_versions(plans.iter().map(|p| p.as_ref()), name)
     }
 
     /// Swaps a loaded model in, or records why the load failed.
@@ -809,6 +801,15 @@ impl Drop for CancelGuard<'_> {
             self.stats.record_failure(self.started.elapsed(), "CANCELED");
         }
     }
+}
+
+/// Versions of `model` that the steps of `plans` name explicitly (not "latest").
+fn ensemble_named_versions<'a>(plans: impl IntoIterator<Item = &'a Plan>, model: &str) -> Vec<i64> {
+    let mut out: Vec<i64> =
+        plans.into_iter().flat_map(|p| p.steps.iter()).filter(|s| s.model == model).filter_map(|s| s.version).collect();
+    out.sort_unstable();
+    out.dedup();
+    out
 }
 
 async fn run(
