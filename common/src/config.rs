@@ -160,7 +160,6 @@ fn classify(path: &str) -> Option<Severity> {
     Some(match path {
         "sequence_batching" | "batch_input" | "batch_output" => Error,
         "ensemble_scheduling.step.model_namespace" => Error,
-        "ensemble_scheduling.max_inflight_requests" => Warning,
         "input.reshape" | "output.reshape" | "input.is_shape_tensor" | "output.is_shape_tensor" => Error,
         "input.allow_ragged_batch" | "input.is_non_linear_format_io" => Error,
         "output.is_non_linear_format_io" | "output.label_filename" => Warning,

@@ -202,6 +202,68 @@ async fn versions_the_steps_name_are_kept_when_placement_narrows_a_composing_mod
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_inflight_requests_lets_one_request_through_the_pipeline_at_a_time() {
+    // A composing model that waits up to 200 ms to fill a batch: requests that reach it
+    // together run as one batch, requests let through one at a time run alone.
+    let dir = tempfile::tempdir().unwrap();
+    let vdir = dir.path().join("slow_identity/1");
+    std::fs::create_dir_all(&vdir).unwrap();
+    std::fs::copy(example_onnx("identity_fp32", 1), vdir.join("model.onnx")).unwrap();
+    std::fs::write(
+        dir.path().join("slow_identity/config.pbtxt"),
+        "name: \"slow_identity\"\nmax_batch_size: 8\n\
+         input [ { name: \"INPUT0\" data_type: TYPE_FP32 dims: [ 16 ] } ]\n\
+         output [ { name: \"OUTPUT0\" data_type: TYPE_FP32 dims: [ 16 ] } ]\n\
+         dynamic_batching { max_queue_delay_microseconds: 200000 }\n",
+    )
+    .unwrap();
+    for (name, limit) in [("limited", 1), ("unlimited", 0)] {
+        std::fs::create_dir_all(dir.path().join(name).join("1")).unwrap();
+        let config = format!(
+            r#"name: "{name}"
+platform: "ensemble"
+max_batch_size: 8
+input [ {{ name: "X" data_type: TYPE_FP32 dims: [ 16 ] }} ]
+output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ 16 ] }} ]
+ensemble_scheduling {{ max_inflight_requests: {limit} step [ {{ model_name: "slow_identity" model_version: -1
+  input_map {{ key: "INPUT0" value: "X" }} output_map {{ key: "OUTPUT0" value: "Y" }} }} ] }}
+"#
+        );
+        std::fs::write(dir.path().join(name).join("config.pbtxt"), config).unwrap();
+    }
+    let repo = repository(dir.path(), ControlMode::None);
+    let failed = repo.load_startup_models().await;
+    assert!(failed.is_empty(), "{failed:?}");
+    assert!(
+        repo.index(false).iter().all(|e| e.reason.is_empty()),
+        "max_inflight_requests is implemented, not warned about: {:?}",
+        repo.index(false)
+    );
+    let four = |model: &'static str| {
+        let repo = repo.clone();
+        async move {
+            let calls = (0..4).map(|i| {
+                let input = InputTensor {
+                    name: "X".into(),
+                    datatype: DataType::Fp32,
+                    shape: vec![1, 16],
+                    data: f32_bytes(&[i as f32; 16]),
+                };
+                repo.infer(InferRequest { model_name: model.into(), inputs: vec![input], ..Default::default() })
+            });
+            for (i, answer) in futures::future::join_all(calls).await.into_iter().enumerate() {
+                assert_eq!(floats(&answer.unwrap().outputs[0].data), vec![i as f32; 16], "{model} request {i}");
+            }
+        }
+    };
+    let executions = || repo.model_statistics(Some("slow_identity"), None).unwrap()[0].execution_count;
+    four("limited").await;
+    assert_eq!(executions(), 4, "one request in the pipeline at a time: four batches of one");
+    four("unlimited").await;
+    assert!(executions() < 4 + 4, "without the limit the four requests share a batch");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broken_ensembles_fail_to_load_with_the_reason_and_others_keep_serving() {
     let unknown = one_step("unknown", "no_such_model", "INPUT0", "OUTPUT0");
     let wrong_input = one_step("wrong_input", "versioned_scale", "X", "OUTPUT0");

@@ -228,11 +228,18 @@ fn load_ensemble(
     let versions = with_also(select_versions(&config, &available)?, &available, also);
     let spec = spec_from_config(&config)?;
     let plan = Arc::new(plan);
+    let inflight = match &config.scheduling_choice {
+        Some(SchedulingChoice::EnsembleScheduling(e)) if e.max_inflight_requests > 0 => {
+            Some(Arc::new(tokio::sync::Semaphore::new(e.max_inflight_requests as usize)))
+        }
+        _ => None,
+    };
     let versions = versions
         .into_iter()
         .map(|version| {
             let stats = metrics.version(name, version);
-            (version, Arc::new(ModelVersion { version, executor: Executor::Ensemble(plan.clone()), stats }))
+            let executor = Executor::Ensemble { plan: plan.clone(), inflight: inflight.clone() };
+            (version, Arc::new(ModelVersion { version, executor, stats }))
         })
         .collect();
     Ok(LoadedModel {

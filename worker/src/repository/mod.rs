@@ -63,8 +63,9 @@ pub struct ModelVersion {
 pub enum Executor {
     /// The dynamic batcher in front of the version's ONNX Runtime instances.
     Scheduler(Scheduler),
-    /// An ensemble's steps, each a request to a composing model.
-    Ensemble(Arc<Plan>),
+    /// An ensemble's steps, each a request to a composing model; `inflight` bounds the
+    /// requests in the pipeline at once (`max_inflight_requests`), shared by its versions.
+    Ensemble { plan: Arc<Plan>, inflight: Option<Arc<tokio::sync::Semaphore>> },
 }
 
 /// A model as it serves: one config, one spec, one or more versions.
@@ -297,7 +298,17 @@ impl Repository {
         let mut counted = CancelGuard { stats: &version.stats, started, armed: true };
         let outcome = match &version.executor {
             Executor::Scheduler(scheduler) => run(&model.spec, scheduler, &mut request).await,
-            Executor::Ensemble(plan) => self.run_ensemble(&model, &version, plan, &mut request, depth).await,
+            Executor::Ensemble { plan, inflight } => {
+                // Over max_inflight_requests, a request waits for its turn (bounded by its
+                // deadline) before its first step.
+                let permit = match inflight {
+                    None => None,
+                    Some(s) => Some(acquire_before(s, request.deadline).await?),
+                };
+                let outcome = self.run_ensemble(&model, &version, plan, &mut request, depth).await;
+                drop(permit);
+                outcome
+            }
         };
         counted.armed = false;
         let stats = &version.stats;
@@ -801,6 +812,21 @@ impl Drop for CancelGuard<'_> {
             self.stats.record_failure(self.started.elapsed(), "CANCELED");
         }
     }
+}
+
+/// A permit of `semaphore`, or DEADLINE_EXCEEDED when `deadline` passes first.
+async fn acquire_before(
+    semaphore: &Arc<tokio::sync::Semaphore>,
+    deadline: Option<Instant>,
+) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
+    let acquire = semaphore.clone().acquire_owned();
+    let permit = match deadline {
+        Some(d) => tokio::time::timeout_at(d.into(), acquire)
+            .await
+            .map_err(|_| Status::new(Code::DeadlineExceeded, "deadline exceeded waiting for the ensemble's turn"))?,
+        None => acquire.await,
+    };
+    permit.map_err(|_| Status::unavailable("the ensemble is unloading"))
 }
 
 /// Versions of `model` that the steps of `plans` name explicitly (not "latest").
