@@ -6,7 +6,7 @@
 //! Fields Nereid does not implement fall in two groups (see [`unsupported_fields`]):
 //! - **errors**: fields that would change results or the request protocol if ignored
 //!   (`sequence_batching`, an ensemble step's `model_namespace`, decoupled transactions, ragged batching, shape
-//!   tensors, `reshape`, `batch_input`/`batch_output`): the model fails to load and the reason
+//!   tensors, `batch_input`/`batch_output`): the model fails to load and the reason
 //!   names the field;
 //! - **warnings**: fields that only tune a backend Nereid does not have (`optimization`,
 //!   `response_cache`, `rate_limiter`, `model_repository_agents`, ...): the model loads, the
@@ -43,7 +43,7 @@ pub enum Severity {
     Error,
 }
 
-/// A set field that Nereid does not implement, by its dotted path (`input.reshape`).
+/// A set field that Nereid does not implement, by its dotted path (`input.is_shape_tensor`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UnsupportedField {
     pub path: String,
@@ -160,7 +160,7 @@ fn classify(path: &str) -> Option<Severity> {
     Some(match path {
         "sequence_batching" | "batch_input" | "batch_output" => Error,
         "ensemble_scheduling.step.model_namespace" => Error,
-        "input.reshape" | "output.reshape" | "input.is_shape_tensor" | "output.is_shape_tensor" => Error,
+        "input.is_shape_tensor" | "output.is_shape_tensor" => Error,
         "input.allow_ragged_batch" | "input.is_non_linear_format_io" => Error,
         "output.is_non_linear_format_io" | "output.label_filename" => Warning,
         "model_transaction_policy.decoupled" => Error,

@@ -64,7 +64,8 @@ BROKEN = {
     "config_name_mismatch": ("identity_fp32", dict(edit=lambda t: t.replace('name: "config_name_mismatch"', 'name: "something_else"')), ["something_else"], None),
     "unsupported_backend": ("identity_fp32", dict(edit=_sub_first('backend: "onnxruntime"', 'backend: "pytorch"')), ["pytorch"], None),
     "unsupported_sequence_batching": ("string_len", dict(edit=lambda t: t + "sequence_batching { }\n"), ["sequence_batching"], None),
-    "unsupported_reshape": ("identity_fp32", dict(edit=_sub_first("dims: [ 16 ]", "dims: [ 16 ]\n    reshape: { shape: [ 4, 4 ] }")), ["reshape"], None),
+    "reshape_element_count": ("identity_fp32", dict(edit=_sub_first("dims: [ 16 ]", "dims: [ 16 ]\n    reshape: { shape: [ 4, 5 ] }")), ["INPUT0", "reshape", "20"], None),
+    "reshape_not_the_model": ("identity_fp32", dict(edit=_sub_first("dims: [ 16 ]", "dims: [ 16 ]\n    reshape: { shape: [ 4, 4 ] }")), ["INPUT0", "reshape [4, 4]"], None),
 }
 
 

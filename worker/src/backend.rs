@@ -212,6 +212,23 @@ pub struct TensorSpec {
     pub datatype: DataType,
     /// Dims without the batch dimension (-1 = any).
     pub dims: Vec<i64>,
+    /// Config `reshape`: the model's own dims for this tensor (without the batch dimension),
+    /// when they differ from `dims`, the shape clients see. The data is the same.
+    pub reshape: Option<Vec<i64>>,
+}
+
+/// `shape` (with the batch dimension first when `batching`) with its other dims replaced by
+/// `dims`, a `-1` there taking whatever element count is left: how a tensor looks on the other
+/// side of a config `reshape`. Elements and rows are unchanged.
+pub fn reshaped(dims: &[i64], shape: &[i64], batching: bool) -> Vec<i64> {
+    let (batch, rest) = match (batching, shape.split_first()) {
+        (true, Some((b, rest))) => (Some(*b), rest),
+        _ => (None, shape),
+    };
+    let elements: i64 = rest.iter().product();
+    let known: i64 = dims.iter().filter(|&&d| d >= 0).product();
+    let fill = if known > 0 { elements / known } else { 0 };
+    batch.into_iter().chain(dims.iter().map(|&d| if d < 0 { fill } else { d })).collect()
 }
 
 /// What a request of one job carries into a batch.
@@ -319,7 +336,10 @@ impl InstanceSession {
         let mut bool_iter = bools.iter();
         let mut values: Vec<(&str, ort::session::SessionInputValue<'_>)> = Vec::with_capacity(self.inputs.len());
         for (i, spec) in self.inputs.iter().enumerate() {
-            let shape = batch_shape(&jobs[0].inputs[i].0, total_rows, self.batching);
+            let mut shape = batch_shape(&jobs[0].inputs[i].0, total_rows, self.batching);
+            if let Some(model_dims) = &spec.reshape {
+                shape = reshaped(model_dims, &shape, self.batching);
+            }
             let value = if spec.datatype == DataType::Bytes {
                 ort::value::Tensor::from_string_array((shape, strings[i].as_slice()))
                     .map(Into::into)
@@ -408,11 +428,16 @@ fn split_output(
     per_job: &mut [Vec<OutputTensor>],
 ) -> Result<(), Status> {
     let internal = |e: ort::Error| Status::internal(format!("output '{}': {e}", spec.name));
+    // With a config `reshape`, the model's shape is turned into the one clients see.
+    let client_shape = |shape: Vec<i64>| match &spec.reshape {
+        Some(_) => reshaped(&spec.dims, &shape, batching),
+        None => shape,
+    };
     let (shape, bytes): (Vec<i64>, Bytes) = match spec.datatype {
         DataType::Bytes => {
             let (shape, strings) = value.try_extract_strings().map_err(internal)?;
             // Serialize per job below; keep the element list.
-            let shape: Vec<i64> = shape.iter().copied().collect();
+            let shape: Vec<i64> = client_shape(shape.iter().copied().collect());
             let per_row = row_elements(&shape, batching, total_rows);
             let mut at = 0;
             for (j, job) in jobs.iter().enumerate() {
@@ -436,11 +461,14 @@ fn split_output(
         }
         DataType::Bool => {
             let (shape, data) = value.try_extract_tensor::<bool>().map_err(internal)?;
-            (shape.iter().copied().collect(), Bytes::from(data.iter().map(|&b| b as u8).collect::<Vec<u8>>()))
+            (
+                client_shape(shape.iter().copied().collect()),
+                Bytes::from(data.iter().map(|&b| b as u8).collect::<Vec<u8>>()),
+            )
         }
         _ => {
             let (shape, data) = extract_bytes(value, spec.datatype).map_err(internal)?;
-            (shape, Bytes::copy_from_slice(data))
+            (client_shape(shape), Bytes::copy_from_slice(data))
         }
     };
     if jobs.len() == 1 {
@@ -496,5 +524,20 @@ fn extract_bytes(value: &DynValue, dtype: DataType) -> ort::Result<(Vec<i64>, &[
         DataType::Uint32 => ex::<u32>(value),
         DataType::Uint64 => ex::<u64>(value),
         DataType::Bool | DataType::Bytes => Err(ort::Error::new("internal: handled separately")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reshaped;
+
+    #[test]
+    fn reshape_keeps_rows_and_elements() {
+        assert_eq!(reshaped(&[16], &[3, 4, 4], true), vec![3, 16]);
+        assert_eq!(reshaped(&[4, 4], &[3, 16], true), vec![3, 4, 4]);
+        assert_eq!(reshaped(&[2, -1], &[5, 4, 4], true), vec![5, 2, 8], "-1 takes what is left");
+        assert_eq!(reshaped(&[-1], &[2, 3], false), vec![6], "no batch dimension");
+        assert_eq!(reshaped(&[], &[7, 1], true), vec![7], "[batch, 1] to [batch]");
+        assert_eq!(reshaped(&[1], &[7], true), vec![7, 1]);
     }
 }

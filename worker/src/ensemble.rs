@@ -324,7 +324,12 @@ ensemble_scheduling {
     fn spec(inputs: &[(&str, DataType)], outputs: &[(&str, DataType)]) -> std::sync::Arc<ModelSpec> {
         let t = |v: &[(&str, DataType)]| {
             v.iter()
-                .map(|(n, d)| crate::backend::TensorSpec { name: n.to_string(), datatype: *d, dims: vec![4] })
+                .map(|(n, d)| crate::backend::TensorSpec {
+                    name: n.to_string(),
+                    datatype: *d,
+                    dims: vec![4],
+                    reshape: None,
+                })
                 .collect()
         };
         std::sync::Arc::new(ModelSpec { max_batch_size: 8, inputs: t(inputs), outputs: t(outputs) })

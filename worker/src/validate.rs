@@ -184,12 +184,12 @@ mod tests {
         ModelSpec {
             max_batch_size: 8,
             inputs: vec![
-                TensorSpec { name: "A".into(), datatype: DataType::Fp32, dims: vec![-1, 4] },
-                TensorSpec { name: "S".into(), datatype: DataType::Bytes, dims: vec![1] },
+                TensorSpec { name: "A".into(), datatype: DataType::Fp32, dims: vec![-1, 4], reshape: None },
+                TensorSpec { name: "S".into(), datatype: DataType::Bytes, dims: vec![1], reshape: None },
             ],
             outputs: vec![
-                TensorSpec { name: "X".into(), datatype: DataType::Fp32, dims: vec![4] },
-                TensorSpec { name: "Y".into(), datatype: DataType::Fp32, dims: vec![4] },
+                TensorSpec { name: "X".into(), datatype: DataType::Fp32, dims: vec![4], reshape: None },
+                TensorSpec { name: "Y".into(), datatype: DataType::Fp32, dims: vec![4], reshape: None },
             ],
         }
     }

@@ -97,6 +97,51 @@ async fn broken_models_fail_alone_with_a_reason() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reshape_serves_the_config_shape_over_the_model_shape() {
+    // identity_fp32 takes and gives [batch, 16]; clients of this config send [batch, 4, 4] and
+    // get [batch, 2, 8].
+    let config = r#"
+name: "square"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4, 4 ] reshape: { shape: [ 16 ] } } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2, 8 ] reshape: { shape: [ 16 ] } } ]
+dynamic_batching { max_queue_delay_microseconds: 2000 }
+"#;
+    let dir = repo(&[TestModel { name: "square", source: "identity_fp32", config: Some(config) }]);
+    let repo = repository(dir.path(), ControlMode::None, false);
+    let failed = repo.load_startup_models().await;
+    assert!(failed.is_empty(), "{failed:?}");
+    let md = repo.model_metadata("square", None).unwrap();
+    assert_eq!(md.inputs[0].shape, vec![-1, 4, 4], "clients see the config's dims");
+    let request = |rows: usize, base: f32| {
+        let values: Vec<f32> = (0..rows * 16).map(|i| base + i as f32).collect();
+        InferRequest {
+            model_name: "square".into(),
+            inputs: vec![InputTensor {
+                name: "INPUT0".into(),
+                datatype: DataType::Fp32,
+                shape: vec![rows as i64, 4, 4],
+                data: Bytes::from(values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()),
+            }],
+            ..Default::default()
+        }
+    };
+    // Two requests batched together, each answered in its own [rows, 2, 8].
+    let (a, b) = tokio::join!(repo.infer(request(2, 0.0)), repo.infer(request(1, 100.0)));
+    for (answer, rows, base) in [(a.unwrap(), 2usize, 0.0f32), (b.unwrap(), 1, 100.0)] {
+        let out = &answer.outputs[0];
+        assert_eq!(out.shape, vec![rows as i64, 2, 8]);
+        let got: Vec<f32> = out.data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(got, (0..rows * 16).map(|i| base + i as f32).collect::<Vec<_>>());
+    }
+    // The config's dims are what requests are checked against.
+    let mut flat = request(1, 0.0);
+    flat.inputs[0].shape = vec![1, 16];
+    let e = repo.infer(flat).await.unwrap_err();
+    assert!(e.message.contains("expects [batch, 4, 4]"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_config_is_auto_completed_unless_strict() {
     let dir = repo(&[TestModel { name: "auto", source: "identity_fp32", config: None }]);
     let repo = repository(dir.path(), ControlMode::None, false);

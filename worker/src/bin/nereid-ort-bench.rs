@@ -92,7 +92,7 @@ fn to_spec(t: &ModelTensor, batching: bool) -> Result<TensorSpec, String> {
         .datatype
         .ok_or_else(|| format!("tensor '{}' has type {} which the worker cannot serve", t.name, t.type_name))?;
     let dims = if batching { t.dims[1..].to_vec() } else { t.dims.clone() };
-    Ok(TensorSpec { name: t.name.clone(), datatype, dims })
+    Ok(TensorSpec { name: t.name.clone(), datatype, dims, reshape: None })
 }
 
 /// Deterministic pseudo-random fp32 values in [-1, 1) (xorshift64*), as little-endian bytes in

@@ -16,6 +16,7 @@ use nereid_proto::inference::model_version_policy::PolicyChoice;
 use nereid_proto::inference::model_warmup::input::InputDataType;
 use nereid_proto::inference::{
     ModelConfig, ModelDynamicBatching, ModelInput, ModelInstanceGroup, ModelOutput, ModelQueuePolicy,
+    ModelTensorReshape,
 };
 
 use super::{Executor, LoadedModel, ModelVersion, RepositoryOptions};
@@ -217,6 +218,18 @@ fn load_ensemble(
     metrics: &Metrics,
 ) -> Result<LoadedModel, Status> {
     let plan = ensemble::plan(&config).map_err(|e| fail(format!("config: {e}")))?;
+    if let Some(name) = config
+        .input
+        .iter()
+        .filter(|t| t.reshape.is_some())
+        .map(|t| &t.name)
+        .chain(config.output.iter().filter(|t| t.reshape.is_some()).map(|t| &t.name))
+        .next()
+    {
+        return Err(fail(format!(
+            "tensor '{name}': reshape does not apply to an ensemble (reshape in its steps' models)"
+        )));
+    }
     validate_model_config(&config).map_err(|e| fail(format!("config: {e}")))?;
     if !config.instance_group.is_empty() {
         warnings.push("instance_group does not apply to an ensemble (its steps run on their models' instances)".into());
@@ -490,11 +503,43 @@ fn check_against_model(config: &ModelConfig, io: &ModelIo) -> Result<(), String>
         }
         Ok(())
     };
+    // With a `reshape`, the model's dims are the reshape's; the config's dims (what clients
+    // send and get) must hold as many elements.
+    let model_dims = |kind: &str, name: &str, dims: &[i64], reshape: Option<&ModelTensorReshape>| {
+        let Some(r) = reshape else { return Ok(dims.to_vec()) };
+        if r.shape.iter().filter(|&&d| d == -1).count() > 1 || r.shape.iter().any(|&d| d < -1 || d == 0) {
+            return Err(format!("{kind} '{name}': reshape {:?} may hold one -1 and positive dims only", r.shape));
+        }
+        let count = |d: &[i64]| d.iter().all(|&x| x > 0).then(|| d.iter().product::<i64>());
+        if let (Some(a), Some(b)) = (count(dims), count(&r.shape))
+            && a != b
+        {
+            return Err(format!(
+                "{kind} '{name}': dims {dims:?} hold {a} elements but reshape {:?} holds {b}",
+                r.shape
+            ));
+        }
+        if dims.contains(&-1) != r.shape.contains(&-1) {
+            return Err(format!(
+                "{kind} '{name}': dims {dims:?} and reshape {:?} must both be fixed or both have a -1",
+                r.shape
+            ));
+        }
+        Ok(r.shape.clone())
+    };
+    let with_reshape = |e: String, r: Option<&ModelTensorReshape>| match r {
+        Some(r) => format!("{e} (the model's dims being the config's reshape {:?})", r.shape),
+        None => e,
+    };
     for input in &config.input {
-        check("input", &input.name, input.data_type, &input.dims, &io.inputs)?;
+        let dims = model_dims("input", &input.name, &input.dims, input.reshape.as_ref())?;
+        check("input", &input.name, input.data_type, &dims, &io.inputs)
+            .map_err(|e| with_reshape(e, input.reshape.as_ref()))?;
     }
     for output in &config.output {
-        check("output", &output.name, output.data_type, &output.dims, &io.outputs)?;
+        let dims = model_dims("output", &output.name, &output.dims, output.reshape.as_ref())?;
+        check("output", &output.name, output.data_type, &dims, &io.outputs)
+            .map_err(|e| with_reshape(e, output.reshape.as_ref()))?;
     }
     for t in &io.inputs {
         if !config.input.iter().any(|i| i.name == t.name) {
@@ -505,18 +550,27 @@ fn check_against_model(config: &ModelConfig, io: &ModelIo) -> Result<(), String>
 }
 
 fn spec_from_config(config: &ModelConfig) -> Result<ModelSpec, Status> {
-    let convert = |name: &str, data_type: i32, dims: &[i64]| -> Result<TensorSpec, Status> {
-        Ok(TensorSpec {
+    let convert = |name: &str, data_type: i32, dims: &[i64], reshape: Option<&ModelTensorReshape>| {
+        Ok::<_, Status>(TensorSpec {
             name: name.to_string(),
             datatype: DataType::from_config_value(data_type)
                 .ok_or_else(|| fail(format!("tensor '{name}': invalid data_type")))?,
             dims: dims.to_vec(),
+            reshape: reshape.map(|r| r.shape.clone()),
         })
     };
     Ok(ModelSpec {
         max_batch_size: config.max_batch_size.max(0) as usize,
-        inputs: config.input.iter().map(|t| convert(&t.name, t.data_type, &t.dims)).collect::<Result<_, _>>()?,
-        outputs: config.output.iter().map(|t| convert(&t.name, t.data_type, &t.dims)).collect::<Result<_, _>>()?,
+        inputs: config
+            .input
+            .iter()
+            .map(|t| convert(&t.name, t.data_type, &t.dims, t.reshape.as_ref()))
+            .collect::<Result<_, _>>()?,
+        outputs: config
+            .output
+            .iter()
+            .map(|t| convert(&t.name, t.data_type, &t.dims, t.reshape.as_ref()))
+            .collect::<Result<_, _>>()?,
     })
 }
 
