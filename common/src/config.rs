@@ -163,6 +163,8 @@ fn classify(path: &str) -> Option<Severity> {
         "input.is_shape_tensor" | "output.is_shape_tensor" => Error,
         "input.allow_ragged_batch" | "input.is_non_linear_format_io" => Error,
         "output.is_non_linear_format_io" | "output.label_filename" => Warning,
+        // Loads with a warning; the input stays required (requests must carry it).
+        "input.optional" => Warning,
         "model_transaction_policy.decoupled" => Error,
         "instance_group.secondary_devices" | "instance_group.profile" | "instance_group.passive" => Warning,
         "instance_group.rate_limiter" | "instance_group.host_policy" => Warning,
@@ -402,6 +404,72 @@ version_policy: { latest: { num_versions: 2 } }
         assert!(found.contains(&UnsupportedField { path: "sequence_batching".into(), severity: Severity::Error }));
         assert!(found.contains(&UnsupportedField { path: "response_cache".into(), severity: Severity::Warning }));
         assert!(!found.iter().any(|f| f.path.contains("decoupled")));
+    }
+
+    #[test]
+    fn optional_inputs_and_ensemble_fields_are_classified() {
+        let c = parse_model_config(
+            "name: \"o\"\nmax_batch_size: 2\ninput [ { name: \"x\" data_type: TYPE_FP32 dims: [ 2 ] optional: true \
+             reshape: { shape: [ 2 ] } } ]\n",
+        )
+        .unwrap();
+        let found = unsupported_fields(&c);
+        assert_eq!(found, vec![UnsupportedField { path: "input.optional".into(), severity: Severity::Warning }]);
+    }
+
+    /// Every field of `ModelConfig` (walked through the schema) is either one Nereid
+    /// implements or one `classify` reports, so a config field is never silently ignored — and
+    /// a field added to the proto fails this test until someone decides which it is.
+    #[test]
+    fn no_config_field_is_silently_ignored() {
+        const IMPLEMENTED: &[&str] = &[
+            "name",
+            "platform",
+            "backend",
+            "version_policy",
+            "max_batch_size",
+            "input.name",
+            "input.data_type",
+            "input.dims",
+            "input.reshape",
+            "output.name",
+            "output.data_type",
+            "output.dims",
+            "output.reshape",
+            "instance_group.name",
+            "instance_group.kind",
+            "instance_group.count",
+            "instance_group.gpus",
+            "default_model_filename",
+            "parameters",
+            "model_warmup",
+            "dynamic_batching",
+            "ensemble_scheduling",
+            "model_transaction_policy.decoupled",
+        ];
+        fn walk(d: &MessageDescriptor, prefix: &str, depth: usize, missing: &mut Vec<String>) {
+            for field in d.fields() {
+                let path =
+                    if prefix.is_empty() { field.name().to_string() } else { format!("{prefix}.{}", field.name()) };
+                let covered = |p: &str| {
+                    IMPLEMENTED.iter().any(|i| p == *i || p.starts_with(&format!("{i}.")))
+                        || std::iter::successors(Some(p), |q| q.rsplit_once('.').map(|(head, _)| head))
+                            .any(|q| classify(q).is_some())
+                };
+                if covered(&path) {
+                    continue;
+                }
+                match field.kind() {
+                    prost_reflect::Kind::Message(m) if depth < 4 && !field.is_map() => {
+                        walk(&m, &path, depth + 1, missing)
+                    }
+                    _ => missing.push(path),
+                }
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&model_config_descriptor(), "", 0, &mut missing);
+        assert!(missing.is_empty(), "config fields neither implemented nor reported: {missing:?}");
     }
 
     #[test]
