@@ -9,7 +9,7 @@
 //!   tensors, `batch_input`/`batch_output`): the model fails to load and the reason
 //!   names the field;
 //! - **warnings**: fields that only tune a backend Nereid does not have (`optimization`,
-//!   `response_cache`, `rate_limiter`, `model_repository_agents`, ...): the model loads, the
+//!   `rate_limiter`, `model_repository_agents`, ...): the model loads, the
 //!   warning is logged and shown in the repository index.
 
 use std::sync::OnceLock;
@@ -168,7 +168,7 @@ fn classify(path: &str) -> Option<Severity> {
         "model_transaction_policy.decoupled" => Error,
         "instance_group.secondary_devices" | "instance_group.profile" | "instance_group.passive" => Warning,
         "instance_group.rate_limiter" | "instance_group.host_policy" => Warning,
-        "input.format" | "optimization" | "response_cache" | "model_repository_agents" => Warning,
+        "input.format" | "optimization" | "model_repository_agents" => Warning,
         "cc_model_filenames" | "metric_tags" | "model_operations" | "model_metrics" => Warning,
         "dynamic_batching.priority_queue_policy.max_queue_size"
         | "dynamic_batching.default_queue_policy.max_queue_size" => return None,
@@ -396,13 +396,14 @@ version_policy: { latest: { num_versions: 2 } }
     #[test]
     fn reports_unsupported_fields() {
         let c = parse_model_config(
-            "name: \"s\"\nmax_batch_size: 2\nsequence_batching {}\nresponse_cache { enable: true }\n\
-             model_transaction_policy { decoupled: false }\n",
+            "name: \"s\"\nmax_batch_size: 2\nsequence_batching {}\noptimization { priority: PRIORITY_MAX }\n\
+             response_cache { enable: true }\nmodel_transaction_policy { decoupled: false }\n",
         )
         .unwrap();
         let found = unsupported_fields(&c);
         assert!(found.contains(&UnsupportedField { path: "sequence_batching".into(), severity: Severity::Error }));
-        assert!(found.contains(&UnsupportedField { path: "response_cache".into(), severity: Severity::Warning }));
+        assert!(found.contains(&UnsupportedField { path: "optimization".into(), severity: Severity::Warning }));
+        assert!(!found.iter().any(|f| f.path.contains("response_cache")), "implemented: {found:?}");
         assert!(!found.iter().any(|f| f.path.contains("decoupled")));
     }
 
@@ -446,6 +447,7 @@ version_policy: { latest: { num_versions: 2 } }
             "dynamic_batching",
             "ensemble_scheduling",
             "model_transaction_policy.decoupled",
+            "response_cache",
         ];
         fn walk(d: &MessageDescriptor, prefix: &str, depth: usize, missing: &mut Vec<String>) {
             for field in d.fields() {

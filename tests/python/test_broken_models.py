@@ -75,7 +75,7 @@ def broken_repo(tmp_path_factory):
     repo = tmp_path_factory.mktemp("broken") / "repo"
     repo.mkdir()
     shutil.copytree(EXAMPLE_MODELS / "identity_fp32", repo / "identity_fp32")
-    # a field Nereid only warns about: the model still loads
+    # a field that only warns here (response_cache without --cache-config): the model still loads
     _variant(repo, "ignored_tuning_field", "string_len", edit=lambda t: t + "response_cache { enable: true }\n")
     for name, (base, kw, _, _) in BROKEN.items():
         _variant(repo, name, base, **kw)

@@ -104,6 +104,11 @@ pub struct Args {
     #[arg(long, default_value_t = 64 << 20, value_parser = clap::value_parser!(u64).range(1024..=(1 << 32)))]
     pub max_request_bytes: u64,
 
+    /// Response cache, as tritonserver takes it: `local,size=BYTES` (the only cache here). Models
+    /// opt in with response_cache { enable: true }; without this flag none is cached.
+    #[arg(long = "cache-config", value_name = "CACHE,KEY=VALUE")]
+    pub cache_config: Vec<String>,
+
     /// Default ONNX Runtime intra-op threads per instance (a model's
     /// parameters { key: "intra_op_thread_count" } overrides; 0 = ONNX Runtime's default).
     #[arg(long, default_value_t = 1)]

@@ -7,6 +7,7 @@
 //! An [`ensemble`] runs its steps as such requests to its composing models.
 
 pub mod backend;
+pub mod cache;
 pub mod cli;
 pub mod ensemble;
 pub mod fleet;

@@ -73,7 +73,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if options.mode != ControlMode::Explicit && args.etcd_endpoints.is_some() {
         anyhow::bail!("--etcd-endpoints requires --model-control-mode=explicit (placement decides what is loaded)");
     }
-    let repository = Arc::new(Repository::new(options, metrics.clone()));
+    let cache_bytes = nereid_worker::cache::parse_cache_config(&args.cache_config).map_err(anyhow::Error::msg)?;
+    let repository = Arc::new(Repository::new(options, metrics.clone()).with_response_cache(cache_bytes));
     let server = Server {
         repository: repository.clone(),
         metrics,

@@ -94,6 +94,8 @@ pub struct VersionStats {
     compute_input: DurationCell,
     compute_infer: DurationCell,
     compute_output: DurationCell,
+    cache_hit: DurationCell,
+    cache_miss: DurationCell,
     inference_count: AtomicU64,
     execution_count: AtomicU64,
     last_inference_ms: AtomicU64,
@@ -119,6 +121,8 @@ impl VersionStats {
             compute_input: Default::default(),
             compute_infer: Default::default(),
             compute_output: Default::default(),
+            cache_hit: Default::default(),
+            cache_miss: Default::default(),
             inference_count: AtomicU64::new(0),
             execution_count: AtomicU64::new(0),
             last_inference_ms: AtomicU64::new(0),
@@ -137,6 +141,20 @@ impl VersionStats {
         self.request_latency.observe(total.as_micros() as u64);
         let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
         self.last_inference_ms.store(now_ms, Relaxed);
+    }
+
+    /// A request answered from the response cache: `lookup` is the time the lookup took. It
+    /// counts as a success of `total`, and its rows as inferences (no execution).
+    pub fn record_cache_hit(&self, lookup: StdDuration, rows: usize, total: StdDuration) {
+        self.cache_hit.add(lookup);
+        self.inference_count.fetch_add(rows as u64, Relaxed);
+        self.record_success(total);
+    }
+
+    /// A cacheable request that was not in the response cache: `lookup` is the time spent
+    /// looking it up and storing its answer.
+    pub fn record_cache_miss(&self, lookup: StdDuration) {
+        self.cache_miss.add(lookup);
     }
 
     /// A request failed after `total`; `reason` is one of [`FAILURE_REASONS`].
@@ -202,6 +220,8 @@ impl VersionStats {
             compute_input: self.compute_input.get(),
             compute_infer: self.compute_infer.get(),
             compute_output: self.compute_output.get(),
+            cache_hit: self.cache_hit.get(),
+            cache_miss: self.cache_miss.get(),
             batch_stats: batches
                 .iter()
                 .map(|(&batch_size, c)| BatchStats {
@@ -316,7 +336,7 @@ impl Metrics {
         let labels = |s: &VersionStats| format!("model=\"{}\",version=\"{}\"", escape(&s.model), escape(&s.version));
 
         type Getter = fn(&ModelStats) -> u64;
-        let counters: [(&str, &str, Getter); 9] = [
+        let counters: [(&str, &str, Getter); 13] = [
             ("nv_inference_request_success", "Number of successful inference requests, all batch sizes", |s| {
                 s.success.count
             }),
@@ -340,6 +360,16 @@ impl Metrics {
             ("nv_inference_last_inference_ms", "Milliseconds since the epoch of the last successful inference", |s| {
                 s.last_inference_ms
             }),
+            ("nv_cache_num_hits_per_model", "Number of response cache hits per model", |s| s.cache_hit.count),
+            ("nv_cache_num_misses_per_model", "Number of response cache misses per model", |s| s.cache_miss.count),
+            ("nv_cache_hit_duration_per_model", "Cumulative response cache hit lookup duration in microseconds", |s| {
+                s.cache_hit.ns / 1000
+            }),
+            (
+                "nv_cache_miss_duration_per_model",
+                "Cumulative response cache miss lookup and insertion duration in microseconds",
+                |s| s.cache_miss.ns / 1000,
+            ),
         ];
         let snapshots: Vec<(String, ModelStats)> = all.iter().map(|s| (labels(s), s.snapshot())).collect();
         for (name, help, get) in counters {

@@ -90,6 +90,9 @@ pub struct ModelStats {
     pub compute_input: Duration,
     pub compute_infer: Duration,
     pub compute_output: Duration,
+    /// Response cache lookups that answered the request, and those that did not.
+    pub cache_hit: Duration,
+    pub cache_miss: Duration,
     pub batch_stats: Vec<BatchStats>,
 }
 

@@ -67,6 +67,8 @@ fn invalid_flags_exit_non_zero_naming_the_flag() {
         (vec!["--model-repository", repo, "--no-such-flag"], "--no-such-flag"),
         (vec!["--model-repository", repo, "--etcd-endpoints", "http://127.0.0.1:9"], "--etcd-endpoints"),
         (vec!["--model-repository", repo, "--etcd-lease-ttl-secs", "0"], "--etcd-lease-ttl-secs"),
+        (vec!["--model-repository", repo, "--cache-config", "redis,host=x", "--http-port", "0"], "--cache-config"),
+        (vec!["--model-repository", repo, "--cache-config", "local,size=big", "--http-port", "0"], "--cache-config"),
         (vec!["--http-port", "1"], "--model-repository"),
         (vec!["--model-repository", "/nonexistent/repo", "--http-port", "0"], "--model-repository"),
         (

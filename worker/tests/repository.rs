@@ -9,6 +9,7 @@ use common::{TestModel, example_onnx, repo, repository};
 use nereid_common::{Code, DataType};
 use nereid_worker::repository::{ControlMode, Repository};
 use nereid_worker::tensor::{InferRequest, InputTensor};
+use std::sync::Arc;
 
 const GOOD: &str = r#"
 name: "good"
@@ -139,6 +140,62 @@ dynamic_batching { max_queue_delay_microseconds: 2000 }
     flat.inputs[0].shape = vec![1, 16];
     let e = repo.infer(flat).await.unwrap_err();
     assert!(e.message.contains("expects [batch, 4, 4]"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_response_cache_answers_identical_requests_of_models_that_enable_it() {
+    let cached = GOOD.replace("good", "cached") + "response_cache { enable: true }\n";
+    let plain = GOOD.replace("good", "plain");
+    let dir = repo(&[
+        TestModel { name: "cached", source: "identity_fp32", config: Some(&cached) },
+        TestModel { name: "plain", source: "identity_fp32", config: Some(&plain) },
+    ]);
+    let with = |bytes: Option<usize>| {
+        let repo = Arc::try_unwrap(repository(dir.path(), ControlMode::None, false)).ok().unwrap();
+        Arc::new(repo.with_response_cache(bytes))
+    };
+    let request = |model: &str, fill: u8| {
+        let mut r = identity_request(model, None);
+        r.inputs[0].data = Bytes::from(vec![fill; 64]);
+        r
+    };
+    let stats = |repo: &Repository, m: &str| repo.model_statistics(Some(m), Some(1)).unwrap()[0].clone();
+
+    let repo = with(Some(1 << 20));
+    assert!(repo.load_startup_models().await.is_empty());
+    let first = repo.infer(request("cached", 1)).await.unwrap();
+    let second = repo.infer(request("cached", 1)).await.unwrap();
+    assert_eq!(first.outputs[0].data, second.outputs[0].data);
+    assert_eq!(second.outputs[0].shape, vec![1, 16]);
+    repo.infer(request("cached", 2)).await.unwrap();
+    let s = stats(&repo, "cached");
+    assert_eq!((s.cache_hit.count, s.cache_miss.count), (1, 2), "hit on the repeat, miss on the two new inputs");
+    assert_eq!((s.execution_count, s.inference_count, s.success.count), (2, 3, 3), "a hit runs nothing");
+    // A model without response_cache is never cached.
+    for _ in 0..2 {
+        repo.infer(request("plain", 1)).await.unwrap();
+    }
+    let s = stats(&repo, "plain");
+    assert_eq!((s.cache_hit.count, s.cache_miss.count, s.execution_count), (0, 0, 2));
+    let text = repo.metrics().render();
+    assert!(text.contains("nv_cache_num_hits_per_model{model=\"cached\",version=\"1\"} 1"), "{text}");
+    assert!(text.contains("nv_cache_num_misses_per_model{model=\"cached\",version=\"1\"} 2"), "{text}");
+
+    // Without --cache-config the model loads and runs every request.
+    let repo = with(None);
+    assert!(repo.load_startup_models().await.is_empty());
+    for _ in 0..2 {
+        repo.infer(request("cached", 1)).await.unwrap();
+    }
+    assert_eq!(stats(&repo, "cached").execution_count, 2);
+    // A cache smaller than one response keeps nothing.
+    let repo = with(Some(100));
+    assert!(repo.load_startup_models().await.is_empty());
+    for _ in 0..2 {
+        repo.infer(request("cached", 1)).await.unwrap();
+    }
+    let s = stats(&repo, "cached");
+    assert_eq!((s.cache_hit.count, s.cache_miss.count, s.execution_count), (0, 2, 2));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -118,6 +118,8 @@ pub fn stats_from_proto(s: ModelStatistics) -> ModelStats {
         compute_input: duration(i.compute_input),
         compute_infer: duration(i.compute_infer),
         compute_output: duration(i.compute_output),
+        cache_hit: duration(i.cache_hit),
+        cache_miss: duration(i.cache_miss),
         batch_stats: s
             .batch_stats
             .into_iter()

@@ -411,8 +411,7 @@ fn duration_to_proto(d: server::Duration) -> Option<StatisticDuration> {
     Some(StatisticDuration { count: d.count, ns: d.ns })
 }
 
-/// Maps one model version's statistics onto Triton's `ModelStatistics` (cache statistics are
-/// always zero: there is no response cache).
+/// Maps one model version's statistics onto Triton's `ModelStatistics`.
 pub fn model_stats_to_proto(s: ModelStats) -> ModelStatistics {
     ModelStatistics {
         name: s.name,
@@ -427,8 +426,8 @@ pub fn model_stats_to_proto(s: ModelStats) -> ModelStatistics {
             compute_input: duration_to_proto(s.compute_input),
             compute_infer: duration_to_proto(s.compute_infer),
             compute_output: duration_to_proto(s.compute_output),
-            cache_hit: duration_to_proto(server::Duration::default()),
-            cache_miss: duration_to_proto(server::Duration::default()),
+            cache_hit: duration_to_proto(s.cache_hit),
+            cache_miss: duration_to_proto(s.cache_miss),
         }),
         batch_stats: s
             .batch_stats
@@ -819,6 +818,8 @@ mod tests {
             compute_input: d(4, 30),
             compute_infer: d(4, 600),
             compute_output: d(4, 40),
+            cache_hit: d(2, 70),
+            cache_miss: d(3, 90),
             batch_stats: vec![server::BatchStats {
                 batch_size: 2,
                 compute_input: d(3, 9),
@@ -839,8 +840,8 @@ mod tests {
         assert_eq!(i.compute_input, sd(4, 30));
         assert_eq!(i.compute_infer, sd(4, 600));
         assert_eq!(i.compute_output, sd(4, 40));
-        assert_eq!(i.cache_hit, sd(0, 0));
-        assert_eq!(i.cache_miss, sd(0, 0));
+        assert_eq!(i.cache_hit, sd(2, 70));
+        assert_eq!(i.cache_miss, sd(3, 90));
         assert_eq!(p.batch_stats.len(), 1);
         assert_eq!(p.batch_stats[0].batch_size, 2);
         assert_eq!(p.batch_stats[0].compute_input, sd(3, 9));

@@ -605,7 +605,6 @@ fn duration_json(d: &server::Duration) -> Value {
 
 /// `GET /v2/models[/{m}[/versions/{v}]]/stats`, in Triton's layout.
 pub fn stats_json(stats: &[ModelStats]) -> Value {
-    let zero = server::Duration::default();
     let model_stats: Vec<Value> = stats
         .iter()
         .map(|s| {
@@ -634,8 +633,8 @@ pub fn stats_json(stats: &[ModelStats]) -> Value {
                     "compute_input": duration_json(&s.compute_input),
                     "compute_infer": duration_json(&s.compute_infer),
                     "compute_output": duration_json(&s.compute_output),
-                    "cache_hit": duration_json(&zero),
-                    "cache_miss": duration_json(&zero),
+                    "cache_hit": duration_json(&s.cache_hit),
+                    "cache_miss": duration_json(&s.cache_miss),
                 },
                 "response_stats": {},
                 "batch_stats": batch_stats,
@@ -829,6 +828,8 @@ mod tests {
             compute_input: d(4, 10),
             compute_infer: d(4, 800),
             compute_output: d(4, 20),
+            cache_hit: d(2, 70),
+            cache_miss: d(3, 90),
             batch_stats: vec![BatchStats {
                 batch_size: 2,
                 compute_input: d(2, 4),
@@ -846,8 +847,8 @@ mod tests {
         assert_eq!(m["inference_stats"]["success"], json!({"count": 10, "ns": 1000}));
         assert_eq!(m["inference_stats"]["fail"], json!({"count": 1, "ns": 5}));
         assert_eq!(m["inference_stats"]["compute_infer"], json!({"count": 4, "ns": 800}));
-        assert_eq!(m["inference_stats"]["cache_hit"], json!({"count": 0, "ns": 0}));
-        assert_eq!(m["inference_stats"]["cache_miss"], json!({"count": 0, "ns": 0}));
+        assert_eq!(m["inference_stats"]["cache_hit"], json!({"count": 2, "ns": 70}));
+        assert_eq!(m["inference_stats"]["cache_miss"], json!({"count": 3, "ns": 90}));
         assert_eq!(
             m["batch_stats"],
             json!([{

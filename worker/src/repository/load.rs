@@ -195,6 +195,7 @@ pub fn load_model(
         loaded_versions
             .insert(version, Arc::new(ModelVersion { version, executor: Executor::Scheduler(scheduler), stats }));
     }
+    let cache_enabled = config.response_cache.is_some_and(|c| c.enable);
     Ok(LoadedModel {
         name: name.to_string(),
         config: Arc::new(config),
@@ -203,6 +204,7 @@ pub fn load_model(
         warnings,
         stamp,
         ensemble: None,
+        cache_enabled,
     })
 }
 
@@ -255,6 +257,7 @@ fn load_ensemble(
             (version, Arc::new(ModelVersion { version, executor, stats }))
         })
         .collect();
+    let cache_enabled = config.response_cache.is_some_and(|c| c.enable);
     Ok(LoadedModel {
         name: name.to_string(),
         config: Arc::new(config),
@@ -262,6 +265,7 @@ fn load_ensemble(
         versions,
         warnings,
         stamp,
+        cache_enabled,
         ensemble: Some(plan),
     })
 }

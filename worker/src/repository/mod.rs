@@ -22,6 +22,7 @@ use nereid_proto::inference::ModelConfig;
 use tokio::sync::oneshot;
 
 use crate::backend::SessionOptions;
+use crate::cache::{self, ResponseCache};
 use crate::ensemble::{self, Plan};
 use crate::metrics::{Metrics, VersionStats};
 use crate::scheduler::{Job, Scheduler};
@@ -78,6 +79,8 @@ pub struct LoadedModel {
     pub stamp: Stamp,
     /// The step graph, for an ensemble.
     pub ensemble: Option<Arc<Plan>>,
+    /// `response_cache { enable: true }`: answers may come from the repository's cache.
+    pub cache_enabled: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -119,6 +122,8 @@ pub struct Repository {
     /// POLL: the files each model had at its last load attempt, so an unchanged broken model
     /// is not retried every pass.
     attempted: std::sync::Mutex<HashMap<String, Stamp>>,
+    /// `--cache-config`: the response cache models with `response_cache { enable: true }` use.
+    cache: Option<Arc<ResponseCache>>,
 }
 
 impl Repository {
@@ -131,7 +136,15 @@ impl Repository {
             startup_done: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             attempted: Default::default(),
+            cache: None,
         }
+    }
+
+    /// Gives the repository a response cache of `bytes` (Triton's `--cache-config
+    /// local,size=BYTES`); `None` leaves it without one.
+    pub fn with_response_cache(mut self, bytes: Option<usize>) -> Self {
+        self.cache = bytes.map(|b| Arc::new(ResponseCache::new(b)));
+        self
     }
 
     pub fn metrics(&self) -> &Metrics {
@@ -296,23 +309,47 @@ impl Repository {
         // Counted exactly once: here when the request finishes, or by the guard when the
         // caller drops this future (client disconnect, gateway cancel) at any point.
         let mut counted = CancelGuard { stats: &version.stats, started, armed: true };
+        let stats = &version.stats;
+        // The response cache, for a model that enables it: an identical earlier request's
+        // answer is returned without running anything.
+        let cached = self.cache.as_ref().filter(|_| model.cache_enabled).map(|cache| {
+            let lookup = Instant::now();
+            let key = cache::key(&request, &model.name, version.version);
+            (cache, key, cache.get(key), lookup.elapsed())
+        });
+        if let Some((_, _, Some(outputs), lookup)) = &cached {
+            counted.armed = false;
+            let rows = match (model.spec.max_batch_size > 0, request.inputs.first()) {
+                (true, Some(input)) => input.shape.first().copied().unwrap_or(1).max(1) as usize,
+                _ => 1,
+            };
+            stats.record_cache_hit(*lookup, rows, started.elapsed());
+            return Ok(InferResponse {
+                model_name: request.model_name,
+                model_version: version.version,
+                id: request.id,
+                outputs: outputs.as_ref().clone(),
+            });
+        }
         let outcome = match &version.executor {
             Executor::Scheduler(scheduler) => run(&model.spec, scheduler, &mut request).await,
-            Executor::Ensemble { plan, inflight } => {
-                // Over max_inflight_requests, a request waits for its turn (bounded by its
-                // deadline) before its first step.
-                let permit = match inflight {
-                    None => None,
-                    Some(s) => Some(acquire_before(s, request.deadline).await?),
-                };
-                let outcome = self.run_ensemble(&model, &version, plan, &mut request, depth).await;
-                drop(permit);
-                outcome
+            // Over max_inflight_requests, a request waits for its turn (bounded by its
+            // deadline) before its first step.
+            Executor::Ensemble { plan, inflight: None } => {
+                self.run_ensemble(&model, &version, plan, &mut request, depth).await
             }
+            Executor::Ensemble { plan, inflight: Some(limit) } => match acquire_before(limit, request.deadline).await {
+                Ok(_permit) => self.run_ensemble(&model, &version, plan, &mut request, depth).await,
+                Err(e) => Err(e),
+            },
         };
         counted.armed = false;
-        let stats = &version.stats;
         let elapsed = started.elapsed();
+        if let (Some((cache, key, None, lookup)), Ok(outputs)) = (&cached, &outcome) {
+            let insert = Instant::now();
+            cache.insert(*key, Arc::new(outputs.clone()));
+            stats.record_cache_miss(*lookup + insert.elapsed());
+        }
         match outcome {
             Ok(outputs) => {
                 stats.record_success(elapsed);
@@ -529,6 +566,17 @@ impl Repository {
             })
             .await
             .unwrap_or_else(|e| Err(Status::internal(format!("model load panicked: {e}"))));
+            if let Ok(model) = &mut result
+                && model.cache_enabled
+                && self.cache.is_none()
+            {
+                model.cache_enabled = false;
+                model.warnings.push(
+                    "response_cache.enable is set but the worker has no response cache (--cache-config \
+                     local,size=BYTES): responses are not cached"
+                        .into(),
+                );
+            }
             if let Ok(model) = &result
                 && let Some(plan) = &model.ensemble
             {

@@ -1,0 +1,46 @@
+"""The response cache through tritonclient: a worker started with `--cache-config
+local,size=...` answers a repeated request to a model with `response_cache { enable: true }`
+from the cache, and both statistics APIs report the hit and the misses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from nereid_harness import assert_fp32_close
+
+
+@pytest.fixture
+def cached_worker(repo_copy, make_worker):
+    repo = repo_copy("identity_fp32")
+    config = repo / "identity_fp32" / "config.pbtxt"
+    config.write_text(config.read_text() + "\nresponse_cache { enable: true }\n")
+    return make_worker(repo, "--cache-config", "local,size=1048576")
+
+
+def test_a_repeated_request_is_answered_from_the_cache(cached_worker):
+    h = httpclient.InferenceServerClient(cached_worker.http_url)
+    g = grpcclient.InferenceServerClient(cached_worker.grpc_url)
+    try:
+        x = np.arange(32, dtype=np.float32).reshape(2, 16)
+        for mod, c in ((httpclient, h), (grpcclient, g), (httpclient, h)):
+            inp = mod.InferInput("INPUT0", [2, 16], "FP32")
+            inp.set_data_from_numpy(x)
+            assert_fp32_close(c.infer("identity_fp32", [inp]).as_numpy("OUTPUT0"), x)
+        other = httpclient.InferInput("INPUT0", [2, 16], "FP32")
+        other.set_data_from_numpy(x + 1)
+        assert_fp32_close(h.infer("identity_fp32", [other]).as_numpy("OUTPUT0"), x + 1)
+
+        http_stats = h.get_inference_statistics("identity_fp32")["model_stats"][0]
+        grpc_stats = g.get_inference_statistics("identity_fp32", as_json=True)["model_stats"][0]
+        for s in (http_stats, grpc_stats):
+            inf = s["inference_stats"]
+            assert int(inf["cache_hit"]["count"]) == 2, s
+            assert int(inf["cache_miss"]["count"]) == 2, s
+            assert int(s["execution_count"]) == 2, s
+            assert int(inf["success"]["count"]) == 4, s
+    finally:
+        h.close()
+        g.close()
