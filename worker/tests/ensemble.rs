@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use common::{example_models, example_onnx};
+use common::{example_models, example_onnx, unavailable_reason as reason};
 use nereid_common::{Code, DataType};
 use nereid_worker::repository::{ControlMode, Repository};
 use nereid_worker::tensor::{InferRequest, InputTensor, RequestedOutput};
@@ -39,13 +39,6 @@ fn request(model: &str, rows: &[[f32; 4]], outputs: &[&str]) -> InferRequest {
         outputs: outputs.iter().map(|n| RequestedOutput { name: n.to_string(), binary_data: None }).collect(),
         ..Default::default()
     }
-}
-
-fn reason(repo: &Repository, model: &str) -> String {
-    let index = repo.index(false);
-    let row = index.iter().find(|e| e.name == model).unwrap_or_else(|| panic!("{model} not in {index:?}"));
-    assert_eq!(row.state, "UNAVAILABLE", "{row:?}");
-    row.reason.clone()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,7 +5,7 @@
 mod common;
 
 use bytes::Bytes;
-use common::{TestModel, example_onnx, repo, repository};
+use common::{TestModel, example_onnx, repo, repository, unavailable_reason as reason};
 use nereid_common::{Code, DataType};
 use nereid_worker::repository::{ControlMode, Repository};
 use nereid_worker::tensor::{InferRequest, InputTensor};
@@ -30,13 +30,6 @@ fn identity_request(model: &str, version: Option<i64>) -> InferRequest {
         }],
         ..Default::default()
     }
-}
-
-fn reason(repo: &Repository, model: &str) -> String {
-    let index = repo.index(false);
-    let row = index.iter().find(|e| e.name == model).unwrap_or_else(|| panic!("{model} not in index {index:?}"));
-    assert_eq!(row.state, "UNAVAILABLE", "{row:?}");
-    row.reason.clone()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

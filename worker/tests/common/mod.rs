@@ -69,6 +69,14 @@ pub fn repository(dir: &Path, mode: ControlMode, strict: bool) -> Arc<Repository
     ))
 }
 
+/// Why `model` is UNAVAILABLE, from the repository index (panics if it is not).
+pub fn unavailable_reason(repo: &Repository, model: &str) -> String {
+    let index = repo.index(false);
+    let row = index.iter().find(|e| e.name == model).unwrap_or_else(|| panic!("{model} not in index {index:?}"));
+    assert_eq!(row.state, "UNAVAILABLE", "{row:?}");
+    row.reason.clone()
+}
+
 pub async fn start(dir: &Path, mode: ControlMode) -> Arc<Repository> {
     init_ort();
     let options = RepositoryOptions {
