@@ -16,13 +16,15 @@ use crate::tensor::{InferRequest, OutputTensor};
 /// Bytes an entry is charged beyond its tensors (names, shapes, bookkeeping).
 const ENTRY_OVERHEAD: usize = 128;
 
-/// The cache key of a request to `model` version `version`.
-pub fn key(request: &InferRequest, model: &str, version: i64) -> u128 {
+/// The cache key of a request to `model` version `version` as loaded the `generation`-th time
+/// (a reload changes it: new weights never answer from old responses).
+pub fn key(request: &InferRequest, model: &str, version: i64, generation: u64) -> u128 {
     let digest = |seed: u64| {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         seed.hash(&mut h);
         model.hash(&mut h);
         version.hash(&mut h);
+        generation.hash(&mut h);
         // Inputs in name order: the same tensors in another order are the same request.
         let mut inputs: Vec<_> = request.inputs.iter().collect();
         inputs.sort_by(|a, b| a.name.cmp(&b.name));
@@ -184,24 +186,25 @@ mod tests {
 
     #[test]
     fn keys_depend_on_everything_that_changes_the_answer_and_nothing_else() {
-        let base = key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "m", 1);
-        assert_eq!(base, key(&request(&[("b", b"z"), ("a", b"xy")], &["o"]), "m", 1), "input order");
+        let base = key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "m", 1, 1);
+        assert_eq!(base, key(&request(&[("b", b"z"), ("a", b"xy")], &["o"]), "m", 1, 1), "input order");
         let mut with_id = request(&[("a", b"xy"), ("b", b"z")], &["o"]);
         with_id.id = "another id".into();
         with_id.priority = 2;
-        assert_eq!(base, key(&with_id, "m", 1), "id and priority do not change the answer");
-        assert_ne!(base, key(&request(&[("a", b"xz"), ("b", b"z")], &["o"]), "m", 1), "data");
-        assert_ne!(base, key(&request(&[("a", b"xy"), ("c", b"z")], &["o"]), "m", 1), "names");
-        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["p"]), "m", 1), "outputs asked for");
-        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "m", 2), "version");
-        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "n", 1), "model");
+        assert_eq!(base, key(&with_id, "m", 1, 1), "id and priority do not change the answer");
+        assert_ne!(base, key(&request(&[("a", b"xz"), ("b", b"z")], &["o"]), "m", 1, 1), "data");
+        assert_ne!(base, key(&request(&[("a", b"xy"), ("c", b"z")], &["o"]), "m", 1, 1), "names");
+        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["p"]), "m", 1, 1), "outputs asked for");
+        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "m", 2, 1), "version");
+        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "n", 1, 1), "model");
+        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "m", 1, 2), "a reload");
         let mut shaped = request(&[("a", b"xy"), ("b", b"z")], &["o"]);
         shaped.inputs[0].shape = vec![2, 1];
-        assert_ne!(base, key(&shaped, "m", 1), "shape");
+        assert_ne!(base, key(&shaped, "m", 1, 1), "shape");
         // The split between tensors is part of the key, not just the concatenated bytes.
         assert_ne!(
-            key(&request(&[("a", b"x"), ("b", b"yz")], &[]), "m", 1),
-            key(&request(&[("a", b"xy"), ("b", b"z")], &[]), "m", 1)
+            key(&request(&[("a", b"x"), ("b", b"yz")], &[]), "m", 1, 1),
+            key(&request(&[("a", b"xy"), ("b", b"z")], &[]), "m", 1, 1)
         );
     }
 

@@ -181,6 +181,19 @@ async fn the_response_cache_answers_identical_requests_of_models_that_enable_it(
         repo.infer(request("cached", 1)).await.unwrap();
     }
     assert_eq!(stats(&repo, "cached").execution_count, 2);
+    // A reload (new weights may sit under the same version) never answers from before it.
+    let explicit = {
+        let r = Arc::try_unwrap(repository(dir.path(), ControlMode::Explicit, false)).ok().unwrap();
+        Arc::new(r.with_response_cache(Some(1 << 20)))
+    };
+    explicit.load("cached", None).await.unwrap();
+    for _ in 0..2 {
+        explicit.infer(request("cached", 1)).await.unwrap();
+    }
+    explicit.load("cached", None).await.unwrap();
+    explicit.infer(request("cached", 1)).await.unwrap();
+    let s = stats(&explicit, "cached");
+    assert_eq!((s.cache_hit.count, s.cache_miss.count), (1, 2), "the request after the reload ran again");
     // A cache smaller than one response keeps nothing.
     let repo = with(Some(100));
     assert!(repo.load_startup_models().await.is_empty());

@@ -205,6 +205,7 @@ pub fn load_model(
         stamp,
         ensemble: None,
         cache_enabled,
+        generation: next_generation(),
     })
 }
 
@@ -267,6 +268,7 @@ fn load_ensemble(
         stamp,
         cache_enabled,
         ensemble: Some(plan),
+        generation: next_generation(),
     })
 }
 
@@ -325,6 +327,12 @@ pub(super) fn version_dirs(dir: &Path) -> Vec<i64> {
         .collect();
     versions.sort();
     versions
+}
+
+/// A number no earlier load in this process had.
+fn next_generation() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// `versions` plus those of `also` that are `available`, sorted.

@@ -81,6 +81,9 @@ pub struct LoadedModel {
     pub ensemble: Option<Arc<Plan>>,
     /// `response_cache { enable: true }`: answers may come from the repository's cache.
     pub cache_enabled: bool,
+    /// Distinct for every load, so a reload (new weights under the same version) never
+    /// answers from responses cached before it.
+    pub generation: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -314,7 +317,7 @@ impl Repository {
         // answer is returned without running anything.
         let cached = self.cache.as_ref().filter(|_| model.cache_enabled).map(|cache| {
             let lookup = Instant::now();
-            let key = cache::key(&request, &model.name, version.version);
+            let key = cache::key(&request, &model.name, version.version, model.generation);
             (cache, key, cache.get(key), lookup.elapsed())
         });
         if let Some((_, _, Some(outputs), lookup)) = &cached {
