@@ -438,6 +438,9 @@ fn expand_mixes(origin: &Origin, entries: Vec<Entry>) -> Result<(Vec<Entry>, Vec
         }
         let mix = std::mem::take(&mut e.mix);
         let total: f64 = mix.iter().map(|m| m.weight).sum();
+        if !total.is_finite() {
+            return Err(format!("{name}.mix: the item weights add up past the largest number; use smaller weights"));
+        }
         for (j, item) in mix.into_iter().enumerate() {
             let mut x = e.clone();
             x.weight = e.weight * item.weight / total;
@@ -955,6 +958,8 @@ mod tests {
         assert!(e(r#"{"entries":[{"model":"m","mix":[{"batch":2}]}]}"#).contains("unknown field `batch`"));
         let many = format!(r#"{{"entries":[{{"model":"m","mix":[{}]}}]}}"#, vec!["{}"; MAX_MIX_ITEMS + 1].join(","));
         assert!(e(&many).contains("entries[0].mix: at most 256 items"));
+        let huge = r#"{"entries":[{"model":"m","mix":[{"weight":1e308},{"weight":1e308}]}]}"#;
+        assert!(e(huge).contains("entries[0].mix: the item weights add up past the largest number"), "{}", e(huge));
         let one = format!(r#"{{"model":"m","mix":[{}]}}"#, vec!["{}"; MAX_MIX_ITEMS].join(","));
         let wide = format!(r#"{{"entries":[{}]}}"#, vec![one.as_str(); 40].join(","));
         assert!(e(&wide).contains("expands to more than 10000 request kinds"), "{}", e(&wide));

@@ -16,15 +16,16 @@ use crate::tensor::{InferRequest, OutputTensor};
 /// Bytes an entry is charged beyond its tensors (names, shapes, bookkeeping).
 const ENTRY_OVERHEAD: usize = 128;
 
-/// The cache key of a request to `model` version `version` as loaded the `generation`-th time
-/// (a reload changes it: new weights never answer from old responses).
-pub fn key(request: &InferRequest, model: &str, version: i64, generation: u64) -> u128 {
+/// The cache key of a request to `model` version `version`; `generations` identify what the
+/// answer was computed with (the load of the model, and for an ensemble the repository's
+/// epoch), so new weights never answer from old responses.
+pub fn key(request: &InferRequest, model: &str, version: i64, generations: [u64; 2]) -> u128 {
     let digest = |seed: u64| {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         seed.hash(&mut h);
         model.hash(&mut h);
         version.hash(&mut h);
-        generation.hash(&mut h);
+        generations.hash(&mut h);
         // Inputs in name order: the same tensors in another order are the same request.
         let mut inputs: Vec<_> = request.inputs.iter().collect();
         inputs.sort_by(|a, b| a.name.cmp(&b.name));
@@ -186,25 +187,26 @@ mod tests {
 
     #[test]
     fn keys_depend_on_everything_that_changes_the_answer_and_nothing_else() {
-        let base = key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "m", 1, 1);
-        assert_eq!(base, key(&request(&[("b", b"z"), ("a", b"xy")], &["o"]), "m", 1, 1), "input order");
+        let base = key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "m", 1, [1, 0]);
+        assert_eq!(base, key(&request(&[("b", b"z"), ("a", b"xy")], &["o"]), "m", 1, [1, 0]), "input order");
         let mut with_id = request(&[("a", b"xy"), ("b", b"z")], &["o"]);
         with_id.id = "another id".into();
         with_id.priority = 2;
-        assert_eq!(base, key(&with_id, "m", 1, 1), "id and priority do not change the answer");
-        assert_ne!(base, key(&request(&[("a", b"xz"), ("b", b"z")], &["o"]), "m", 1, 1), "data");
-        assert_ne!(base, key(&request(&[("a", b"xy"), ("c", b"z")], &["o"]), "m", 1, 1), "names");
-        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["p"]), "m", 1, 1), "outputs asked for");
-        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "m", 2, 1), "version");
-        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "n", 1, 1), "model");
-        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "m", 1, 2), "a reload");
+        assert_eq!(base, key(&with_id, "m", 1, [1, 0]), "id and priority do not change the answer");
+        assert_ne!(base, key(&request(&[("a", b"xz"), ("b", b"z")], &["o"]), "m", 1, [1, 0]), "data");
+        assert_ne!(base, key(&request(&[("a", b"xy"), ("c", b"z")], &["o"]), "m", 1, [1, 0]), "names");
+        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["p"]), "m", 1, [1, 0]), "outputs asked for");
+        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "m", 2, [1, 0]), "version");
+        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "n", 1, [1, 0]), "model");
+        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "m", 1, [2, 0]), "a reload");
+        assert_ne!(base, key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "m", 1, [1, 1]), "an epoch");
         let mut shaped = request(&[("a", b"xy"), ("b", b"z")], &["o"]);
         shaped.inputs[0].shape = vec![2, 1];
-        assert_ne!(base, key(&shaped, "m", 1, 1), "shape");
+        assert_ne!(base, key(&shaped, "m", 1, [1, 0]), "shape");
         // The split between tensors is part of the key, not just the concatenated bytes.
         assert_ne!(
-            key(&request(&[("a", b"x"), ("b", b"yz")], &[]), "m", 1, 1),
-            key(&request(&[("a", b"xy"), ("b", b"z")], &[]), "m", 1, 1)
+            key(&request(&[("a", b"x"), ("b", b"yz")], &[]), "m", 1, [1, 0]),
+            key(&request(&[("a", b"xy"), ("b", b"z")], &[]), "m", 1, [1, 0])
         );
     }
 

@@ -204,6 +204,16 @@ pub fn check_composing(
         for &i in wave {
             let (step, spec) = (&plan.steps[i], &specs[i]);
             let at = format!("ensemble_scheduling.step[{i}] ('{}')", step.model);
+            if config.max_batch_size > 0
+                && spec.max_batch_size > 0
+                && spec.max_batch_size < config.max_batch_size as usize
+            {
+                return Err(format!(
+                    "{at}: max_batch_size {} of '{}' is below the ensemble's {}: larger requests would fail at \
+                     this step",
+                    spec.max_batch_size, step.model, config.max_batch_size
+                ));
+            }
             for (name, tensor) in &step.inputs {
                 let Some(t) = spec.inputs.iter().find(|t| &t.name == name) else {
                     return Err(format!(
@@ -357,6 +367,15 @@ ensemble_scheduling {
         let e = check_composing(&config, &p, |_| Ok(spec(&[("IN", DataType::Fp32)], &[("O", DataType::Fp32)])))
             .unwrap_err();
         assert!(e.contains("has no output 'OUT'"), "{e}");
+        let small = |s: &Step| {
+            let mut m = (*fp32).clone();
+            if s.model == "c" {
+                m.max_batch_size = 4;
+            }
+            Ok(std::sync::Arc::new(m))
+        };
+        let e = check_composing(&config, &p, small).unwrap_err();
+        assert!(e.contains("step[2] ('c'): max_batch_size 4 of 'c' is below the ensemble's 8"), "{e}");
         let e = check_composing(&config, &p, |s| Err(format!("model '{}' is not loaded", s.model))).unwrap_err();
         assert!(e.contains("step[0] ('b'): model 'b' is not loaded"), "{e}");
     }

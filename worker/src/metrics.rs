@@ -144,10 +144,10 @@ impl VersionStats {
     }
 
     /// A request answered from the response cache: `lookup` is the time the lookup took. It
-    /// counts as a success of `total`, and its rows as inferences (no execution).
-    pub fn record_cache_hit(&self, lookup: StdDuration, rows: usize, total: StdDuration) {
+    /// counts as a success of `total`; not as inferences or executions (Triton's
+    /// `inference_count` leaves cache hits out).
+    pub fn record_cache_hit(&self, lookup: StdDuration, total: StdDuration) {
         self.cache_hit.add(lookup);
-        self.inference_count.fetch_add(rows as u64, Relaxed);
         self.record_success(total);
     }
 

@@ -90,6 +90,19 @@ pub fn validate(spec: &ModelSpec, request: &mut InferRequest) -> Result<Validate
                 fmt_dims(&expected.dims)
             )));
         }
+        if let Some(model_dims) = &expected.reshape {
+            // A -1 in the reshape takes what is left: the rest must divide evenly.
+            let elements: i64 = dims.iter().product();
+            let known: i64 = model_dims.iter().filter(|&&d| d > 0).product();
+            if known > 0 && elements % known != 0 {
+                return Err(Status::invalid(format!(
+                    "input '{}' has shape {}, whose {elements} elements per row cannot take model '{model}''s \
+                     reshape {model_dims:?}",
+                    input.name,
+                    fmt_shape(&input.shape)
+                )));
+            }
+        }
         check_byte_size(&input.name, input.datatype, &input.shape, &input.data)?;
         slots[index] = Some((input.shape, input.data));
     }
@@ -223,6 +236,15 @@ mod tests {
         assert_eq!(v.rows, 2);
         assert_eq!(v.wanted, vec![false, true]);
         assert_eq!(v.shape_key, vec![3, 4, -1, 1, -1]);
+    }
+
+    #[test]
+    fn a_reshape_with_a_free_dim_needs_rows_that_divide_evenly() {
+        let mut s = spec();
+        s.inputs[0].reshape = Some(vec![8, -1]); // A's [-1, 4] rows become [8, n]
+        assert!(validate(&s, &mut request(vec![2, 6, 4], 192, 2)).is_ok(), "24 elements: [8, 3]");
+        let e = validate(&s, &mut request(vec![2, 3, 4], 96, 2)).unwrap_err();
+        assert!(e.message.contains("12 elements per row cannot take model 'm''s reshape [8, -1]"), "{}", e.message);
     }
 
     #[test]

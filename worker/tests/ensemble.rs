@@ -257,6 +257,41 @@ ensemble_scheduling {{ max_inflight_requests: {limit} step [ {{ model_name: "slo
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn composing_models_stay_while_a_loaded_ensemble_uses_them() {
+    let one = one_step("one", "versioned_scale", "INPUT0", "OUTPUT0");
+    let two = one_step("two", "versioned_scale", "INPUT0", "OUTPUT0") + "response_cache { enable: true }\n";
+    let dir = ensemble_repo(&[("one", &one), ("two", &two)]);
+    let repo = {
+        let r = Arc::try_unwrap(repository(dir.path(), ControlMode::Explicit)).ok().unwrap();
+        Arc::new(r.with_response_cache(Some(1 << 20)))
+    };
+    assert!(repo.load_startup_models().await.is_empty());
+    // Placement (which knows nothing of ensembles) takes versioned_scale away: it stays.
+    repo.load_versions("one", vec![1]).await.unwrap();
+    repo.unload_placed("versioned_scale").await.unwrap();
+    assert!(repo.model_ready("versioned_scale", None));
+    repo.infer(request("one", &[[1.0; 4]], &[])).await.unwrap();
+
+    // unload_dependents leaves a composing model another loaded ensemble uses.
+    repo.load("two", None).await.unwrap();
+    repo.unload_with("one", true).await.unwrap();
+    assert!(!repo.model_ready("one", None) && repo.model_ready("versioned_scale", None));
+    // Once nothing uses it, placement may take it.
+    let cached = |repo: &Repository| repo.model_statistics(Some("two"), Some(1)).unwrap()[0].cache_hit.count;
+    for _ in 0..2 {
+        repo.infer(request("two", &[[1.0; 4]], &[])).await.unwrap();
+    }
+    assert_eq!(cached(&repo), 1, "the repeat came from the cache");
+    // An ensemble's cached answers go stale when a composing model reloads.
+    repo.load("versioned_scale", None).await.unwrap();
+    repo.infer(request("two", &[[1.0; 4]], &[])).await.unwrap();
+    assert_eq!(cached(&repo), 1, "after the reload the ensemble ran again");
+    repo.unload("two").await.unwrap();
+    repo.unload_placed("versioned_scale").await.unwrap();
+    assert!(!repo.model_ready("versioned_scale", None));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broken_ensembles_fail_to_load_with_the_reason_and_others_keep_serving() {
     let unknown = one_step("unknown", "no_such_model", "INPUT0", "OUTPUT0");
     let wrong_input = one_step("wrong_input", "versioned_scale", "X", "OUTPUT0");

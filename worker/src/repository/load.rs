@@ -522,6 +522,9 @@ fn check_against_model(config: &ModelConfig, io: &ModelIo) -> Result<(), String>
         if r.shape.iter().filter(|&&d| d == -1).count() > 1 || r.shape.iter().any(|&d| d < -1 || d == 0) {
             return Err(format!("{kind} '{name}': reshape {:?} may hold one -1 and positive dims only", r.shape));
         }
+        if dims.iter().filter(|&&d| d == -1).count() > 1 {
+            return Err(format!("{kind} '{name}': with a reshape, dims {dims:?} may hold one -1 only"));
+        }
         let count = |d: &[i64]| d.iter().all(|&x| x > 0).then(|| d.iter().product::<i64>());
         if let (Some(a), Some(b)) = (count(dims), count(&r.shape))
             && a != b

@@ -127,6 +127,8 @@ pub struct Repository {
     attempted: std::sync::Mutex<HashMap<String, Stamp>>,
     /// `--cache-config`: the response cache models with `response_cache { enable: true }` use.
     cache: Option<Arc<ResponseCache>>,
+    /// Counts loads and unloads (part of an ensemble's cache key).
+    epoch: std::sync::atomic::AtomicU64,
 }
 
 impl Repository {
@@ -140,6 +142,7 @@ impl Repository {
             draining: AtomicBool::new(false),
             attempted: Default::default(),
             cache: None,
+            epoch: Default::default(),
         }
     }
 
@@ -317,16 +320,15 @@ impl Repository {
         // answer is returned without running anything.
         let cached = self.cache.as_ref().filter(|_| model.cache_enabled).map(|cache| {
             let lookup = Instant::now();
-            let key = cache::key(&request, &model.name, version.version, model.generation);
+            // An ensemble's answer also depends on its composing models: any load or unload
+            // since (the repository's epoch) makes its old responses unusable.
+            let epoch = if model.ensemble.is_some() { self.epoch.load(Ordering::SeqCst) } else { 0 };
+            let key = cache::key(&request, &model.name, version.version, [model.generation, epoch]);
             (cache, key, cache.get(key), lookup.elapsed())
         });
         if let Some((_, _, Some(outputs), lookup)) = &cached {
             counted.armed = false;
-            let rows = match (model.spec.max_batch_size > 0, request.inputs.first()) {
-                (true, Some(input)) => input.shape.first().copied().unwrap_or(1).max(1) as usize,
-                _ => 1,
-            };
-            stats.record_cache_hit(*lookup, rows, started.elapsed());
+            stats.record_cache_hit(*lookup, started.elapsed());
             return Ok(InferResponse {
                 model_name: request.model_name,
                 model_version: version.version,
@@ -341,10 +343,12 @@ impl Repository {
             Executor::Ensemble { plan, inflight: None } => {
                 self.run_ensemble(&model, &version, plan, &mut request, depth).await
             }
-            Executor::Ensemble { plan, inflight: Some(limit) } => match acquire_before(limit, request.deadline).await {
-                Ok(_permit) => self.run_ensemble(&model, &version, plan, &mut request, depth).await,
-                Err(e) => Err(e),
-            },
+            Executor::Ensemble { plan, inflight: Some(limit) } => {
+                match acquire_before(limit, wait_limit(&request)).await {
+                    Ok(_permit) => self.run_ensemble(&model, &version, plan, &mut request, depth).await,
+                    Err(e) => Err(e),
+                }
+            }
         };
         counted.armed = false;
         let elapsed = started.elapsed();
@@ -493,8 +497,29 @@ impl Repository {
     }
 
     /// Unloads `name` whatever the control mode (etcd placement removed it from this worker).
+    /// A model a loaded ensemble composes stays: placement does not know about ensembles, and
+    /// taking it away would break one this worker serves.
     pub async fn unload_placed(&self, name: &str) -> Result<(), Status> {
+        if let Some(user) = self.ensembles_using(name, &[]).first() {
+            tracing::info!(model = %name, ensemble = %user, "placement: kept, a loaded ensemble composes it");
+            return Ok(());
+        }
         self.unload_inner(name).await
+    }
+
+    /// Loaded ensembles (other than those in `except`) with a step on `name`.
+    fn ensembles_using(&self, name: &str, except: &[String]) -> Vec<String> {
+        let slots = self.slots.read().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<String> = slots
+            .iter()
+            .filter(|(n, _)| !except.contains(n))
+            .filter(|(_, s)| {
+                s.model.as_ref().and_then(|m| m.ensemble.as_ref()).is_some_and(|p| p.models().contains(&name))
+            })
+            .map(|(n, _)| n.clone())
+            .collect();
+        out.sort();
+        out
     }
 
     pub async fn unload(&self, name: &str) -> Result<(), Status> {
@@ -514,6 +539,11 @@ impl Repository {
         let mut done: Vec<String> = Vec::new();
         while let Some(next) = pending.pop() {
             if done.contains(&next) {
+                continue;
+            }
+            // A composing model another loaded ensemble still uses stays.
+            if next != name && !self.ensembles_using(&next, &done).is_empty() {
+                done.push(next);
                 continue;
             }
             if dependents
@@ -689,6 +719,7 @@ impl Repository {
                     .filter(|v| !model.versions.contains_key(v))
                     .collect();
                 self.set_slot(name, Slot { state: State::Ready, model: Some(model), reload_error: None });
+                self.epoch.fetch_add(1, Ordering::SeqCst);
                 for v in dropped {
                     self.metrics.remove(name, v);
                 }
@@ -732,6 +763,7 @@ impl Repository {
             // In-flight requests hold their version; its scheduler drains once they finish.
         }
         self.set_slot(name, Slot { state: State::Unavailable("unloaded".into()), model: None, reload_error: None });
+        self.epoch.fetch_add(1, Ordering::SeqCst);
         tracing::info!(model = %name, "model unloaded");
         Ok(())
     }
@@ -862,6 +894,16 @@ impl Drop for CancelGuard<'_> {
         if self.armed {
             self.stats.record_failure(self.started.elapsed(), "CANCELED");
         }
+    }
+}
+
+/// The latest a request may wait for its turn: its deadline, or its `timeout` from now,
+/// whichever comes first.
+fn wait_limit(request: &InferRequest) -> Option<Instant> {
+    let timeout = (request.timeout_us > 0).then(|| Instant::now() + Duration::from_micros(request.timeout_us));
+    match (request.deadline, timeout) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 
