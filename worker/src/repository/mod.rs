@@ -410,12 +410,13 @@ impl Repository {
                     model_name: step.model.clone(),
                     model_version: step.version,
                     id: request.id.clone(),
+                    // Every tensor a step reads exists by now (the plan orders the waves);
+                    // one that does not is an internal error, not a panic.
                     inputs: step
                         .inputs
                         .iter()
-                        .map(|(input, tensor)| {
-                            let t = &tensors[tensor];
-                            crate::tensor::InputTensor { name: input.clone(), ..t.clone() }
+                        .filter_map(|(input, tensor)| {
+                            tensors.get(tensor).map(|t| crate::tensor::InputTensor { name: input.clone(), ..t.clone() })
                         })
                         .collect(),
                     outputs: step
