@@ -851,8 +851,9 @@ impl Repository {
         for (name, dir) in &on_disk {
             let stamp = Stamp::of(dir);
             // Load what is new or changed, but retry a failed (re)load only once its files
-            // change again.
-            let needs_load = match loaded.get(name) {
+            // change again. The slot is read afresh: an ensemble loaded earlier in this pass
+            // may have loaded this model as one of its steps already.
+            let needs_load = match self.slot(name).as_ref() {
                 Some(Slot { model: Some(m), .. }) => m.stamp != stamp && self.not_attempted(name, &stamp),
                 Some(Slot { state: State::Unavailable(_), .. }) => self.not_attempted(name, &stamp),
                 Some(_) => false,
