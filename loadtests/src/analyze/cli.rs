@@ -49,7 +49,7 @@ The variant is unloaded and loaded through the repository API (explicit model co
 Triton's parameters.config override); a load the server refuses is recorded with the
 server's message and the sweep goes on. Then one nereid-perf load level is measured (warm-up,
 windows until stable) while the worker's VmRSS is sampled every 100 ms (the peak is
-reported). With --concurrency-range or --request-rate-range each variant is measured at every
+reported; where /metrics carries nv_gpu_memory_used_bytes, the GPU memory in use too). With --concurrency-range or --request-rate-range each variant is measured at every
 level (stopping at the first that misses the SLO) and credited with its best level: the best
 by the objective among levels meeting the constraints, else the one closest to meeting them.
 Requests the queue policy rejects count as errors, not toward throughput; --max-error-percent
