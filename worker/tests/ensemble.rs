@@ -170,6 +170,27 @@ async fn versions_the_steps_name_are_kept_when_placement_narrows_a_composing_mod
     assert_eq!(held(&repo), ["1"]);
     repo.load("scale_ensemble", None).await.unwrap();
     assert_eq!(held(&repo), ["1", "2"]);
+    repo.unload("scale_ensemble").await.unwrap();
+
+    // The same when versioned_scale was loaded with a config override: the override stays.
+    let mut config = repo.model_config("versioned_scale", None).unwrap();
+    config
+        .parameters
+        .insert("intra_op_thread_count".into(), nereid_proto::inference::ModelParameter { string_value: "1".into() });
+    config.version_policy = Some(nereid_proto::inference::ModelVersionPolicy {
+        policy_choice: Some(nereid_proto::inference::model_version_policy::PolicyChoice::Specific(
+            nereid_proto::inference::model_version_policy::Specific { versions: vec![1] },
+        )),
+    });
+    let json = nereid_common::config::config_to_json(&config).to_string();
+    repo.load("versioned_scale", Some(json)).await.unwrap();
+    assert_eq!(held(&repo), ["1"]);
+    repo.load("scale_ensemble", None).await.unwrap();
+    assert_eq!(held(&repo), ["1", "2"]);
+    assert!(
+        repo.model_config("versioned_scale", None).unwrap().parameters.contains_key("intra_op_thread_count"),
+        "the reload for the ensemble kept the override"
+    );
     // A later placement of version 1 only keeps 2 while the ensemble needs it.
     repo.load_versions("versioned_scale", vec![1]).await.unwrap();
     assert_eq!(held(&repo), ["1", "2"]);

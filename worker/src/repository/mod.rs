@@ -677,7 +677,10 @@ impl Repository {
                 if !missing.is_empty() {
                     tracing::info!(model = %composing, ?missing, "loading the versions an ensemble's steps name");
                     let held = loaded.versions.keys().copied().collect();
-                    self.load_locked(composing, None, Some(held), missing, loading).await.map_err(|e| {
+                    // The config it serves with now (a load request's override included), not
+                    // the one on disk.
+                    let config = nereid_common::config::config_to_json(&loaded.config).to_string();
+                    self.load_locked(composing, Some(config), Some(held), missing, loading).await.map_err(|e| {
                         Status::invalid(format!("composing model '{composing}' could not be loaded: {}", e.message))
                     })?;
                 }
