@@ -328,6 +328,14 @@ impl Metrics {
         versions.remove(&(model.to_string(), version.to_string()));
     }
 
+    /// Drops every series of `model` but those of the versions in `keep` (what a failed load
+    /// created for versions that never served).
+    pub fn retain_versions(&self, model: &str, keep: &[i64]) {
+        let keep: Vec<String> = keep.iter().map(i64::to_string).collect();
+        let mut versions = self.versions.lock().unwrap_or_else(|e| e.into_inner());
+        versions.retain(|(m, v), _| m != model || keep.contains(v));
+    }
+
     /// Prometheus text exposition format.
     pub fn render(&self) -> String {
         let all: Vec<Arc<VersionStats>> =
@@ -463,6 +471,21 @@ mod tests {
         assert!(text.contains("nv_inference_request_failure{model=\"mlp\",version=\"1\",reason=\"REJECTED\"} 1"));
         assert!(text.contains("nv_inference_request_duration_us{model=\"mlp\",version=\"1\"} 205"));
         assert!(text.contains("nereid_inference_batch_size_bucket{model=\"mlp\",version=\"1\",le=\"4\"} 1"));
+    }
+
+    #[test]
+    fn a_failed_load_s_series_can_be_dropped_keeping_the_served_ones() {
+        let m = Metrics::new();
+        for (model, v) in [("a", 1), ("a", 2), ("a", 3), ("b", 2)] {
+            m.version(model, v).record_success(StdDuration::from_micros(1));
+        }
+        m.retain_versions("a", &[1]);
+        let text = m.render();
+        assert!(text.contains("nv_inference_request_success{model=\"a\",version=\"1\"} 1"), "{text}");
+        assert!(!text.contains("model=\"a\",version=\"2\"") && !text.contains("model=\"a\",version=\"3\""));
+        assert!(text.contains("nv_inference_request_success{model=\"b\",version=\"2\"} 1"), "other models stay");
+        m.retain_versions("b", &[]);
+        assert!(!m.render().contains("model=\"b\""));
     }
 
     #[test]

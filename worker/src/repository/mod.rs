@@ -731,6 +731,9 @@ impl Repository {
                 Ok(())
             }
             Err(status) => {
+                // Series a failed load created for versions that never served go again.
+                let served: Vec<i64> = serving.iter().flat_map(|m| m.versions.keys().copied()).collect();
+                self.metrics.retain_versions(name, &served);
                 // A failed reload keeps the old model serving; a failed first load is UNAVAILABLE.
                 let state = if serving.is_some() { State::Ready } else { State::Unavailable(status.message.clone()) };
                 if serving.is_some() {
