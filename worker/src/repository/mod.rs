@@ -627,16 +627,7 @@ impl Repository {
 
     /// Loads an ensemble's composing models that are not ready (and, for a composing ensemble
     /// already loaded, what it needs in turn), then checks the ensemble's tensors against them.
-    fn prepare_composing<'a>(
-        &'a self,
-        config: &'a ModelConfig,
-        plan: &'a Plan,
-        loading: &'a mut Vec<String>,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Status>> + Send + 'a>> {
-        Box::pin(async move { self.prepare_composing_inner(config, plan, loading).await })
-    }
-
-    async fn prepare_composing_inner(
+    async fn prepare_composing(
         &self,
         config: &ModelConfig,
         plan: &Plan,
@@ -650,7 +641,7 @@ impl Repository {
                 Ok(loaded) => {
                     if let Some(inner) = &loaded.ensemble {
                         loading.push(composing.to_string());
-                        let ready = self.prepare_composing(&loaded.config, inner, loading).await;
+                        let ready = Box::pin(self.prepare_composing(&loaded.config, inner, loading)).await;
                         loading.pop();
                         ready
                             .map_err(|e| Status::invalid(format!("composing ensemble '{composing}': {}", e.message)))?;
