@@ -63,7 +63,7 @@ BUILTIN_FLAGS = {
         "onnxruntime-lib": V, "max-request-bytes": V, "intra-op-threads": V, "port-file": V,
         "etcd-endpoints": V, "etcd-prefix": V, "worker-id": V, "advertise-address": V,
         "etcd-lease-ttl-secs": V, "label": V, "memory-capacity-mb": V, "max-models": V,
-        "drain-delay-ms": V, "cache-config": V,
+        "drain-delay-ms": V, "cache-config": V, "allow-client-shm": (OPT, BOOL),
         "help": NONE, "version": NONE,
     },
     "nereid-gateway": {

@@ -86,6 +86,13 @@ pub struct Args {
     #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub exit_on_error: bool,
 
+    /// Allow clients to register system shared-memory regions and pass tensors through them
+    /// (Triton's shared-memory extension; the same flag and default as tritonserver). A
+    /// registered key opens any POSIX shared-memory object this process can open, so allow it
+    /// only where every client that can reach the worker shares the host's trust.
+    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub allow_client_shm: bool,
+
     /// Verbose logging level (0 = info, 1 = debug, 2+ = trace). RUST_LOG overrides.
     #[arg(long, default_value_t = 0)]
     pub log_verbose: u8,

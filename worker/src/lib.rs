@@ -18,5 +18,6 @@ pub mod metrics;
 pub mod repository;
 pub mod scheduler;
 pub mod server;
+pub mod shm;
 pub mod tensor;
 pub mod validate;

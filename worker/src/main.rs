@@ -16,6 +16,7 @@ use nereid_worker::fleet::{FleetAgent, FleetOptions};
 use nereid_worker::metrics::Metrics;
 use nereid_worker::repository::{ControlMode, Repository, RepositoryOptions};
 use nereid_worker::server::{Limits, Server};
+use nereid_worker::shm::SharedMemory;
 use nereid_worker::{grpc, http};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -79,6 +80,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         repository: repository.clone(),
         metrics,
         limits: Limits { max_request_bytes: args.max_request_bytes as usize },
+        shm: Arc::new(if args.allow_client_shm {
+            SharedMemory::allowed(args.max_request_bytes)
+        } else {
+            SharedMemory::disabled()
+        }),
     };
 
     let http_listener = bind(args.allow_http, args.address, args.http_port, "http").await?;

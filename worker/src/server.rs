@@ -9,6 +9,7 @@ use nereid_proto::inference::ModelConfig;
 
 use crate::metrics::Metrics;
 use crate::repository::Repository;
+use crate::shm::SharedMemory;
 use crate::tensor::{InferRequest, InferResponse};
 
 pub const SERVER_NAME: &str = "nereid";
@@ -16,6 +17,8 @@ pub const SERVER_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The KServe v2 / Triton protocol extensions this worker implements.
 pub const EXTENSIONS: &[&str] =
     &["binary_tensor_data", "model_repository", "model_configuration", "schedule_policy", "parameters", "statistics"];
+/// Reported besides [`EXTENSIONS`] when clients may register shared-memory regions.
+pub const SHM_EXTENSION: &str = "system_shared_memory";
 
 /// Per-request size limits, checked before anything a client claims is allocated.
 #[derive(Clone, Copy, Debug)]
@@ -102,9 +105,17 @@ pub struct Server {
     pub repository: Arc<Repository>,
     pub metrics: Arc<Metrics>,
     pub limits: Limits,
+    /// Registered system shared-memory regions (refusing them unless `--allow-client-shm`).
+    pub shm: Arc<SharedMemory>,
 }
 
 impl Server {
+    /// The protocol extensions this worker reports in its server metadata.
+    pub fn extensions(&self) -> Vec<String> {
+        let shm = self.shm.enabled().then_some(SHM_EXTENSION);
+        EXTENSIONS.iter().copied().chain(shm).map(str::to_string).collect()
+    }
+
     pub fn live(&self) -> bool {
         true
     }

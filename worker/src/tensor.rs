@@ -9,6 +9,8 @@ use std::time::Instant;
 use bytes::Bytes;
 use nereid_common::{DataType, Status};
 
+use crate::shm::ShmTarget;
+
 /// One inference request, front-end independent.
 #[derive(Debug, Default)]
 pub struct InferRequest {
@@ -25,6 +27,10 @@ pub struct InferRequest {
     pub timeout_us: u64,
     /// Absolute deadline from the transport (`grpc-timeout`), if any.
     pub deadline: Option<Instant>,
+    /// Requested outputs to be written into registered shared-memory regions, resolved by the
+    /// front end when it decoded the request and written by it after inference (see
+    /// [`crate::shm::write_outputs`]); the core never looks at them.
+    pub shm_outputs: Vec<(String, ShmTarget)>,
 }
 
 #[derive(Clone, Debug)]

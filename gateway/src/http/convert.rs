@@ -149,7 +149,7 @@ mod tests {
             "inputs":[{"name":"INPUT0","shape":[1,2],"datatype":"FP32","data":[1.5,-2]},
                       {"name":"S","shape":[1],"datatype":"BYTES","data":["ab"]}],
             "outputs":[{"name":"OUTPUT0"}]}"#;
-        let parsed = parse_infer_request("m", Some(3), Bytes::from_static(body), None, 1 << 20).unwrap();
+        let parsed = parse_infer_request("m", Some(3), Bytes::from_static(body), None, 1 << 20, None).unwrap();
         let p = infer_request_to_proto(parsed.request);
         assert_eq!((p.model_name.as_str(), p.model_version.as_str(), p.id.as_str()), ("m", "3", "r1"));
         assert_eq!(p.parameters["priority"], uint64(2));

@@ -253,7 +253,7 @@ async fn infer(
     let heavy = header_length.unwrap_or(body.len()).min(body.len()) > OFFLOAD_JSON_BYTES;
     // Converted once, to the encoded gRPC request the stack forwards as it is.
     let (request, format) = maybe_offload(heavy, move || {
-        let ParsedInfer { request, format } = parse_infer_request(&name, version, body, header_length, max)?;
+        let ParsedInfer { request, format } = parse_infer_request(&name, version, body, header_length, max, None)?;
         Ok((InferRequest::encode(&infer_request_to_proto(request)), format))
     })
     .await?;

@@ -22,11 +22,8 @@ use nereid_proto::inference::{
 };
 
 use crate::server::{self, IndexEntry, ModelMetadata, ModelStats, TensorMetadata, parse_version};
+use crate::shm::{self, SharedMemory, ShmRef, ShmWritten};
 use crate::tensor::{InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput, split_bytes_elements};
-
-/// Input / output parameter naming a shared-memory region (the shared-memory extensions are
-/// not implemented, so such tensors carry no data here).
-const SHARED_MEMORY_REGION: &str = "shared_memory_region";
 
 // ---------------------------------------------------------------------------------------------
 // Requests
@@ -35,7 +32,7 @@ const SHARED_MEMORY_REGION: &str = "shared_memory_region";
 /// Converts a `ModelInferRequest` into the worker's [`InferRequest`], validating everything the
 /// wire format alone can check (datatype names, shapes, byte sizes, element counts, ranges).
 /// `deadline` is left `None`; the caller sets it from the transport.
-pub fn infer_request_from_proto(mut req: ModelInferRequest) -> Result<InferRequest, Status> {
+pub fn infer_request_from_proto(mut req: ModelInferRequest, shm: &SharedMemory) -> Result<InferRequest, Status> {
     let model_version = parse_version(&req.model_name, &req.model_version)?;
 
     let mut priority = 0u64;
@@ -48,23 +45,37 @@ pub fn infer_request_from_proto(mut req: ModelInferRequest) -> Result<InferReque
         }
     }
 
+    // Inputs in shared memory have no raw_input_contents entry: the entries belong to the
+    // other inputs, in order (as tritonclient sends them when it mixes the two).
+    let shm_inputs = req
+        .inputs
+        .iter()
+        .map(|i| shm_parameters(|| format!("input '{}'", i.name), &i.parameters))
+        .collect::<Result<Vec<_>, _>>()?;
+    let in_shm = shm_inputs.iter().filter(|r| r.is_some()).count();
     let raw = std::mem::take(&mut req.raw_input_contents);
-    if !raw.is_empty() && raw.len() != req.inputs.len() {
+    if !raw.is_empty() && raw.len() != req.inputs.len() - in_shm {
+        let which = if in_shm == 0 { String::new() } else { format!(" not in shared memory ({in_shm} are)") };
         return Err(Status::invalid(format!(
-            "raw_input_contents has {} entries but the request has {} inputs; send exactly one \
-             raw_input_contents entry per input, in input order, or none",
+            "raw_input_contents has {} entries but the request has {} inputs{which}; send exactly one \
+             raw_input_contents entry per such input, in input order, or none",
             raw.len(),
-            req.inputs.len()
+            req.inputs.len() - in_shm
         )));
     }
     let mut raw = raw.into_iter();
 
     let mut inputs = Vec::with_capacity(req.inputs.len());
-    for input in std::mem::take(&mut req.inputs) {
-        inputs.push(input_from_proto(input, raw.next())?);
+    for (input, shm_ref) in std::mem::take(&mut req.inputs).into_iter().zip(shm_inputs) {
+        let source = match shm_ref {
+            Some(r) => Source::Shm(r, shm),
+            None => Source::Wire(raw.next()),
+        };
+        inputs.push(input_from_proto(input, source)?);
     }
 
     let mut outputs = Vec::with_capacity(req.outputs.len());
+    let mut shm_outputs = Vec::new();
     for output in std::mem::take(&mut req.outputs) {
         if output.parameters.contains_key("classification") {
             return Err(Status::invalid(format!(
@@ -72,11 +83,9 @@ pub fn infer_request_from_proto(mut req: ModelInferRequest) -> Result<InferReque
                 output.name
             )));
         }
-        if output.parameters.contains_key(SHARED_MEMORY_REGION) {
-            return Err(Status::invalid(format!(
-                "output '{}': shared memory is not supported; outputs are returned in raw_output_contents",
-                output.name
-            )));
+        let ctx = || format!("output '{}'", output.name);
+        if let Some(r) = shm_parameters(ctx, &output.parameters)? {
+            shm_outputs.push((output.name.clone(), shm.target(&ctx(), &r)?));
         }
         outputs.push(RequestedOutput { name: output.name, binary_data: None });
     }
@@ -90,7 +99,40 @@ pub fn infer_request_from_proto(mut req: ModelInferRequest) -> Result<InferReque
         priority,
         timeout_us,
         deadline: None,
+        shm_outputs,
     })
+}
+
+/// A tensor's shared-memory parameters (`None` when it has none): the region as a
+/// `string_param`, offset and byte size as `int64_param` (or `uint64_param`).
+fn shm_parameters(
+    ctx: impl Fn() -> String,
+    parameters: &std::collections::HashMap<String, InferParameter>,
+) -> Result<Option<ShmRef>, Status> {
+    if parameters.is_empty() || !parameters.keys().any(|k| k.starts_with("shared_memory_")) {
+        return Ok(None);
+    }
+    let region = match parameters.get(shm::REGION).map(|p| &p.parameter_choice) {
+        None => None,
+        Some(Some(ParameterChoice::StringParam(s))) => Some(s.clone()),
+        Some(_) => {
+            return Err(Status::invalid(format!("{}: parameter '{}' must be a string_param", ctx(), shm::REGION)));
+        }
+    };
+    let int = |key: &str| match parameters.get(key).map(|p| &p.parameter_choice) {
+        None => Ok(None),
+        Some(Some(ParameterChoice::Int64Param(v))) => Ok(Some(*v)),
+        Some(Some(ParameterChoice::Uint64Param(v))) => Ok(Some(i64::try_from(*v).unwrap_or(i64::MAX))),
+        Some(_) => Err(Status::invalid(format!("{}: parameter '{key}' must be an int64_param", ctx()))),
+    };
+    ShmRef::from_parameters(&ctx(), region, int(shm::OFFSET)?, int(shm::BYTE_SIZE)?)
+}
+
+/// Where an input's bytes come from: the message (its raw entry, if the request uses raw
+/// contents, else its typed contents) or a shared-memory region.
+enum Source<'a, R> {
+    Wire(Option<R>),
+    Shm(ShmRef, &'a SharedMemory),
 }
 
 /// A non-negative integer request parameter (`int64_param` or `uint64_param`).
@@ -109,8 +151,8 @@ fn shape_text(shape: &[i64]) -> String {
     format!("{shape:?}")
 }
 
-/// One input: its raw entry (if the request uses raw contents) or its typed contents.
-fn input_from_proto<R>(input: InferInputTensor, raw: Option<R>) -> Result<InputTensor, Status>
+/// One input, with its bytes from `source`.
+fn input_from_proto<R>(input: InferInputTensor, source: Source<'_, R>) -> Result<InputTensor, Status>
 where
     R: Into<Bytes> + AsRef<[u8]>,
 {
@@ -134,13 +176,39 @@ where
         })?),
         None => None,
     };
-    if input.parameters.contains_key(SHARED_MEMORY_REGION) {
-        return Err(Status::invalid(format!(
-            "input '{name}': shared memory is not supported; send the data in raw_input_contents or contents"
-        )));
-    }
-
     let typed = input.contents.filter(|c| !contents_empty(c));
+    let raw = match source {
+        Source::Wire(raw) => raw,
+        Source::Shm(r, shm) => {
+            if typed.is_some() {
+                return Err(Status::invalid(format!(
+                    "input '{name}': has both shared memory parameters and typed contents; send one of them"
+                )));
+            }
+            let ctx = format!("input '{name}'");
+            if let Some(expected) = expected_bytes
+                && r.byte_size != expected
+            {
+                return Err(Status::invalid(format!(
+                    "{ctx}: {} is {} but shape {} of {datatype} needs {expected} bytes",
+                    shm::BYTE_SIZE,
+                    r.byte_size,
+                    shape_text(&shape)
+                )));
+            }
+            let data = shm.read(&ctx, &r)?;
+            if expected_bytes.is_none() {
+                let elements = split_bytes_elements(&name, &data)?.len() as u64;
+                if elements != count {
+                    return Err(Status::invalid(format!(
+                        "{ctx}: its shared memory holds {elements} BYTES elements but shape {} needs {count}",
+                        shape_text(&shape)
+                    )));
+                }
+            }
+            return Ok(InputTensor { name, datatype, shape, data });
+        }
+    };
     let data = match (raw, typed) {
         (Some(_), Some(_)) => {
             return Err(Status::invalid(format!(
@@ -393,6 +461,19 @@ fn tensor_metadata_to_proto(t: TensorMetadata) -> ProtoTensorMetadata {
     ProtoTensorMetadata { name: t.name, datatype: t.datatype, shape: t.shape }
 }
 
+/// Names the shared-memory region of each output in `written` (their bytes are there, and their
+/// `raw_output_contents` entries empty, keeping the entries aligned with the outputs).
+pub fn mark_shm_outputs(response: &mut ModelInferResponse, written: &[ShmWritten]) {
+    for w in written {
+        let Some(output) = response.outputs.iter_mut().find(|o| o.name == w.name) else {
+            continue;
+        };
+        let param = |choice| InferParameter { parameter_choice: Some(choice) };
+        output.parameters.insert(shm::REGION.to_string(), param(ParameterChoice::StringParam(w.region.clone())));
+        output.parameters.insert(shm::BYTE_SIZE.to_string(), param(ParameterChoice::Int64Param(w.byte_size as i64)));
+    }
+}
+
 pub fn model_metadata_to_proto(m: ModelMetadata) -> ModelMetadataResponse {
     ModelMetadataResponse {
         name: m.name,
@@ -513,7 +594,118 @@ mod tests {
     }
 
     fn err(req: ModelInferRequest) -> Status {
-        infer_request_from_proto(req).unwrap_err()
+        infer_request_from_proto(req, &SharedMemory::disabled()).unwrap_err()
+    }
+
+    fn shm_params(region: &str, offset: Option<i64>, byte_size: i64) -> HashMap<String, InferParameter> {
+        let p = |c| InferParameter { parameter_choice: Some(c) };
+        let mut m = HashMap::new();
+        m.insert(shm::REGION.to_string(), p(ParameterChoice::StringParam(region.into())));
+        m.insert(shm::BYTE_SIZE.to_string(), p(ParameterChoice::Int64Param(byte_size)));
+        if let Some(o) = offset {
+            m.insert(shm::OFFSET.to_string(), p(ParameterChoice::Int64Param(o)));
+        }
+        m
+    }
+
+    fn f32_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn shared_memory_inputs_and_outputs() {
+        let obj = crate::shm::testing::TestObject::new("grpc-convert", 4096);
+        obj.write(16, &f32_bytes(&[1.0, 2.0, 3.0, 4.0]));
+        let shm = SharedMemory::allowed(1 << 20);
+        shm.register("in", &obj.key, 0, 4096).unwrap();
+
+        // A from shared memory, B from the one raw entry (the entries skip shm inputs).
+        let mut a = input("A", "FP32", &[4], None);
+        a.parameters = shm_params("in", Some(16), 16);
+        let b = input("B", "FP32", &[1], None);
+        let mut req = request(vec![a.clone(), b.clone()], vec![f32_bytes(&[9.0])]);
+        req.outputs =
+            vec![InferRequestedOutputTensor { name: "Y".into(), parameters: shm_params("in", Some(1024), 64) }];
+        let r = infer_request_from_proto(req, &shm).unwrap();
+        assert_eq!(&r.inputs[0].data[..], &f32_bytes(&[1.0, 2.0, 3.0, 4.0])[..]);
+        assert_eq!(&r.inputs[1].data[..], &f32_bytes(&[9.0])[..]);
+        assert_eq!(r.shm_outputs.len(), 1);
+        assert_eq!(r.shm_outputs[0].0, "Y");
+
+        // The output goes to the region; the response names it and keeps an empty raw entry.
+        let mut outputs = vec![
+            OutputTensor { name: "X".into(), datatype: DataType::Fp32, shape: vec![1], data: f32_bytes(&[5.0]).into() },
+            OutputTensor {
+                name: "Y".into(),
+                datatype: DataType::Fp32,
+                shape: vec![2],
+                data: f32_bytes(&[6.0, 7.0]).into(),
+            },
+        ];
+        let written = shm::write_outputs(&mut outputs, &r.shm_outputs).unwrap();
+        assert_eq!(obj.read(1024, 8), f32_bytes(&[6.0, 7.0]));
+        let mut proto = infer_response_to_proto(InferResponse {
+            model_name: "m".into(),
+            model_version: 1,
+            id: String::new(),
+            outputs,
+        });
+        mark_shm_outputs(&mut proto, &written);
+        assert_eq!(proto.raw_output_contents, vec![f32_bytes(&[5.0]), vec![]]);
+        assert!(proto.outputs[0].parameters.is_empty());
+        let y = &proto.outputs[1].parameters;
+        assert_eq!(y[shm::REGION].parameter_choice, Some(ParameterChoice::StringParam("in".into())));
+        assert_eq!(y[shm::BYTE_SIZE].parameter_choice, Some(ParameterChoice::Int64Param(8)));
+
+        // An output larger than the room the request gave fails, naming it.
+        let mut big = vec![OutputTensor {
+            name: "Y".into(),
+            datatype: DataType::Fp32,
+            shape: vec![32],
+            data: vec![0u8; 128].into(),
+        }];
+        let e = shm::write_outputs(&mut big, &r.shm_outputs).unwrap_err();
+        assert!(e.message.contains("output 'Y': 128 bytes do not fit"), "{}", e.message);
+
+        let check = |req: ModelInferRequest, needle: &str| {
+            let e = infer_request_from_proto(req, &shm).unwrap_err();
+            assert_eq!(e.code, Code::InvalidArgument, "{}", e.message);
+            assert!(e.message.contains(needle), "{needle}: {}", e.message);
+        };
+        // A raw entry for the shm input too.
+        check(
+            request(vec![a.clone(), b.clone()], vec![vec![0; 16], vec![0; 4]]),
+            "inputs not in shared memory (1 are)",
+        );
+        // The byte size must match the shape.
+        let mut wrong = a.clone();
+        wrong.parameters = shm_params("in", Some(16), 12);
+        check(request(vec![wrong], vec![]), "shared_memory_byte_size is 12 but shape [4] of FP32 needs 16 bytes");
+        // Not both shared memory and contents.
+        let mut both = a.clone();
+        both.contents = Some(InferTensorContents { fp32_contents: vec![1.0; 4], ..Default::default() });
+        check(request(vec![both], vec![]), "both shared memory parameters and typed contents");
+        // Unknown region, out-of-bounds offset, wrong parameter type.
+        let mut unknown = a.clone();
+        unknown.parameters = shm_params("nope", None, 16);
+        check(request(vec![unknown], vec![]), "no system shared memory region named 'nope'");
+        let mut outside = a.clone();
+        outside.parameters = shm_params("in", Some(4090), 16);
+        check(request(vec![outside], vec![]), "does not fit in region 'in' of 4096 bytes");
+        let mut typed = a.clone();
+        typed.parameters.insert(
+            shm::OFFSET.into(),
+            InferParameter { parameter_choice: Some(ParameterChoice::StringParam("16".into())) },
+        );
+        check(request(vec![typed], vec![]), "'shared_memory_offset' must be an int64_param");
+        let mut out_req = request(vec![b.clone()], vec![f32_bytes(&[9.0])]);
+        out_req.outputs =
+            vec![InferRequestedOutputTensor { name: "Y".into(), parameters: shm_params("gone", None, 8) }];
+        check(out_req, "output 'Y': no system shared memory region named 'gone'");
+
+        // A worker that does not allow client shared memory says how to allow it.
+        let e = infer_request_from_proto(request(vec![a], vec![]), &SharedMemory::disabled()).unwrap_err();
+        assert!(e.message.contains("--allow-client-shm=true"), "{}", e.message);
     }
 
     #[test]
@@ -541,7 +733,7 @@ mod tests {
             "whatever".into(),
             InferParameter { parameter_choice: Some(ParameterChoice::StringParam("x".into())) },
         );
-        let r = infer_request_from_proto(req).unwrap();
+        let r = infer_request_from_proto(req, &SharedMemory::disabled()).unwrap();
         assert_eq!(r.model_name, "m");
         assert_eq!(r.model_version, Some(3));
         assert_eq!(r.id, "req-1");
@@ -565,7 +757,9 @@ mod tests {
     fn raw_input_is_not_copied() {
         let a = vec![0u8; 16];
         let ptr = a.as_ptr();
-        let r = infer_request_from_proto(request(vec![input("A", "FP32", &[4], None)], vec![a])).unwrap();
+        let r =
+            infer_request_from_proto(request(vec![input("A", "FP32", &[4], None)], vec![a]), &SharedMemory::disabled())
+                .unwrap();
         assert_eq!(r.inputs[0].data.as_ptr(), ptr);
     }
 
@@ -594,7 +788,7 @@ mod tests {
             ],
             vec![],
         );
-        let r = infer_request_from_proto(req).unwrap();
+        let r = infer_request_from_proto(req, &SharedMemory::disabled()).unwrap();
         let data: Vec<&[u8]> = r.inputs.iter().map(|t| &t.data[..]).collect();
         assert_eq!(data[0], &[1, 0, 1]);
         assert_eq!(data[1], &[0x80, 0x7f]);
@@ -672,10 +866,10 @@ mod tests {
         let e = err(request(vec![input("A", "FP32", &[1], Some(c))], vec![vec![0; 4]]));
         assert!(e.message.contains("'A'") && e.message.contains("both"), "{}", e.message);
         // An empty contents message next to raw data is tolerated.
-        let ok = infer_request_from_proto(request(
-            vec![input("A", "FP32", &[1], Some(InferTensorContents::default()))],
-            vec![vec![0; 4]],
-        ));
+        let ok = infer_request_from_proto(
+            request(vec![input("A", "FP32", &[1], Some(InferTensorContents::default()))], vec![vec![0; 4]]),
+            &SharedMemory::disabled(),
+        );
         assert!(ok.is_ok());
     }
 
@@ -734,7 +928,11 @@ mod tests {
             InferParameter { parameter_choice: Some(ParameterChoice::StringParam("r".into())) },
         );
         let e = err(request(vec![inp], vec![]));
-        assert!(e.message.contains("'A'") && e.message.contains("shared memory"));
+        assert!(
+            e.message.contains("'A'") && e.message.contains("'shared_memory_byte_size' is required"),
+            "{}",
+            e.message
+        );
 
         let mut req = request(vec![], vec![]);
         req.model_version = "abc".into();

@@ -25,10 +25,11 @@ use tonic::codec::CompressionEncoding;
 use tonic::codegen::BoxStream;
 use tonic::{Request, Response};
 
-use crate::server::{EXTENSIONS, SERVER_NAME, SERVER_VERSION, Server, parse_version};
+use crate::server::{SERVER_NAME, SERVER_VERSION, Server, parse_version};
+use crate::shm;
 use convert::{
     grpc_deadline, index_entry_to_proto, infer_request_from_proto, infer_response_to_proto, load_config_parameter,
-    model_metadata_to_proto, model_stats_to_proto, unload_dependents_parameter,
+    mark_shm_outputs, model_metadata_to_proto, model_stats_to_proto, unload_dependents_parameter,
 };
 
 /// Most requests of one `ModelStreamInfer` stream in flight at once. Past it the stream stops
@@ -170,7 +171,7 @@ impl GrpcInferenceService for GrpcFrontend {
         Ok(Response::new(ServerMetadataResponse {
             name: SERVER_NAME.to_string(),
             version: SERVER_VERSION.to_string(),
-            extensions: EXTENSIONS.iter().map(|e| e.to_string()).collect(),
+            extensions: self.server.extensions(),
         }))
     }
 
@@ -183,11 +184,9 @@ impl GrpcInferenceService for GrpcFrontend {
 
     async fn model_infer(&self, request: Request<ModelInferRequest>) -> TonicResult<ModelInferResponse> {
         let deadline = grpc_deadline(request.metadata(), Instant::now());
-        let mut req = infer_request_from_proto(request.into_inner())?;
-        req.deadline = deadline;
         // Awaited in place: if the client goes away tonic drops this future, cancelling it.
-        let resp = self.server.infer(req).await?;
-        let mut response = Response::new(infer_response_to_proto(resp));
+        let resp = infer_one(&self.server, request.into_inner(), deadline).await?;
+        let mut response = Response::new(resp);
         response.metadata_mut().insert(QUEUE_REPORT_HEADER, self.server.metrics.pending_total().into());
         Ok(response)
     }
@@ -252,6 +251,64 @@ impl GrpcInferenceService for GrpcFrontend {
         self.server.unload_model(&r.model_name, dependents).await?;
         Ok(Response::new(RepositoryModelUnloadResponse {}))
     }
+
+    async fn system_shared_memory_status(
+        &self,
+        request: Request<SystemSharedMemoryStatusRequest>,
+    ) -> TonicResult<SystemSharedMemoryStatusResponse> {
+        let r = request.into_inner();
+        let name = (!r.name.is_empty()).then_some(r.name.as_str());
+        let regions = self.server.shm.status(name)?;
+        Ok(Response::new(SystemSharedMemoryStatusResponse {
+            regions: regions
+                .into_iter()
+                .map(|r| {
+                    let status = system_shared_memory_status_response::RegionStatus {
+                        name: r.name.clone(),
+                        key: r.key,
+                        offset: r.offset,
+                        byte_size: r.byte_size,
+                    };
+                    (r.name, status)
+                })
+                .collect(),
+        }))
+    }
+
+    async fn system_shared_memory_register(
+        &self,
+        request: Request<SystemSharedMemoryRegisterRequest>,
+    ) -> TonicResult<SystemSharedMemoryRegisterResponse> {
+        let r = request.into_inner();
+        self.server.shm.register(&r.name, &r.key, r.offset, r.byte_size)?;
+        Ok(Response::new(SystemSharedMemoryRegisterResponse {}))
+    }
+
+    async fn system_shared_memory_unregister(
+        &self,
+        request: Request<SystemSharedMemoryUnregisterRequest>,
+    ) -> TonicResult<SystemSharedMemoryUnregisterResponse> {
+        let r = request.into_inner();
+        self.server.shm.unregister((!r.name.is_empty()).then_some(r.name.as_str()))?;
+        Ok(Response::new(SystemSharedMemoryUnregisterResponse {}))
+    }
+}
+
+/// Decodes, runs and encodes one request; outputs the client asked for in shared memory are
+/// written there, and the response names their regions.
+async fn infer_one(
+    server: &Server,
+    req: ModelInferRequest,
+    deadline: Option<Instant>,
+) -> Result<ModelInferResponse, Status> {
+    let mut request = infer_request_from_proto(req, &server.shm)?;
+    request.deadline = deadline;
+    let targets = std::mem::take(&mut request.shm_outputs);
+    let mut response = server.infer(request).await?;
+    let written = shm::write_outputs(&mut response.outputs, &targets)?;
+    let mut proto = infer_response_to_proto(response);
+    mark_shm_outputs(&mut proto, &written);
+    Ok(proto)
 }
 
 /// Runs one request of a stream; errors become `error_message` (with the request's id in an
@@ -262,18 +319,8 @@ async fn stream_infer_one(
     deadline: Option<Instant>,
 ) -> ModelStreamInferResponse {
     let (id, model_name, model_version) = (req.id.clone(), req.model_name.clone(), req.model_version.clone());
-    let result = match infer_request_from_proto(req) {
-        Ok(mut r) => {
-            r.deadline = deadline;
-            server.infer(r).await
-        }
-        Err(e) => Err(e),
-    };
-    match result {
-        Ok(resp) => ModelStreamInferResponse {
-            error_message: String::new(),
-            infer_response: Some(infer_response_to_proto(resp)),
-        },
+    match infer_one(server, req, deadline).await {
+        Ok(resp) => ModelStreamInferResponse { error_message: String::new(), infer_response: Some(resp) },
         Err(e) => stream_error(e, id, model_name, model_version),
     }
 }

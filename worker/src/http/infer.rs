@@ -22,6 +22,7 @@ use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqA
 use serde::ser::{self, Serialize, SerializeMap, SerializeSeq, Serializer};
 use serde_json::{Map, Value};
 
+use crate::shm::{self, SharedMemory, ShmRef, ShmWritten};
 use crate::tensor::{InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput, split_bytes_elements};
 
 /// The binary tensor extension's header: length of the JSON part at the start of the body.
@@ -36,11 +37,20 @@ pub struct OutputFormat {
     pub binary_default: bool,
     /// Outputs whose `parameters.binary_data` was given explicitly.
     pub explicit: Vec<(String, bool)>,
+    /// Outputs written into shared memory: rendered with their region and size, no data.
+    pub shm: Vec<ShmWritten>,
 }
 
 impl OutputFormat {
     pub fn is_binary(&self, output: &str) -> bool {
+        if self.shm_output(output).is_some() {
+            return false;
+        }
         self.explicit.iter().find(|(name, _)| name == output).map_or(self.binary_default, |(_, binary)| *binary)
+    }
+
+    fn shm_output(&self, output: &str) -> Option<&ShmWritten> {
+        self.shm.iter().find(|w| w.name == output)
     }
 }
 
@@ -63,6 +73,7 @@ pub fn parse_infer_request(
     body: Bytes,
     header_length: Option<usize>,
     max_bytes: usize,
+    shm: Option<&SharedMemory>,
 ) -> Result<ParsedInfer, Status> {
     let (json, binary) = match header_length {
         Some(n) if n > body.len() => {
@@ -114,7 +125,7 @@ pub fn parse_infer_request(
     let mut binary_offset = 0usize;
     request.inputs.reserve_exact(inputs.len());
     for (i, input) in inputs.into_iter().enumerate() {
-        request.inputs.push(finish_input(i, input, &binary, &mut binary_offset, max_bytes)?);
+        request.inputs.push(finish_input(i, input, &binary, &mut binary_offset, max_bytes, shm)?);
     }
     if binary_offset != binary.len() {
         return Err(Status::invalid(format!(
@@ -125,6 +136,10 @@ pub fn parse_infer_request(
 
     for (j, output) in raw.outputs.into_iter().flatten().enumerate() {
         let ctx = || format!("outputs[{j}] ('{}')", output.name);
+        if let Some(r) = shm_parameters(&ctx, output.parameters.as_ref())? {
+            let shm = shm.ok_or_else(|| shm_unsupported(&ctx()))?;
+            request.shm_outputs.push((output.name.clone(), shm.target(&ctx(), &r)?));
+        }
         let mut binary_data = None;
         for (key, value) in output.parameters.iter().flatten() {
             match key.as_str() {
@@ -137,9 +152,6 @@ pub fn parse_infer_request(
                 // A class count of 0 means "not requested".
                 "classification" if !(value.is_null() || value.as_u64() == Some(0)) => {
                     return Err(Status::invalid(format!("{}: classification is not supported", ctx())));
-                }
-                k if k.starts_with("shared_memory") => {
-                    return Err(Status::unimplemented(format!("{}: shared memory is not supported", ctx())));
                 }
                 _ => {}
             }
@@ -249,6 +261,7 @@ fn finish_input(
     binary: &Bytes,
     binary_offset: &mut usize,
     max_bytes: usize,
+    shm: Option<&SharedMemory>,
 ) -> Result<InputTensor, Status> {
     let name = input.name.ok_or_else(|| Status::invalid(format!("inputs[{i}]: missing 'name'")))?;
     let ctx = format!("inputs[{i}] ('{name}')");
@@ -263,20 +276,43 @@ fn finish_input(
     };
     let count = check_shape(dtype, &shape, max_bytes).map_err(err)?;
 
-    let mut binary_size = None;
-    for (key, value) in input.parameters.iter().flatten() {
-        match key.as_str() {
-            "binary_data_size" => {
-                let n = value
-                    .as_u64()
-                    .ok_or_else(|| err(format!("binary_data_size must be a non-negative integer, got {value}")))?;
-                binary_size = Some(n);
-            }
-            k if k.starts_with("shared_memory") => {
-                return Err(Status::unimplemented(format!("{ctx}: shared memory is not supported")));
-            }
-            _ => {}
+    let binary_size = match input.parameters.as_ref().and_then(|p| p.get("binary_data_size")) {
+        None => None,
+        Some(value) => Some(
+            value
+                .as_u64()
+                .ok_or_else(|| err(format!("binary_data_size must be a non-negative integer, got {value}")))?,
+        ),
+    };
+
+    if let Some(r) = shm_parameters(&|| ctx.clone(), input.parameters.as_ref())? {
+        let shm = shm.ok_or_else(|| shm_unsupported(&ctx))?;
+        if input.data.is_some() || binary_size.is_some() {
+            return Err(err(
+                "has shared memory parameters and also 'data' or binary_data_size; send one of them".into()
+            ));
         }
+        if let Some(expected) = byte_size(dtype, &shape)
+            && r.byte_size != expected
+        {
+            return Err(err(format!(
+                "{} is {} but shape {} of {dtype} needs {expected} bytes",
+                shm::BYTE_SIZE,
+                r.byte_size,
+                fmt_shape(&shape)
+            )));
+        }
+        let data = shm.read(&ctx, &r)?;
+        if dtype == DataType::Bytes {
+            let n = count_bytes_elements(&data).map_err(err)?;
+            if n != count {
+                return Err(err(format!(
+                    "expected {count} BYTES elements for shape {}, its shared memory holds {n}",
+                    fmt_shape(&shape)
+                )));
+            }
+        }
+        return Ok(InputTensor { name, datatype: dtype, shape, data });
     }
 
     let data = match (binary_size, input.data) {
@@ -339,6 +375,36 @@ fn finish_input(
     };
 
     Ok(InputTensor { name, datatype: dtype, shape, data })
+}
+
+/// A tensor's shared-memory parameters (`None` when it has none): the region a string, offset
+/// and byte size integers.
+fn shm_parameters(ctx: &dyn Fn() -> String, parameters: Option<&Map<String, Value>>) -> Result<Option<ShmRef>, Status> {
+    let Some(p) = parameters.filter(|p| p.keys().any(|k| k.starts_with("shared_memory_"))) else {
+        return Ok(None);
+    };
+    let region = match p.get(shm::REGION) {
+        None => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(v) => {
+            return Err(Status::invalid(format!("{}: parameter '{}' must be a string, got {v}", ctx(), shm::REGION)));
+        }
+    };
+    let int = |key: &str| match p.get(key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_i64()
+            .map(Some)
+            .ok_or_else(|| Status::invalid(format!("{}: parameter '{key}' must be an integer, got {v}", ctx()))),
+    };
+    ShmRef::from_parameters(&ctx(), region, int(shm::OFFSET)?, int(shm::BYTE_SIZE)?)
+}
+
+/// The error for shared-memory parameters where there are no regions to name (the gateway).
+fn shm_unsupported(ctx: &str) -> Status {
+    Status::invalid(format!(
+        "{ctx}: system shared memory is not supported here; register regions with a worker and send the request to it"
+    ))
 }
 
 /// Checks a claimed shape before anything of its size is allocated; returns its element count.
@@ -962,7 +1028,7 @@ pub fn render_infer_response(response: &InferResponse, format: &OutputFormat) ->
         }
     }
     let mut json = Vec::with_capacity(estimate.min(64 << 20));
-    ResponseJson { response, binary: &binary_flags }
+    ResponseJson { response, binary: &binary_flags, shm: &format.shm }
         .serialize(&mut serde_json::Serializer::with_formatter(&mut json, NonFiniteFormatter))
         .map_err(|e| Status::internal(format!("failed to render the inference response: {e}")))?;
     Ok(RenderedResponse { json, binary, has_binary: binary_flags.contains(&true) })
@@ -971,6 +1037,7 @@ pub fn render_infer_response(response: &InferResponse, format: &OutputFormat) ->
 struct ResponseJson<'a> {
     response: &'a InferResponse,
     binary: &'a [bool],
+    shm: &'a [ShmWritten],
 }
 
 impl Serialize for ResponseJson<'_> {
@@ -982,7 +1049,7 @@ impl Serialize for ResponseJson<'_> {
         }
         m.serialize_entry("model_name", &r.model_name)?;
         m.serialize_entry("model_version", &r.model_version.to_string())?;
-        m.serialize_entry("outputs", &OutputsJson { outputs: &r.outputs, binary: self.binary })?;
+        m.serialize_entry("outputs", &OutputsJson { outputs: &r.outputs, binary: self.binary, shm: self.shm })?;
         m.end()
     }
 }
@@ -990,13 +1057,15 @@ impl Serialize for ResponseJson<'_> {
 struct OutputsJson<'a> {
     outputs: &'a [OutputTensor],
     binary: &'a [bool],
+    shm: &'a [ShmWritten],
 }
 
 impl Serialize for OutputsJson<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let mut q = s.serialize_seq(Some(self.outputs.len()))?;
         for (o, &binary) in self.outputs.iter().zip(self.binary) {
-            q.serialize_element(&OutputJson { output: o, binary })?;
+            let shm = self.shm.iter().find(|w| w.name == o.name);
+            q.serialize_element(&OutputJson { output: o, binary, shm })?;
         }
         q.end()
     }
@@ -1005,9 +1074,21 @@ impl Serialize for OutputsJson<'_> {
 struct OutputJson<'a> {
     output: &'a OutputTensor,
     binary: bool,
+    shm: Option<&'a ShmWritten>,
 }
 
 struct BinaryParameters(usize);
+
+struct ShmParameters<'a>(&'a ShmWritten);
+
+impl Serialize for ShmParameters<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(Some(2))?;
+        m.serialize_entry(shm::REGION, &self.0.region)?;
+        m.serialize_entry(shm::BYTE_SIZE, &self.0.byte_size)?;
+        m.end()
+    }
+}
 
 impl Serialize for BinaryParameters {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -1024,7 +1105,9 @@ impl Serialize for OutputJson<'_> {
         m.serialize_entry("name", &o.name)?;
         m.serialize_entry("datatype", o.datatype.wire_name())?;
         m.serialize_entry("shape", &o.shape)?;
-        if self.binary {
+        if let Some(w) = self.shm {
+            m.serialize_entry("parameters", &ShmParameters(w))?;
+        } else if self.binary {
             m.serialize_entry("parameters", &BinaryParameters(o.data.len()))?;
         } else {
             m.serialize_entry("data", &DataJson { name: &o.name, dtype: o.datatype, data: &o.data })?;
@@ -1158,7 +1241,7 @@ mod tests {
     const MAX: usize = 64 << 20;
 
     fn parse(json: &str) -> Result<ParsedInfer, Status> {
-        parse_infer_request("m", None, Bytes::copy_from_slice(json.as_bytes()), None, MAX)
+        parse_infer_request("m", None, Bytes::copy_from_slice(json.as_bytes()), None, MAX, None)
     }
 
     fn one_input(datatype: &str, shape: &str, data: &str) -> Result<InputTensor, Status> {
@@ -1310,7 +1393,8 @@ mod tests {
             r#"{"inputs":[{"name":"a","shape":[1],"datatype":"FP32","data":[1],"parameters":{"shared_memory_region":"r"}}]}"#,
         )
         .unwrap_err();
-        assert_eq!(e.code, Code::Unimplemented);
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert!(e.message.contains("'shared_memory_byte_size' is required"), "{}", e.message);
     }
 
     #[test]
@@ -1351,7 +1435,7 @@ mod tests {
         let json = r#"{"inputs":[{"name":"x","shape":[9223372036854775807,2],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#;
         let mut body = json.as_bytes().to_vec();
         body.extend_from_slice(&[0; 8]);
-        let e = parse_infer_request("m", None, Bytes::from(body), Some(json.len()), MAX).unwrap_err();
+        let e = parse_infer_request("m", None, Bytes::from(body), Some(json.len()), MAX, None).unwrap_err();
         assert!(e.message.contains("overflows"), "{}", e.message);
     }
 
@@ -1359,7 +1443,7 @@ mod tests {
     fn json_data_larger_than_the_limit_is_cut_off() {
         // Shape unknown when data is read: the running size check stops it.
         let json = r#"{"inputs":[{"name":"x","data":[1,2,3,4,5,6,7,8,9],"datatype":"INT64","shape":[9]}]}"#;
-        let e = parse_infer_request("m", None, Bytes::from_static(json.as_bytes()), None, 32).unwrap_err();
+        let e = parse_infer_request("m", None, Bytes::from_static(json.as_bytes()), None, 32, None).unwrap_err();
         assert!(e.message.contains("limit"), "{}", e.message);
     }
 
@@ -1384,7 +1468,7 @@ mod tests {
         let mut bin = a.clone();
         bin.extend_from_slice(&s);
         let (body, n) = binary_body(&json, &bin);
-        let p = parse_infer_request("m", Some(3), body.clone(), Some(n), MAX).unwrap();
+        let p = parse_infer_request("m", Some(3), body.clone(), Some(n), MAX, None).unwrap();
         let r = &p.request;
         assert_eq!(r.model_version, Some(3));
         assert_eq!(&r.inputs[0].data[..], a.as_slice());
@@ -1401,15 +1485,15 @@ mod tests {
         let json = r#"{"inputs":[{"name":"A","shape":[2],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#;
         // Header length larger than the body.
         let (body, n) = binary_body(json, &[0; 8]);
-        let e = parse_infer_request("m", None, body.clone(), Some(body.len() + 1), MAX).unwrap_err();
+        let e = parse_infer_request("m", None, body.clone(), Some(body.len() + 1), MAX, None).unwrap_err();
         assert!(e.message.contains("Inference-Header-Content-Length"), "{}", e.message);
         // Too few bytes in the binary section.
         let (body, _) = binary_body(json, &[0; 4]);
-        let e = parse_infer_request("m", None, body, Some(n), MAX).unwrap_err();
+        let e = parse_infer_request("m", None, body, Some(n), MAX, None).unwrap_err();
         assert!(e.message.starts_with("inputs[0] ('A'): binary_data_size is 8 but only 4 bytes"), "{}", e.message);
         // Extra bytes after the last binary input.
         let (body, _) = binary_body(json, &[0; 12]);
-        let e = parse_infer_request("m", None, body, Some(n), MAX).unwrap_err();
+        let e = parse_infer_request("m", None, body, Some(n), MAX, None).unwrap_err();
         assert!(
             e.message.contains("binary section has 12 bytes") && e.message.contains("add up to 8"),
             "{}",
@@ -1418,15 +1502,15 @@ mod tests {
         // binary_data_size not matching shape x dtype.
         let bad = r#"{"inputs":[{"name":"A","shape":[3],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#;
         let (body, n2) = binary_body(bad, &[0; 8]);
-        let e = parse_infer_request("m", None, body, Some(n2), MAX).unwrap_err();
+        let e = parse_infer_request("m", None, body, Some(n2), MAX, None).unwrap_err();
         assert_eq!(e.message, "inputs[0] ('A'): binary_data_size is 8 but shape [3] of FP32 needs 12 bytes");
         // Both data and binary_data_size.
         let both = r#"{"inputs":[{"name":"A","shape":[2],"datatype":"FP32","data":[1,2],"parameters":{"binary_data_size":8}}]}"#;
         let (body, n3) = binary_body(both, &[0; 8]);
-        let e = parse_infer_request("m", None, body, Some(n3), MAX).unwrap_err();
+        let e = parse_infer_request("m", None, body, Some(n3), MAX, None).unwrap_err();
         assert!(e.message.contains("both"), "{}", e.message);
         // binary_data_size without the header: the binary section is empty.
-        let e = parse_infer_request("m", None, Bytes::from_static(json.as_bytes()), None, MAX).unwrap_err();
+        let e = parse_infer_request("m", None, Bytes::from_static(json.as_bytes()), None, MAX, None).unwrap_err();
         assert!(e.message.contains("only 0 bytes"), "{}", e.message);
         // BYTES element count not matching the shape.
         let s = serialize_bytes_elements(["a"]);
@@ -1435,8 +1519,87 @@ mod tests {
             s.len()
         );
         let (body, n4) = binary_body(&bj, &s);
-        let e = parse_infer_request("m", None, body, Some(n4), MAX).unwrap_err();
+        let e = parse_infer_request("m", None, body, Some(n4), MAX, None).unwrap_err();
         assert!(e.message.contains("expected 2 BYTES elements"), "{}", e.message);
+    }
+
+    #[test]
+    fn shared_memory_inputs_and_outputs() {
+        let obj = crate::shm::testing::TestObject::new("http-infer", 4096);
+        obj.write(8, &le(&[1.0f32, 2.0], f32::to_le_bytes));
+        obj.write(100, &serialize_bytes_elements(["ab", "c"]));
+        let shm = SharedMemory::allowed(1 << 20);
+        shm.register("r", &obj.key, 0, 4096).unwrap();
+        let with = |json: &str, shm: Option<&SharedMemory>| {
+            parse_infer_request("m", None, Bytes::copy_from_slice(json.as_bytes()), None, MAX, shm)
+        };
+
+        let json = r#"{"inputs":[
+            {"name":"A","datatype":"FP32","shape":[2],"parameters":{"shared_memory_region":"r","shared_memory_offset":8,"shared_memory_byte_size":8}},
+            {"name":"S","datatype":"BYTES","shape":[2],"parameters":{"shared_memory_region":"r","shared_memory_offset":100,"shared_memory_byte_size":11}},
+            {"name":"B","datatype":"INT32","shape":[1],"data":[7]}],
+          "outputs":[{"name":"Y","parameters":{"shared_memory_region":"r","shared_memory_offset":512,"shared_memory_byte_size":64,"binary_data":true}},
+                     {"name":"Z"}]}"#;
+        let ParsedInfer { request, mut format } = with(json, Some(&shm)).unwrap();
+        assert_eq!(&request.inputs[0].data[..], &le(&[1.0f32, 2.0], f32::to_le_bytes)[..]);
+        assert_eq!(&request.inputs[1].data[..], &serialize_bytes_elements(["ab", "c"])[..]);
+        assert_eq!(&request.inputs[2].data[..], &7i32.to_le_bytes()[..]);
+        assert_eq!(request.shm_outputs.len(), 1);
+
+        let mut response = InferResponse {
+            model_name: "m".into(),
+            model_version: 1,
+            id: String::new(),
+            outputs: vec![
+                output("Y", DataType::Fp32, vec![2], le(&[3.0f32, 4.0], f32::to_le_bytes)),
+                output("Z", DataType::Fp32, vec![1], le(&[5.0f32], f32::to_le_bytes)),
+            ],
+        };
+        format.shm = crate::shm::write_outputs(&mut response.outputs, &request.shm_outputs).unwrap();
+        assert_eq!(obj.read(512, 8), le(&[3.0f32, 4.0], f32::to_le_bytes));
+        let rendered = render_infer_response(&response, &format).unwrap();
+        assert!(!rendered.has_binary, "a shared-memory output never goes in the binary section");
+        let v: Value = serde_json::from_slice(&rendered.json).unwrap();
+        assert_eq!(
+            v["outputs"][0],
+            serde_json::json!({"name":"Y","datatype":"FP32","shape":[2],
+                "parameters":{"shared_memory_region":"r","shared_memory_byte_size":8}})
+        );
+        assert_eq!(v["outputs"][1]["data"], serde_json::json!([5.0]));
+
+        for (json, needle) in [
+            (
+                r#"{"inputs":[{"name":"A","datatype":"FP32","shape":[2],"data":[1,2],"parameters":{"shared_memory_region":"r","shared_memory_byte_size":8}}]}"#,
+                "also 'data'",
+            ),
+            (
+                r#"{"inputs":[{"name":"A","datatype":"FP32","shape":[2],"parameters":{"shared_memory_region":"r","shared_memory_byte_size":4}}]}"#,
+                "shared_memory_byte_size is 4 but shape [2] of FP32 needs 8 bytes",
+            ),
+            (
+                r#"{"inputs":[{"name":"S","datatype":"BYTES","shape":[3],"parameters":{"shared_memory_region":"r","shared_memory_offset":100,"shared_memory_byte_size":11}}]}"#,
+                "expected 3 BYTES elements for shape [3], its shared memory holds 2",
+            ),
+            (
+                r#"{"inputs":[{"name":"A","datatype":"FP32","shape":[2],"parameters":{"shared_memory_region":7,"shared_memory_byte_size":8}}]}"#,
+                "'shared_memory_region' must be a string",
+            ),
+            (
+                r#"{"inputs":[{"name":"A","datatype":"FP32","shape":[2],"parameters":{"shared_memory_region":"r","shared_memory_byte_size":"8"}}]}"#,
+                "'shared_memory_byte_size' must be an integer",
+            ),
+            (
+                r#"{"inputs":[{"name":"A","datatype":"FP32","shape":[1],"data":[1]}],"outputs":[{"name":"Y","parameters":{"shared_memory_region":"r"}}]}"#,
+                "outputs[0] ('Y'): parameter 'shared_memory_byte_size' is required",
+            ),
+        ] {
+            let e = with(json, Some(&shm)).unwrap_err();
+            assert_eq!(e.code, Code::InvalidArgument, "{}", e.message);
+            assert!(e.message.contains(needle), "{needle}: {}", e.message);
+        }
+        // Where there are no regions (the gateway), shared memory parameters are refused.
+        let e = with(json, None).unwrap_err();
+        assert!(e.message.contains("system shared memory is not supported here"), "{}", e.message);
     }
 
     fn output(name: &str, datatype: DataType, shape: Vec<i64>, data: Vec<u8>) -> OutputTensor {
@@ -1488,7 +1651,11 @@ mod tests {
     #[test]
     fn renders_binary_response() {
         let resp = sample_response();
-        let format = OutputFormat { binary_default: false, explicit: vec![("F".into(), true), ("S".into(), true)] };
+        let format = OutputFormat {
+            binary_default: false,
+            explicit: vec![("F".into(), true), ("S".into(), true)],
+            ..Default::default()
+        };
         let r = render_infer_response(&resp, &format).unwrap();
         assert_eq!(r.header_length(), Some(r.json.len()));
         let v: Value = serde_json::from_slice(&r.json).unwrap();
@@ -1506,7 +1673,7 @@ mod tests {
         assert_eq!(r.binary[0].as_ptr(), resp.outputs[0].data.as_ptr());
 
         // binary_data_output: every output binary unless it says otherwise.
-        let format = OutputFormat { binary_default: true, explicit: vec![("B".into(), false)] };
+        let format = OutputFormat { binary_default: true, explicit: vec![("B".into(), false)], ..Default::default() };
         let r = render_infer_response(&resp, &format).unwrap();
         let v: Value = serde_json::from_slice(&r.json).unwrap();
         let outs = v["outputs"].as_array().unwrap();

@@ -20,7 +20,7 @@ use axum::extract::{DefaultBodyLimit, FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use bytes::{Bytes, BytesMut};
@@ -35,9 +35,8 @@ pub use self::infer::{
     HEADER_CONTENT_LENGTH, OutputFormat, ParsedInfer, RenderedResponse, fmt_shape, parse_infer_request,
     render_infer_response,
 };
-use crate::server::{
-    self, EXTENSIONS, IndexEntry, ModelMetadata, ModelStats, SERVER_NAME, SERVER_VERSION, Server, parse_version,
-};
+use crate::server::{self, IndexEntry, ModelMetadata, ModelStats, SERVER_NAME, SERVER_VERSION, Server, parse_version};
+use crate::shm::RegionStatus;
 
 /// JSON parts (request or response) larger than this are parsed / rendered on the blocking
 /// pool instead of the async worker threads.
@@ -64,6 +63,12 @@ pub fn router(server: Server) -> Router {
         .route("/v2/repository/index", post(repository_index))
         .route("/v2/repository/models/{model}/load", post(load_model))
         .route("/v2/repository/models/{model}/unload", post(unload_model))
+        .route("/v2/systemsharedmemory/status", get(shm_status_all))
+        .route("/v2/systemsharedmemory/region/{region}/status", get(shm_status_one))
+        .route("/v2/systemsharedmemory/region/{region}/register", post(shm_register))
+        .route("/v2/systemsharedmemory/unregister", post(shm_unregister_all))
+        .route("/v2/systemsharedmemory/region/{region}/unregister", post(shm_unregister_one))
+        .route("/v2/cudasharedmemory/{*rest}", any(cuda_shm))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
@@ -423,8 +428,8 @@ fn ok_or_400(ok: bool) -> StatusCode {
     if ok { StatusCode::OK } else { StatusCode::BAD_REQUEST }
 }
 
-async fn server_metadata() -> Json<Value> {
-    Json(server_metadata_json())
+async fn server_metadata(State(server): State<Server>) -> Json<Value> {
+    Json(server_metadata_json(&server.extensions()))
 }
 
 async fn health_live(State(server): State<Server>) -> StatusCode {
@@ -469,14 +474,17 @@ async fn infer(
 
     let json_len = header_length.unwrap_or(body.len()).min(body.len());
     let ModelRef { name, version } = model;
-    let ParsedInfer { request, format } = maybe_offload(json_len > OFFLOAD_JSON_BYTES, move || {
-        parse_infer_request(&name, version, body, header_length, max)
+    let shm = server.shm.clone();
+    let ParsedInfer { mut request, mut format } = maybe_offload(json_len > OFFLOAD_JSON_BYTES, move || {
+        parse_infer_request(&name, version, body, header_length, max, Some(&shm))
     })
     .await?;
 
     // Awaited here, not spawned: if the client goes away this future is dropped and the core
     // takes the request out of its queue.
-    let response = server.infer(request).await?;
+    let targets = std::mem::take(&mut request.shm_outputs);
+    let mut response = server.infer(request).await?;
+    format.shm = crate::shm::write_outputs(&mut response.outputs, &targets)?;
 
     let json_bytes: usize = response.outputs.iter().filter(|o| !format.is_binary(&o.name)).map(|o| o.data.len()).sum();
     let rendered =
@@ -568,6 +576,40 @@ async fn unload_model(
     Ok(StatusCode::OK)
 }
 
+async fn shm_status_all(State(server): State<Server>) -> Result<Json<Value>, ApiError> {
+    Ok(Json(shm_status_json(&server.shm.status(None)?)))
+}
+
+async fn shm_status_one(State(server): State<Server>, Path(region): Path<String>) -> Result<Json<Value>, ApiError> {
+    Ok(Json(shm_status_json(&server.shm.status(Some(&region))?)))
+}
+
+async fn shm_register(
+    State(server): State<Server>,
+    Path(region): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<StatusCode, ApiError> {
+    let body = read_body(&headers, body, server.limits.max_request_bytes).await?;
+    let (key, offset, byte_size) = parse_shm_register_request(&body)?;
+    server.shm.register(&region, &key, offset, byte_size)?;
+    Ok(StatusCode::OK)
+}
+
+async fn cuda_shm() -> ApiError {
+    ApiError(Status::unimplemented("CUDA shared memory is not supported by nereid-worker; use system shared memory"))
+}
+
+async fn shm_unregister_all(State(server): State<Server>) -> Result<StatusCode, ApiError> {
+    server.shm.unregister(None)?;
+    Ok(StatusCode::OK)
+}
+
+async fn shm_unregister_one(State(server): State<Server>, Path(region): Path<String>) -> Result<StatusCode, ApiError> {
+    server.shm.unregister(Some(&region))?;
+    Ok(StatusCode::OK)
+}
+
 async fn metrics(State(server): State<Server>) -> Response {
     (
         [(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"))],
@@ -581,8 +623,37 @@ async fn metrics(State(server): State<Server>) -> Response {
 // ---------------------------------------------------------------------------------------------
 
 /// `GET /v2`.
-pub fn server_metadata_json() -> Value {
-    json!({ "name": SERVER_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS })
+pub fn server_metadata_json(extensions: &[String]) -> Value {
+    json!({ "name": SERVER_NAME, "version": SERVER_VERSION, "extensions": extensions })
+}
+
+/// `GET /v2/systemsharedmemory[/region/{r}]/status`: `[{"name","key","offset","byte_size"}]`.
+pub fn shm_status_json(regions: &[RegionStatus]) -> Value {
+    regions
+        .iter()
+        .map(|r| json!({ "name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size }))
+        .collect()
+}
+
+/// The body of `POST /v2/systemsharedmemory/region/{r}/register`:
+/// `{"key": string, "offset": number, "byte_size": number}` (`offset` defaults to 0).
+pub fn parse_shm_register_request(body: &[u8]) -> Result<(String, u64, u64), Status> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| Status::invalid(format!("malformed shared memory register request JSON: {e}")))?;
+    let obj = v.as_object().ok_or_else(|| Status::invalid("a shared memory register request must be a JSON object"))?;
+    let key = match obj.get("key") {
+        Some(Value::String(k)) => k.clone(),
+        Some(other) => return Err(Status::invalid(format!("'key' must be a string, got {other}"))),
+        None => return Err(Status::invalid("a shared memory register request needs 'key'")),
+    };
+    let number = |field: &str, default: Option<u64>| match (obj.get(field), default) {
+        (Some(v), _) => {
+            v.as_u64().ok_or_else(|| Status::invalid(format!("'{field}' must be a non-negative integer, got {v}")))
+        }
+        (None, Some(d)) => Ok(d),
+        (None, None) => Err(Status::invalid(format!("a shared memory register request needs '{field}'"))),
+    };
+    Ok((key, number("offset", Some(0))?, number("byte_size", None)?))
 }
 
 /// `GET /v2/models/{m}[/versions/{v}]`.
@@ -781,13 +852,38 @@ impl hyper::body::Body for ChunkedBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::server::{BatchStats, Duration, TensorMetadata};
+    use crate::server::{BatchStats, Duration, EXTENSIONS, TensorMetadata};
     use crate::tensor::{InferResponse, OutputTensor};
     use nereid_common::{Code, DataType};
 
     #[test]
+    fn shm_register_request_parsing() {
+        assert_eq!(
+            parse_shm_register_request(br#"{"key":"/k","offset":8,"byte_size":64}"#).unwrap(),
+            ("/k".to_string(), 8, 64)
+        );
+        assert_eq!(parse_shm_register_request(br#"{"key":"/k","byte_size":64}"#).unwrap(), ("/k".to_string(), 0, 64));
+        for (body, needle) in [
+            (&b"{"[..], "malformed shared memory register request JSON"),
+            (b"[1]", "must be a JSON object"),
+            (br#"{"byte_size":64}"#, "needs 'key'"),
+            (br#"{"key":5,"byte_size":64}"#, "'key' must be a string"),
+            (br#"{"key":"/k"}"#, "needs 'byte_size'"),
+            (br#"{"key":"/k","byte_size":-1}"#, "'byte_size' must be a non-negative integer"),
+            (br#"{"key":"/k","offset":"0","byte_size":1}"#, "'offset' must be a non-negative integer"),
+        ] {
+            let e = parse_shm_register_request(body).unwrap_err();
+            assert_eq!(e.code, Code::InvalidArgument);
+            assert!(e.message.contains(needle), "{needle}: {}", e.message);
+        }
+        let status = shm_status_json(&[RegionStatus { name: "r".into(), key: "/k".into(), offset: 4, byte_size: 8 }]);
+        assert_eq!(status, json!([{"name":"r","key":"/k","offset":4,"byte_size":8}]));
+    }
+
+    #[test]
     fn server_metadata_lists_extensions() {
-        let v = server_metadata_json();
+        let extensions: Vec<String> = EXTENSIONS.iter().map(|e| e.to_string()).collect();
+        let v = server_metadata_json(&extensions);
         assert_eq!(v["name"], SERVER_NAME);
         assert_eq!(v["version"], SERVER_VERSION);
         assert_eq!(v["extensions"].as_array().unwrap().len(), EXTENSIONS.len());
@@ -954,7 +1050,7 @@ mod tests {
                 },
             ],
         };
-        (response, OutputFormat { binary_default: binary, explicit: vec![] })
+        (response, OutputFormat { binary_default: binary, explicit: vec![], ..Default::default() })
     }
 
     #[tokio::test]
@@ -1056,7 +1152,7 @@ mod tests {
             let b = read_body(&headers, Body::from(body), 1 << 20).await.unwrap();
             assert_eq!(&b[..], &plain[..], "{name}");
             // Inference-Header-Content-Length counts in the inflated body.
-            let p = parse_infer_request("m", None, b, Some(json.len()), 1 << 20).unwrap();
+            let p = parse_infer_request("m", None, b, Some(json.len()), 1 << 20, None).unwrap();
             assert_eq!(&p.request.inputs[0].data[..], &tensor[..], "{name}");
             assert_eq!(&p.request.inputs[1].data[..], &[7, 0, 0, 0, 8, 0, 0, 0], "{name}");
         }
@@ -1158,7 +1254,7 @@ mod tests {
         };
         for coding in [Coding::Gzip, Coding::Deflate] {
             // Binary form: the header length counts in the inflated body.
-            let format = OutputFormat { binary_default: true, explicit: vec![] };
+            let format = OutputFormat { binary_default: true, explicit: vec![], ..Default::default() };
             let rendered = render_infer_response(&response, &format).unwrap();
             let json_len = rendered.json.len();
             let r = compressed_infer_response(rendered, coding).unwrap();

@@ -427,6 +427,7 @@ impl Repository {
                     priority: request.priority,
                     timeout_us: request.timeout_us,
                     deadline: request.deadline,
+                    shm_outputs: Vec::new(),
                 };
                 async move {
                     let answer = Box::pin(self.infer_at(sub, depth + 1)).await.map_err(|e| {

@@ -1,0 +1,185 @@
+"""Triton's system shared-memory extension through tritonclient: regions created with
+`tritonclient.utils.shared_memory`, registered over HTTP and gRPC, inputs read from them and
+outputs written into them, compared with onnxruntime; status and unregister; the errors a
+client can cause; and a worker without `--allow-client-shm` refusing it with the reason."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
+
+from nereid_harness import EXAMPLE_MODELS, assert_fp32_close, check_example_models, ort_run
+
+CLIENTS = {"http": httpclient, "grpc": grpcclient}
+
+
+@pytest.fixture(scope="module")
+def shm_worker(start_worker):
+    check_example_models()
+    return start_worker(EXAMPLE_MODELS, "--allow-client-shm=true")
+
+
+def client_for(worker, protocol):
+    return httpclient.InferenceServerClient(worker.http_url) if protocol == "http" else grpcclient.InferenceServerClient(worker.grpc_url)
+
+
+@pytest.fixture
+def regions(request):
+    """Factory: regions(name, byte_size) -> handle; every region is destroyed after the test."""
+    made = []
+
+    def make(name, byte_size):
+        # Unique per process and test, so parallel or repeated runs never collide.
+        key = f"/nereid_pytest_{os.getpid()}_{len(made)}_{request.node.name[:40]}".replace("[", "_").replace("]", "_")
+        handle = shm.create_shared_memory_region(name, key, byte_size)
+        made.append(handle)
+        return key, handle
+
+    yield make
+    for handle in made:
+        shm.destroy_shared_memory_region(handle)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_inputs_and_outputs_through_shared_memory(shm_worker, regions, protocol):
+    mod = CLIENTS[protocol]
+    c = client_for(shm_worker, protocol)
+    try:
+        assert "system_shared_memory" in (c.get_server_metadata()["extensions"] if protocol == "http" else c.get_server_metadata().extensions)
+        rng = np.random.default_rng(7)
+        x = rng.standard_normal((3, 256)).astype(np.float32)
+        in_key, in_handle = regions(f"in_{protocol}", 4096 + x.nbytes)
+        out_key, out_handle = regions(f"out_{protocol}", 1024)
+        # The input sits at an offset that is not page-aligned.
+        shm.set_shared_memory_region(in_handle, [x], offset=100)
+        c.register_system_shared_memory(f"in_{protocol}", in_key, 4096 + x.nbytes)
+        c.register_system_shared_memory(f"out_{protocol}", out_key, 1024)
+
+        inp = mod.InferInput("INPUT0", list(x.shape), "FP32")
+        inp.set_shared_memory(f"in_{protocol}", x.nbytes, offset=100)
+        out = mod.InferRequestedOutput("OUTPUT0")
+        out.set_shared_memory(f"out_{protocol}", 1024, offset=0)
+        result = c.infer("mlp_fp32", [inp], outputs=[out])
+
+        meta = result.get_output("OUTPUT0")
+        params = meta["parameters"] if protocol == "http" else {k: v for k, v in meta.parameters.items()}
+        if protocol == "http":
+            assert params["shared_memory_region"] == "out_http" and params["shared_memory_byte_size"] == 3 * 10 * 4
+            assert "data" not in meta
+        else:
+            assert params["shared_memory_region"].string_param == "out_grpc"
+            assert params["shared_memory_byte_size"].int64_param == 3 * 10 * 4
+        got = shm.get_contents_as_numpy(out_handle, np.float32, [3, 10])
+        assert_fp32_close(got, ort_run("mlp_fp32", {"INPUT0": x})["OUTPUT0"])
+
+        # Mixed: one input through shared memory, the other in the request; one output each way.
+        f = rng.standard_normal((2, 4)).astype(np.float32)
+        i = rng.integers(-10, 10, size=(2, 4)).astype(np.int64)
+        shm.set_shared_memory_region(in_handle, [i], offset=0)
+        a = mod.InferInput("INPUT_FP32", [2, 4], "FP32")
+        a.set_data_from_numpy(f)
+        b = mod.InferInput("INPUT_INT64", [2, 4], "INT64")
+        b.set_shared_memory(f"in_{protocol}", i.nbytes)
+        o16 = mod.InferRequestedOutput("OUTPUT_FP16")
+        o16.set_shared_memory(f"out_{protocol}", 16, offset=512)
+        obool = mod.InferRequestedOutput("OUTPUT_BOOL")
+        result = c.infer("mixed_types", [a, b], outputs=[o16, obool])
+        ref = ort_run("mixed_types", {"INPUT_FP32": f, "INPUT_INT64": i})
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(out_handle, np.float16, [2, 4], offset=512), ref["OUTPUT_FP16"])
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT_BOOL"), ref["OUTPUT_BOOL"])
+
+        # Status lists both regions with what was registered; unregistering one leaves the other.
+        status = c.get_system_shared_memory_status()
+        if protocol == "http":
+            by_name = {r["name"]: r for r in status}
+            assert by_name[f"in_{protocol}"]["key"] == in_key and int(by_name[f"in_{protocol}"]["byte_size"]) == 4096 + x.nbytes
+        else:
+            by_name = dict(status.regions)
+            assert by_name[f"in_{protocol}"].key == in_key and by_name[f"in_{protocol}"].byte_size == 4096 + x.nbytes
+        assert set(by_name) == {f"in_{protocol}", f"out_{protocol}"}
+        c.unregister_system_shared_memory(f"in_{protocol}")
+        status = c.get_system_shared_memory_status()
+        names = [r["name"] for r in status] if protocol == "http" else list(status.regions)
+        assert names == [f"out_{protocol}"]
+        c.unregister_system_shared_memory()
+        status = c.get_system_shared_memory_status()
+        assert (len(status) if protocol == "http" else len(status.regions)) == 0
+    finally:
+        c.unregister_system_shared_memory()
+        c.close()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_shared_memory_errors_are_clear_and_the_worker_keeps_serving(shm_worker, regions, protocol):
+    mod = CLIENTS[protocol]
+    c = client_for(shm_worker, protocol)
+    name = f"err_{protocol}"
+    try:
+        key, handle = regions(name, 256)
+        x = np.arange(16, dtype=np.float32).reshape(1, 16)
+        shm.set_shared_memory_region(handle, [x])
+
+        def refused(call, needle):
+            with pytest.raises(InferenceServerException) as e:
+                call()
+            assert needle in str(e.value), str(e.value)
+
+        refused(lambda: c.register_system_shared_memory(name, "/nereid_no_such_object", 64), "cannot open the shared memory object")
+        refused(lambda: c.register_system_shared_memory(name, key, 512), "exceeds the object's size of 256 bytes")
+        c.register_system_shared_memory(name, key, 256)
+        refused(lambda: c.register_system_shared_memory(name, key, 64), "already registered")
+        refused(lambda: c.get_system_shared_memory_status(f"{name}_nope"), f"no system shared memory region named '{name}_nope'")
+
+        def infer_with(region, byte_size, offset=0, out=None):
+            inp = mod.InferInput("INPUT0", [1, 16], "FP32")
+            inp.set_shared_memory(region, byte_size, offset=offset)
+            return c.infer("identity_fp32", [inp], outputs=out)
+
+        refused(lambda: infer_with(f"{name}_nope", 64), f"no system shared memory region named '{name}_nope'")
+        refused(lambda: infer_with(name, 64, offset=224), f"does not fit in region '{name}' of 256 bytes")
+        refused(lambda: infer_with(name, 60), "needs 64 bytes")
+        small = mod.InferRequestedOutput("OUTPUT0")
+        small.set_shared_memory(name, 32, offset=128)
+        refused(lambda: infer_with(name, 64, out=[small]), "output 'OUTPUT0': 64 bytes do not fit")
+
+        # After all of that, the same region serves a good request.
+        ok = mod.InferRequestedOutput("OUTPUT0")
+        ok.set_shared_memory(name, 64, offset=128)
+        infer_with(name, 64, out=[ok])
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(handle, np.float32, [1, 16], offset=128), x)
+        plain = mod.InferInput("INPUT0", [1, 16], "FP32")
+        plain.set_data_from_numpy(x + 1)
+        assert_fp32_close(c.infer("identity_fp32", [plain]).as_numpy("OUTPUT0"), x + 1)
+    finally:
+        c.unregister_system_shared_memory()
+        c.close()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_worker_without_allow_client_shm_refuses_it(worker, regions, protocol):
+    mod = CLIENTS[protocol]
+    c = client_for(worker, protocol)
+    try:
+        md = c.get_server_metadata()
+        assert "system_shared_memory" not in (md["extensions"] if protocol == "http" else md.extensions)
+        key, _ = regions(f"off_{protocol}", 64)
+        with pytest.raises(InferenceServerException) as e:
+            c.register_system_shared_memory(f"off_{protocol}", key, 64)
+        assert "--allow-client-shm=true" in str(e.value)
+        inp = mod.InferInput("INPUT0", [1, 16], "FP32")
+        inp.set_shared_memory(f"off_{protocol}", 64)
+        with pytest.raises(InferenceServerException) as e:
+            c.infer("identity_fp32", [inp])
+        assert "--allow-client-shm=true" in str(e.value)
+        # CUDA shared memory is not implemented, and says so.
+        with pytest.raises(InferenceServerException) as e:
+            c.get_cuda_shared_memory_status()
+        assert "not" in str(e.value).lower() and ("cuda" in str(e.value).lower() or "unimplemented" in str(e.value).lower()), str(e.value)
+    finally:
+        c.close()

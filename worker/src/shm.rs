@@ -1,0 +1,611 @@
+//! Triton's system shared-memory extension: a client on the same host registers a POSIX
+//! shared-memory object (its `key`, an offset and a size) under a region name, then names the
+//! region in an input's or requested output's parameters (`shared_memory_region`,
+//! `shared_memory_offset`, `shared_memory_byte_size`) instead of sending the tensor's bytes.
+//!
+//! Inputs are copied out of the region once, when the request is decoded — where the bytes of
+//! a wire tensor would be received — so a client rewriting its region after the call returned
+//! cannot change a request that is still queued. Outputs are written into their region after
+//! inference, and the response names the region instead of carrying the bytes.
+//!
+//! Registration is refused unless the worker was started with `--allow-client-shm=true`
+//! (Triton's flag and default): a registered key opens any shared-memory object the worker's
+//! user can open, so only deployments whose clients share the host's trust should allow it.
+//!
+//! Limitation, shared with tritonserver: a client that shrinks a registered object (ftruncate)
+//! while a request is being copied can make that access fault. Every access re-checks the
+//! object's size first, so a region shrunk before the request arrives gets a clear error.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::{Arc, RwLock};
+
+use bytes::Bytes;
+use nereid_common::{Code, Status};
+
+use crate::tensor::OutputTensor;
+
+/// Tensor parameter: the name of a registered region.
+pub const REGION: &str = "shared_memory_region";
+/// Tensor parameter: offset of the tensor's bytes in the region (optional, default 0).
+pub const OFFSET: &str = "shared_memory_offset";
+/// Tensor parameter: size of the tensor's bytes in the region.
+pub const BYTE_SIZE: &str = "shared_memory_byte_size";
+
+/// A tensor's shared-memory parameters, as a request states them (not yet resolved).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShmRef {
+    pub region: String,
+    pub offset: u64,
+    pub byte_size: u64,
+}
+
+impl ShmRef {
+    /// Checks the parameters a tensor gave: `None` when it gave none of them. `ctx` names the
+    /// tensor in errors (e.g. `input 'X'`).
+    pub fn from_parameters(
+        ctx: &str,
+        region: Option<String>,
+        offset: Option<i64>,
+        byte_size: Option<i64>,
+    ) -> Result<Option<ShmRef>, Status> {
+        let (region, byte_size) = match (region, byte_size) {
+            (None, None) if offset.is_none() => return Ok(None),
+            (Some(r), Some(b)) => (r, b),
+            (None, _) => {
+                return Err(Status::invalid(format!(
+                    "{ctx}: parameter '{REGION}' is required with '{BYTE_SIZE}' and '{OFFSET}'"
+                )));
+            }
+            (Some(_), None) => {
+                return Err(Status::invalid(format!("{ctx}: parameter '{BYTE_SIZE}' is required with '{REGION}'")));
+            }
+        };
+        if region.is_empty() {
+            return Err(Status::invalid(format!("{ctx}: parameter '{REGION}' is empty")));
+        }
+        let non_negative = |name: &str, v: i64| {
+            u64::try_from(v)
+                .map_err(|_| Status::invalid(format!("{ctx}: parameter '{name}' must be non-negative, got {v}")))
+        };
+        Ok(Some(ShmRef {
+            region,
+            offset: non_negative(OFFSET, offset.unwrap_or(0))?,
+            byte_size: non_negative(BYTE_SIZE, byte_size)?,
+        }))
+    }
+}
+
+/// One registered region, as the status APIs report it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionStatus {
+    pub name: String,
+    pub key: String,
+    pub offset: u64,
+    pub byte_size: u64,
+}
+
+/// The registered system shared-memory regions of one worker.
+pub struct SharedMemory {
+    /// `Some(reason)`: client regions are refused, with this reason.
+    disabled: Option<&'static str>,
+    /// Largest tensor accepted from a region, like a request body's limit: a client's claim is
+    /// checked before the copy is allocated.
+    max_tensor_bytes: u64,
+    regions: RwLock<BTreeMap<String, Arc<Region>>>,
+}
+
+impl std::fmt::Debug for SharedMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedMemory").field("disabled", &self.disabled).finish_non_exhaustive()
+    }
+}
+
+const DISABLED: &str =
+    "system shared memory is disabled on this worker; start nereid-worker with --allow-client-shm=true to allow it";
+
+impl SharedMemory {
+    /// Regions allowed (`--allow-client-shm=true`); tensors up to `max_tensor_bytes` each.
+    pub fn allowed(max_tensor_bytes: u64) -> Self {
+        SharedMemory { disabled: None, max_tensor_bytes, regions: RwLock::default() }
+    }
+
+    /// Regions refused with the worker's reason (`--allow-client-shm=false`).
+    pub fn disabled() -> Self {
+        Self::refused(DISABLED)
+    }
+
+    /// Regions refused with `reason` (e.g. a process that forwards requests elsewhere).
+    pub fn refused(reason: &'static str) -> Self {
+        SharedMemory { disabled: Some(reason), max_tensor_bytes: 0, regions: RwLock::default() }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.disabled.is_none()
+    }
+
+    fn check_enabled(&self) -> Result<(), Status> {
+        match self.disabled {
+            Some(reason) => Err(Status::new(Code::FailedPrecondition, reason)),
+            None => Ok(()),
+        }
+    }
+
+    /// Opens `key` (a POSIX shared-memory object name) and maps `byte_size` bytes from
+    /// `offset` under `name`. The object must already hold them.
+    pub fn register(&self, name: &str, key: &str, offset: u64, byte_size: u64) -> Result<(), Status> {
+        self.check_enabled()?;
+        if name.is_empty() {
+            return Err(Status::invalid("a shared memory region needs a name"));
+        }
+        if byte_size == 0 {
+            return Err(Status::invalid(format!("shared memory region '{name}': byte_size must be positive")));
+        }
+        if self.regions.read().unwrap_or_else(|e| e.into_inner()).contains_key(name) {
+            return Err(already_registered(name));
+        }
+        let region = Arc::new(Region::open(name, key, offset, byte_size)?);
+        let mut regions = self.regions.write().unwrap_or_else(|e| e.into_inner());
+        if regions.contains_key(name) {
+            return Err(already_registered(name));
+        }
+        regions.insert(name.to_string(), region);
+        tracing::info!(region = name, key, offset, byte_size, "registered system shared memory region");
+        Ok(())
+    }
+
+    /// Unregisters `name`, or every region when `None`. Unknown names are not an error (as in
+    /// Triton, so clean-up code can always call it). Requests already holding the region keep
+    /// its mapping until they finish.
+    pub fn unregister(&self, name: Option<&str>) -> Result<(), Status> {
+        self.check_enabled()?;
+        let mut regions = self.regions.write().unwrap_or_else(|e| e.into_inner());
+        match name {
+            Some(name) => {
+                if regions.remove(name).is_some() {
+                    tracing::info!(region = name, "unregistered system shared memory region");
+                }
+            }
+            None => regions.clear(),
+        }
+        Ok(())
+    }
+
+    /// Status of `name`, or of every region when `None`.
+    pub fn status(&self, name: Option<&str>) -> Result<Vec<RegionStatus>, Status> {
+        self.check_enabled()?;
+        let regions = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        match name {
+            Some(name) => regions.get(name).map(|r| vec![r.status()]).ok_or_else(|| {
+                Status::not_found(format!("no system shared memory region named '{name}' is registered"))
+            }),
+            None => Ok(regions.values().map(|r| r.status()).collect()),
+        }
+    }
+
+    fn lookup(&self, ctx: &str, r: &ShmRef) -> Result<Arc<Region>, Status> {
+        self.check_enabled()?;
+        let region = self.regions.read().unwrap_or_else(|e| e.into_inner()).get(&r.region).cloned();
+        let region = region.ok_or_else(|| {
+            Status::invalid(format!("{ctx}: no system shared memory region named '{}' is registered", r.region))
+        })?;
+        let end = r.offset.checked_add(r.byte_size);
+        if end.is_none_or(|end| end > region.byte_size) {
+            return Err(Status::invalid(format!(
+                "{ctx}: {BYTE_SIZE} {} at {OFFSET} {} does not fit in region '{}' of {} bytes",
+                r.byte_size, r.offset, r.region, region.byte_size
+            )));
+        }
+        Ok(region)
+    }
+
+    /// Copies a tensor's bytes out of its region.
+    pub fn read(&self, ctx: &str, r: &ShmRef) -> Result<Bytes, Status> {
+        if r.byte_size > self.max_tensor_bytes && self.enabled() {
+            return Err(Status::invalid(format!(
+                "{ctx}: {BYTE_SIZE} {} exceeds the request size limit of {} bytes",
+                r.byte_size, self.max_tensor_bytes
+            )));
+        }
+        let region = self.lookup(ctx, r)?;
+        let mut buf = vec![0u8; r.byte_size as usize];
+        region.copy_out(ctx, r.offset, &mut buf)?;
+        Ok(Bytes::from(buf))
+    }
+
+    /// Resolves where a requested output goes (checked before inference runs).
+    pub fn target(&self, ctx: &str, r: &ShmRef) -> Result<ShmTarget, Status> {
+        let region = self.lookup(ctx, r)?;
+        Ok(ShmTarget { region, offset: r.offset, byte_size: r.byte_size })
+    }
+}
+
+/// An output the front end wrote into shared memory: the response names its region and size
+/// instead of carrying its bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShmWritten {
+    pub name: String,
+    pub region: String,
+    pub byte_size: u64,
+}
+
+/// Writes each output that has a target into its region and empties its data in `outputs`;
+/// returns what was written, for the response to report. An output that does not fit fails
+/// the request (its region may then hold part of the outputs written before it).
+pub fn write_outputs(outputs: &mut [OutputTensor], targets: &[(String, ShmTarget)]) -> Result<Vec<ShmWritten>, Status> {
+    let mut written = Vec::with_capacity(targets.len());
+    for output in outputs.iter_mut() {
+        let Some((_, target)) = targets.iter().find(|(name, _)| *name == output.name) else {
+            continue;
+        };
+        target.write(&output.name, &output.data)?;
+        written.push(ShmWritten {
+            name: output.name.clone(),
+            region: target.region_name().to_string(),
+            byte_size: output.data.len() as u64,
+        });
+        output.data = Bytes::new();
+    }
+    Ok(written)
+}
+
+fn already_registered(name: &str) -> Status {
+    Status::new(
+        Code::AlreadyExists,
+        format!("a shared memory region named '{name}' is already registered; unregister it first"),
+    )
+}
+
+/// Where one requested output is written: a registered region (kept mapped while the request
+/// runs, even if it is unregistered meanwhile), an offset and the room the client gave.
+#[derive(Clone)]
+pub struct ShmTarget {
+    region: Arc<Region>,
+    offset: u64,
+    byte_size: u64,
+}
+
+impl std::fmt::Debug for ShmTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmTarget")
+            .field("region", &self.region.name)
+            .field("offset", &self.offset)
+            .field("byte_size", &self.byte_size)
+            .finish()
+    }
+}
+
+impl ShmTarget {
+    pub fn region_name(&self) -> &str {
+        &self.region.name
+    }
+
+    /// Writes an output's bytes; fails, naming the output, when they do not fit the room the
+    /// request gave.
+    pub fn write(&self, output: &str, data: &[u8]) -> Result<(), Status> {
+        if data.len() as u64 > self.byte_size {
+            return Err(Status::invalid(format!(
+                "output '{output}': {} bytes do not fit the {BYTE_SIZE} of {} given for region '{}'",
+                data.len(),
+                self.byte_size,
+                self.region.name
+            )));
+        }
+        self.region.copy_in(&format!("output '{output}'"), self.offset, data)
+    }
+}
+
+/// A registered region: the object's descriptor and a shared read-write mapping of
+/// `[offset, offset + byte_size)` (from the page boundary below `offset`).
+struct Region {
+    name: String,
+    key: String,
+    offset: u64,
+    byte_size: u64,
+    fd: OwnedFd,
+    /// Start of the mapping (page-aligned, `lead` bytes before the region's first byte).
+    base: *mut u8,
+    map_len: usize,
+    lead: usize,
+}
+
+// SAFETY: the mapping is owned by this value, unmapped only on drop, and only accessed through
+// raw-pointer copies (never as Rust references), so sharing it across threads is sound.
+unsafe impl Send for Region {}
+unsafe impl Sync for Region {}
+
+fn os_error(what: &str) -> String {
+    format!("{what}: {}", std::io::Error::last_os_error())
+}
+
+impl Region {
+    fn open(name: &str, key: &str, offset: u64, byte_size: u64) -> Result<Region, Status> {
+        let ctx = format!("shared memory region '{name}' (key '{key}')");
+        let invalid = |m: String| Status::invalid(format!("{ctx}: {m}"));
+        let ckey = CString::new(key).map_err(|_| invalid("the key contains a NUL byte".into()))?;
+        if key.trim_start_matches('/').is_empty() || key.trim_start_matches('/').contains('/') {
+            return Err(invalid("the key must be a shared memory object name such as '/my_region'".into()));
+        }
+        let end = offset.checked_add(byte_size).ok_or_else(|| invalid("offset + byte_size overflows".into()))?;
+        // SAFETY: shm_open with a valid NUL-terminated name; the result is checked.
+        let raw = unsafe { libc::shm_open(ckey.as_ptr(), libc::O_RDWR, 0) };
+        if raw < 0 {
+            return Err(invalid(os_error("cannot open the shared memory object")));
+        }
+        // SAFETY: `raw` is a descriptor just returned to us and owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let size = object_size(&fd).map_err(invalid)?;
+        if end > size {
+            return Err(invalid(format!(
+                "offset {offset} + byte_size {byte_size} exceeds the object's size of {size} bytes"
+            )));
+        }
+        // SAFETY: sysconf has no preconditions.
+        let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+            p if p > 0 => p as u64,
+            _ => 4096,
+        };
+        let lead = offset % page;
+        let map_len = usize::try_from(lead + byte_size).map_err(|_| invalid("byte_size is too large to map".into()))?;
+        let map_offset = libc::off_t::try_from(offset - lead).map_err(|_| invalid("offset is too large".into()))?;
+        // SAFETY: a fresh shared mapping of a range the object holds (checked above); the
+        // result is checked before use.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                map_offset,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(invalid(os_error("cannot map the shared memory object")));
+        }
+        Ok(Region {
+            name: name.to_string(),
+            key: key.to_string(),
+            offset,
+            byte_size,
+            fd,
+            base: base.cast(),
+            map_len,
+            lead: lead as usize,
+        })
+    }
+
+    fn status(&self) -> RegionStatus {
+        RegionStatus { name: self.name.clone(), key: self.key.clone(), offset: self.offset, byte_size: self.byte_size }
+    }
+
+    /// Checks that `[at, at + len)` (relative to the region) is inside it and that the object
+    /// still backs it; returns the pointer to its first byte.
+    fn span(&self, ctx: &str, at: u64, len: usize) -> Result<*mut u8, Status> {
+        let end = at.checked_add(len as u64);
+        if end.is_none_or(|end| end > self.byte_size) {
+            return Err(Status::invalid(format!(
+                "{ctx}: {len} bytes at offset {at} do not fit region '{}' of {} bytes",
+                self.name, self.byte_size
+            )));
+        }
+        // A client that truncated its object would make the access fault (SIGBUS): refuse.
+        let size = object_size(&self.fd).map_err(Status::internal)?;
+        if self.offset + at + len as u64 > size {
+            return Err(Status::invalid(format!(
+                "{ctx}: the shared memory object behind region '{}' (key '{}') has shrunk to {size} bytes; \
+                 register the region again",
+                self.name, self.key
+            )));
+        }
+        // SAFETY: `lead + at + len <= lead + byte_size == map_len` (checked above).
+        Ok(unsafe { self.base.add(self.lead + at as usize) })
+    }
+
+    fn copy_out(&self, ctx: &str, at: u64, dst: &mut [u8]) -> Result<(), Status> {
+        let src = self.span(ctx, at, dst.len())?;
+        // SAFETY: `src` points at `dst.len()` mapped bytes (span); the client may write them
+        // concurrently, which can only change the bytes copied, never their bounds.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn copy_in(&self, ctx: &str, at: u64, src: &[u8]) -> Result<(), Status> {
+        let dst = self.span(ctx, at, src.len())?;
+        // SAFETY: as in copy_out, with the mapping writable (PROT_WRITE, MAP_SHARED).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        Ok(())
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`map_len` are exactly what mmap returned; nothing refers to the
+        // mapping any more (the last Arc is gone).
+        unsafe { libc::munmap(self.base.cast(), self.map_len) };
+    }
+}
+
+fn object_size(fd: &OwnedFd) -> Result<u64, String> {
+    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: fstat writes a `stat` into the buffer on success, which is checked.
+    if unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) } != 0 {
+        return Err(os_error("cannot stat the shared memory object"));
+    }
+    // SAFETY: initialised by the successful fstat.
+    Ok(unsafe { st.assume_init() }.st_size.max(0) as u64)
+}
+
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+
+    /// A POSIX shared-memory object for one test, unlinked on drop.
+    pub(crate) struct TestObject {
+        pub(crate) key: String,
+        fd: OwnedFd,
+    }
+
+    impl TestObject {
+        pub(crate) fn new(tag: &str, size: usize) -> TestObject {
+            let key = format!("/nereid-test-{}-{tag}", std::process::id());
+            let c = CString::new(key.clone()).unwrap();
+            let raw = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, 0o600) };
+            assert!(raw >= 0, "{}", os_error("shm_open"));
+            let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+            assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) }, 0);
+            TestObject { key, fd }
+        }
+
+        pub(crate) fn write(&self, at: usize, data: &[u8]) {
+            let n = unsafe { libc::pwrite(self.fd.as_raw_fd(), data.as_ptr().cast(), data.len(), at as libc::off_t) };
+            assert_eq!(n, data.len() as isize);
+        }
+
+        pub(crate) fn read(&self, at: usize, len: usize) -> Vec<u8> {
+            let mut buf = vec![0u8; len];
+            let n = unsafe { libc::pread(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), len, at as libc::off_t) };
+            assert_eq!(n, len as isize);
+            buf
+        }
+
+        pub(crate) fn truncate(&self, size: usize) {
+            assert_eq!(unsafe { libc::ftruncate(self.fd.as_raw_fd(), size as libc::off_t) }, 0);
+        }
+    }
+
+    impl Drop for TestObject {
+        fn drop(&mut self) {
+            let c = CString::new(self.key.clone()).unwrap();
+            unsafe { libc::shm_unlink(c.as_ptr()) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::TestObject;
+    use super::*;
+
+    fn r(region: &str, offset: u64, byte_size: u64) -> ShmRef {
+        ShmRef { region: region.into(), offset, byte_size }
+    }
+
+    #[test]
+    fn parameters_must_come_together_and_be_non_negative() {
+        let p = |region: Option<&str>, offset, size| {
+            ShmRef::from_parameters("input 'X'", region.map(Into::into), offset, size)
+        };
+        assert_eq!(p(None, None, None).unwrap(), None);
+        assert_eq!(p(Some("a"), None, Some(8)).unwrap(), Some(r("a", 0, 8)));
+        assert_eq!(p(Some("a"), Some(4), Some(8)).unwrap(), Some(r("a", 4, 8)));
+        for (region, offset, size, needle) in [
+            (Some("a"), None, None, "'shared_memory_byte_size' is required"),
+            (None, None, Some(8), "'shared_memory_region' is required"),
+            (None, Some(0), None, "'shared_memory_region' is required"),
+            (Some(""), None, Some(8), "is empty"),
+            (Some("a"), Some(-1), Some(8), "'shared_memory_offset' must be non-negative"),
+            (Some("a"), None, Some(-8), "'shared_memory_byte_size' must be non-negative"),
+        ] {
+            let e = p(region, offset, size).unwrap_err();
+            assert_eq!(e.code, Code::InvalidArgument);
+            assert!(e.message.contains(needle) && e.message.starts_with("input 'X'"), "{}", e.message);
+        }
+    }
+
+    #[test]
+    fn register_read_write_status_unregister() {
+        let obj = TestObject::new("rw", 10_000);
+        obj.write(5000, b"hello shared memory");
+        let shm = SharedMemory::allowed(1 << 20);
+        // An offset that is not page-aligned maps from the page below.
+        shm.register("in", &obj.key, 4996, 1000).unwrap();
+        assert_eq!(
+            shm.status(None).unwrap(),
+            vec![RegionStatus { name: "in".into(), key: obj.key.clone(), offset: 4996, byte_size: 1000 }]
+        );
+        assert_eq!(&shm.read("input 'X'", &r("in", 4, 5)).unwrap()[..], b"hello");
+
+        let target = shm.target("output 'Y'", &r("in", 100, 8)).unwrap();
+        target.write("Y", b"12345678").unwrap();
+        assert_eq!(obj.read(4996 + 100, 8), b"12345678");
+        let e = target.write("Y", b"123456789").unwrap_err();
+        assert!(e.message.contains("9 bytes do not fit the shared_memory_byte_size of 8"), "{}", e.message);
+
+        // Out of the region's bounds, and unknown regions.
+        let e = shm.read("input 'X'", &r("in", 999, 2)).unwrap_err();
+        assert!(e.message.contains("does not fit in region 'in' of 1000 bytes"), "{}", e.message);
+        let e = shm.read("input 'X'", &r("in", u64::MAX, 2)).unwrap_err();
+        assert!(e.message.contains("does not fit"), "{}", e.message);
+        let e = shm.read("input 'X'", &r("nope", 0, 2)).unwrap_err();
+        assert!(e.message.contains("no system shared memory region named 'nope'"), "{}", e.message);
+        assert_eq!(shm.status(Some("nope")).unwrap_err().code, Code::NotFound);
+
+        // A second registration of the name is refused; the first stays.
+        let e = shm.register("in", &obj.key, 0, 10).unwrap_err();
+        assert_eq!(e.code, Code::AlreadyExists);
+        assert_eq!(shm.status(Some("in")).unwrap()[0].offset, 4996);
+
+        // Unregistering keeps the mapping alive for a request that holds it.
+        shm.unregister(Some("in")).unwrap();
+        shm.unregister(Some("in")).unwrap();
+        assert!(shm.status(None).unwrap().is_empty());
+        target.write("Y", b"abcdefgh").unwrap();
+        assert_eq!(obj.read(4996 + 100, 8), b"abcdefgh");
+        assert!(shm.read("input 'X'", &r("in", 0, 1)).is_err());
+    }
+
+    #[test]
+    fn bad_registrations_are_refused_with_reasons() {
+        let obj = TestObject::new("bad", 4096);
+        let shm = SharedMemory::allowed(1 << 20);
+        for (name, key, offset, size, needle) in [
+            ("a", obj.key.as_str(), 0, 4097, "exceeds the object's size of 4096 bytes"),
+            ("a", obj.key.as_str(), 4000, 100, "exceeds the object's size"),
+            ("a", obj.key.as_str(), u64::MAX, 2, "overflows"),
+            ("a", obj.key.as_str(), 0, 0, "byte_size must be positive"),
+            ("", obj.key.as_str(), 0, 8, "needs a name"),
+            ("a", "/nereid-test-does-not-exist", 0, 8, "cannot open the shared memory object"),
+            ("a", "/../etc/passwd", 0, 8, "must be a shared memory object name"),
+            ("a", "", 0, 8, "must be a shared memory object name"),
+            ("a", "bad\0key", 0, 8, "NUL"),
+        ] {
+            let e = shm.register(name, key, offset, size).unwrap_err();
+            assert_eq!(e.code, Code::InvalidArgument, "{}", e.message);
+            assert!(e.message.contains(needle), "{needle}: {}", e.message);
+        }
+        assert!(shm.status(None).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_shrunk_object_is_an_error_not_a_fault() {
+        let obj = TestObject::new("shrink", 8192);
+        let shm = SharedMemory::allowed(1 << 20);
+        shm.register("r", &obj.key, 0, 8192).unwrap();
+        obj.truncate(100);
+        let e = shm.read("input 'X'", &r("r", 4096, 16)).unwrap_err();
+        assert!(e.message.contains("has shrunk to 100 bytes"), "{}", e.message);
+        assert_eq!(shm.read("input 'X'", &r("r", 0, 16)).unwrap().len(), 16);
+    }
+
+    #[test]
+    fn limits_and_disabled() {
+        let obj = TestObject::new("limit", 4096);
+        let shm = SharedMemory::allowed(64);
+        shm.register("r", &obj.key, 0, 4096).unwrap();
+        let e = shm.read("input 'X'", &r("r", 0, 65)).unwrap_err();
+        assert!(e.message.contains("exceeds the request size limit of 64 bytes"), "{}", e.message);
+
+        let off = SharedMemory::disabled();
+        for e in [
+            off.register("r", &obj.key, 0, 8).unwrap_err(),
+            off.status(None).unwrap_err(),
+            off.unregister(None).unwrap_err(),
+            off.read("input 'X'", &r("r", 0, 8)).unwrap_err(),
+        ] {
+            assert_eq!(e.code, Code::FailedPrecondition);
+            assert!(e.message.contains("--allow-client-shm=true"), "{}", e.message);
+        }
+    }
+}
