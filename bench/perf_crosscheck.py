@@ -3,7 +3,8 @@
 agree on throughput and p50 latency (issue 3 asks for within 10 %).
 
     .venv/bin/python bench/perf_crosscheck.py            # identity_fp32 + mlp_fp32, gRPC, concurrency 1,4,16
-                                                         # and open loop at fixed request rates
+                                                         # and open loop at fixed request rates; convnet_fp32
+                                                         # at concurrency 4,16 through shared memory
     .venv/bin/python bench/perf_crosscheck.py --quick    # 1 s windows
 
 Closed loop measures what each tool can drive (so on 2 shared cores, a heavier client gets less
@@ -37,6 +38,9 @@ MODELS = ["identity_fp32", "mlp_fp32"]
 CONCURRENCY = [1, 4, 16]
 # Open-loop rates (requests/s) well inside what both clients and the worker sustain here.
 RATES = {"identity_fp32": [1000, 4000], "mlp_fp32": [500, 2000]}
+# Closed loop with both tools' --shared-memory system (tensors through registered POSIX
+# shared memory; the worker runs with --allow-client-shm=true).
+SHM_LOADS = [("convnet_fp32", 4), ("convnet_fp32", 16)]
 TOLERANCE = 0.10
 
 
@@ -85,10 +89,13 @@ def main() -> int:
             os.sched_setaffinity(0, {1})
         loads = [(model, "closed", c) for model in MODELS for c in CONCURRENCY]
         loads += [(model, "open", r) for model in MODELS for r in RATES[model]]
+        loads += [(model, "shm", c) for model, c in SHM_LOADS]
         for i, (model, mode, level) in enumerate(loads):
-            label = f"c={level}" if mode == "closed" else f"{level}req_s"
-            load = (["--concurrency-range", f"{level}:{level}"] if mode == "closed"
+            label = {"closed": f"c={level}", "shm": f"c={level}-shm"}.get(mode, f"{level}req_s")
+            load = (["--concurrency-range", f"{level}:{level}"] if mode in ("closed", "shm")
                     else ["--request-rate-range", f"{level}:{level}", "--request-distribution", "constant"])
+            if mode == "shm":
+                load += ["--shared-memory", "system", "--output-shared-memory-size", "65536"]
             common = ["-m", model, "-u", worker.grpc, "-i", "grpc", *load,
                       "--measurement-interval", str(interval), "--stability-percentage", "20", "--max-trials", "6"]
             runs = [
@@ -97,7 +104,7 @@ def main() -> int:
             ]
             if i % 2:
                 runs.reverse()
-            point = {"model": model, "mode": mode, "concurrency": level if mode == "closed" else None,
+            point = {"model": model, "mode": mode, "concurrency": level if mode in ("closed", "shm") else None,
                      "request_rate": level if mode == "open" else None}
             for tool, cmd in runs:
                 log(f"{model} {label} {tool}")
@@ -132,7 +139,7 @@ def main() -> int:
         "# nereid-perf vs perf_analyzer on the same worker and load",
         "",
         f"Run {report['finished']} on {machine['nproc']} cores, commit `{machine['git_commit'][:12]}`; gRPC, closed loop "
-        f"(concurrency) and open loop (constant request rate), "
+        f"(concurrency; also with both tools' `--shared-memory system`) and open loop (constant request rate), "
         f"{interval} ms windows; produced by `bench/perf_crosscheck.py`. Agreement: throughput and p50 within "
         f"{TOLERANCE:.0%}. "
         + ("Worker pinned to CPU 0, clients to CPU 1 (a client's own cost does not take cycles from the worker)."
@@ -143,7 +150,9 @@ def main() -> int:
     ]
     for p in points:
         a, b = p["perf_analyzer"], p["nereid-perf"]
-        load = f"c={p['concurrency']}" if p.get("mode", "closed") == "closed" else f"{p['request_rate']} req/s"
+        mode = p.get("mode", "closed")
+        load = {"closed": f"c={p['concurrency']}", "shm": f"c={p['concurrency']}, shared memory"}.get(
+            mode, f"{p['request_rate']} req/s")
         lines.append(f"| {p['model']} | {load} | {f(a.get('infer_per_s'))} | {f(b.get('infer_per_s'))} | "
                      f"{f(p.get('infer_per_s_ratio'), '.3f')} | {f(a.get('p50_us'))} | {f(b.get('p50_us'))} | "
                      f"{f(p.get('p50_us_ratio'), '.3f')} | {'yes' if p['agree'] else 'NO'} | "

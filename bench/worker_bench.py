@@ -37,7 +37,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ["identity_fp32", "mlp_fp32", "convnet_fp32"]
-PROTOCOLS = ["grpc", "http"]
+# "+shm": perf_analyzer --shared-memory system (Triton's system shared-memory extension): the
+# tensors go through POSIX shared memory, the requests still over the protocol.
+PROTOCOLS = ["grpc", "http", "grpc+shm"]
 FULL_CONCURRENCY = [1, 4, 16, 64, 128]
 QUICK_CONCURRENCY = [1, 16]
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64]
@@ -230,7 +232,8 @@ class Worker:
         self.log_paths.append(log_path)
         cmd = [str(self.binary), "--model-repository", str(self.repo), "--address", "127.0.0.1",
                "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
-               "--intra-op-threads", str(self.intra_op_threads), "--port-file", str(port_file)]
+               "--intra-op-threads", str(self.intra_op_threads), "--allow-client-shm=true",
+               "--port-file", str(port_file)]
         log(f"starting worker: {' '.join(cmd)}")
         with open(log_path, "wb") as f:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -343,9 +346,10 @@ def parse_pa_csv(path: Path) -> dict | None:
 
 def run_perf_analyzer(pa: Path, worker: Worker, model: str, protocol: str, concurrency: int, args,
                       workdir: Path, timeout: float) -> dict:
-    url = worker.grpc if protocol == "grpc" else worker.http
+    wire, _, memory = protocol.partition("+")
+    url = worker.grpc if wire == "grpc" else worker.http
     csv_path = workdir / f"pa-{model}-{protocol}-c{concurrency}.csv"
-    base = [str(pa), "-m", model, "-u", url, "-i", protocol, "-b", "1",
+    base = [str(pa), "-m", model, "-u", url, "-i", wire, "-b", "1",
             "--concurrency-range", f"{concurrency}:{concurrency}",
             "--measurement-interval", str(args.interval_ms),
             "--percentile=99"]
@@ -353,7 +357,9 @@ def run_perf_analyzer(pa: Path, worker: Worker, model: str, protocol: str, concu
         base += ["--async", "--max-threads", str(args.pa_max_threads)]
     else:
         base += ["--sync"]
-    if protocol == "http" and args.http_input_data:
+    if memory == "shm":
+        base += ["--shared-memory", "system", "--output-shared-memory-size", "65536"]
+    if wire == "http" and args.http_input_data:
         base += ["--input-data", args.http_input_data]
     attempts = [(args.stability, args.max_trials)]
     if args.retry_unstable:
@@ -660,7 +666,7 @@ def main() -> int:
         "ort_seconds": ort_seconds, "ort_threads": ort_threads, "batch_sizes": batches,
         "worker_cmd": (f"target/release/nereid-worker --model-repository examples/models --address 127.0.0.1 "
                        f"--http-port 0 --grpc-port 0 --metrics-port 0 --intra-op-threads "
-                       f"{args.worker_intra_op_threads} --port-file …"),
+                       f"{args.worker_intra_op_threads} --allow-client-shm=true --port-file …"),
     }
     max_batch: dict[str, int] = {}
     try:

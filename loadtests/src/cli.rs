@@ -73,6 +73,13 @@ pub enum ProtocolArg {
     Http,
 }
 
+/// `--shared-memory`: perf_analyzer's values, CUDA excepted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SharedMemoryArg {
+    None,
+    System,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DistributionArg {
     Constant,
@@ -120,6 +127,14 @@ pub struct Args {
     /// format (see below); a workload entry's "data" overrides it.
     #[arg(long, value_name = "zero|random|FILE.json", default_value = "random")]
     pub input_data: String,
+    /// system: pass inputs and outputs through POSIX shared memory registered with the server
+    /// (Triton's system shared-memory extension; the server must be on this host and allow
+    /// it, e.g. nereid-worker --allow-client-shm=true), as perf_analyzer's --shared-memory.
+    #[arg(long, value_enum, default_value = "none")]
+    pub shared_memory: SharedMemoryArg,
+    /// With --shared-memory system: bytes reserved for each model output.
+    #[arg(long, default_value_t = 102_400, value_parser = clap::value_parser!(u64).range(1..))]
+    pub output_shared_memory_size: u64,
     /// Closed loop: start[:end[:step]] outstanding requests [default: 1].
     #[arg(long, conflicts_with_all = ["request_rate_range", "trace_file"])]
     pub concurrency_range: Option<String>,
@@ -374,6 +389,7 @@ impl Args {
                 max_inflight: self.max_inflight,
             },
             seed: self.seed,
+            shared_memory: (self.shared_memory == SharedMemoryArg::System).then_some(self.output_shared_memory_size),
         })
     }
 }

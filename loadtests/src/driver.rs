@@ -26,14 +26,16 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::client::shm::ShmRun;
 use crate::client::{Client, Prepared, Target};
+use crate::data_file::DataRequest;
 use crate::error::{PerfError, exit};
 use crate::measure::{Failure, Recorder, STABILITY_WINDOWS, Summary, Window, is_stable};
 use crate::report::Progress;
 use crate::schedule::{Arrivals, Distribution, LoadLevel, level_seed, trace_rate};
 use crate::search::{BinarySearch, SearchAxis, SearchOutcome, SearchReport, SearchSpace, SearchStatus};
 use crate::server_stats::{self, Breakdown, Scraper, Snapshot};
-use crate::workload::{InputSource, ModelInfo, Picker, Series, Workload, WorkloadError, resolve_requests};
+use crate::workload::{InputSource, ModelInfo, Picker, Series, TensorSpec, Workload, WorkloadError, resolve_requests};
 
 /// A send that starts later than this after its scheduled time counts as late.
 pub const LATE_BOUND: Duration = Duration::from_millis(1);
@@ -127,6 +129,9 @@ pub struct RunConfig {
     pub load: Load,
     pub measurement: Measurement,
     pub seed: u64,
+    /// `--shared-memory system`: tensors through registered POSIX shared memory, with this
+    /// many bytes for each model output (`--output-shared-memory-size`); `None`: in the requests.
+    pub shared_memory: Option<u64>,
 }
 
 /// One series at one level.
@@ -229,7 +234,7 @@ struct Context {
 pub async fn run(config: RunConfig, progress: &Progress, interrupt: CancellationToken) -> Result<RunReport, PerfError> {
     let client = Client::connect(&config.target).await?;
     let mut warnings = Vec::new();
-    let PreparedWorkload { models: infos, requests } = prepare(&client, &config).await?;
+    let PreparedWorkload { models: infos, requests, shm } = prepare(&client, &config).await?;
 
     let scraper = match &config.metrics_url {
         None => None,
@@ -308,6 +313,12 @@ pub async fn run(config: RunConfig, progress: &Progress, interrupt: Cancellation
         }
     }
 
+    if let Some(shm) = shm {
+        // After a lost server this fails too: the objects are unlinked either way.
+        if server_lost.is_none() {
+            warnings.extend(shm.release(&ctx.client).await);
+        }
+    }
     let mut verdict = verdict(&results, has_slo, server_lost);
     let binary_search = plan.search_report();
     if let Some(search) = &binary_search
@@ -376,45 +387,89 @@ pub struct PreparedWorkload {
     pub models: Vec<((String, Option<String>), ModelInfo)>,
     /// `requests[i]`: workload entry `i`'s requests.
     pub requests: Vec<EntryRequests>,
+    /// With `--shared-memory system`: the registered regions holding the inputs and outputs.
+    pub shm: Option<ShmRun>,
 }
 
 /// Looks up every model's metadata and encodes every entry's requests once, checking input
 /// data files value by value against the models: nothing is sent before this succeeds.
 /// Errors name the entry (`entries[1]` in a workload file) and, for data files, the file's
-/// entry and input.
+/// entry and input. With shared memory, the inputs are written into a region registered with
+/// the server (unregistered again if a later step fails).
 pub async fn prepare(client: &Client, config: &RunConfig) -> Result<PreparedWorkload, PerfError> {
     let mut infos: Vec<((String, Option<String>), ModelInfo)> = Vec::new();
     for (model, version) in config.workload.models() {
         let info = client.model_info(&model, version.as_deref()).await?;
         infos.push(((model, version), info));
     }
-    let mut requests = Vec::with_capacity(config.workload.entries.len());
-    for (i, entry) in config.workload.entries.iter().enumerate() {
-        let info = &infos
-            .iter()
-            .find(|(k, _)| k.0 == entry.model && k.1 == entry.version)
-            .expect("every model was looked up")
-            .1;
+    let named = |i: usize, msg: String| {
         let name = config.workload.entry_name(i);
-        let named = |msg: String| {
-            PerfError::Workload(WorkloadError(if name.is_empty() { msg } else { format!("{name}: {msg}") }))
-        };
+        PerfError::Workload(WorkloadError(if name.is_empty() { msg } else { format!("{name}: {msg}") }))
+    };
+    let mut resolved = Vec::with_capacity(config.workload.entries.len());
+    for (i, entry) in config.workload.entries.iter().enumerate() {
         let source = config.workload.data[i].as_ref().unwrap_or(&config.input_data);
-        let built = resolve_requests(entry, info, source, level_seed(config.seed, i)).map_err(|e| named(e.0))?;
+        let info = info_of(&infos, entry);
+        resolved.push(resolve_requests(entry, info, source, level_seed(config.seed, i)).map_err(|e| named(i, e.0))?);
+    }
+
+    let mut shm = match config.shared_memory {
+        None => None,
+        Some(output_size) => {
+            let bytes = ShmRun::input_bytes(resolved.iter().flatten().map(|r| &r.inputs[..]));
+            let outputs: Vec<(String, Vec<TensorSpec>)> =
+                infos.iter().map(|((m, _), info)| (m.clone(), info.outputs.clone())).collect();
+            Some(ShmRun::create(client, bytes, &outputs, output_size).await?)
+        }
+    };
+    let encoded = encode_requests(client, config, &resolved, &infos, &named, shm.as_mut());
+    match encoded {
+        Ok(requests) => Ok(PreparedWorkload { models: infos, requests, shm }),
+        Err(e) => {
+            if let Some(shm) = shm {
+                shm.release(client).await;
+            }
+            Err(e)
+        }
+    }
+}
+
+type ModelInfos = [((String, Option<String>), ModelInfo)];
+
+fn info_of<'a>(infos: &'a ModelInfos, entry: &crate::workload::Entry) -> &'a ModelInfo {
+    &infos.iter().find(|(k, _)| k.0 == entry.model && k.1 == entry.version).expect("every model was looked up").1
+}
+
+/// Each entry's requests, encoded for the client (their inputs placed in `shm` first, if any).
+fn encode_requests(
+    client: &Client,
+    config: &RunConfig,
+    resolved: &[Vec<DataRequest>],
+    infos: &ModelInfos,
+    named: &dyn Fn(usize, String) -> PerfError,
+    mut shm: Option<&mut ShmRun>,
+) -> Result<Vec<EntryRequests>, PerfError> {
+    let mut requests = Vec::with_capacity(resolved.len());
+    for (i, (entry, built)) in config.workload.entries.iter().zip(resolved).enumerate() {
+        let source = config.workload.data[i].as_ref().unwrap_or(&config.input_data);
         let mut variants = Vec::with_capacity(built.len());
         for request in built {
-            let prepared = client.prepare(entry, &request.inputs, config.workload.series_of[i]);
+            let slices = match shm.as_deref_mut() {
+                Some(run) => Some(run.place(&entry.model, &request.inputs, &info_of(infos, entry).outputs)?),
+                None => None,
+            };
+            let prepared = client.prepare(entry, &request.inputs, config.workload.series_of[i], slices.as_ref());
             variants.push(match (prepared, source) {
                 (Ok(p), _) => p,
                 (Err(e), InputSource::File(file)) => {
-                    return Err(named(format!("input data file {}: {}: {e}", file.path, request.source)));
+                    return Err(named(i, format!("input data file {}: {}: {e}", file.path, request.source)));
                 }
                 (Err(e), InputSource::Generated(_)) => return Err(e.into()),
             });
         }
         requests.push(EntryRequests::new(variants));
     }
-    Ok(PreparedWorkload { models: infos, requests })
+    Ok(requests)
 }
 
 /// Where the next level comes from.

@@ -51,6 +51,11 @@ struct Worker {
 impl Worker {
     /// `None` (after saying why) when the worker binary has not been built.
     fn start() -> Option<Worker> {
+        Self::start_with(&[])
+    }
+
+    /// [`Worker::start`] with extra worker flags.
+    fn start_with(extra: &[&str]) -> Option<Worker> {
         let Some(bin) = worker_binary() else {
             eprintln!(
                 "SKIPPED: nereid-worker is not built (looked next to {PERF} and in target/debug); \
@@ -67,6 +72,7 @@ impl Worker {
             .args(["--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
             .arg("--port-file")
             .arg(&ports_file)
+            .args(extra)
             .env("NEREID_ORT_LIB", ws.join(".deps/onnxruntime/libonnxruntime.so"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -123,6 +129,16 @@ fn http_status(port: u16, path: &str) -> Option<u16> {
     let mut line = String::new();
     BufReader::new(s).read_line(&mut line).ok()?;
     line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// The body of `GET path` on 127.0.0.1:port (HTTP/1.1, `Connection: close`).
+fn http_get(port: u16, path: &str) -> String {
+    let mut s = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(1)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default()
 }
 
 struct Run {
@@ -786,4 +802,74 @@ fn tls_and_mutual_tls_through_a_terminating_proxy() {
     let run = perf(&["-m", "identity_fp32", "-i", "http", "-u", &u, "--ssl-ca", &ca]);
     assert_eq!(run.code(), 2, "{}", run.stderr);
     assert!(run.stderr.contains("TLS handshake failed") && run.stderr.contains("not valid for name"), "{}", run.stderr);
+}
+
+#[test]
+fn shared_memory_carries_exact_values_and_its_regions_are_unregistered() {
+    let Some(w) = Worker::start_with(&["--allow-client-shm=true"]) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("inputs.json");
+    write_identity_data(&data);
+    let d = data.to_str().unwrap();
+    let rows = identity_rows();
+    let regions = || serde_json::from_str::<Value>(&http_get(w.http, "/v2/systemsharedmemory/status")).unwrap();
+
+    // Every distinct request, sent once through the run's preparation, has its rows echoed
+    // into the output region, and its response names that region instead of carrying data.
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (gu, hu) = (w.grpc_url(), w.http_url());
+    let cases: [(&str, &[&str]); 2] = [("grpc", &["-u", &gu]), ("http", &["-u", &hu, "-i", "http"])];
+    for (protocol, flags) in cases {
+        let mut argv = vec!["nereid-perf", "-m", "identity_fp32", "--input-data", d, "-b", "2"];
+        argv.extend(["--shared-memory", "system"]);
+        argv.extend(flags);
+        let config = Args::try_parse_from(argv).unwrap().into_config().unwrap();
+        runtime.block_on(async {
+            let client = Client::connect(&config.target).await.unwrap();
+            let prepared = prepare(&client, &config).await.unwrap();
+            assert_eq!(regions().as_array().unwrap().len(), 2, "{protocol}: input and output regions registered");
+            let shm = prepared.shm.as_ref().expect("shared memory prepared");
+            let mut lane = client.lane(0);
+            for (k, request) in prepared.requests[0].variants().iter().enumerate() {
+                let body =
+                    lane.fetch(request, Duration::from_secs(10)).await.unwrap_or_else(|f| panic!("{protocol}: {f:?}"));
+                if protocol == "grpc" {
+                    let len = u32::from_be_bytes(body[1..5].try_into().unwrap()) as usize;
+                    let response = ModelInferResponse::decode(&body[5..5 + len]).unwrap();
+                    assert!(response.outputs[0].parameters.contains_key("shared_memory_region"), "{response:?}");
+                    assert!(response.raw_output_contents.iter().all(|r| r.is_empty()));
+                } else {
+                    let header: Value = serde_json::from_slice(&body).unwrap();
+                    assert!(header["outputs"][0]["parameters"]["shared_memory_region"].is_string(), "{header}");
+                    assert!(header["outputs"][0].get("data").is_none(), "{header}");
+                }
+                let raw = shm.read_output("identity_fp32", "OUTPUT0", 2 * 16 * 4).unwrap();
+                let got: Vec<u32> = raw.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+                let want: Vec<u32> =
+                    [(2 * k) % 3, (2 * k + 1) % 3].iter().flat_map(|r| rows[*r].iter().map(|f| f.to_bits())).collect();
+                assert_eq!(got, want, "{protocol}: request {k} did not echo its rows through shared memory");
+            }
+            let errors = prepared.shm.unwrap().release(&client).await;
+            assert!(errors.is_empty(), "{errors:?}");
+        });
+        assert_eq!(regions(), json!([]), "{protocol}: regions unregistered");
+    }
+
+    // A measured run: no errors, the server-side breakdown, and nothing left registered.
+    let json_path = dir.path().join("out.json");
+    let (m, j) = (w.metrics_url(), json_path.to_str().unwrap().to_string());
+    let mut args = vec!["-m", "mlp_fp32", "-u", &gu, "--metrics-url", &m, "--json", &j, "--shared-memory", "system"];
+    args.extend(["--concurrency-range", "2"]);
+    args.extend(SHORT);
+    let run = perf(&args);
+    assert_measured(&run, false);
+    check_level(&read_json(&json_path)["levels"][0], "mlp_fp32");
+    assert_eq!(regions(), json!([]));
+
+    // A worker that does not allow client shared memory: a clear error before any load.
+    let Some(off) = Worker::start() else { return };
+    let ou = off.grpc_url();
+    let run = perf(&["-m", "identity_fp32", "-u", &ou, "--shared-memory", "system"]);
+    assert_ne!(run.code(), 0, "{}", run.stdout);
+    assert!(run.stderr.contains("--allow-client-shm=true"), "{}", run.stderr);
 }

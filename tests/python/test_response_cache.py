@@ -44,3 +44,27 @@ def test_a_repeated_request_is_answered_from_the_cache(cached_worker):
     finally:
         h.close()
         g.close()
+
+
+def test_response_cache_on_a_worker_without_a_cache_loads_with_a_warning(repo_copy, make_worker):
+    repo = repo_copy("identity_fp32")
+    config = repo / "identity_fp32" / "config.pbtxt"
+    config.write_text(config.read_text() + "\nresponse_cache { enable: true }\n")
+    w = make_worker(repo)  # no --cache-config
+    h = httpclient.InferenceServerClient(w.http_url)
+    try:
+        (entry,) = [e for e in h.get_model_repository_index() if e["name"] == "identity_fp32"]
+        assert entry["state"] == "READY", entry
+        # Load warnings go to the worker's log (written before the model reported READY).
+        log = w.log_path.read_text(errors="replace")
+        assert "response_cache.enable is set but the worker has no response cache (--cache-config" in log, log[-2000:]
+        x = np.ones((1, 16), dtype=np.float32)
+        for _ in range(2):
+            inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+            inp.set_data_from_numpy(x)
+            assert_fp32_close(h.infer("identity_fp32", [inp]).as_numpy("OUTPUT0"), x)
+        stats = h.get_inference_statistics("identity_fp32")["model_stats"][0]
+        assert int(stats["execution_count"]) == 2, stats
+        assert int(stats["inference_stats"]["cache_hit"]["count"]) == 0, stats
+    finally:
+        h.close()

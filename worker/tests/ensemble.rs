@@ -273,6 +273,24 @@ ensemble_scheduling {{ max_inflight_requests: {limit} step [ {{ model_name: "slo
     let executions = || repo.model_statistics(Some("slow_identity"), None).unwrap()[0].execution_count;
     four("limited").await;
     assert_eq!(executions(), 4, "one request in the pipeline at a time: four batches of one");
+
+    // A request waiting for its turn gives up at its KServe timeout (20 ms), while the one
+    // ahead of it waits out the composing model's 200 ms batch window and succeeds.
+    let input =
+        || InputTensor { name: "X".into(), datatype: DataType::Fp32, shape: vec![1, 16], data: f32_bytes(&[1.0; 16]) };
+    let ahead = repo.infer(InferRequest { model_name: "limited".into(), inputs: vec![input()], ..Default::default() });
+    let behind = repo.infer(InferRequest {
+        model_name: "limited".into(),
+        inputs: vec![input()],
+        timeout_us: 20_000,
+        ..Default::default()
+    });
+    let (ahead, behind) = tokio::join!(ahead, behind);
+    assert_eq!(floats(&ahead.unwrap().outputs[0].data), vec![1.0; 16]);
+    let e = behind.unwrap_err();
+    assert_eq!(e.code, nereid_common::Code::DeadlineExceeded, "{}", e.message);
+    assert!(e.message.contains("waiting for the ensemble's turn"), "{}", e.message);
+    assert_eq!(executions(), 5, "the request that timed out never reached the composing model");
     four("unlimited").await;
     assert!(executions() < 4 + 4, "without the limit the four requests share a batch");
 }

@@ -142,6 +142,7 @@ impl LoadSettings {
             load,
             measurement: self.measurement.clone(),
             seed: self.seed,
+            shared_memory: None,
         })
     }
 }

@@ -8,14 +8,16 @@ use http::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderValue, TE};
 use http_body_util::{BodyExt, Full};
 use nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use nereid_proto::inference::infer_parameter::ParameterChoice;
-use nereid_proto::inference::model_infer_request::InferInputTensor;
+use nereid_proto::inference::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
 use nereid_proto::inference::{
     InferParameter, ModelConfigRequest, ModelInferRequest, ModelMetadataRequest, ServerLiveRequest,
+    SystemSharedMemoryRegisterRequest, SystemSharedMemoryUnregisterRequest,
 };
 use prost::Message;
 use tonic::codegen::Service;
 use tonic::transport::{Channel, Endpoint};
 
+use super::shm::{ShmRequest, ShmSlice};
 use super::tls::ALPN_H2;
 use super::{CONNECT_TIMEOUT, CONTROL_TIMEOUT, ClientError, Target};
 use crate::measure::Failure;
@@ -135,6 +137,38 @@ impl GrpcClient {
         })
     }
 
+    /// `SystemSharedMemoryRegister` (offset 0).
+    pub async fn register_system_shm(&self, name: &str, key: &str, byte_size: u64) -> Result<(), ClientError> {
+        let mut c = GrpcInferenceServiceClient::new(self.channels[0].clone());
+        let request = SystemSharedMemoryRegisterRequest { name: name.into(), key: key.into(), offset: 0, byte_size };
+        let call = tokio::time::timeout(CONTROL_TIMEOUT, c.system_shared_memory_register(request));
+        call.await.map_err(|_| self.timeout())?.map_err(|s| self.shm_error("registering", name, s))?;
+        Ok(())
+    }
+
+    /// `SystemSharedMemoryUnregister`.
+    pub async fn unregister_system_shm(&self, name: &str) -> Result<(), ClientError> {
+        let mut c = GrpcInferenceServiceClient::new(self.channels[0].clone());
+        let call = tokio::time::timeout(
+            CONTROL_TIMEOUT,
+            c.system_shared_memory_unregister(SystemSharedMemoryUnregisterRequest { name: name.into() }),
+        );
+        call.await.map_err(|_| self.timeout())?.map_err(|s| self.shm_error("unregistering", name, s))?;
+        Ok(())
+    }
+
+    fn shm_error(&self, what: &str, name: &str, status: tonic::Status) -> ClientError {
+        if is_transport(&status) {
+            return ClientError::Unreachable { url: self.url.clone(), reason: status.message().to_string() };
+        }
+        ClientError::Invalid(format!(
+            "{what} shared memory region '{name}' on {}: {:?}: {}",
+            self.url,
+            status.code(),
+            status.message()
+        ))
+    }
+
     fn model_error(&self, model: &str, status: tonic::Status) -> ClientError {
         if is_transport(&status) {
             return ClientError::Unreachable { url: self.url.clone(), reason: status.message().to_string() };
@@ -244,8 +278,10 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// `entry`'s `ModelInferRequest` (inputs in `raw_input_contents`) as one gRPC message frame.
-pub fn encode(entry: &Entry, inputs: &[InputTensor]) -> Bytes {
+/// `entry`'s `ModelInferRequest` (inputs in `raw_input_contents`) as one gRPC message frame;
+/// with `shm`, the tensors named by their shared-memory slices instead (no raw contents, every
+/// output requested into its slot).
+pub fn encode(entry: &Entry, inputs: &[InputTensor], shm: Option<&ShmRequest>) -> Bytes {
     let mut parameters = HashMap::new();
     if let Some(p) = entry.priority {
         parameters
@@ -255,6 +291,14 @@ pub fn encode(entry: &Entry, inputs: &[InputTensor]) -> Bytes {
         parameters
             .insert("timeout".to_string(), InferParameter { parameter_choice: Some(ParameterChoice::Uint64Param(t)) });
     }
+    let slice_parameters = |s: &ShmSlice| {
+        let p = |c| InferParameter { parameter_choice: Some(c) };
+        HashMap::from([
+            ("shared_memory_region".to_string(), p(ParameterChoice::StringParam(s.region.clone()))),
+            ("shared_memory_offset".to_string(), p(ParameterChoice::Int64Param(s.offset as i64))),
+            ("shared_memory_byte_size".to_string(), p(ParameterChoice::Int64Param(s.byte_size as i64))),
+        ])
+    };
     let request = ModelInferRequest {
         model_name: entry.model.clone(),
         model_version: entry.version.clone().unwrap_or_default(),
@@ -262,16 +306,27 @@ pub fn encode(entry: &Entry, inputs: &[InputTensor]) -> Bytes {
         parameters,
         inputs: inputs
             .iter()
-            .map(|i| InferInputTensor {
+            .enumerate()
+            .map(|(k, i)| InferInputTensor {
                 name: i.name.clone(),
                 datatype: i.datatype.wire_name().to_string(),
                 shape: i.shape.clone(),
-                parameters: HashMap::new(),
+                parameters: shm.and_then(|s| s.inputs.get(k)).map(slice_parameters).unwrap_or_default(),
                 contents: None,
             })
             .collect(),
-        outputs: Vec::new(),
-        raw_input_contents: inputs.iter().map(|i| i.data.clone()).collect(),
+        outputs: shm
+            .map(|s| {
+                s.outputs
+                    .iter()
+                    .map(|(name, slice)| InferRequestedOutputTensor {
+                        name: name.clone(),
+                        parameters: slice_parameters(slice),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
+        raw_input_contents: if shm.is_some() { Vec::new() } else { inputs.iter().map(|i| i.data.clone()).collect() },
     };
     // gRPC length-prefixed message: uncompressed flag, big-endian length, protobuf.
     let len = request.encoded_len();
@@ -295,7 +350,7 @@ mod tests {
         entry.timeout_us = Some(5000);
         let inputs =
             vec![InputTensor { name: "X".into(), datatype: DataType::Fp32, shape: vec![1, 2], data: vec![0; 8] }];
-        let frame = encode(&entry, &inputs);
+        let frame = encode(&entry, &inputs, None);
         assert_eq!(frame[0], 0, "uncompressed");
         assert_eq!(u32::from_be_bytes(frame[1..5].try_into().unwrap()) as usize, frame.len() - 5);
         let decoded = ModelInferRequest::decode(&frame[5..]).unwrap();
@@ -306,5 +361,27 @@ mod tests {
         assert_eq!(decoded.raw_input_contents, vec![vec![0u8; 8]]);
         assert_eq!(decoded.parameters["priority"].parameter_choice, Some(ParameterChoice::Uint64Param(1)));
         assert_eq!(decoded.parameters["timeout"].parameter_choice, Some(ParameterChoice::Uint64Param(5000)));
+    }
+
+    #[test]
+    fn shared_memory_requests_name_slices_instead_of_raw_contents() {
+        let entry = Entry::for_model("m");
+        let inputs =
+            vec![InputTensor { name: "X".into(), datatype: DataType::Fp32, shape: vec![1, 2], data: vec![0u8; 8] }];
+        let slice = |offset| ShmSlice { region: "r".into(), offset, byte_size: 8 };
+        let shm = ShmRequest { inputs: vec![slice(64)], outputs: vec![("Y".into(), slice(0))] };
+        let frame = encode(&entry, &inputs, Some(&shm));
+        let decoded = ModelInferRequest::decode(&frame[5..]).unwrap();
+        assert!(decoded.raw_input_contents.is_empty());
+        let p = &decoded.inputs[0].parameters;
+        assert_eq!(p["shared_memory_region"].parameter_choice, Some(ParameterChoice::StringParam("r".into())));
+        assert_eq!(p["shared_memory_offset"].parameter_choice, Some(ParameterChoice::Int64Param(64)));
+        assert_eq!(p["shared_memory_byte_size"].parameter_choice, Some(ParameterChoice::Int64Param(8)));
+        assert_eq!(decoded.outputs.len(), 1);
+        assert_eq!(decoded.outputs[0].name, "Y");
+        assert_eq!(
+            decoded.outputs[0].parameters["shared_memory_offset"].parameter_choice,
+            Some(ParameterChoice::Int64Param(0))
+        );
     }
 }

@@ -13,6 +13,7 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::{Map, Value, json};
 
 use super::grpc::error_chain;
+use super::shm::{ShmRequest, ShmSlice};
 use super::tls::{ALPN_HTTP1, Connector};
 use super::{CONTROL_TIMEOUT, ClientError, Target};
 use crate::measure::Failure;
@@ -134,11 +135,16 @@ impl HttpClient {
     }
 
     /// Encodes an infer request body and builds its headers.
-    pub fn encode(&self, entry: &Entry, inputs: &[InputTensor]) -> Result<(Bytes, HttpParts), ClientError> {
+    pub fn encode(
+        &self,
+        entry: &Entry,
+        inputs: &[InputTensor],
+        shm: Option<&ShmRequest>,
+    ) -> Result<(Bytes, HttpParts), ClientError> {
         let uri: Uri = format!("{}://{}{}", self.scheme, self.url, infer_path(&entry.model, entry.version.as_deref()))
             .parse()
             .map_err(|e| ClientError::Invalid(format!("model '{}' does not fit in a URL: {e}", entry.model)))?;
-        if !self.binary {
+        if !self.binary && shm.is_none() {
             for i in inputs {
                 if let Some(why) = json_unrepresentable(i.datatype, &i.data) {
                     return Err(ClientError::Invalid(format!(
@@ -154,7 +160,7 @@ impl HttpClient {
                 .map_err(|_| ClientError::Invalid("the API key is not a valid header value".into()))?;
             headers.insert(AUTHORIZATION, v);
         }
-        let (body, header_len) = encode(entry, inputs, self.binary);
+        let (body, header_len) = encode(entry, inputs, self.binary, shm);
         match header_len {
             Some(n) => {
                 headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
@@ -167,26 +173,58 @@ impl HttpClient {
         Ok((body, HttpParts { uri, headers }))
     }
 
+    /// `POST /v2/systemsharedmemory/region/{name}/register`.
+    pub async fn register_system_shm(&self, name: &str, key: &str, byte_size: u64) -> Result<(), ClientError> {
+        let body = json!({ "key": key, "offset": 0, "byte_size": byte_size }).to_string();
+        let path = format!("/v2/systemsharedmemory/region/{}/register", name);
+        self.expect_ok(Method::POST, &path, Bytes::from(body), "registering shared memory").await
+    }
+
+    /// `POST /v2/systemsharedmemory/region/{name}/unregister`.
+    pub async fn unregister_system_shm(&self, name: &str) -> Result<(), ClientError> {
+        let path = format!("/v2/systemsharedmemory/region/{}/unregister", name);
+        self.expect_ok(Method::POST, &path, Bytes::new(), "unregistering shared memory").await
+    }
+
+    async fn expect_ok(&self, method: Method, path: &str, body: Bytes, what: &str) -> Result<(), ClientError> {
+        let (status, body) = self.call(method, path, body).await?;
+        if status != StatusCode::OK {
+            return Err(ClientError::Invalid(format!(
+                "{what} on {}: HTTP {status}: {}",
+                self.url,
+                String::from_utf8_lossy(&body).trim()
+            )));
+        }
+        Ok(())
+    }
+
     async fn get(&self, path: &str) -> Result<(StatusCode, Bytes), ClientError> {
+        self.call(Method::GET, path, Bytes::new()).await
+    }
+
+    async fn call(&self, method: Method, path: &str, body: Bytes) -> Result<(StatusCode, Bytes), ClientError> {
         let unreachable = |reason: String| ClientError::Unreachable { url: self.url.clone(), reason };
         let uri: Uri = format!("{}://{}{path}", self.scheme, self.url)
             .parse()
             .map_err(|e| ClientError::Invalid(format!("'{}{path}' is not a valid URL: {e}", self.url)))?;
-        let request =
-            Request::get(uri).body(Full::new(Bytes::new())).map_err(|e| ClientError::Invalid(e.to_string()))?;
+        let mut request = Request::builder().method(method).uri(uri);
+        if !body.is_empty() {
+            request = request.header(CONTENT_TYPE, "application/json");
+        }
+        let request = request.body(Full::new(body)).map_err(|e| ClientError::Invalid(e.to_string()))?;
         let fetch = async {
             let resp = self.pool.request(request).await.map_err(|e| unreachable(error_chain(&e)))?;
             let status = resp.status();
             let body = http_body_util::Limited::new(resp.into_body(), MAX_CONTROL_BYTES)
                 .collect()
                 .await
-                .map_err(|e| unreachable(format!("reading GET {path}: {e}")))?
+                .map_err(|e| unreachable(format!("reading {path}: {e}")))?
                 .to_bytes();
             Ok((status, body))
         };
         tokio::time::timeout(CONTROL_TIMEOUT, fetch)
             .await
-            .map_err(|_| unreachable(format!("GET {path} did not answer within {CONTROL_TIMEOUT:?}")))?
+            .map_err(|_| unreachable(format!("{path} did not answer within {CONTROL_TIMEOUT:?}")))?
     }
 }
 
@@ -237,8 +275,10 @@ pub fn infer_path(model: &str, version: Option<&str>) -> String {
 }
 
 /// The request body; with `binary`, the JSON header length too (inputs follow it as raw bytes
-/// and outputs are asked for in binary).
-pub fn encode(entry: &Entry, inputs: &[InputTensor], binary: bool) -> (Bytes, Option<usize>) {
+/// and outputs are asked for in binary). With `shm`, tensors are named by their shared-memory
+/// slices instead: no data in the body, every output requested into its slot.
+pub fn encode(entry: &Entry, inputs: &[InputTensor], binary: bool, shm: Option<&ShmRequest>) -> (Bytes, Option<usize>) {
+    let binary = binary && shm.is_none();
     let mut parameters = Map::new();
     if let Some(p) = entry.priority {
         parameters.insert("priority".into(), json!(p));
@@ -249,11 +289,15 @@ pub fn encode(entry: &Entry, inputs: &[InputTensor], binary: bool) -> (Bytes, Op
     if binary {
         parameters.insert("binary_data_output".into(), json!(true));
     }
+    let slice_parameters = |s: &ShmSlice| json!({ "shared_memory_region": s.region, "shared_memory_offset": s.offset, "shared_memory_byte_size": s.byte_size });
     let tensors: Vec<Value> = inputs
         .iter()
-        .map(|i| {
+        .enumerate()
+        .map(|(k, i)| {
             let mut t = json!({ "name": i.name, "shape": i.shape, "datatype": i.datatype.wire_name() });
-            if binary {
+            if let Some(slice) = shm.and_then(|s| s.inputs.get(k)) {
+                t["parameters"] = slice_parameters(slice);
+            } else if binary {
                 t["parameters"] = json!({ "binary_data_size": i.data.len() });
             } else {
                 t["data"] = json_data(i.datatype, &i.data);
@@ -262,6 +306,11 @@ pub fn encode(entry: &Entry, inputs: &[InputTensor], binary: bool) -> (Bytes, Op
         })
         .collect();
     let mut header = json!({ "inputs": tensors });
+    if let Some(shm) = shm {
+        let outputs: Vec<Value> =
+            shm.outputs.iter().map(|(name, s)| json!({ "name": name, "parameters": slice_parameters(s) })).collect();
+        header["outputs"] = Value::Array(outputs);
+    }
     if !parameters.is_empty() {
         header["parameters"] = Value::Object(parameters);
     }
@@ -294,7 +343,7 @@ mod tests {
     fn json_bodies_carry_data_and_parameters() {
         let mut e = Entry::for_model("m");
         e.priority = Some(2);
-        let (body, len) = encode(&e, &inputs(), false);
+        let (body, len) = encode(&e, &inputs(), false, None);
         assert_eq!(len, None);
         let v: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["inputs"][0]["data"], json!([1.0, 2.0]));
@@ -303,8 +352,24 @@ mod tests {
     }
 
     #[test]
+    fn shared_memory_bodies_name_slices_instead_of_data() {
+        let slice = |offset| ShmSlice { region: "r".into(), offset, byte_size: 8 };
+        let shm = ShmRequest { inputs: vec![slice(64)], outputs: vec![("Y".into(), slice(0))] };
+        // Binary is moot: nothing goes in the body.
+        let (body, len) = encode(&Entry::for_model("m"), &inputs(), true, Some(&shm));
+        assert_eq!(len, None);
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        let expect =
+            |offset: u64| json!({"shared_memory_region":"r","shared_memory_offset":offset,"shared_memory_byte_size":8});
+        assert_eq!(v["inputs"][0]["parameters"], expect(64));
+        assert!(v["inputs"][0].get("data").is_none());
+        assert_eq!(v["outputs"], json!([{"name":"Y","parameters": expect(0)}]));
+        assert!(v.get("parameters").is_none());
+    }
+
+    #[test]
     fn binary_bodies_put_tensors_after_the_header() {
-        let (body, len) = encode(&Entry::for_model("m"), &inputs(), true);
+        let (body, len) = encode(&Entry::for_model("m"), &inputs(), true, None);
         let n = len.unwrap();
         let v: Value = serde_json::from_slice(&body[..n]).unwrap();
         assert_eq!(v["inputs"][0]["parameters"]["binary_data_size"], json!(8));

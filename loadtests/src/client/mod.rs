@@ -14,6 +14,7 @@
 
 mod grpc;
 mod http;
+pub mod shm;
 pub mod tls;
 
 use std::time::Duration;
@@ -132,17 +133,39 @@ impl Client {
         }
     }
 
-    /// Encodes `entry`'s request with `inputs`, once. Fails only on an API key that cannot be
-    /// a header value.
-    pub fn prepare(&self, entry: &Entry, inputs: &[InputTensor], series: usize) -> Result<Prepared, ClientError> {
+    /// Encodes `entry`'s request with `inputs` (or, with `shm`, naming their shared-memory
+    /// slices), once. Fails only on an API key that cannot be a header value.
+    pub fn prepare(
+        &self,
+        entry: &Entry,
+        inputs: &[InputTensor],
+        series: usize,
+        shm: Option<&shm::ShmRequest>,
+    ) -> Result<Prepared, ClientError> {
         let (body, wire) = match self {
-            Client::Grpc(_) => (grpc::encode(entry, inputs), Wire::Grpc(grpc::GrpcParts::new(entry)?)),
+            Client::Grpc(_) => (grpc::encode(entry, inputs, shm), Wire::Grpc(grpc::GrpcParts::new(entry)?)),
             Client::Http(c) => {
-                let (body, parts) = c.encode(entry, inputs)?;
+                let (body, parts) = c.encode(entry, inputs, shm)?;
                 (body, Wire::Http(parts))
             }
         };
         Ok(Prepared { series, batch_size: entry.batch_size, body, wire })
+    }
+
+    /// Registers a system shared-memory region (offset 0) with the server.
+    pub async fn register_system_shm(&self, name: &str, key: &str, byte_size: u64) -> Result<(), ClientError> {
+        match self {
+            Client::Grpc(c) => c.register_system_shm(name, key, byte_size).await,
+            Client::Http(c) => c.register_system_shm(name, key, byte_size).await,
+        }
+    }
+
+    /// Unregisters a system shared-memory region.
+    pub async fn unregister_system_shm(&self, name: &str) -> Result<(), ClientError> {
+        match self {
+            Client::Grpc(c) => c.unregister_system_shm(name).await,
+            Client::Http(c) => c.unregister_system_shm(name).await,
+        }
     }
 
     /// A sending handle for the `index`-th concurrent sender (spreads senders over channels).
