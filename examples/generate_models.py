@@ -210,6 +210,21 @@ def nobatch_add():
     }
 
 
+def optional_bias():
+    # BIAS is a graph input that is also an initializer: ONNX Runtime uses the initializer
+    # (0.5 in every column, broadcast over the batch) when a request leaves BIAS out, and the
+    # request's tensor when it gives one (config `optional: true`).
+    return {
+        1: make_model(
+            "optional_bias",
+            [helper.make_node("Add", ["INPUT0", "BIAS"], ["OUTPUT0"])],
+            [vi("INPUT0", F32, [BATCH, 4]), vi("BIAS", F32, [BATCH, 4])],
+            [vi("OUTPUT0", F32, [BATCH, 4])],
+            [init("BIAS", np.full((1, 4), 0.5, dtype=np.float32))],
+        )
+    }
+
+
 MODELS = {
     "identity_fp32": identity_fp32,
     "mlp_fp32": mlp_fp32,
@@ -219,6 +234,7 @@ MODELS = {
     "autocomplete_add": autocomplete_add,
     "versioned_scale": versioned_scale,
     "nobatch_add": nobatch_add,
+    "optional_bias": optional_bias,
 }
 
 

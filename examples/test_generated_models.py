@@ -26,6 +26,7 @@ EXPECTED_FILES = sorted(
         "mixed_types/1/model.onnx",
         "mlp_fp32/1/model.onnx",
         "nobatch_add/1/model.onnx",
+        "optional_bias/1/model.onnx",
         "string_len/1/model.onnx",
         "versioned_scale/1/model.onnx",
         "versioned_scale/2/model.onnx",
@@ -200,6 +201,19 @@ def test_nobatch_add(repo):
     y = np.full((2, 3), 0.25, dtype=np.float32)
     (z,) = s.run(["Z"], {"X": x, "Y": y})
     np.testing.assert_array_equal(z, x + y)
+
+
+def test_optional_bias(repo):
+    s = _session(repo, "optional_bias")
+    # BIAS is an initializer that is also a graph input: not required, but overridable.
+    assert [i.name for i in s.get_inputs()] == ["INPUT0"]
+    assert [i.name for i in s.get_overridable_initializers()] == ["BIAS"]
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    (y,) = s.run(["OUTPUT0"], {"INPUT0": x})
+    np.testing.assert_array_equal(y, x + np.float32(0.5))
+    b = np.full((3, 4), 2.0, dtype=np.float32)
+    (y,) = s.run(["OUTPUT0"], {"INPUT0": x, "BIAS": b})
+    np.testing.assert_array_equal(y, x + b)
 
 
 # ---------------------------------------------- committed configs vs. models

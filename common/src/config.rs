@@ -163,8 +163,6 @@ fn classify(path: &str) -> Option<Severity> {
         "input.is_shape_tensor" | "output.is_shape_tensor" => Error,
         "input.allow_ragged_batch" | "input.is_non_linear_format_io" => Error,
         "output.is_non_linear_format_io" | "output.label_filename" => Warning,
-        // Loads with a warning; the input stays required (requests must carry it).
-        "input.optional" => Warning,
         "model_transaction_policy.decoupled" => Error,
         "instance_group.secondary_devices" | "instance_group.profile" | "instance_group.passive" => Warning,
         "instance_group.rate_limiter" | "instance_group.host_policy" => Warning,
@@ -408,14 +406,14 @@ version_policy: { latest: { num_versions: 2 } }
     }
 
     #[test]
-    fn optional_inputs_and_ensemble_fields_are_classified() {
+    fn optional_inputs_and_reshape_are_implemented() {
         let c = parse_model_config(
             "name: \"o\"\nmax_batch_size: 2\ninput [ { name: \"x\" data_type: TYPE_FP32 dims: [ 2 ] optional: true \
              reshape: { shape: [ 2 ] } } ]\n",
         )
         .unwrap();
-        let found = unsupported_fields(&c);
-        assert_eq!(found, vec![UnsupportedField { path: "input.optional".into(), severity: Severity::Warning }]);
+        // Implemented: a request may leave the input out where the model has a default for it.
+        assert_eq!(unsupported_fields(&c), vec![]);
     }
 
     /// Every field of `ModelConfig` (walked through the schema) is either one Nereid
@@ -433,6 +431,7 @@ version_policy: { latest: { num_versions: 2 } }
             "input.data_type",
             "input.dims",
             "input.reshape",
+            "input.optional",
             "output.name",
             "output.data_type",
             "output.dims",

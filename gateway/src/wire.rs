@@ -71,6 +71,50 @@ pub fn scan(buf: &[u8], message: &'static str) -> Result<Header, WireError> {
     Ok(header)
 }
 
+/// `ModelInferRequest.inputs` / `.outputs`, and the `parameters` map in each of their messages.
+const INPUTS: u64 = 5;
+const OUTPUTS: u64 = 6;
+const INPUT_PARAMETERS: u64 = 4;
+const OUTPUT_PARAMETERS: u64 = 2;
+
+/// Whether an encoded `ModelInferRequest` names a shared-memory region: a `shared_memory_*`
+/// key in an input's or requested output's parameters. Walks the `inputs` and `outputs`
+/// messages only (tensor contents are skipped by length); framing it cannot follow counts as
+/// no (the worker refuses a malformed request anyway).
+pub fn uses_shared_memory(request: &[u8]) -> bool {
+    let names_region = |tensor: &[u8], parameters: u64| {
+        length_delimited(tensor)
+            .filter(|(field, _)| *field == parameters)
+            .any(|(_, entry)| length_delimited(entry).any(|(f, key)| f == 1 && key.starts_with(b"shared_memory_")))
+    };
+    length_delimited(request).any(|(field, value)| match field {
+        INPUTS => names_region(value, INPUT_PARAMETERS),
+        OUTPUTS => names_region(value, OUTPUT_PARAMETERS),
+        _ => false,
+    })
+}
+
+/// The length-delimited fields of an encoded message, as (field number, contents); stops at
+/// the first framing it cannot follow.
+fn length_delimited(buf: &[u8]) -> impl Iterator<Item = (u64, &[u8])> {
+    let mut pos = 0;
+    std::iter::from_fn(move || {
+        while pos < buf.len() {
+            let key = varint(buf, &mut pos)?;
+            let (field, wire_type) = (key >> 3, key & 7);
+            let start = pos;
+            let end = value_end(buf, start, field, wire_type, 0).ok()?;
+            pos = end;
+            if wire_type == 2 {
+                let mut data = start;
+                varint(buf, &mut data)?;
+                return Some((field, &buf[data..end]));
+            }
+        }
+        None
+    })
+}
+
 /// Groups (deprecated, proto2) nest at most this deep, as prost's recursion limit bounds them.
 const MAX_GROUP_DEPTH: u32 = 100;
 
@@ -298,6 +342,25 @@ mod tests {
     }
 
     #[test]
+    fn shared_memory_parameters_are_found_in_inputs_and_outputs() {
+        use nereid_proto::inference::model_infer_request::InferRequestedOutputTensor;
+        let shm = || [("shared_memory_region".to_string(), InferParameter::default())].into();
+        let plain = request();
+        assert!(!uses_shared_memory(&plain.encode_to_vec()));
+        // Other parameters, and the key's text inside tensor data, are not a region.
+        let mut other = request();
+        other.inputs[0].parameters = [("binary_data_size".to_string(), InferParameter::default())].into();
+        other.raw_input_contents = vec![b"shared_memory_region".to_vec()];
+        assert!(!uses_shared_memory(&other.encode_to_vec()));
+        let mut input = request();
+        input.inputs[0].parameters = shm();
+        assert!(uses_shared_memory(&input.encode_to_vec()));
+        let mut output = request();
+        output.outputs = vec![InferRequestedOutputTensor { name: "Y".into(), parameters: shm() }];
+        assert!(uses_shared_memory(&output.encode_to_vec()));
+    }
+
+    #[test]
     fn a_later_occurrence_wins_as_in_protobuf() {
         let mut bytes = request().encode_to_vec();
         bytes.extend(ModelInferRequest { model_name: "other".into(), ..Default::default() }.encode_to_vec());
@@ -385,6 +448,7 @@ mod tests {
         #[test]
         fn scan_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
             let _ = scan(&bytes, "m");
+            let _ = uses_shared_memory(&bytes);
         }
     }
 }

@@ -41,6 +41,7 @@ MODEL_NAMES = [
     "autocomplete_add",
     "versioned_scale",
     "nobatch_add",
+    "optional_bias",
 ]
 
 # Workers that are running right now; a failing test gets their log tails in its report.

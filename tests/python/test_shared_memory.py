@@ -36,7 +36,8 @@ def regions(request):
 
     def make(name, byte_size):
         # Unique per process and test, so parallel or repeated runs never collide.
-        key = f"/nereid_pytest_{os.getpid()}_{len(made)}_{request.node.name[:40]}".replace("[", "_").replace("]", "_")
+        tag = "".join(c if c.isalnum() else "_" for c in request.node.name)[-60:]
+        key = f"/nereid_pytest_{os.getpid()}_{len(made)}_{tag}"
         handle = shm.create_shared_memory_region(name, key, byte_size)
         made.append(handle)
         return key, handle
@@ -144,6 +145,7 @@ def test_shared_memory_errors_are_clear_and_the_worker_keeps_serving(shm_worker,
         refused(lambda: infer_with(f"{name}_nope", 64), f"no system shared memory region named '{name}_nope'")
         refused(lambda: infer_with(name, 64, offset=224), f"does not fit in region '{name}' of 256 bytes")
         refused(lambda: infer_with(name, 60), "needs 64 bytes")
+
         small = mod.InferRequestedOutput("OUTPUT0")
         small.set_shared_memory(name, 32, offset=128)
         refused(lambda: infer_with(name, 64, out=[small]), "output 'OUTPUT0': 64 bytes do not fit")
@@ -177,9 +179,40 @@ def test_a_worker_without_allow_client_shm_refuses_it(worker, regions, protocol)
         with pytest.raises(InferenceServerException) as e:
             c.infer("identity_fp32", [inp])
         assert "--allow-client-shm=true" in str(e.value)
-        # CUDA shared memory is not implemented, and says so.
+        # CUDA shared memory is not implemented, and says so (HTTP: 501 with the reason; gRPC:
+        # UNIMPLEMENTED).
         with pytest.raises(InferenceServerException) as e:
             c.get_cuda_shared_memory_status()
-        assert "not" in str(e.value).lower() and ("cuda" in str(e.value).lower() or "unimplemented" in str(e.value).lower()), str(e.value)
+        if protocol == "http":
+            assert "CUDA shared memory is not supported by nereid-worker" in str(e.value), str(e.value)
+        else:
+            assert e.value.status() == "StatusCode.UNIMPLEMENTED", (e.value.status(), str(e.value))
     finally:
+        c.close()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_request_copies_no_more_than_the_request_size_limit(repo_copy, make_worker, regions, protocol):
+    # Five inputs naming the same 4 KiB region would copy 20 KiB: over a 10 000-byte limit,
+    # refused before the third copy (and before the duplicate names are even looked at).
+    w = make_worker(repo_copy("identity_fp32"), "--allow-client-shm=true", "--max-request-bytes", "10000")
+    mod = CLIENTS[protocol]
+    c = client_for(w, protocol)
+    try:
+        key, handle = regions(f"big_{protocol}", 4096)
+        c.register_system_shared_memory(f"big_{protocol}", key, 4096)
+        many = []
+        for _ in range(5):
+            inp = mod.InferInput("INPUT0", [64, 16], "FP32")
+            inp.set_shared_memory(f"big_{protocol}", 4096)
+            many.append(inp)
+        with pytest.raises(InferenceServerException) as e:
+            c.infer("identity_fp32", many)
+        assert "exceeds the request size limit of 10000 bytes" in str(e.value), str(e.value)
+        # One such input is fine.
+        x = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+        shm.set_shared_memory_region(handle, [x])
+        assert_fp32_close(c.infer("identity_fp32", many[:1]).as_numpy("OUTPUT0"), x)
+    finally:
+        c.unregister_system_shared_memory()
         c.close()

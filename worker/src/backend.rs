@@ -159,29 +159,27 @@ pub struct ModelTensor {
 pub struct ModelIo {
     pub inputs: Vec<ModelTensor>,
     pub outputs: Vec<ModelTensor>,
+    /// Inputs the model gives a default to (initializers that are also graph inputs, which
+    /// ONNX Runtime lists apart from the required inputs): a request may override or omit them.
+    pub defaults: Vec<ModelTensor>,
 }
 
 pub fn model_io(session: &Session) -> ModelIo {
-    let convert = |outlets: &[ort::value::Outlet]| {
-        outlets
-            .iter()
-            .map(|o| match o.dtype() {
-                ValueType::Tensor { ty, shape, .. } => ModelTensor {
-                    name: o.name().to_string(),
-                    datatype: from_ort_type(*ty),
-                    type_name: format!("{ty:?}"),
-                    dims: shape.iter().copied().collect(),
-                },
-                other => ModelTensor {
-                    name: o.name().to_string(),
-                    datatype: None,
-                    type_name: format!("{other:?}"),
-                    dims: vec![],
-                },
-            })
-            .collect()
+    let tensor = |name: &str, dtype: &ValueType| match dtype {
+        ValueType::Tensor { ty, shape, .. } => ModelTensor {
+            name: name.to_string(),
+            datatype: from_ort_type(*ty),
+            type_name: format!("{ty:?}"),
+            dims: shape.iter().copied().collect(),
+        },
+        other => ModelTensor { name: name.to_string(), datatype: None, type_name: format!("{other:?}"), dims: vec![] },
     };
-    ModelIo { inputs: convert(session.inputs()), outputs: convert(session.outputs()) }
+    let convert = |outlets: &[ort::value::Outlet]| outlets.iter().map(|o| tensor(o.name(), o.dtype())).collect();
+    ModelIo {
+        inputs: convert(session.inputs()),
+        outputs: convert(session.outputs()),
+        defaults: session.overridable_initializers().iter().map(|i| tensor(i.name(), i.dtype())).collect(),
+    }
 }
 
 fn from_ort_type(ty: TensorElementType) -> Option<DataType> {
@@ -215,6 +213,9 @@ pub struct TensorSpec {
     /// Config `reshape`: the model's own dims for this tensor (without the batch dimension),
     /// when they differ from `dims`, the shape clients see. The data is the same.
     pub reshape: Option<Vec<i64>>,
+    /// Inputs only: requests may leave it out (config `optional: true`, and the model gives it
+    /// a default: an initializer that is also a graph input, which ONNX Runtime then uses).
+    pub optional: bool,
 }
 
 /// `shape` (with the batch dimension first when `batching`) with its other dims replaced by
@@ -235,8 +236,9 @@ pub fn reshaped(dims: &[i64], shape: &[i64], batching: bool) -> Vec<i64> {
 pub struct JobInputs<'a> {
     /// Rows this request contributes (1 for models without batching).
     pub rows: usize,
-    /// One entry per model input, in the spec's order: full shape and raw bytes.
-    pub inputs: &'a [(Vec<i64>, Bytes)],
+    /// One entry per model input, in the spec's order: full shape and raw bytes, or `None` for
+    /// an optional input left out (the same ones in every job of a batch: the shape key says).
+    pub inputs: &'a [Option<(Vec<i64>, Bytes)>],
 }
 
 /// Time spent in each phase of one batch.
@@ -293,14 +295,32 @@ impl InstanceSession {
         let total_rows: usize = jobs.iter().map(|j| j.rows).sum();
         let single = jobs.len() == 1;
 
+        // The inputs this batch carries: the same in every job (the shape key includes which
+        // optional inputs are present), each job's part in order.
+        let present: Vec<bool> =
+            (0..self.inputs.len()).map(|i| jobs[0].inputs.get(i).is_some_and(Option::is_some)).collect();
+        let mut parts: Vec<Vec<&(Vec<i64>, Bytes)>> = vec![Vec::with_capacity(jobs.len()); self.inputs.len()];
+        for job in jobs {
+            for (i, &here) in present.iter().enumerate() {
+                match (job.inputs.get(i).and_then(Option::as_ref), here) {
+                    (Some(part), true) => parts[i].push(part),
+                    (None, false) => {}
+                    _ => return Err(Status::internal("a batch mixed requests with different optional inputs")),
+                }
+            }
+        }
+
         // Gather inputs: borrow a single request's bytes when they are aligned for the element
         // type, else copy every request's bytes once into the instance's reused buffer.
         let mut direct = vec![false; self.inputs.len()];
         let mut strings: Vec<Vec<String>> = vec![Vec::new(); self.inputs.len()];
         for (i, spec) in self.inputs.iter().enumerate() {
+            if !present[i] {
+                continue;
+            }
             if spec.datatype == DataType::Bytes {
-                for job in jobs {
-                    for e in split_bytes_elements(&spec.name, &job.inputs[i].1)? {
+                for part in &parts[i] {
+                    for e in split_bytes_elements(&spec.name, &part.1)? {
                         strings[i].push(String::from_utf8(e.to_vec()).map_err(|_| {
                             Status::invalid(format!(
                                 "input '{}': BYTES elements must be UTF-8 for ONNX string tensors",
@@ -309,14 +329,14 @@ impl InstanceSession {
                         })?);
                     }
                 }
-            } else if single && (jobs[0].inputs[i].1.as_ptr() as usize).is_multiple_of(8) {
+            } else if single && (parts[i][0].1.as_ptr() as usize).is_multiple_of(8) {
                 direct[i] = true;
             } else {
-                let total: usize = jobs.iter().map(|j| j.inputs[i].1.len()).sum();
+                let total: usize = parts[i].iter().map(|p| p.1.len()).sum();
                 let buf = self.buffers[i].reset(total);
                 let mut at = 0;
-                for job in jobs {
-                    let src = &job.inputs[i].1;
+                for part in &parts[i] {
+                    let src = &part.1;
                     buf[at..at + src.len()].copy_from_slice(src);
                     at += src.len();
                 }
@@ -327,16 +347,20 @@ impl InstanceSession {
             .inputs
             .iter()
             .enumerate()
-            .filter(|(_, spec)| spec.datatype == DataType::Bool)
+            .filter(|(i, spec)| present[*i] && spec.datatype == DataType::Bool)
             .map(|(i, _)| {
-                let bytes: &[u8] = if direct[i] { &jobs[0].inputs[i].1 } else { self.buffers[i].bytes() };
+                let bytes: &[u8] = if direct[i] { &parts[i][0].1 } else { self.buffers[i].bytes() };
                 bytes.iter().map(|&b| b != 0).collect()
             })
             .collect();
         let mut bool_iter = bools.iter();
         let mut values: Vec<(&str, ort::session::SessionInputValue<'_>)> = Vec::with_capacity(self.inputs.len());
         for (i, spec) in self.inputs.iter().enumerate() {
-            let mut shape = batch_shape(&jobs[0].inputs[i].0, total_rows, self.batching);
+            // An optional input left out: ONNX Runtime uses the model's default.
+            if !present[i] {
+                continue;
+            }
+            let mut shape = batch_shape(&parts[i][0].0, total_rows, self.batching);
             if let Some(model_dims) = &spec.reshape {
                 shape = reshaped(model_dims, &shape, self.batching);
             }
@@ -345,7 +369,7 @@ impl InstanceSession {
                     .map(Into::into)
                     .map_err(|e| e.to_string())
             } else {
-                let bytes: &[u8] = if direct[i] { &jobs[0].inputs[i].1 } else { self.buffers[i].bytes() };
+                let bytes: &[u8] = if direct[i] { &parts[i][0].1 } else { self.buffers[i].bytes() };
                 tensor_view(spec.datatype, &shape, bytes, &mut bool_iter)
             };
             values

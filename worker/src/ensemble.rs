@@ -339,6 +339,7 @@ ensemble_scheduling {
                     datatype: *d,
                     dims: vec![4],
                     reshape: None,
+                    optional: false,
                 })
                 .collect()
         };

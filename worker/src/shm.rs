@@ -18,7 +18,8 @@
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 use std::sync::{Arc, RwLock};
 
 use bytes::Bytes;
@@ -102,6 +103,9 @@ impl std::fmt::Debug for SharedMemory {
     }
 }
 
+/// Regions one worker holds at most (each keeps a descriptor open).
+pub const MAX_REGIONS: usize = 1024;
+
 const DISABLED: &str =
     "system shared memory is disabled on this worker; start nereid-worker with --allow-client-shm=true to allow it";
 
@@ -142,13 +146,29 @@ impl SharedMemory {
         if byte_size == 0 {
             return Err(Status::invalid(format!("shared memory region '{name}': byte_size must be positive")));
         }
-        if self.regions.read().unwrap_or_else(|e| e.into_inner()).contains_key(name) {
-            return Err(already_registered(name));
+        let full = |n: usize| {
+            (n >= MAX_REGIONS).then(|| {
+                Status::exhausted(format!(
+                    "{n} shared memory regions are registered, the most a worker holds; unregister some first"
+                ))
+            })
+        };
+        {
+            let regions = self.regions.read().unwrap_or_else(|e| e.into_inner());
+            if regions.contains_key(name) {
+                return Err(already_registered(name));
+            }
+            if let Some(e) = full(regions.len()) {
+                return Err(e);
+            }
         }
         let region = Arc::new(Region::open(name, key, offset, byte_size)?);
         let mut regions = self.regions.write().unwrap_or_else(|e| e.into_inner());
         if regions.contains_key(name) {
             return Err(already_registered(name));
+        }
+        if let Some(e) = full(regions.len()) {
+            return Err(e);
         }
         regions.insert(name.to_string(), region);
         tracing::info!(region = name, key, offset, byte_size, "registered system shared memory region");
@@ -200,15 +220,27 @@ impl SharedMemory {
         Ok(region)
     }
 
-    /// Copies a tensor's bytes out of its region.
-    pub fn read(&self, ctx: &str, r: &ShmRef) -> Result<Bytes, Status> {
-        if r.byte_size > self.max_tensor_bytes && self.enabled() {
+    /// What one request may copy out of regions in all ([`SharedMemory::read`]'s `budget`):
+    /// the request size limit, as for the bytes of a request body.
+    pub fn request_budget(&self) -> u64 {
+        self.max_tensor_bytes
+    }
+
+    /// Copies a tensor's bytes out of its region, taking them from `budget` (what the request's
+    /// other shared-memory inputs left of [`SharedMemory::request_budget`]) before anything is
+    /// allocated: however many inputs name a large region, a request copies no more than a
+    /// request body may hold.
+    pub fn read(&self, ctx: &str, r: &ShmRef, budget: &mut u64) -> Result<Bytes, Status> {
+        self.check_enabled()?;
+        if r.byte_size > *budget {
             return Err(Status::invalid(format!(
-                "{ctx}: {BYTE_SIZE} {} exceeds the request size limit of {} bytes",
+                "{ctx}: {BYTE_SIZE} {} with the request's other shared memory inputs exceeds the request size \
+                 limit of {} bytes",
                 r.byte_size, self.max_tensor_bytes
             )));
         }
         let region = self.lookup(ctx, r)?;
+        *budget -= r.byte_size;
         let mut buf = vec![0u8; r.byte_size as usize];
         region.copy_out(ctx, r.offset, &mut buf)?;
         Ok(Bytes::from(buf))
@@ -296,24 +328,19 @@ impl ShmTarget {
     }
 }
 
-/// A registered region: the object's descriptor and a shared read-write mapping of
-/// `[offset, offset + byte_size)` (from the page boundary below `offset`).
+/// A registered region: the shared-memory object, open, and where the region lies in it.
+///
+/// Tensors are copied with `pread`/`pwrite` on the descriptor rather than through a mapping:
+/// the same single copy, but an object the client truncated, or a sparse one whose pages
+/// cannot be allocated (a full `/dev/shm`), is an error for that request instead of a SIGBUS
+/// for the whole worker.
 struct Region {
     name: String,
     key: String,
     offset: u64,
     byte_size: u64,
-    fd: OwnedFd,
-    /// Start of the mapping (page-aligned, `lead` bytes before the region's first byte).
-    base: *mut u8,
-    map_len: usize,
-    lead: usize,
+    file: std::fs::File,
 }
-
-// SAFETY: the mapping is owned by this value, unmapped only on drop, and only accessed through
-// raw-pointer copies (never as Rust references), so sharing it across threads is sound.
-unsafe impl Send for Region {}
-unsafe impl Sync for Region {}
 
 fn os_error(what: &str) -> String {
     format!("{what}: {}", std::io::Error::last_os_error())
@@ -334,46 +361,14 @@ impl Region {
             return Err(invalid(os_error("cannot open the shared memory object")));
         }
         // SAFETY: `raw` is a descriptor just returned to us and owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let size = object_size(&fd).map_err(invalid)?;
+        let file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(raw) });
+        let size = object_size(&file).map_err(invalid)?;
         if end > size {
             return Err(invalid(format!(
                 "offset {offset} + byte_size {byte_size} exceeds the object's size of {size} bytes"
             )));
         }
-        // SAFETY: sysconf has no preconditions.
-        let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
-            p if p > 0 => p as u64,
-            _ => 4096,
-        };
-        let lead = offset % page;
-        let map_len = usize::try_from(lead + byte_size).map_err(|_| invalid("byte_size is too large to map".into()))?;
-        let map_offset = libc::off_t::try_from(offset - lead).map_err(|_| invalid("offset is too large".into()))?;
-        // SAFETY: a fresh shared mapping of a range the object holds (checked above); the
-        // result is checked before use.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                map_offset,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(invalid(os_error("cannot map the shared memory object")));
-        }
-        Ok(Region {
-            name: name.to_string(),
-            key: key.to_string(),
-            offset,
-            byte_size,
-            fd,
-            base: base.cast(),
-            map_len,
-            lead: lead as usize,
-        })
+        Ok(Region { name: name.to_string(), key: key.to_string(), offset, byte_size, file })
     }
 
     fn status(&self) -> RegionStatus {
@@ -381,8 +376,8 @@ impl Region {
     }
 
     /// Checks that `[at, at + len)` (relative to the region) is inside it and that the object
-    /// still backs it; returns the pointer to its first byte.
-    fn span(&self, ctx: &str, at: u64, len: usize) -> Result<*mut u8, Status> {
+    /// still holds it; returns its position in the object.
+    fn span(&self, ctx: &str, at: u64, len: usize) -> Result<u64, Status> {
         let end = at.checked_add(len as u64);
         if end.is_none_or(|end| end > self.byte_size) {
             return Err(Status::invalid(format!(
@@ -390,56 +385,45 @@ impl Region {
                 self.name, self.byte_size
             )));
         }
-        // A client that truncated its object would make the access fault (SIGBUS): refuse.
-        let size = object_size(&self.fd).map_err(Status::internal)?;
+        let size = object_size(&self.file).map_err(Status::internal)?;
         if self.offset + at + len as u64 > size {
-            return Err(Status::invalid(format!(
-                "{ctx}: the shared memory object behind region '{}' (key '{}') has shrunk to {size} bytes; \
-                 register the region again",
-                self.name, self.key
-            )));
+            return Err(self.shrunk(ctx, size));
         }
-        // SAFETY: `lead + at + len <= lead + byte_size == map_len` (checked above).
-        Ok(unsafe { self.base.add(self.lead + at as usize) })
+        Ok(self.offset + at)
+    }
+
+    fn shrunk(&self, ctx: &str, size: u64) -> Status {
+        Status::invalid(format!(
+            "{ctx}: the shared memory object behind region '{}' (key '{}') has shrunk to {size} bytes; \
+             register the region again",
+            self.name, self.key
+        ))
     }
 
     fn copy_out(&self, ctx: &str, at: u64, dst: &mut [u8]) -> Result<(), Status> {
-        let src = self.span(ctx, at, dst.len())?;
-        // SAFETY: `src` points at `dst.len()` mapped bytes (span); the client may write them
-        // concurrently, which can only change the bytes copied, never their bounds.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
-        Ok(())
+        let pos = self.span(ctx, at, dst.len())?;
+        self.file.read_exact_at(dst, pos).map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => self.shrunk(ctx, object_size(&self.file).unwrap_or(0)),
+            _ => Status::internal(format!("{ctx}: cannot read shared memory region '{}': {e}", self.name)),
+        })
     }
 
     fn copy_in(&self, ctx: &str, at: u64, src: &[u8]) -> Result<(), Status> {
-        let dst = self.span(ctx, at, src.len())?;
-        // SAFETY: as in copy_out, with the mapping writable (PROT_WRITE, MAP_SHARED).
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
-        Ok(())
+        let pos = self.span(ctx, at, src.len())?;
+        self.file
+            .write_all_at(src, pos)
+            .map_err(|e| Status::unavailable(format!("{ctx}: cannot write shared memory region '{}': {e}", self.name)))
     }
 }
 
-impl Drop for Region {
-    fn drop(&mut self) {
-        // SAFETY: `base`/`map_len` are exactly what mmap returned; nothing refers to the
-        // mapping any more (the last Arc is gone).
-        unsafe { libc::munmap(self.base.cast(), self.map_len) };
-    }
-}
-
-fn object_size(fd: &OwnedFd) -> Result<u64, String> {
-    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-    // SAFETY: fstat writes a `stat` into the buffer on success, which is checked.
-    if unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) } != 0 {
-        return Err(os_error("cannot stat the shared memory object"));
-    }
-    // SAFETY: initialised by the successful fstat.
-    Ok(unsafe { st.assume_init() }.st_size.max(0) as u64)
+fn object_size(file: &std::fs::File) -> Result<u64, String> {
+    file.metadata().map(|m| m.len()).map_err(|e| format!("cannot stat the shared memory object: {e}"))
 }
 
 #[cfg(test)]
 pub(crate) mod testing {
     use super::*;
+    use std::os::fd::AsRawFd;
 
     /// A POSIX shared-memory object for one test, unlinked on drop.
     pub(crate) struct TestObject {
@@ -525,7 +509,7 @@ mod tests {
             shm.status(None).unwrap(),
             vec![RegionStatus { name: "in".into(), key: obj.key.clone(), offset: 4996, byte_size: 1000 }]
         );
-        assert_eq!(&shm.read("input 'X'", &r("in", 4, 5)).unwrap()[..], b"hello");
+        assert_eq!(&shm.read("input 'X'", &r("in", 4, 5), &mut { u64::MAX }).unwrap()[..], b"hello");
 
         let target = shm.target("output 'Y'", &r("in", 100, 8)).unwrap();
         target.write("Y", b"12345678").unwrap();
@@ -534,11 +518,11 @@ mod tests {
         assert!(e.message.contains("9 bytes do not fit the shared_memory_byte_size of 8"), "{}", e.message);
 
         // Out of the region's bounds, and unknown regions.
-        let e = shm.read("input 'X'", &r("in", 999, 2)).unwrap_err();
+        let e = shm.read("input 'X'", &r("in", 999, 2), &mut { u64::MAX }).unwrap_err();
         assert!(e.message.contains("does not fit in region 'in' of 1000 bytes"), "{}", e.message);
-        let e = shm.read("input 'X'", &r("in", u64::MAX, 2)).unwrap_err();
+        let e = shm.read("input 'X'", &r("in", u64::MAX, 2), &mut { u64::MAX }).unwrap_err();
         assert!(e.message.contains("does not fit"), "{}", e.message);
-        let e = shm.read("input 'X'", &r("nope", 0, 2)).unwrap_err();
+        let e = shm.read("input 'X'", &r("nope", 0, 2), &mut { u64::MAX }).unwrap_err();
         assert!(e.message.contains("no system shared memory region named 'nope'"), "{}", e.message);
         assert_eq!(shm.status(Some("nope")).unwrap_err().code, Code::NotFound);
 
@@ -553,7 +537,7 @@ mod tests {
         assert!(shm.status(None).unwrap().is_empty());
         target.write("Y", b"abcdefgh").unwrap();
         assert_eq!(obj.read(4996 + 100, 8), b"abcdefgh");
-        assert!(shm.read("input 'X'", &r("in", 0, 1)).is_err());
+        assert!(shm.read("input 'X'", &r("in", 0, 1), &mut { u64::MAX }).is_err());
     }
 
     #[test]
@@ -584,9 +568,9 @@ mod tests {
         let shm = SharedMemory::allowed(1 << 20);
         shm.register("r", &obj.key, 0, 8192).unwrap();
         obj.truncate(100);
-        let e = shm.read("input 'X'", &r("r", 4096, 16)).unwrap_err();
+        let e = shm.read("input 'X'", &r("r", 4096, 16), &mut { u64::MAX }).unwrap_err();
         assert!(e.message.contains("has shrunk to 100 bytes"), "{}", e.message);
-        assert_eq!(shm.read("input 'X'", &r("r", 0, 16)).unwrap().len(), 16);
+        assert_eq!(shm.read("input 'X'", &r("r", 0, 16), &mut { u64::MAX }).unwrap().len(), 16);
     }
 
     #[test]
@@ -594,15 +578,21 @@ mod tests {
         let obj = TestObject::new("limit", 4096);
         let shm = SharedMemory::allowed(64);
         shm.register("r", &obj.key, 0, 4096).unwrap();
-        let e = shm.read("input 'X'", &r("r", 0, 65)).unwrap_err();
+        let mut budget = shm.request_budget();
+        let e = shm.read("input 'X'", &r("r", 0, 65), &mut budget).unwrap_err();
         assert!(e.message.contains("exceeds the request size limit of 64 bytes"), "{}", e.message);
+        // The limit holds for the request's inputs together, not each alone.
+        assert_eq!(shm.read("input 'X'", &r("r", 0, 40), &mut budget).unwrap().len(), 40);
+        let e = shm.read("input 'Y'", &r("r", 0, 40), &mut budget).unwrap_err();
+        assert!(e.message.contains("with the request's other shared memory inputs exceeds"), "{}", e.message);
+        assert_eq!(budget, 24);
 
         let off = SharedMemory::disabled();
         for e in [
             off.register("r", &obj.key, 0, 8).unwrap_err(),
             off.status(None).unwrap_err(),
             off.unregister(None).unwrap_err(),
-            off.read("input 'X'", &r("r", 0, 8)).unwrap_err(),
+            off.read("input 'X'", &r("r", 0, 8), &mut { u64::MAX }).unwrap_err(),
         ] {
             assert_eq!(e.code, Code::FailedPrecondition);
             assert!(e.message.contains("--allow-client-shm=true"), "{}", e.message);

@@ -24,7 +24,9 @@ pub struct ModelSpec {
 pub struct Validated {
     pub rows: usize,
     pub shape_key: Vec<i64>,
-    pub inputs: Vec<(Vec<i64>, Bytes)>,
+    /// One entry per model input, in the spec's order; `None` for an optional input the
+    /// request left out.
+    pub inputs: Vec<Option<(Vec<i64>, Bytes)>>,
     pub wanted: Vec<bool>,
 }
 
@@ -106,8 +108,13 @@ pub fn validate(spec: &ModelSpec, request: &mut InferRequest) -> Result<Validate
         check_byte_size(&input.name, input.datatype, &input.shape, &input.data)?;
         slots[index] = Some((input.shape, input.data));
     }
-    let missing: Vec<&str> =
-        spec.inputs.iter().zip(&slots).filter(|(_, s)| s.is_none()).map(|(t, _)| t.name.as_str()).collect();
+    let missing: Vec<&str> = spec
+        .inputs
+        .iter()
+        .zip(&slots)
+        .filter(|(t, s)| s.is_none() && !t.optional)
+        .map(|(t, _)| t.name.as_str())
+        .collect();
     if !missing.is_empty() {
         return Err(Status::invalid(format!(
             "model '{model}' expects inputs {} but the request lacks {}",
@@ -115,7 +122,13 @@ pub fn validate(spec: &ModelSpec, request: &mut InferRequest) -> Result<Validate
             missing.iter().map(|m| format!("'{m}'")).collect::<Vec<_>>().join(", ")
         )));
     }
-    let inputs: Vec<(Vec<i64>, Bytes)> = slots.into_iter().flatten().collect();
+    if rows.is_none() && spec.max_batch_size > 0 && slots.iter().all(Option::is_none) {
+        return Err(Status::invalid(format!(
+            "the request gives none of model '{model}''s inputs ({}); its batch size is unknown",
+            names(&spec.inputs)
+        )));
+    }
+    let inputs = slots;
 
     let mut wanted = vec![request.outputs.is_empty(); spec.outputs.len()];
     let mut seen = HashSet::new();
@@ -133,11 +146,18 @@ pub fn validate(spec: &ModelSpec, request: &mut InferRequest) -> Result<Validate
         wanted[index] = true;
     }
 
+    // Requests batch together only with the same non-batch shapes and the same optional
+    // inputs present (-2 marks one left out; dims are non-negative, -1 separates inputs).
     let mut shape_key = Vec::new();
     let skip = usize::from(spec.max_batch_size > 0);
-    for (shape, _) in &inputs {
-        shape_key.extend_from_slice(&shape[skip.min(shape.len())..]);
-        shape_key.push(-1);
+    for input in &inputs {
+        match input {
+            Some((shape, _)) => {
+                shape_key.extend_from_slice(&shape[skip.min(shape.len())..]);
+                shape_key.push(-1);
+            }
+            None => shape_key.push(-2),
+        }
     }
     Ok(Validated { rows: rows.unwrap_or(1), shape_key, inputs, wanted })
 }
@@ -197,12 +217,36 @@ mod tests {
         ModelSpec {
             max_batch_size: 8,
             inputs: vec![
-                TensorSpec { name: "A".into(), datatype: DataType::Fp32, dims: vec![-1, 4], reshape: None },
-                TensorSpec { name: "S".into(), datatype: DataType::Bytes, dims: vec![1], reshape: None },
+                TensorSpec {
+                    name: "A".into(),
+                    datatype: DataType::Fp32,
+                    dims: vec![-1, 4],
+                    reshape: None,
+                    optional: false,
+                },
+                TensorSpec {
+                    name: "S".into(),
+                    datatype: DataType::Bytes,
+                    dims: vec![1],
+                    reshape: None,
+                    optional: false,
+                },
             ],
             outputs: vec![
-                TensorSpec { name: "X".into(), datatype: DataType::Fp32, dims: vec![4], reshape: None },
-                TensorSpec { name: "Y".into(), datatype: DataType::Fp32, dims: vec![4], reshape: None },
+                TensorSpec {
+                    name: "X".into(),
+                    datatype: DataType::Fp32,
+                    dims: vec![4],
+                    reshape: None,
+                    optional: false,
+                },
+                TensorSpec {
+                    name: "Y".into(),
+                    datatype: DataType::Fp32,
+                    dims: vec![4],
+                    reshape: None,
+                    optional: false,
+                },
             ],
         }
     }

@@ -390,3 +390,80 @@ async fn warmup_runs_before_ready() {
     repo.infer(identity_request("good", None)).await.unwrap();
     assert_eq!(repo.model_statistics(Some("good"), None).unwrap()[0].success.count, 1);
 }
+
+const OPTIONAL_BIAS: &str = r#"
+name: "optional_bias"
+max_batch_size: 8
+input [
+  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "BIAS" data_type: TYPE_FP32 dims: [ 4 ] optional: true }
+]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 100000 }
+"#;
+
+fn f32s(v: &[f32]) -> Bytes {
+    Bytes::from(v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>())
+}
+
+fn floats(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn optional_inputs_take_the_models_default_and_batch_apart() {
+    // BIAS has a default in the model (0.5, an initializer that is also a graph input); in
+    // `no_default`, INPUT0 is marked optional but the model has none, so it stays required.
+    let no_default = GOOD.replace("good", "no_default").replacen("dims: [ 16 ] }", "dims: [ 16 ] optional: true }", 1);
+    let bias_only = OPTIONAL_BIAS.replace("optional_bias", "bias_required").replace(" optional: true", "");
+    let dir = repo(&[
+        TestModel { name: "optional_bias", source: "optional_bias", config: Some(OPTIONAL_BIAS) },
+        TestModel { name: "bias_required", source: "optional_bias", config: Some(&bias_only) },
+        TestModel { name: "no_default", source: "identity_fp32", config: Some(&no_default) },
+    ]);
+    let repo = repository(dir.path(), ControlMode::None, false);
+    let failed = repo.load_startup_models().await;
+    assert!(failed.is_empty(), "{failed:?}");
+
+    let request = |model: &str, x: f32, bias: Option<f32>| {
+        let mut inputs = vec![InputTensor {
+            name: "INPUT0".into(),
+            datatype: DataType::Fp32,
+            shape: vec![1, 4],
+            data: f32s(&[x; 4]),
+        }];
+        if let Some(b) = bias {
+            inputs.push(InputTensor {
+                name: "BIAS".into(),
+                datatype: DataType::Fp32,
+                shape: vec![1, 4],
+                data: f32s(&[b; 4]),
+            });
+        }
+        InferRequest { model_name: model.into(), inputs, ..Default::default() }
+    };
+    // Four requests at once, two with BIAS and two without: each gets its own answer, and
+    // requests with and without BIAS never share a batch (at least two executions).
+    let cases = [(1.0, None), (2.0, Some(10.0)), (3.0, None), (4.0, Some(20.0))];
+    let answers =
+        futures::future::join_all(cases.iter().map(|&(x, b)| repo.infer(request("optional_bias", x, b)))).await;
+    for ((x, b), answer) in cases.iter().zip(answers) {
+        let got = floats(&answer.unwrap().outputs[0].data);
+        assert_eq!(got, vec![x + b.unwrap_or(0.5); 4], "x={x} bias={b:?}");
+    }
+    let stats = &repo.model_statistics(Some("optional_bias"), None).unwrap()[0];
+    assert_eq!(stats.inference_count, 4);
+    assert!(stats.execution_count >= 2, "with and without BIAS batch apart: {stats:?}");
+
+    // Without `optional: true` the same model requires BIAS (it overrides the default).
+    let e = repo.infer(request("bias_required", 1.0, None)).await.unwrap_err();
+    assert_eq!(e.code, Code::InvalidArgument);
+    assert!(e.message.contains("lacks 'BIAS'"), "{}", e.message);
+    let answer = repo.infer(request("bias_required", 1.0, Some(2.0))).await.unwrap();
+    assert_eq!(floats(&answer.outputs[0].data), vec![3.0; 4]);
+
+    // Optional without a default in the model: loads (with a warning), and stays required.
+    let e = repo.infer(InferRequest { model_name: "no_default".into(), ..Default::default() }).await.unwrap_err();
+    assert!(e.message.contains("lacks 'INPUT0'"), "{}", e.message);
+    repo.infer(identity_request("no_default", None)).await.unwrap();
+}

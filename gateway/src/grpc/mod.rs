@@ -206,8 +206,16 @@ struct InferHandler {
     shutdown: CancellationToken,
 }
 
-/// A request whose top-level framing is broken is refused here, naming the field.
+/// A request whose top-level framing is broken is refused here, naming the field; so is one
+/// naming a shared-memory region: regions are registered with one worker, on its host, and the
+/// gateway neither registers them nor knows which worker has them.
 fn decode_request(bytes: Bytes) -> Result<InferRequest, tonic::Status> {
+    if crate::wire::uses_shared_memory(&bytes) {
+        return Err(tonic::Status::invalid_argument(
+            "system shared memory is not supported through the gateway; send the tensors in the request, \
+             or send the request to a worker on your host directly",
+        ));
+    }
     InferRequest::from_bytes(bytes).map_err(|e| tonic::Status::invalid_argument(e.to_string()))
 }
 

@@ -92,7 +92,7 @@ fn to_spec(t: &ModelTensor, batching: bool) -> Result<TensorSpec, String> {
         .datatype
         .ok_or_else(|| format!("tensor '{}' has type {} which the worker cannot serve", t.name, t.type_name))?;
     let dims = if batching { t.dims[1..].to_vec() } else { t.dims.clone() };
-    Ok(TensorSpec { name: t.name.clone(), datatype, dims, reshape: None })
+    Ok(TensorSpec { name: t.name.clone(), datatype, dims, reshape: None, optional: false })
 }
 
 /// Deterministic pseudo-random fp32 values in [-1, 1) (xorshift64*), as little-endian bytes in
@@ -169,14 +169,14 @@ fn run(args: &Args) -> Result<(), String> {
         let batch_sizes: Vec<usize> = if batching { args.batch_sizes.clone() } else { vec![1] };
 
         for &batch in &batch_sizes {
-            let data: Vec<(Vec<i64>, Bytes)> = inputs
+            let data: Vec<Option<(Vec<i64>, Bytes)>> = inputs
                 .iter()
                 .enumerate()
                 .map(|(i, spec)| {
                     let mut shape: Vec<i64> = if batching { vec![batch as i64] } else { vec![] };
                     shape.extend(spec.dims.iter().copied());
                     let elements: i64 = shape.iter().product();
-                    (shape, random_f32_bytes(elements as usize, 0x9E37_79B9_7F4A_7C15 ^ (i as u64 + 1)))
+                    Some((shape, random_f32_bytes(elements as usize, 0x9E37_79B9_7F4A_7C15 ^ (i as u64 + 1))))
                 })
                 .collect();
             let jobs = [JobInputs { rows: batch, inputs: &data }];

@@ -66,9 +66,10 @@ pub fn infer_request_from_proto(mut req: ModelInferRequest, shm: &SharedMemory) 
     let mut raw = raw.into_iter();
 
     let mut inputs = Vec::with_capacity(req.inputs.len());
+    let mut budget = shm.request_budget();
     for (input, shm_ref) in std::mem::take(&mut req.inputs).into_iter().zip(shm_inputs) {
         let source = match shm_ref {
-            Some(r) => Source::Shm(r, shm),
+            Some(r) => Source::Shm(r, shm, &mut budget),
             None => Source::Wire(raw.next()),
         };
         inputs.push(input_from_proto(input, source)?);
@@ -132,7 +133,8 @@ fn shm_parameters(
 /// contents, else its typed contents) or a shared-memory region.
 enum Source<'a, R> {
     Wire(Option<R>),
-    Shm(ShmRef, &'a SharedMemory),
+    /// With what the request may still copy out of regions.
+    Shm(ShmRef, &'a SharedMemory, &'a mut u64),
 }
 
 /// A non-negative integer request parameter (`int64_param` or `uint64_param`).
@@ -179,7 +181,7 @@ where
     let typed = input.contents.filter(|c| !contents_empty(c));
     let raw = match source {
         Source::Wire(raw) => raw,
-        Source::Shm(r, shm) => {
+        Source::Shm(r, shm, budget) => {
             if typed.is_some() {
                 return Err(Status::invalid(format!(
                     "input '{name}': has both shared memory parameters and typed contents; send one of them"
@@ -196,7 +198,7 @@ where
                     shape_text(&shape)
                 )));
             }
-            let data = shm.read(&ctx, &r)?;
+            let data = shm.read(&ctx, &r, budget)?;
             if expected_bytes.is_none() {
                 let elements = split_bytes_elements(&name, &data)?.len() as u64;
                 if elements != count {

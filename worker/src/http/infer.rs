@@ -123,9 +123,11 @@ pub fn parse_infer_request(
 
     let inputs = raw.inputs.ok_or_else(|| Status::invalid("inference request has no 'inputs'"))?;
     let mut binary_offset = 0usize;
+    let mut shm_budget = shm.map_or(0, SharedMemory::request_budget);
     request.inputs.reserve_exact(inputs.len());
     for (i, input) in inputs.into_iter().enumerate() {
-        request.inputs.push(finish_input(i, input, &binary, &mut binary_offset, max_bytes, shm)?);
+        let source = Sections { binary: &binary, binary_offset: &mut binary_offset, shm, shm_budget: &mut shm_budget };
+        request.inputs.push(finish_input(i, input, source, max_bytes)?);
     }
     if binary_offset != binary.len() {
         return Err(Status::invalid(format!(
@@ -255,14 +257,17 @@ fn rewrite_non_finite(json: &[u8]) -> Option<Vec<u8>> {
 }
 
 /// Validates one input and attaches its data (from JSON or the binary section).
-fn finish_input(
-    i: usize,
-    input: RawInput,
-    binary: &Bytes,
-    binary_offset: &mut usize,
-    max_bytes: usize,
-    shm: Option<&SharedMemory>,
-) -> Result<InputTensor, Status> {
+/// Where an HTTP request's input bytes can come from besides its JSON: the binary section
+/// (consumed in order) and registered shared-memory regions (within the request's budget).
+struct Sections<'a> {
+    binary: &'a Bytes,
+    binary_offset: &'a mut usize,
+    shm: Option<&'a SharedMemory>,
+    shm_budget: &'a mut u64,
+}
+
+fn finish_input(i: usize, input: RawInput, sections: Sections<'_>, max_bytes: usize) -> Result<InputTensor, Status> {
+    let Sections { binary, binary_offset, shm, shm_budget } = sections;
     let name = input.name.ok_or_else(|| Status::invalid(format!("inputs[{i}]: missing 'name'")))?;
     let ctx = format!("inputs[{i}] ('{name}')");
     let err = |m: String| Status::invalid(format!("{ctx}: {m}"));
@@ -302,7 +307,7 @@ fn finish_input(
                 fmt_shape(&shape)
             )));
         }
-        let data = shm.read(&ctx, &r)?;
+        let data = shm.read(&ctx, &r, shm_budget)?;
         if dtype == DataType::Bytes {
             let n = count_bytes_elements(&data).map_err(err)?;
             if n != count {
@@ -392,6 +397,7 @@ fn shm_parameters(ctx: &dyn Fn() -> String, parameters: Option<&Map<String, Valu
     };
     let int = |key: &str| match p.get(key) {
         None => Ok(None),
+        Some(v) if v.is_u64() => Ok(Some(v.as_i64().unwrap_or(i64::MAX))),
         Some(v) => v
             .as_i64()
             .map(Some)

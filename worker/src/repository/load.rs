@@ -170,9 +170,29 @@ pub fn load_model(
         if spec.is_none() {
             autocomplete(&mut config, &io);
             validate_model_config(&config).map_err(|e| fail(format!("config: {e}")))?;
-            spec = Some(spec_from_config(&config)?);
+            let mut s = spec_from_config(&config)?;
+            // An optional input can be left out only where the model has a default for it.
+            for input in s.inputs.iter_mut().filter(|i| i.optional) {
+                if !io.defaults.iter().any(|d| d.name == input.name) {
+                    input.optional = false;
+                    warnings.push(format!(
+                        "input '{}' is optional, but the model has no default for it (an initializer that is \
+                         also a graph input): requests must carry it",
+                        input.name
+                    ));
+                }
+            }
+            spec = Some(s);
         }
         check_against_model(&config, &io).map_err(|e| fail(format!("version {version}: {e}")))?;
+        if let Some(s) = &spec
+            && let Some(input) = s.inputs.iter().find(|i| i.optional && !io.defaults.iter().any(|d| d.name == i.name))
+        {
+            return Err(fail(format!(
+                "version {version}: input '{}' is optional, but this version has no default for it",
+                input.name
+            )));
+        }
         sessions_by_version.insert(version, sessions);
     }
     let spec = spec.ok_or_else(|| fail("no version to load"))?;
@@ -546,9 +566,12 @@ fn check_against_model(config: &ModelConfig, io: &ModelIo) -> Result<(), String>
         Some(r) => format!("{e} (the model's dims being the config's reshape {:?})", r.shape),
         None => e,
     };
+    // A config input is a required model input or one the model has a default for (which a
+    // request may then override).
+    let model_inputs: Vec<backend::ModelTensor> = io.inputs.iter().chain(&io.defaults).cloned().collect();
     for input in &config.input {
         let dims = model_dims("input", &input.name, &input.dims, input.reshape.as_ref())?;
-        check("input", &input.name, input.data_type, &dims, &io.inputs)
+        check("input", &input.name, input.data_type, &dims, &model_inputs)
             .map_err(|e| with_reshape(e, input.reshape.as_ref()))?;
     }
     for output in &config.output {
@@ -572,6 +595,7 @@ fn spec_from_config(config: &ModelConfig) -> Result<ModelSpec, Status> {
                 .ok_or_else(|| fail(format!("tensor '{name}': invalid data_type")))?,
             dims: dims.to_vec(),
             reshape: reshape.map(|r| r.shape.clone()),
+            optional: false,
         })
     };
     Ok(ModelSpec {
@@ -579,7 +603,10 @@ fn spec_from_config(config: &ModelConfig) -> Result<ModelSpec, Status> {
         inputs: config
             .input
             .iter()
-            .map(|t| convert(&t.name, t.data_type, &t.dims, t.reshape.as_ref()))
+            .map(|t| {
+                convert(&t.name, t.data_type, &t.dims, t.reshape.as_ref())
+                    .map(|spec| TensorSpec { optional: t.optional, ..spec })
+            })
             .collect::<Result<_, _>>()?,
         outputs: config
             .output
@@ -631,10 +658,13 @@ fn warmup(config: &ModelConfig, dir: &Path, spec: &ModelSpec, instances: &mut [I
         let batch = sample.batch_size.max(1) as i64;
         let mut inputs = Vec::with_capacity(spec.inputs.len());
         for input in &spec.inputs {
-            let w = sample
-                .inputs
-                .get(&input.name)
-                .ok_or_else(|| format!("sample '{}' lacks input '{}'", sample.name, input.name))?;
+            let Some(w) = sample.inputs.get(&input.name) else {
+                if input.optional {
+                    inputs.push(None);
+                    continue;
+                }
+                return Err(format!("sample '{}' lacks input '{}'", sample.name, input.name));
+            };
             let mut shape: Vec<i64> = if spec.max_batch_size > 0 { vec![batch] } else { vec![] };
             shape.extend(w.dims.iter().copied());
             let elements = nereid_common::dtype::element_count(&shape)
@@ -653,7 +683,7 @@ fn warmup(config: &ModelConfig, dir: &Path, spec: &ModelSpec, instances: &mut [I
                 (_, dt) => vec![0u8; elements * dt.element_size().unwrap_or(1)],
             };
             crate::validate::check_byte_size(&input.name, input.datatype, &shape, &data).map_err(|e| e.message)?;
-            inputs.push((shape, bytes::Bytes::from(data)));
+            inputs.push(Some((shape, bytes::Bytes::from(data))));
         }
         let jobs = [JobInputs { rows: batch as usize, inputs: &inputs }];
         for instance in instances.iter_mut() {

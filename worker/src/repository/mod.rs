@@ -397,7 +397,7 @@ impl Repository {
         let v = validate(&model.spec, request)?;
         let rows = v.rows;
         let mut tensors: HashMap<String, crate::tensor::InputTensor> = HashMap::new();
-        for (spec, (shape, data)) in model.spec.inputs.iter().zip(v.inputs) {
+        for (spec, (shape, data)) in model.spec.inputs.iter().zip(v.inputs).filter_map(|(s, i)| Some((s, i?))) {
             tensors.insert(
                 spec.name.clone(),
                 crate::tensor::InputTensor { name: spec.name.clone(), datatype: spec.datatype, shape, data },

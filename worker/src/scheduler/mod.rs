@@ -41,7 +41,7 @@ pub struct Job {
     /// Non-batch dims of every input, concatenated with separators.
     pub shape_key: Vec<i64>,
     /// One `(shape, bytes)` per model input, in the model's input order.
-    pub inputs: Vec<(Vec<i64>, Bytes)>,
+    pub inputs: Vec<Option<(Vec<i64>, Bytes)>>,
     /// Per model output: does this request want it?
     pub wanted: Vec<bool>,
     pub priority: u64,
@@ -58,7 +58,7 @@ impl Job {
     pub fn new(
         rows: usize,
         shape_key: Vec<i64>,
-        inputs: Vec<(Vec<i64>, Bytes)>,
+        inputs: Vec<Option<(Vec<i64>, Bytes)>>,
         wanted: Vec<bool>,
         priority: u64,
         timeout_us: u64,
