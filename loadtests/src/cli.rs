@@ -34,6 +34,8 @@ Exit codes:
      --binary-search: the range's lower bound misses it)
   5  results printed, but untrustworthy: no stable measurement within --max-trials, more than
      1% of open-loop sends started over 1 ms late, or no request succeeded at a level
+  6  the server's outputs differ from the input data file's validation_data (checked once per
+     distinct request before any load); nothing was measured
   130 interrupted (Ctrl-C); results so far are printed and written
 
 Open loop: each request has a scheduled send time; latency runs from that time, so a server

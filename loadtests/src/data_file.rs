@@ -42,6 +42,9 @@ pub struct DataFile {
     /// As given, for messages.
     pub path: String,
     pub entries: Vec<BTreeMap<String, DataValue>>,
+    /// `validation_data`: the outputs expected for each entry of `data` (same length), by
+    /// output name; empty when the file has none.
+    pub validation: Vec<BTreeMap<String, DataValue>>,
 }
 
 impl fmt::Debug for DataFile {
@@ -73,6 +76,19 @@ pub struct DataRequest {
     /// `data[3]`, or `data[3]+data[4]` for a batched request's rows.
     pub source: String,
     pub inputs: Vec<InputTensor>,
+    /// From `validation_data`: what the server must answer, per output (rows in order).
+    pub expected: Vec<ExpectedOutput>,
+}
+
+/// One output a request must produce: its bytes as the server sends them (row-major,
+/// little-endian; `BYTES` elements length-prefixed).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpectedOutput {
+    pub name: String,
+    pub datatype: DataType,
+    pub data: Vec<u8>,
+    /// `validation_data[3]+validation_data[4]`, for messages.
+    pub source: String,
 }
 
 impl DataFile {
@@ -85,11 +101,8 @@ impl DataFile {
         };
         for key in root.keys() {
             match key.as_str() {
-                "data" => {}
-                "validation_data" => {
-                    return Err(fail("validation_data: output validation is not supported; remove the key".into()));
-                }
-                other => return Err(fail(format!("unknown key `{other}`, expected `data`"))),
+                "data" | "validation_data" => {}
+                other => return Err(fail(format!("unknown key `{other}`, expected `data` or `validation_data`"))),
             }
         }
         let Some(data) = root.get("data") else {
@@ -104,29 +117,32 @@ impl DataFile {
         if list.len() > MAX_DATA_ENTRIES {
             return Err(fail(format!("data: at most {MAX_DATA_ENTRIES} entries, got {}", list.len())));
         }
-        let mut entries = Vec::with_capacity(list.len());
-        for (i, item) in list.iter().enumerate() {
-            let map = match item {
-                Value::Object(m) => m,
-                Value::Array(_) => {
+        let entries = parse_entries(list, "data", "input").map_err(fail)?;
+        let validation = match root.get("validation_data") {
+            None => Vec::new(),
+            Some(Value::Array(list)) => {
+                if list.len() != entries.len() {
                     return Err(fail(format!(
-                        "data[{i}]: nested arrays (streams, for sequence models) are not supported; \
-                         list one object per request"
+                        "validation_data: {} entries, but data has {}; give the expected outputs of every entry",
+                        list.len(),
+                        entries.len()
                     )));
                 }
-                _ => return Err(fail(format!("data[{i}]: expected an object mapping input names to values"))),
-            };
-            if map.is_empty() {
-                return Err(fail(format!("data[{i}]: no inputs given")));
+                let validation = parse_entries(list, "validation_data", "output").map_err(fail)?;
+                let first: Vec<&String> = validation[0].keys().collect();
+                if let Some((i, e)) = validation.iter().enumerate().find(|(_, e)| e.keys().collect::<Vec<_>>() != first)
+                {
+                    return Err(fail(format!(
+                        "validation_data[{i}]: gives outputs {:?} but validation_data[0] gives {first:?}; every \
+                         entry must give the same outputs",
+                        e.keys().collect::<Vec<_>>()
+                    )));
+                }
+                validation
             }
-            let mut inputs = BTreeMap::new();
-            for (name, v) in map {
-                let value = parse_value(v).map_err(|e| fail(format!("data[{i}].{name}{e}")))?;
-                inputs.insert(name.clone(), value);
-            }
-            entries.push(inputs);
-        }
-        Ok(DataFile { path: path.to_string(), entries })
+            Some(_) => return Err(fail("validation_data: expected an array of entries, one per data entry".into())),
+        };
+        Ok(DataFile { path: path.to_string(), entries, validation })
     }
 
     /// The distinct requests of `entry` for `model`: every entry's inputs checked against the
@@ -210,7 +226,48 @@ impl DataFile {
                 shape.extend_from_slice(first);
                 inputs.push(InputTensor { name: input.name.clone(), datatype: *dtype, shape, data });
             }
-            out.push(DataRequest { source, inputs });
+            let expected = self.expected_outputs(model, &members).map_err(fail)?;
+            out.push(DataRequest { source, inputs, expected });
+        }
+        Ok(out)
+    }
+
+    /// The outputs `validation_data` gives for the rows `members`, concatenated in order.
+    fn expected_outputs(&self, model: &ModelInfo, members: &[usize]) -> Result<Vec<ExpectedOutput>, String> {
+        let Some(first) = self.validation.first() else { return Ok(Vec::new()) };
+        let source = members.iter().map(|m| format!("validation_data[{m}]")).collect::<Vec<_>>().join("+");
+        let mut out = Vec::with_capacity(first.len());
+        for name in first.keys() {
+            let Some(spec) = model.outputs.iter().find(|o| &o.name == name) else {
+                return Err(format!(
+                    "validation_data[0].{name}: model '{}' has no output '{name}' (outputs: {})",
+                    model.name,
+                    model.outputs.iter().map(|o| o.name.as_str()).collect::<Vec<_>>().join(", ")
+                ));
+            };
+            let dtype = DataType::from_wire_name(&spec.datatype).ok_or_else(|| {
+                format!(
+                    "model '{}' output '{name}' has datatype '{}', which nereid-perf does not know",
+                    model.name, spec.datatype
+                )
+            })?;
+            let mut data = Vec::new();
+            for &m in members {
+                let value = &self.validation[m][name];
+                // The expected values define the element count; a given shape must agree with it.
+                let dims = match (&value.shape, &value.values) {
+                    (Some(shape), _) => shape.clone(),
+                    (None, Values::Json(items)) => vec![items.len() as i64],
+                    (None, Values::Raw(bytes)) => match dtype.element_size() {
+                        Some(width) => vec![(bytes.len() / width) as i64],
+                        None => vec![bytes_elements(bytes).unwrap_or(0) as i64],
+                    },
+                };
+                data.extend(
+                    encode(dtype, &dims, &value.values).map_err(|e| format!("validation_data[{m}].{name}: {e}"))?,
+                );
+            }
+            out.push(ExpectedOutput { name: name.clone(), datatype: dtype, data, source: source.clone() });
         }
         Ok(out)
     }
@@ -218,6 +275,34 @@ impl DataFile {
 
 fn gcd(a: usize, b: usize) -> usize {
     if b == 0 { a.max(1) } else { gcd(b, a % b) }
+}
+
+/// The entries of `data` or `validation_data` (`key`, in messages): objects mapping tensor
+/// names (`what`: input or output) to values.
+fn parse_entries(list: &[Value], key: &str, what: &str) -> Result<Vec<BTreeMap<String, DataValue>>, String> {
+    let mut entries = Vec::with_capacity(list.len());
+    for (i, item) in list.iter().enumerate() {
+        let map = match item {
+            Value::Object(m) => m,
+            Value::Array(_) => {
+                return Err(format!(
+                    "{key}[{i}]: nested arrays (streams, for sequence models) are not supported; \
+                     list one object per request"
+                ));
+            }
+            _ => return Err(format!("{key}[{i}]: expected an object mapping {what} names to values")),
+        };
+        if map.is_empty() {
+            return Err(format!("{key}[{i}]: no {what}s given"));
+        }
+        let mut values = BTreeMap::new();
+        for (name, v) in map {
+            let value = parse_value(v).map_err(|e| format!("{key}[{i}].{name}{e}"))?;
+            values.insert(name.clone(), value);
+        }
+        entries.push(values);
+    }
+    Ok(entries)
 }
 
 /// One input's value: a flat array, `{content, shape}` or `{b64[, shape]}`. Errors start with
@@ -349,7 +434,7 @@ fn bytes_elements(mut raw: &[u8]) -> Option<usize> {
 }
 
 /// Appends one JSON scalar as an element of `dtype`, or says why it does not fit.
-fn push_value(dtype: DataType, v: &Value, out: &mut Vec<u8>) -> Result<(), String> {
+pub(crate) fn push_value(dtype: DataType, v: &Value, out: &mut Vec<u8>) -> Result<(), String> {
     fn int<T: TryFrom<i128>>(v: &Value, name: &str) -> Result<T, String> {
         let n: i128 = if let Some(i) = v.as_i64() {
             i as i128
@@ -608,7 +693,19 @@ mod tests {
         assert!(e(r#"{"data": {}}"#).contains("data: expected an array"));
         assert!(e(r#"{"data": []}"#).contains("at least one entry"));
         assert!(e(r#"{"data": [{"X": [1]}], "extra": 1}"#).contains("unknown key `extra`"));
-        assert!(e(r#"{"data": [{"X": [1]}], "validation_data": []}"#).contains("validation_data"));
+        assert!(
+            e(r#"{"data": [{"X": [1]}], "validation_data": []}"#)
+                .contains("validation_data: 0 entries, but data has 1")
+        );
+        assert!(e(r#"{"data": [{"X": [1]}], "validation_data": {}}"#).contains("validation_data: expected an array"));
+        assert!(
+            e(r#"{"data": [{"X": [1]}], "validation_data": [{}]}"#).contains("validation_data[0]: no outputs given")
+        );
+        assert!(
+            e(r#"{"data": [{"X": [1]}, {"X": [2]}], "validation_data": [{"Y": [1]}, {"Z": [2]}]}"#)
+                .contains("validation_data[1]: gives outputs [\"Z\"] but validation_data[0] gives [\"Y\"]")
+        );
+        assert!(e(r#"{"data": [{"X": [1]}], "validation_data": [{"Y": [[1]]}]}"#).contains("validation_data[0].Y[0]"));
         assert!(e(r#"{"data": [[{"X": [1]}]]}"#).contains("data[0]: nested arrays"));
         assert!(e(r#"{"data": [1]}"#).contains("data[0]: expected an object"));
         assert!(e(r#"{"data": [{}]}"#).contains("data[0]: no inputs"));

@@ -28,7 +28,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::client::shm::ShmRun;
 use crate::client::{Client, Prepared, Target};
-use crate::data_file::DataRequest;
+use crate::data_file::{DataRequest, ExpectedOutput};
 use crate::error::{PerfError, exit};
 use crate::measure::{Failure, Recorder, STABILITY_WINDOWS, Summary, Window, is_stable};
 use crate::report::Progress;
@@ -234,7 +234,21 @@ struct Context {
 pub async fn run(config: RunConfig, progress: &Progress, interrupt: CancellationToken) -> Result<RunReport, PerfError> {
     let client = Client::connect(&config.target).await?;
     let mut warnings = Vec::new();
-    let PreparedWorkload { models: infos, requests, shm } = prepare(&client, &config).await?;
+    let PreparedWorkload { models: infos, requests, shm, expected } = prepare(&client, &config).await?;
+    if expected.iter().flatten().any(|e| !e.is_empty()) {
+        let variants: Vec<&[Prepared]> = requests.iter().map(EntryRequests::variants).collect();
+        let models: Vec<String> = config.workload.entries.iter().map(|e| e.model.clone()).collect();
+        let protocol = config.target.protocol;
+        match crate::validation::check(&client, protocol, &variants, &expected, &models, shm.as_ref()).await {
+            Ok(n) => progress.note(&format!("validation_data: the outputs of {n} distinct requests match")),
+            Err(e) => {
+                if let Some(shm) = shm {
+                    shm.release(&client).await;
+                }
+                return Err(PerfError::WrongOutput(e));
+            }
+        }
+    }
 
     let scraper = match &config.metrics_url {
         None => None,
@@ -389,6 +403,8 @@ pub struct PreparedWorkload {
     pub requests: Vec<EntryRequests>,
     /// With `--shared-memory system`: the registered regions holding the inputs and outputs.
     pub shm: Option<ShmRun>,
+    /// `expected[i][k]`: what entry `i`'s `k`-th request must answer (`validation_data`).
+    pub expected: Vec<Vec<Vec<ExpectedOutput>>>,
 }
 
 /// Looks up every model's metadata and encodes every entry's requests once, checking input
@@ -423,8 +439,9 @@ pub async fn prepare(client: &Client, config: &RunConfig) -> Result<PreparedWork
         }
     };
     let encoded = encode_requests(client, config, &resolved, &infos, &named, shm.as_mut());
+    let expected = resolved.iter().map(|built| built.iter().map(|r| r.expected.clone()).collect()).collect();
     match encoded {
-        Ok(requests) => Ok(PreparedWorkload { models: infos, requests, shm }),
+        Ok(requests) => Ok(PreparedWorkload { models: infos, requests, shm, expected }),
         Err(e) => {
             if let Some(shm) = shm {
                 shm.release(client).await;

@@ -18,6 +18,9 @@ pub mod exit {
     /// Results reported, but they cannot be trusted: no stable measurement within
     /// `--max-trials`, more than 1% of open-loop sends late, or no request succeeded.
     pub const UNTRUSTWORTHY: i32 = 5;
+    /// The server's outputs differ from the input data file's `validation_data`; nothing was
+    /// measured.
+    pub const WRONG_OUTPUT: i32 = 6;
     /// Interrupted (Ctrl-C); results so far were reported.
     pub const INTERRUPTED: i32 = 130;
 }
@@ -33,6 +36,8 @@ pub enum PerfError {
     Client(#[from] ClientError),
     #[error("writing {path}: {source}")]
     Output { path: String, source: std::io::Error },
+    #[error("output validation failed: {0}")]
+    WrongOutput(String),
 }
 
 impl PerfError {
@@ -40,6 +45,7 @@ impl PerfError {
         match self {
             PerfError::Usage(_) | PerfError::Workload(_) | PerfError::Client(_) => exit::BAD_INPUT,
             PerfError::Output { .. } => exit::INTERNAL,
+            PerfError::WrongOutput(_) => exit::WRONG_OUTPUT,
         }
     }
 }

@@ -22,6 +22,7 @@ pub mod schedule;
 pub mod search;
 pub mod server_stats;
 pub mod svg;
+pub mod validation;
 pub mod workload;
 
 pub use driver::{RunConfig, RunReport, run};

@@ -685,7 +685,8 @@ pub fn resolve_requests(
 ) -> Result<Vec<DataRequest>, WorkloadError> {
     match source {
         InputSource::Generated(data) => {
-            Ok(vec![DataRequest { source: "generated".into(), inputs: resolve_inputs(entry, model, *data, seed)? }])
+            let inputs = resolve_inputs(entry, model, *data, seed)?;
+            Ok(vec![DataRequest { source: "generated".into(), inputs, expected: Vec::new() }])
         }
         InputSource::File(file) => {
             check_entry_fits(entry, model)?;

@@ -873,3 +873,70 @@ fn shared_memory_carries_exact_values_and_its_regions_are_unregistered() {
     assert_ne!(run.code(), 0, "{}", run.stdout);
     assert!(run.stderr.contains("--allow-client-shm=true"), "{}", run.stderr);
 }
+
+#[test]
+fn validation_data_checks_every_distinct_request_before_any_load() {
+    let Some(w) = Worker::start_with(&["--allow-client-shm=true"]) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let rows = identity_rows();
+    // identity_fp32 echoes its input: the expected outputs are the rows themselves.
+    let file = |expected: &[Vec<f32>]| {
+        json!({
+            "data": rows.iter().map(|r| json!({"INPUT0": r})).collect::<Vec<_>>(),
+            "validation_data": expected.iter().map(|r| json!({"OUTPUT0": r})).collect::<Vec<_>>(),
+        })
+        .to_string()
+    };
+    let good = dir.path().join("good.json");
+    std::fs::write(&good, file(&rows)).unwrap();
+    let mut wrong_rows = rows.clone();
+    wrong_rows[1][3] += 1.0;
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, file(&wrong_rows)).unwrap();
+
+    let (gu, hu, m) = (w.grpc_url(), w.http_url(), w.metrics_url());
+    let cases: [&[&str]; 4] = [
+        &["-u", &gu],
+        &["-u", &hu, "-i", "http"],
+        &["-u", &hu, "-i", "http", "--http-binary"],
+        &["-u", &gu, "--shared-memory", "system"],
+    ];
+    for flags in cases {
+        // At batch size 2 the three entries make three requests: rows (0,1), (2,0), (1,2).
+        let mut args = vec!["-m", "identity_fp32", "-b", "2", "--metrics-url", &m, "--concurrency-range", "1"];
+        args.extend(flags);
+        args.extend(SHORT);
+        let mut ok = args.clone();
+        ok.extend(["--input-data", good.to_str().unwrap()]);
+        let run = perf(&ok);
+        assert_measured(&run, false);
+
+        let mut wrong = args.clone();
+        wrong.extend(["--input-data", bad.to_str().unwrap()]);
+        let run = perf(&wrong);
+        assert_eq!(run.code(), 6, "{flags:?}\nstdout:\n{}\nstderr:\n{}", run.stdout, run.stderr);
+        let want = format!(
+            "validation_data[0]+validation_data[1]: output 'OUTPUT0': element 19 is {}, expected {}",
+            rows[1][3], wrong_rows[1][3]
+        );
+        assert!(run.stderr.contains(&want), "{flags:?}: wanted {want:?} in\n{}", run.stderr);
+        assert!(!run.stdout.contains("Inferences/Second"), "nothing measured: {}", run.stdout);
+    }
+    let status = http_get(w.http, "/v2/systemsharedmemory/status");
+    assert_eq!(serde_json::from_str::<Value>(&status).unwrap(), json!([]), "regions released after a mismatch");
+
+    // An expected output the model does not have is refused before any request.
+    let unknown = dir.path().join("unknown.json");
+    std::fs::write(
+        &unknown,
+        r#"{"data": [{"INPUT0": [0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15]}], "validation_data": [{"NOPE": [1]}]}"#,
+    )
+    .unwrap();
+    let run = perf(&["-m", "identity_fp32", "-u", &gu, "--input-data", unknown.to_str().unwrap()]);
+    assert_eq!(run.code(), 2, "{}", run.stderr);
+    assert!(
+        run.stderr.contains("validation_data[0].NOPE: model 'identity_fp32' has no output 'NOPE'"),
+        "{}",
+        run.stderr
+    );
+}
