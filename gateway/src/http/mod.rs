@@ -17,7 +17,7 @@ use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
 use nereid_common::Status;
@@ -63,6 +63,8 @@ pub fn router(ingress: Ingress) -> Router {
         .route("/v2/repository/index", post(repository_index))
         .route("/v2/repository/models/{model}/load", post(repository_control))
         .route("/v2/repository/models/{model}/unload", post(repository_control))
+        .route("/v2/systemsharedmemory/{*rest}", any(shared_memory))
+        .route("/v2/cudasharedmemory/{*rest}", any(shared_memory))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(ingress)
@@ -197,6 +199,15 @@ async fn repository_index(
     let ready = parse_index_request(&body)?;
     let rows: Vec<_> = ingress.control.repository_index(ready).into_iter().map(index_entry_from_proto).collect();
     Ok(Json(index_json(&rows)))
+}
+
+async fn shared_memory(uri: Uri) -> GatewayError {
+    Status::unimplemented(format!(
+        "'{}': shared memory is not supported through the gateway (its workers may run on other hosts); \
+         register regions with a worker on your host and send to it directly",
+        uri.path()
+    ))
+    .into()
 }
 
 async fn repository_control(uri: Uri) -> GatewayError {

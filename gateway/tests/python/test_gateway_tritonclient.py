@@ -239,3 +239,36 @@ def test_load_reaches_both_workers(fleet):
     assert all(c > 0 for c in counts), counts
     total = client.get_inference_statistics("identity_fp32", as_json=True)
     assert sum(int(s.get("inference_count", 0)) for s in total["model_stats"]) == sum(counts)
+
+
+def test_shared_memory_is_refused_by_the_gateway(fleet):
+    """The gateway registers no regions (its workers may be on other hosts) and refuses
+    requests naming one, over both protocols, without passing them to a worker; plain requests
+    keep working."""
+    gateway, _ = fleet
+    h = httpclient.InferenceServerClient(gateway.http_url)
+    g = grpcclient.InferenceServerClient(gateway.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException) as e:
+            h.register_system_shared_memory("r", "/nereid_gateway_test", 64)
+        assert "not supported through the gateway" in str(e.value), str(e.value)
+        with pytest.raises(InferenceServerException) as e:
+            g.register_system_shared_memory("r", "/nereid_gateway_test", 64)
+        assert e.value.status() == "StatusCode.UNIMPLEMENTED", str(e.value)
+        for mod, c in ((httpclient, h), (grpcclient, g)):
+            inp = mod.InferInput("INPUT0", [1, 16], "FP32")
+            inp.set_shared_memory("r", 64)
+            with pytest.raises(InferenceServerException) as e:
+                c.infer("identity_fp32", [inp])
+            # The gateway's own refusal, not a worker's (those would name --allow-client-shm).
+            assert "not supported" in str(e.value) and "--allow-client-shm" not in str(e.value), str(e.value)
+            out = mod.InferRequestedOutput("OUTPUT0")
+            out.set_shared_memory("r", 64)
+            plain = mod.InferInput("INPUT0", [1, 16], "FP32")
+            plain.set_data_from_numpy(_x((1, 16)))
+            with pytest.raises(InferenceServerException):
+                c.infer("identity_fp32", [plain], outputs=[out])
+            assert_fp32_close(c.infer("identity_fp32", [plain]).as_numpy("OUTPUT0"), _x((1, 16)))
+    finally:
+        h.close()
+        g.close()
