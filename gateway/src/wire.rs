@@ -79,40 +79,53 @@ const OUTPUT_PARAMETERS: u64 = 2;
 
 /// Whether an encoded `ModelInferRequest` names a shared-memory region: a `shared_memory_*`
 /// key in an input's or requested output's parameters. Walks the `inputs` and `outputs`
-/// messages only (tensor contents are skipped by length); framing it cannot follow counts as
-/// no (the worker refuses a malformed request anyway).
-pub fn uses_shared_memory(request: &[u8]) -> bool {
-    let names_region = |tensor: &[u8], parameters: u64| {
-        length_delimited(tensor)
-            .filter(|(field, _)| *field == parameters)
-            .any(|(_, entry)| length_delimited(entry).any(|(f, key)| f == 1 && key.starts_with(b"shared_memory_")))
-    };
-    length_delimited(request).any(|(field, value)| match field {
-        INPUTS => names_region(value, INPUT_PARAMETERS),
-        OUTPUTS => names_region(value, OUTPUT_PARAMETERS),
-        _ => false,
-    })
-}
-
-/// The length-delimited fields of an encoded message, as (field number, contents); stops at
-/// the first framing it cannot follow.
-fn length_delimited(buf: &[u8]) -> impl Iterator<Item = (u64, &[u8])> {
-    let mut pos = 0;
-    std::iter::from_fn(move || {
-        while pos < buf.len() {
-            let key = varint(buf, &mut pos)?;
-            let (field, wire_type) = (key >> 3, key & 7);
-            let start = pos;
-            let end = value_end(buf, start, field, wire_type, 0).ok()?;
-            pos = end;
-            if wire_type == 2 {
-                let mut data = start;
-                varint(buf, &mut data)?;
-                return Some((field, &buf[data..end]));
+/// messages (tensor contents are skipped by length). Framing it cannot follow there is an
+/// error, never a "no": the check fails closed, so no encoding trick gets a region name past it.
+pub fn uses_shared_memory(request: &[u8]) -> Result<bool, String> {
+    let names_region = |tensor: &[u8], parameters: u64| -> Result<bool, String> {
+        for (field, entry) in length_delimited(tensor)? {
+            if field == parameters
+                && length_delimited(entry)?.iter().any(|(f, key)| *f == 1 && key.starts_with(b"shared_memory_"))
+            {
+                return Ok(true);
             }
         }
-        None
-    })
+        Ok(false)
+    };
+    for (field, value) in length_delimited(request)? {
+        let found = match field {
+            INPUTS => names_region(value, INPUT_PARAMETERS)?,
+            OUTPUTS => names_region(value, OUTPUT_PARAMETERS)?,
+            _ => false,
+        };
+        if found {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// The length-delimited fields of an encoded message, as (field number, contents), skipping
+/// the others; fails on framing it cannot follow.
+fn length_delimited(buf: &[u8]) -> Result<Vec<(u64, &[u8])>, String> {
+    let mut out = Vec::new();
+    let mut pos = 0;
+    while pos < buf.len() {
+        let key = varint(buf, &mut pos).ok_or_else(|| format!("truncated field key at byte {pos}"))?;
+        let (field, wire_type) = (key >> 3, key & 7);
+        if field == 0 {
+            return Err(format!("field number 0 at byte {pos}"));
+        }
+        let start = pos;
+        let end = value_end(buf, start, field, wire_type, 0)?;
+        pos = end;
+        if wire_type == 2 {
+            let mut data = start;
+            varint(buf, &mut data);
+            out.push((field, &buf[data..end]));
+        }
+    }
+    Ok(out)
 }
 
 /// Groups (deprecated, proto2) nest at most this deep, as prost's recursion limit bounds them.
@@ -127,6 +140,7 @@ fn value_end(buf: &[u8], mut pos: usize, field: u64, wire_type: u64, depth: u32)
             pos
         }
         1 => pos.saturating_add(8),
+        5 => pos.saturating_add(4),
         2 => {
             let len =
                 varint(buf, &mut pos).ok_or_else(|| format!("truncated length of field {}", field_name(field)))?;
@@ -346,18 +360,31 @@ mod tests {
         use nereid_proto::inference::model_infer_request::InferRequestedOutputTensor;
         let shm = || [("shared_memory_region".to_string(), InferParameter::default())].into();
         let plain = request();
-        assert!(!uses_shared_memory(&plain.encode_to_vec()));
+        assert_eq!(uses_shared_memory(&plain.encode_to_vec()), Ok(false));
         // Other parameters, and the key's text inside tensor data, are not a region.
         let mut other = request();
         other.inputs[0].parameters = [("binary_data_size".to_string(), InferParameter::default())].into();
         other.raw_input_contents = vec![b"shared_memory_region".to_vec()];
-        assert!(!uses_shared_memory(&other.encode_to_vec()));
+        assert_eq!(uses_shared_memory(&other.encode_to_vec()), Ok(false));
         let mut input = request();
         input.inputs[0].parameters = shm();
-        assert!(uses_shared_memory(&input.encode_to_vec()));
+        assert_eq!(uses_shared_memory(&input.encode_to_vec()), Ok(true));
         let mut output = request();
         output.outputs = vec![InferRequestedOutputTensor { name: "Y".into(), parameters: shm() }];
-        assert!(uses_shared_memory(&output.encode_to_vec()));
+        assert_eq!(uses_shared_memory(&output.encode_to_vec()), Ok(true));
+
+        // Unknown fields of every wire type (here fixed32 and fixed64) ahead of the parameters,
+        // as a protobuf decoder skips them, do not hide a region.
+        let tensor = input.inputs[0].encode_to_vec();
+        let mut padded = vec![(15 << 3) | 5, 1, 2, 3, 4, (14 << 3) | 1, 1, 2, 3, 4, 5, 6, 7, 8];
+        padded.extend(&tensor);
+        let mut bytes = vec![(INPUTS as u8) << 3 | 2, padded.len() as u8];
+        bytes.extend(&padded);
+        assert_eq!(ModelInferRequest::decode(bytes.as_slice()).unwrap().inputs[0].parameters.len(), 1);
+        assert_eq!(uses_shared_memory(&bytes), Ok(true));
+        // Framing it cannot follow inside an input is an error, not a "no".
+        let broken = [(INPUTS as u8) << 3 | 2, 2, (4 << 3) | 2, 9];
+        assert!(uses_shared_memory(&broken).is_err());
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use nereid_common::dtype::DataType;
 use nereid_proto::inference::ModelInferResponse;
+use nereid_proto::inference::infer_parameter::ParameterChoice;
 use prost::Message;
 use serde_json::Value;
 
@@ -25,6 +26,8 @@ pub struct Output {
     pub name: String,
     /// `None`: written to a shared-memory region, not carried in the response.
     pub data: Option<Vec<u8>>,
+    /// For an output in shared memory: the bytes written there, as the response says.
+    pub shm_byte_size: Option<u64>,
 }
 
 /// The outputs of an infer response body: a gRPC message frame, or an HTTP body (JSON, maybe
@@ -43,6 +46,11 @@ fn grpc_outputs(body: &[u8]) -> Result<Vec<Output>, String> {
         ModelInferResponse::decode(message).map_err(|e| format!("the gRPC response does not decode: {e}"))?;
     let mut out = Vec::with_capacity(response.outputs.len());
     for (i, o) in response.outputs.iter().enumerate() {
+        let shm_byte_size = o.parameters.get("shared_memory_byte_size").and_then(|p| match p.parameter_choice {
+            Some(ParameterChoice::Int64Param(n)) => u64::try_from(n).ok(),
+            Some(ParameterChoice::Uint64Param(n)) => Some(n),
+            _ => None,
+        });
         let data = if o.parameters.contains_key("shared_memory_region") {
             None
         } else {
@@ -52,7 +60,7 @@ fn grpc_outputs(body: &[u8]) -> Result<Vec<Output>, String> {
                 .ok_or_else(|| format!("output '{}' has no raw_output_contents entry", o.name))?;
             Some(raw.clone())
         };
-        out.push(Output { name: o.name.clone(), data });
+        out.push(Output { name: o.name.clone(), data, shm_byte_size });
     }
     Ok(out)
 }
@@ -70,6 +78,7 @@ fn http_outputs(body: &[u8]) -> Result<Vec<Output>, String> {
         let name = o.get("name").and_then(Value::as_str).ok_or("an output has no `name`")?.to_string();
         let params = o.get("parameters");
         let param = |k: &str| params.and_then(|p| p.get(k));
+        let shm_byte_size = param("shared_memory_byte_size").and_then(Value::as_u64);
         let data = if param("shared_memory_region").is_some() {
             None
         } else if let Some(n) = param("binary_data_size").and_then(Value::as_u64) {
@@ -91,7 +100,7 @@ fn http_outputs(body: &[u8]) -> Result<Vec<Output>, String> {
             }
             Some(bytes)
         };
-        out.push(Output { name, data });
+        out.push(Output { name, data, shm_byte_size });
     }
     Ok(out)
 }
@@ -115,6 +124,13 @@ pub async fn check(
                 continue;
             }
             let source = &wanted[0].source;
+            // Outputs in shared memory land in a slot every request shares: clear it first, so
+            // bytes left by an earlier request can never pass for this one's.
+            if let Some(run) = shm {
+                for want in wanted {
+                    run.clear_output(&models[i], &want.name).map_err(|e| format!("{source}: {e}"))?;
+                }
+            }
             let body = lane
                 .fetch(request, CHECK_TIMEOUT)
                 .await
@@ -130,8 +146,10 @@ pub async fn check(
                     None => {
                         let run =
                             shm.ok_or_else(|| format!("{source}: output '{}' went to shared memory", want.name))?;
-                        run.read_output(&models[i], &want.name, want.data.len())
-                            .map_err(|e| format!("{source}: {e}"))?
+                        // As many bytes as the server says it wrote (a shorter answer must not
+                        // be padded out with the slot's zeros).
+                        let len = output.shm_byte_size.map_or(want.data.len(), |n| n as usize);
+                        run.read_output(&models[i], &want.name, len).map_err(|e| format!("{source}: {e}"))?
                     }
                 };
                 compare(want, &got).map_err(|e| format!("{source}: output '{}': {e}", want.name))?;
@@ -224,7 +242,7 @@ mod tests {
         frame.extend((message.len() as u32).to_be_bytes());
         frame.extend(message);
         let got = response_outputs(Protocol::Grpc, &frame).unwrap();
-        assert_eq!(got[0], Output { name: "Y".into(), data: Some(1.5f32.to_le_bytes().to_vec()) });
+        assert_eq!(got[0], Output { name: "Y".into(), data: Some(1.5f32.to_le_bytes().to_vec()), shm_byte_size: None });
         assert_eq!(got[1].data, None);
 
         let json = br#"{"outputs":[{"name":"Y","datatype":"FP32","shape":[2],"data":[1.5,-2]},

@@ -462,7 +462,10 @@ async fn optional_inputs_take_the_models_default_and_batch_apart() {
     let answer = repo.infer(request("bias_required", 1.0, Some(2.0))).await.unwrap();
     assert_eq!(floats(&answer.outputs[0].data), vec![3.0; 4]);
 
-    // Optional without a default in the model: loads (with a warning), and stays required.
+    // Optional without a default in the model: loads (with a warning), and stays required —
+    // as its served config says.
+    assert!(!repo.model_config("no_default", None).unwrap().input[0].optional);
+    assert!(repo.model_config("optional_bias", None).unwrap().input[1].optional);
     let e = repo.infer(InferRequest { model_name: "no_default".into(), ..Default::default() }).await.unwrap_err();
     assert!(e.message.contains("lacks 'INPUT0'"), "{}", e.message);
     repo.infer(identity_request("no_default", None)).await.unwrap();

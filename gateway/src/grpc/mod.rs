@@ -210,7 +210,9 @@ struct InferHandler {
 /// naming a shared-memory region: regions are registered with one worker, on its host, and the
 /// gateway neither registers them nor knows which worker has them.
 fn decode_request(bytes: Bytes) -> Result<InferRequest, tonic::Status> {
-    if crate::wire::uses_shared_memory(&bytes) {
+    let uses_shm = crate::wire::uses_shared_memory(&bytes)
+        .map_err(|reason| tonic::Status::invalid_argument(format!("malformed ModelInferRequest: {reason}")))?;
+    if uses_shm {
         return Err(tonic::Status::invalid_argument(
             "system shared memory is not supported through the gateway; send the tensors in the request, \
              or send the request to a worker on your host directly",

@@ -201,6 +201,16 @@ impl ShmRun {
         Ok(buf)
     }
 
+    /// Zeroes `model`'s `output` slot.
+    pub fn clear_output(&self, model: &str, output: &str) -> Result<(), String> {
+        let (_, offset) = self
+            .output_slots
+            .iter()
+            .find(|((m, o), _)| m == model && o == output)
+            .ok_or_else(|| format!("no shared memory slot for {model}/{output}"))?;
+        self.output.write_at(*offset, &vec![0u8; self.output_size as usize])
+    }
+
     /// Unregisters the regions (best effort: the server may be gone); the objects are unlinked
     /// when `self` drops.
     pub async fn release(mut self, client: &Client) -> Vec<String> {

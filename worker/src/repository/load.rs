@@ -175,6 +175,10 @@ pub fn load_model(
             for input in s.inputs.iter_mut().filter(|i| i.optional) {
                 if !io.defaults.iter().any(|d| d.name == input.name) {
                     input.optional = false;
+                    // The served config says what requests must do.
+                    for c in config.input.iter_mut().filter(|c| c.name == input.name) {
+                        c.optional = false;
+                    }
                     warnings.push(format!(
                         "input '{}' is optional, but the model has no default for it (an initializer that is \
                          also a graph input): requests must carry it",
