@@ -230,6 +230,16 @@ pub fn check_composing(
                         step.model, t.datatype
                     ));
                 }
+                // A request may leave an optional ensemble input out; the step it feeds then
+                // goes without it, which only an optional input of the composing model allows.
+                if !t.optional && config.input.iter().any(|i| &i.name == tensor && i.optional) {
+                    return Err(format!(
+                        "{at}.input_map: ensemble input '{tensor}' is optional, but input '{name}' of '{}' is \
+                         required (optional, with a default in the model, is what allows leaving it out); \
+                         make '{tensor}' required",
+                        step.model
+                    ));
+                }
             }
             for (name, tensor) in &step.outputs {
                 let Some(t) = spec.outputs.iter().find(|t| &t.name == name) else {
@@ -379,5 +389,20 @@ ensemble_scheduling {
         assert!(e.contains("step[2] ('c'): max_batch_size 4 of 'c' is below the ensemble's 8"), "{e}");
         let e = check_composing(&config, &p, |s| Err(format!("model '{}' is not loaded", s.model))).unwrap_err();
         assert!(e.contains("step[0] ('b'): model 'b' is not loaded"), "{e}");
+
+        // An optional ensemble input may only feed optional inputs of its steps.
+        let optional =
+            parse_model_config(&CHAIN.replace("dims: [ 4 ] } ]\noutput", "dims: [ 4 ] optional: true } ]\noutput"))
+                .unwrap();
+        assert!(optional.input[0].optional);
+        let p = plan(&optional).unwrap();
+        let e = check_composing(&optional, &p, |_| Ok(fp32.clone())).unwrap_err();
+        assert!(e.contains("input_map: ensemble input 'X' is optional, but input 'IN' of 'a' is required"), "{e}");
+        let lenient = |_: &Step| {
+            let mut m = (*fp32).clone();
+            m.inputs[0].optional = true;
+            Ok(std::sync::Arc::new(m))
+        };
+        assert_eq!(check_composing(&optional, &p, lenient), Ok(()));
     }
 }
