@@ -216,3 +216,23 @@ def test_a_request_copies_no_more_than_the_request_size_limit(repo_copy, make_wo
     finally:
         c.unregister_system_shared_memory()
         c.close()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_large_shared_memory_inputs(shm_worker, regions, protocol):
+    # 32 convnet rows are 1.5 MiB of input: copied off the worker's async threads.
+    mod = CLIENTS[protocol]
+    c = client_for(shm_worker, protocol)
+    name = f"large_{protocol}"
+    try:
+        x = np.random.default_rng(5).standard_normal((32, 3, 64, 64)).astype(np.float32)
+        key, handle = regions(name, x.nbytes)
+        shm.set_shared_memory_region(handle, [x])
+        c.register_system_shared_memory(name, key, x.nbytes)
+        inp = mod.InferInput("INPUT0", list(x.shape), "FP32")
+        inp.set_shared_memory(name, x.nbytes)
+        got = c.infer("convnet_fp32", [inp]).as_numpy("OUTPUT0")
+        assert_fp32_close(got, ort_run("convnet_fp32", {"INPUT0": x})["OUTPUT0"])
+    finally:
+        c.unregister_system_shared_memory()
+        c.close()

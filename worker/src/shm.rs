@@ -282,6 +282,29 @@ pub fn write_outputs(outputs: &mut [OutputTensor], targets: &[(String, ShmTarget
     Ok(written)
 }
 
+/// Copies larger than this run on the blocking pool, not on the async threads that serve
+/// other connections.
+pub const OFFLOAD_BYTES: u64 = 1 << 20;
+
+/// [`write_outputs`], on the blocking pool when the bytes to write exceed [`OFFLOAD_BYTES`].
+pub async fn write_outputs_offloaded(
+    mut outputs: Vec<OutputTensor>,
+    targets: Vec<(String, ShmTarget)>,
+) -> Result<(Vec<OutputTensor>, Vec<ShmWritten>), Status> {
+    if targets.is_empty() {
+        return Ok((outputs, Vec::new()));
+    }
+    let bytes: u64 =
+        outputs.iter().filter(|o| targets.iter().any(|(n, _)| *n == o.name)).map(|o| o.data.len() as u64).sum();
+    if bytes <= OFFLOAD_BYTES {
+        let written = write_outputs(&mut outputs, &targets)?;
+        return Ok((outputs, written));
+    }
+    tokio::task::spawn_blocking(move || write_outputs(&mut outputs, &targets).map(|w| (outputs, w)))
+        .await
+        .map_err(|e| Status::internal(format!("shared memory output task failed: {e}")))?
+}
+
 fn already_registered(name: &str) -> Status {
     Status::new(
         Code::AlreadyExists,
@@ -571,6 +594,27 @@ mod tests {
         let e = shm.read("input 'X'", &r("r", 4096, 16), &mut { u64::MAX }).unwrap_err();
         assert!(e.message.contains("has shrunk to 100 bytes"), "{}", e.message);
         assert_eq!(shm.read("input 'X'", &r("r", 0, 16), &mut { u64::MAX }).unwrap().len(), 16);
+    }
+
+    #[tokio::test]
+    async fn large_outputs_are_written_off_the_async_threads_and_small_ones_inline() {
+        let obj = TestObject::new("offload", 4 << 20);
+        let shm = SharedMemory::allowed(8 << 20);
+        shm.register("out", &obj.key, 0, 4 << 20).unwrap();
+        for size in [16usize, (2 << 20) + 4] {
+            let data: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+            let outputs = vec![OutputTensor {
+                name: "Y".into(),
+                datatype: nereid_common::DataType::Uint8,
+                shape: vec![size as i64],
+                data: Bytes::from(data.clone()),
+            }];
+            let targets = vec![("Y".to_string(), shm.target("output 'Y'", &r("out", 8, size as u64)).unwrap())];
+            let (outputs, written) = write_outputs_offloaded(outputs, targets).await.unwrap();
+            assert!(outputs[0].data.is_empty());
+            assert_eq!(written, vec![ShmWritten { name: "Y".into(), region: "out".into(), byte_size: size as u64 }]);
+            assert_eq!(obj.read(8, size), data);
+        }
     }
 
     #[test]

@@ -104,6 +104,20 @@ pub fn infer_request_from_proto(mut req: ModelInferRequest, shm: &SharedMemory) 
     })
 }
 
+/// What a request's inputs claim to read from shared memory (`shared_memory_byte_size`), before
+/// anything is checked: for deciding where to decode it.
+pub fn shm_input_bytes(req: &ModelInferRequest) -> u64 {
+    req.inputs
+        .iter()
+        .filter_map(|i| i.parameters.get(shm::BYTE_SIZE))
+        .map(|p| match p.parameter_choice {
+            Some(ParameterChoice::Int64Param(n)) => n.max(0) as u64,
+            Some(ParameterChoice::Uint64Param(n)) => n,
+            _ => 0,
+        })
+        .fold(0, u64::saturating_add)
+}
+
 /// A tensor's shared-memory parameters (`None` when it has none): the region as a
 /// `string_param`, offset and byte size as `int64_param` (or `uint64_param`).
 fn shm_parameters(

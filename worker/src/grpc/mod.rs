@@ -29,7 +29,7 @@ use crate::server::{SERVER_NAME, SERVER_VERSION, Server, parse_version};
 use crate::shm;
 use convert::{
     grpc_deadline, index_entry_to_proto, infer_request_from_proto, infer_response_to_proto, load_config_parameter,
-    mark_shm_outputs, model_metadata_to_proto, model_stats_to_proto, unload_dependents_parameter,
+    mark_shm_outputs, model_metadata_to_proto, model_stats_to_proto, shm_input_bytes, unload_dependents_parameter,
 };
 
 /// Most requests of one `ModelStreamInfer` stream in flight at once. Past it the stream stops
@@ -301,11 +301,20 @@ async fn infer_one(
     req: ModelInferRequest,
     deadline: Option<Instant>,
 ) -> Result<ModelInferResponse, Status> {
-    let mut request = infer_request_from_proto(req, &server.shm)?;
+    // Inputs read from shared memory are copied while decoding: large ones off the async threads.
+    let mut request = if shm_input_bytes(&req) > shm::OFFLOAD_BYTES {
+        let registry = server.shm.clone();
+        tokio::task::spawn_blocking(move || infer_request_from_proto(req, &registry))
+            .await
+            .map_err(|e| Status::internal(format!("request conversion task failed: {e}")))??
+    } else {
+        infer_request_from_proto(req, &server.shm)?
+    };
     request.deadline = deadline;
     let targets = std::mem::take(&mut request.shm_outputs);
     let mut response = server.infer(request).await?;
-    let written = shm::write_outputs(&mut response.outputs, &targets)?;
+    let (outputs, written) = shm::write_outputs_offloaded(std::mem::take(&mut response.outputs), targets).await?;
+    response.outputs = outputs;
     let mut proto = infer_response_to_proto(response);
     mark_shm_outputs(&mut proto, &written);
     Ok(proto)

@@ -475,16 +475,18 @@ async fn infer(
     let json_len = header_length.unwrap_or(body.len()).min(body.len());
     let ModelRef { name, version } = model;
     let shm = server.shm.clone();
-    let ParsedInfer { mut request, mut format } = maybe_offload(json_len > OFFLOAD_JSON_BYTES, move || {
-        parse_infer_request(&name, version, body, header_length, max, Some(&shm))
-    })
-    .await?;
+    // Inputs read from shared memory are copied during the parse: off the async threads too.
+    let heavy = json_len > OFFLOAD_JSON_BYTES || (shm.enabled() && mentions_shared_memory(&body[..json_len]));
+    let ParsedInfer { mut request, mut format } =
+        maybe_offload(heavy, move || parse_infer_request(&name, version, body, header_length, max, Some(&shm))).await?;
 
     // Awaited here, not spawned: if the client goes away this future is dropped and the core
     // takes the request out of its queue.
     let targets = std::mem::take(&mut request.shm_outputs);
     let mut response = server.infer(request).await?;
-    format.shm = crate::shm::write_outputs(&mut response.outputs, &targets)?;
+    let (outputs, written) =
+        crate::shm::write_outputs_offloaded(std::mem::take(&mut response.outputs), targets).await?;
+    (response.outputs, format.shm) = (outputs, written);
 
     let json_bytes: usize = response.outputs.iter().filter(|o| !format.is_binary(&o.name)).map(|o| o.data.len()).sum();
     let rendered =
@@ -501,6 +503,12 @@ async fn infer(
         .headers_mut()
         .insert(nereid_common::fleet::QUEUE_REPORT_HEADER, HeaderValue::from(server.metrics.pending_total()));
     Ok(response)
+}
+
+/// Whether a (small) infer request's JSON names a shared-memory region.
+fn mentions_shared_memory(json: &[u8]) -> bool {
+    const KEY: &[u8] = b"shared_memory_region";
+    json.windows(KEY.len()).any(|w| w == KEY)
 }
 
 /// [`infer_response`] compressed as one `coding` stream (`Content-Encoding`);
