@@ -184,6 +184,8 @@ pub struct RunReport {
     pub version: &'static str,
     pub url: String,
     pub protocol: crate::client::Protocol,
+    /// `--shared-memory system`: tensors went through registered shared memory.
+    pub shared_memory: bool,
     pub metrics_url: Option<String>,
     pub seed: u64,
     pub measurement: Measurement,
@@ -349,6 +351,7 @@ pub async fn run(config: RunConfig, progress: &Progress, interrupt: Cancellation
         version: env!("CARGO_PKG_VERSION"),
         url: config.target.url.clone(),
         protocol: config.target.protocol,
+        shared_memory: config.shared_memory.is_some(),
         metrics_url: ctx.scraper.as_ref().map(|s| s.uri().to_string()),
         seed: config.seed,
         measurement: config.measurement.clone(),

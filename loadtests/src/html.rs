@@ -497,6 +497,7 @@ mod tests {
             version: "0.0.0",
             url: "127.0.0.1:8001".into(),
             protocol: Protocol::Grpc,
+            shared_memory: false,
             metrics_url: Some("http://127.0.0.1:8002/metrics".into()),
             seed: 1,
             measurement: Measurement {

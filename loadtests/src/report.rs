@@ -132,7 +132,8 @@ pub fn table(report: &RunReport) -> String {
         crate::client::Protocol::Http { binary: false } => "HTTP (JSON)",
     };
     let models: Vec<&str> = report.models.iter().map(|m| m.name.as_str()).collect();
-    let _ = writeln!(out, "nereid-perf: {} over {protocol} at {}", models.join(", "), report.url);
+    let memory = if report.shared_memory { ", tensors through system shared memory" } else { "" };
+    let _ = writeln!(out, "nereid-perf: {} over {protocol}{memory} at {}", models.join(", "), report.url);
     let _ = writeln!(out, "load: {}", report.load);
     let _ = writeln!(
         out,

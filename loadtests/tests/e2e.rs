@@ -863,7 +863,9 @@ fn shared_memory_carries_exact_values_and_its_regions_are_unregistered() {
     args.extend(SHORT);
     let run = perf(&args);
     assert_measured(&run, false);
-    check_level(&read_json(&json_path)["levels"][0], "mlp_fp32");
+    let report = read_json(&json_path);
+    check_level(&report["levels"][0], "mlp_fp32");
+    assert_eq!(report["shared_memory"], json!(true), "the report says how tensors travelled");
     assert_eq!(regions(), json!([]));
 
     // A worker that does not allow client shared memory: a clear error before any load.
