@@ -15,8 +15,15 @@ use crate::tensor::{InferRequest, InferResponse};
 pub const SERVER_NAME: &str = "nereid";
 pub const SERVER_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The KServe v2 / Triton protocol extensions this worker implements.
-pub const EXTENSIONS: &[&str] =
-    &["binary_tensor_data", "model_repository", "model_configuration", "schedule_policy", "parameters", "statistics"];
+pub const EXTENSIONS: &[&str] = &[
+    "binary_tensor_data",
+    "model_repository",
+    "model_configuration",
+    "schedule_policy",
+    "parameters",
+    "statistics",
+    "logging",
+];
 /// Reported besides [`EXTENSIONS`] when clients may register shared-memory regions.
 pub const SHM_EXTENSION: &str = "system_shared_memory";
 

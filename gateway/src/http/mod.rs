@@ -65,6 +65,7 @@ pub fn router(ingress: Ingress) -> Router {
         .route("/v2/repository/models/{model}/unload", post(repository_control))
         .route("/v2/systemsharedmemory/{*rest}", any(shared_memory))
         .route("/v2/cudasharedmemory/{*rest}", any(shared_memory))
+        .route("/v2/logging", get(get_logging).post(post_logging))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(ingress)
@@ -199,6 +200,21 @@ async fn repository_index(
     let ready = parse_index_request(&body)?;
     let rows: Vec<_> = ingress.control.repository_index(ready).into_iter().map(index_entry_from_proto).collect();
     Ok(Json(index_json(&rows)))
+}
+
+async fn get_logging() -> Json<Value> {
+    Json(nereid_worker::http::log_settings_json())
+}
+
+/// The gateway's own log settings (each worker has its own).
+async fn post_logging(
+    State(ingress): State<Ingress>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<Value>, GatewayError> {
+    let body = read_body(&headers, body, ingress.max_request_bytes).await?;
+    nereid_common::telemetry::log_settings().apply(&nereid_worker::http::parse_log_settings(&body)?)?;
+    Ok(Json(nereid_worker::http::log_settings_json()))
 }
 
 async fn shared_memory(uri: Uri) -> GatewayError {

@@ -272,3 +272,21 @@ def test_shared_memory_is_refused_by_the_gateway(fleet):
     finally:
         h.close()
         g.close()
+
+
+def test_the_gateways_own_log_settings(fleet):
+    gateway, _ = fleet
+    h = httpclient.InferenceServerClient(gateway.http_url)
+    g = grpcclient.InferenceServerClient(gateway.grpc_url)
+    try:
+        assert "logging" in h.get_server_metadata()["extensions"]
+        assert h.get_log_settings()["log_verbose_level"] == 0
+        assert h.update_log_settings({"log_verbose_level": 2})["log_verbose_level"] == 2
+        assert g.get_log_settings(as_json=True)["settings"]["log_verbose_level"] == {"uint32_param": 2}
+        with pytest.raises(InferenceServerException) as e:
+            g.update_log_settings({"log_file": "/tmp/gw.log"})
+        assert "must be empty" in str(e.value)
+    finally:
+        h.update_log_settings({"log_verbose_level": 0})
+        h.close()
+        g.close()

@@ -16,9 +16,9 @@ use nereid_proto::inference::model_metadata_response::TensorMetadata as ProtoTen
 use nereid_proto::inference::model_repository_parameter::ParameterChoice as RepoParameterChoice;
 use nereid_proto::inference::repository_index_response::ModelIndex;
 use nereid_proto::inference::{
-    InferBatchStatistics, InferParameter, InferStatistics, InferTensorContents, ModelInferRequest, ModelInferResponse,
-    ModelMetadataResponse, ModelRepositoryParameter, ModelStatistics, StatisticDuration,
-    model_infer_response::InferOutputTensor,
+    InferBatchStatistics, InferParameter, InferStatistics, InferTensorContents, LogSettingsRequest,
+    LogSettingsResponse, ModelInferRequest, ModelInferResponse, ModelMetadataResponse, ModelRepositoryParameter,
+    ModelStatistics, StatisticDuration, model_infer_response::InferOutputTensor,
 };
 
 use crate::server::{self, IndexEntry, ModelMetadata, ModelStats, TensorMetadata, parse_version};
@@ -102,6 +102,38 @@ pub fn infer_request_from_proto(mut req: ModelInferRequest, shm: &SharedMemory) 
         deadline: None,
         shm_outputs,
     })
+}
+
+/// `LogSettings`: applies the request's settings (all or none; an empty request changes
+/// nothing) and answers every setting as it now is.
+pub fn log_settings(request: LogSettingsRequest) -> Result<LogSettingsResponse, Status> {
+    use nereid_common::telemetry::{LogValue, log_settings};
+    use nereid_proto::inference::log_settings_request::setting_value::ParameterChoice as In;
+    use nereid_proto::inference::log_settings_response::{SettingValue, setting_value::ParameterChoice as Out};
+    let mut changes = Vec::with_capacity(request.settings.len());
+    for (key, value) in request.settings {
+        let value = match value.parameter_choice {
+            Some(In::BoolParam(b)) => LogValue::Bool(b),
+            Some(In::Uint32Param(n)) => LogValue::Uint(n),
+            Some(In::StringParam(s)) => LogValue::Str(s),
+            None => return Err(Status::invalid(format!("log setting '{key}' has no value"))),
+        };
+        changes.push((key, value));
+    }
+    log_settings().apply(&changes)?;
+    let settings = log_settings()
+        .current()
+        .into_iter()
+        .map(|(k, v)| {
+            let choice = match v {
+                LogValue::Bool(b) => Out::BoolParam(b),
+                LogValue::Uint(n) => Out::Uint32Param(n),
+                LogValue::Str(s) => Out::StringParam(s),
+            };
+            (k.to_string(), SettingValue { parameter_choice: Some(choice) })
+        })
+        .collect();
+    Ok(LogSettingsResponse { settings })
 }
 
 /// What a request's inputs claim to read from shared memory (`shared_memory_byte_size`), before

@@ -252,6 +252,10 @@ impl GrpcInferenceService for GrpcFrontend {
         Ok(Response::new(RepositoryModelUnloadResponse {}))
     }
 
+    async fn log_settings(&self, request: Request<LogSettingsRequest>) -> TonicResult<LogSettingsResponse> {
+        Ok(Response::new(convert::log_settings(request.into_inner())?))
+    }
+
     async fn system_shared_memory_status(
         &self,
         request: Request<SystemSharedMemoryStatusRequest>,

@@ -69,6 +69,7 @@ pub fn router(server: Server) -> Router {
         .route("/v2/systemsharedmemory/unregister", post(shm_unregister_all))
         .route("/v2/systemsharedmemory/region/{region}/unregister", post(shm_unregister_one))
         .route("/v2/cudasharedmemory/{*rest}", any(cuda_shm))
+        .route("/v2/logging", get(get_logging).post(post_logging))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
@@ -604,6 +605,16 @@ async fn shm_register(
     Ok(StatusCode::OK)
 }
 
+async fn get_logging() -> Json<Value> {
+    Json(log_settings_json())
+}
+
+async fn post_logging(State(server): State<Server>, headers: HeaderMap, body: Body) -> Result<Json<Value>, ApiError> {
+    let body = read_body(&headers, body, server.limits.max_request_bytes).await?;
+    nereid_common::telemetry::log_settings().apply(&parse_log_settings(&body)?)?;
+    Ok(Json(log_settings_json()))
+}
+
 async fn cuda_shm() -> ApiError {
     ApiError(Status::unimplemented("CUDA shared memory is not supported by nereid-worker; use system shared memory"))
 }
@@ -633,6 +644,52 @@ async fn metrics(State(server): State<Server>) -> Response {
 /// `GET /v2`.
 pub fn server_metadata_json(extensions: &[String]) -> Value {
     json!({ "name": SERVER_NAME, "version": SERVER_VERSION, "extensions": extensions })
+}
+
+/// `GET /v2/logging`: every log setting, by Triton's names.
+pub fn log_settings_json() -> Value {
+    use nereid_common::telemetry::LogValue;
+    let settings = nereid_common::telemetry::log_settings().current();
+    settings
+        .into_iter()
+        .map(|(k, v)| {
+            let v = match v {
+                LogValue::Bool(b) => json!(b),
+                LogValue::Uint(n) => json!(n),
+                LogValue::Str(s) => json!(s),
+            };
+            (k.to_string(), v)
+        })
+        .collect::<Map<String, Value>>()
+        .into()
+}
+
+/// The body of `POST /v2/logging`: a JSON object of the settings to change.
+pub fn parse_log_settings(body: &[u8]) -> Result<Vec<(String, nereid_common::telemetry::LogValue)>, Status> {
+    use nereid_common::telemetry::LogValue;
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| Status::invalid(format!("malformed log settings JSON: {e}")))?;
+    let Value::Object(map) = v else {
+        return Err(Status::invalid("log settings must be a JSON object"));
+    };
+    map.into_iter()
+        .map(|(k, v)| {
+            let value = match &v {
+                Value::Bool(b) => LogValue::Bool(*b),
+                Value::String(s) => LogValue::Str(s.clone()),
+                Value::Number(n) => match n.as_u64().and_then(|n| u32::try_from(n).ok()) {
+                    Some(n) => LogValue::Uint(n),
+                    None => {
+                        return Err(Status::invalid(format!(
+                            "log setting '{k}': {n} is not a 32-bit unsigned integer"
+                        )));
+                    }
+                },
+                other => return Err(Status::invalid(format!("log setting '{k}': unsupported value {other}"))),
+            };
+            Ok((k, value))
+        })
+        .collect()
 }
 
 /// `GET /v2/systemsharedmemory[/region/{r}]/status`: `[{"name","key","offset","byte_size"}]`.
