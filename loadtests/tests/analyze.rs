@@ -620,3 +620,21 @@ fn a_url_sweep_over_tls_and_an_untrusted_ca_is_exit_2() {
     assert!(run.stderr.contains(&format!("cannot reach {u}")), "{run}");
     assert!(run.stderr.contains("TLS handshake failed") && run.stderr.contains("UnknownIssuer"), "{run}");
 }
+
+#[test]
+fn a_sweep_through_shared_memory_starts_its_worker_allowing_it() {
+    let Some(worker) = worker_binary() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let space = ["--instance-counts", "1", "--max-batch-sizes", "8", "--max-queue-delays-us", "0"];
+    let args = identity_sweep(&worker, &out, &[&space[..], &["--concurrency", "2", "--shared-memory", "system"]]);
+    let run = analyze(&strs(&args));
+    assert_eq!(run.code, 0, "{run}");
+    let report = read_json(&out.join("results.json"));
+    assert_eq!(report["load_description"], "concurrency 2, through shared memory");
+    let rs = rows(&report);
+    assert_eq!(rs.len(), 1);
+    assert_eq!(rs[0]["status"], "measured", "{}", rs[0]);
+    assert!(rs[0]["measured"]["throughput_infer_per_sec"].as_f64().unwrap_or(0.0) > 0.0, "{}", rs[0]);
+    assert_eq!(rs[0]["measured"]["errors"], 0, "{}", rs[0]);
+}

@@ -201,6 +201,13 @@ pub struct AnalyzeArgs {
     pub batch_size: u32,
     #[arg(long, value_enum, default_value = "random")]
     pub input_data: InputData,
+    /// system: pass tensors through POSIX shared memory registered with the server (as
+    /// nereid-perf's --shared-memory; a started worker gets --allow-client-shm=true).
+    #[arg(long, value_enum, default_value = "none")]
+    pub shared_memory: crate::cli::SharedMemoryArg,
+    /// With --shared-memory system: bytes reserved for each model output.
+    #[arg(long, default_value_t = 102_400, value_parser = clap::value_parser!(u64).range(1..))]
+    pub output_shared_memory_size: u64,
     /// Length of a measurement window, in milliseconds.
     #[arg(short = 'p', long, default_value_t = 2000)]
     pub measurement_interval: u64,
@@ -331,6 +338,8 @@ impl AnalyzeArgs {
                         HTTP and gRPC)"
                 .into());
         }
+        let shared_memory =
+            (self.shared_memory == crate::cli::SharedMemoryArg::System).then_some(self.output_shared_memory_size);
         let server = match (&self.url, &self.worker_bin) {
             (Some(url), _) => {
                 let (url, https) = split_url(url).map_err(|e| format!("--url {e}"))?;
@@ -348,9 +357,13 @@ impl AnalyzeArgs {
                         )
                     })?,
                 };
+                let mut args = self.worker_args.clone();
+                if shared_memory.is_some() && !args.iter().any(|a| a.starts_with("--allow-client-shm")) {
+                    args.push("--allow-client-shm=true".into());
+                }
                 ServerChoice::Start {
                     bin,
-                    args: self.worker_args.clone(),
+                    args,
                     start_timeout: Duration::from_secs(self.worker_start_timeout_s.max(1)),
                 }
             }
@@ -408,6 +421,7 @@ impl AnalyzeArgs {
             objective: self.objective,
             load: LoadSettings {
                 protocol,
+                shared_memory,
                 load,
                 batch_size: self.batch_size,
                 input_data: self.input_data,

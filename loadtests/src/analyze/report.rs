@@ -520,6 +520,7 @@ pub(crate) mod tests {
     pub(crate) fn settings() -> LoadSettings {
         LoadSettings {
             protocol: Protocol::Grpc,
+            shared_memory: None,
             load: LoadSpec::Concurrency(vec![4]),
             batch_size: 1,
             input_data: InputData::Random,

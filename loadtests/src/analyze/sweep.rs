@@ -67,6 +67,10 @@ impl LoadSpec {
 #[derive(Clone, Debug, Serialize)]
 pub struct LoadSettings {
     pub protocol: Protocol,
+    /// `--shared-memory system`: tensors through registered shared memory, with this many
+    /// bytes per model output.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shared_memory: Option<u64>,
     pub load: LoadSpec,
     /// Rows per request.
     pub batch_size: u32,
@@ -99,6 +103,9 @@ impl LoadSettings {
         };
         if self.load.levels() > 1 {
             load.push_str(" (each variant at its best level)");
+        }
+        if self.shared_memory.is_some() {
+            load.push_str(", through shared memory");
         }
         if let Some(file) = &self.workload_file {
             return format!("{load}, workload {file}");
@@ -142,7 +149,7 @@ impl LoadSettings {
             load,
             measurement: self.measurement.clone(),
             seed: self.seed,
-            shared_memory: None,
+            shared_memory: self.shared_memory,
         })
     }
 }
