@@ -40,7 +40,7 @@ const MAX_CONCURRENT_STREAMS: u32 = 4096;
 pub const SERVER_NAME: &str = "nereid-gateway";
 pub const SERVER_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The KServe v2 / Triton protocol extensions the gateway implements.
-pub const EXTENSIONS: &[&str] = &["binary_tensor_data", "model_configuration", "parameters", "statistics", "logging"];
+pub const EXTENSIONS: &[&str] = &["binary_tensor_data", "model_configuration", "parameters", "statistics"];
 
 type TonicResult<T> = Result<Response<T>, tonic::Status>;
 
@@ -87,11 +87,6 @@ impl GrpcInferenceService for GatewayGrpc {
             version: SERVER_VERSION.to_string(),
             extensions: EXTENSIONS.iter().map(|e| e.to_string()).collect(),
         }))
-    }
-
-    /// The gateway's own log settings (each worker has its own).
-    async fn log_settings(&self, request: Request<LogSettingsRequest>) -> TonicResult<LogSettingsResponse> {
-        Ok(Response::new(nereid_worker::grpc::convert::log_settings(request.into_inner())?))
     }
 
     async fn model_metadata(&self, request: Request<ModelMetadataRequest>) -> TonicResult<ModelMetadataResponse> {

@@ -65,15 +65,30 @@ pub fn router(ingress: Ingress) -> Router {
         .route("/v2/repository/models/{model}/unload", post(repository_control))
         .route("/v2/systemsharedmemory/{*rest}", any(shared_memory))
         .route("/v2/cudasharedmemory/{*rest}", any(shared_memory))
-        .route("/v2/logging", get(get_logging).post(post_logging))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(ingress)
 }
 
-/// `GET /metrics` on the metrics port.
+/// Largest `POST /v2/logging` body.
+const MAX_LOG_SETTINGS_BYTES: usize = 64 << 10;
+
+async fn get_logging() -> Json<Value> {
+    Json(nereid_worker::http::log_settings_json())
+}
+
+/// The gateway's own log settings (each worker has its own).
+async fn post_logging(headers: HeaderMap, body: Body) -> Result<Json<Value>, GatewayError> {
+    let body = read_body(&headers, body, MAX_LOG_SETTINGS_BYTES).await?;
+    nereid_common::telemetry::log_settings().apply(&nereid_worker::http::parse_log_settings(&body)?)?;
+    Ok(Json(nereid_worker::http::log_settings_json()))
+}
+
+/// `GET /metrics` on the metrics port, and the gateway's log settings (Triton's `/v2/logging`):
+/// an operator's port, not the clients' ingress, where any tenant could turn on TRACE.
 pub fn metrics_router(metrics: GatewayMetrics, routes: Routes) -> Router {
     Router::new()
+        .route("/v2/logging", get(get_logging).post(post_logging))
         .route(
             "/metrics",
             get(move || {
@@ -200,21 +215,6 @@ async fn repository_index(
     let ready = parse_index_request(&body)?;
     let rows: Vec<_> = ingress.control.repository_index(ready).into_iter().map(index_entry_from_proto).collect();
     Ok(Json(index_json(&rows)))
-}
-
-async fn get_logging() -> Json<Value> {
-    Json(nereid_worker::http::log_settings_json())
-}
-
-/// The gateway's own log settings (each worker has its own).
-async fn post_logging(
-    State(ingress): State<Ingress>,
-    headers: HeaderMap,
-    body: Body,
-) -> Result<Json<Value>, GatewayError> {
-    let body = read_body(&headers, body, ingress.max_request_bytes).await?;
-    nereid_common::telemetry::log_settings().apply(&nereid_worker::http::parse_log_settings(&body)?)?;
-    Ok(Json(nereid_worker::http::log_settings_json()))
 }
 
 async fn shared_memory(uri: Uri) -> GatewayError {

@@ -68,6 +68,7 @@ class Gateway:
         p = wait_until(ports, START_TIMEOUT_S, what="the gateway's port file")
         self.http_url = f"127.0.0.1:{p['http']}"
         self.grpc_url = f"127.0.0.1:{p['grpc']}"
+        self.metrics_url = f"127.0.0.1:{p['metrics']}"
         wait_until(lambda: http_request(f"http://{self.http_url}/v2/health/ready", timeout=2.0)[0] == 200,
                    START_TIMEOUT_S, what="the gateway to be ready")
 
@@ -274,19 +275,32 @@ def test_shared_memory_is_refused_by_the_gateway(fleet):
         g.close()
 
 
-def test_the_gateways_own_log_settings(fleet):
+def test_the_gateways_own_log_settings_are_on_its_operator_port(fleet):
+    """Triton's /v2/logging, for the gateway itself, on its metrics port: clients reach the
+    ingress, where a tenant must not be able to turn on TRACE."""
     gateway, _ = fleet
-    h = httpclient.InferenceServerClient(gateway.http_url)
-    g = grpcclient.InferenceServerClient(gateway.grpc_url)
+    admin = f"http://{gateway.metrics_url}/v2/logging"
     try:
-        assert "logging" in h.get_server_metadata()["extensions"]
-        assert h.get_log_settings()["log_verbose_level"] == 0
-        assert h.update_log_settings({"log_verbose_level": 2})["log_verbose_level"] == 2
-        assert g.get_log_settings(as_json=True)["settings"]["log_verbose_level"] == {"uint32_param": 2}
-        with pytest.raises(InferenceServerException) as e:
-            g.update_log_settings({"log_file": "/tmp/gw.log"})
-        assert "must be empty" in str(e.value)
+        status, _, body = http_request(admin)
+        assert status == 200 and json.loads(body)["log_verbose_level"] == 0, body
+        status, _, body = http_request(admin, "POST", json.dumps({"log_verbose_level": 2}).encode())
+        assert status == 200 and json.loads(body)["log_verbose_level"] == 2, body
+        status, _, body = http_request(admin, "POST", json.dumps({"log_file": "/tmp/gw.log"}).encode())
+        assert status == 400 and b"must be empty" in body, body
+        # Not on the clients' ingress, over either protocol.
+        h = httpclient.InferenceServerClient(gateway.http_url)
+        g = grpcclient.InferenceServerClient(gateway.grpc_url)
+        try:
+            assert "logging" not in h.get_server_metadata()["extensions"]
+            with pytest.raises(InferenceServerException):
+                h.update_log_settings({"log_verbose_level": 1})
+            with pytest.raises(InferenceServerException) as e:
+                g.update_log_settings({"log_verbose_level": 1})
+            assert e.value.status() == "StatusCode.UNIMPLEMENTED", str(e.value)
+        finally:
+            h.close()
+            g.close()
+        status, _, body = http_request(admin)
+        assert json.loads(body)["log_verbose_level"] == 2, "the ingress attempts changed nothing"
     finally:
-        h.update_log_settings({"log_verbose_level": 0})
-        h.close()
-        g.close()
+        http_request(admin, "POST", json.dumps({"log_verbose_level": 0}).encode())
