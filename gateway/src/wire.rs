@@ -83,19 +83,22 @@ const OUTPUT_PARAMETERS: u64 = 2;
 /// error, never a "no": the check fails closed, so no encoding trick gets a region name past it.
 pub fn uses_shared_memory(request: &[u8]) -> Result<bool, String> {
     let names_region = |tensor: &[u8], parameters: u64| -> Result<bool, String> {
-        for (field, entry) in length_delimited(tensor)? {
-            if field == parameters
-                && length_delimited(entry)?.iter().any(|(f, key)| *f == 1 && key.starts_with(b"shared_memory_"))
-            {
-                return Ok(true);
+        for field in length_delimited(tensor) {
+            let (field, entry) = field?;
+            if field == parameters {
+                for key in length_delimited(entry) {
+                    if matches!(key?, (1, key) if key.starts_with(b"shared_memory_")) {
+                        return Ok(true);
+                    }
+                }
             }
         }
         Ok(false)
     };
-    for (field, value) in length_delimited(request)? {
-        let found = match field {
-            INPUTS => names_region(value, INPUT_PARAMETERS)?,
-            OUTPUTS => names_region(value, OUTPUT_PARAMETERS)?,
+    for field in length_delimited(request) {
+        let found = match field? {
+            (INPUTS, value) => names_region(value, INPUT_PARAMETERS)?,
+            (OUTPUTS, value) => names_region(value, OUTPUT_PARAMETERS)?,
             _ => false,
         };
         if found {
@@ -106,26 +109,40 @@ pub fn uses_shared_memory(request: &[u8]) -> Result<bool, String> {
 }
 
 /// The length-delimited fields of an encoded message, as (field number, contents), skipping
-/// the others; fails on framing it cannot follow.
-fn length_delimited(buf: &[u8]) -> Result<Vec<(u64, &[u8])>, String> {
-    let mut out = Vec::new();
+/// the others (per request, so nothing is allocated); an error for framing it cannot follow
+/// ends the walk.
+fn length_delimited(buf: &[u8]) -> impl Iterator<Item = Result<(u64, &[u8]), String>> {
     let mut pos = 0;
-    while pos < buf.len() {
-        let key = varint(buf, &mut pos).ok_or_else(|| format!("truncated field key at byte {pos}"))?;
-        let (field, wire_type) = (key >> 3, key & 7);
-        if field == 0 {
-            return Err(format!("field number 0 at byte {pos}"));
+    let mut failed = false;
+    std::iter::from_fn(move || {
+        while !failed && pos < buf.len() {
+            let step = (|| {
+                let key = varint(buf, &mut pos).ok_or_else(|| format!("truncated field key at byte {pos}"))?;
+                let (field, wire_type) = (key >> 3, key & 7);
+                if field == 0 {
+                    return Err(format!("field number 0 at byte {pos}"));
+                }
+                let start = pos;
+                let end = value_end(buf, start, field, wire_type, 0)?;
+                pos = end;
+                if wire_type != 2 {
+                    return Ok(None);
+                }
+                let mut data = start;
+                varint(buf, &mut data);
+                Ok(Some((field, &buf[data..end])))
+            })();
+            match step {
+                Ok(None) => continue,
+                Ok(Some(item)) => return Some(Ok(item)),
+                Err(e) => {
+                    failed = true;
+                    return Some(Err(e));
+                }
+            }
         }
-        let start = pos;
-        let end = value_end(buf, start, field, wire_type, 0)?;
-        pos = end;
-        if wire_type == 2 {
-            let mut data = start;
-            varint(buf, &mut data);
-            out.push((field, &buf[data..end]));
-        }
-    }
-    Ok(out)
+        None
+    })
 }
 
 /// Groups (deprecated, proto2) nest at most this deep, as prost's recursion limit bounds them.

@@ -94,6 +94,8 @@ pub struct SharedMemory {
     /// Largest tensor accepted from a region, like a request body's limit: a client's claim is
     /// checked before the copy is allocated.
     max_tensor_bytes: u64,
+    /// Regions held at most ([`MAX_REGIONS`]).
+    max_regions: usize,
     regions: RwLock<BTreeMap<String, Arc<Region>>>,
 }
 
@@ -112,7 +114,7 @@ const DISABLED: &str =
 impl SharedMemory {
     /// Regions allowed (`--allow-client-shm=true`); tensors up to `max_tensor_bytes` each.
     pub fn allowed(max_tensor_bytes: u64) -> Self {
-        SharedMemory { disabled: None, max_tensor_bytes, regions: RwLock::default() }
+        SharedMemory { disabled: None, max_tensor_bytes, max_regions: MAX_REGIONS, regions: RwLock::default() }
     }
 
     /// Regions refused with the worker's reason (`--allow-client-shm=false`).
@@ -122,7 +124,7 @@ impl SharedMemory {
 
     /// Regions refused with `reason` (e.g. a process that forwards requests elsewhere).
     pub fn refused(reason: &'static str) -> Self {
-        SharedMemory { disabled: Some(reason), max_tensor_bytes: 0, regions: RwLock::default() }
+        SharedMemory { disabled: Some(reason), max_tensor_bytes: 0, max_regions: 0, regions: RwLock::default() }
     }
 
     pub fn enabled(&self) -> bool {
@@ -147,7 +149,7 @@ impl SharedMemory {
             return Err(Status::invalid(format!("shared memory region '{name}': byte_size must be positive")));
         }
         let full = |n: usize| {
-            (n >= MAX_REGIONS).then(|| {
+            (n >= self.max_regions).then(|| {
                 Status::exhausted(format!(
                     "{n} shared memory regions are registered, the most a worker holds; unregister some first"
                 ))
@@ -615,6 +617,19 @@ mod tests {
             assert_eq!(written, vec![ShmWritten { name: "Y".into(), region: "out".into(), byte_size: size as u64 }]);
             assert_eq!(obj.read(8, size), data);
         }
+    }
+
+    #[test]
+    fn the_number_of_regions_is_bounded() {
+        let obj = TestObject::new("cap", 64);
+        let shm = SharedMemory { max_regions: 2, ..SharedMemory::allowed(1 << 20) };
+        shm.register("a", &obj.key, 0, 64).unwrap();
+        shm.register("b", &obj.key, 0, 64).unwrap();
+        let e = shm.register("c", &obj.key, 0, 64).unwrap_err();
+        assert_eq!(e.code, Code::ResourceExhausted);
+        assert!(e.message.contains("2 shared memory regions are registered"), "{}", e.message);
+        shm.unregister(Some("a")).unwrap();
+        shm.register("c", &obj.key, 0, 64).unwrap();
     }
 
     #[test]

@@ -173,8 +173,7 @@ impl ShmRun {
             self.cursor += len.div_ceil(ALIGN) * ALIGN;
         }
         for spec in outputs {
-            let slot = self.output_slots.iter().find(|((m, o), _)| m == model && *o == spec.name).map(|(_, at)| *at);
-            if let Some(offset) = slot {
+            if let Ok(offset) = self.slot(model, &spec.name) {
                 let slice = ShmSlice { region: self.output_region.clone(), offset, byte_size: self.output_size };
                 request.outputs.push((spec.name.clone(), slice));
             }
@@ -185,15 +184,11 @@ impl ShmRun {
     /// The first `len` bytes of `model`'s `output` slot, as the server last wrote them (the
     /// generator never reads them; for checking a server's answers).
     pub fn read_output(&self, model: &str, output: &str, len: usize) -> Result<Vec<u8>, String> {
-        let (_, offset) = self
-            .output_slots
-            .iter()
-            .find(|((m, o), _)| m == model && o == output)
-            .ok_or_else(|| format!("no shared memory slot for {model}/{output}"))?;
+        let offset = self.slot(model, output)?;
         let mut buf = vec![0u8; len.min(self.output_size as usize)];
         // SAFETY: pread into a live buffer of its length from our own descriptor.
         let n = unsafe {
-            libc::pread(self.output.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), *offset as libc::off_t)
+            libc::pread(self.output.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), offset as libc::off_t)
         };
         if n != buf.len() as isize {
             return Err(os_error("cannot read the output shared memory"));
@@ -203,12 +198,16 @@ impl ShmRun {
 
     /// Zeroes `model`'s `output` slot.
     pub fn clear_output(&self, model: &str, output: &str) -> Result<(), String> {
-        let (_, offset) = self
-            .output_slots
+        self.output.write_at(self.slot(model, output)?, &vec![0u8; self.output_size as usize])
+    }
+
+    /// Where `model`'s `output` slot starts in the output object.
+    fn slot(&self, model: &str, output: &str) -> Result<u64, String> {
+        self.output_slots
             .iter()
             .find(|((m, o), _)| m == model && o == output)
-            .ok_or_else(|| format!("no shared memory slot for {model}/{output}"))?;
-        self.output.write_at(*offset, &vec![0u8; self.output_size as usize])
+            .map(|(_, offset)| *offset)
+            .ok_or_else(|| format!("no shared memory slot for {model}/{output}"))
     }
 
     /// Unregisters the regions (best effort: the server may be gone); the objects are unlinked
