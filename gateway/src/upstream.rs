@@ -1,10 +1,12 @@
 //! One worker as the gateway sees it: its pooled gRPC channel, the requests this gateway has
 //! outstanding on it (the balancer's load figure) and its outlier-ejection state.
 //!
-//! The channel is one lazily connected HTTP/2 connection, multiplexing every call — never a
-//! connection per request. When the connection breaks, tonic reconnects on the next call; a
-//! call made while the worker cannot be reached fails fast with a *connect* error, which the
-//! retry policy knows was never sent. An [`Upstream`] lives as long as the worker is a member:
+//! Inference goes over one lazily connected HTTP/2 connection ([`H2Channel`]), multiplexing
+//! every call — never a connection per request; it is remade on the first call after it breaks,
+//! and a call made while the worker cannot be reached fails fast with a *connect* error, which
+//! the retry policy knows was never sent. Control calls (metadata, config, statistics, health
+//! polls) use a separate tonic channel, also lazy: they are rare, and keep tonic's generated
+//! clients. An [`Upstream`] lives as long as the worker is a member:
 //! membership hands the same `Arc` to every routing table, so load and ejection state survive
 //! table swaps.
 
@@ -15,6 +17,7 @@ use std::time::{Duration, Instant};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::config::OutlierConfig;
+use crate::forward::client::{ClientSettings, H2Channel};
 use crate::outlier::{Outcome, OutlierDetector};
 
 /// A worker's identity: its gRPC address as configured (unique among members).
@@ -33,6 +36,7 @@ pub const HTTP2_STREAM_WINDOW: u32 = 8 << 20;
 pub struct Upstream {
     pub id: UpstreamId,
     channel: Channel,
+    infer: H2Channel,
     outstanding: AtomicU64,
     /// The queue the worker last reported in-band (its `nereid-queue` response header), and
     /// when (milliseconds since `created`); a report older than [`QUEUE_REPORT_TTL`] counts 0.
@@ -48,7 +52,7 @@ pub const QUEUE_REPORT_TTL: Duration = Duration::from_secs(1);
 
 impl Upstream {
     /// A member at gRPC address `address` (`host:port`). Nothing is connected yet.
-    pub fn new(address: &str, outlier: OutlierConfig) -> Result<Upstream, tonic::transport::Error> {
+    pub fn new(address: &str, outlier: OutlierConfig) -> Result<Upstream, Box<dyn std::error::Error + Send + Sync>> {
         let channel = Endpoint::from_shared(format!("http://{address}"))?
             .tcp_nodelay(true)
             .connect_timeout(CONNECT_TIMEOUT)
@@ -59,9 +63,14 @@ impl Upstream {
             .initial_connection_window_size(HTTP2_CONNECTION_WINDOW)
             .initial_stream_window_size(HTTP2_STREAM_WINDOW)
             .connect_lazy();
+        let infer = H2Channel::new(
+            address,
+            ClientSettings { connection_window: HTTP2_CONNECTION_WINDOW, stream_window: HTTP2_STREAM_WINDOW },
+        )?;
         Ok(Upstream {
             id: Arc::from(address),
             channel,
+            infer,
             outstanding: AtomicU64::new(0),
             reported_queue: AtomicU64::new(0),
             reported_at_ms: AtomicU64::new(0),
@@ -70,9 +79,14 @@ impl Upstream {
         })
     }
 
-    /// The shared channel (cloning it shares the connection).
+    /// The shared control channel (cloning it shares the connection).
     pub fn channel(&self) -> Channel {
         self.channel.clone()
+    }
+
+    /// The inference connection.
+    pub fn infer_channel(&self) -> &H2Channel {
+        &self.infer
     }
 
     /// Requests this gateway has in flight on the worker.

@@ -7,20 +7,21 @@
 //! basis of both retry safety and outlier ejection — and the outcome is fed to the worker's
 //! outlier detector. While the call is in flight it counts as outstanding on the worker.
 
+pub mod client;
+
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use nereid_worker::grpc::convert::deadline_margin;
 use prometheus::IntCounter;
-use tonic::codegen::http::uri::PathAndQuery;
 use tower::Service;
 
 use crate::call::InferCall;
 use crate::error::GatewayError;
 use crate::outlier::Outcome;
 use crate::upstream::{Upstream, UpstreamId};
-use crate::wire::{BytesCodec, InferResponse};
+use crate::wire::InferResponse;
 
 const MODEL_INFER_PATH: &str = "/inference.GRPCInferenceService/ModelInfer";
 
@@ -177,9 +178,8 @@ impl Service<InferCall> for Forward {
         Box::pin(async move {
             let worker = call.target.clone().expect("the balancer sets the target before forwarding");
             let _outstanding = worker.start_request();
-            let mut request = tonic::Request::new(call.request.bytes);
-            request.set_timeout(outgoing_timeout(call.deadline, Instant::now()));
-            let result = unary_bytes(&worker, MODEL_INFER_PATH, request).await;
+            let timeout = outgoing_timeout(call.deadline, Instant::now());
+            let result = unary_bytes(&worker, MODEL_INFER_PATH, call.request.bytes, timeout).await;
             record_outcome(&worker, result.as_ref().map(|_| ()), &ejections);
             let bytes = result?;
             // A worker's answer is well-formed; one that is not is the worker's failure.
@@ -198,28 +198,29 @@ pub fn outgoing_timeout(deadline: Instant, now: Instant) -> std::time::Duration 
     left - deadline_margin(left)
 }
 
-/// One unary call on `worker`'s channel with an encoded request; the answer stays encoded.
+/// One unary call on `worker`'s inference connection with an encoded request, bounded by
+/// `timeout` (sent as `grpc-timeout` too); the answer stays encoded. The worker's in-band queue
+/// report is recorded.
 pub async fn unary_bytes(
     worker: &Upstream,
     path: &'static str,
-    request: tonic::Request<bytes::Bytes>,
+    message: bytes::Bytes,
+    timeout: Duration,
 ) -> Result<bytes::Bytes, UpstreamError> {
-    let mut grpc = tonic::client::Grpc::new(worker.channel()).max_decoding_message_size(usize::MAX);
     let err = |status| UpstreamError::new(worker.id.clone(), status);
-    grpc.ready().await.map_err(|e| err(tonic::Status::from_error(e.into())))?;
-    let response = grpc
-        .unary(request, PathAndQuery::from_static(path), BytesCodec::<bytes::Bytes>::default())
-        .await
-        .map_err(err)?;
-    if let Some(queue) = response
-        .metadata()
+    let call = worker.infer_channel().unary(path, message, timeout);
+    let (headers, response) = match tokio::time::timeout(timeout, call).await {
+        Ok(result) => result.map_err(|e| err(e.into_status()))?,
+        Err(_) => return Err(err(tonic::Status::from_error(Box::new(tonic::TimeoutExpired(()))))),
+    };
+    if let Some(queue) = headers
         .get(nereid_common::fleet::QUEUE_REPORT_HEADER)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
     {
         worker.report_queue(queue);
     }
-    Ok(response.into_inner())
+    Ok(response)
 }
 
 #[cfg(test)]

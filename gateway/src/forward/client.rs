@@ -1,0 +1,350 @@
+//! The forward path's gRPC client: unary calls with encoded messages over one HTTP/2 connection
+//! per worker, on `h2` directly.
+//!
+//! Why not tonic's `Channel` (which the control calls still use): hyper's HTTP/2 client waits
+//! for a new stream to be *opened* — its HEADERS written and flushed — before it polls the
+//! request body, so every forwarded request left the gateway in two writes (HEADERS, then
+//! DATA). The worker then woke twice per request, and the gateway made an extra system call
+//! and an extra task hop (tonic's buffer task) per request. Here the HEADERS and the DATA are
+//! queued together and leave in one write.
+//!
+//! The connection is made on first use and again on the first call after it breaks (a call
+//! made while the worker cannot be reached fails fast with a *connect* error, which the retry
+//! policy knows was never sent). An idle connection is probed with HTTP/2 PINGs and closed when
+//! the worker stops answering them, failing its open calls.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use h2::client::SendRequest;
+use http::HeaderMap;
+use tokio::net::TcpStream;
+
+/// Time to establish the TCP connection and the HTTP/2 handshake with a worker.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// HTTP/2 PINGs find dead peers that sent no FIN/RST.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// HTTP/2 settings of a worker connection.
+#[derive(Clone, Copy, Debug)]
+pub struct ClientSettings {
+    pub connection_window: u32,
+    pub stream_window: u32,
+}
+
+/// One worker's forwarding connection (made lazily, remade after it breaks).
+#[derive(Debug)]
+pub struct H2Channel {
+    address: String,
+    authority: http::uri::Authority,
+    settings: ClientSettings,
+    current: Mutex<Option<Live>>,
+    /// Held while connecting, so that calls arriving meanwhile wait for that one connection.
+    connecting: tokio::sync::Mutex<()>,
+}
+
+#[derive(Debug)]
+struct Live {
+    send: SendRequest<Bytes>,
+    closed: Arc<AtomicBool>,
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        // The connection task ends once every handle is gone and its streams are done; marking it
+        // closed makes sure no later call picks it up meanwhile.
+        self.closed.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A failed call, by what it proves (the caller classifies the status it carries).
+#[derive(Debug)]
+pub enum CallError {
+    /// Connecting failed, or the connection refused the new stream before anything was sent.
+    Connect(std::io::Error),
+    /// The connection or stream failed (h2 says whether the worker processed the stream).
+    H2(h2::Error),
+    /// The worker answered with a gRPC status other than OK (or a malformed answer).
+    Status(tonic::Status),
+}
+
+impl CallError {
+    pub fn into_status(self) -> tonic::Status {
+        match self {
+            CallError::Connect(e) => tonic::Status::from_error(Box::new(tonic::ConnectError(Box::new(e)))),
+            CallError::H2(e) => tonic::Status::from_error(Box::new(e)),
+            CallError::Status(s) => s,
+        }
+    }
+}
+
+impl H2Channel {
+    /// A channel to `address` (`host:port`); nothing is connected yet.
+    pub fn new(address: &str, settings: ClientSettings) -> Result<H2Channel, http::uri::InvalidUri> {
+        Ok(H2Channel {
+            address: address.to_string(),
+            authority: address.parse()?,
+            settings,
+            current: Mutex::new(None),
+            connecting: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    fn live(&self) -> Option<SendRequest<Bytes>> {
+        let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        match current.as_ref() {
+            Some(live) if !live.closed.load(Ordering::Relaxed) => Some(live.send.clone()),
+            Some(_) => {
+                *current = None;
+                None
+            }
+            None => None,
+        }
+    }
+
+    async fn sender(&self) -> Result<SendRequest<Bytes>, CallError> {
+        if let Some(send) = self.live() {
+            return Ok(send);
+        }
+        let _connecting = self.connecting.lock().await;
+        if let Some(send) = self.live() {
+            return Ok(send);
+        }
+        let (send, closed) = tokio::time::timeout(CONNECT_TIMEOUT, self.connect()).await.map_err(|_| {
+            CallError::Connect(std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))
+        })??;
+        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(Live { send: send.clone(), closed });
+        Ok(send)
+    }
+
+    async fn connect(&self) -> Result<(SendRequest<Bytes>, Arc<AtomicBool>), CallError> {
+        let tcp = TcpStream::connect(&self.address).await.map_err(CallError::Connect)?;
+        tcp.set_nodelay(true).map_err(CallError::Connect)?;
+        let (send, mut connection) = h2::client::Builder::new()
+            .initial_window_size(self.settings.stream_window)
+            .initial_connection_window_size(self.settings.connection_window)
+            .enable_push(false)
+            .handshake::<_, Bytes>(tcp)
+            .await
+            .map_err(|e| CallError::Connect(std::io::Error::other(e)))?;
+        let closed = Arc::new(AtomicBool::new(false));
+        let mut ping = connection.ping_pong();
+        let address = self.address.clone();
+        let done = closed.clone();
+        tokio::spawn(async move {
+            let keepalive = async {
+                let Some(ping) = ping.as_mut() else { return std::future::pending().await };
+                loop {
+                    tokio::time::sleep(KEEPALIVE_INTERVAL).await;
+                    match tokio::time::timeout(KEEPALIVE_TIMEOUT, ping.ping(h2::Ping::opaque())).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => return format!("keepalive PING failed: {e}"),
+                        Err(_) => return format!("no PING answer within {KEEPALIVE_TIMEOUT:?}"),
+                    }
+                }
+            };
+            tokio::select! {
+                result = &mut connection => match result {
+                    Ok(()) => tracing::debug!(worker = %address, "worker connection closed"),
+                    Err(e) => tracing::debug!(worker = %address, "worker connection failed: {e}"),
+                },
+                reason = keepalive => tracing::warn!(worker = %address, "closing the worker connection: {reason}"),
+            }
+            done.store(true, Ordering::Relaxed);
+        });
+        Ok((send, closed))
+    }
+
+    /// One unary call: `message` (an encoded protobuf) to `path`, with `timeout` sent as
+    /// `grpc-timeout` (the caller enforces it). Returns the response headers and the encoded
+    /// response message.
+    pub async fn unary(
+        &self,
+        path: &'static str,
+        message: Bytes,
+        timeout: Duration,
+    ) -> Result<(HeaderMap, Bytes), CallError> {
+        let send = self.sender().await?;
+        let mut send = send.ready().await.map_err(|e| self.broken(e, true))?;
+        let request = http::Request::builder()
+            .method(http::Method::POST)
+            .uri(
+                http::Uri::builder()
+                    .scheme("http")
+                    .authority(self.authority.clone())
+                    .path_and_query(path)
+                    .build()
+                    .expect("scheme, authority and a static path make a valid URI"),
+            )
+            .header(http::header::CONTENT_TYPE, "application/grpc")
+            .header(http::header::TE, "trailers")
+            .header("grpc-timeout", grpc_timeout(timeout))
+            .body(())
+            .expect("static header names and values");
+        let (response, mut body) = send.send_request(request, false).map_err(|e| self.broken(e, true))?;
+        // Queued behind the HEADERS: both leave in the connection's next write.
+        let prefix = grpc_prefix(message.len()).map_err(CallError::Status)?;
+        body.send_data(prefix, false).map_err(|e| self.broken(e, true))?;
+        body.send_data(message, true).map_err(|e| self.broken(e, true))?;
+
+        let response = response.await.map_err(|e| self.broken(e, false))?;
+        let (parts, mut stream) = response.into_parts();
+        if parts.status != http::StatusCode::OK {
+            return Err(CallError::Status(status_from_http(parts.status)));
+        }
+        // Trailers-only: an error (or an empty OK, which a unary call must not give).
+        if let Some(status) = tonic::Status::from_header_map(&parts.headers) {
+            return Err(CallError::Status(if status.code() == tonic::Code::Ok {
+                tonic::Status::internal("worker answered OK without a response message")
+            } else {
+                status
+            }));
+        }
+        let mut chunks: Vec<Bytes> = Vec::with_capacity(1);
+        while let Some(chunk) = stream.data().await {
+            let chunk = chunk.map_err(|e| self.broken(e, false))?;
+            let _ = stream.flow_control().release_capacity(chunk.len());
+            chunks.push(chunk);
+        }
+        let trailers = stream.trailers().await.map_err(|e| self.broken(e, false))?;
+        match trailers.as_ref().and_then(tonic::Status::from_header_map) {
+            Some(status) if status.code() == tonic::Code::Ok => {}
+            Some(status) => return Err(CallError::Status(status)),
+            None => return Err(CallError::Status(tonic::Status::internal("worker response has no grpc-status"))),
+        }
+        let message = unframe(chunks).map_err(CallError::Status)?;
+        Ok((parts.headers, message))
+    }
+
+    /// An h2 error; `before_sending`: nothing of the request had reached the connection's
+    /// writer yet. Either way a connection-level failure retires the connection.
+    fn broken(&self, e: h2::Error, before_sending: bool) -> CallError {
+        if e.is_io() || e.is_go_away() {
+            let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(live) = current.as_ref() {
+                live.closed.store(true, Ordering::Relaxed);
+            }
+            *current = None;
+        }
+        if before_sending { CallError::Connect(std::io::Error::other(e)) } else { CallError::H2(e) }
+    }
+}
+
+/// `grpc-timeout`: at most 8 digits, in the finest unit that holds the value.
+pub fn grpc_timeout(timeout: Duration) -> String {
+    let micros = timeout.as_micros();
+    if micros < 100_000_000 { format!("{micros}u") } else { format!("{}m", timeout.as_millis().min(99_999_999)) }
+}
+
+/// The 5-byte gRPC message prefix: not compressed, big-endian length.
+fn grpc_prefix(len: usize) -> Result<Bytes, tonic::Status> {
+    let len = u32::try_from(len).map_err(|_| tonic::Status::resource_exhausted("message over 4 GiB"))?;
+    let mut prefix = BytesMut::with_capacity(5);
+    prefix.extend_from_slice(&[0]);
+    prefix.extend_from_slice(&len.to_be_bytes());
+    Ok(prefix.freeze())
+}
+
+/// The one gRPC message of a unary response, from the DATA chunks as received (without a copy
+/// when it arrived in one chunk).
+pub fn unframe(chunks: Vec<Bytes>) -> Result<Bytes, tonic::Status> {
+    let mut body = if chunks.len() == 1 {
+        chunks.into_iter().next().expect("one chunk")
+    } else {
+        let mut all = BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
+        for c in chunks {
+            all.extend_from_slice(&c);
+        }
+        all.freeze()
+    };
+    if body.len() < 5 {
+        return Err(tonic::Status::internal("worker response message is truncated"));
+    }
+    let compressed = body[0];
+    let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+    if compressed != 0 {
+        return Err(tonic::Status::internal("worker sent a compressed response, which was not asked for"));
+    }
+    body.advance(5);
+    if body.len() != len {
+        return Err(tonic::Status::internal(format!(
+            "worker response framing: message of {len} bytes announced, {} received",
+            body.len()
+        )));
+    }
+    Ok(body)
+}
+
+/// The gRPC status for a non-200 HTTP answer (the gRPC-over-HTTP/2 mapping).
+fn status_from_http(status: http::StatusCode) -> tonic::Status {
+    let code = match status.as_u16() {
+        400 => tonic::Code::Internal,
+        401 => tonic::Code::Unauthenticated,
+        403 => tonic::Code::PermissionDenied,
+        404 => tonic::Code::Unimplemented,
+        429 | 502 | 503 | 504 => tonic::Code::Unavailable,
+        _ => tonic::Code::Unknown,
+    };
+    tonic::Status::new(code, format!("worker answered HTTP {status}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_fit_eight_digits() {
+        assert_eq!(grpc_timeout(Duration::from_millis(995)), "995000u");
+        assert_eq!(grpc_timeout(Duration::from_secs(99)), "99000000u");
+        assert_eq!(grpc_timeout(Duration::from_secs(100)), "100000m");
+        assert_eq!(grpc_timeout(Duration::from_secs(10_000_000)), "99999999m");
+    }
+
+    #[test]
+    fn responses_are_unframed_whole_or_refused() {
+        let framed = |payload: &[u8]| {
+            let mut b = grpc_prefix(payload.len()).unwrap().to_vec();
+            b.extend_from_slice(payload);
+            Bytes::from(b)
+        };
+        assert_eq!(unframe(vec![framed(b"abc")]).unwrap(), Bytes::from_static(b"abc"));
+        let f = framed(b"hello");
+        let split = vec![f.slice(..3), f.slice(3..7), f.slice(7..)];
+        assert_eq!(unframe(split).unwrap(), Bytes::from_static(b"hello"));
+        assert!(unframe(vec![Bytes::from_static(&[0, 0, 0])]).unwrap_err().message().contains("truncated"));
+        let short = framed(b"hello").slice(..8);
+        assert!(unframe(vec![short]).unwrap_err().message().contains("5 bytes announced, 3 received"));
+        let mut compressed = framed(b"x").to_vec();
+        compressed[0] = 1;
+        assert!(unframe(vec![Bytes::from(compressed)]).unwrap_err().message().contains("compressed"));
+    }
+
+    #[test]
+    fn http_failures_map_to_grpc_codes() {
+        assert_eq!(status_from_http(http::StatusCode::SERVICE_UNAVAILABLE).code(), tonic::Code::Unavailable);
+        assert_eq!(status_from_http(http::StatusCode::NOT_FOUND).code(), tonic::Code::Unimplemented);
+        assert_eq!(status_from_http(http::StatusCode::IM_A_TEAPOT).code(), tonic::Code::Unknown);
+    }
+
+    #[test]
+    fn connect_errors_are_classified_as_never_sent() {
+        let refused = CallError::Connect(std::io::ErrorKind::ConnectionRefused.into()).into_status();
+        assert_eq!(crate::forward::FailureKind::classify(&refused), crate::forward::FailureKind::NotSent);
+        let reset = CallError::H2(h2::Error::from(h2::Reason::INTERNAL_ERROR)).into_status();
+        assert_eq!(crate::forward::FailureKind::classify(&reset), crate::forward::FailureKind::Broken);
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_worker_fails_fast_with_a_connect_error() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        drop(listener);
+        let channel =
+            H2Channel::new(&address, ClientSettings { connection_window: 1 << 20, stream_window: 1 << 20 }).unwrap();
+        let e = channel.unary("/x/y", Bytes::new(), Duration::from_secs(1)).await.unwrap_err();
+        assert!(matches!(e, CallError::Connect(_)), "{e:?}");
+    }
+}
