@@ -65,7 +65,12 @@ impl Upstream {
             .connect_lazy();
         let infer = H2Channel::new(
             address,
-            ClientSettings { connection_window: HTTP2_CONNECTION_WINDOW, stream_window: HTTP2_STREAM_WINDOW },
+            ClientSettings {
+                connection_window: HTTP2_CONNECTION_WINDOW,
+                stream_window: HTTP2_STREAM_WINDOW,
+                keepalive_interval: KEEPALIVE_INTERVAL,
+                keepalive_timeout: KEEPALIVE_TIMEOUT,
+            },
         )?;
         Ok(Upstream {
             id: Arc::from(address),

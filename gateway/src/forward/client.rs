@@ -24,15 +24,17 @@ use tokio::net::TcpStream;
 
 /// Time to establish the TCP connection and the HTTP/2 handshake with a worker.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-/// HTTP/2 PINGs find dead peers that sent no FIN/RST.
-pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
-pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// HTTP/2 settings of a worker connection.
+/// Settings of a worker connection.
 #[derive(Clone, Copy, Debug)]
 pub struct ClientSettings {
+    /// HTTP/2 receive windows (connection, per stream) for the worker's responses.
     pub connection_window: u32,
     pub stream_window: u32,
+    /// A PING every `keepalive_interval`; no answer within `keepalive_timeout` closes the
+    /// connection (a dead peer that sent no FIN/RST), failing its open calls.
+    pub keepalive_interval: Duration,
+    pub keepalive_timeout: Duration,
 }
 
 /// One worker's forwarding connection (made lazily, remade after it breaks).
@@ -134,15 +136,16 @@ impl H2Channel {
         let mut ping = connection.ping_pong();
         let address = self.address.clone();
         let done = closed.clone();
+        let (interval, timeout) = (self.settings.keepalive_interval, self.settings.keepalive_timeout);
         tokio::spawn(async move {
             let keepalive = async {
                 let Some(ping) = ping.as_mut() else { return std::future::pending().await };
                 loop {
-                    tokio::time::sleep(KEEPALIVE_INTERVAL).await;
-                    match tokio::time::timeout(KEEPALIVE_TIMEOUT, ping.ping(h2::Ping::opaque())).await {
+                    tokio::time::sleep(interval).await;
+                    match tokio::time::timeout(timeout, ping.ping(h2::Ping::opaque())).await {
                         Ok(Ok(_)) => {}
                         Ok(Err(e)) => return format!("keepalive PING failed: {e}"),
-                        Err(_) => return format!("no PING answer within {KEEPALIVE_TIMEOUT:?}"),
+                        Err(_) => return format!("no PING answer within {timeout:?}"),
                     }
                 }
             };
@@ -167,8 +170,15 @@ impl H2Channel {
         message: Bytes,
         timeout: Duration,
     ) -> Result<(HeaderMap, Bytes), CallError> {
-        let send = self.sender().await?;
-        let mut send = send.ready().await.map_err(|e| self.broken(e, true))?;
+        // A connection that closed a moment ago may not be marked yet: one that refuses the
+        // new stream is retired and the call goes to a fresh one (nothing was sent on it).
+        let mut send = match self.sender().await?.ready().await {
+            Ok(send) => send,
+            Err(_) => {
+                self.retire();
+                self.sender().await?.ready().await.map_err(|e| self.broken(e, true))?
+            }
+        };
         let request = http::Request::builder()
             .method(http::Method::POST)
             .uri(
@@ -219,15 +229,19 @@ impl H2Channel {
         Ok((parts.headers, message))
     }
 
+    /// Stops handing out the current connection (the next call makes a new one).
+    fn retire(&self) {
+        let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(live) = current.take() {
+            live.closed.store(true, Ordering::Relaxed);
+        }
+    }
+
     /// An h2 error; `before_sending`: nothing of the request had reached the connection's
     /// writer yet. Either way a connection-level failure retires the connection.
     fn broken(&self, e: h2::Error, before_sending: bool) -> CallError {
         if e.is_io() || e.is_go_away() {
-            let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(live) = current.as_ref() {
-                live.closed.store(true, Ordering::Relaxed);
-            }
-            *current = None;
+            self.retire();
         }
         if before_sending { CallError::Connect(std::io::Error::other(e)) } else { CallError::H2(e) }
     }
@@ -305,11 +319,6 @@ mod tests {
 
     #[test]
     fn responses_are_unframed_whole_or_refused() {
-        let framed = |payload: &[u8]| {
-            let mut b = grpc_prefix(payload.len()).unwrap().to_vec();
-            b.extend_from_slice(payload);
-            Bytes::from(b)
-        };
         assert_eq!(unframe(vec![framed(b"abc")]).unwrap(), Bytes::from_static(b"abc"));
         let f = framed(b"hello");
         let split = vec![f.slice(..3), f.slice(3..7), f.slice(7..)];
@@ -342,9 +351,135 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let address = listener.local_addr().unwrap().to_string();
         drop(listener);
-        let channel =
-            H2Channel::new(&address, ClientSettings { connection_window: 1 << 20, stream_window: 1 << 20 }).unwrap();
+        let channel = H2Channel::new(&address, settings()).unwrap();
         let e = channel.unary("/x/y", Bytes::new(), Duration::from_secs(1)).await.unwrap_err();
         assert!(matches!(e, CallError::Connect(_)), "{e:?}");
+    }
+
+    fn settings() -> ClientSettings {
+        ClientSettings {
+            connection_window: 1 << 20,
+            stream_window: 1 << 20,
+            keepalive_interval: Duration::from_millis(100),
+            keepalive_timeout: Duration::from_millis(200),
+        }
+    }
+
+    fn framed(payload: &[u8]) -> Bytes {
+        let mut b = grpc_prefix(payload.len()).unwrap().to_vec();
+        b.extend_from_slice(payload);
+        Bytes::from(b)
+    }
+
+    /// How the test server treats each connection it accepts.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Behaviour {
+        /// Echoes the message reversed, with a `nereid-queue: 7` header; a message "fail" gets
+        /// a trailers-only INVALID_ARGUMENT; "bye" closes the connection without answering.
+        Serve,
+        /// Completes the handshake, then never reads again (a hung peer).
+        Hang,
+    }
+
+    /// A minimal HTTP/2 gRPC server on loopback; returns its address and how many connections
+    /// it accepted.
+    async fn server(behaviour: Behaviour) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (socket, _) = listener.accept().await.unwrap();
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut conn = h2::server::handshake(socket).await.unwrap();
+                    if behaviour == Behaviour::Hang {
+                        std::future::pending::<()>().await;
+                    }
+                    let (close_tx, mut close_rx) = tokio::sync::mpsc::channel::<()>(1);
+                    loop {
+                        let next = tokio::select! {
+                            next = conn.accept() => next,
+                            _ = close_rx.recv() => return,
+                        };
+                        let Some(Ok((request, respond))) = next else { return };
+                        tokio::spawn(answer(request, respond, close_tx.clone()));
+                    }
+                });
+            }
+        });
+        (address, accepted)
+    }
+
+    async fn answer(
+        request: http::Request<h2::RecvStream>,
+        mut respond: h2::server::SendResponse<Bytes>,
+        close: tokio::sync::mpsc::Sender<()>,
+    ) {
+        assert_eq!(request.headers()["content-type"], "application/grpc");
+        assert!(request.headers()["grpc-timeout"].to_str().unwrap().ends_with('u'));
+        let mut body = request.into_body();
+        let mut chunks = Vec::new();
+        while let Some(chunk) = body.data().await {
+            let chunk = chunk.unwrap();
+            let _ = body.flow_control().release_capacity(chunk.len());
+            chunks.push(chunk);
+        }
+        let message = unframe(chunks).unwrap();
+        if &message[..] == b"bye" {
+            let _ = close.send(()).await;
+            return;
+        }
+        let response = http::Response::builder().status(200).header("content-type", "application/grpc");
+        if &message[..] == b"fail" {
+            let response = response.header("grpc-status", "3").header("grpc-message", "bad%20input");
+            let _ = respond.send_response(response.body(()).unwrap(), true);
+            return;
+        }
+        let response = response.header("nereid-queue", "7").body(()).unwrap();
+        let mut send = respond.send_response(response, false).unwrap();
+        let reply: Vec<u8> = message.iter().rev().copied().collect();
+        send.send_data(framed(&reply), false).unwrap();
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+        send.send_trailers(trailers).unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn unary_calls_share_one_connection_and_reconnect_after_it_closes() {
+        let (address, accepted) = server(Behaviour::Serve).await;
+        let channel = H2Channel::new(&address, settings()).unwrap();
+        let calls = (0..8).map(|i| channel.unary("/s/m", Bytes::from(format!("abc{i}")), Duration::from_secs(5)));
+        for (i, result) in futures::future::join_all(calls).await.into_iter().enumerate() {
+            let (headers, message) = result.unwrap();
+            assert_eq!(message, Bytes::from(format!("{i}cba")));
+            assert_eq!(headers["nereid-queue"], "7");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection for every call");
+
+        // A gRPC error status comes back as the worker's answer, message decoded.
+        let e = channel.unary("/s/m", Bytes::from_static(b"fail"), Duration::from_secs(5)).await.unwrap_err();
+        let CallError::Status(status) = e else { panic!("{e:?}") };
+        assert_eq!((status.code(), status.message()), (tonic::Code::InvalidArgument, "bad input"));
+
+        // The server drops the connection mid-call: that call fails as a broken connection...
+        let e = channel.unary("/s/m", Bytes::from_static(b"bye"), Duration::from_secs(5)).await.unwrap_err();
+        assert!(matches!(e, CallError::H2(_)), "{e:?}");
+        // ...and the next call connects again.
+        let (_, message) = channel.unary("/s/m", Bytes::from_static(b"xy"), Duration::from_secs(5)).await.unwrap();
+        assert_eq!(message, Bytes::from_static(b"yx"));
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_stops_answering_pings_fails_its_calls() {
+        let (address, accepted) = server(Behaviour::Hang).await;
+        let channel = H2Channel::new(&address, settings()).unwrap();
+        // Without keepalive this call would wait out its 60 s; the unanswered PING ends it.
+        let call = channel.unary("/s/m", Bytes::from_static(b"abc"), Duration::from_secs(60));
+        let e = tokio::time::timeout(Duration::from_secs(20), call).await.expect("keepalive closes the connection");
+        assert!(matches!(e, Err(CallError::H2(_))), "{e:?}");
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
     }
 }
