@@ -142,7 +142,12 @@ async fn deadlines_propagate_to_the_worker() {
     req.set_timeout(Duration::from_secs(1));
     let start = Instant::now();
     let e = gateway.client().await.model_infer(req).await.unwrap_err();
-    assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+    // The gateway answers DEADLINE_EXCEEDED a few milliseconds before the client's own timer
+    // (set from the same grpc-timeout) fires; on a loaded machine that timer can win the race,
+    // and tonic reports it as CANCELLED "Timeout expired". Either way the call ended at the
+    // deadline, not at the batcher's 60 s, and the worker must see it cancelled (below).
+    let client_timer_won = e.code() == tonic::Code::Cancelled && e.message().contains("Timeout expired");
+    assert!(e.code() == tonic::Code::DeadlineExceeded || client_timer_won, "{e:?}");
     assert!(start.elapsed() < Duration::from_secs(10), "{:?}", start.elapsed());
     // (The worker counts such a request as CANCELED — unless its own deadline and the
     // cancellation race, which its statistics can then miss: only the queue is checked.)
@@ -167,10 +172,18 @@ async fn deadlines_propagate_to_the_worker() {
     })
     .await;
     let text = gateway.metrics_text().await;
-    assert!(
-        text.contains("nereid_gateway_requests_total{code=\"DEADLINE_EXCEEDED\",model=\"stuck\",version=\"1\"} 2"),
-        "{text}"
-    );
+    // Counted as DEADLINE_EXCEEDED — or, when the client's timer won above, possibly that one as
+    // CANCELLED (the client went away before the gateway's answer was recorded).
+    let count = |code: &str| {
+        let series = format!("nereid_gateway_requests_total{{code=\"{code}\",model=\"stuck\",version=\"1\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(series.as_str())).map_or(0, |v| v.parse::<u64>().unwrap())
+    };
+    let (expired, cancelled) = (count("DEADLINE_EXCEEDED"), count("CANCELLED"));
+    if client_timer_won {
+        assert!(expired >= 1 && expired + cancelled == 2, "{text}");
+    } else {
+        assert_eq!(expired, 2, "{text}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

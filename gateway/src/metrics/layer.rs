@@ -32,14 +32,22 @@ impl RequestMetricsLayer {
 impl<S> Layer<S> for RequestMetricsLayer {
     type Service = RequestMetrics<S>;
     fn layer(&self, inner: S) -> RequestMetrics<S> {
-        RequestMetrics { inner, metrics: self.metrics.clone(), routes: self.routes.clone() }
+        RequestMetrics {
+            inner,
+            requests: self.metrics.requests.clone(),
+            duration_us: self.metrics.duration_us.clone(),
+            routes: self.routes.clone(),
+        }
     }
 }
 
 #[derive(Clone)]
 pub struct RequestMetrics<S> {
     inner: S,
-    metrics: GatewayMetrics,
+    // The two vectors only: the stack is cloned per request, and all of GatewayMetrics is a
+    // dozen reference counts.
+    requests: prometheus::IntCounterVec,
+    duration_us: prometheus::HistogramVec,
     routes: Routes,
 }
 
@@ -61,7 +69,14 @@ where
         let table = self.routes.snapshot();
         let model = table.model_label(call.model()).to_string();
         let version = table.version_label(call.model(), call.version);
-        let record = Record { metrics: self.metrics.clone(), model, version, start: Instant::now(), code: None };
+        let record = Record {
+            requests: self.requests.clone(),
+            duration_us: self.duration_us.clone(),
+            model,
+            version,
+            start: Instant::now(),
+            code: None,
+        };
         let fut = self.inner.call(call);
         Box::pin(async move {
             // Moved in whole: dropping the future drops (and records) it.
@@ -86,7 +101,8 @@ where
 
 /// Records on drop, so that a dropped (cancelled) request is counted too.
 struct Record {
-    metrics: GatewayMetrics,
+    requests: prometheus::IntCounterVec,
+    duration_us: prometheus::HistogramVec,
     model: String,
     version: String,
     start: Instant,
@@ -97,7 +113,7 @@ impl Drop for Record {
     fn drop(&mut self) {
         let code = code_label(self.code.unwrap_or(tonic::Code::Cancelled));
         let (model, version) = (self.model.as_str(), self.version.as_str());
-        self.metrics.requests.with_label_values(&[model, version, code]).inc();
-        self.metrics.duration_us.with_label_values(&[model, version]).observe(self.start.elapsed().as_micros() as f64);
+        self.requests.with_label_values(&[model, version, code]).inc();
+        self.duration_us.with_label_values(&[model, version]).observe(self.start.elapsed().as_micros() as f64);
     }
 }
