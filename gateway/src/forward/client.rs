@@ -95,10 +95,11 @@ impl H2Channel {
         })
     }
 
-    fn live(&self) -> Option<SendRequest<Bytes>> {
+    /// The current connection's handle and its *closed* flag, unless it is marked closed.
+    fn live(&self) -> Option<(SendRequest<Bytes>, Arc<AtomicBool>)> {
         let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
         match current.as_ref() {
-            Some(live) if !live.closed.load(Ordering::Relaxed) => Some(live.send.clone()),
+            Some(live) if !live.closed.load(Ordering::Relaxed) => Some((live.send.clone(), live.closed.clone())),
             Some(_) => {
                 *current = None;
                 None
@@ -107,19 +108,20 @@ impl H2Channel {
         }
     }
 
-    async fn sender(&self) -> Result<SendRequest<Bytes>, CallError> {
-        if let Some(send) = self.live() {
-            return Ok(send);
+    async fn sender(&self) -> Result<(SendRequest<Bytes>, Arc<AtomicBool>), CallError> {
+        if let Some(live) = self.live() {
+            return Ok(live);
         }
         let _connecting = self.connecting.lock().await;
-        if let Some(send) = self.live() {
-            return Ok(send);
+        if let Some(live) = self.live() {
+            return Ok(live);
         }
         let (send, closed) = tokio::time::timeout(CONNECT_TIMEOUT, self.connect()).await.map_err(|_| {
             CallError::Connect(std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))
         })??;
-        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(Live { send: send.clone(), closed });
-        Ok(send)
+        *self.current.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(Live { send: send.clone(), closed: closed.clone() });
+        Ok((send, closed))
     }
 
     async fn connect(&self) -> Result<(SendRequest<Bytes>, Arc<AtomicBool>), CallError> {
@@ -156,7 +158,10 @@ impl H2Channel {
                 },
                 reason = keepalive => tracing::warn!(worker = %address, "closing the worker connection: {reason}"),
             }
+            // Marked before the connection is dropped (which fails its open streams), so that no
+            // new call queues a stream on a connection nobody drives any more.
             done.store(true, Ordering::Relaxed);
+            drop(connection);
         });
         Ok((send, closed))
     }
@@ -172,11 +177,14 @@ impl H2Channel {
     ) -> Result<(HeaderMap, Bytes), CallError> {
         // A connection that closed a moment ago may not be marked yet: one that refuses the
         // new stream is retired and the call goes to a fresh one (nothing was sent on it).
-        let mut send = match self.sender().await?.ready().await {
+        let (send, mut closed) = self.sender().await?;
+        let mut send = match send.ready().await {
             Ok(send) => send,
             Err(_) => {
-                self.retire();
-                self.sender().await?.ready().await.map_err(|e| self.broken(e, true))?
+                closed.store(true, Ordering::Relaxed);
+                let (send, fresh) = self.sender().await?;
+                closed = fresh;
+                send.ready().await.map_err(|e| broken(e, true, &closed))?
             }
         };
         let request = http::Request::builder()
@@ -194,16 +202,20 @@ impl H2Channel {
             .header("grpc-timeout", grpc_timeout(timeout))
             .body(())
             .expect("static header names and values");
-        let (response, mut body) = send.send_request(request, false).map_err(|e| self.broken(e, true))?;
+        let (response, mut body) = send.send_request(request, false).map_err(|e| broken(e, true, &closed))?;
         // Queued behind the HEADERS: both leave in the connection's next write.
         let prefix = grpc_prefix(message.len()).map_err(CallError::Status)?;
-        body.send_data(prefix, false).map_err(|e| self.broken(e, true))?;
-        body.send_data(message, true).map_err(|e| self.broken(e, true))?;
+        body.send_data(prefix, false).map_err(|e| broken(e, true, &closed))?;
+        body.send_data(message, true).map_err(|e| broken(e, true, &closed))?;
 
-        let response = response.await.map_err(|e| self.broken(e, false))?;
+        let response = response.await.map_err(|e| broken(e, false, &closed))?;
         let (parts, mut stream) = response.into_parts();
         if parts.status != http::StatusCode::OK {
-            return Err(CallError::Status(status_from_http(parts.status)));
+            // A grpc-status, where a proxy left one, says more than the HTTP status.
+            let status = tonic::Status::from_header_map(&parts.headers)
+                .filter(|s| s.code() != tonic::Code::Ok)
+                .unwrap_or_else(|| status_from_http(parts.status));
+            return Err(CallError::Status(status));
         }
         // Trailers-only: an error (or an empty OK, which a unary call must not give).
         if let Some(status) = tonic::Status::from_header_map(&parts.headers) {
@@ -215,11 +227,11 @@ impl H2Channel {
         }
         let mut chunks: Vec<Bytes> = Vec::with_capacity(1);
         while let Some(chunk) = stream.data().await {
-            let chunk = chunk.map_err(|e| self.broken(e, false))?;
+            let chunk = chunk.map_err(|e| broken(e, false, &closed))?;
             let _ = stream.flow_control().release_capacity(chunk.len());
             chunks.push(chunk);
         }
-        let trailers = stream.trailers().await.map_err(|e| self.broken(e, false))?;
+        let trailers = stream.trailers().await.map_err(|e| broken(e, false, &closed))?;
         match trailers.as_ref().and_then(tonic::Status::from_header_map) {
             Some(status) if status.code() == tonic::Code::Ok => {}
             Some(status) => return Err(CallError::Status(status)),
@@ -228,23 +240,16 @@ impl H2Channel {
         let message = unframe(chunks).map_err(CallError::Status)?;
         Ok((parts.headers, message))
     }
+}
 
-    /// Stops handing out the current connection (the next call makes a new one).
-    fn retire(&self) {
-        let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(live) = current.take() {
-            live.closed.store(true, Ordering::Relaxed);
-        }
+/// An h2 error on a call made on the connection whose *closed* flag is `closed`;
+/// `before_sending`: the request cannot have reached the worker whole (its last DATA frame was
+/// not queued). A connection-level failure marks that connection — not a newer one — closed.
+fn broken(e: h2::Error, before_sending: bool, closed: &AtomicBool) -> CallError {
+    if e.is_io() || e.is_go_away() {
+        closed.store(true, Ordering::Relaxed);
     }
-
-    /// An h2 error; `before_sending`: nothing of the request had reached the connection's
-    /// writer yet. Either way a connection-level failure retires the connection.
-    fn broken(&self, e: h2::Error, before_sending: bool) -> CallError {
-        if e.is_io() || e.is_go_away() {
-            self.retire();
-        }
-        if before_sending { CallError::Connect(std::io::Error::other(e)) } else { CallError::H2(e) }
-    }
+    if before_sending { CallError::Connect(std::io::Error::other(e)) } else { CallError::H2(e) }
 }
 
 /// `grpc-timeout`: at most 8 digits, in the finest unit that holds the value.
@@ -255,7 +260,11 @@ pub fn grpc_timeout(timeout: Duration) -> String {
 
 /// The 5-byte gRPC message prefix: not compressed, big-endian length.
 fn grpc_prefix(len: usize) -> Result<Bytes, tonic::Status> {
-    let len = u32::try_from(len).map_err(|_| tonic::Status::resource_exhausted("message over 4 GiB"))?;
+    // h2 refuses a DATA payload of 2^31 bytes or more.
+    let len = u32::try_from(len)
+        .ok()
+        .filter(|&l| l <= i32::MAX as u32)
+        .ok_or_else(|| tonic::Status::resource_exhausted("a request message over 2 GiB cannot be forwarded"))?;
     let mut prefix = BytesMut::with_capacity(5);
     prefix.extend_from_slice(&[0]);
     prefix.extend_from_slice(&len.to_be_bytes());
@@ -315,6 +324,14 @@ mod tests {
         assert_eq!(grpc_timeout(Duration::from_secs(99)), "99000000u");
         assert_eq!(grpc_timeout(Duration::from_secs(100)), "100000m");
         assert_eq!(grpc_timeout(Duration::from_secs(10_000_000)), "99999999m");
+    }
+
+    #[test]
+    fn messages_h2_cannot_carry_are_refused_before_sending() {
+        assert_eq!(&grpc_prefix(5).unwrap()[..], &[0, 0, 0, 0, 5]);
+        assert!(grpc_prefix(i32::MAX as usize).is_ok());
+        let e = grpc_prefix(i32::MAX as usize + 1).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted);
     }
 
     #[test]

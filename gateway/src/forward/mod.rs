@@ -28,10 +28,12 @@ const MODEL_INFER_PATH: &str = "/inference.GRPCInferenceService/ModelInfer";
 /// What a failed call proves about whether the worker ran the request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FailureKind {
-    /// It never reached the worker: the connection could not be made, the connection closed
-    /// while the request still waited to be written, or HTTP/2 says the worker did not process
-    /// the stream (REFUSED_STREAM, or above the last stream id of a graceful GOAWAY — a worker
-    /// shutting down). Safe to retry.
+    /// It never reached the worker: the connection could not be made or refused the new stream
+    /// before the request was queued on it ([`client::CallError::Connect`]), or HTTP/2 says the
+    /// worker did not process the stream (REFUSED_STREAM, or above the last stream id of a
+    /// graceful GOAWAY — a worker shutting down). Safe to retry. (A connection that dies while
+    /// a queued request still waits to be written fails it as Broken: h2 does not say whether
+    /// it was written, so it is not retried.)
     NotSent,
     /// The worker answered UNAVAILABLE: draining, or the model is unloading — it did not run
     /// the request. Safe to retry elsewhere.
@@ -60,8 +62,8 @@ impl FailureKind {
             {
                 return FailureKind::NotSent;
             }
-            // hyper's client fails a request as *canceled* only when it was never written:
-            // still queued when the connection closed, or the connection was not ready.
+            // hyper's client (tonic's Channel, used by control calls) fails a request as
+            // *canceled* only when it was never written.
             if e.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_canceled) {
                 return FailureKind::NotSent;
             }
