@@ -25,6 +25,9 @@ use tokio::net::TcpStream;
 /// Time to establish the TCP connection and the HTTP/2 handshake with a worker.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// Said of a call that failed because the connection attempt it waited on failed.
+const SHARED_FAILURE: &str = "a concurrent attempt to connect to the worker just failed";
+
 /// Settings of a worker connection.
 #[derive(Clone, Copy, Debug)]
 pub struct ClientSettings {
@@ -46,6 +49,9 @@ pub struct H2Channel {
     current: Mutex<Option<Live>>,
     /// Held while connecting, so that calls arriving meanwhile wait for that one connection.
     connecting: tokio::sync::Mutex<()>,
+    /// When the last connection attempt failed, and why: calls that waited on that attempt
+    /// fail at once with it (and are retried elsewhere) instead of each trying again in turn.
+    failed: Mutex<Option<(std::time::Instant, std::io::ErrorKind, String)>>,
 }
 
 #[derive(Debug)]
@@ -92,6 +98,7 @@ impl H2Channel {
             settings,
             current: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
+            failed: Mutex::new(None),
         })
     }
 
@@ -112,13 +119,28 @@ impl H2Channel {
         if let Some(live) = self.live() {
             return Ok(live);
         }
+        let waiting_since = std::time::Instant::now();
         let _connecting = self.connecting.lock().await;
         if let Some(live) = self.live() {
             return Ok(live);
         }
-        let (send, closed) = tokio::time::timeout(CONNECT_TIMEOUT, self.connect()).await.map_err(|_| {
-            CallError::Connect(std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))
-        })??;
+        if let Some((at, kind, reason)) = self.failed.lock().unwrap_or_else(|e| e.into_inner()).as_ref()
+            && *at >= waiting_since
+        {
+            return Err(CallError::Connect(std::io::Error::new(*kind, format!("{reason} ({SHARED_FAILURE})"))));
+        }
+        let attempt = tokio::time::timeout(CONNECT_TIMEOUT, self.connect()).await.unwrap_or_else(|_| {
+            Err(CallError::Connect(std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")))
+        });
+        let (send, closed) = match attempt {
+            Ok(live) => live,
+            Err(CallError::Connect(e)) => {
+                *self.failed.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some((std::time::Instant::now(), e.kind(), e.to_string()));
+                return Err(CallError::Connect(e));
+            }
+            Err(e) => return Err(e),
+        };
         *self.current.lock().unwrap_or_else(|e| e.into_inner()) =
             Some(Live { send: send.clone(), closed: closed.clone() });
         Ok((send, closed))
@@ -371,6 +393,33 @@ mod tests {
         let channel = H2Channel::new(&address, settings()).unwrap();
         let e = channel.unary("/x/y", Bytes::new(), Duration::from_secs(1)).await.unwrap_err();
         assert!(matches!(e, CallError::Connect(_)), "{e:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn calls_waiting_on_a_failed_connect_share_its_failure() {
+        // A listener with a backlog of one that never accepts: once one connection fills its
+        // queue, the kernel drops further SYNs, so connecting hangs until the connect timeout
+        // (a worker host that went silent), all on loopback.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = socket.listen(0).unwrap();
+        let address = listener.local_addr().unwrap();
+        let _filler = std::net::TcpStream::connect(address).unwrap();
+        let channel = H2Channel::new(&address.to_string(), settings()).unwrap();
+        let calls = (0..4).map(|_| channel.unary("/s/m", Bytes::from_static(b"x"), Duration::from_secs(30)));
+        let results = tokio::time::timeout(Duration::from_secs(20), futures::future::join_all(calls))
+            .await
+            .expect("connect attempts are bounded by the connect timeout");
+        let mut shared = 0;
+        for result in results {
+            let Err(CallError::Connect(e)) = result else { panic!("{result:?}") };
+            if e.to_string().contains(SHARED_FAILURE) {
+                shared += 1;
+            }
+        }
+        // One call made the attempt; the others waited on it and got its failure, instead of
+        // each trying (and waiting the connect timeout) in turn.
+        assert_eq!(shared, 3);
     }
 
     fn settings() -> ClientSettings {
