@@ -6,6 +6,14 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
+# A clean build and test run needs about 4 GiB (target/ ~2.3 GiB, .deps and .venv ~0.4 GiB, test
+# scratch). Say so up front rather than failing mid-link with "No space left on device".
+free_kib=$(df -Pk "$root" | awk 'NR == 2 {print $4}')
+if [ -n "$free_kib" ] && [ "$free_kib" -lt $((4 * 1024 * 1024)) ]; then
+  echo "warning: only $((free_kib / 1024)) MiB free on $(df -P "$root" | awk 'NR == 2 {print $6}');" \
+    "a clean build and test run needs about 4 GiB" >&2
+fi
+
 bash scripts/setup.sh
 export NEREID_ORT_LIB="$root/.deps/onnxruntime/libonnxruntime.so"
 
