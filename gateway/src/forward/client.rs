@@ -539,6 +539,24 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn large_messages_cross_many_frames_and_windows_both_ways() {
+        // 3 MiB each way over 1 MiB windows: the call completes only if both sides release
+        // flow-control capacity as they read, and the answer is reassembled from many frames.
+        let (address, _) = server(Behaviour::Serve).await;
+        let channel = H2Channel::new(&address, settings()).unwrap();
+        let message: Vec<u8> = (0..3 << 20).map(|i| (i % 251) as u8).collect();
+        let (_, answer) = tokio::time::timeout(
+            Duration::from_secs(30),
+            channel.unary("/s/m", Bytes::from(message.clone()), Duration::from_secs(30)),
+        )
+        .await
+        .expect("no flow-control stall")
+        .unwrap();
+        let reversed: Vec<u8> = message.into_iter().rev().collect();
+        assert!(answer == reversed, "the answer differs from the reversed message");
+    }
+
+    #[tokio::test]
     async fn a_peer_that_stops_answering_pings_fails_its_calls() {
         let (address, accepted) = server(Behaviour::Hang).await;
         let channel = H2Channel::new(&address, settings()).unwrap();
