@@ -36,6 +36,6 @@ pub fn infer_stack(config: &GatewayConfig, routes: &Routes, metrics: &GatewayMet
         // Balance: READY holders from the routing table, power of two choices on outstanding.
         .layer(BalanceLayer::new(routes.clone()))
         // Forward: the worker's pooled HTTP/2 channel; outcomes feed outlier ejection.
-        .service(Forward::new(metrics.ejections.clone()));
+        .service(Forward::new(metrics.ejections.clone(), metrics.upstream_connects.clone()));
     BoxCloneSyncService::new(stack)
 }

@@ -195,6 +195,10 @@ async fn unknown_models_are_not_found_and_metrics_are_bounded() {
         let text = w.metrics_text().await;
         assert!(!text.contains("version=\"\""), "{text}");
     }
+    // The two forwarded requests connected once to each worker they went to, never failing.
+    let connects = gateway.metric("nereid_gateway_upstream_connects_total{result=\"ok\"}").await.unwrap();
+    assert!((1.0..=2.0).contains(&connects), "{connects}");
+    assert!(!text.contains("nereid_gateway_upstream_connects_total{result=\"failed\"}"), "{text}");
     let age = gateway.metric("nereid_gateway_routing_table_age_seconds").await.unwrap();
     assert!((0.0..5.0).contains(&age), "{age}");
     assert!(!text.contains("no_such_model"), "unknown model names must not become labels");

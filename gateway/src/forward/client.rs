@@ -115,7 +115,12 @@ impl H2Channel {
         }
     }
 
-    async fn sender(&self) -> Result<(SendRequest<Bytes>, Arc<AtomicBool>), CallError> {
+    /// The live connection, or a new one; `on_connect` hears of each attempt this call makes
+    /// (`true`: connected).
+    async fn sender(
+        &self,
+        on_connect: &(dyn Fn(bool) + Sync),
+    ) -> Result<(SendRequest<Bytes>, Arc<AtomicBool>), CallError> {
         if let Some(live) = self.live() {
             return Ok(live);
         }
@@ -132,6 +137,7 @@ impl H2Channel {
         let attempt = tokio::time::timeout(CONNECT_TIMEOUT, self.connect()).await.unwrap_or_else(|_| {
             Err(CallError::Connect(std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")))
         });
+        on_connect(attempt.is_ok());
         let (send, closed) = match attempt {
             Ok(live) => live,
             Err(CallError::Connect(e)) => {
@@ -190,21 +196,22 @@ impl H2Channel {
 
     /// One unary call: `message` (an encoded protobuf) to `path`, with `timeout` sent as
     /// `grpc-timeout` (the caller enforces it). Returns the response headers and the encoded
-    /// response message.
+    /// response message. `on_connect` hears of each connection attempt the call makes.
     pub async fn unary(
         &self,
         path: &'static str,
         message: Bytes,
         timeout: Duration,
+        on_connect: &(dyn Fn(bool) + Sync),
     ) -> Result<(HeaderMap, Bytes), CallError> {
         // A connection that closed a moment ago may not be marked yet: one that refuses the
         // new stream is retired and the call goes to a fresh one (nothing was sent on it).
-        let (send, mut closed) = self.sender().await?;
+        let (send, mut closed) = self.sender(on_connect).await?;
         let mut send = match send.ready().await {
             Ok(send) => send,
             Err(_) => {
                 closed.store(true, Ordering::Relaxed);
-                let (send, fresh) = self.sender().await?;
+                let (send, fresh) = self.sender(on_connect).await?;
                 closed = fresh;
                 send.ready().await.map_err(|e| broken(e, true, &closed))?
             }
@@ -391,7 +398,7 @@ mod tests {
         let address = listener.local_addr().unwrap().to_string();
         drop(listener);
         let channel = H2Channel::new(&address, settings()).unwrap();
-        let e = channel.unary("/x/y", Bytes::new(), Duration::from_secs(1)).await.unwrap_err();
+        let e = channel.unary("/x/y", Bytes::new(), Duration::from_secs(1), &|_| {}).await.unwrap_err();
         assert!(matches!(e, CallError::Connect(_)), "{e:?}");
     }
 
@@ -406,7 +413,12 @@ mod tests {
         let address = listener.local_addr().unwrap();
         let _filler = std::net::TcpStream::connect(address).unwrap();
         let channel = H2Channel::new(&address.to_string(), settings()).unwrap();
-        let calls = (0..4).map(|_| channel.unary("/s/m", Bytes::from_static(b"x"), Duration::from_secs(30)));
+        let attempts = std::sync::atomic::AtomicUsize::new(0);
+        let count = |ok: bool| {
+            assert!(!ok);
+            attempts.fetch_add(1, Ordering::SeqCst);
+        };
+        let calls = (0..4).map(|_| channel.unary("/s/m", Bytes::from_static(b"x"), Duration::from_secs(30), &count));
         let results = tokio::time::timeout(Duration::from_secs(20), futures::future::join_all(calls))
             .await
             .expect("connect attempts are bounded by the connect timeout");
@@ -420,6 +432,7 @@ mod tests {
         // One call made the attempt; the others waited on it and got its failure, instead of
         // each trying (and waiting the connect timeout) in turn.
         assert_eq!(shared, 3);
+        assert_eq!(attempts.load(Ordering::SeqCst), 1, "one connection attempt for the four calls");
     }
 
     fn settings() -> ClientSettings {
@@ -516,7 +529,8 @@ mod tests {
     async fn unary_calls_share_one_connection_and_reconnect_after_it_closes() {
         let (address, accepted) = server(Behaviour::Serve).await;
         let channel = H2Channel::new(&address, settings()).unwrap();
-        let calls = (0..8).map(|i| channel.unary("/s/m", Bytes::from(format!("abc{i}")), Duration::from_secs(5)));
+        let calls =
+            (0..8).map(|i| channel.unary("/s/m", Bytes::from(format!("abc{i}")), Duration::from_secs(5), &|_| {}));
         for (i, result) in futures::future::join_all(calls).await.into_iter().enumerate() {
             let (headers, message) = result.unwrap();
             assert_eq!(message, Bytes::from(format!("{i}cba")));
@@ -525,15 +539,16 @@ mod tests {
         assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection for every call");
 
         // A gRPC error status comes back as the worker's answer, message decoded.
-        let e = channel.unary("/s/m", Bytes::from_static(b"fail"), Duration::from_secs(5)).await.unwrap_err();
+        let e = channel.unary("/s/m", Bytes::from_static(b"fail"), Duration::from_secs(5), &|_| {}).await.unwrap_err();
         let CallError::Status(status) = e else { panic!("{e:?}") };
         assert_eq!((status.code(), status.message()), (tonic::Code::InvalidArgument, "bad input"));
 
         // The server drops the connection mid-call: that call fails as a broken connection...
-        let e = channel.unary("/s/m", Bytes::from_static(b"bye"), Duration::from_secs(5)).await.unwrap_err();
+        let e = channel.unary("/s/m", Bytes::from_static(b"bye"), Duration::from_secs(5), &|_| {}).await.unwrap_err();
         assert!(matches!(e, CallError::H2(_)), "{e:?}");
         // ...and the next call connects again.
-        let (_, message) = channel.unary("/s/m", Bytes::from_static(b"xy"), Duration::from_secs(5)).await.unwrap();
+        let (_, message) =
+            channel.unary("/s/m", Bytes::from_static(b"xy"), Duration::from_secs(5), &|_| {}).await.unwrap();
         assert_eq!(message, Bytes::from_static(b"yx"));
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
@@ -547,7 +562,7 @@ mod tests {
         let message: Vec<u8> = (0..3 << 20).map(|i| (i % 251) as u8).collect();
         let (_, answer) = tokio::time::timeout(
             Duration::from_secs(30),
-            channel.unary("/s/m", Bytes::from(message.clone()), Duration::from_secs(30)),
+            channel.unary("/s/m", Bytes::from(message.clone()), Duration::from_secs(30), &|_| {}),
         )
         .await
         .expect("no flow-control stall")
@@ -561,7 +576,7 @@ mod tests {
         let (address, accepted) = server(Behaviour::Hang).await;
         let channel = H2Channel::new(&address, settings()).unwrap();
         // Without keepalive this call would wait out its 60 s; the unanswered PING ends it.
-        let call = channel.unary("/s/m", Bytes::from_static(b"abc"), Duration::from_secs(60));
+        let call = channel.unary("/s/m", Bytes::from_static(b"abc"), Duration::from_secs(60), &|_| {});
         let e = tokio::time::timeout(Duration::from_secs(20), call).await.expect("keepalive closes the connection");
         assert!(matches!(e, Err(CallError::H2(_))), "{e:?}");
         assert_eq!(accepted.load(Ordering::SeqCst), 1);

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use nereid_worker::grpc::convert::deadline_margin;
-use prometheus::IntCounter;
+use prometheus::{IntCounter, IntCounterVec};
 use tower::Service;
 
 use crate::call::InferCall;
@@ -158,11 +158,13 @@ pub fn record_outcome(worker: &Upstream, result: Result<(), &UpstreamError>, eje
 #[derive(Clone)]
 pub struct Forward {
     ejections: IntCounter,
+    connects: IntCounterVec,
 }
 
 impl Forward {
-    pub fn new(ejections: IntCounter) -> Self {
-        Forward { ejections }
+    /// `connects`: connection attempts by `result` (`ok` / `failed`).
+    pub fn new(ejections: IntCounter, connects: IntCounterVec) -> Self {
+        Forward { ejections, connects }
     }
 }
 
@@ -177,11 +179,13 @@ impl Service<InferCall> for Forward {
 
     fn call(&mut self, call: InferCall) -> Self::Future {
         let ejections = self.ejections.clone();
+        let connects = self.connects.clone();
         Box::pin(async move {
             let worker = call.target.clone().expect("the balancer sets the target before forwarding");
             let _outstanding = worker.start_request();
             let timeout = outgoing_timeout(call.deadline, Instant::now());
-            let result = unary_bytes(&worker, MODEL_INFER_PATH, call.request.bytes, timeout).await;
+            let on_connect = |ok: bool| connects.with_label_values(&[if ok { "ok" } else { "failed" }]).inc();
+            let result = unary_bytes(&worker, MODEL_INFER_PATH, call.request.bytes, timeout, &on_connect).await;
             record_outcome(&worker, result.as_ref().map(|_| ()), &ejections);
             let bytes = result?;
             // A worker's answer is well-formed; one that is not is the worker's failure.
@@ -208,9 +212,10 @@ pub async fn unary_bytes(
     path: &'static str,
     message: bytes::Bytes,
     timeout: Duration,
+    on_connect: &(dyn Fn(bool) + Sync),
 ) -> Result<bytes::Bytes, UpstreamError> {
     let err = |status| UpstreamError::new(worker.id.clone(), status);
-    let call = worker.infer_channel().unary(path, message, timeout);
+    let call = worker.infer_channel().unary(path, message, timeout, on_connect);
     let (headers, response) = match tokio::time::timeout(timeout, call).await {
         Ok(result) => result.map_err(|e| err(e.into_status()))?,
         Err(_) => return Err(err(tonic::Status::from_error(Box::new(tonic::TimeoutExpired(()))))),

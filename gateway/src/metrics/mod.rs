@@ -18,6 +18,7 @@ pub const REQUESTS_TOTAL: &str = "nereid_gateway_requests_total";
 pub const REQUEST_DURATION_US: &str = "nereid_gateway_request_duration_us";
 pub const RETRIES_TOTAL: &str = "nereid_gateway_retries_total";
 pub const EJECTIONS_TOTAL: &str = "nereid_gateway_ejections_total";
+pub const UPSTREAM_CONNECTS_TOTAL: &str = "nereid_gateway_upstream_connects_total";
 pub const ROUTING_TABLE_AGE_SECONDS: &str = "nereid_gateway_routing_table_age_seconds";
 pub const WORKERS: &str = "nereid_gateway_workers";
 pub const ETCD_WATCH_CONNECTED: &str = "nereid_gateway_etcd_watch_connected";
@@ -59,6 +60,9 @@ pub struct GatewayMetrics {
     pub duration_us: HistogramVec,
     pub retries: IntCounter,
     pub ejections: IntCounter,
+    /// Attempts to connect to a worker for inference, by `result` (`ok` / `failed`): a
+    /// climbing count means connections keep breaking (a flapping worker or network).
+    pub upstream_connects: IntCounterVec,
     table_age: Gauge,
     workers: IntGaugeVec,
     /// 1 while the etcd watch is established (etcd membership only).
@@ -96,6 +100,11 @@ impl GatewayMetrics {
         .expect("valid metric");
         let retries = IntCounter::new(RETRIES_TOTAL, "Retries sent to another worker").expect("valid metric");
         let ejections = IntCounter::new(EJECTIONS_TOTAL, "Workers ejected by outlier detection").expect("valid metric");
+        let upstream_connects = IntCounterVec::new(
+            Opts::new(UPSTREAM_CONNECTS_TOTAL, "Connection attempts to workers for inference, by result (ok, failed)"),
+            &["result"],
+        )
+        .expect("valid metric");
         let table_age = Gauge::new(ROUTING_TABLE_AGE_SECONDS, "Seconds since the routing table was last rebuilt")
             .expect("valid metric");
         let workers =
@@ -133,6 +142,7 @@ impl GatewayMetrics {
             Box::new(duration_us.clone()),
             Box::new(retries.clone()),
             Box::new(ejections.clone()),
+            Box::new(upstream_connects.clone()),
             Box::new(table_age.clone()),
             Box::new(workers.clone()),
         ] {
@@ -144,6 +154,7 @@ impl GatewayMetrics {
             duration_us,
             retries,
             ejections,
+            upstream_connects,
             table_age,
             workers,
             etcd_watch_connected,
