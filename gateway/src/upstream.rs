@@ -17,14 +17,12 @@ use std::time::{Duration, Instant};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::config::OutlierConfig;
-use crate::forward::client::{ClientSettings, H2Channel};
+use crate::forward::client::{CONNECT_TIMEOUT, ClientSettings, H2Channel};
 use crate::outlier::{Outcome, OutlierDetector};
 
 /// A worker's identity: its gRPC address as configured (unique among members).
 pub type UpstreamId = Arc<str>;
 
-/// Time to establish the TCP connection to a worker.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// HTTP/2 PINGs on idle connections find dead peers that sent no FIN/RST.
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);

@@ -22,7 +22,8 @@ use h2::client::SendRequest;
 use http::HeaderMap;
 use tokio::net::TcpStream;
 
-/// Time to establish the TCP connection and the HTTP/2 handshake with a worker.
+/// Time to establish the TCP connection and the HTTP/2 handshake with a worker (the control
+/// channel in [`crate::upstream`] uses it too).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Said of a call that failed because the connection attempt it waited on failed.
