@@ -16,11 +16,16 @@ use crate::workload::{Entry, InputSource, Origin, Workload};
 pub const DEFAULT_GRPC_URL: &str = "localhost:8001";
 pub const DEFAULT_HTTP_URL: &str = "localhost:8000";
 pub const DEFAULT_METRICS_PORT: u16 = 8002;
+/// Load before the first window of a sweep or rate level, in milliseconds.
+pub const DEFAULT_WARMUP_MS: u64 = 500;
 /// gRPC: one HTTP/2 channel per this many outstanding requests (at most [`MAX_GRPC_CHANNELS`]).
 pub const REQUESTS_PER_GRPC_CHANNEL: usize = 32;
 pub const MAX_GRPC_CHANNELS: usize = 8;
 /// Open-loop gRPC channels when `--connections` is not given.
 pub const OPEN_LOOP_GRPC_CHANNELS: usize = 4;
+/// Open-loop HTTP/1.1 connections when `--connections` is not given (all opened before the
+/// load; about 25k req/s at 10 ms latency, beyond which requests queue for one, in latency).
+pub const OPEN_LOOP_HTTP_CONNECTIONS: usize = 256;
 
 const EXIT_CODES: &str = "\
 Exit codes:
@@ -67,7 +72,8 @@ request, cycled in order (with -b B, a request's rows are B consecutive entries)
   the model before the run (exit 2 naming data[i] and the input).
 
 Trace file (--trace-file): one arrival offset per line, in milliseconds from the start,
-non-decreasing; '#' comments. The whole trace is measured as one window.";
+non-decreasing; '#' comments. The whole trace is measured as one window, from its first
+arrival (no warm-up).";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ProtocolArg {
@@ -167,9 +173,10 @@ pub struct Args {
     /// Count windows instead of time windows: close each after this many responses (at most 60 s).
     #[arg(long)]
     pub measurement_request_count: Option<u64>,
-    /// Load before the first window, not measured, in milliseconds.
-    #[arg(long, default_value_t = 500)]
-    pub warmup_ms: u64,
+    /// Load before the first window, not measured, in milliseconds [default: 500; with
+    /// --trace-file: 0, the whole trace is measured].
+    #[arg(long)]
+    pub warmup_ms: Option<u64>,
     /// Stability band: the last 3 windows' throughput and average latency within ±this % of their mean.
     #[arg(short = 's', long, default_value_t = 10.0)]
     pub stability_percentage: f64,
@@ -200,7 +207,8 @@ pub struct Args {
     /// Open loop: most requests outstanding; a send waiting for a slot is late.
     #[arg(long, default_value_t = 4096)]
     pub max_inflight: usize,
-    /// gRPC channels / HTTP keep-alive connections [default: from the load].
+    /// gRPC channels / HTTP/1.1 connections, all opened before measuring; HTTP requests beyond
+    /// them wait for a free one, and the wait counts in latency [default: from the load].
     #[arg(long)]
     pub connections: Option<usize>,
     /// Generator threads (tokio workers).
@@ -313,7 +321,22 @@ impl Args {
             for e in &mut workload.entries {
                 e.api_key.get_or_insert_with(|| key.clone());
             }
+            workload.default_api_key = Some(key.clone());
         }
+
+        // A trace is its own schedule and is measured whole: a warm-up would cut its start off
+        // (and a trace shorter than the warm-up would measure nothing).
+        let warmup_ms = match (self.warmup_ms, &self.trace_file) {
+            (Some(ms), Some(_)) if ms > 0 => {
+                return Err(usage(format!(
+                    "--warmup-ms {ms}: a trace is measured whole, from its first arrival; put the warm-up \
+                     traffic at the start of the trace file and leave --warmup-ms out"
+                )));
+            }
+            (_, Some(_)) => 0,
+            (Some(ms), None) => ms,
+            (None, None) => DEFAULT_WARMUP_MS,
+        };
 
         let load = if self.binary_search {
             self.search_load(&workload)?
@@ -369,7 +392,8 @@ impl Args {
         let connections = self.connections.unwrap_or(match (protocol, closed_loop) {
             (Protocol::Grpc, true) => outstanding.div_ceil(REQUESTS_PER_GRPC_CHANNEL).clamp(1, MAX_GRPC_CHANNELS),
             (Protocol::Grpc, false) => OPEN_LOOP_GRPC_CHANNELS,
-            (Protocol::Http { .. }, _) => outstanding,
+            (Protocol::Http { .. }, true) => outstanding,
+            (Protocol::Http { .. }, false) => outstanding.min(OPEN_LOOP_HTTP_CONNECTIONS),
         });
 
         let window = match self.measurement_request_count {
@@ -384,7 +408,7 @@ impl Args {
             load,
             measurement: Measurement {
                 window,
-                warmup_ms: self.warmup_ms,
+                warmup_ms,
                 stability_percentage: self.stability_percentage,
                 max_trials: self.max_trials,
                 request_timeout_ms: self.request_timeout_ms,
@@ -486,6 +510,20 @@ mod tests {
         let mut argv = vec!["nereid-perf"];
         argv.extend_from_slice(extra);
         Args::try_parse_from(argv).map_err(|e| PerfError::Usage(e.to_string()))?.into_config()
+    }
+
+    #[test]
+    fn a_trace_is_measured_whole_without_warm_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let trace = dir.path().join("t.txt");
+        std::fs::write(&trace, "0\n1\n2\n").unwrap();
+        let trace = trace.to_str().unwrap();
+        assert_eq!(args(&["-m", "m", "--trace-file", trace]).unwrap().measurement.warmup_ms, 0);
+        assert_eq!(args(&["-m", "m", "--trace-file", trace, "--warmup-ms", "0"]).unwrap().measurement.warmup_ms, 0);
+        let e = args(&["-m", "m", "--trace-file", trace, "--warmup-ms", "200"]).unwrap_err().to_string();
+        assert!(e.contains("--warmup-ms 200") && e.contains("measured whole"), "{e}");
+        assert_eq!(args(&["-m", "m"]).unwrap().measurement.warmup_ms, DEFAULT_WARMUP_MS);
+        assert_eq!(args(&["-m", "m", "--warmup-ms", "7"]).unwrap().measurement.warmup_ms, 7);
     }
 
     #[test]
@@ -609,5 +647,9 @@ mod tests {
         assert_eq!(c.target.connections, 8);
         let c = args(&["-m", "m", "--request-rate-range", "100", "--connections", "2"]).unwrap();
         assert_eq!(c.target.connections, 2);
+        let c = args(&["-m", "m", "-i", "http", "--request-rate-range", "100"]).unwrap();
+        assert_eq!(c.target.connections, OPEN_LOOP_HTTP_CONNECTIONS);
+        let c = args(&["-m", "m", "-i", "http", "--request-rate-range", "100", "--max-inflight", "8"]).unwrap();
+        assert_eq!(c.target.connections, 8, "never more connections than requests in flight");
     }
 }

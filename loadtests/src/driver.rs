@@ -35,7 +35,9 @@ use crate::report::Progress;
 use crate::schedule::{Arrivals, Distribution, LoadLevel, level_seed, trace_rate};
 use crate::search::{BinarySearch, SearchAxis, SearchOutcome, SearchReport, SearchSpace, SearchStatus};
 use crate::server_stats::{self, Breakdown, Scraper, Snapshot};
-use crate::workload::{InputSource, ModelInfo, Picker, Series, TensorSpec, Workload, WorkloadError, resolve_requests};
+use crate::workload::{
+    Group, InputSource, ModelInfo, Picker, Series, TensorSpec, Workload, WorkloadError, resolve_requests,
+};
 
 /// A send that starts later than this after its scheduled time counts as late.
 pub const LATE_BOUND: Duration = Duration::from_millis(1);
@@ -157,6 +159,12 @@ pub struct LevelResult {
     pub merged_windows: usize,
     pub total: Summary,
     pub series: Vec<SeriesResult>,
+    /// Every request of each model (`model[:version]`), whatever its class or tenant; goodput
+    /// counts each request against its own entry's SLO.
+    pub by_model: Vec<SeriesResult>,
+    /// Every request of each tenant (empty when the workload names no tenant).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub by_tenant: Vec<SeriesResult>,
     /// Server-side averages per model over the merged windows.
     pub server: BTreeMap<String, Breakdown>,
     /// `None` without an SLO.
@@ -165,6 +173,18 @@ pub struct LevelResult {
     /// GPUs) at the level's scrapes, in MiB; `None` without GPU series or scrapes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu_memory_mib: Option<f64>,
+}
+
+impl LevelResult {
+    /// The per-model and per-tenant breakdowns that say something the series do not: those
+    /// with more than one group, named differently from the series. Each with its label.
+    pub fn extra_breakdowns(&self) -> Vec<(&'static str, &[SeriesResult])> {
+        let names = |rs: &[SeriesResult]| rs.iter().map(|r| r.name.clone()).collect::<Vec<_>>();
+        [("model", self.by_model.as_slice()), ("tenant", self.by_tenant.as_slice())]
+            .into_iter()
+            .filter(|(_, rs)| rs.len() > 1 && names(rs) != names(&self.series))
+            .collect()
+    }
 }
 
 /// The run's answer and why it may not be trustworthy.
@@ -216,8 +236,12 @@ struct Context {
     client: Client,
     requests: Arc<[EntryRequests]>,
     picker: Picker,
+    /// Per workload entry (the recorder's slots).
     slos: Vec<Option<Duration>>,
-    series: Vec<Series>,
+    /// Entries grouped as the report shows them: by series, by model, by tenant.
+    series: Vec<Group>,
+    by_model: Vec<Group>,
+    by_tenant: Vec<Group>,
     /// Model label → (model, version) for the breakdown.
     models: Vec<(String, String, Option<String>)>,
     scraper: Option<Scraper>,
@@ -234,7 +258,7 @@ struct Context {
 /// Cancelling `interrupt` (Ctrl-C) ends the current window early, keeps what was measured and
 /// skips the remaining levels.
 pub async fn run(config: RunConfig, progress: &Progress, interrupt: CancellationToken) -> Result<RunReport, PerfError> {
-    let client = Client::connect(&config.target).await?;
+    let client = Client::connect_with_key(&config.target, config.workload.default_api_key.as_deref()).await?;
     let mut warnings = Vec::new();
     let PreparedWorkload { models: infos, requests, shm, expected } = prepare(&client, &config).await?;
     if expected.iter().flatten().any(|e| !e.is_empty()) {
@@ -274,8 +298,12 @@ pub async fn run(config: RunConfig, progress: &Progress, interrupt: Cancellation
         client,
         requests: requests.into(),
         picker: Picker::new(config.workload.entries.iter().map(|e| e.weight)),
-        slos: config.workload.series.iter().map(|s| s.slo_ms.map(|ms| Duration::from_secs_f64(ms / 1000.0))).collect(),
-        series: config.workload.series.clone(),
+        slos: (0..config.workload.entries.len())
+            .map(|i| config.workload.entry_slo_ms(i).map(|ms| Duration::from_secs_f64(ms / 1000.0)))
+            .collect(),
+        series: config.workload.series_groups(),
+        by_model: config.workload.model_groups(),
+        by_tenant: config.workload.tenant_groups(),
         models: infos
             .iter()
             .map(|((m, v), _)| {
@@ -478,7 +506,7 @@ fn encode_requests(
                 Some(run) => Some(run.place(&entry.model, &request.inputs, &info_of(infos, entry).outputs)?),
                 None => None,
             };
-            let prepared = client.prepare(entry, &request.inputs, config.workload.series_of[i], slices.as_ref());
+            let prepared = client.prepare(entry, &request.inputs, i, slices.as_ref());
             variants.push(match (prepared, source) {
                 (Ok(p), _) => p,
                 (Err(e), InputSource::File(file)) => {
@@ -764,16 +792,20 @@ async fn run_level(
     let from = windows.len() - merged_windows;
     let merged = Window::merge(&windows[from..]);
     let total = Summary::of(&merged.total(), merged.duration);
-    let series: Vec<SeriesResult> = ctx
-        .series
-        .iter()
-        .zip(&merged.series)
-        .map(|(s, stats)| {
-            let summary = Summary::of(stats, merged.duration);
-            let slo_met = s.slo_ms.map(|_| meets_slo(stats.ok_within_slo, summary.requests));
-            SeriesResult { name: s.name.clone(), slo_ms: s.slo_ms, slo_met, summary }
-        })
-        .collect();
+    let results = |groups: &[Group]| -> Vec<SeriesResult> {
+        groups
+            .iter()
+            .map(|g| {
+                let stats = merged.merged(g.entries.iter().copied());
+                let summary = Summary::of(&stats, merged.duration);
+                let slo_met = g.has_slo.then(|| meets_slo(stats.ok_within_slo, summary.requests));
+                SeriesResult { name: g.name.clone(), slo_ms: g.slo_ms, slo_met, summary }
+            })
+            .collect()
+    };
+    let series = results(&ctx.series);
+    let by_model = results(&ctx.by_model);
+    let by_tenant = results(&ctx.by_tenant);
     let slo_met = series.iter().filter_map(|s| s.slo_met).reduce(|a, b| a && b);
     let mut server = BTreeMap::new();
     if let (Some(Some(before)), Some(Some(after))) = (snapshots.get(from), snapshots.last()) {
@@ -792,6 +824,8 @@ async fn run_level(
         merged_windows,
         total,
         series,
+        by_model,
+        by_tenant,
         server,
         slo_met,
         gpu_memory_mib,
@@ -988,6 +1022,8 @@ mod tests {
             merged_windows: 1,
             total,
             series: vec![],
+            by_model: vec![],
+            by_tenant: vec![],
             server: BTreeMap::new(),
             slo_met,
             gpu_memory_mib: None,

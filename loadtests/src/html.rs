@@ -241,6 +241,21 @@ fn goodput_chart(report: &RunReport, levels: &[&LevelResult]) -> String {
             series.push(Series::new(format!("goodput {}", s.name), points));
         }
     }
+    // Per model / per tenant lines where they differ from the series (as in the tables).
+    if let Some(first) = levels.first() {
+        for (what, groups) in first.extra_breakdowns() {
+            for (i, g) in groups.iter().enumerate() {
+                let points = levels
+                    .iter()
+                    .filter_map(|l| {
+                        let r = if what == "model" { l.by_model.get(i) } else { l.by_tenant.get(i) };
+                        r.map(|r| (l.level.value(), r.summary.goodput_infer_per_sec))
+                    })
+                    .collect();
+                series.push(Series::new(format!("goodput {what} {}", g.name), points));
+            }
+        }
+    }
     let rules = report
         .verdict
         .best_level_meeting_slo
@@ -328,6 +343,14 @@ fn levels_section(out: &mut String, report: &RunReport) {
         if level.series.len() > 1 {
             for s in &level.series {
                 row(&mut body, " class=\"sub\"", "", &s.name, &s.summary, s.slo_met, |b| {
+                    b.push_str("<td></td><td></td><td></td><td></td><td></td>");
+                });
+            }
+        }
+        for (what, groups) in level.extra_breakdowns() {
+            for g in groups {
+                let label = format!("{what} {}", g.name);
+                row(&mut body, " class=\"sub\"", "", &label, &g.summary, g.slo_met, |b| {
                     b.push_str("<td></td><td></td><td></td><td></td><td></td>");
                 });
             }
@@ -484,6 +507,8 @@ mod tests {
                 slo_met: Some(slo_met),
                 summary: total.clone(),
             }],
+            by_model: vec![SeriesResult { name: "m".into(), slo_ms: None, slo_met: None, summary: total.clone() }],
+            by_tenant: vec![],
             total,
             server,
             slo_met: Some(slo_met),

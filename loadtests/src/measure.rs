@@ -153,30 +153,36 @@ impl SeriesStats {
     }
 }
 
-/// Everything measured during one window, per series.
+/// Everything measured during one window, per recorder slot (one per workload entry; the
+/// driver groups them into series, models and tenants).
 #[derive(Clone, Debug)]
 pub struct Window {
     pub duration: Duration,
-    pub series: Vec<SeriesStats>,
+    pub slots: Vec<SeriesStats>,
 }
 
 impl Window {
-    /// All series merged.
+    /// All slots merged.
     pub fn total(&self) -> SeriesStats {
+        self.merged(0..self.slots.len())
+    }
+
+    /// The given slots merged (indexes out of range are skipped).
+    pub fn merged(&self, slots: impl IntoIterator<Item = usize>) -> SeriesStats {
         let mut t = SeriesStats::default();
-        for s in &self.series {
+        for s in slots.into_iter().filter_map(|i| self.slots.get(i)) {
             t.merge(s);
         }
         t
     }
 
-    /// Windows merged into one: durations add, series merge index by index.
+    /// Windows merged into one: durations add, slots merge index by index.
     pub fn merge(windows: &[Window]) -> Window {
-        let n = windows.iter().map(|w| w.series.len()).max().unwrap_or(0);
-        let mut out = Window { duration: Duration::ZERO, series: vec![SeriesStats::default(); n] };
+        let n = windows.iter().map(|w| w.slots.len()).max().unwrap_or(0);
+        let mut out = Window { duration: Duration::ZERO, slots: vec![SeriesStats::default(); n] };
         for w in windows {
             out.duration += w.duration;
-            for (acc, s) in out.series.iter_mut().zip(&w.series) {
+            for (acc, s) in out.slots.iter_mut().zip(&w.slots) {
                 acc.merge(s);
             }
         }
@@ -297,7 +303,7 @@ pub struct Recorder {
 }
 
 impl Recorder {
-    /// One slot per series; `slos[i]` is series `i`'s latency SLO.
+    /// One slot per workload entry; `slos[i]` is slot `i`'s latency SLO.
     pub fn new(slos: Vec<Option<Duration>>) -> Self {
         Recorder { slos, open: Mutex::new(None), completed: AtomicU64::new(0) }
     }
@@ -313,9 +319,9 @@ impl Recorder {
     /// the same step so no completion falls between windows.
     pub fn close_window(&self, duration: Duration, reopen: bool) -> Window {
         let next = reopen.then(|| vec![SeriesStats::default(); self.slos.len()]);
-        let series = std::mem::replace(&mut *self.lock(), next).unwrap_or_default();
+        let slots = std::mem::replace(&mut *self.lock(), next).unwrap_or_default();
         self.completed.store(0, Ordering::Relaxed);
-        Window { duration, series }
+        Window { duration, slots }
     }
 
     /// Completions recorded in the open window so far.
@@ -323,19 +329,19 @@ impl Recorder {
         self.completed.load(Ordering::Relaxed)
     }
 
-    pub fn record(&self, series: usize, latency: Duration, outcome: Result<(), Failure>, batch_size: u32) {
-        let slo = self.slos.get(series).copied().flatten();
+    pub fn record(&self, slot: usize, latency: Duration, outcome: Result<(), Failure>, batch_size: u32) {
+        let slo = self.slos.get(slot).copied().flatten();
         let mut open = self.lock();
-        if let Some(s) = open.as_mut().and_then(|w| w.get_mut(series)) {
+        if let Some(s) = open.as_mut().and_then(|w| w.get_mut(slot)) {
             s.record(latency, outcome, batch_size, slo);
             self.completed.fetch_add(1, Ordering::Relaxed);
         }
     }
 
-    /// Open loop: a request of `series` was sent; `late` if after its schedule plus the bound.
-    pub fn record_send(&self, series: usize, late: bool) {
+    /// Open loop: a request of `slot` was sent; `late` if after its schedule plus the bound.
+    pub fn record_send(&self, slot: usize, late: bool) {
         let mut open = self.lock();
-        if let Some(s) = open.as_mut().and_then(|w| w.get_mut(series)) {
+        if let Some(s) = open.as_mut().and_then(|w| w.get_mut(slot)) {
             s.sends += 1;
             s.late_sends += late as u64;
         }
@@ -396,12 +402,12 @@ mod tests {
             for v in &a { wa.record(Duration::from_micros(*v), Ok(()), 2, None); all.record(Duration::from_micros(*v), Ok(()), 2, None); }
             for v in &b { wb.record(Duration::from_micros(*v), Ok(()), 2, None); all.record(Duration::from_micros(*v), Ok(()), 2, None); }
             let merged = Window::merge(&[
-                Window { duration: Duration::from_secs(1), series: vec![wa] },
-                Window { duration: Duration::from_secs(2), series: vec![wb] },
+                Window { duration: Duration::from_secs(1), slots: vec![wa] },
+                Window { duration: Duration::from_secs(2), slots: vec![wb] },
             ]);
             prop_assert_eq!(merged.duration, Duration::from_secs(3));
-            prop_assert_eq!(Latency::of(&merged.series[0]), Latency::of(&all));
-            prop_assert_eq!(merged.series[0].inferences, 2 * (a.len() + b.len()) as u64);
+            prop_assert_eq!(Latency::of(&merged.slots[0]), Latency::of(&all));
+            prop_assert_eq!(merged.slots[0].inferences, 2 * (a.len() + b.len()) as u64);
         }
     }
 
@@ -464,9 +470,9 @@ mod tests {
         r.record(1, Duration::from_micros(500), Err(Failure::Timeout), 1);
         let w2 = r.close_window(Duration::from_secs(1), false);
         r.record(1, Duration::from_micros(500), Ok(()), 1);
-        assert_eq!(w1.series[0].ok, 1, "warm-up completion dropped");
-        assert_eq!((w1.series[1].ok, w1.series[1].ok_within_slo), (1, 0));
-        assert_eq!((w1.series[1].sends, w1.series[1].late_sends), (2, 1));
+        assert_eq!(w1.slots[0].ok, 1, "warm-up completion dropped");
+        assert_eq!((w1.slots[1].ok, w1.slots[1].ok_within_slo), (1, 0));
+        assert_eq!((w1.slots[1].sends, w1.slots[1].late_sends), (2, 1));
         assert_eq!(w2.total().errors.get(&Failure::Timeout), Some(&1));
         assert_eq!(Summary::of(&w1.total(), w1.duration).late_fraction(), 0.5);
     }

@@ -212,6 +212,11 @@ pub fn table(report: &RunReport) -> String {
                 row(&mut out, format!("  {}", s.name), &s.summary, None, "", s.slo_met);
             }
         }
+        for (what, groups) in level.extra_breakdowns() {
+            for g in groups {
+                row(&mut out, format!("  {what} {}", g.name), &g.summary, None, "", g.slo_met);
+            }
+        }
         if level.server.len() > 1 {
             for (model, b) in &level.server {
                 let _ = writeln!(

@@ -274,6 +274,9 @@ pub struct Workload {
     pub series: Vec<Series>,
     /// `data[i]`: entry `i`'s own input contents (files read), `None` for the run's default.
     pub data: Vec<Option<InputSource>>,
+    /// The run's own key (`--api-key`), sent on the calls that belong to no entry (health,
+    /// metadata, config, shared-memory registration); entries carry theirs for inference.
+    pub default_api_key: Option<String>,
     /// `names[i]`: how entry `i` is named in messages (`entries[3]`, `entries[3].mix[1]`;
     /// empty for flags).
     names: Vec<String>,
@@ -289,6 +292,22 @@ pub struct Series {
     /// Latency SLO in milliseconds, from the entries or `--slo-p99-ms`.
     pub slo_ms: Option<f64>,
 }
+
+/// Entries reported together under one name: a series, a model or a tenant. Goodput counts
+/// every request against its own entry's SLO, so a group may mix SLOs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Group {
+    pub name: String,
+    /// Indexes into [`Workload::entries`].
+    pub entries: Vec<usize>,
+    /// The SLO every entry shares; `None` when they differ or some entry has none.
+    pub slo_ms: Option<f64>,
+    /// Whether every entry has an SLO, so the group can be said to meet them (or not).
+    pub has_slo: bool,
+}
+
+/// Name of the tenant group of entries that name no tenant.
+pub const NO_TENANT: &str = "(no tenant)";
 
 impl Workload {
     /// Parses and validates a workload file's text. `path` is only used in messages.
@@ -386,7 +405,54 @@ impl Workload {
                 }
             }
         }
-        Ok(Workload { origin, entries, series_of, series, data, names })
+        Ok(Workload { origin, entries, series_of, series, data, default_api_key: None, names })
+    }
+
+    /// Entry `i`'s latency SLO (its series').
+    pub fn entry_slo_ms(&self, i: usize) -> Option<f64> {
+        self.series[self.series_of[i]].slo_ms
+    }
+
+    /// Entries grouped by `key`, groups in order of first appearance.
+    fn groups_by(&self, key: impl Fn(usize, &Entry) -> String) -> Vec<Group> {
+        let mut groups: Vec<Group> = Vec::new();
+        for (i, e) in self.entries.iter().enumerate() {
+            let name = key(i, e);
+            match groups.iter_mut().find(|g| g.name == name) {
+                Some(g) => g.entries.push(i),
+                None => groups.push(Group { name, entries: vec![i], slo_ms: None, has_slo: false }),
+            }
+        }
+        for g in &mut groups {
+            let slos: Vec<Option<f64>> = g.entries.iter().map(|&i| self.entry_slo_ms(i)).collect();
+            g.has_slo = slos.iter().all(Option::is_some);
+            g.slo_ms = if slos.windows(2).all(|w| w[0] == w[1]) { slos[0] } else { None };
+        }
+        groups
+    }
+
+    /// The reporting series as groups of entries (same order as `series`).
+    pub fn series_groups(&self) -> Vec<Group> {
+        let mut groups = self.groups_by(|i, _| self.series[self.series_of[i]].name.clone());
+        groups.sort_by_key(|g| self.series_of[g.entries[0]]);
+        groups
+    }
+
+    /// One group per model (`model[:version]`), whatever class or tenant its entries have.
+    pub fn model_groups(&self) -> Vec<Group> {
+        self.groups_by(|_, e| match &e.version {
+            Some(v) => format!("{}:{v}", e.model),
+            None => e.model.clone(),
+        })
+    }
+
+    /// One group per tenant (entries without one under [`NO_TENANT`]); empty when no entry
+    /// names a tenant.
+    pub fn tenant_groups(&self) -> Vec<Group> {
+        if self.entries.iter().all(|e| e.tenant.is_none()) {
+            return Vec::new();
+        }
+        self.groups_by(|_, e| e.tenant.clone().unwrap_or_else(|| NO_TENANT.to_string()))
     }
 
     /// How an entry is named in messages: `entries[3]` (or `entries[3].mix[1]`) for files,
@@ -890,6 +956,50 @@ mod tests {
         assert_eq!(w.series[1].name, "identity_fp32:1");
         assert_eq!(w.series[1].slo_ms, Some(100.0), "--slo-p99-ms is the default");
         assert_eq!(w.models(), vec![("mlp_fp32".into(), None), ("identity_fp32".into(), Some("1".into()))]);
+    }
+
+    #[test]
+    fn entries_group_by_series_model_and_tenant() {
+        let w = Workload::from_json(
+            "w.json",
+            r#"{"entries":[
+                {"model":"mlp_fp32","class":"small","slo_ms":20,"tenant":"acme"},
+                {"model":"identity_fp32","class":"small","slo_ms":20,"tenant":"globex"},
+                {"model":"mlp_fp32","tenant":"globex","slo_ms":50},
+                {"model":"identity_fp32","version":2}
+            ]}"#,
+            None,
+        )
+        .unwrap();
+        let names = |gs: &[Group]| gs.iter().map(|g| (g.name.clone(), g.entries.clone())).collect::<Vec<_>>();
+        assert_eq!(
+            names(&w.series_groups()),
+            vec![
+                ("small".into(), vec![0, 1]),
+                ("mlp_fp32@globex".into(), vec![2]),
+                ("identity_fp32:2".into(), vec![3])
+            ]
+        );
+        let models = w.model_groups();
+        assert_eq!(
+            names(&models),
+            vec![
+                ("mlp_fp32".into(), vec![0, 2]),
+                ("identity_fp32".into(), vec![1]),
+                ("identity_fp32:2".into(), vec![3])
+            ]
+        );
+        assert_eq!((models[0].slo_ms, models[0].has_slo), (None, true), "20 and 50 ms: each request against its own");
+        assert_eq!((models[1].slo_ms, models[1].has_slo), (Some(20.0), true));
+        assert_eq!((models[2].slo_ms, models[2].has_slo), (None, false));
+        let tenants = w.tenant_groups();
+        assert_eq!(
+            names(&tenants),
+            vec![("acme".into(), vec![0]), ("globex".into(), vec![1, 2]), (NO_TENANT.into(), vec![3])]
+        );
+        assert_eq!(tenants[1].slo_ms, None);
+        let plain = Workload::from_json("w.json", r#"{"entries":[{"model":"a"}]}"#, None).unwrap();
+        assert!(plain.tenant_groups().is_empty(), "no tenant named: no tenant breakdown");
     }
 
     #[test]

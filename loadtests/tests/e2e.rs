@@ -57,10 +57,10 @@ impl Worker {
     /// [`Worker::start`] with extra worker flags.
     fn start_with(extra: &[&str]) -> Option<Worker> {
         let Some(bin) = worker_binary() else {
-            eprintln!(
-                "SKIPPED: nereid-worker is not built (looked next to {PERF} and in target/debug); \
+            common::worker_not_built(&format!(
+                "nereid-worker is not built (looked next to {PERF} and in target/debug); \
                  run `cargo build --workspace --all-targets` first"
-            );
+            ));
             return None;
         };
         let dir = tempfile::tempdir().expect("temp dir");
@@ -311,20 +311,8 @@ fn grpc_open_loop_and_a_mixed_workload_file() {
     let trace = dir.path().join("trace.txt");
     let offsets: String = (0..60).map(|i| format!("{}\n", i * 10)).collect();
     std::fs::write(&trace, format!("# 100 req/s for 0.6 s\n{offsets}")).unwrap();
-    let args = [
-        "-m",
-        "mlp_fp32",
-        "-u",
-        &u,
-        "--metrics-url",
-        &m,
-        "--json",
-        &j,
-        "--trace-file",
-        trace.to_str().unwrap(),
-        "--warmup-ms",
-        "0",
-    ];
+    let args = ["-m", "mlp_fp32", "-u", &u, "--metrics-url", &m, "--json", &j, "--trace-file", trace.to_str().unwrap()];
+    // No --warmup-ms: a trace is measured whole by default.
     let run = perf(&args);
     assert_measured(&run, true);
     let report = read_json(&json);
@@ -332,8 +320,9 @@ fn grpc_open_loop_and_a_mixed_workload_file() {
     assert_eq!(level["level"]["trace"]["arrivals"].as_u64(), Some(60));
     assert_eq!(level["total"]["ok"].as_u64(), Some(60), "every trace arrival answered: {level}");
 
-    // Two models, two classes with their own SLOs, a tenant key, priority and timeout; the
-    // second entry mixes two batch sizes.
+    // Two models, two classes with their own SLOs, tenant keys, priority and timeout; the
+    // second entry mixes two batch sizes; class "small" mixes two models and two tenants, so
+    // only the per-model and per-tenant breakdowns can tell them apart.
     let workload = dir.path().join("workload.json");
     std::fs::write(
         &workload,
@@ -341,7 +330,9 @@ fn grpc_open_loop_and_a_mixed_workload_file() {
             {"model": "identity_fp32", "weight": 3, "batch_size": 4, "class": "small", "slo_ms": 10000,
              "tenant": "acme", "api_key": "k-acme", "priority": 1, "timeout_us": 5000000},
             {"model": "mlp_fp32", "version": 1, "weight": 1, "class": "large", "slo_ms": 10000, "data": "zero",
-             "mix": [{"batch_size": 1}, {"batch_size": 8}]}
+             "mix": [{"batch_size": 1}, {"batch_size": 8}]},
+            {"model": "mlp_fp32", "weight": 1, "class": "small", "slo_ms": 10000, "tenant": "globex",
+             "api_key": "k-globex"}
         ]}"#,
     )
     .unwrap();
@@ -378,6 +369,124 @@ fn grpc_open_loop_and_a_mixed_workload_file() {
     );
     assert!(level["server"]["identity_fp32"]["requests"].as_u64().unwrap() > 0);
     assert!(level["server"]["mlp_fp32:1"]["requests"].as_u64().unwrap() > 0);
+
+    // Goodput per model and per tenant, whatever the class: each grouping covers every request.
+    let ok = |rs: &Value| -> Vec<(String, u64)> {
+        rs.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| (r["name"].as_str().unwrap().to_string(), r["summary"]["ok"].as_u64().unwrap()))
+            .collect()
+    };
+    let total_ok = level["total"]["ok"].as_u64().unwrap();
+    let (models, tenants) = (ok(&level["by_model"]), ok(&level["by_tenant"]));
+    let names = |v: &[(String, u64)]| v.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&models), ["identity_fp32", "mlp_fp32:1", "mlp_fp32"], "{level}");
+    assert_eq!(names(&tenants), ["acme", "(no tenant)", "globex"], "{level}");
+    for grouping in [&models, &tenants] {
+        assert!(grouping.iter().all(|(_, n)| *n > 0), "every group was measured: {grouping:?}");
+        assert_eq!(grouping.iter().map(|(_, n)| n).sum::<u64>(), total_ok, "{grouping:?}");
+    }
+    for r in level["by_model"].as_array().unwrap().iter().chain(level["by_tenant"].as_array().unwrap()) {
+        assert_eq!(r["slo_met"].as_bool(), Some(true), "{r}");
+        assert!(r["summary"]["goodput_infer_per_sec"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert!(
+        run.stdout.contains("  model identity_fp32") && run.stdout.contains("  tenant globex"),
+        "per-model and per-tenant rows: {}",
+        run.stdout
+    );
+}
+
+#[test]
+fn open_loop_latency_counts_from_the_schedule_when_the_server_falls_behind() {
+    let Some(w) = Worker::start() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("late.json");
+    let (u, m, j) = (w.grpc_url(), w.metrics_url(), json.to_str().unwrap().to_string());
+    // One request in flight at a time cannot keep 20 000 req/s (that needs a 50 µs round trip):
+    // sends fall ever further behind their schedule. Measured from the scheduled time, latency
+    // grows with the backlog; measured from the send (coordinated omission) it would stay near
+    // the server's own time.
+    let args = [
+        "-m",
+        "convnet_fp32",
+        "-u",
+        &u,
+        "--metrics-url",
+        &m,
+        "--json",
+        &j,
+        "--request-rate-range",
+        "20000",
+        "--max-inflight",
+        "1",
+        "-p",
+        "400",
+        "-r",
+        "1",
+        "--warmup-ms",
+        "0",
+    ];
+    let run = perf(&args);
+    assert_eq!(run.code(), 5, "the run says it could not keep the schedule: {}\n{}", run.stdout, run.stderr);
+    assert!(run.stdout.contains("could not keep the schedule"), "{}", run.stdout);
+    let report = read_json(&json);
+    let level = &report["levels"][0];
+    let total = &level["total"];
+    let (sends, late) = (total["sends"].as_u64().unwrap(), total["late_sends"].as_u64().unwrap());
+    assert!(sends > 10 && late * 2 > sends, "most sends late: {sends} sent, {late} late: {level}");
+    let p50_us = total["latency"]["p50_us"].as_u64().unwrap();
+    let server = &level["server"]["convnet_fp32"];
+    let server_us: f64 = ["avg_queue_us", "avg_compute_input_us", "avg_compute_infer_us", "avg_compute_output_us"]
+        .iter()
+        .map(|k| server[*k].as_f64().unwrap())
+        .sum();
+    assert!(
+        p50_us > 50_000 && p50_us as f64 > 10.0 * server_us,
+        "p50 {p50_us} µs should include the wait behind the schedule (server time {server_us:.0} µs): {level}"
+    );
+}
+
+#[test]
+fn count_windows_close_after_the_requested_responses() {
+    let Some(w) = Worker::start() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("count.json");
+    let (u, j) = (w.grpc_url(), json.to_str().unwrap().to_string());
+    // A 60 s time window alongside: if the count were ignored the run would outlast RUN_LIMIT.
+    let args = [
+        "-m",
+        "identity_fp32",
+        "-u",
+        &u,
+        "--no-server-stats",
+        "--json",
+        &j,
+        "--concurrency-range",
+        "2",
+        "-p",
+        "60000",
+        "--measurement-request-count",
+        "150",
+        "-r",
+        "3",
+        "-s",
+        "1000",
+        "--warmup-ms",
+        "50",
+    ];
+    let run = perf(&args);
+    assert_measured(&run, false);
+    let report = read_json(&json);
+    let level = &report["levels"][0];
+    let windows = level["windows"].as_array().unwrap();
+    assert_eq!(windows.len(), 3, "{level}");
+    for w in windows {
+        let requests = w["requests"].as_u64().unwrap();
+        assert!(requests >= 150, "a count window closes only after 150 responses: {w}");
+        assert!(w["duration_s"].as_f64().unwrap() < 30.0, "closed by count, not by the 60 s interval: {w}");
+    }
 }
 
 #[test]

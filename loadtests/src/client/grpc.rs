@@ -15,11 +15,12 @@ use nereid_proto::inference::{
 };
 use prost::Message;
 use tonic::codegen::Service;
+use tonic::metadata::AsciiMetadataValue;
 use tonic::transport::{Channel, Endpoint};
 
 use super::shm::{ShmRequest, ShmSlice};
 use super::tls::ALPN_H2;
-use super::{CONNECT_TIMEOUT, CONTROL_TIMEOUT, ClientError, Target};
+use super::{CONNECT_TIMEOUT, CONTROL_TIMEOUT, ClientError, Target, bearer, unauthorized_hint};
 use crate::measure::Failure;
 use crate::workload::{Entry, InputTensor, ModelInfo, TensorSpec};
 
@@ -33,6 +34,8 @@ pub const GRPC_STREAM_WINDOW: u32 = 4 << 20;
 pub struct GrpcClient {
     url: String,
     channels: Vec<Channel>,
+    /// `Bearer <key>` of non-inference calls.
+    auth: Option<AsciiMetadataValue>,
 }
 
 /// Headers of one prepared request.
@@ -47,9 +50,7 @@ impl GrpcParts {
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
         headers.insert(TE, HeaderValue::from_static("trailers"));
         if let Some(k) = &entry.api_key {
-            let v = HeaderValue::try_from(format!("Bearer {k}"))
-                .map_err(|_| ClientError::Invalid("the API key is not a valid header value".into()))?;
-            headers.insert(AUTHORIZATION, v);
+            headers.insert(AUTHORIZATION, bearer(k)?);
         }
         Ok(GrpcParts { headers })
     }
@@ -57,8 +58,16 @@ impl GrpcParts {
 
 impl GrpcClient {
     /// Opens `target.connections` channels (at least one); fails if the first cannot connect.
-    pub async fn connect(target: &Target) -> Result<Self, ClientError> {
+    /// `api_key` goes on every non-inference call.
+    pub async fn connect(target: &Target, api_key: Option<&str>) -> Result<Self, ClientError> {
         let unreachable = |reason: String| ClientError::Unreachable { url: target.url.clone(), reason };
+        let auth = match api_key {
+            None => None,
+            Some(k) => Some(
+                AsciiMetadataValue::try_from(bearer(k)?.as_bytes())
+                    .map_err(|_| ClientError::Invalid("the API key is not a valid header value".into()))?,
+            ),
+        };
         let scheme = if target.tls.is_some() { "https" } else { "http" };
         let endpoint = Endpoint::from_shared(format!("{scheme}://{}", target.url))
             .map_err(|e| ClientError::Invalid(format!("--url '{}': {e}", target.url)))?
@@ -81,12 +90,14 @@ impl GrpcClient {
             };
             channels.push(channel.map_err(|e| unreachable(error_chain(&e)))?);
         }
-        let client = GrpcClient { url: target.url.clone(), channels };
+        let client = GrpcClient { url: target.url.clone(), channels, auth };
         // A TCP listener that is not a KServe gRPC server fails here rather than mid-run.
         let mut probe = GrpcInferenceServiceClient::new(client.channels[0].clone());
-        match tokio::time::timeout(CONTROL_TIMEOUT, probe.server_live(ServerLiveRequest {})).await {
+        match tokio::time::timeout(CONTROL_TIMEOUT, probe.server_live(client.request(ServerLiveRequest {}))).await {
             Ok(Ok(_)) => Ok(client),
-            Ok(Err(status)) => Err(unreachable(format!("ServerLive failed: {} {}", status.code(), status.message()))),
+            Ok(Err(status)) => Err(client
+                .unauthorized("ServerLive", &status)
+                .unwrap_or_else(|| unreachable(format!("ServerLive failed: {} {}", status.code(), status.message())))),
             Err(_) => Err(unreachable(format!("ServerLive did not answer within {CONTROL_TIMEOUT:?}"))),
         }
     }
@@ -100,28 +111,53 @@ impl GrpcClient {
 
     pub async fn is_live(&self) -> bool {
         let mut c = GrpcInferenceServiceClient::new(self.channels[0].clone());
-        c.server_live(ServerLiveRequest {}).await.map(|r| r.into_inner().live).unwrap_or(false)
+        c.server_live(self.request(ServerLiveRequest {})).await.map(|r| r.into_inner().live).unwrap_or(false)
+    }
+
+    /// A non-inference call's request, with the run's key.
+    fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        if let Some(auth) = &self.auth {
+            request.metadata_mut().insert("authorization", auth.clone());
+        }
+        request
+    }
+
+    /// [`ClientError::Unauthorized`] for a call (`what`) refused as unauthenticated or not
+    /// permitted.
+    fn unauthorized(&self, what: &str, status: &tonic::Status) -> Option<ClientError> {
+        matches!(status.code(), tonic::Code::Unauthenticated | tonic::Code::PermissionDenied).then(|| {
+            ClientError::Unauthorized {
+                url: self.url.clone(),
+                reason: format!(
+                    "{what} answered {:?}: {}; {}",
+                    status.code(),
+                    status.message(),
+                    unauthorized_hint(self.auth.is_some())
+                ),
+            }
+        })
     }
 
     pub async fn model_info(&self, model: &str, version: Option<&str>) -> Result<ModelInfo, ClientError> {
         let mut c = GrpcInferenceServiceClient::new(self.channels[0].clone());
         let version = version.unwrap_or("").to_string();
-        let fail = |status: tonic::Status| self.model_error(model, status);
+        let fail = |what: &'static str| move |status: tonic::Status| self.model_error(what, model, status);
         let meta = tokio::time::timeout(
             CONTROL_TIMEOUT,
-            c.model_metadata(ModelMetadataRequest { name: model.to_string(), version: version.clone() }),
+            c.model_metadata(self.request(ModelMetadataRequest { name: model.to_string(), version: version.clone() })),
         )
         .await
         .map_err(|_| self.timeout())?
-        .map_err(fail)?
+        .map_err(fail("ModelMetadata"))?
         .into_inner();
         let config = tokio::time::timeout(
             CONTROL_TIMEOUT,
-            c.model_config(ModelConfigRequest { name: model.to_string(), version }),
+            c.model_config(self.request(ModelConfigRequest { name: model.to_string(), version })),
         )
         .await
         .map_err(|_| self.timeout())?
-        .map_err(fail)?
+        .map_err(fail("ModelConfig"))?
         .into_inner();
         let spec = |t: &nereid_proto::inference::model_metadata_response::TensorMetadata| TensorSpec {
             name: t.name.clone(),
@@ -141,7 +177,7 @@ impl GrpcClient {
     pub async fn register_system_shm(&self, name: &str, key: &str, byte_size: u64) -> Result<(), ClientError> {
         let mut c = GrpcInferenceServiceClient::new(self.channels[0].clone());
         let request = SystemSharedMemoryRegisterRequest { name: name.into(), key: key.into(), offset: 0, byte_size };
-        let call = tokio::time::timeout(CONTROL_TIMEOUT, c.system_shared_memory_register(request));
+        let call = tokio::time::timeout(CONTROL_TIMEOUT, c.system_shared_memory_register(self.request(request)));
         call.await.map_err(|_| self.timeout())?.map_err(|s| self.shm_error("registering", name, s))?;
         Ok(())
     }
@@ -151,13 +187,16 @@ impl GrpcClient {
         let mut c = GrpcInferenceServiceClient::new(self.channels[0].clone());
         let call = tokio::time::timeout(
             CONTROL_TIMEOUT,
-            c.system_shared_memory_unregister(SystemSharedMemoryUnregisterRequest { name: name.into() }),
+            c.system_shared_memory_unregister(self.request(SystemSharedMemoryUnregisterRequest { name: name.into() })),
         );
         call.await.map_err(|_| self.timeout())?.map_err(|s| self.shm_error("unregistering", name, s))?;
         Ok(())
     }
 
     fn shm_error(&self, what: &str, name: &str, status: tonic::Status) -> ClientError {
+        if let Some(e) = self.unauthorized(&format!("{what} shared memory region '{name}'"), &status) {
+            return e;
+        }
         if is_transport(&status) {
             return ClientError::Unreachable { url: self.url.clone(), reason: status.message().to_string() };
         }
@@ -169,7 +208,10 @@ impl GrpcClient {
         ))
     }
 
-    fn model_error(&self, model: &str, status: tonic::Status) -> ClientError {
+    fn model_error(&self, what: &str, model: &str, status: tonic::Status) -> ClientError {
+        if let Some(e) = self.unauthorized(what, &status) {
+            return e;
+        }
         if is_transport(&status) {
             return ClientError::Unreachable { url: self.url.clone(), reason: status.message().to_string() };
         }

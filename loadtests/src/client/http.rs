@@ -1,21 +1,19 @@
 //! HTTP/1.1: `POST /v2/models/{m}[/versions/{v}]/infer` with JSON tensors or the binary-tensor
-//! extension (`Inference-Header-Content-Length`), over a keep-alive connection pool.
+//! extension (`Inference-Header-Content-Length`), over a fixed set of keep-alive connections
+//! opened up front ([`Http1Pool`]), which every call shares: control calls and inference alike.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderValue};
 use http::{Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use serde_json::{Map, Value, json};
 
-use super::grpc::error_chain;
+use super::pool::{Http1Pool, ensure_open_files};
 use super::shm::{ShmRequest, ShmSlice};
 use super::tls::{ALPN_HTTP1, Connector};
-use super::{CONTROL_TIMEOUT, ClientError, Target};
+use super::{CONTROL_TIMEOUT, ClientError, Target, bearer, unauthorized_hint};
 use crate::measure::Failure;
 use crate::workload::{Entry, InputTensor, ModelInfo, TensorSpec, json_data, json_unrepresentable};
 
@@ -23,22 +21,18 @@ use crate::workload::{Entry, InputTensor, ModelInfo, TensorSpec, json_data, json
 pub const INFERENCE_HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
 /// Largest control-plane (metadata, config) response read.
 const MAX_CONTROL_BYTES: usize = 4 << 20;
-/// Idle pooled connections are closed after this long.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
-type Pool = Client<Connector, Full<Bytes>>;
-
-/// A keep-alive HTTP/1.1 pool to one server.
+/// `target.connections` HTTP/1.1 connections to one server.
 #[derive(Clone)]
 pub struct HttpClient {
     url: String,
-    /// `https` with TLS.
-    scheme: &'static str,
     binary: bool,
-    pool: Arc<Pool>,
+    pool: Arc<Http1Pool>,
+    /// `Bearer <key>` of non-inference calls.
+    auth: Option<HeaderValue>,
 }
 
-/// URI and headers of one prepared request.
+/// URI (origin-form) and headers of one prepared request.
 #[derive(Clone, Debug)]
 pub struct HttpParts {
     uri: Uri,
@@ -46,18 +40,23 @@ pub struct HttpParts {
 }
 
 impl HttpClient {
-    /// Builds the pool and checks `GET /v2/health/live`.
-    pub async fn connect(target: &Target, binary: bool) -> Result<Self, ClientError> {
+    /// Opens the connections (TLS handshakes included) and checks `GET /v2/health/live`;
+    /// `api_key` goes on every non-inference call.
+    pub async fn connect(target: &Target, binary: bool, api_key: Option<&str>) -> Result<Self, ClientError> {
+        let auth = api_key.map(bearer).transpose()?;
         let connector = match &target.tls {
             Some(tls) => tls.connector(ALPN_HTTP1),
             None => Connector::new(None),
         };
         let scheme = if target.tls.is_some() { "https" } else { "http" };
-        let pool = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(target.connections.max(1))
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .build(connector);
-        let client = HttpClient { url: target.url.clone(), scheme, binary, pool: Arc::new(pool) };
+        let origin: Uri = format!("{scheme}://{}", target.url)
+            .parse()
+            .map_err(|e| ClientError::Invalid(format!("--url '{}': {e}", target.url)))?;
+        ensure_open_files(target.connections).map_err(ClientError::Invalid)?;
+        let pool = Http1Pool::open(connector, origin, target.connections)
+            .await
+            .map_err(|reason| ClientError::Unreachable { url: target.url.clone(), reason })?;
+        let client = HttpClient { url: target.url.clone(), binary, pool, auth };
         let (status, _) = client.get("/v2/health/live").await?;
         if status != StatusCode::OK {
             return Err(ClientError::Unreachable {
@@ -141,7 +140,7 @@ impl HttpClient {
         inputs: &[InputTensor],
         shm: Option<&ShmRequest>,
     ) -> Result<(Bytes, HttpParts), ClientError> {
-        let uri: Uri = format!("{}://{}{}", self.scheme, self.url, infer_path(&entry.model, entry.version.as_deref()))
+        let uri: Uri = infer_path(&entry.model, entry.version.as_deref())
             .parse()
             .map_err(|e| ClientError::Invalid(format!("model '{}' does not fit in a URL: {e}", entry.model)))?;
         if !self.binary && shm.is_none() {
@@ -156,9 +155,7 @@ impl HttpClient {
         }
         let mut headers = HeaderMap::new();
         if let Some(k) = &entry.api_key {
-            let v = HeaderValue::try_from(format!("Bearer {k}"))
-                .map_err(|_| ClientError::Invalid("the API key is not a valid header value".into()))?;
-            headers.insert(AUTHORIZATION, v);
+            headers.insert(AUTHORIZATION, bearer(k)?);
         }
         let (body, header_len) = encode(entry, inputs, self.binary, shm);
         match header_len {
@@ -202,65 +199,83 @@ impl HttpClient {
         self.call(Method::GET, path, Bytes::new()).await
     }
 
+    /// One non-inference call, with the run's key; 401 and 403 fail as
+    /// [`ClientError::Unauthorized`].
     async fn call(&self, method: Method, path: &str, body: Bytes) -> Result<(StatusCode, Bytes), ClientError> {
         let unreachable = |reason: String| ClientError::Unreachable { url: self.url.clone(), reason };
-        let uri: Uri = format!("{}://{}{path}", self.scheme, self.url)
-            .parse()
-            .map_err(|e| ClientError::Invalid(format!("'{}{path}' is not a valid URL: {e}", self.url)))?;
-        let mut request = Request::builder().method(method).uri(uri);
+        let uri: Uri =
+            path.parse().map_err(|e| ClientError::Invalid(format!("'{}{path}' is not a valid URL: {e}", self.url)))?;
+        let mut request = Request::builder().method(method.clone()).uri(uri);
         if !body.is_empty() {
             request = request.header(CONTENT_TYPE, "application/json");
         }
+        if let Some(auth) = &self.auth {
+            request = request.header(AUTHORIZATION, auth.clone());
+        }
         let request = request.body(Full::new(body)).map_err(|e| ClientError::Invalid(e.to_string()))?;
         let fetch = async {
-            let resp = self.pool.request(request).await.map_err(|e| unreachable(error_chain(&e)))?;
+            let mut lease = self.pool.acquire().await;
+            let resp = lease.send(request).await.map_err(unreachable)?;
             let status = resp.status();
             let body = http_body_util::Limited::new(resp.into_body(), MAX_CONTROL_BYTES)
                 .collect()
                 .await
                 .map_err(|e| unreachable(format!("reading {path}: {e}")))?
                 .to_bytes();
+            lease.done();
             Ok((status, body))
         };
-        tokio::time::timeout(CONTROL_TIMEOUT, fetch)
+        let (status, body) = tokio::time::timeout(CONTROL_TIMEOUT, fetch)
             .await
-            .map_err(|_| unreachable(format!("{path} did not answer within {CONTROL_TIMEOUT:?}")))?
+            .map_err(|_| unreachable(format!("{path} did not answer within {CONTROL_TIMEOUT:?}")))??;
+        if matches!(status, StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN) {
+            return Err(ClientError::Unauthorized {
+                url: self.url.clone(),
+                reason: format!("{method} {path} answered HTTP {status}; {}", unauthorized_hint(self.auth.is_some())),
+            });
+        }
+        Ok((status, body))
     }
 }
 
-/// One sender's handle on the pool.
+/// One sender's handle on the connections.
 pub struct HttpLane {
-    pool: Arc<Pool>,
+    pool: Arc<Http1Pool>,
 }
 
 impl HttpLane {
     pub async fn send(&mut self, body: &Bytes, parts: &HttpParts) -> Result<(), Failure> {
-        let mut request = Request::new(Full::new(body.clone()));
-        *request.method_mut() = Method::POST;
-        *request.uri_mut() = parts.uri.clone();
-        *request.headers_mut() = parts.headers.clone();
-        let resp = self.pool.request(request).await.map_err(|_| Failure::Connection)?;
+        let mut lease = self.pool.acquire().await;
+        let resp = lease.send(request(body, parts)).await.map_err(|_| Failure::Connection)?;
         let status = resp.status();
-        // Drain the body so the connection goes back to the pool; frames are dropped unread.
+        // Drain the body so the connection can take the next request; frames are dropped unread.
         let mut body = resp.into_body();
         while let Some(frame) = body.frame().await {
             frame.map_err(|_| Failure::Connection)?;
         }
+        lease.done();
         if status == StatusCode::OK { Ok(()) } else { Err(Failure::Http(status.as_u16())) }
     }
 
     /// Sends one request and returns its whole response body (JSON, or with binary tensors the
     /// JSON header followed by the output bytes), for checks; the load path never decodes.
     pub async fn fetch(&mut self, body: &Bytes, parts: &HttpParts) -> Result<Bytes, Failure> {
-        let mut request = Request::new(Full::new(body.clone()));
-        *request.method_mut() = Method::POST;
-        *request.uri_mut() = parts.uri.clone();
-        *request.headers_mut() = parts.headers.clone();
-        let resp = self.pool.request(request).await.map_err(|_| Failure::Connection)?;
+        let mut lease = self.pool.acquire().await;
+        let resp = lease.send(request(body, parts)).await.map_err(|_| Failure::Connection)?;
         let status = resp.status();
         let body = resp.into_body().collect().await.map_err(|_| Failure::Connection)?.to_bytes();
+        lease.done();
         if status == StatusCode::OK { Ok(body) } else { Err(Failure::Http(status.as_u16())) }
     }
+}
+
+/// A prepared inference request.
+fn request(body: &Bytes, parts: &HttpParts) -> Request<Full<Bytes>> {
+    let mut request = Request::new(Full::new(body.clone()));
+    *request.method_mut() = Method::POST;
+    *request.uri_mut() = parts.uri.clone();
+    *request.headers_mut() = parts.headers.clone();
+    request
 }
 
 fn model_path(model: &str, version: Option<&str>) -> String {

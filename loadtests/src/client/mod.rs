@@ -1,12 +1,19 @@
 //! KServe v2 clients for the generator: gRPC (`raw_input_contents`) and HTTP (JSON tensors or
-//! the binary-tensor extension), with `authorization: Bearer <key>`, reused connections and
-//! optional TLS ([`tls`]).
+//! the binary-tensor extension), with `authorization: Bearer <key>`, connections opened once
+//! and reused, and optional TLS ([`tls`]).
+//!
+//! Every call carries `authorization: Bearer <key>` when there is a key: inference requests
+//! the key of their workload entry, every other call (health, metadata, config, shared-memory
+//! registration) the run's default key given to [`Client::connect_with_key`]. A server that
+//! answers a non-inference call with HTTP 401/403 (gRPC `UNAUTHENTICATED`/`PERMISSION_DENIED`)
+//! fails it as [`ClientError::Unauthorized`].
 //!
 //! Request bodies are encoded once per workload entry ([`Client::prepare`]); each send clones
 //! a `Bytes` handle. Responses are checked for status and drained but not decoded, so the
 //! generator's own CPU stays small next to the server's. gRPC requests multiplex over a few
-//! HTTP/2 channels; HTTP/1.1 requests go through a keep-alive pool with one connection per
-//! concurrent request at most.
+//! HTTP/2 channels; HTTP/1.1 requests share exactly [`Target::connections`] connections, all
+//! opened (TLS handshake included) before the first request: a request waits for a free one,
+//! and that wait counts in its latency.
 //!
 //! A request that gets no answer within the request timeout fails as
 //! [`Failure::Timeout`]; one whose connection cannot be made or breaks fails as
@@ -14,6 +21,7 @@
 
 mod grpc;
 mod http;
+mod pool;
 pub mod shm;
 pub mod tls;
 
@@ -55,7 +63,8 @@ pub struct Target {
     pub protocol: Protocol,
     /// `host:port`.
     pub url: String,
-    /// HTTP/2 channels for gRPC; HTTP/1.1 pool size for HTTP.
+    /// HTTP/2 channels for gRPC; for HTTP, the HTTP/1.1 connections, all opened up front and
+    /// the most requests in flight at once.
     pub connections: usize,
     /// TLS (gRPC over TLS, HTTPS); `None` for plain TCP.
     pub tls: Option<Tls>,
@@ -68,8 +77,23 @@ pub enum ClientError {
     Unreachable { url: String, reason: String },
     #[error("model '{model}' is not available on {url}: {reason}")]
     Model { model: String, url: String, reason: String },
+    /// The server refused a call for want of a (valid) API key.
+    #[error("{url} refused the request: {reason}")]
+    Unauthorized { url: String, reason: String },
     #[error("{0}")]
     Invalid(String),
+}
+
+/// Why a server refused a call with 401/403 (gRPC `UNAUTHENTICATED`/`PERMISSION_DENIED`),
+/// given whether a key was sent.
+fn unauthorized_hint(key_sent: bool) -> &'static str {
+    if key_sent { "the API key was refused" } else { "no API key was sent; give one with --api-key" }
+}
+
+/// `Bearer <key>` as a header value.
+fn bearer(key: &str) -> Result<::http::HeaderValue, ClientError> {
+    ::http::HeaderValue::try_from(format!("Bearer {key}"))
+        .map_err(|_| ClientError::Invalid("the API key is not a valid header value".into()))
 }
 
 /// One entry's request, encoded once for the target's protocol, headers included. Cloning
@@ -102,16 +126,24 @@ pub enum Lane {
 }
 
 impl Client {
-    /// Connects and checks the server answers, retrying [`CONNECT_ATTEMPTS`] times.
+    /// Connects and checks the server answers, retrying [`CONNECT_ATTEMPTS`] times; sends no
+    /// key on non-inference calls ([`Client::connect_with_key`] does).
     pub async fn connect(target: &Target) -> Result<Client, ClientError> {
+        Self::connect_with_key(target, None).await
+    }
+
+    /// [`Client::connect`], sending `authorization: Bearer <api_key>` on every non-inference
+    /// call (health, metadata, config, shared memory); inference requests carry their entry's
+    /// key ([`Client::prepare`]). A refused key is not retried.
+    pub async fn connect_with_key(target: &Target, api_key: Option<&str>) -> Result<Client, ClientError> {
         let mut last = String::new();
         for attempt in 0..CONNECT_ATTEMPTS {
             if attempt > 0 {
                 tokio::time::sleep(CONNECT_BACKOFF).await;
             }
             let result = match target.protocol {
-                Protocol::Grpc => GrpcClient::connect(target).await.map(Client::Grpc),
-                Protocol::Http { binary } => HttpClient::connect(target, binary).await.map(Client::Http),
+                Protocol::Grpc => GrpcClient::connect(target, api_key).await.map(Client::Grpc),
+                Protocol::Http { binary } => HttpClient::connect(target, binary, api_key).await.map(Client::Http),
             };
             match result {
                 Ok(client) => return Ok(client),

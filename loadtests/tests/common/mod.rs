@@ -151,3 +151,21 @@ impl TlsProxy {
         TlsProxy { port, _runtime: runtime }
     }
 }
+
+/// Set (non-empty, not "0") to make a missing worker binary a failure instead of a skip: the
+/// suite script sets it, so that the end-to-end tests cannot pass by not running.
+pub const REQUIRE_WORKER: &str = "NEREID_REQUIRE_WORKER";
+
+/// Whether `REQUIRE_WORKER`'s value asks for the worker.
+pub fn worker_required(value: Option<&str>) -> bool {
+    value.is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Called when the worker binary has not been built: the test is skipped after saying why (a
+/// plain `cargo test`), or fails when [`REQUIRE_WORKER`] is set.
+pub fn worker_not_built(why: &str) {
+    if worker_required(std::env::var(REQUIRE_WORKER).ok().as_deref()) {
+        panic!("{REQUIRE_WORKER} is set, so this test may not be skipped: {why}");
+    }
+    eprintln!("SKIPPED: {why} (set {REQUIRE_WORKER}=1 to fail instead)");
+}
