@@ -28,17 +28,28 @@ fn workspace() -> PathBuf {
 }
 
 /// The worker binary next to nereid-analyze (same target dir), else `<workspace>/target/debug`.
+/// Missing: the test is skipped (a plain `cargo test`), or fails with `NEREID_REQUIRE_WORKER`.
 fn worker_binary() -> Option<PathBuf> {
     let sibling = Path::new(ANALYZE).with_file_name("nereid-worker");
     let fallback = workspace().join("target/debug/nereid-worker");
     let found = [sibling, fallback].into_iter().find(|p| p.exists());
     if found.is_none() {
-        eprintln!(
-            "SKIPPED: nereid-worker is not built (looked next to {ANALYZE} and in target/debug); \
-             run `cargo build --workspace --all-targets` first"
+        let why = format!(
+            "nereid-worker is not built (looked next to {ANALYZE} and in {}); run `cargo build --workspace \
+             --all-targets` first",
+            workspace().join("target/debug").display()
         );
+        common::worker_not_built(&why);
     }
     found
+}
+
+#[test]
+fn a_missing_worker_fails_instead_of_skipping_when_required() {
+    use common::worker_required;
+    assert!(!worker_required(None), "a plain cargo test skips");
+    assert!(!worker_required(Some("")) && !worker_required(Some("0")));
+    assert!(worker_required(Some("1")) && worker_required(Some("yes")));
 }
 
 fn ort_lib() -> PathBuf {
@@ -80,6 +91,33 @@ fn read_json(path: &Path) -> Value {
 
 fn rows(report: &Value) -> &Vec<Value> {
     report["rows"].as_array().expect("rows")
+}
+
+/// The cells of a CSV line, quotes undone (RFC 4180: a reason may hold commas).
+fn csv_cells(line: &str) -> Vec<String> {
+    let (mut cells, mut cell, mut quoted, mut chars) = (Vec::new(), String::new(), false, line.chars().peekable());
+    while let Some(c) = chars.next() {
+        match (c, quoted) {
+            ('"', true) if chars.peek() == Some(&'"') => {
+                cell.push('"');
+                chars.next();
+            }
+            ('"', _) => quoted = !quoted,
+            (',', false) => cells.push(std::mem::take(&mut cell)),
+            _ => cell.push(c),
+        }
+    }
+    cells.push(cell);
+    cells
+}
+
+/// The cell of `column` in line `row` (0 is the header) of a results.csv `text`.
+fn csv_cell(text: &str, row: usize, column: &str) -> String {
+    let header = csv_cells(text.lines().next().expect("a header"));
+    let i = header.iter().position(|c| c == column).unwrap_or_else(|| panic!("no column {column}: {header:?}"));
+    let cells = csv_cells(text.lines().nth(row).unwrap_or_else(|| panic!("no row {row}: {text}")));
+    assert_eq!(cells.len(), header.len(), "row {row}: {text}");
+    cells[i].clone()
 }
 
 #[test]
@@ -127,6 +165,26 @@ fn brute_sweep_writes_results_frontier_and_a_config_that_parses_then_resumes() {
         assert!(m["memory_mb"].as_f64().unwrap() > 0.0, "the started worker's RSS is known: {r}");
         assert_eq!(r["config"]["instance_group"][0]["count"], r["variant"]["instance_count"]);
         assert_eq!(r["meets_constraints"], true);
+        assert_eq!(r["trusted"], true, "stable, closed loop: {r}");
+        // The percentiles and the server's queue vs compute time (scraped from /metrics).
+        let p = |k: &str| m[k].as_f64().unwrap_or_else(|| panic!("no {k}: {r}"));
+        assert!(p("p50_ms") <= p("p90_ms") && p("p90_ms") <= p("p99_ms") && p("p99_ms") <= p("p999_ms"), "{r}");
+        let server = &m["server_time"];
+        assert!(server["compute_infer_us"].as_f64().unwrap_or(0.0) > 0.0, "{r}");
+        assert!(server["queue_us"].as_f64().is_some_and(|q| q >= 0.0), "{r}");
+        // Every variant's config as a ready config.pbtxt, exactly the config that was loaded.
+        let key = r["key"].as_str().unwrap();
+        let path = out.join("variants").join(key).join("config.pbtxt");
+        assert_eq!(r["config_pbtxt"].as_str(), path.to_str(), "{r}");
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let config = parse_model_config(&text).unwrap_or_else(|e| panic!("{}: {e}\n{text}", path.display()));
+        let sent = nereid_common::config::parse_model_config_json(&r["config"].to_string()).unwrap();
+        assert_eq!(config, sent, "{}", path.display());
+        assert_eq!(i64::from(config.instance_group[0].count), r["variant"]["instance_count"].as_i64().unwrap());
+        assert_eq!(
+            dynamic_batching(&config).unwrap().max_queue_delay_microseconds,
+            r["variant"]["max_queue_delay_us"].as_u64().unwrap()
+        );
     }
     // The frontier: non-empty, made of measured variants, flagged on their rows.
     let frontier: Vec<&str> = report["frontier"].as_array().unwrap().iter().map(|k| k.as_str().unwrap()).collect();
@@ -147,6 +205,8 @@ fn brute_sweep_writes_results_frontier_and_a_config_that_parses_then_resumes() {
     assert_eq!(csv.lines().count(), 1 + 4);
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();
     assert!(html.contains("Pareto frontier") && html.contains("<svg"));
+    assert!(html.contains("Latency percentiles vs throughput") && html.contains("<title>p99.9: "), "percentiles");
+    assert!(html.contains("queue vs compute") && html.contains("i2_b8_p0_d100: compute infer = "), "server time");
     let checkpoint = read_json(&out.join("checkpoint.json"));
     assert_eq!(checkpoint["results"].as_array().unwrap().len(), 4);
 
@@ -277,12 +337,10 @@ fn a_queue_policy_sweep_loads_each_policy_and_writes_it_where_it_wins() {
 
     let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
     let lines: Vec<&str> = csv.lines().collect();
-    assert!(
-        lines[0].ends_with(",max_queue_size,queue_timeout_us,concurrency,request_rate,priority_levels,gpu_memory_mb"),
-        "{}",
-        lines[0]
-    );
-    assert!(lines[4].starts_with("i1_b8_p0_d0_q4,") && lines[4].ends_with(",4,0,2,,0,"), "no GPU here: {}", lines[4]);
+    assert!(lines[4].starts_with("i1_b8_p0_d0_q4,"), "{}", lines[4]);
+    let policy = ["max_queue_size", "queue_timeout_us", "concurrency", "request_rate", "priority_levels"];
+    assert_eq!(policy.map(|c| csv_cell(&csv, 4, c)), ["4", "0", "2", "", "0"], "{}", lines[4]);
+    assert_eq!(csv_cell(&csv, 4, "gpu_memory_mb"), "", "no GPU here: {}", lines[4]);
     let checkpoint = read_json(&out.join("checkpoint.json"));
     assert_eq!(checkpoint["results"].as_array().unwrap().len(), 4);
 }
@@ -332,9 +390,10 @@ fn a_concurrency_range_credits_each_variant_with_its_best_level() {
     }
     let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
     let lines: Vec<&str> = csv.lines().collect();
-    assert!(lines[0].ends_with(",concurrency,request_rate,priority_levels,gpu_memory_mb"), "{}", lines[0]);
-    for (line, r) in lines[1..].iter().zip(rs) {
-        assert!(line.ends_with(&format!(",{},,0,", r["measured"]["concurrency"])), "{line}");
+    assert_eq!(lines.len(), 1 + rs.len());
+    for (i, r) in rs.iter().enumerate() {
+        assert_eq!(csv_cell(&csv, i + 1, "concurrency"), r["measured"]["concurrency"].to_string(), "{csv}");
+        assert_eq!(csv_cell(&csv, i + 1, "request_rate"), "", "{csv}");
     }
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();
     assert!(html.contains("across load levels") && html.contains("<th>best level</th>"), "levels chart and column");
@@ -406,7 +465,7 @@ fn a_priority_sweep_with_a_workload_sheds_only_the_lower_level() {
     assert_eq!((gold["name"].as_str(), gold["errors"].as_u64()), (Some("gold"), Some(0)), "{gold}");
     assert!(gold["requests"].as_u64().unwrap() > 0);
     let text = std::fs::read_to_string(out.join("results.csv")).unwrap();
-    assert!(text.lines().nth(4).unwrap().ends_with(",2,"), "priority_levels column: {text}");
+    assert_eq!(csv_cell(&text, 4, "priority_levels"), "2", "{text}");
 
     // A workload entry for another model is refused before anything starts.
     std::fs::write(&workload, r#"{"entries": [{"model": "mlp_fp32"}]}"#).unwrap();
@@ -557,7 +616,50 @@ fn a_server_killed_mid_sweep_keeps_partial_results_and_exits_3() {
     assert!(first["measured"]["memory_mb"].as_f64().unwrap() > 0.0, "--worker-pid gives memory: {first}");
     assert!(rows(&report).len() < 8, "the sweep stopped early");
     let kept = read_json(&checkpoint);
-    assert!(!kept["results"].as_array().unwrap().is_empty());
+    let kept = kept["results"].as_array().unwrap().clone();
+    assert!(!kept.is_empty());
+    // What --resume reuses: every final result (a measurement cut short is retried).
+    let reusable: Vec<&Value> = kept.iter().filter(|r| r["status"] != "failed").collect();
+    assert!(!reusable.is_empty() && reusable.iter().all(|r| r["status"] == "measured"), "{kept:?}");
+
+    // Resume on a new server: the variants measured before the kill come from the checkpoint,
+    // the rest are loaded and measured, and the sweep completes.
+    let worker = ExplicitWorker::start(&bin);
+    let (url, pid) = (format!("127.0.0.1:{}", worker.grpc), worker.child.id().to_string());
+    let mut resumed = args.clone();
+    for (flag, value) in [("--url", url.as_str()), ("--worker-pid", pid.as_str())] {
+        let i = resumed.iter().position(|a| *a == flag).unwrap();
+        resumed[i + 1] = value;
+    }
+    resumed.push("--resume");
+    let run = analyze(&resumed);
+    assert_eq!(run.code, 0, "{run}");
+    assert_eq!(run.stderr.matches("(from the checkpoint)").count(), reusable.len(), "{run}");
+    for r in &reusable {
+        let line = format!("{}: measured (from the checkpoint)", r["key"].as_str().unwrap());
+        assert_eq!(run.stderr.matches(&line).count(), 1, "{line}: {run}");
+    }
+    let report = read_json(&out.join("results.json"));
+    assert_eq!(report["reused"], reusable.len());
+    assert_eq!(report["search_end"], "every variant visited");
+    let rs = rows(&report);
+    assert_eq!(rs.len(), 8, "the sweep completed: {report}");
+    for r in rs {
+        assert_eq!(r["status"], "measured", "{r}");
+        match reusable.iter().find(|k| k["key"] == r["key"]) {
+            // Not measured again: the very numbers of the first run (its worker's memory too).
+            Some(before) => assert_eq!(r["measured"], before["measured"], "{r}"),
+            None => {
+                // Measured by this run: its progress lines, not a reuse.
+                let key = r["key"].as_str().unwrap();
+                assert!(run.stderr.contains(&format!("] {key}: ")), "{key} was measured: {run}");
+                assert!(!run.stderr.contains(&format!("{key}: measured (from the checkpoint)")), "{run}");
+            }
+        }
+    }
+    let after = read_json(&checkpoint);
+    assert_eq!(after["results"].as_array().unwrap().len(), 8);
+    assert!(after["results"].as_array().unwrap().iter().all(|r| r["status"] == "measured"), "{after}");
 }
 
 #[test]
@@ -637,4 +739,116 @@ fn a_sweep_through_shared_memory_starts_its_worker_allowing_it() {
     assert_eq!(rs[0]["status"], "measured", "{}", rs[0]);
     assert!(rs[0]["measured"]["throughput_infer_per_sec"].as_f64().unwrap_or(0.0) > 0.0, "{}", rs[0]);
     assert_eq!(rs[0]["measured"]["errors"], 0, "{}", rs[0]);
+}
+
+#[test]
+fn an_unstable_variant_is_listed_but_never_recommended() {
+    let Some(worker) = worker_binary() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let m = models();
+    // A stability band of ±0.0001% over 2 windows: two windows practically never agree that
+    // closely, so the measurement is untrustworthy (nereid-perf's exit 5) on every variant.
+    let args = [
+        "--model-repository",
+        m.to_str().unwrap(),
+        "-m",
+        "identity_fp32",
+        "--worker-bin",
+        worker.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--instance-counts",
+        "1",
+        "--max-batch-sizes",
+        "8",
+        "--max-queue-delays-us",
+        "0",
+        "--max-p99-ms",
+        "5000",
+        "--concurrency",
+        "2",
+        "-p",
+        "250",
+        "-r",
+        "2",
+        "-s",
+        "0.0001",
+        "--warmup-ms",
+        "150",
+    ];
+    let run = analyze(&args);
+    assert_eq!(run.code, 5, "it met the constraints, but cannot be trusted: {run}");
+    assert!(run.stdout.contains("no trusted variant met the constraints"), "{run}");
+    assert!(run.stdout.contains("untrusted: not recommended: no stable measurement"), "{run}");
+    let report = read_json(&out.join("results.json"));
+    let r = &rows(&report)[0];
+    assert_eq!((r["status"].as_str(), r["trusted"].as_bool()), (Some("measured"), Some(false)), "{r}");
+    assert_eq!(r["measured"]["stable"], false, "{r}");
+    assert!(r["measured"]["throughput_infer_per_sec"].as_f64().unwrap() > 0.0, "its numbers are kept: {r}");
+    assert_eq!(r["meets_constraints"], true);
+    assert!(report["recommended"].is_null() && report["frontier"].as_array().unwrap().is_empty(), "{report}");
+    assert!(!out.join("recommended/config.pbtxt").exists());
+    // Still inspectable: its config is written like every variant's.
+    parse_model_config(&std::fs::read_to_string(out.join("variants/i1_b8_p0_d0/config.pbtxt")).unwrap()).unwrap();
+    // The checkpoint says so too, so a resume does not trust it either.
+    let checkpoint = read_json(&out.join("checkpoint.json"));
+    assert_eq!(checkpoint["results"][0]["measured"]["stable"], false);
+    let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
+    assert_eq!(csv_cell(&csv, 1, "trusted"), "false", "{csv}");
+}
+
+#[test]
+fn an_open_loop_sweep_with_an_input_data_file_and_an_api_key() {
+    let Some(worker) = worker_binary() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let data = dir.path().join("data.json");
+    let row = |k: f32| serde_json::json!({ "INPUT0": (0..16).map(|i| k + i as f32).collect::<Vec<f32>>() });
+    std::fs::write(&data, serde_json::json!({ "data": [row(0.0), row(100.0)] }).to_string()).unwrap();
+    let d = data.to_str().unwrap();
+    let sweep = [
+        "--instance-counts",
+        "1",
+        "--max-batch-sizes",
+        "8",
+        "--max-queue-delays-us",
+        "0",
+        "--request-rate",
+        "100",
+        "--input-data",
+        d,
+        "--api-key",
+        "k-analyze",
+    ];
+    let args = identity_sweep(&worker, &out, &[&sweep[..]]);
+    let run = analyze(&strs(&args));
+    let report = read_json(&out.join("results.json"));
+    assert_eq!(report["load"]["input_data"], d, "{}", report["load"]);
+    assert!(!std::fs::read_to_string(out.join("results.json")).unwrap().contains("k-analyze"), "no secret written");
+    let r = &rows(&report)[0];
+    let m = &r["measured"];
+    assert_eq!((r["status"].as_str(), &m["errors"]), (Some("measured"), &Value::from(0)), "{r}");
+    // Open loop: the sends and how many were late are kept. 100 req/s is little, but a busy
+    // (debug-built, shared) machine can still make more than 1% of sends late: then, and only
+    // then, the variant is untrusted, not recommended, and the exit is nereid-perf's 5.
+    let sends = m["sends"].as_u64().unwrap_or(0);
+    assert!(sends > 0, "{r}");
+    let late = m["late_sends"].as_u64().unwrap_or(0);
+    let kept = late * 100 <= sends;
+    assert_eq!(r["trusted"].as_bool(), Some(kept), "{late} of {sends} late: {r}");
+    assert_eq!(run.code, if kept { 0 } else { 5 }, "{run}");
+    assert_eq!(report["recommended"].is_object(), kept, "{report}");
+    assert_eq!(run.stdout.contains("could not keep the schedule"), !kept, "{run}");
+
+    // A file that does not fit the model is refused before the worker starts (exit 2).
+    std::fs::write(&data, r#"{"data": [{"INPUT0": [1.0, 2.0]}]}"#).unwrap();
+    let run = analyze(&strs(&args));
+    assert_eq!(run.code, 2, "{run}");
+    assert!(run.stderr.contains("--input-data") && run.stderr.contains("data[0].INPUT0"), "{run}");
+    assert!(!run.stderr.contains("starting"), "nothing started: {run}");
+    let args = identity_sweep(&worker, &out, &[&["--api-key", "two words"][..]]);
+    let run = analyze(&strs(&args));
+    assert_eq!(run.code, 2, "{run}");
+    assert!(run.stderr.contains("--api-key"), "{run}");
 }

@@ -87,7 +87,7 @@ impl Checkpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::analyze::result::{Measured, VariantStatus};
+    use crate::analyze::result::{Measured, ServerTime, VariantStatus};
     use crate::analyze::space::Variant;
 
     fn v(i: u32, d: u64) -> Variant {
@@ -103,15 +103,25 @@ mod tests {
             requests_per_sec: 1234.5,
             goodput_infer_per_sec: 1200.25,
             p50_ms: 0.5,
+            p90_ms: Some(1.0),
             p99_ms: 2.125,
+            p999_ms: Some(3.5),
             avg_ms: 0.75,
             requests: 5000,
             errors: 0,
             stable: true,
+            sends: 5000,
+            late_sends: 60,
             slo_met: Some(true),
             memory_mb: Some(87.5),
             gpu_memory_mb: None,
-            server_avg_batch_size: None,
+            server_avg_batch_size: Some(3.25),
+            server_time: Some(ServerTime {
+                queue_us: 120.5,
+                compute_input_us: 3.0,
+                compute_infer_us: 40.25,
+                compute_output_us: 2.0,
+            }),
             concurrency: None,
             request_rate: None,
             series: Vec::new(),
@@ -136,6 +146,11 @@ mod tests {
         let back = Checkpoint::read(&path, "identity_fp32").unwrap().unwrap();
         assert_eq!(back, c);
         assert!(!path.with_extension("tmp~").exists());
+        // What makes a measurement untrusted survives a resume: 60 of 5000 sends late (1.2%).
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains("\"late_sends\": 60") && text.contains("\"queue_us\": 120.5"), "{text}");
+        let reused = back.reusable("i1_b8_p0_d0").unwrap();
+        assert!(reused.usable().is_none() && reused.untrusted_reason().unwrap().contains("1.2% of sends"));
     }
 
     #[test]

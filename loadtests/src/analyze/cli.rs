@@ -17,7 +17,7 @@ use crate::cli::{DistributionArg, ProtocolArg, TlsArgs};
 use crate::client::{Protocol, Tls, split_url};
 use crate::driver::{Measurement, WindowMode};
 use crate::schedule::{Distribution, concurrency_levels, rate_levels};
-use crate::workload::{InputData, Workload};
+use crate::workload::{Entry, InputSource, ModelInfo, TensorSpec, Workload};
 
 /// Workers tried by default, in order, when neither --worker-bin nor --url is given.
 pub const DEFAULT_WORKER_BINS: [&str; 2] = ["target/release/nereid-worker", "target/debug/nereid-worker"];
@@ -33,6 +33,10 @@ Exit codes (as nereid-perf's where they overlap):
   3  the server stopped answering (or the started worker exited) mid-sweep; results so far
      are written and kept in the checkpoint (--resume continues)
   4  results written, but no variant met the constraints (\"no variant met the constraints\")
+  5  results written, but no trusted variant met the constraints and some variant met them
+     with numbers that cannot be trusted (as nereid-perf's exit 5: no stable measurement
+     within --max-trials, or more than 1% of open-loop sends started over 1 ms late). Such
+     variants are always listed with their reason but never on the frontier or recommended
   130 interrupted (Ctrl-C); results so far are written and kept in the checkpoint
 
 Each variant: the base config.pbtxt with instance_group count, max_batch_size and
@@ -61,7 +65,8 @@ while it improves, measuring at most --max-variants. Variants meeting the constr
 those that do not.
 
 Outputs in --output-dir: results.json, results.csv, report.html, checkpoint.json (rewritten
-after every variant), recommended/config.pbtxt, worker.log (with --worker-bin).";
+after every variant), recommended/config.pbtxt, variants/KEY/config.pbtxt (every variant that
+has a config, skipped ones excepted), worker.log (with --worker-bin).";
 
 /// Config sweeps for a model on a KServe v2 server (Model Analyzer's job): measures each
 /// variant of a search space, reports the Pareto frontier (throughput vs p99 vs memory) and
@@ -199,8 +204,16 @@ pub struct AnalyzeArgs {
     /// Rows per request (every max_batch_size tried must allow it).
     #[arg(short = 'b', long, default_value_t = 1)]
     pub batch_size: u32,
-    #[arg(long, value_enum, default_value = "random")]
-    pub input_data: InputData,
+    /// Input contents, as nereid-perf's --input-data: zero, random, or the path of a JSON input
+    /// data file in perf_analyzer's format (see nereid-perf --help); read and checked against
+    /// the model's inputs before the sweep. A workload entry's "data" overrides it.
+    #[arg(long, value_name = "zero|random|FILE.json", default_value = "random")]
+    pub input_data: String,
+    /// Sent as `authorization: Bearer <key>` with every measured request (by workload entries
+    /// without their own api_key), as nereid-perf's --api-key, and with every repository call
+    /// (load, unload, liveness).
+    #[arg(long, env = "NEREID_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
     /// system: pass tensors through POSIX shared memory registered with the server (as
     /// nereid-perf's --shared-memory; a started worker gets --allow-client-shm=true).
     #[arg(long, value_enum, default_value = "none")]
@@ -322,6 +335,13 @@ impl AnalyzeArgs {
             None => None,
             Some(path) => Some(read_workload(path, &self.model, slo_p99_ms)?),
         };
+        let input_data = InputSource::from_arg(&self.input_data).map_err(|e| format!("--input-data: {e}"))?;
+        check_input_data(&input_data, &base, &self.model, &space.max_batch_sizes, workload.as_ref(), self.batch_size)?;
+        if let Some(key) = &self.api_key
+            && (key.is_empty() || !key.chars().all(|c| c.is_ascii_graphic()))
+        {
+            return Err("--api-key: must be a non-empty token of visible ASCII characters (no spaces)".into());
+        }
         let strategy = match self.search {
             SearchArg::Brute => Strategy::Brute,
             SearchArg::Quick if self.max_variants == 0 => return Err("--max-variants: must be at least 1".into()),
@@ -424,7 +444,8 @@ impl AnalyzeArgs {
                 shared_memory,
                 load,
                 batch_size: self.batch_size,
-                input_data: self.input_data,
+                input_data,
+                api_key: self.api_key.clone(),
                 slo_p99_ms,
                 workload_file: self.workload.as_ref().map(|p| p.display().to_string()),
                 workload,
@@ -472,6 +493,58 @@ fn read_workload(path: &Path, model: &str, slo_p99_ms: Option<f64>) -> Result<Wo
     Ok(workload)
 }
 
+/// The model as the server's metadata would describe it when loaded with `base`'s inputs and
+/// `max_batch_size` (a leading -1 batch dimension when it batches); `None` when the config does
+/// not list its inputs or uses a datatype the generator does not know (then the server's
+/// metadata is the only judge, at each variant).
+fn model_info_of(base: &ModelConfig, model: &str, max_batch_size: u32) -> Option<ModelInfo> {
+    use nereid_common::dtype::DataType;
+    let spec = |name: &str, data_type: i32, dims: &[i64]| -> Option<TensorSpec> {
+        let datatype = DataType::from_config_value(data_type)?.wire_name().to_string();
+        let batch = (max_batch_size > 0).then_some(-1);
+        Some(TensorSpec { name: name.into(), datatype, shape: batch.into_iter().chain(dims.iter().copied()).collect() })
+    };
+    if base.input.is_empty() {
+        return None;
+    }
+    Some(ModelInfo {
+        name: model.into(),
+        versions: Vec::new(),
+        max_batch_size,
+        inputs: base.input.iter().map(|i| spec(&i.name, i.data_type, &i.dims)).collect::<Option<_>>()?,
+        outputs: base.output.iter().map(|o| spec(&o.name, o.data_type, &o.dims)).collect::<Option<_>>()?,
+    })
+}
+
+/// Checks an `--input-data` file against the model before the sweep (every entry that takes
+/// it, under each batching mode of `max_batch_sizes`), so that a mismatch is exit 2 naming the
+/// file and key instead of a failure at every variant.
+fn check_input_data(
+    source: &InputSource,
+    base: &ModelConfig,
+    model: &str,
+    max_batch_sizes: &[u32],
+    workload: Option<&Workload>,
+    batch_size: u32,
+) -> Result<(), String> {
+    let InputSource::File(file) = source else { return Ok(()) };
+    let flags_entry = Entry { batch_size, ..Entry::for_model(model) };
+    let entries: Vec<&Entry> = match workload {
+        Some(w) => w.entries.iter().enumerate().filter(|(i, _)| w.data[*i].is_none()).map(|(_, e)| e).collect(),
+        None => vec![&flags_entry],
+    };
+    // One model without batching and one with (the smallest max batch the sweep tries).
+    let modes =
+        [max_batch_sizes.iter().copied().find(|b| *b == 0), max_batch_sizes.iter().copied().filter(|b| *b > 0).min()];
+    for max_batch_size in modes.into_iter().flatten() {
+        let Some(info) = model_info_of(base, model, max_batch_size) else { return Ok(()) };
+        for entry in &entries {
+            file.requests(entry, &info).map_err(|e| format!("--input-data: {}", e.0))?;
+        }
+    }
+    Ok(())
+}
+
 /// Reads and checks `DIR/MODEL/config.pbtxt`.
 pub fn read_base(repository: &Path, model: &str) -> Result<ModelConfig, String> {
     if model.is_empty() || model.contains(['/', '\\']) || model == "." || model == ".." {
@@ -490,6 +563,7 @@ pub fn read_base(repository: &Path, model: &str) -> Result<ModelConfig, String> 
 
 #[cfg(test)]
 mod tests {
+    use super::super::sweep::ServerHandle;
     use super::*;
 
     fn repo() -> (tempfile::TempDir, PathBuf) {
@@ -627,6 +701,76 @@ mod tests {
         .into_config()
         .unwrap_err();
         assert!(missing.contains("--model nope"), "{missing}");
+    }
+
+    #[test]
+    fn input_data_and_api_key_are_nereid_perfs() {
+        let (dir, worker) = repo();
+        let w = worker.to_str().unwrap();
+        let c = parse(dir.path(), &["--worker-bin", w]).unwrap();
+        assert_eq!(c.load.input_data, InputSource::Generated(crate::workload::InputData::Random));
+        assert_eq!(c.load.api_key, None);
+        let c = parse(dir.path(), &["--worker-bin", w, "--input-data", "zero", "--api-key", "k-1"]).unwrap();
+        assert_eq!(c.load.input_data, InputSource::Generated(crate::workload::InputData::Zero));
+        assert_eq!(serde_json::to_value(&c.load).unwrap()["input_data"], "zero");
+        assert!(!serde_json::to_string(&c.load).unwrap().contains("k-1"), "the key is never written out");
+
+        // The key reaches every measured request: entries without their own key get it.
+        let server = ServerHandle {
+            url: "127.0.0.1:1".into(),
+            tls: None,
+            repository: super::super::server::RepositoryClient::new(
+                Protocol::Grpc,
+                "127.0.0.1:1",
+                Duration::from_secs(1),
+                None,
+            ),
+            metrics_url: None,
+            pid: None,
+            worker: None,
+        };
+        let run = c.load.run_config("m", &server).unwrap();
+        assert_eq!(run.workload.entries[0].api_key.as_deref(), Some("k-1"));
+        assert_eq!(run.workload.default_api_key.as_deref(), Some("k-1"), "metadata calls too");
+        assert_eq!(run.input_data, InputSource::Generated(crate::workload::InputData::Zero));
+        let file = dir.path().join("w.json");
+        std::fs::write(&file, r#"{"entries": [{"model": "m", "api_key": "own"}, {"model": "m"}]}"#).unwrap();
+        let c =
+            parse(dir.path(), &["--worker-bin", w, "--workload", file.to_str().unwrap(), "--api-key", "k-1"]).unwrap();
+        let keys: Vec<Option<String>> =
+            c.load.run_config("m", &server).unwrap().workload.entries.iter().map(|e| e.api_key.clone()).collect();
+        assert_eq!(keys, [Some("own".into()), Some("k-1".into())]);
+
+        // An input data file, read and checked against the model's inputs before the sweep.
+        let data = dir.path().join("data.json");
+        std::fs::write(&data, r#"{"data": [{"I": [1, 2, 3, 4]}, {"I": [5, 6, 7, 8]}]}"#).unwrap();
+        let d = data.to_str().unwrap();
+        let c =
+            parse(dir.path(), &["--worker-bin", w, "--input-data", d, "--max-batch-sizes", "0,8", "-b", "2"]).unwrap();
+        let InputSource::File(f) = &c.load.input_data else { panic!("{:?}", c.load.input_data) };
+        assert_eq!(f.entries.len(), 2);
+        assert_eq!(serde_json::to_value(&c.load).unwrap()["input_data"], d);
+        assert!(c.load.describe().contains(&format!(", input data {d}")), "a resume under other data warns");
+        let run = c.load.run_config("m", &server).unwrap();
+        assert!(matches!(run.input_data, InputSource::File(_)));
+
+        let e = |extra: &[&str]| parse(dir.path(), &[&["--worker-bin", w][..], extra].concat()).unwrap_err();
+        let missing = e(&["--input-data", "/nonexistent/d.json"]);
+        assert!(missing.contains("--input-data") && missing.contains("/nonexistent/d.json"), "{missing}");
+        std::fs::write(&data, r#"{"data": [{"X": [1, 2, 3, 4]}]}"#).unwrap();
+        let wrong = e(&["--input-data", d]);
+        assert!(
+            wrong.contains("--input-data") && wrong.contains("data[0].X") && wrong.contains("no input 'X'"),
+            "{wrong}"
+        );
+        std::fs::write(&data, r#"{"data": [{"I": [1, 2, 3]}]}"#).unwrap();
+        let short = e(&["--input-data", d]);
+        assert!(short.contains("data[0].I") && short.contains("3 values given"), "{short}");
+        std::fs::write(&data, "not json").unwrap();
+        assert!(e(&["--input-data", d]).contains("--input-data"));
+        assert!(e(&["--api-key", "a b"]).contains("--api-key"));
+        assert!(e(&["--api-key", ""]).contains("--api-key"));
+        assert!(e(&["--api-key", "clé"]).contains("--api-key"), "it must fit a header");
     }
 
     #[test]

@@ -160,6 +160,8 @@ pub fn score(m: &Measured, constraints: &Constraints, objective: Objective) -> s
 
 /// The index of the best usable result meeting the constraints by `objective` (ties: lower
 /// p99, then higher throughput, then the earlier one), or `None` when nothing meets them.
+/// Only trusted measurements count ([`VariantResult::usable`]): an unstable variant, or one
+/// whose open-loop generator fell behind its schedule, is never recommended.
 pub fn recommend(results: &[VariantResult], constraints: &Constraints, objective: Objective) -> Option<usize> {
     let mut best: Option<(usize, &Measured)> = None;
     for (i, r) in results.iter().enumerate() {
@@ -185,20 +187,22 @@ pub fn recommend(results: &[VariantResult], constraints: &Constraints, objective
 
 /// The level a variant is credited with when it was measured at several: the best by the
 /// objective among the levels meeting the constraints, else (nothing meets them) the level
-/// closest to meeting them, ties to the objective. Levels where nothing succeeded are never
-/// chosen; `None` when that is all of them.
+/// closest to meeting them, ties to the objective. A trusted level (stable, open-loop schedule
+/// kept) beats one that is not, whatever their numbers. Levels where nothing succeeded are
+/// never chosen; `None` when that is all of them.
 pub fn best_level(levels: &[Measured], constraints: &Constraints, objective: Objective) -> Option<usize> {
     let usable = |m: &Measured| m.requests > m.errors;
     let key = |m: &Measured| {
+        let trusted = m.trusted();
         let feasible = constraints.violation(m).is_none();
-        (feasible, if feasible { 0.0 } else { -constraints.excess(m) }, objective.value(m))
+        (trusted && feasible, trusted, if feasible { 0.0 } else { -constraints.excess(m) }, objective.value(m))
     };
-    let mut best: Option<(usize, (bool, f64, f64))> = None;
+    let mut best: Option<(usize, (bool, bool, f64, f64))> = None;
     for (i, m) in levels.iter().enumerate().filter(|(_, m)| usable(m)) {
         let k = key(m);
         let better = match &best {
             None => true,
-            Some((_, b)) => (k.0, k.1, k.2).partial_cmp(&(b.0, b.1, b.2)) == Some(std::cmp::Ordering::Greater),
+            Some((_, b)) => k.partial_cmp(b) == Some(std::cmp::Ordering::Greater),
         };
         if better {
             best = Some((i, k));
@@ -208,7 +212,7 @@ pub fn best_level(levels: &[Measured], constraints: &Constraints, objective: Obj
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::analyze::result::VariantStatus;
     use crate::analyze::space::Variant;
@@ -224,15 +228,20 @@ mod tests {
             requests_per_sec: throughput,
             goodput_infer_per_sec: goodput,
             p50_ms: p99_ms / 2.0,
+            p90_ms: None,
             p99_ms,
+            p999_ms: None,
             avg_ms: p99_ms / 2.0,
             requests: 100,
             errors: 0,
             stable: true,
+            sends: 0,
+            late_sends: 0,
             slo_met: None,
             memory_mb,
             gpu_memory_mb: None,
             server_avg_batch_size: None,
+            server_time: None,
             concurrency: None,
             request_rate: None,
             series: Vec::new(),
@@ -266,6 +275,31 @@ mod tests {
         assert_eq!(best_level(&levels, &tight, Objective::Throughput), Some(0));
         assert_eq!(best_level(&[failed.clone(), failed], &c, Objective::Goodput), None);
         assert_eq!(best_level(&[], &c, Objective::Goodput), None);
+    }
+
+    #[test]
+    fn untrusted_variants_and_levels_are_never_preferred() {
+        let best = measured(5000.0, 5000.0, 1.0, Some(10.0));
+        let unstable = Measured { stable: false, ..best.clone() };
+        let behind = Measured { sends: 1000, late_sends: 500, ..best.clone() };
+        let results = vec![
+            result(1, measured(1000.0, 1000.0, 5.0, Some(100.0))),
+            result(2, unstable.clone()),
+            result(3, behind.clone()),
+        ];
+        for objective in [Objective::Goodput, Objective::Throughput, Objective::Latency] {
+            assert_eq!(recommend(&results, &Constraints::default(), objective), Some(0), "{objective:?}");
+        }
+        assert_eq!(recommend(&results[1..], &Constraints::default(), Objective::Goodput), None);
+
+        // A variant is credited with a trusted level over better-looking untrusted ones, even one
+        // that misses the constraints (then it is not recommended, but the numbers are real).
+        let c = Constraints { max_p99_ms: Some(3.0), ..Default::default() };
+        let slow = measured(800.0, 800.0, 4.0, None);
+        assert_eq!(best_level(&[slow.clone(), behind.clone(), best.clone()], &c, Objective::Goodput), Some(2));
+        assert_eq!(best_level(&[slow.clone(), behind.clone()], &c, Objective::Goodput), Some(0));
+        assert_eq!(best_level(&[unstable.clone(), slow], &c, Objective::Goodput), Some(1));
+        assert_eq!(best_level(&[behind, unstable], &c, Objective::Goodput), Some(0), "all untrusted: still one");
     }
 
     #[test]

@@ -1,13 +1,15 @@
 //! The sweep's HTML report (`report.html`): one self-contained page — inline CSS and SVG
 //! drawn by [`svg`], no scripts, nothing fetched — with the verdict and the
 //! recommendation, throughput vs p99 of every measured variant with the Pareto frontier
-//! joined and highlighted, throughput and goodput by variant, and the table of every variant
-//! (skipped and failed ones with their reasons). All text is escaped.
+//! joined and highlighted (untrusted measurements drawn apart), latency percentiles (p50,
+//! p90, p99, p99.9) vs throughput, throughput and goodput by variant, the server's time per
+//! request (queue vs compute input, infer, output) by variant, and the table of every variant
+//! (skipped, failed and untrusted ones with their reasons). All text is escaped.
 
 use std::fmt::Write as _;
 
 use super::report::{AnalyzeReport, describe_constraints};
-use super::result::VariantStatus;
+use super::result::{Measured, ServerTime, VariantStatus};
 use crate::error::exit;
 use crate::svg::{self, LineChart, Rule, RuleAxis, Segment, Series, StackedBars, escape};
 
@@ -29,7 +31,9 @@ pub fn report(report: &AnalyzeReport) -> String {
     );
     verdict(&mut out, report);
     section(&mut out, "frontier", "Throughput vs p99 latency (Pareto frontier joined)", &scatter(report));
+    section(&mut out, "latency", "Latency percentiles vs throughput", &latency(report));
     section(&mut out, "throughput", "Throughput and goodput by variant", &bars(report));
+    section(&mut out, "server", "Server-side time per request by variant: queue vs compute", &server(report));
     if let Some(chart) = level_curves(report) {
         section(&mut out, "levels", "Latency vs throughput across load levels (frontier variants)", &chart);
     }
@@ -92,29 +96,117 @@ fn verdict(out: &mut String, report: &AnalyzeReport) {
     out.push_str("</div>\n</section>\n");
 }
 
-/// Every measured variant as a point; the frontier joined in throughput order; the p99
-/// constraint as a dashed line.
+/// Every measured variant as a point; the frontier joined in throughput order; untrusted
+/// measurements (not ranked) as their own series; the p99 constraint as a dashed line.
 fn scatter(report: &AnalyzeReport) -> String {
     let point = |r: &super::report::Row| r.result.usable().map(|m| (m.throughput_infer_per_sec, m.p99_ms));
     let others: Vec<(f64, f64)> = report.rows.iter().filter(|r| !r.on_frontier).filter_map(point).collect();
     let mut frontier: Vec<(f64, f64)> = report.rows.iter().filter(|r| r.on_frontier).filter_map(point).collect();
     frontier.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
     let recommended: Vec<(f64, f64)> = report.recommended_row().and_then(point).into_iter().collect();
+    let untrusted: Vec<(f64, f64)> = report
+        .rows
+        .iter()
+        .filter(|r| r.trusted == Some(false))
+        .filter_map(|r| r.result.numbers().map(|m| (m.throughput_infer_per_sec, m.p99_ms)))
+        .collect();
+    let mut series = vec![
+        Series::new("other variants", others),
+        Series::new("Pareto frontier", frontier),
+        Series::new("recommended", recommended),
+    ];
+    if !untrusted.is_empty() {
+        series.push(Series::new("untrusted (not ranked)", untrusted));
+    }
     let rules = p99_rule(report);
     svg::scatter_chart(
         &LineChart {
             title: "Throughput vs p99 latency".into(),
             x_label: "throughput (infer/s)".into(),
             y_label: "p99 latency (ms)".into(),
-            series: vec![
-                Series::new("other variants", others),
-                Series::new("Pareto frontier", frontier),
-                Series::new("recommended", recommended),
-            ],
+            series,
             rules,
         },
         &[false, true, false],
     )
+}
+
+/// nereid-perf's latency plot: p50, p90, p99 and p99.9 (where measured; results reused from
+/// older checkpoints have only p50 and p99) against throughput, one point per measured variant
+/// at its credited level, untrusted ones included; then, when the recommended variant was
+/// measured at several load levels, its percentiles across them, joined.
+fn latency(report: &AnalyzeReport) -> String {
+    let mut measured: Vec<&Measured> = report.rows.iter().filter_map(|r| r.result.numbers()).collect();
+    measured.sort_by(|a, b| a.throughput_infer_per_sec.total_cmp(&b.throughput_infer_per_sec));
+    let mut out = svg::scatter_chart(
+        &LineChart {
+            title: "Latency percentiles vs throughput, by variant".into(),
+            x_label: "throughput (infer/s)".into(),
+            y_label: "latency (ms)".into(),
+            series: percentile_series(&measured),
+            rules: p99_rule(report),
+        },
+        &[],
+    );
+    if let Some(row) = report.recommended_row().filter(|r| r.result.levels.len() > 1) {
+        let levels: Vec<&Measured> = row.result.levels.iter().filter(|m| m.requests > m.errors).collect();
+        out.push('\n');
+        out.push_str(&svg::line_chart(&LineChart {
+            title: format!("Latency percentiles vs throughput across load levels: {}", row.result.key),
+            x_label: "throughput (infer/s)".into(),
+            y_label: "latency (ms)".into(),
+            series: percentile_series(&levels),
+            rules: p99_rule(report),
+        }));
+    }
+    out
+}
+
+/// How a percentile is read from a measurement (`None`: not measured).
+type Percentile = fn(&Measured) -> Option<f64>;
+
+/// p50, p90, p99 and p99.9 against throughput; a percentile nothing has is left out.
+fn percentile_series(points: &[&Measured]) -> Vec<Series> {
+    let pick: [(&str, Percentile); 4] =
+        [("p50", |m| Some(m.p50_ms)), ("p90", |m| m.p90_ms), ("p99", |m| Some(m.p99_ms)), ("p99.9", |m| m.p999_ms)];
+    pick.into_iter()
+        .map(|(name, f)| {
+            Series::new(name, points.iter().filter_map(|m| f(m).map(|y| (m.throughput_infer_per_sec, y))).collect())
+        })
+        .filter(|s| !s.points.is_empty())
+        .collect()
+}
+
+/// nereid-perf's server plot, one bar per measured variant: the server's average time per
+/// request in queue, compute input, compute infer and compute output (from `/metrics`).
+fn server(report: &AnalyzeReport) -> String {
+    let with: Vec<(&str, ServerTime)> = report
+        .rows
+        .iter()
+        .filter_map(|r| r.result.numbers().and_then(|m| m.server_time).map(|t| (r.result.key.as_str(), t)))
+        .collect();
+    if with.is_empty() {
+        return "<p class=\"note\">No server-side breakdown: /metrics was not scraped (--no-server-stats, or it \
+                could not be reached), reported nothing for the model, or the results come from a checkpoint \
+                written before the breakdown was kept.</p>"
+            .into();
+    }
+    let segment = |name: &str, pick: fn(&ServerTime) -> f64| Segment {
+        name: name.into(),
+        values: with.iter().map(|(_, t)| pick(t)).collect(),
+    };
+    svg::stacked_bars(&StackedBars {
+        title: "Server-side time per request".into(),
+        x_label: "variant".into(),
+        y_label: "µs per request".into(),
+        categories: with.iter().map(|(k, _)| k.to_string()).collect(),
+        segments: vec![
+            segment("queue", |t| t.queue_us),
+            segment("compute input", |t| t.compute_input_us),
+            segment("compute infer", |t| t.compute_infer_us),
+            segment("compute output", |t| t.compute_output_us),
+        ],
+    })
 }
 
 /// The p99 constraint as a horizontal rule, when there is one.
@@ -163,10 +255,11 @@ fn level_curves(report: &AnalyzeReport) -> Option<String> {
     }))
 }
 
-/// Goodput and the rest of the throughput, stacked, per measured variant in visiting order.
+/// Goodput and the rest of the throughput, stacked, per measured variant (untrusted ones
+/// included) in visiting order.
 fn bars(report: &AnalyzeReport) -> String {
-    let measured: Vec<&super::report::Row> = report.rows.iter().filter(|r| r.result.usable().is_some()).collect();
-    let m = |r: &super::report::Row| r.result.usable().cloned().expect("filtered on usable");
+    let measured: Vec<&super::report::Row> = report.rows.iter().filter(|r| r.result.numbers().is_some()).collect();
+    let m = |r: &super::report::Row| r.result.numbers().cloned().expect("filtered on numbers");
     svg::stacked_bars(&StackedBars {
         title: "Throughput by variant".into(),
         x_label: "variant".into(),
@@ -192,8 +285,8 @@ fn variants(out: &mut String, report: &AnalyzeReport) {
     let levels = report.load.load.levels() > 1;
     let mut body = format!(
         "<div class=\"scroll\"><table>\n<tr><th>variant</th><th>instances</th><th>max batch</th><th>preferred</th>\
-         <th>queue delay µs</th>{}<th>status</th>{}<th>infer/s</th><th>goodput/s</th><th>p50 ms</th><th>p99 ms</th>\
-         <th>memory MiB</th>{}<th>constraints</th><th>frontier</th><th>note</th></tr>\n",
+         <th>queue delay µs</th>{}<th>status</th>{}<th>infer/s</th><th>goodput/s</th><th>p50 ms</th><th>p90 ms</th>\
+         <th>p99 ms</th><th>p99.9 ms</th><th>memory MiB</th>{}<th>constraints</th><th>frontier</th><th>note</th></tr>\n",
         if queue { "<th>max queue</th><th>queue timeout µs</th>" } else { "" }.to_string()
             + if report.shows_priority_levels() { "<th>priority levels</th>" } else { "" },
         if report.shows_gpu_memory() { "<th>GPU memory MiB</th>" } else { "" },
@@ -205,10 +298,12 @@ fn variants(out: &mut String, report: &AnalyzeReport) {
         let m = r.measured.as_ref();
         let num = |x: Option<f64>, prec: usize| x.map(|x| format!("{x:.prec$}")).unwrap_or_else(|| "-".into());
         let status_class = match r.status {
+            VariantStatus::Measured if row.trusted == Some(false) => "miss",
             VariantStatus::Measured => "met",
             VariantStatus::Skipped => "note",
             _ => "miss",
         };
+        let status = if row.trusted == Some(false) { "untrusted" } else { r.status.label() };
         let constraints = match row.meets_constraints {
             Some(true) => "<td class=\"met\">met</td>".to_string(),
             Some(false) => {
@@ -250,19 +345,20 @@ fn variants(out: &mut String, report: &AnalyzeReport) {
         let _ = writeln!(
             body,
             "<tr><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>\
-             <td class=\"num\">{}</td>{queue_cells}<td class=\"{status_class}\">{}</td>{level_cell}<td class=\"num\">{}</td><td class=\"num\">{}</td>\
-             <td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>{}{constraints}<td>{frontier}</td>\
+             <td class=\"num\">{}</td>{queue_cells}<td class=\"{status_class}\">{status}</td>{level_cell}<td class=\"num\">{}</td><td class=\"num\">{}</td>\
+             <td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>{}{constraints}<td>{frontier}</td>\
              <td>{}</td></tr>",
             escape(&r.key),
             v.instance_count,
             v.max_batch_size,
             dash_if_zero(v.preferred_batch_size.into()),
             v.max_queue_delay_us,
-            r.status.label(),
             num(m.map(|m| m.throughput_infer_per_sec), 1),
             num(m.map(|m| m.goodput_infer_per_sec), 1),
             num(m.map(|m| m.p50_ms), 3),
+            num(m.and_then(|m| m.p90_ms), 3),
             num(m.map(|m| m.p99_ms), 3),
+            num(m.and_then(|m| m.p999_ms), 3),
             num(m.and_then(|m| m.memory_mb), 1),
             gpu_cell,
             escape(r.reason.as_deref().unwrap_or("")),
@@ -276,7 +372,7 @@ fn variants(out: &mut String, report: &AnalyzeReport) {
 mod tests {
     use super::*;
     use crate::analyze::frontier::Constraints;
-    use crate::analyze::report::tests::sample_report;
+    use crate::analyze::report::tests::{report_of, sample_report, sample_results};
     use crate::svg::tests::assert_well_formed;
 
     #[test]
@@ -284,15 +380,96 @@ mod tests {
         let r = sample_report(Constraints { max_p99_ms: Some(10.0), ..Default::default() }, None);
         let doc = report(&r);
         assert_well_formed(&doc);
-        for id in ["verdict", "frontier", "throughput", "variants"] {
+        for id in ["verdict", "frontier", "latency", "throughput", "server", "variants"] {
             assert!(doc.contains(&format!("<section id=\"{id}\">")), "{id}");
         }
-        assert_eq!(doc.matches("<svg").count(), 2);
+        assert_eq!(doc.matches("<svg").count(), 4);
         assert_eq!(doc.matches("<polyline").count(), 1, "only the frontier is joined");
         assert!(doc.contains("Recommended: i2_b8_p0_d0"));
         assert!(doc.contains("&quot;quoted&quot;"), "reasons are escaped");
         assert!(!doc.contains("<script") && !doc.contains("http://") && !doc.contains("https://"));
         assert!(!doc.contains("max queue"), "no queue-policy columns without a queue policy");
+    }
+
+    /// The body of `<section id="{id}">`.
+    fn section_of<'a>(doc: &'a str, id: &str) -> &'a str {
+        let start = doc.find(&format!("<section id=\"{id}\">")).unwrap_or_else(|| panic!("no section {id}"));
+        let len = doc[start..].find("</section>").expect("closed");
+        &doc[start..start + len]
+    }
+
+    #[test]
+    fn latency_percentiles_and_queue_vs_compute_are_plotted_per_variant() {
+        let r = sample_report(Constraints { max_p99_ms: Some(10.0), ..Default::default() }, None);
+        let doc = report(&r);
+        // p50/p90/p99/p99.9 of the three measured variants, one point each (the skipped one has none).
+        let latency = section_of(&doc, "latency");
+        for p in ["p50", "p90", "p99", "p99.9"] {
+            assert_eq!(latency.matches(&format!("<title>{p}: throughput (infer/s) = ")).count(), 3, "{p}: {latency}");
+        }
+        assert!(latency.contains("<title>p99.9: throughput (infer/s) = 1800, latency (ms) = 9</title>"), "{latency}");
+        assert!(latency.contains("p99 ≤ 10 ms"), "the constraint is drawn: {latency}");
+        // Queue vs compute, a bar per measured variant: i2 (p99 6 ms) queued 600 µs, inferred 300 µs.
+        let server = section_of(&doc, "server");
+        for segment in ["queue", "compute input", "compute infer", "compute output"] {
+            assert_eq!(server.matches(&format!(": {segment} = ")).count(), 3, "{segment}: {server}");
+        }
+        assert!(server.contains("<title>i2_b8_p0_d0: queue = 600 (total 909)</title>"), "{server}");
+        assert!(!server.contains("i1_b8_p16_d0"), "the skipped variant has no bar");
+
+        // Without /metrics (or from an old checkpoint) the page says why there is no bar chart,
+        // and percentiles an old checkpoint lacks are left out rather than drawn as zero.
+        let mut results = sample_results();
+        for x in &mut results {
+            if let Some(m) = &mut x.measured {
+                (m.server_time, m.p90_ms, m.p999_ms) = (None, None, None);
+            }
+        }
+        let doc = report(&report_of(results, Constraints::default(), None));
+        assert_well_formed(&doc);
+        let server = section_of(&doc, "server");
+        assert!(!server.contains("<svg") && server.contains("No server-side breakdown"), "{server}");
+        let latency = section_of(&doc, "latency");
+        assert!(latency.contains("<title>p50: ") && latency.contains("<title>p99: "), "{latency}");
+        assert!(!latency.contains("<title>p90") && !latency.contains("<title>p99.9"), "{latency}");
+    }
+
+    #[test]
+    fn the_recommended_variants_levels_get_nereid_perfs_percentile_curve() {
+        let mut results = sample_results();
+        let best = results[1].measured.clone().unwrap();
+        let level = |tput: f64, p99: f64| Measured { throughput_infer_per_sec: tput, p99_ms: p99, ..best.clone() };
+        results[1].levels = vec![level(500.0, 2.0), level(1000.0, 4.0), best.clone()];
+        let doc = report(&report_of(results, Constraints { max_p99_ms: Some(10.0), ..Default::default() }, None));
+        assert_well_formed(&doc);
+        let latency = section_of(&doc, "latency");
+        assert!(latency.contains("across load levels: i2_b8_p0_d0"), "{latency}");
+        assert_eq!(latency.matches("<svg").count(), 2);
+        // Joined across the levels: one polyline per percentile.
+        assert_eq!(latency.matches("<polyline").count(), 4, "{latency}");
+        assert!(latency.contains("<title>p99: throughput (infer/s) = 500, latency (ms) = 2</title>"), "{latency}");
+    }
+
+    #[test]
+    fn untrusted_variants_are_drawn_and_listed_but_not_ranked() {
+        let mut results = sample_results();
+        // i3 has the most throughput but its open-loop generator fell behind.
+        let m = results[2].measured.as_mut().unwrap();
+        (m.sends, m.late_sends) = (1000, 50);
+        results[2].reason = m.distrust();
+        let r = report_of(results, Constraints::default(), None);
+        assert_eq!(r.recommended.as_ref().unwrap().key, "i2_b8_p0_d0");
+        let doc = report(&r);
+        assert_well_formed(&doc);
+        let frontier = section_of(&doc, "frontier");
+        assert!(frontier.contains("<title>untrusted (not ranked): throughput (infer/s) = 1900,"), "{frontier}");
+        let table = section_of(&doc, "variants");
+        assert!(table.contains("<td class=\"miss\">untrusted</td>"), "{table}");
+        assert!(table.contains("could not keep the schedule: 5.0% of sends"), "{table}");
+        assert!(section_of(&doc, "verdict").contains("left out of the frontier and the recommendation"));
+        // Still in the throughput and server plots: it was measured.
+        assert!(section_of(&doc, "throughput").contains("i3_b8_p0_d0"));
+        assert!(section_of(&doc, "server").contains("i3_b8_p0_d0: queue"));
     }
 
     #[test]

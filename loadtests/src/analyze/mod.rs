@@ -149,17 +149,15 @@ async fn connect(config: &AnalyzeConfig, progress: &Progress) -> Result<ServerHa
             let metrics_url = (config.scrape_metrics && worker.metrics_port > 0)
                 .then(|| format!("http://127.0.0.1:{}/metrics", worker.metrics_port).parse().ok())
                 .flatten();
-            Ok(ServerHandle {
-                repository: RepositoryClient::new(protocol, &url, config.load_timeout, None),
-                url,
-                tls: None,
-                metrics_url,
-                pid: Some(worker.pid),
-                worker: Some(worker),
-            })
+            let repository = RepositoryClient::new(protocol, &url, config.load_timeout, None)
+                .with_api_key(config.load.api_key.as_deref())
+                .map_err(AnalyzeError::Usage)?;
+            Ok(ServerHandle { repository, url, tls: None, metrics_url, pid: Some(worker.pid), worker: Some(worker) })
         }
         ServerChoice::External { url, pid, metrics_url, tls } => {
-            let repository = RepositoryClient::new(protocol, url, config.load_timeout, tls.as_ref());
+            let repository = RepositoryClient::new(protocol, url, config.load_timeout, tls.as_ref())
+                .with_api_key(config.load.api_key.as_deref())
+                .map_err(AnalyzeError::Usage)?;
             repository.check_live().await.map_err(|reason| AnalyzeError::Unreachable {
                 url: url.clone(),
                 reason: format!(

@@ -1,11 +1,16 @@
 //! The sweep's report: every variant with its config and numbers, the Pareto frontier, the
-//! recommendation and the verdict — as a table on stdout, `results.json`, `results.csv`, and
-//! `recommended/config.pbtxt` (a ready config in Triton's text format).
+//! recommendation and the verdict — as a table on stdout, `results.json`, `results.csv`,
+//! `recommended/config.pbtxt` and `variants/<key>/config.pbtxt` for every variant that has a
+//! config (ready configs in Triton's text format, each checked to parse back).
+//!
+//! A measured variant whose numbers cannot be trusted (unstable, or an open-loop generator
+//! that fell behind its schedule) is kept in every output, flagged and with its reason, but is
+//! neither on the frontier nor recommended.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use nereid_common::config::{config_to_text, parse_model_config_json};
+use nereid_common::config::{config_to_text, parse_model_config, parse_model_config_json};
 use serde::Serialize;
 
 use super::frontier::{Constraints, Objective, Objectives, pareto_frontier, recommend};
@@ -19,6 +24,8 @@ pub const RESULTS_JSON: &str = "results.json";
 pub const RESULTS_CSV: &str = "results.csv";
 pub const REPORT_HTML: &str = "report.html";
 pub const RECOMMENDED_DIR: &str = "recommended";
+/// `variants/<key>/config.pbtxt`: every variant's config.
+pub const VARIANTS_DIR: &str = "variants";
 pub const CHECKPOINT_JSON: &str = "checkpoint.json";
 
 /// One variant in the report: its result plus what the analysis says about it.
@@ -30,8 +37,17 @@ pub struct Row {
     pub meets_constraints: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub constraint_violation: Option<String>,
+    /// Whether the measurement can be trusted (stable, open-loop schedule kept); `None` when
+    /// not measured. An untrusted variant is neither on the frontier nor recommended.
+    pub trusted: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub untrusted_reason: Option<String>,
     pub on_frontier: bool,
     pub recommended: bool,
+    /// Where its config.pbtxt was written (`variants/<key>/config.pbtxt`; absent when it has
+    /// no config, i.e. skipped, or until written).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config_pbtxt: Option<PathBuf>,
 }
 
 /// The recommended variant.
@@ -87,8 +103,9 @@ pub struct ReportContext<'a> {
 
 impl AnalyzeReport {
     /// Analyses a sweep's results: frontier, recommendation, verdict. The exit code is the
-    /// stop's (server lost 3, interrupted 130, checkpoint unwritable 1), else 4 when no
-    /// variant meets the constraints, else 0.
+    /// stop's (server lost 3, interrupted 130, checkpoint unwritable 1), else — when nothing
+    /// is recommended — 5 if a variant met the constraints with numbers that cannot be
+    /// trusted, else 4; else 0. Untrusted variants are named in a warning either way.
     pub fn new(ctx: ReportContext<'_>, outcome: SweepOutcome) -> AnalyzeReport {
         let results = outcome.results;
         let usable: Vec<(usize, Objectives)> =
@@ -100,13 +117,17 @@ impl AnalyzeReport {
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                let violation = r.usable().and_then(|m| ctx.constraints.violation(m));
+                let violation = r.numbers().and_then(|m| ctx.constraints.violation(m));
+                let untrusted_reason = r.untrusted_reason();
                 Row {
                     result: r.clone(),
-                    meets_constraints: r.usable().map(|_| violation.is_none()),
+                    meets_constraints: r.numbers().map(|_| violation.is_none()),
                     constraint_violation: violation,
+                    trusted: r.numbers().map(|_| untrusted_reason.is_none()),
+                    untrusted_reason,
                     on_frontier: frontier_idx.contains(&i),
                     recommended: best == Some(i),
+                    config_pbtxt: None,
                 }
             })
             .collect();
@@ -117,20 +138,51 @@ impl AnalyzeReport {
         });
 
         let mut problems = Vec::new();
+        let mut warnings = outcome.warnings;
         let mut exit_code = exit::OK;
         if let Some(stop) = &outcome.stop {
             problems.push(format!("{}; results so far were kept", stop.describe()));
             exit_code = stop.exit_code();
         }
+        let untrusted: Vec<&str> =
+            rows.iter().filter(|r| r.trusted == Some(false)).map(|r| r.result.key.as_str()).collect();
+        if !untrusted.is_empty() {
+            warnings.push(format!(
+                "{} measured variant{} left out of the frontier and the recommendation because {} numbers cannot \
+                 be trusted (unstable, or the open-loop generator fell behind its schedule; see each reason): {}",
+                untrusted.len(),
+                if untrusted.len() == 1 { " is" } else { "s are" },
+                if untrusted.len() == 1 { "its" } else { "their" },
+                untrusted.join(", ")
+            ));
+        }
         if recommended.is_none() {
             let measured = rows.iter().filter(|r| r.result.usable().is_some()).count();
-            problems.push(if measured == 0 {
-                "no variant was measured successfully, so none can be recommended".into()
+            // Untrusted variants that would have met the constraints: the answer is unknown,
+            // not "nothing fits" (nereid-perf's exit 5).
+            let would_meet: Vec<&str> = rows
+                .iter()
+                .filter(|r| r.trusted == Some(false) && r.meets_constraints == Some(true))
+                .map(|r| r.result.key.as_str())
+                .collect();
+            let code = if would_meet.is_empty() {
+                problems.push(if measured == 0 && untrusted.is_empty() {
+                    "no variant was measured successfully, so none can be recommended".into()
+                } else {
+                    format!("no variant met the constraints ({})", describe_constraints(&ctx.constraints))
+                });
+                exit::SLO_NOT_MET
             } else {
-                format!("no variant met the constraints ({})", describe_constraints(&ctx.constraints))
-            });
+                problems.push(format!(
+                    "no trusted variant met the constraints ({}); {} met them with numbers that cannot be trusted \
+                     (measure again with a longer --measurement-interval, more --max-trials or a lower request rate)",
+                    describe_constraints(&ctx.constraints),
+                    would_meet.join(", ")
+                ));
+                exit::UNTRUSTWORTHY
+            };
             if exit_code == exit::OK {
-                exit_code = exit::SLO_NOT_MET;
+                exit_code = code;
             }
         }
         AnalyzeReport {
@@ -149,7 +201,7 @@ impl AnalyzeReport {
             frontier: frontier_idx.iter().map(|&i| results[i].key.clone()).collect(),
             rows,
             recommended,
-            warnings: outcome.warnings,
+            warnings,
             stopped: outcome.stop.as_ref().map(Stop::describe),
             verdict: Verdict { exit_code, problems },
         }
@@ -287,7 +339,7 @@ pub fn table(report: &AnalyzeReport) -> String {
                 &dash_if_zero(v.queue_timeout_us),
                 &dash_if_zero(v.priority_levels.into())
             ),
-            r.status.label(),
+            if row.trusted == Some(false) { "untrusted" } else { r.status.label() },
             level_cell(&m.map(|m| m.level_label()).unwrap_or_default()),
             num(|m| m.throughput_infer_per_sec, 1),
             num(|m| m.goodput_infer_per_sec, 1),
@@ -306,7 +358,8 @@ pub fn table(report: &AnalyzeReport) -> String {
             );
         }
         if let Some(reason) = &r.reason {
-            let _ = writeln!(out, "  {}: {reason}", r.status.label());
+            let label = if row.trusted == Some(false) { "untrusted" } else { r.status.label() };
+            let _ = writeln!(out, "  {label}: {reason}");
         }
         if let Some(v) = &row.constraint_violation {
             let _ = writeln!(out, "  misses the constraints: {v}");
@@ -332,9 +385,11 @@ pub fn table(report: &AnalyzeReport) -> String {
             );
         }
         None => {
+            let untrusted = report.rows.iter().any(|r| r.trusted == Some(false) && r.meets_constraints == Some(true));
             let _ = writeln!(
                 out,
-                "NO RECOMMENDATION: no measured variant meets the constraints ({})",
+                "NO RECOMMENDATION: no {}measured variant meets the constraints ({})",
+                if untrusted { "trusted " } else { "" },
                 describe_constraints(&report.constraints)
             );
         }
@@ -356,7 +411,7 @@ fn list_or_none(keys: &[String]) -> String {
 }
 
 /// The CSV header. Columns are only ever added at the end.
-pub const CSV_COLUMNS: [&str; 29] = [
+pub const CSV_COLUMNS: [&str; 38] = [
     "key",
     "instance_count",
     "max_batch_size",
@@ -386,6 +441,15 @@ pub const CSV_COLUMNS: [&str; 29] = [
     "request_rate",
     "priority_levels",
     "gpu_memory_mb",
+    "p90_ms",
+    "p999_ms",
+    "sends",
+    "late_sends",
+    "trusted",
+    "server_queue_us",
+    "server_compute_input_us",
+    "server_compute_infer_us",
+    "server_compute_output_us",
 ];
 
 /// One row per variant, in the order visited.
@@ -428,6 +492,15 @@ pub fn csv(report: &AnalyzeReport) -> String {
             f(m.and_then(|m| m.request_rate)),
             v.priority_levels.to_string(),
             f(m.and_then(|m| m.gpu_memory_mb)),
+            f(m.and_then(|m| m.p90_ms)),
+            f(m.and_then(|m| m.p999_ms)),
+            m.map(|m| m.sends.to_string()).unwrap_or_default(),
+            m.map(|m| m.late_sends.to_string()).unwrap_or_default(),
+            b(row.trusted),
+            f(m.and_then(|m| m.server_time).map(|t| t.queue_us)),
+            f(m.and_then(|m| m.server_time).map(|t| t.compute_input_us)),
+            f(m.and_then(|m| m.server_time).map(|t| t.compute_infer_us)),
+            f(m.and_then(|m| m.server_time).map(|t| t.compute_output_us)),
         ];
         out.push_str(&cells.join(","));
         out.push('\n');
@@ -444,36 +517,114 @@ pub fn json(report: &AnalyzeReport) -> String {
     serde_json::to_string_pretty(report).unwrap_or_else(|e| format!("{{\"error\":\"serializing the report: {e}\"}}"))
 }
 
-/// The recommended variant's config in Triton's text format, checked to parse back.
-pub fn recommended_pbtxt(report: &AnalyzeReport) -> Option<Result<String, String>> {
-    let row = report.recommended_row()?;
+/// `row`'s config in Triton's text format after the `header` comment lines, checked to parse
+/// back to the config that was sent; `None` when it has no config (skipped).
+fn config_text(row: &Row, header: &str) -> Option<Result<String, String>> {
     let json = row.result.config.as_ref()?;
+    let key = &row.result.key;
     Some(
         parse_model_config_json(&json.to_string())
-            .map(|c| {
-                format!(
-                    "# Recommended by nereid-analyze {} for '{}' ({}; objective {}; constraints: {}):\n\
-                     # {} — {:.1} infer/s, p99 {:.3} ms.\n{}",
-                    report.version,
-                    report.model,
-                    report.load_description,
-                    objective_name(report.objective),
-                    describe_constraints(&report.constraints),
-                    row.result.variant,
-                    row.result.measured.as_ref().map(|m| m.throughput_infer_per_sec).unwrap_or(0.0),
-                    row.result.measured.as_ref().map(|m| m.p99_ms).unwrap_or(0.0),
-                    config_to_text(&c)
-                )
-            })
-            .map_err(|e| format!("the recommended config does not parse back: {e}")),
+            .map_err(|e| format!("variant {key}: its config does not parse: {e}"))
+            .and_then(|config| {
+                let text = format!("{header}{}", config_to_text(&config));
+                match parse_model_config(&text) {
+                    Ok(back) if back == config => Ok(text),
+                    Ok(_) => Err(format!("variant {key}: its config.pbtxt does not read back as the config sent")),
+                    Err(e) => Err(format!("variant {key}: its config.pbtxt does not parse back: {e}")),
+                }
+            }),
     )
 }
 
-/// Writes `results.json`, `results.csv`, `report.html` and (when there is one)
-/// `recommended/config.pbtxt` under `dir`; a stale recommended config is removed when
-/// nothing is recommended. Returns the errors (each file is attempted).
+/// `{:.1} infer/s, p99 {:.3} ms`, or why there are no numbers.
+fn numbers_line(row: &Row) -> String {
+    match (&row.result.measured, &row.result.reason) {
+        (Some(m), _) => format!("{:.1} infer/s, p99 {:.3} ms", m.throughput_infer_per_sec, m.p99_ms),
+        (None, Some(reason)) => reason.clone(),
+        (None, None) => "not measured".into(),
+    }
+}
+
+/// The recommended variant's config in Triton's text format, checked to parse back.
+pub fn recommended_pbtxt(report: &AnalyzeReport) -> Option<Result<String, String>> {
+    let row = report.recommended_row()?;
+    let header = format!(
+        "Recommended by nereid-analyze {} for '{}' ({}; objective {}; constraints: {}):\n{} — {}.\n",
+        report.version,
+        report.model,
+        report.load_description,
+        objective_name(report.objective),
+        describe_constraints(&report.constraints),
+        row.result.variant,
+        numbers_line(row),
+    );
+    config_text(row, &comment(&header))
+        .map(|r| r.map_err(|e| format!("the recommended config does not parse back: {e}")))
+}
+
+/// A variant's config in Triton's text format with what became of it in comments, checked to
+/// parse back; `None` when it has no config (skipped).
+pub fn variant_pbtxt(report: &AnalyzeReport, row: &Row) -> Option<Result<String, String>> {
+    let r = &row.result;
+    let mut verdict = vec![if row.trusted == Some(false) { "untrusted".to_string() } else { r.status.label().into() }];
+    match row.meets_constraints {
+        Some(true) => verdict.push("meets the constraints".into()),
+        Some(false) => verdict.push("misses the constraints".into()),
+        None => {}
+    }
+    if row.on_frontier {
+        verdict.push("on the Pareto frontier".into());
+    }
+    if row.recommended {
+        verdict.push("recommended".into());
+    }
+    let mut header = format!(
+        "Variant {} of '{}' by nereid-analyze {} ({}): {}.\n{} — {}.\n",
+        r.key,
+        report.model,
+        report.version,
+        report.load_description,
+        verdict.join(", "),
+        r.variant,
+        numbers_line(row),
+    );
+    if let (Some(reason), Some(_)) = (&r.reason, &r.measured) {
+        header.push_str(&format!("{reason}\n"));
+    }
+    config_text(row, &comment(&header))
+}
+
+/// Every line of `text` as a `# ` comment (line breaks in reasons included).
+fn comment(text: &str) -> String {
+    text.lines().map(|l| format!("# {l}\n")).collect()
+}
+
+/// A key as a directory name: keys are `[a-z0-9_]` already; anything else becomes `_`.
+fn dir_name(key: &str) -> String {
+    let name: String = key.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect();
+    if name.is_empty() { "_".into() } else { name }
+}
+
+/// Writes `results.json`, `results.csv`, `report.html`, `variants/<key>/config.pbtxt` for every
+/// variant with a config and (when there is one) `recommended/config.pbtxt` under `dir`; a
+/// stale recommended config is removed when nothing is recommended. Returns the errors (each
+/// file is attempted).
 pub fn write_all(report: &mut AnalyzeReport, dir: &Path) -> Vec<String> {
     let mut errors = Vec::new();
+    for i in 0..report.rows.len() {
+        let Some(text) = variant_pbtxt(report, &report.rows[i]) else { continue };
+        let variant_dir = dir.join(VARIANTS_DIR).join(dir_name(&report.rows[i].result.key));
+        let path = variant_dir.join("config.pbtxt");
+        let written = text.and_then(|text| {
+            std::fs::create_dir_all(&variant_dir)
+                .map_err(|e| format!("{}: {e}", variant_dir.display()))
+                .and_then(|_| crate::report::write_file(&path, &text).map_err(|e| e.to_string()))
+        });
+        match written {
+            Ok(()) => report.rows[i].config_pbtxt = Some(path),
+            Err(e) => errors.push(e),
+        }
+    }
     let rec_dir = dir.join(RECOMMENDED_DIR);
     let rec_path = rec_dir.join("config.pbtxt");
     match recommended_pbtxt(report) {
@@ -508,14 +659,39 @@ pub fn write_all(report: &mut AnalyzeReport, dir: &Path) -> Vec<String> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::analyze::result::VariantStatus;
+    use crate::analyze::result::{ServerTime, VariantStatus};
     use crate::analyze::space::Variant;
     use crate::analyze::sweep::{LoadSpec, SweepOutcome};
     use crate::client::Protocol;
     use crate::driver::{Measurement, WindowMode};
-    use crate::workload::InputData;
+    use crate::workload::{InputData, InputSource};
     use nereid_common::config::{config_to_json, parse_model_config};
     use nereid_proto::inference::ModelConfig;
+
+    /// The cells of a CSV line, quotes undone (RFC 4180).
+    pub(crate) fn csv_cells(line: &str) -> Vec<String> {
+        let (mut cells, mut cell, mut quoted, mut chars) = (Vec::new(), String::new(), false, line.chars().peekable());
+        while let Some(c) = chars.next() {
+            match (c, quoted) {
+                ('"', true) if chars.peek() == Some(&'"') => {
+                    cell.push('"');
+                    chars.next();
+                }
+                ('"', _) => quoted = !quoted,
+                (',', false) => cells.push(std::mem::take(&mut cell)),
+                _ => cell.push(c),
+            }
+        }
+        cells.push(cell);
+        assert_eq!(cells.len(), CSV_COLUMNS.len(), "{line}");
+        cells
+    }
+
+    /// The cell of `column` in line `row` (0 is the header) of `text`.
+    fn csv_cell(text: &str, row: usize, column: &str) -> String {
+        let i = CSV_COLUMNS.iter().position(|c| *c == column).unwrap_or_else(|| panic!("no column {column}"));
+        csv_cells(text.lines().nth(row).expect("the row"))[i].clone()
+    }
 
     pub(crate) fn settings() -> LoadSettings {
         LoadSettings {
@@ -523,7 +699,8 @@ pub(crate) mod tests {
             shared_memory: None,
             load: LoadSpec::Concurrency(vec![4]),
             batch_size: 1,
-            input_data: InputData::Random,
+            input_data: InputSource::Generated(InputData::Random),
+            api_key: None,
             slo_p99_ms: Some(10.0),
             workload: None,
             workload_file: None,
@@ -561,15 +738,25 @@ pub(crate) mod tests {
             requests_per_sec: tput,
             goodput_infer_per_sec: tput * 0.9,
             p50_ms: p99 / 2.0,
+            p90_ms: Some(p99 * 0.8),
             p99_ms: p99,
+            p999_ms: Some(p99 * 1.5),
             avg_ms: p99 / 2.0,
             requests: 100,
             errors: 0,
             stable: true,
+            sends: 0,
+            late_sends: 0,
             slo_met: Some(p99 <= 10.0),
             memory_mb: Some(mem),
             gpu_memory_mb: None,
             server_avg_batch_size: Some(1.5),
+            server_time: Some(ServerTime {
+                queue_us: p99 * 100.0,
+                compute_input_us: 5.0,
+                compute_infer_us: p99 * 50.0,
+                compute_output_us: 4.0,
+            }),
             concurrency: Some(4),
             request_rate: None,
             series: Vec::new(),
@@ -592,7 +779,11 @@ pub(crate) mod tests {
     }
 
     /// A brute sweep's report over the sample space, by throughput.
-    fn report_of(results: Vec<VariantResult>, constraints: Constraints, stop: Option<Stop>) -> AnalyzeReport {
+    pub(crate) fn report_of(
+        results: Vec<VariantResult>,
+        constraints: Constraints,
+        stop: Option<Stop>,
+    ) -> AnalyzeReport {
         let space = SearchSpace::new(vec![1, 2, 3], vec![8], vec![0, 16], vec![0]).unwrap();
         let load = settings();
         let ctx = ReportContext {
@@ -626,7 +817,7 @@ pub(crate) mod tests {
         let t = table(&r);
         assert!(t.contains("GPU MiB") && t.contains("9000.0") && t.contains("GPU memory ≤ 8192 MiB"), "{t}");
         assert!(t.contains("GPU memory 5000.0 MiB"), "the recommendation names it: {t}");
-        assert!(csv(&r).lines().nth(1).unwrap().ends_with(",3000"), "{}", csv(&r));
+        assert_eq!(csv_cell(&csv(&r), 1, "gpu_memory_mb"), "3000", "{}", csv(&r));
         assert!(crate::analyze::html::report(&r).contains("<th>GPU memory MiB</th>"));
     }
 
@@ -692,6 +883,91 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn untrusted_variants_are_listed_with_their_reason_but_never_ranked() {
+        let mut results = sample_results();
+        // i3 (most throughput) was unstable; i2 (next) had its open-loop generator fall behind.
+        results[2].measured.as_mut().unwrap().stable = false;
+        let m = results[1].measured.as_mut().unwrap();
+        (m.sends, m.late_sends) = (2000, 30);
+        for r in &mut results {
+            r.reason = r.untrusted_reason().map(|why| format!("not recommended: {why}")).or(r.reason.take());
+        }
+        let r = report_of(results.clone(), Constraints::default(), None);
+        assert_eq!(r.recommended.as_ref().unwrap().key, "i1_b8_p0_d0", "the only trusted one");
+        assert_eq!(r.frontier, vec!["i1_b8_p0_d0"], "untrusted points do not dominate or sit on the frontier");
+        assert_eq!(r.verdict.exit_code, exit::OK);
+        let trusted: Vec<Option<bool>> = r.rows.iter().map(|row| row.trusted).collect();
+        assert_eq!(trusted, [Some(true), Some(false), Some(false), None]);
+        assert_eq!(r.rows[1].meets_constraints, Some(true), "still judged against the constraints");
+        assert!(r.rows[1].untrusted_reason.as_ref().unwrap().contains("1.5% of sends started more than 1 ms late"));
+        assert!(r.rows[2].untrusted_reason.as_ref().unwrap().contains("no stable measurement"));
+        assert!(
+            r.warnings[0].contains("2 measured variants are left out") && r.warnings[0].contains("i2_b8_p0_d0, i3")
+        );
+        let t = table(&r);
+        assert!(t.contains("untrusted: not recommended: the generator could not keep the schedule"), "{t}");
+        assert_eq!(t.lines().filter(|l| l.starts_with("i3_b8_p0_d0") && l.contains(" untrusted ")).count(), 1, "{t}");
+        let text = csv(&r);
+        let trusted: Vec<String> = (1..=4).map(|row| csv_cell(&text, row, "trusted")).collect();
+        assert_eq!(trusted, ["true", "false", "false", ""], "{text}");
+        assert_eq!(csv_cell(&text, 2, "late_sends"), "30");
+        assert_eq!(csv_cell(&text, 2, "sends"), "2000");
+        assert!(csv_cell(&text, 2, "reason").contains("could not keep the schedule"), "{text}");
+        let json: serde_json::Value = serde_json::from_str(&json(&r)).unwrap();
+        assert_eq!(json["rows"][1]["trusted"], false);
+        assert_eq!(json["rows"][1]["measured"]["late_sends"], 30);
+        assert_eq!(json["rows"][2]["measured"]["stable"], false);
+
+        // Only untrusted variants meet the constraints: nothing is recommended, and the exit
+        // says the answer is unknown (5), not that nothing fits (4).
+        let c = Constraints { max_p99_ms: Some(10.0), ..Default::default() };
+        let mut only_untrusted = results.clone();
+        only_untrusted[0].measured.as_mut().unwrap().stable = false;
+        let r = report_of(only_untrusted, c, None);
+        assert!(r.recommended.is_none() && r.frontier.is_empty());
+        assert_eq!(r.verdict.exit_code, exit::UNTRUSTWORTHY);
+        assert!(table(&r).contains("NO RECOMMENDATION: no trusted measured variant meets"), "{}", table(&r));
+        let p = &r.verdict.problems[0];
+        assert!(p.contains("no trusted variant met the constraints") && p.contains("i1_b8_p0_d0, i2_b8_p0_d0"), "{p}");
+        // ... while one that would miss them anyway changes nothing: 4.
+        let tight = Constraints { max_p99_ms: Some(1.0), ..Default::default() };
+        assert_eq!(report_of(results, tight, None).verdict.exit_code, exit::SLO_NOT_MET);
+    }
+
+    #[test]
+    fn every_variant_with_a_config_gets_a_config_pbtxt_that_parses_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut results = sample_results();
+        // A load the server refused still has the config that was sent: worth inspecting.
+        results[2].status = VariantStatus::LoadFailed;
+        results[2].measured = None;
+        results[2].reason = Some("HTTP 400: bad\nsecond line".into());
+        let mut r = report_of(results, Constraints::default(), None);
+        assert!(write_all(&mut r, dir.path()).is_empty());
+        for (i, count) in [(0, 1), (1, 2), (2, 3)] {
+            let row = &r.rows[i];
+            let path = dir.path().join("variants").join(&row.result.key).join("config.pbtxt");
+            assert_eq!(row.config_pbtxt.as_deref(), Some(path.as_path()), "the row points at it");
+            let text = std::fs::read_to_string(&path).unwrap();
+            let config = parse_model_config(&text).unwrap_or_else(|e| panic!("{}: {e}\n{text}", path.display()));
+            assert_eq!(config.instance_group[0].count, count);
+            let sent = nereid_common::config::parse_model_config_json(&row.result.config.as_ref().unwrap().to_string());
+            assert_eq!(config, sent.unwrap(), "exactly the config that was loaded");
+            assert!(text.starts_with(&format!("# Variant {} of 'm'", row.result.key)), "{text}");
+        }
+        let refused = std::fs::read_to_string(dir.path().join("variants/i3_b8_p0_d0/config.pbtxt")).unwrap();
+        assert!(refused.contains("(concurrency 4): load failed.") && refused.contains("\n# second line."), "{refused}");
+        let recommended = std::fs::read_to_string(dir.path().join("variants/i2_b8_p0_d0/config.pbtxt")).unwrap();
+        assert!(recommended.contains("recommended") && recommended.contains("1800.0 infer/s"), "{recommended}");
+        // The skipped variant has no config, so no file.
+        assert!(r.rows[3].config_pbtxt.is_none());
+        assert!(!dir.path().join("variants").join(&r.rows[3].result.key).exists());
+        let json: serde_json::Value = serde_json::from_str(&json(&r)).unwrap();
+        assert!(json["rows"][0]["config_pbtxt"].as_str().unwrap().ends_with("variants/i1_b8_p0_d0/config.pbtxt"));
+        assert!(json["rows"][3].get("config_pbtxt").is_none());
+    }
+
+    #[test]
     fn a_sweep_without_queue_policy_reports_as_before() {
         let r = sample_report(Constraints::default(), None);
         assert!(!r.shows_queue_policy());
@@ -702,7 +978,7 @@ pub(crate) mod tests {
         // The CSV's new columns are at the end, 0 without a policy.
         let text = csv(&r);
         assert!(text.lines().next().unwrap().contains(",on_frontier,recommended,max_queue_size,queue_timeout_us,"));
-        assert!(text.lines().nth(2).unwrap().ends_with(",0,0,4,,0,"), "{text}");
+        assert_eq!(csv_cells(text.lines().nth(2).unwrap())[23..29], ["0", "0", "4", "", "0", ""], "{text}");
         assert!(!t.contains("best level"), "one load level: no level column: {t}");
     }
 
@@ -738,9 +1014,10 @@ pub(crate) mod tests {
         assert!(t.contains("timeout") && t.contains("i1_b8_p0_d0_q4_t2000"), "{t}");
         let text = csv(&r);
         let lines: Vec<&str> = text.lines().collect();
-        assert!(lines[1].starts_with("i1_b8_p0_d0,") && lines[1].ends_with(",0,0,4,,0,"), "{}", lines[1]);
+        assert!(lines[1].starts_with("i1_b8_p0_d0,"), "{}", lines[1]);
+        assert_eq!(csv_cells(lines[1])[23..29], ["0", "0", "4", "", "0", ""], "{}", lines[1]);
         assert!(lines[2].starts_with("i1_b8_p0_d0_q4_t2000,1,8,0,0,measured,"), "{}", lines[2]);
-        assert!(lines[2].ends_with(",true,4,2000,4,,0,"), "{}", lines[2]);
+        assert_eq!(csv_cells(lines[2])[22..29], ["true", "4", "2000", "4", "", "0", ""], "{}", lines[2]);
         let json: serde_json::Value = serde_json::from_str(&json(&r)).unwrap();
         assert_eq!(json["rows"][1]["variant"]["max_queue_size"], 4);
         assert_eq!(json["rows"][1]["variant"]["queue_timeout_us"], 2000);

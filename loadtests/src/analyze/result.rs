@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::space::Variant;
+use crate::driver::{LATE_BOUND, MAX_LATE_FRACTION};
 
 /// What became of a variant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -46,12 +47,27 @@ pub struct Measured {
     /// Successful inferences within the SLO per second (equal to throughput without an SLO).
     pub goodput_infer_per_sec: f64,
     pub p50_ms: f64,
+    /// Absent in checkpoints from before the percentile plot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p90_ms: Option<f64>,
     pub p99_ms: f64,
+    /// p99.9 (absent in checkpoints from before the percentile plot).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p999_ms: Option<f64>,
     pub avg_ms: f64,
     pub requests: u64,
     pub errors: u64,
-    /// Whether the measurement windows agreed (nereid-perf's stability rule).
+    /// Whether the measurement windows agreed (nereid-perf's stability rule). An unstable
+    /// variant is reported but neither recommended nor on the frontier.
     pub stable: bool,
+    /// Open loop: requests the generator sent, and those it sent more than
+    /// [`LATE_BOUND`] after their scheduled time (0 and 0 in closed loop). More than
+    /// [`MAX_LATE_FRACTION`] late is nereid-perf's "could not keep the schedule": the offered
+    /// load was lower than asked, so the variant is reported but not trusted.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub sends: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub late_sends: u64,
     /// Whether at least 99% of requests succeeded within the SLO (`None` without an SLO).
     pub slo_met: Option<bool>,
     /// The worker's peak resident set size during the level, in MiB (`None`: unknown).
@@ -62,6 +78,10 @@ pub struct Measured {
     pub gpu_memory_mb: Option<f64>,
     /// Average batch the server executed, from `/metrics` (`None` when not scraped).
     pub server_avg_batch_size: Option<f64>,
+    /// The server's time per request, from `/metrics`: queue vs compute (`None` when not
+    /// scraped, or in checkpoints from before it was kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_time: Option<ServerTime>,
     /// The closed-loop level measured (absent in checkpoints from before load ranges).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub concurrency: Option<u32>,
@@ -72,6 +92,21 @@ pub struct Measured {
     /// how a priority or queue policy shares the capacity out.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub series: Vec<SeriesMeasured>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// The server's average time per successful request over a level's merged windows, in µs
+/// (nereid-perf's breakdown from Triton's `nv_inference_*_duration_us` counters).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerTime {
+    pub queue_us: f64,
+    pub compute_input_us: f64,
+    pub compute_infer_us: f64,
+    pub compute_output_us: f64,
 }
 
 /// One workload series' numbers at a level.
@@ -91,6 +126,40 @@ pub struct SeriesMeasured {
 }
 
 impl Measured {
+    /// Share of open-loop sends that were late (0 in closed loop).
+    pub fn late_fraction(&self) -> f64 {
+        if self.sends == 0 { 0.0 } else { self.late_sends as f64 / self.sends as f64 }
+    }
+
+    /// Whether the open-loop generator kept its schedule (nereid-perf's rule: at most
+    /// [`MAX_LATE_FRACTION`] of sends late); always true in closed loop.
+    pub fn kept_schedule(&self) -> bool {
+        self.late_fraction() <= MAX_LATE_FRACTION
+    }
+
+    /// Why these numbers cannot be trusted (nereid-perf's exit 5 reasons), or `None`.
+    pub fn distrust(&self) -> Option<String> {
+        let mut why = Vec::new();
+        if !self.stable {
+            why.push("no stable measurement within --max-trials windows".to_string());
+        }
+        if !self.kept_schedule() {
+            why.push(format!(
+                "the generator could not keep the schedule: {:.1}% of sends started more than {} ms late (limit {}%), \
+                 so the offered load was lower than asked",
+                100.0 * self.late_fraction(),
+                LATE_BOUND.as_millis(),
+                MAX_LATE_FRACTION * 100.0
+            ));
+        }
+        (!why.is_empty()).then(|| why.join("; "))
+    }
+
+    /// Whether something succeeded and the measurement can be trusted.
+    pub fn trusted(&self) -> bool {
+        self.requests > self.errors && self.distrust().is_none()
+    }
+
     /// `c=8`, `100 req/s`, or empty when the level is not recorded.
     pub fn level_label(&self) -> String {
         match (self.concurrency, self.request_rate) {
@@ -136,8 +205,83 @@ impl VariantResult {
         }
     }
 
-    /// The measurement, when the variant was measured and something succeeded.
-    pub fn usable(&self) -> Option<&Measured> {
+    /// The numbers, when the variant was measured and something succeeded, trusted or not:
+    /// what the table and the plots show.
+    pub fn numbers(&self) -> Option<&Measured> {
         self.measured.as_ref().filter(|m| self.status == VariantStatus::Measured && m.requests > m.errors)
+    }
+
+    /// The measurement when it can be ranked: measured, something succeeded, stable, and (open
+    /// loop) the schedule kept. Only these are on the frontier or recommended.
+    pub fn usable(&self) -> Option<&Measured> {
+        self.numbers().filter(|m| m.trusted())
+    }
+
+    /// Why a measured variant is left out of the frontier and the recommendation, if it is.
+    pub fn untrusted_reason(&self) -> Option<String> {
+        self.numbers().and_then(Measured::distrust)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analyze::frontier::tests::measured;
+
+    fn result(status: VariantStatus, m: Measured) -> VariantResult {
+        let mut r = VariantResult::new(Variant::batching(1, 8, 0, 0), status);
+        r.measured = Some(m);
+        r
+    }
+
+    #[test]
+    fn only_stable_measurements_that_kept_their_schedule_are_usable() {
+        let ok = measured(100.0, 100.0, 2.0, None);
+        assert!(ok.trusted() && ok.distrust().is_none());
+        assert!(result(VariantStatus::Measured, ok.clone()).usable().is_some());
+
+        let unstable = Measured { stable: false, ..ok.clone() };
+        let r = result(VariantStatus::Measured, unstable);
+        assert!(r.usable().is_none(), "unstable: not ranked");
+        assert!(r.numbers().is_some(), "but its numbers are still shown");
+        assert!(r.untrusted_reason().unwrap().contains("no stable measurement"));
+
+        // nereid-perf's rule: at most 1% of open-loop sends late.
+        let at_limit = Measured { sends: 1000, late_sends: 10, ..ok.clone() };
+        assert!(at_limit.kept_schedule() && result(VariantStatus::Measured, at_limit).usable().is_some());
+        let behind = Measured { sends: 1000, late_sends: 11, ..ok.clone() };
+        assert!(!behind.kept_schedule());
+        let r = result(VariantStatus::Measured, behind);
+        assert!(r.usable().is_none() && r.numbers().is_some());
+        let why = r.untrusted_reason().unwrap();
+        assert!(why.contains("could not keep the schedule: 1.1% of sends started more than 1 ms late"), "{why}");
+        // Both at once: both reasons.
+        let both = Measured { stable: false, sends: 10, late_sends: 5, ..ok.clone() };
+        assert_eq!(both.distrust().unwrap().matches("; ").count(), 1);
+        // Closed loop sends nothing on a schedule: never late.
+        assert_eq!(ok.late_fraction(), 0.0);
+
+        // Nothing succeeded, or not measured to the end: neither numbers nor usable.
+        let failed = Measured { errors: 100, ..ok.clone() };
+        assert!(result(VariantStatus::Measured, failed).numbers().is_none());
+        let r = result(VariantStatus::Failed, ok);
+        assert!(r.numbers().is_none() && r.usable().is_none() && r.untrusted_reason().is_none());
+    }
+
+    #[test]
+    fn measurements_from_older_checkpoints_still_read() {
+        // Written before late sends, p90/p99.9 and the server's time were kept.
+        let old = r#"{"throughput_infer_per_sec": 10.0, "requests_per_sec": 10.0, "goodput_infer_per_sec": 10.0,
+            "p50_ms": 1.0, "p99_ms": 2.0, "avg_ms": 1.0, "requests": 50, "errors": 0, "stable": true,
+            "slo_met": null, "memory_mb": 80.0, "server_avg_batch_size": 1.0}"#;
+        let m: Measured = serde_json::from_str(old).unwrap();
+        assert_eq!((m.sends, m.late_sends, m.p90_ms, m.p999_ms, m.server_time), (0, 0, None, None, None));
+        assert!(m.trusted());
+        // And a closed-loop measurement writes no late-send fields.
+        let text = serde_json::to_string(&m).unwrap();
+        assert!(!text.contains("sends") && !text.contains("server_time"), "{text}");
+        let late = Measured { sends: 100, late_sends: 7, ..m };
+        let back: Measured = serde_json::from_str(&serde_json::to_string(&late).unwrap()).unwrap();
+        assert_eq!(back, late);
     }
 }

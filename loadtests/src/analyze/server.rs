@@ -1,7 +1,8 @@
 //! The server under test: a `nereid-worker` process this tool starts (explicit model control,
 //! OS-assigned ports read from `--port-file`), or one already running; its repository API
-//! (load with a config override, unload) over gRPC or HTTP, over TLS when `--url` asks for it;
-//! and its memory (VmRSS from `/proc/PID/status`, sampled while a variant is measured).
+//! (load with a config override, unload) over gRPC or HTTP, over TLS when `--url` asks for it,
+//! with `authorization: Bearer <key>` when given `--api-key`; and its memory (VmRSS from
+//! `/proc/PID/status`, sampled while a variant is measured).
 //!
 //! Every wait is bounded: the worker's start by `start_timeout`, each repository call by
 //! `load_timeout`. A call that gets no answer at all is [`RepositoryError::Unreachable`] (the
@@ -25,6 +26,7 @@ use nereid_proto::inference::model_repository_parameter::ParameterChoice;
 use nereid_proto::inference::{ModelRepositoryParameter, RepositoryModelLoadRequest, RepositoryModelUnloadRequest};
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
+use tonic::metadata::AsciiMetadataValue;
 use tonic::transport::Endpoint;
 
 use crate::client::tls::{ALPN_H2, ALPN_HTTP1, Connector};
@@ -170,6 +172,8 @@ pub enum RepositoryClient {
         url: String,
         timeout: Duration,
         tls: Option<Tls>,
+        /// `Bearer <key>` on every call (`--api-key`).
+        auth: Option<AsciiMetadataValue>,
     },
     Http {
         url: String,
@@ -177,6 +181,8 @@ pub enum RepositoryClient {
         /// `https` with TLS.
         scheme: &'static str,
         pool: Arc<HyperClient<Connector, Full<Bytes>>>,
+        /// `Bearer <key>` on every call (`--api-key`).
+        auth: Option<http::HeaderValue>,
     },
 }
 
@@ -185,7 +191,7 @@ impl RepositoryClient {
     /// HTTP: `https://`, ALPN `http/1.1`); each call is bounded by `timeout`.
     pub fn new(protocol: Protocol, url: &str, timeout: Duration, tls: Option<&Tls>) -> RepositoryClient {
         match protocol {
-            Protocol::Grpc => RepositoryClient::Grpc { url: url.into(), timeout, tls: tls.cloned() },
+            Protocol::Grpc => RepositoryClient::Grpc { url: url.into(), timeout, tls: tls.cloned(), auth: None },
             Protocol::Http { .. } => {
                 // TCP (bounded by CONNECT_TIMEOUT) and, with TLS, the handshake (bounded too).
                 let connector = match tls {
@@ -194,8 +200,43 @@ impl RepositoryClient {
                 };
                 let pool = HyperClient::builder(TokioExecutor::new()).build(connector);
                 let scheme = if tls.is_some() { "https" } else { "http" };
-                RepositoryClient::Http { url: url.into(), timeout, scheme, pool: Arc::new(pool) }
+                RepositoryClient::Http { url: url.into(), timeout, scheme, pool: Arc::new(pool), auth: None }
             }
+        }
+    }
+
+    /// The same client sending `authorization: Bearer <key>` on every call (load, unload,
+    /// liveness), as the measurement does with `--api-key`. Fails on a key that cannot be a
+    /// header value.
+    pub fn with_api_key(mut self, key: Option<&str>) -> Result<RepositoryClient, String> {
+        let Some(key) = key else { return Ok(self) };
+        let bad = || "--api-key: not a valid header value (visible ASCII characters only)".to_string();
+        let value = http::HeaderValue::try_from(format!("Bearer {key}")).map_err(|_| bad())?;
+        match &mut self {
+            RepositoryClient::Grpc { auth, .. } => {
+                *auth = Some(AsciiMetadataValue::try_from(value.as_bytes()).map_err(|_| bad())?)
+            }
+            RepositoryClient::Http { auth, .. } => *auth = Some(value),
+        }
+        Ok(self)
+    }
+
+    /// A gRPC call's request, with the key.
+    fn grpc_request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        if let RepositoryClient::Grpc { auth: Some(auth), .. } = self {
+            request.metadata_mut().insert("authorization", auth.clone());
+        }
+        request
+    }
+
+    /// An HTTP request to `path` on the server, with the key.
+    fn http_request(&self, method: Method, path: &str) -> http::request::Builder {
+        let RepositoryClient::Http { url, scheme, auth, .. } = self else { unreachable!("an HTTP client") };
+        let builder = Request::builder().method(method).uri(format!("{scheme}://{url}{path}"));
+        match auth {
+            Some(auth) => builder.header(http::header::AUTHORIZATION, auth.clone()),
+            None => builder,
         }
     }
 
@@ -203,7 +244,7 @@ impl RepositoryClient {
     /// place of its config.pbtxt: Triton's `parameters.config`.
     pub async fn load(&self, model: &str, config_json: &str) -> Result<(), RepositoryError> {
         match self {
-            RepositoryClient::Grpc { url, timeout, tls } => {
+            RepositoryClient::Grpc { url, timeout, tls, .. } => {
                 let mut client = grpc_client(url, tls.as_ref()).await?;
                 let parameters = HashMap::from([(
                     "config".to_string(),
@@ -211,11 +252,11 @@ impl RepositoryClient {
                         parameter_choice: Some(ParameterChoice::StringParam(config_json.into())),
                     },
                 )]);
-                let call = client.repository_model_load(RepositoryModelLoadRequest {
+                let call = client.repository_model_load(self.grpc_request(RepositoryModelLoadRequest {
                     repository_name: String::new(),
                     model_name: model.into(),
                     parameters,
-                });
+                }));
                 grpc_outcome(tokio::time::timeout(*timeout, call).await, *timeout)
             }
             RepositoryClient::Http { .. } => {
@@ -228,13 +269,13 @@ impl RepositoryClient {
     /// Unloads `model` (so the next variant's memory is not measured on top of this one's).
     pub async fn unload(&self, model: &str) -> Result<(), RepositoryError> {
         match self {
-            RepositoryClient::Grpc { url, timeout, tls } => {
+            RepositoryClient::Grpc { url, timeout, tls, .. } => {
                 let mut client = grpc_client(url, tls.as_ref()).await?;
-                let call = client.repository_model_unload(RepositoryModelUnloadRequest {
+                let call = client.repository_model_unload(self.grpc_request(RepositoryModelUnloadRequest {
                     repository_name: String::new(),
                     model_name: model.into(),
                     parameters: HashMap::new(),
-                });
+                }));
                 grpc_outcome(tokio::time::timeout(*timeout, call).await, *timeout)
             }
             RepositoryClient::Http { .. } => {
@@ -256,7 +297,7 @@ impl RepositoryClient {
         match self {
             RepositoryClient::Grpc { url, tls, .. } => {
                 let mut client = grpc_client(url, tls.as_ref()).await.map_err(|e| e.to_string())?;
-                let call = client.server_live(nereid_proto::inference::ServerLiveRequest {});
+                let call = client.server_live(self.grpc_request(nereid_proto::inference::ServerLiveRequest {}));
                 match tokio::time::timeout(CONNECT_TIMEOUT, call).await {
                     Ok(Ok(r)) if r.get_ref().live => Ok(()),
                     Ok(Ok(_)) => Err("ServerLive: not live".into()),
@@ -264,8 +305,9 @@ impl RepositoryClient {
                     Err(_) => Err(no_answer()),
                 }
             }
-            RepositoryClient::Http { url, scheme, pool, .. } => {
-                let req = Request::get(format!("{scheme}://{url}/v2/health/live"))
+            RepositoryClient::Http { pool, .. } => {
+                let req = self
+                    .http_request(Method::GET, "/v2/health/live")
                     .body(Full::new(Bytes::new()))
                     .map_err(|e| format!("bad request: {e}"))?;
                 match tokio::time::timeout(CONNECT_TIMEOUT, pool.request(req)).await {
@@ -279,10 +321,9 @@ impl RepositoryClient {
     }
 
     async fn http_post(&self, path: &str, body: String) -> Result<(), RepositoryError> {
-        let RepositoryClient::Http { url, timeout, scheme, pool } = self else { unreachable!("an HTTP client") };
-        let req = Request::builder()
-            .method(Method::POST)
-            .uri(format!("{scheme}://{url}{path}"))
+        let RepositoryClient::Http { timeout, pool, .. } = self else { unreachable!("an HTTP client") };
+        let req = self
+            .http_request(Method::POST, path)
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body)))
             .map_err(|e| RepositoryError::Refused(format!("bad request: {e}")))?;
@@ -424,6 +465,82 @@ mod tests {
         let peak = sampler.finish(pid).expect("our own RSS is readable");
         assert!(peak > 0.0);
         assert!(rss_mib(u32::MAX).is_none());
+    }
+
+    /// An HTTP server on 127.0.0.1 answering `n` requests (one per connection) with 200,
+    /// returning each request's head, lowercased.
+    async fn capture_http(n: usize) -> (String, tokio::task::JoinHandle<Vec<String>>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = listener.local_addr().unwrap().to_string();
+        let task = tokio::spawn(async move {
+            let mut heads = Vec::new();
+            for _ in 0..n {
+                let (mut conn, _) = listener.accept().await.unwrap();
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                let head_end = loop {
+                    let read = conn.read(&mut chunk).await.unwrap();
+                    assert!(read > 0, "the client closed early: {}", String::from_utf8_lossy(&buf));
+                    buf.extend_from_slice(&chunk[..read]);
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+                let body_len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map(|v| v.trim().parse().unwrap())
+                    .unwrap_or(0);
+                while buf.len() < head_end + body_len {
+                    let read = conn.read(&mut chunk).await.unwrap();
+                    assert!(read > 0);
+                    buf.extend_from_slice(&chunk[..read]);
+                }
+                conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").await.unwrap();
+                heads.push(head);
+            }
+            heads
+        });
+        (url, task)
+    }
+
+    #[tokio::test]
+    async fn the_api_key_goes_on_every_repository_call() {
+        let (url, server) = capture_http(3).await;
+        let c = RepositoryClient::new(Protocol::Http { binary: false }, &url, Duration::from_secs(5), None)
+            .with_api_key(Some("k-1"))
+            .unwrap();
+        assert!(c.is_live().await);
+        c.unload("m").await.unwrap();
+        c.load("m", "{}").await.unwrap();
+        let heads = server.await.unwrap();
+        let lines: Vec<&str> = heads.iter().map(|h| h.lines().next().unwrap()).collect();
+        assert_eq!(
+            lines,
+            [
+                "get /v2/health/live http/1.1",
+                "post /v2/repository/models/m/unload http/1.1",
+                "post /v2/repository/models/m/load http/1.1"
+            ]
+        );
+        for head in &heads {
+            assert!(head.contains("\r\nauthorization: bearer k-1\r\n"), "{head}");
+        }
+        // Without a key, none is sent.
+        let (url, server) = capture_http(1).await;
+        let c = RepositoryClient::new(Protocol::Http { binary: false }, &url, Duration::from_secs(5), None)
+            .with_api_key(None)
+            .unwrap();
+        assert!(c.is_live().await);
+        assert!(!server.await.unwrap()[0].contains("authorization"));
+        // A key that cannot be a header value is refused up front, for either protocol.
+        for protocol in [Protocol::Grpc, Protocol::Http { binary: false }] {
+            let c = RepositoryClient::new(protocol, "127.0.0.1:9", Duration::from_secs(1), None);
+            let Err(e) = c.with_api_key(Some("a\nb")) else { panic!("accepted a line break") };
+            assert!(e.contains("--api-key"), "{e}");
+        }
     }
 
     #[tokio::test]

@@ -19,7 +19,7 @@ use super::checkpoint::{Checkpoint, CheckpointError};
 use super::config::variant_config;
 use super::frontier::{Constraints, Objective, best_level, score};
 use super::quick::{Outcome, QuickSearch};
-use super::result::{Measured, SeriesMeasured, VariantResult, VariantStatus};
+use super::result::{Measured, SeriesMeasured, ServerTime, VariantResult, VariantStatus};
 use super::server::{RepositoryClient, RepositoryError, RssSampler, WorkerProcess};
 use super::space::{Point, SearchSpace, Variant};
 use crate::client::{Protocol, Target, Tls};
@@ -74,7 +74,13 @@ pub struct LoadSettings {
     pub load: LoadSpec,
     /// Rows per request.
     pub batch_size: u32,
-    pub input_data: InputData,
+    /// `--input-data`: zero, random, or an input data file (read and checked already);
+    /// serialized as nereid-perf's flag value.
+    #[serde(serialize_with = "serialize_input_data")]
+    pub input_data: InputSource,
+    /// `--api-key`: sent by every entry without its own key (never written to the outputs).
+    #[serde(skip)]
+    pub api_key: Option<String>,
     /// Goodput's latency SLO (workload entries may set their own).
     pub slo_p99_ms: Option<f64>,
     /// `--workload`: the requests each variant is measured with, instead of one entry of
@@ -86,6 +92,19 @@ pub struct LoadSettings {
     pub workload_file: Option<String>,
     pub measurement: Measurement,
     pub seed: u64,
+}
+
+/// `zero`, `random`, or the input data file's path: the `--input-data` value.
+fn serialize_input_data<S: serde::Serializer>(source: &InputSource, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&input_data_arg(source))
+}
+
+fn input_data_arg(source: &InputSource) -> String {
+    match source {
+        InputSource::Generated(InputData::Zero) => "zero".into(),
+        InputSource::Generated(InputData::Random) => "random".into(),
+        InputSource::File(file) => file.path.clone(),
+    }
 }
 
 impl LoadSettings {
@@ -107,6 +126,9 @@ impl LoadSettings {
         if self.shared_memory.is_some() {
             load.push_str(", through shared memory");
         }
+        if let InputSource::File(_) = &self.input_data {
+            load.push_str(&format!(", input data {}", input_data_arg(&self.input_data)));
+        }
         if let Some(file) = &self.workload_file {
             return format!("{load}, workload {file}");
         }
@@ -115,7 +137,7 @@ impl LoadSettings {
 
     /// nereid-perf's run config for `model` on `server` (its URL, TLS and metrics URL).
     pub fn run_config(&self, model: &str, server: &ServerHandle) -> Result<RunConfig, PerfError> {
-        let workload = match &self.workload {
+        let mut workload = match &self.workload {
             Some(w) => w.clone(),
             None => {
                 let mut entry = Entry::for_model(model);
@@ -123,6 +145,14 @@ impl LoadSettings {
                 Workload::new(Origin::Flags, vec![entry], self.slo_p99_ms)?
             }
         };
+        // nereid-perf's --api-key: the key of every entry without its own, and of the calls
+        // that belong to no entry (metadata, shared-memory registration).
+        if let Some(key) = &self.api_key {
+            for e in &mut workload.entries {
+                e.api_key.get_or_insert_with(|| key.clone());
+            }
+            workload.default_api_key = Some(key.clone());
+        }
         let (load, outstanding, closed) = match &self.load {
             LoadSpec::Concurrency(c) => {
                 (Load::Concurrency(c.clone()), c.iter().copied().max().unwrap_or(1) as usize, true)
@@ -145,7 +175,7 @@ impl LoadSettings {
             target: Target { protocol: self.protocol, url: server.url.clone(), connections, tls: server.tls.clone() },
             metrics_url: server.metrics_url.clone(),
             workload,
-            input_data: InputSource::Generated(self.input_data),
+            input_data: self.input_data.clone(),
             load,
             measurement: self.measurement.clone(),
             seed: self.seed,
@@ -309,17 +339,19 @@ pub async fn run(
 fn summary_line(r: &VariantResult) -> String {
     match (&r.measured, &r.reason) {
         (Some(m), _) if r.status == VariantStatus::Measured => format!(
-            "{:.1} infer/s, p99 {:.3} ms, {}",
+            "{:.1} infer/s, p99 {:.3} ms, {}{}",
             m.throughput_infer_per_sec,
             m.p99_ms,
-            m.memory_mb.map(|x| format!("{x:.1} MiB")).unwrap_or_else(|| "memory unknown".into())
+            m.memory_mb.map(|x| format!("{x:.1} MiB")).unwrap_or_else(|| "memory unknown".into()),
+            r.reason.as_ref().map(|why| format!("; {why}")).unwrap_or_default()
         ),
         (_, Some(reason)) => format!("{}: {reason}", r.status.label()),
         _ => r.status.label().into(),
     }
 }
 
-/// The search's view of a result.
+/// The search's view of a result. A measurement that cannot be trusted (unstable, or the
+/// open-loop schedule not kept) counts as failed: the climb neither stands on it nor credits it.
 pub fn outcome_of(r: &VariantResult, constraints: &Constraints, objective: Objective) -> Outcome {
     match (r.status, r.usable()) {
         (VariantStatus::Skipped, _) => Outcome::Skipped,
@@ -402,12 +434,10 @@ async fn measure_variant(
     };
     match loaded {
         Ok(()) => {}
-        Err(RepositoryError::Refused(reason)) => {
-            result.status = VariantStatus::LoadFailed;
-            result.reason = Some(reason);
-            return (result, None);
-        }
-        Err(RepositoryError::Unreachable(reason)) => {
+        // A refusal may also be a server dying mid-call (gRPC answers `Unknown: transport
+        // error` when the connection breaks): only a server still alive refused the variant.
+        // Otherwise the variant is not final, so that `--resume` tries it again.
+        Err(RepositoryError::Refused(reason) | RepositoryError::Unreachable(reason)) => {
             if let Some(why) = server.gone().await {
                 result.status = VariantStatus::Failed;
                 result.reason = Some(format!("loading: {reason}"));
@@ -442,6 +472,9 @@ async fn measure_variant(
             return (result, stop);
         }
     };
+    // nereid-perf's verdict: server lost (3) and interrupted (130) end the sweep; its
+    // untrustworthy levels (5: unstable, or the open-loop schedule not kept) are judged per
+    // level below, from the numbers each level carries.
     let stop = match report.verdict.exit_code {
         exit::SERVER_LOST => Some(Stop::ServerLost(report.stopped.clone().unwrap_or_else(|| "no answer".into()))),
         exit::INTERRUPTED => Some(Stop::Interrupted),
@@ -459,9 +492,8 @@ async fn measure_variant(
         result.measured = levels.last().cloned();
     } else if let Some(i) = chosen {
         result.status = VariantStatus::Measured;
-        if !levels[i].stable {
-            result.reason = Some("no stable measurement within --max-trials windows".into());
-        }
+        // Kept and reported, but neither on the frontier nor recommended (see `usable`).
+        result.reason = levels[i].distrust().map(|why| format!("not recommended: {why}"));
         result.measured = Some(levels[i].clone());
     } else {
         let t = &report.levels[report.levels.len() - 1].total;
@@ -479,20 +511,31 @@ async fn measure_variant(
 fn measured_of(level: &driver::LevelResult, memory_mb: Option<f64>) -> Measured {
     let t = &level.total;
     let ms = |us: u64| us as f64 / 1000.0;
+    let breakdown = combined_breakdown(level);
     Measured {
         throughput_infer_per_sec: t.infer_per_sec,
         requests_per_sec: t.requests_per_sec,
         goodput_infer_per_sec: t.goodput_infer_per_sec,
         p50_ms: ms(t.latency.p50_us),
+        p90_ms: Some(ms(t.latency.p90_us)),
         p99_ms: ms(t.latency.p99_us),
+        p999_ms: Some(ms(t.latency.p999_us)),
         avg_ms: ms(t.latency.avg_us),
         requests: t.requests,
         errors: t.errors,
         stable: level.stable,
+        sends: t.sends,
+        late_sends: t.late_sends,
         slo_met: level.slo_met,
         memory_mb,
         gpu_memory_mb: level.gpu_memory_mib,
-        server_avg_batch_size: combined_breakdown(level).and_then(|b| b.avg_batch_size),
+        server_avg_batch_size: breakdown.and_then(|b| b.avg_batch_size),
+        server_time: breakdown.map(|b| ServerTime {
+            queue_us: b.avg_queue_us,
+            compute_input_us: b.avg_compute_input_us,
+            compute_infer_us: b.avg_compute_infer_us,
+            compute_output_us: b.avg_compute_output_us,
+        }),
         concurrency: match level.level {
             LoadLevel::Concurrency(c) => Some(c),
             _ => None,
