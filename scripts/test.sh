@@ -21,6 +21,9 @@ echo "== cargo build"
 cargo build --workspace --all-targets --locked
 
 echo "== rust tests"
+# The end-to-end tests start the worker binary built above; here a missing binary is a failure,
+# not a skip.
+export NEREID_REQUIRE_WORKER=1
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --locked --no-fail-fast
 else
