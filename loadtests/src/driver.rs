@@ -942,7 +942,12 @@ impl Dispatcher {
             recorder: recorder.clone(),
             stop: stop.clone(),
             tracker: tracker.clone(),
-            inflight: Arc::new(Semaphore::new(ctx.measurement.max_inflight.max(1))),
+            // Over HTTP/1.1 a request beyond the connections would wait inside the client for
+            // one, unseen by the lateness count: bound the sends by the connections instead, so
+            // a generator held back by them is reported as late.
+            inflight: Arc::new(Semaphore::new(
+                ctx.measurement.max_inflight.min(ctx.client.max_in_flight().unwrap_or(usize::MAX)).max(1),
+            )),
             timeout,
         }
     }

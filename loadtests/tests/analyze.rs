@@ -618,9 +618,11 @@ fn a_server_killed_mid_sweep_keeps_partial_results_and_exits_3() {
     let kept = read_json(&checkpoint);
     let kept = kept["results"].as_array().unwrap().clone();
     assert!(!kept.is_empty());
-    // What --resume reuses: every final result (a measurement cut short is retried).
-    let reusable: Vec<&Value> = kept.iter().filter(|r| r["status"] != "failed").collect();
-    assert!(!reusable.is_empty() && reusable.iter().all(|r| r["status"] == "measured"), "{kept:?}");
+    // What --resume reuses: every final, trusted result (a measurement cut short is retried,
+    // and so is one that was not stable: closed loop, so no late sends).
+    let reusable: Vec<&Value> =
+        kept.iter().filter(|r| r["status"] != "failed" && r["measured"]["stable"] != false).collect();
+    assert!(reusable.iter().all(|r| r["status"] == "measured"), "{kept:?}");
 
     // Resume on a new server: the variants measured before the kill come from the checkpoint,
     // the rest are loaded and measured, and the sweep completes.
@@ -796,6 +798,16 @@ fn an_unstable_variant_is_listed_but_never_recommended() {
     assert_eq!(checkpoint["results"][0]["measured"]["stable"], false);
     let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
     assert_eq!(csv_cell(&csv, 1, "trusted"), "false", "{csv}");
+
+    // The remedy exit 5 suggests works on --resume: the untrusted variant is measured again
+    // (here with a band wide enough to be stable), not reused.
+    let mut again: Vec<&str> = args.iter().map(|a| if *a == "0.0001" { "1000" } else { a }).collect();
+    again.push("--resume");
+    let run = analyze(&again);
+    assert_eq!(run.code, 0, "measured again, now trusted and recommended: {run}");
+    assert!(!format!("{run}").contains("from the checkpoint"), "not reused: {run}");
+    let report = read_json(&out.join("results.json"));
+    assert_eq!(rows(&report)[0]["trusted"].as_bool(), Some(true), "{report}");
 }
 
 #[test]

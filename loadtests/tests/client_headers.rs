@@ -518,3 +518,29 @@ async fn perf_runs_carry_the_api_key_on_every_call() {
         assert!(out.stderr.contains("--api-key"), "{protocol}: {}", out.stderr);
     }
 }
+
+/// A server whose inference hangs but whose health endpoint answers is slow, not gone: the
+/// liveness check made when a window's requests all fail goes over a connection of its own,
+/// not behind the hung requests holding every pooled connection, so the run ends with "no
+/// request succeeded" (exit 5), not "server lost" (exit 3). Open and closed loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_server_that_answers_health_is_not_reported_lost() {
+    let (addr, log) = http_server(HttpBehavior::default(), None).await;
+    log.infer_delay_ms.store(30_000, Ordering::SeqCst);
+    let url = addr.to_string();
+    for load in [["--concurrency-range", "4"], ["--request-rate-range", "200"]] {
+        let mut cmd = Command::new(PERF);
+        cmd.args(["-m", "tiny", "-i", "http", "-u", &url, "--connections", "2"])
+            .args(load)
+            .args(["-p", "300", "-r", "1", "--warmup-ms", "0", "--request-timeout-ms", "200", "--no-server-stats"])
+            .env_remove("NEREID_API_KEY");
+        let run = tokio::task::spawn_blocking(move || {
+            common::run_bounded(cmd, "nereid-perf", Duration::from_secs(60), || {})
+        });
+        let out = run.await.unwrap();
+        assert_eq!(out.status.code(), Some(5), "{load:?}: stdout:\n{}\nstderr:\n{}", out.stdout, out.stderr);
+        assert!(!out.stdout.contains("server was lost"), "{load:?}: {}", out.stdout);
+    }
+    // Per run: one at connect, then at least one liveness probe once a window failed whole.
+    assert!(log.count("GET /v2/health/live") >= 4, "the liveness checks were made: {:?}", log.requests());
+}

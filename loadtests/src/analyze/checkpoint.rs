@@ -72,9 +72,11 @@ impl Checkpoint {
         std::fs::rename(&tmp, path).map_err(err)
     }
 
-    /// The final result recorded for `key`, if any (what `--resume` reuses).
+    /// The final result recorded for `key`, if any (what `--resume` reuses). An untrusted
+    /// measurement (unstable, or the schedule not kept) is not final: the remedy exit 5
+    /// suggests (longer windows, more trials) must be able to measure it again.
     pub fn reusable(&self, key: &str) -> Option<&VariantResult> {
-        self.results.iter().rev().find(|r| r.key == key && r.status.is_final())
+        self.results.iter().rev().find(|r| r.key == key && r.status.is_final() && r.untrusted_reason().is_none())
     }
 
     /// Records `result`, replacing an earlier one for the same key.
@@ -149,14 +151,18 @@ mod tests {
         // What makes a measurement untrusted survives a resume: 60 of 5000 sends late (1.2%).
         let text = std::fs::read_to_string(&path).unwrap();
         assert!(text.contains("\"late_sends\": 60") && text.contains("\"queue_us\": 120.5"), "{text}");
-        let reused = back.reusable("i1_b8_p0_d0").unwrap();
-        assert!(reused.usable().is_none() && reused.untrusted_reason().unwrap().contains("1.2% of sends"));
+        let kept = back.results.iter().find(|r| r.key == "i1_b8_p0_d0").unwrap();
+        assert!(kept.usable().is_none() && kept.untrusted_reason().unwrap().contains("1.2% of sends"));
     }
 
     #[test]
     fn resume_reuses_final_results_only() {
         let mut c = sample();
-        assert!(c.reusable("i1_b8_p0_d0").is_some());
+        assert!(c.reusable("i1_b8_p0_d0").is_none(), "an untrusted measurement is measured again");
+        let mut trusted = c.results[0].clone();
+        trusted.measured.as_mut().unwrap().late_sends = 0;
+        c.record(trusted);
+        assert!(c.reusable("i1_b8_p0_d0").is_some(), "a trusted measurement is final");
         assert!(c.reusable("i1_b8_p0_d100").is_some(), "a skip is final");
         assert!(c.reusable("i2_b8_p0_d0").is_none(), "a failed measurement is retried");
         assert!(c.reusable("i9_b8_p0_d0").is_none());

@@ -6,8 +6,9 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderValue};
-use http::{Method, Request, StatusCode, Uri};
+use http::{Method, Request, Response, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
 use serde_json::{Map, Value, json};
 
 use super::pool::{Http1Pool, ensure_open_files};
@@ -30,6 +31,15 @@ pub struct HttpClient {
     pool: Arc<Http1Pool>,
     /// `Bearer <key>` of non-inference calls.
     auth: Option<HeaderValue>,
+}
+
+/// Which connection a control call takes.
+#[derive(Clone, Copy)]
+enum Via {
+    /// One of the pooled connections (waiting for a free one, like any request).
+    Pool,
+    /// A connection of its own, closed after the call.
+    Apart,
 }
 
 /// URI (origin-form) and headers of one prepared request.
@@ -71,8 +81,15 @@ impl HttpClient {
         HttpLane { pool: self.pool.clone() }
     }
 
+    /// `GET /v2/health/live` over a connection of its own: asked while the load runs (is the
+    /// server gone?), it must not wait behind requests queued for the pooled connections.
     pub async fn is_live(&self) -> bool {
-        matches!(self.get("/v2/health/live").await, Ok((StatusCode::OK, _)))
+        matches!(self.call_via(Method::GET, "/v2/health/live", Bytes::new(), Via::Apart).await, Ok((StatusCode::OK, _)))
+    }
+
+    /// The most requests this client can have at the server at once: one per connection.
+    pub fn connections(&self) -> usize {
+        self.pool.size()
     }
 
     pub async fn model_info(&self, model: &str, version: Option<&str>) -> Result<ModelInfo, ClientError> {
@@ -202,6 +219,16 @@ impl HttpClient {
     /// One non-inference call, with the run's key; 401 and 403 fail as
     /// [`ClientError::Unauthorized`].
     async fn call(&self, method: Method, path: &str, body: Bytes) -> Result<(StatusCode, Bytes), ClientError> {
+        self.call_via(method, path, body, Via::Pool).await
+    }
+
+    async fn call_via(
+        &self,
+        method: Method,
+        path: &str,
+        body: Bytes,
+        via: Via,
+    ) -> Result<(StatusCode, Bytes), ClientError> {
         let unreachable = |reason: String| ClientError::Unreachable { url: self.url.clone(), reason };
         let uri: Uri =
             path.parse().map_err(|e| ClientError::Invalid(format!("'{}{path}' is not a valid URL: {e}", self.url)))?;
@@ -214,16 +241,28 @@ impl HttpClient {
         }
         let request = request.body(Full::new(body)).map_err(|e| ClientError::Invalid(e.to_string()))?;
         let fetch = async {
-            let mut lease = self.pool.acquire().await;
-            let resp = lease.send(request).await.map_err(unreachable)?;
-            let status = resp.status();
-            let body = http_body_util::Limited::new(resp.into_body(), MAX_CONTROL_BYTES)
-                .collect()
-                .await
-                .map_err(|e| unreachable(format!("reading {path}: {e}")))?
-                .to_bytes();
-            lease.done();
-            Ok((status, body))
+            let read = |resp: Response<Incoming>| async move {
+                let status = resp.status();
+                let body = http_body_util::Limited::new(resp.into_body(), MAX_CONTROL_BYTES)
+                    .collect()
+                    .await
+                    .map_err(|e| unreachable(format!("reading {path}: {e}")))?
+                    .to_bytes();
+                Ok::<_, ClientError>((status, body))
+            };
+            match via {
+                Via::Pool => {
+                    let mut lease = self.pool.acquire().await;
+                    let resp = lease.send(request).await.map_err(unreachable)?;
+                    let answer = read(resp).await?;
+                    lease.done();
+                    Ok(answer)
+                }
+                Via::Apart => {
+                    let (_connection, resp) = self.pool.send_apart(request).await.map_err(unreachable)?;
+                    read(resp).await
+                }
+            }
         };
         let (status, body) = tokio::time::timeout(CONTROL_TIMEOUT, fetch)
             .await

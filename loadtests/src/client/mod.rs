@@ -209,6 +209,15 @@ impl Client {
     }
 
     /// Whether the server still answers its liveness check (bounded by [`CONTROL_TIMEOUT`]).
+    /// The most requests this client can have at the server at once: HTTP/1.1 carries one
+    /// per connection; `None` for gRPC, which multiplexes streams on each channel.
+    pub fn max_in_flight(&self) -> Option<usize> {
+        match self {
+            Client::Grpc(_) => None,
+            Client::Http(c) => Some(c.connections()),
+        }
+    }
+
     pub async fn is_live(&self) -> bool {
         let check = async {
             match self {

@@ -30,7 +30,8 @@ const OPEN_AT_ONCE: usize = 32;
 /// when the limit is raised for the connections.
 const SPARE_FILES: u64 = 64;
 
-type Sender = SendRequest<Full<Bytes>>;
+/// The handle of one HTTP/1.1 connection; the connection closes when the last one is dropped.
+pub type Sender = SendRequest<Full<Bytes>>;
 
 /// `size` HTTP/1.1 connections to one origin.
 pub struct Http1Pool {
@@ -43,6 +44,7 @@ pub struct Http1Pool {
     free: Mutex<Vec<Option<Sender>>>,
     /// One permit per free slot; fair, so waiting requests are served in order.
     permits: Arc<Semaphore>,
+    size: usize,
 }
 
 impl Http1Pool {
@@ -58,6 +60,7 @@ impl Http1Pool {
             host,
             free: Mutex::new(Vec::with_capacity(size)),
             permits: Arc::new(Semaphore::new(size)),
+            size,
         };
         let senders: Vec<Sender> =
             futures::stream::iter(0..size).map(|_| pool.connect()).buffer_unordered(OPEN_AT_ONCE).try_collect().await?;
@@ -70,6 +73,22 @@ impl Http1Pool {
         let permit = self.permits.clone().acquire_owned().await.expect("the pool's semaphore is never closed");
         let conn = self.free.lock().unwrap_or_else(PoisonError::into_inner).pop().expect("a free slot per permit");
         Lease { pool: self.clone(), conn, reusable: false, _permit: permit }
+    }
+
+    /// How many connections the pool holds: the most requests it can have at the server.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Sends `request` over a connection of its own, outside the pool, so that it does not
+    /// queue behind the load (a liveness check while every pooled connection is busy or hung).
+    /// Returns the connection's handle with the response: keep it until the body is read.
+    pub async fn send_apart(&self, mut request: Request<Full<Bytes>>) -> Result<(Sender, Response<Incoming>), String> {
+        request.headers_mut().insert(HOST, self.host.clone());
+        let mut sender = self.connect().await?;
+        sender.ready().await.map_err(|e| error_chain(&e))?;
+        let response = sender.send_request(request).await.map_err(|e| error_chain(&e))?;
+        Ok((sender, response))
     }
 
     /// Opens one connection: TCP (and TLS) through the connector, then the HTTP/1.1 client
@@ -184,8 +203,8 @@ mod tests {
     #[test]
     fn the_open_files_limit_is_raised_for_the_connections_or_refused_clearly() {
         let (_, hard) = limits();
-        if hard == libc::RLIM_INFINITY || hard > 1 << 40 {
-            eprintln!("SKIPPED: no finite hard limit on open files");
+        if hard == libc::RLIM_INFINITY || hard > 1 << 40 || hard <= SPARE_FILES + 1 {
+            eprintln!("SKIPPED: no usable finite hard limit on open files ({hard})");
             return;
         }
         // Fits under the hard limit: the soft one is raised to make room.
