@@ -52,14 +52,24 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
         ),
     };
     let background = CancellationToken::new();
-    let membership_task = tokio::spawn(membership.run(publisher, background.child_token()));
-    let placement_task = match &config.etcd {
-        Some(etcd) if etcd.placement => {
-            let controller = PlacementController::new(etcd.clone(), metrics.clone());
-            Some(tokio::spawn(controller.run(background.child_token())))
-        }
-        _ => None,
-    };
+    // Membership and placement run until shutdown; either ending earlier (a panic included)
+    // ends the gateway, rather than leaving it routing on a table nothing updates any more.
+    let mut background_tasks = tokio::task::JoinSet::new();
+    let token = background.child_token();
+    background_tasks.spawn(async move {
+        membership.run(publisher, token).await;
+        "membership"
+    });
+    if let Some(etcd) = &config.etcd
+        && etcd.placement
+    {
+        let controller = PlacementController::new(etcd.clone(), metrics.clone());
+        let token = background.child_token();
+        background_tasks.spawn(async move {
+            controller.run(token).await;
+            "placement controller"
+        });
+    }
 
     let draining = Arc::new(AtomicBool::new(false));
     let ingress = Ingress {
@@ -100,6 +110,12 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
                 Ok(Ok(())) => Err(anyhow::anyhow!("a server stopped unexpectedly")),
             }
         }
+        Some(ended) = background_tasks.join_next() => {
+            match ended {
+                Ok(task) => Err(anyhow::anyhow!("the {task} task stopped unexpectedly")),
+                Err(e) => Err(anyhow::Error::from(e).context("the membership or placement task failed")),
+            }
+        }
     };
 
     // Stop intake: not ready any more, listeners closed; in-flight requests finish (they still
@@ -111,9 +127,6 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
         tracing::warn!("in-flight requests did not finish within --exit-timeout-secs; exiting anyway");
     }
     background.cancel();
-    let _ = membership_task.await;
-    if let Some(task) = placement_task {
-        let _ = task.await;
-    }
+    while background_tasks.join_next().await.is_some() {}
     result
 }

@@ -49,7 +49,9 @@ pub fn check_name(what: &str, name: &str) -> Result<(), String> {
         return Err(format!("{what} is empty"));
     }
     if name.len() > 256 {
-        return Err(format!("{what} '{}…' is longer than 256 bytes", &name[..32]));
+        // Cut on a character boundary: the name may hold multi-byte characters.
+        let head: String = name.chars().take(32).collect();
+        return Err(format!("{what} '{head}…' is longer than 256 bytes"));
     }
     if let Some(c) = name.chars().find(|c| *c == '/' || c.is_whitespace() || c.is_control()) {
         return Err(format!("{what} '{name}' contains {c:?}, which a key segment cannot hold"));
@@ -201,5 +203,11 @@ mod tests {
         assert!(check_name("model", "a/b").unwrap_err().contains("'/'"));
         assert!(check_name("model", "a b").is_err());
         assert!(check_name("model", &"x".repeat(300)).is_err());
+        // Over-long names with multi-byte characters (byte 32 falls inside '€') are refused, not
+        // a panic: every etcd key read goes through here.
+        let euros = "€".repeat(100);
+        assert!(check_name("model", &euros).unwrap_err().contains(&"€".repeat(32)));
+        let k = Keys::new("/nereid/v1/").unwrap();
+        assert_eq!(k.parse(k.model(&euros).as_bytes()), Some(Key::Other));
     }
 }

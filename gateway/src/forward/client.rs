@@ -331,14 +331,17 @@ pub fn unframe(chunks: Vec<Bytes>) -> Result<Bytes, tonic::Status> {
     Ok(body)
 }
 
-/// The gRPC status for a non-200 HTTP answer (the gRPC-over-HTTP/2 mapping).
+/// The gRPC status for a non-200 HTTP answer without a grpc-status (the gRPC-over-HTTP/2
+/// mapping), except 502 and 504: those come from an intermediary that may have forwarded the
+/// request before failing, so they are not proof that the worker did not run it, and map to
+/// UNKNOWN, which is never retried, rather than UNAVAILABLE, which is.
 fn status_from_http(status: http::StatusCode) -> tonic::Status {
     let code = match status.as_u16() {
         400 => tonic::Code::Internal,
         401 => tonic::Code::Unauthenticated,
         403 => tonic::Code::PermissionDenied,
         404 => tonic::Code::Unimplemented,
-        429 | 502 | 503 | 504 => tonic::Code::Unavailable,
+        429 | 503 => tonic::Code::Unavailable,
         _ => tonic::Code::Unknown,
     };
     tonic::Status::new(code, format!("worker answered HTTP {status}"))
@@ -381,6 +384,13 @@ mod tests {
     #[test]
     fn http_failures_map_to_grpc_codes() {
         assert_eq!(status_from_http(http::StatusCode::SERVICE_UNAVAILABLE).code(), tonic::Code::Unavailable);
+        assert_eq!(status_from_http(http::StatusCode::TOO_MANY_REQUESTS).code(), tonic::Code::Unavailable);
+        // Possibly forwarded and run before the intermediary failed: not retryable.
+        for maybe_run in [http::StatusCode::BAD_GATEWAY, http::StatusCode::GATEWAY_TIMEOUT] {
+            let status = status_from_http(maybe_run);
+            assert_eq!(status.code(), tonic::Code::Unknown);
+            assert!(!crate::forward::FailureKind::classify(&status).safe_to_retry());
+        }
         assert_eq!(status_from_http(http::StatusCode::NOT_FOUND).code(), tonic::Code::Unimplemented);
         assert_eq!(status_from_http(http::StatusCode::IM_A_TEAPOT).code(), tonic::Code::Unknown);
     }

@@ -183,11 +183,8 @@ impl EtcdMembership {
                         changed |= self.apply(kv.key(), value);
                         self.revision = self.revision.max(kv.mod_revision());
                     }
-                    if resp.events().is_empty()
-                        && let Some(h) = resp.header()
-                    {
-                        // A progress notification: everything up to here was delivered.
-                        self.revision = self.revision.max(h.revision());
+                    if let Some(r) = progress_revision(resp.events().is_empty(), resp.created(), resp.header().map(|h| h.revision())) {
+                        self.revision = self.revision.max(r);
                     }
                     if changed {
                         self.publish(publisher);
@@ -196,6 +193,14 @@ impl EtcdMembership {
             }
         }
     }
+}
+
+/// The revision a watch response proves delivered when it carries no events: a progress
+/// notification's header revision. Not the creation response's: its header is the store's
+/// revision when the watch was made, sent before the history from the start revision arrives,
+/// so resuming from it after a disconnect would skip events never received.
+fn progress_revision(no_events: bool, created: bool, header_revision: Option<i64>) -> Option<i64> {
+    if no_events && !created { header_revision } else { None }
 }
 
 impl Membership for EtcdMembership {
@@ -227,5 +232,18 @@ impl Membership for EtcdMembership {
                 }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::progress_revision;
+
+    #[test]
+    fn only_a_progress_notification_advances_the_resume_revision() {
+        assert_eq!(progress_revision(true, false, Some(42)), Some(42), "progress notification");
+        assert_eq!(progress_revision(true, true, Some(42)), None, "the creation response: history still to come");
+        assert_eq!(progress_revision(false, false, Some(42)), None, "events advance it by their own revisions");
+        assert_eq!(progress_revision(true, false, None), None);
     }
 }
