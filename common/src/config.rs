@@ -8,9 +8,10 @@
 //!   (`sequence_batching`, an ensemble step's `model_namespace`, decoupled transactions, ragged batching, shape
 //!   tensors, `batch_input`/`batch_output`): the model fails to load and the reason
 //!   names the field;
-//! - **warnings**: fields that only tune a backend Nereid does not have (`optimization`,
-//!   `rate_limiter`, `model_repository_agents`, ...): the model loads, the
-//!   warning is logged and shown in the repository index.
+//! - **warnings**: fields that only tune a backend Nereid does not have (`optimization` other
+//!   than `optimization.graph.level`, `rate_limiter`, `model_repository_agents`, ...): the model
+//!   loads, the warning is logged and shown as the `reason` of its READY rows in the repository
+//!   index (HTTP and gRPC).
 
 use std::sync::OnceLock;
 
@@ -166,7 +167,12 @@ fn classify(path: &str) -> Option<Severity> {
         "model_transaction_policy.decoupled" => Error,
         "instance_group.secondary_devices" | "instance_group.profile" | "instance_group.passive" => Warning,
         "instance_group.rate_limiter" | "instance_group.host_policy" => Warning,
-        "input.format" | "optimization" | "model_repository_agents" => Warning,
+        "input.format" | "model_repository_agents" => Warning,
+        // `optimization.graph.level` maps onto ONNX Runtime's graph optimization level; the
+        // rest of `optimization` (priority, CUDA, accelerators, pinned memory, ...) does not apply.
+        p if p.starts_with("optimization.") && p != "optimization.graph" && !p.starts_with("optimization.graph.") => {
+            Warning
+        }
         "cc_model_filenames" | "metric_tags" | "model_operations" | "model_metrics" => Warning,
         "dynamic_batching.priority_queue_policy.max_queue_size"
         | "dynamic_batching.default_queue_policy.max_queue_size" => return None,
@@ -400,9 +406,24 @@ version_policy: { latest: { num_versions: 2 } }
         .unwrap();
         let found = unsupported_fields(&c);
         assert!(found.contains(&UnsupportedField { path: "sequence_batching".into(), severity: Severity::Error }));
-        assert!(found.contains(&UnsupportedField { path: "optimization".into(), severity: Severity::Warning }));
+        assert!(
+            found.contains(&UnsupportedField { path: "optimization.priority".into(), severity: Severity::Warning })
+        );
         assert!(!found.iter().any(|f| f.path.contains("response_cache")), "implemented: {found:?}");
         assert!(!found.iter().any(|f| f.path.contains("decoupled")));
+    }
+
+    /// `optimization { graph { level } }` is applied (as ONNX Runtime's graph optimization
+    /// level), so it draws no warning; its siblings still do.
+    #[test]
+    fn graph_level_is_implemented() {
+        let c = parse_model_config(
+            "name: \"g\"\noptimization { graph { level: -1 } input_pinned_memory { enable: true } }\n",
+        )
+        .unwrap();
+        let found = unsupported_fields(&c);
+        assert!(!found.iter().any(|f| f.path.contains("graph")), "{found:?}");
+        assert!(found.iter().any(|f| f.path == "optimization.input_pinned_memory"), "{found:?}");
     }
 
     #[test]
@@ -447,6 +468,7 @@ version_policy: { latest: { num_versions: 2 } }
             "ensemble_scheduling",
             "model_transaction_policy.decoupled",
             "response_cache",
+            "optimization.graph.level",
         ];
         fn walk(d: &MessageDescriptor, prefix: &str, depth: usize, missing: &mut Vec<String>) {
             for field in d.fields() {

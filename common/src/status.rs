@@ -12,9 +12,12 @@ pub enum Code {
     NotFound,
     /// A queue or size limit is full; retrying later may succeed (HTTP 429).
     ResourceExhausted,
-    /// The model exists but is not ready, or the server is draining (HTTP 503).
+    /// The model exists but is not ready, the server is draining, or the request's queue
+    /// timeout (the model's queue policy) expired under `REJECT` — see
+    /// [`Status::queue_timeout`] (HTTP 503).
     Unavailable,
-    /// The request's deadline or queue timeout passed before it ran (HTTP 504).
+    /// The caller's own deadline (e.g. `grpc-timeout`) passed before the request ran (HTTP 504).
+    /// Not used for queue-policy timeouts, which Triton answers UNAVAILABLE.
     DeadlineExceeded,
     /// The caller went away before the request ran (HTTP 499 in logs; no one reads it).
     Cancelled,
@@ -65,12 +68,16 @@ impl Code {
             Code::InvalidArgument | Code::NotFound | Code::AlreadyExists => "REJECTED",
             Code::ResourceExhausted => "REJECTED",
             Code::Unavailable | Code::FailedPrecondition => "REJECTED",
+            // The caller gave up (its deadline or a disconnect), as Triton counts cancellations.
             Code::DeadlineExceeded => "CANCELED",
             Code::Cancelled => "CANCELED",
             Code::Unimplemented | Code::Internal => "BACKEND",
         }
     }
 }
+
+/// The message of [`Status::queue_timeout`], Triton's own wording.
+pub const QUEUE_TIMEOUT_MESSAGE: &str = "Request timeout expired";
 
 /// An error with a code and a message that names the offending field.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -102,6 +109,17 @@ impl Status {
         Status::new(Code::Unimplemented, message)
     }
 
+    /// A request whose queue timeout (`default_timeout_microseconds`, or its own shorter
+    /// `timeout` where `allow_timeout_override`) expired under `timeout_action: REJECT`.
+    ///
+    /// Triton answers it UNAVAILABLE (HTTP 503) with this message and counts it as
+    /// `nv_inference_request_failure{reason="REJECTED"}`: the server refused to keep it queued,
+    /// unlike a caller's own deadline (DEADLINE_EXCEEDED, counted CANCELED). Clients and the
+    /// gateway see the same code and text from Nereid and from Triton.
+    pub fn queue_timeout() -> Self {
+        Status::new(Code::Unavailable, QUEUE_TIMEOUT_MESSAGE)
+    }
+
     /// The KServe v2 HTTP error body.
     pub fn json_body(&self) -> String {
         serde_json::json!({ "error": self.message }).to_string()
@@ -119,5 +137,27 @@ impl std::error::Error for Status {}
 impl From<Status> for tonic::Status {
     fn from(s: Status) -> Self {
         tonic::Status::new(s.code.grpc_code(), s.message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queue_timeouts_are_rejections_and_deadlines_are_cancellations() {
+        let q = Status::queue_timeout();
+        assert_eq!(q.message, "Request timeout expired");
+        assert_eq!(q.code.http_status(), http::StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(q.code.grpc_code(), tonic::Code::Unavailable);
+        assert_eq!(q.code.reason(), "REJECTED");
+        assert_eq!(tonic::Status::from(q).code(), tonic::Code::Unavailable);
+
+        let d = Code::DeadlineExceeded;
+        assert_eq!(
+            (d.http_status(), d.grpc_code(), d.reason()),
+            (http::StatusCode::GATEWAY_TIMEOUT, tonic::Code::DeadlineExceeded, "CANCELED")
+        );
+        assert_eq!(Code::Cancelled.reason(), "CANCELED");
     }
 }

@@ -77,7 +77,11 @@ pub struct SessionOptions {
     pub intra_op_threads: usize,
     pub inter_op_threads: usize,
     pub intra_op_spinning: bool,
+    /// ONNX Runtime's graph optimization level: 0 none, 1 basic, 2 extended, 3 all.
     pub optimization_level: u8,
+    /// ORT_PARALLEL execution mode (Triton's onnxruntime `execution_mode` parameter "1"):
+    /// independent branches of the graph run concurrently on the inter-op threads.
+    pub parallel_execution: bool,
 }
 
 impl Default for SessionOptions {
@@ -88,6 +92,7 @@ impl Default for SessionOptions {
             inter_op_threads: 1,
             intra_op_spinning: false,
             optimization_level: 3,
+            parallel_execution: false,
         }
     }
 }
@@ -125,8 +130,17 @@ fn build_session(
         2 => GraphOptimizationLevel::Level2,
         _ => GraphOptimizationLevel::All,
     };
+    tracing::debug!(
+        model = %model_path.display(),
+        ?level,
+        parallel_execution = options.parallel_execution,
+        intra_op_threads = options.intra_op_threads,
+        inter_op_threads = options.inter_op_threads,
+        "creating an ONNX Runtime session"
+    );
     let mut builder = Session::builder(env)?;
     builder = builder.with_optimization_level(level)?;
+    builder = builder.with_parallel_execution(options.parallel_execution)?;
     builder = builder.with_intra_threads(options.intra_op_threads)?;
     builder = builder.with_inter_threads(options.inter_op_threads)?;
     builder = builder.with_intra_op_spinning(options.intra_op_spinning)?;

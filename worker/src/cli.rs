@@ -33,7 +33,8 @@ impl From<ControlModeArg> for ControlMode {
 #[derive(Clone, Debug, Parser)]
 #[command(name = "nereid-worker", version, about, long_about = None)]
 pub struct Args {
-    /// Model repository folder; repeat for several (a name found in two: the first wins).
+    /// Model repository folder; repeat for several (a model name found in two is UNAVAILABLE,
+    /// its reason naming both folders, as in Triton).
     #[arg(long = "model-repository", alias = "model-store", required = true, value_name = "DIR")]
     pub model_repository: Vec<PathBuf>,
 
@@ -77,9 +78,18 @@ pub struct Args {
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
     pub repository_poll_secs: u64,
 
-    /// Refuse to auto-complete a model that has no config.pbtxt.
+    /// No auto-completion: a model without config.pbtxt, or whose config lacks inputs or
+    /// outputs, fails to load (the reason says why).
     #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub strict_model_config: bool,
+
+    /// Report the server ready (HTTP /v2/health/ready, gRPC ServerReady) only while every model
+    /// it tried to load is READY (a model unloaded on purpose excepted), as tritonserver's
+    /// default; false: ready once start-up loading is done, whatever failed. Default: true, but
+    /// false with --etcd-endpoints, where placement decides the loads and one bad model must
+    /// not take the whole worker out of load balancers (each model's state is in etcd).
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub strict_readiness: Option<bool>,
 
     /// Exit at start if any model fails to load (Triton's default is true; Nereid keeps
     /// serving the models that loaded and reports the failure in the repository index).
@@ -167,4 +177,11 @@ pub struct Args {
     /// the listeners, so gateways stop sending before connections are refused (etcd mode only).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(0..=60_000))]
     pub drain_delay_ms: u64,
+}
+
+impl Args {
+    /// `--strict-readiness` as given, else its default: true, false in fleet mode.
+    pub fn strict_readiness(&self) -> bool {
+        self.strict_readiness.unwrap_or(self.etcd_endpoints.is_none())
+    }
 }

@@ -11,9 +11,14 @@
 //! reacts to drain/stop. Any etcd error ends the session; the next one starts after a bounded
 //! back-off and re-registers (a fresh lease), so a lost lease or an etcd restart heals the same
 //! way. The placement watch resumes from the last revision seen (placement is kept across
-//! sessions); only the first session, or a resume whose revision etcd has compacted away,
-//! reads the prefix whole. While etcd is away the worker keeps serving what it has: placement
-//! is only acted on when it is read, never on a failure.
+//! sessions); only the first session, a resume whose revision etcd has compacted away, or a
+//! session that finds etcd's history went back (its data wiped or restored from an older
+//! backup, or another cluster: resuming from the old revision would see nothing, forever —
+//! [`nereid_common::fleet::history_reset`]) reads the prefix whole, paged and as of one
+//! revision. While etcd is away the worker keeps serving what it has: placement is only acted
+//! on when it is read, never on a failure. Every etcd request requires a leader, so a member
+//! that lost its quorum ends the session (its keep-alive and watch streams are cancelled)
+//! instead of leaving the worker following a history that no longer advances.
 //!
 //! Loads and unloads run in a separate task (the *reconciler*) so a slow model load never
 //! delays a keep-alive.
@@ -23,11 +28,11 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nereid_common::fleet::etcd_client::{
-    Client, DeleteOptions, EventType, GetOptions, PutOptions, WatchOptions, WatchStream,
-};
+use nereid_common::fleet::etcd_client::{Client, DeleteOptions, EventType, PutOptions, WatchOptions, WatchStream};
 use nereid_common::fleet::records::{self, ModelState, PlacementRecord, StatusRecord, WorkerRecord, WorkerState};
-use nereid_common::fleet::{Backoff, CALL_TIMEOUT, Key, Keys, bounded, check_keepalive};
+use nereid_common::fleet::{
+    self as fleet, Backoff, CALL_TIMEOUT, ClusterMark, Key, Keys, bounded, check_keepalive, history_reset,
+};
 use tokio::sync::watch;
 
 use crate::metrics::FleetCounters;
@@ -58,11 +63,15 @@ enum Phase {
 type Placement = BTreeMap<String, BTreeSet<i64>>;
 
 /// This worker's placement as known, kept across sessions: the assignments as of `revision`
-/// (`None` until first read, or after a compaction made resuming impossible).
+/// (`None` until first read, or after a compaction or a history reset made resuming
+/// impossible).
 #[derive(Default)]
 struct PlacementView {
     placement: Placement,
     revision: Option<i64>,
+    /// etcd's history as far as seen (every response header), compared with the cluster's at
+    /// the start of each session.
+    seen: ClusterMark,
 }
 
 /// Handle to the agent thread.
@@ -189,6 +198,9 @@ impl Session<'_> {
     async fn run(&mut self, phase: &mut watch::Receiver<Phase>, previous_lease: Option<i64>) -> SessionResult {
         let id = self.options.record.id.clone();
         let mut client = bounded("connect", nereid_common::fleet::connect(&self.options.endpoints)).await?;
+        // Before this session writes anything: its own writes would move a wiped etcd's
+        // revision toward the old one.
+        self.check_history(&mut client).await?;
         let ttl = self.options.lease_ttl.as_secs().max(1) as i64;
         let lease = bounded("lease grant", client.lease_grant(ttl, None)).await?.id();
         self.lease = Some(lease);
@@ -215,9 +227,15 @@ impl Session<'_> {
         loop {
             tokio::select! {
                 _ = keepalive_tick.tick() => bounded("keep-alive", keeper.keep_alive()).await?,
-                msg = keepalives.message() => check_keepalive(msg)?,
+                msg = keepalives.message() => {
+                    if let Ok(Some(r)) = &msg {
+                        self.view.seen.observe(r.header());
+                    }
+                    check_keepalive(msg)?
+                }
                 msg = watch.message() => {
                     let resp = msg.map_err(|e| format!("placement watch: {e}"))?.ok_or("the placement watch closed")?;
+                    self.view.seen.observe(resp.header());
                     if resp.compact_revision() > 0 {
                         // The revision to resume from is gone: read the placement whole.
                         tracing::warn!(worker = %id, compacted = resp.compact_revision(), "placement watch behind a compaction; re-reading");
@@ -261,10 +279,29 @@ impl Session<'_> {
         }
     }
 
+    /// Forgets the revision to resume the placement watch from when etcd's history went back
+    /// since it was seen (the next watch then starts from a full read); otherwise notes the
+    /// cluster's mark.
+    async fn check_history(&mut self, client: &mut Client) -> SessionResult {
+        if self.view.revision.is_none() {
+            return Ok(());
+        }
+        let prefix = self.options.keys.placement_of(&self.options.record.id);
+        let now = bounded("read the revision", ClusterMark::current(client, &prefix)).await?;
+        match history_reset(&self.view.seen, &now) {
+            Some(why) => {
+                tracing::warn!(worker = %self.options.record.id, "{why}; re-reading the placement");
+                self.view.revision = None;
+            }
+            None => self.view.seen.observe_mark(now),
+        }
+        Ok(())
+    }
+
     /// Watches this worker's placement prefix: from the revision after the last one seen, or —
-    /// the first time, or after a compaction — from a full read of it. Hands the (unchanged or
-    /// re-read) placement to the reconciler while `phase` is serving: a draining worker keeps
-    /// what it serves until it exits, whatever it reads.
+    /// the first time, after a compaction or a history reset — from a full read of it. Hands
+    /// the (unchanged or re-read) placement to the reconciler while `phase` is serving: a
+    /// draining worker keeps what it serves until it exits, whatever it reads.
     async fn watch_placement(&mut self, client: &mut Client, phase: Phase) -> Result<WatchStream, String> {
         let prefix = self.options.keys.placement_of(&self.options.record.id);
         let start = match self.view.revision {
@@ -273,16 +310,17 @@ impl Session<'_> {
                 seen + 1
             }
             None => {
-                let resp = bounded("read placement", client.get(prefix.clone(), Some(GetOptions::new().with_prefix())))
-                    .await?;
+                let read = fleet::get_prefix(client, &prefix).await.map_err(|e| format!("read placement: {e}"))?;
                 self.counters.placement_reads.fetch_add(1, Ordering::Relaxed);
-                let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
                 self.view.placement.clear();
-                for kv in resp.kvs() {
+                for kv in &read.kvs {
                     self.apply_placement(kv.key(), Some(kv.value()));
                 }
-                self.view.revision = Some(revision);
-                revision + 1
+                self.view.revision = Some(read.mark.revision);
+                // The history seen restarts from this read's (after a reset, the old marks are
+                // another history's).
+                self.view.seen = read.mark;
+                read.mark.revision + 1
             }
         };
         if phase == Phase::Serving {
@@ -290,7 +328,7 @@ impl Session<'_> {
         }
         bounded(
             "watch placement",
-            client.watch(prefix, Some(WatchOptions::new().with_prefix().with_start_revision(start))),
+            fleet::watch(client, prefix, WatchOptions::new().with_prefix().with_start_revision(start)),
         )
         .await
     }
@@ -311,9 +349,17 @@ impl Session<'_> {
     /// Updates the local placement from one key (`None`: deleted). Invalid values are logged
     /// and skipped — the assignment is the key; the value only names the writer.
     fn apply_placement(&mut self, key: &[u8], value: Option<&[u8]>) {
-        let Some(Key::Placement { worker, model, version }) = self.options.keys.parse(key) else {
-            tracing::warn!(key = %String::from_utf8_lossy(key), "ignoring a key under the placement prefix that is not an assignment");
-            return;
+        let (worker, model, version) = match self.options.keys.classify(key) {
+            Some(Ok(Key::Placement { worker, model, version })) => (worker, model, version),
+            // Never an alias of a real assignment: `placement/<id>/m/01` is not version 1.
+            Some(Err(invalid)) => {
+                tracing::warn!(key = %String::from_utf8_lossy(key), "ignoring a malformed placement key: {}", invalid.reason);
+                return;
+            }
+            _ => {
+                tracing::warn!(key = %String::from_utf8_lossy(key), "ignoring a key under the placement prefix that is not an assignment");
+                return;
+            }
         };
         if worker != self.options.record.id {
             return;

@@ -75,7 +75,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         anyhow::bail!("--etcd-endpoints requires --model-control-mode=explicit (placement decides what is loaded)");
     }
     let cache_bytes = nereid_worker::cache::parse_cache_config(&args.cache_config).map_err(anyhow::Error::msg)?;
-    let repository = Arc::new(Repository::new(options, metrics.clone()).with_response_cache(cache_bytes));
+    let repository = Arc::new(
+        Repository::new(options, metrics.clone())
+            .with_response_cache(cache_bytes)
+            .with_strict_readiness(args.strict_readiness()),
+    );
     let server = Server {
         repository: repository.clone(),
         metrics,

@@ -170,17 +170,22 @@ impl VersionStats {
         self.queue_latency.observe(waited.as_micros() as u64);
     }
 
-    /// An instance executed a batch of `rows` rows made of `requests` requests.
+    /// An instance executed a batch of `rows` rows made of `requests` requests, of which
+    /// `answered` rows belong to requests whose callers were still waiting. Triton's inference
+    /// count leaves out requests cancelled before their answer, so it adds `answered`, not
+    /// `rows`; both counts move together, so a scrape between them never sees an execution
+    /// without its inferences (which would put the average batch size below one).
     pub fn record_execution(
         &self,
         rows: usize,
         requests: usize,
+        answered: usize,
         input: StdDuration,
         infer: StdDuration,
         output: StdDuration,
     ) {
+        self.inference_count.fetch_add(answered as u64, Relaxed);
         self.execution_count.fetch_add(1, Relaxed);
-        self.inference_count.fetch_add(rows as u64, Relaxed);
         self.batch_size.observe(rows as u64);
         // Triton accounts compute time per request: each request in the batch sees it.
         for _ in 0..requests {
@@ -348,11 +353,20 @@ impl Metrics {
             ("nv_inference_request_success", "Number of successful inference requests, all batch sizes", |s| {
                 s.success.count
             }),
-            ("nv_inference_count", "Number of inferences performed (a batch of n counts n)", |s| s.inference_count),
+            (
+                "nv_inference_count",
+                "Number of inferences performed by successful requests (a request of n rows counts n; \
+                 cache hits excluded)",
+                |s| s.inference_count,
+            ),
             ("nv_inference_exec_count", "Number of model executions performed (batches)", |s| s.execution_count),
-            ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds", |s| {
-                (s.success.ns + s.fail.ns) / 1000
-            }),
+            // Triton sums successful requests only (as the statistics' `success` duration);
+            // failures are counted by `nv_inference_request_failure`.
+            (
+                "nv_inference_request_duration_us",
+                "Cumulative duration of successful inference requests in microseconds",
+                |s| s.success.ns / 1000,
+            ),
             ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds", |s| {
                 s.queue.ns / 1000
             }),
@@ -443,6 +457,9 @@ pub(crate) fn escape(v: &str) -> String {
 mod tests {
     use super::*;
 
+    /// A batch of 4 rows from 3 requests of which one (a row) had left before the batch
+    /// answered it, plus a rejected request: the inference count holds only the successful requests'
+    /// rows, the request duration only their time, and statistics and metrics agree.
     #[test]
     fn statistics_and_metrics_agree() {
         let m = Metrics::new();
@@ -450,27 +467,41 @@ mod tests {
         s.record_queue(StdDuration::from_micros(30));
         s.record_execution(
             4,
-            2,
+            3,
+            3,
             StdDuration::from_micros(1),
             StdDuration::from_micros(20),
             StdDuration::from_micros(2),
         );
         s.record_success(StdDuration::from_micros(100));
         s.record_success(StdDuration::from_micros(100));
+        s.record_failure(StdDuration::from_micros(40), "CANCELED");
         s.record_failure(StdDuration::from_micros(5), "REJECTED");
         let snap = s.snapshot();
         assert_eq!(snap.success.count, 2);
-        assert_eq!(snap.inference_count, 4);
+        assert_eq!(snap.inference_count, 3);
         assert_eq!(snap.execution_count, 1);
-        assert_eq!(snap.compute_infer.count, 2);
+        assert_eq!(snap.compute_infer.count, 3);
         assert_eq!(snap.batch_stats[0].batch_size, 4);
         let text = m.render();
         assert!(text.contains("nv_inference_request_success{model=\"mlp\",version=\"1\"} 2"), "{text}");
-        assert!(text.contains("nv_inference_count{model=\"mlp\",version=\"1\"} 4"));
+        assert!(text.contains("nv_inference_count{model=\"mlp\",version=\"1\"} 3"));
         assert!(text.contains("nv_inference_exec_count{model=\"mlp\",version=\"1\"} 1"));
         assert!(text.contains("nv_inference_request_failure{model=\"mlp\",version=\"1\",reason=\"REJECTED\"} 1"));
-        assert!(text.contains("nv_inference_request_duration_us{model=\"mlp\",version=\"1\"} 205"));
+        assert!(text.contains("nv_inference_request_failure{model=\"mlp\",version=\"1\",reason=\"CANCELED\"} 1"));
+        assert!(text.contains("nv_inference_request_duration_us{model=\"mlp\",version=\"1\"} 200"), "{text}");
+        assert_eq!(snap.success.ns / 1000, 200, "the statistics' success duration is the metric's");
         assert!(text.contains("nereid_inference_batch_size_bucket{model=\"mlp\",version=\"1\",le=\"4\"} 1"));
+    }
+
+    /// A cache hit is a success of no inference (Triton leaves cache hits out of the count).
+    #[test]
+    fn cache_hits_count_no_inferences() {
+        let m = Metrics::new();
+        let s = m.version("c", 1);
+        s.record_cache_hit(StdDuration::from_micros(3), StdDuration::from_micros(10));
+        let snap = s.snapshot();
+        assert_eq!((snap.success.count, snap.inference_count, snap.execution_count), (1, 0, 0));
     }
 
     #[test]

@@ -31,20 +31,39 @@ use crate::validate::ModelSpec;
 pub const AUTOCOMPLETE_MAX_BATCH_SIZE: i32 = 4;
 const DEFAULT_MODEL_FILENAME: &str = "model.onnx";
 
-/// Model directories by name across all repositories (the first repository wins a name).
+/// Model directories by name across all repositories. A name found in several repositories
+/// maps to the first one here (so the index lists it once); [`load_model`] refuses to load it
+/// (see [`model_dirs`]), as Triton does.
 pub fn scan_models(paths: &[PathBuf]) -> BTreeMap<String, PathBuf> {
     let mut out = BTreeMap::new();
-    for repo in paths {
-        let Ok(entries) = std::fs::read_dir(repo) else { continue };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let Some(name) = path.file_name().and_then(|n| n.to_str()).map(str::to_string) else { continue };
-            if path.is_dir() && !name.starts_with('.') {
-                out.entry(name).or_insert(path);
-            }
-        }
+    for (name, path) in model_entries(paths) {
+        out.entry(name).or_insert(path);
     }
     out
+}
+
+/// Every directory named `name` across all repositories, in repository order: more than one
+/// means the name is ambiguous.
+pub fn model_dirs(paths: &[PathBuf], name: &str) -> Vec<PathBuf> {
+    model_entries(paths).filter(|(n, _)| n == name).map(|(_, p)| p).collect()
+}
+
+/// `(name, directory)` of every model directory, repository by repository.
+fn model_entries(paths: &[PathBuf]) -> impl Iterator<Item = (String, PathBuf)> + '_ {
+    paths.iter().flat_map(|repo| {
+        let mut found: Vec<(String, PathBuf)> = std::fs::read_dir(repo)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|entry| {
+                let path = entry.path();
+                let name = path.file_name().and_then(|n| n.to_str()).map(str::to_string)?;
+                (path.is_dir() && !name.starts_with('.')).then_some((name, path))
+            })
+            .collect();
+        found.sort();
+        found
+    })
 }
 
 /// What a model directory held when it was last read: names, sizes and mtimes of its config
@@ -92,10 +111,19 @@ pub fn load_model(
     also: &[i64],
     metrics: &Metrics,
 ) -> Result<LoadedModel, Status> {
-    let models = scan_models(&options.paths);
-    let dir = models
-        .get(name)
-        .ok_or_else(|| Status::not_found(format!("no model directory '{name}' in the model repository")))?;
+    let dirs = model_dirs(&options.paths, name);
+    let dir = match dirs.as_slice() {
+        [] => return Err(Status::not_found(format!("no model directory '{name}' in the model repository"))),
+        [dir] => dir,
+        // Triton refuses an ambiguous name rather than pick one silently: which model serves
+        // must not depend on the order of --model-repository flags.
+        several => {
+            return Err(fail(format!(
+                "model '{name}' appears in more than one model repository: {}",
+                several.iter().map(|d| format!("'{}'", d.display())).collect::<Vec<_>>().join(", ")
+            )));
+        }
+    };
     let stamp = Stamp::of(dir);
     let config_path = dir.join("config.pbtxt");
     let mut config = match &config_override {
@@ -139,16 +167,18 @@ pub fn load_model(
     let session_options = session_options(&config, &options.session_defaults, &mut warnings)?;
 
     // Versions on disk, then the version policy.
-    let available = version_dirs(dir);
-    let versions = with_also(select_versions(&config, &available)?, &available, also);
+    let (available, skipped) = scan_versions(dir);
+    warnings.extend(skipped);
+    let versions = with_also(select_versions(&config, &available, &mut warnings)?, &available, also);
     let filename = if config.default_model_filename.is_empty() {
         DEFAULT_MODEL_FILENAME.to_string()
     } else {
         config.default_model_filename.clone()
     };
 
-    // Instances (devices) from the instance groups.
-    let devices = instance_devices(&config)?;
+    // Instances (devices) from the instance groups, resolved in the served config.
+    normalize_instance_groups(&mut config, backend::gpu_count())?;
+    let devices = instance_devices(&config);
 
     // Probe the first version's model for auto-complete; validate every version against it.
     let mut sessions_by_version = BTreeMap::new();
@@ -168,7 +198,13 @@ pub fn load_model(
         }
         let io = backend::model_io(&sessions[0]);
         if spec.is_none() {
-            autocomplete(&mut config, &io);
+            if options.strict_config {
+                // Triton's --strict-model-config=true: the config must be complete as written.
+                refuse_incomplete(&config)?;
+            } else {
+                autocomplete(&mut config, &io);
+            }
+            fill_backend(&mut config);
             validate_model_config(&config).map_err(|e| fail(format!("config: {e}")))?;
             let mut s = spec_from_config(&config)?;
             // An optional input can be left out only where the model has a default for it.
@@ -200,6 +236,7 @@ pub fn load_model(
         sessions_by_version.insert(version, sessions);
     }
     let spec = spec.ok_or_else(|| fail("no version to load"))?;
+    check_warmup(&config, &spec).map_err(|e| fail(format!("config: {e}")))?;
 
     // Warm up, then start the schedulers.
     let batching = spec.max_batch_size > 0;
@@ -264,8 +301,9 @@ fn load_ensemble(
     if !config.model_warmup.is_empty() {
         warnings.push("model_warmup does not apply to an ensemble (warm up its composing models)".into());
     }
-    let available = version_dirs(dir);
-    let versions = with_also(select_versions(&config, &available)?, &available, also);
+    let (available, skipped) = scan_versions(dir);
+    warnings.extend(skipped);
+    let versions = with_also(select_versions(&config, &available, &mut warnings)?, &available, also);
     let spec = spec_from_config(&config)?;
     let plan = Arc::new(plan);
     let inflight = match &config.scheduling_choice {
@@ -314,6 +352,16 @@ fn session_options(
     warnings: &mut Vec<String>,
 ) -> Result<SessionOptions, Status> {
     let mut opts = defaults.clone();
+    // Triton's onnxruntime backend reads `optimization { graph { level } }` as: -1 basic,
+    // 1 extended, 2 none, anything else (0 included) all optimizations.
+    if let Some(graph) = config.optimization.as_ref().and_then(|o| o.graph.as_ref()) {
+        opts.optimization_level = match graph.level {
+            -1 => 1,
+            1 => 2,
+            2 => 0,
+            _ => 3,
+        };
+    }
     for (key, value) in &config.parameters {
         let v = value.string_value.trim();
         let number = || {
@@ -331,6 +379,18 @@ fn session_options(
                     _ => return Err(fail(format!("parameters['{key}'] must be true or false, got '{v}'"))),
                 }
             }
+            // Triton's onnxruntime key: "0" sequential (the default), "1" parallel.
+            "execution_mode" => {
+                opts.parallel_execution = match v {
+                    "0" => false,
+                    "1" => true,
+                    _ => {
+                        return Err(fail(format!(
+                            "parameters['{key}'] must be 0 (sequential) or 1 (parallel), got '{v}'"
+                        )));
+                    }
+                }
+            }
             "nereid.graph_optimization_level" => {
                 opts.optimization_level = number()?.min(3) as u8;
             }
@@ -340,17 +400,49 @@ fn session_options(
     Ok(opts)
 }
 
+/// The model's version folders, sorted.
 pub(super) fn version_dirs(dir: &Path) -> Vec<i64> {
-    let mut versions: Vec<i64> = std::fs::read_dir(dir)
+    scan_versions(dir).0
+}
+
+/// The model's version folders (sorted) and the warnings about folders skipped: Triton takes
+/// only a canonical non-negative integer as a version ("0", "7"), so "07", "+1" or "-1" are
+/// skipped with a warning instead of being read as a version whose folder does not exist under
+/// that name. Folders that are no number at all (`warmup`, ...) are skipped silently.
+fn scan_versions(dir: &Path) -> (Vec<i64>, Vec<String>) {
+    let mut versions = Vec::new();
+    let mut warnings = Vec::new();
+    let mut names: Vec<String> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()
         .flatten()
         .filter(|e| e.path().is_dir())
-        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i64>().ok()))
-        .filter(|v| *v >= 0)
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
         .collect();
-    versions.sort();
-    versions
+    names.sort();
+    for name in names {
+        match canonical_version(&name) {
+            Some(v) => versions.push(v),
+            None if name.parse::<i64>().is_ok() => warnings.push(format!(
+                "version folder '{name}' is skipped: a version folder must be named by a non-negative integer \
+                 without sign or leading zeros"
+            )),
+            None => {}
+        }
+    }
+    versions.sort_unstable();
+    versions.dedup();
+    (versions, warnings)
+}
+
+/// `name` as a version number if it is one written canonically: digits only, no leading zero
+/// except for "0" itself.
+fn canonical_version(name: &str) -> Option<i64> {
+    let digits = !name.is_empty() && name.bytes().all(|b| b.is_ascii_digit());
+    if !digits || (name.len() > 1 && name.starts_with('0')) {
+        return None;
+    }
+    name.parse::<i64>().ok()
 }
 
 /// A number no earlier load in this process had.
@@ -367,11 +459,14 @@ fn with_also(mut versions: Vec<i64>, available: &[i64], also: &[i64]) -> Vec<i64
     versions
 }
 
-fn select_versions(config: &ModelConfig, available: &[i64]) -> Result<Vec<i64>, Status> {
+/// The versions the config's policy picks among those `available`. A `specific` policy naming
+/// versions without a folder loads the ones that exist and warns about the rest (as Triton
+/// does); it fails only when none exists.
+fn select_versions(config: &ModelConfig, available: &[i64], warnings: &mut Vec<String>) -> Result<Vec<i64>, Status> {
     if available.is_empty() {
         return Err(fail("no numeric version folder in the model directory"));
     }
-    let chosen: Vec<i64> = match config.version_policy.as_ref().and_then(|p| p.policy_choice.as_ref()) {
+    let mut chosen: Vec<i64> = match config.version_policy.as_ref().and_then(|p| p.policy_choice.as_ref()) {
         None => available.iter().rev().take(1).copied().collect(),
         Some(PolicyChoice::Latest(l)) => {
             let n = if l.num_versions == 0 { 1 } else { l.num_versions as usize };
@@ -379,59 +474,88 @@ fn select_versions(config: &ModelConfig, available: &[i64]) -> Result<Vec<i64>, 
         }
         Some(PolicyChoice::All(_)) => available.to_vec(),
         Some(PolicyChoice::Specific(s)) => {
-            for v in &s.versions {
-                if !available.contains(v) {
-                    return Err(fail(format!("version_policy.specific names version {v}, which has no folder")));
-                }
+            let (present, missing): (Vec<i64>, Vec<i64>) = s.versions.iter().partition(|v| available.contains(v));
+            if present.is_empty() {
+                let named = s.versions.iter().map(i64::to_string).collect::<Vec<_>>().join(", ");
+                return Err(fail(format!(
+                    "version_policy.specific names version {named}, and none has a folder (version folders: {available:?})"
+                )));
             }
-            s.versions.clone()
+            for v in missing {
+                warnings.push(format!("version_policy.specific names version {v}, which has no folder: not loaded"));
+            }
+            present
         }
     };
-    let mut chosen = chosen;
-    chosen.sort();
+    chosen.sort_unstable();
     chosen.dedup();
     Ok(chosen)
 }
 
-fn instance_devices(config: &ModelConfig) -> Result<Vec<Device>, Status> {
-    let default_group = [ModelInstanceGroup { count: 1, kind: Kind::Auto as i32, ..Default::default() }];
-    let groups: &[ModelInstanceGroup] =
-        if config.instance_group.is_empty() { &default_group } else { &config.instance_group };
-    let gpus = backend::gpu_count();
-    let mut devices = Vec::new();
-    for (i, g) in groups.iter().enumerate() {
-        let count = if g.count == 0 { 1 } else { g.count as usize };
-        let kind = Kind::try_from(g.kind).unwrap_or(Kind::Auto);
-        let on_gpu = match kind {
-            Kind::Cpu | Kind::Model => false,
-            Kind::Gpu => {
-                if gpus == 0 {
-                    return Err(fail(format!(
-                        "instance_group[{i}] asks for KIND_GPU, but no GPU is available{}",
-                        if cfg!(feature = "cuda") {
-                            ""
-                        } else {
-                            " (this build has no CUDA support: cargo feature `cuda`)"
-                        }
-                    )));
-                }
-                true
+/// Triton's default instance count: two per group on CPU (so one request's execution never
+/// leaves the model idle), one per listed GPU.
+const DEFAULT_CPU_INSTANCES: i32 = 2;
+const DEFAULT_GPU_INSTANCES: i32 = 1;
+
+/// Resolves the instance groups as Triton's normalization does, in the config itself so the
+/// served config shows what runs: no group becomes one group; each group gets its name
+/// (`<model>_<index>` where empty), its kind (KIND_AUTO becomes KIND_GPU where a GPU exists,
+/// else KIND_CPU), its count (0 becomes the kind's default) and, on GPU, its GPUs (every GPU
+/// where none are listed). `gpus` is the number of visible GPUs.
+fn normalize_instance_groups(config: &mut ModelConfig, gpus: usize) -> Result<(), Status> {
+    if config.instance_group.is_empty() {
+        config.instance_group.push(ModelInstanceGroup { kind: Kind::Auto as i32, ..Default::default() });
+    }
+    let model = config.name.clone();
+    for (i, g) in config.instance_group.iter_mut().enumerate() {
+        if g.count < 0 {
+            return Err(fail(format!("config: instance_group[{i}].count must be >= 0, got {}", g.count)));
+        }
+        if g.name.is_empty() {
+            g.name = format!("{model}_{i}");
+        }
+        let kind = match Kind::try_from(g.kind).unwrap_or(Kind::Auto) {
+            Kind::Auto if gpus > 0 => Kind::Gpu,
+            Kind::Auto => Kind::Cpu,
+            Kind::Gpu if gpus == 0 => {
+                return Err(fail(format!(
+                    "instance_group[{i}] asks for KIND_GPU, but no GPU is available{}",
+                    if cfg!(feature = "cuda") { "" } else { " (this build has no CUDA support: cargo feature `cuda`)" }
+                )));
             }
-            Kind::Auto => gpus > 0,
+            other => other,
         };
-        if on_gpu {
-            let ids: Vec<i32> = if g.gpus.is_empty() { (0..gpus as i32).collect() } else { g.gpus.clone() };
-            for id in ids {
-                if id as usize >= gpus {
-                    return Err(fail(format!("instance_group[{i}].gpus names GPU {id}, but only {gpus} exist")));
-                }
+        g.kind = kind as i32;
+        if g.count == 0 {
+            g.count = if kind == Kind::Cpu { DEFAULT_CPU_INSTANCES } else { DEFAULT_GPU_INSTANCES };
+        }
+        if kind == Kind::Gpu {
+            if g.gpus.is_empty() {
+                g.gpus = (0..gpus as i32).collect();
+            }
+            if let Some(id) = g.gpus.iter().find(|&&id| id as usize >= gpus) {
+                return Err(fail(format!("instance_group[{i}].gpus names GPU {id}, but only {gpus} exist")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One device per instance of the (normalized) instance groups: `count` per group on CPU,
+/// `count` per listed GPU.
+fn instance_devices(config: &ModelConfig) -> Vec<Device> {
+    let mut devices = Vec::new();
+    for g in &config.instance_group {
+        let count = g.count.max(1) as usize;
+        if matches!(Kind::try_from(g.kind), Ok(Kind::Gpu)) {
+            for &id in &g.gpus {
                 devices.extend(std::iter::repeat_n(Device::Gpu(id), count));
             }
         } else {
             devices.extend(std::iter::repeat_n(Device::Cpu, count));
         }
     }
-    Ok(devices)
+    devices
 }
 
 fn config_type(dt: DataType) -> i32 {
@@ -439,16 +563,22 @@ fn config_type(dt: DataType) -> i32 {
 }
 
 /// Fills in what the config leaves out from the model's own inputs and outputs, as Triton's
-/// onnxruntime backend does: tensors, and batching when every tensor's first dim is dynamic.
+/// onnxruntime backend does. It runs only where the config lacks inputs or outputs (a config
+/// declaring both is taken as written). When every tensor's first dim is dynamic the model can
+/// batch: `max_batch_size` 0 becomes [`AUTOCOMPLETE_MAX_BATCH_SIZE`], and a final
+/// `max_batch_size` > 1 without a scheduler gets `dynamic_batching {}` (whether the config set
+/// it or auto-complete did; Triton's `AutoCompleteMaxBatch`).
 fn autocomplete(config: &mut ModelConfig, io: &ModelIo) {
-    let declared_nothing = config.input.is_empty() && config.output.is_empty();
-    if declared_nothing && config.max_batch_size == 0 {
-        let all_batchable = io.inputs.iter().chain(&io.outputs).all(|t| t.dims.first() == Some(&-1));
-        if all_batchable && !io.inputs.is_empty() {
+    if !config.input.is_empty() && !config.output.is_empty() {
+        return;
+    }
+    let can_batch = !io.inputs.is_empty() && io.inputs.iter().chain(&io.outputs).all(|t| t.dims.first() == Some(&-1));
+    if can_batch {
+        if config.max_batch_size == 0 {
             config.max_batch_size = AUTOCOMPLETE_MAX_BATCH_SIZE;
-            if config.scheduling_choice.is_none() {
-                config.scheduling_choice = Some(SchedulingChoice::DynamicBatching(ModelDynamicBatching::default()));
-            }
+        }
+        if config.max_batch_size > 1 && config.scheduling_choice.is_none() {
+            config.scheduling_choice = Some(SchedulingChoice::DynamicBatching(ModelDynamicBatching::default()));
         }
     }
     let skip = usize::from(config.max_batch_size > 0);
@@ -481,16 +611,33 @@ fn autocomplete(config: &mut ModelConfig, io: &ModelIo) {
             })
             .collect();
     }
+}
+
+/// Under `--strict-model-config=true` nothing is auto-completed, so a config without inputs or
+/// outputs cannot describe the model: say so rather than fail later on a vaguer mismatch.
+fn refuse_incomplete(config: &ModelConfig) -> Result<(), Status> {
+    let missing: Vec<&str> = [("input", config.input.is_empty()), ("output", config.output.is_empty())]
+        .into_iter()
+        .filter_map(|(what, empty)| empty.then_some(what))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(fail(format!(
+        "config: the config declares no {} and --strict-model-config=true turns auto-complete off: \
+         declare every model input and output (and max_batch_size) in config.pbtxt",
+        missing.join(" and no ")
+    )))
+}
+
+/// The platform / backend names Triton's normalization fills in (not auto-completion: done
+/// under --strict-model-config too).
+fn fill_backend(config: &mut ModelConfig) {
     if config.backend.is_empty() && config.platform.is_empty() {
         config.backend = "onnxruntime".to_string();
     }
     if config.platform.is_empty() {
         config.platform = "onnxruntime_onnx".to_string();
-    }
-    if config.instance_group.is_empty() {
-        let kind = if backend::gpu_count() > 0 { Kind::Gpu } else { Kind::Cpu };
-        config.instance_group =
-            vec![ModelInstanceGroup { name: config.name.clone(), count: 1, kind: kind as i32, ..Default::default() }];
     }
 }
 
@@ -656,6 +803,51 @@ pub fn batch_policy(config: &ModelConfig) -> BatchPolicy {
     }
 }
 
+/// Checks every `model_warmup` sample against the model's inputs before anything runs: each
+/// input it names must be a model input, of the input's data type, with dims the input accepts
+/// (the config's, a -1 taking any positive size). Triton refuses such a sample; running it
+/// anyway would warm up with data the model never receives, or fail with a vaguer error.
+fn check_warmup(config: &ModelConfig, spec: &ModelSpec) -> Result<(), String> {
+    for (index, sample) in config.model_warmup.iter().enumerate() {
+        let sample_name = if sample.name.is_empty() { format!("#{index}") } else { format!("'{}'", sample.name) };
+        let at = |what: String| format!("model_warmup sample {sample_name}: {what}");
+        if spec.max_batch_size > 0 && sample.batch_size as usize > spec.max_batch_size {
+            return Err(at(format!("batch_size {} exceeds max_batch_size {}", sample.batch_size, spec.max_batch_size)));
+        }
+        let mut names: Vec<&String> = sample.inputs.keys().collect();
+        names.sort();
+        for name in names {
+            let w = &sample.inputs[name];
+            let Some(input) = spec.inputs.iter().find(|i| &i.name == name) else {
+                return Err(at(format!(
+                    "inputs['{name}'] is not a model input (model inputs: {})",
+                    spec.inputs.iter().map(|i| format!("'{}'", i.name)).collect::<Vec<_>>().join(", ")
+                )));
+            };
+            if DataType::from_config_value(w.data_type) != Some(input.datatype) {
+                return Err(at(format!(
+                    "inputs['{name}'].data_type is {}, but the model input is {}",
+                    DataType::from_config_value(w.data_type)
+                        .map(|d| d.config_name())
+                        .unwrap_or_else(|| "TYPE_INVALID".into()),
+                    input.datatype.config_name()
+                )));
+            }
+            let fits = w.dims.len() == input.dims.len()
+                && w.dims.iter().zip(&input.dims).all(|(&d, &want)| d > 0 && (want == -1 || d == want));
+            if !fits {
+                return Err(at(format!(
+                    "inputs['{name}'].dims {:?} do not fit the model input's dims {:?}{}",
+                    w.dims,
+                    input.dims,
+                    if spec.max_batch_size > 0 { " (without the batch dimension: batch_size sets it)" } else { "" }
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Runs each `model_warmup` sample on every instance before the model reports READY.
 fn warmup(config: &ModelConfig, dir: &Path, spec: &ModelSpec, instances: &mut [InstanceSession]) -> Result<(), String> {
     for sample in &config.model_warmup {
@@ -719,5 +911,176 @@ fn pseudo_random(len: usize, dt: DataType) -> Vec<u8> {
         }
         DataType::Bool => (0..len).map(|_| (next() & 1) as u8).collect(),
         _ => (0..len).map(|_| (next() % 16) as u8).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nereid_common::config::parse_model_config;
+
+    fn config(text: &str) -> ModelConfig {
+        parse_model_config(text).expect("test config parses")
+    }
+
+    fn tensor(name: &str, dims: &[i64]) -> backend::ModelTensor {
+        backend::ModelTensor {
+            name: name.into(),
+            datatype: Some(DataType::Fp32),
+            type_name: "float".into(),
+            dims: dims.to_vec(),
+        }
+    }
+
+    fn batching_io() -> ModelIo {
+        ModelIo { inputs: vec![tensor("A", &[-1, 8])], outputs: vec![tensor("S", &[-1, 8])], defaults: vec![] }
+    }
+
+    #[test]
+    fn only_canonical_version_folders_are_versions() {
+        for (name, want) in [("0", Some(0)), ("7", Some(7)), ("12", Some(12))] {
+            assert_eq!(canonical_version(name), want, "{name}");
+        }
+        for name in ["07", "00", "+1", "-1", "", "1a", "warmup", " 1"] {
+            assert_eq!(canonical_version(name), None, "{name}");
+        }
+        let dir = tempfile::tempdir().expect("temp dir");
+        for d in ["1", "07", "+3", "3", "warmup"] {
+            std::fs::create_dir(dir.path().join(d)).expect("mkdir");
+        }
+        let (versions, warnings) = scan_versions(dir.path());
+        assert_eq!(versions, vec![1, 3]);
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(warnings.iter().any(|w| w.contains("'07'")) && warnings.iter().any(|w| w.contains("'+3'")));
+    }
+
+    #[test]
+    fn a_specific_policy_loads_the_versions_that_exist() {
+        let c = config("version_policy: { specific: { versions: [ 1, 5, 3 ] } }");
+        let mut warnings = Vec::new();
+        assert_eq!(select_versions(&c, &[1, 2, 3], &mut warnings).expect("some exist"), vec![1, 3]);
+        assert!(warnings.len() == 1 && warnings[0].contains("version 5"), "{warnings:?}");
+        let none = config("version_policy: { specific: { versions: [ 7 ] } }");
+        let e = select_versions(&none, &[1, 2], &mut Vec::new()).expect_err("none exists");
+        assert!(e.message.contains("version 7"), "{e}");
+    }
+
+    #[test]
+    fn instance_groups_resolve_as_triton_s() {
+        let mut c =
+            config("name: \"m\"\ninstance_group [ { kind: KIND_CPU }, { count: 3 kind: KIND_AUTO name: \"x\" } ]");
+        normalize_instance_groups(&mut c, 0).expect("CPU only");
+        let g = &c.instance_group;
+        assert_eq!((g[0].name.as_str(), g[0].count, g[0].kind), ("m_0", 2, Kind::Cpu as i32));
+        assert_eq!((g[1].name.as_str(), g[1].count, g[1].kind), ("x", 3, Kind::Cpu as i32));
+        assert_eq!(instance_devices(&c).len(), 5);
+
+        let mut none = config("name: \"n\"");
+        normalize_instance_groups(&mut none, 0).expect("default group");
+        assert_eq!(none.instance_group.len(), 1);
+        assert_eq!((none.instance_group[0].name.as_str(), none.instance_group[0].count), ("n_0", 2));
+
+        let mut gpu = config("name: \"g\"\ninstance_group [ { kind: KIND_AUTO } ]");
+        normalize_instance_groups(&mut gpu, 2).expect("two GPUs");
+        let g = &gpu.instance_group[0];
+        assert_eq!((g.count, g.kind, g.gpus.clone()), (1, Kind::Gpu as i32, vec![0, 1]));
+        assert_eq!(instance_devices(&gpu), vec![Device::Gpu(0), Device::Gpu(1)]);
+
+        let mut no_gpu = config("name: \"g\"\ninstance_group [ { kind: KIND_GPU } ]");
+        assert!(normalize_instance_groups(&mut no_gpu, 0).expect_err("no GPU").message.contains("KIND_GPU"));
+    }
+
+    #[test]
+    fn autocomplete_turns_on_dynamic_batching_whenever_the_model_batches_beyond_one() {
+        // Nothing declared: max_batch_size 4 and dynamic batching, as before.
+        let mut c = ModelConfig::default();
+        autocomplete(&mut c, &batching_io());
+        assert_eq!(c.max_batch_size, AUTOCOMPLETE_MAX_BATCH_SIZE);
+        assert!(dynamic_batching(&c).is_some());
+        // max_batch_size set by the config, tensors left out: dynamic batching too.
+        let mut c = config("max_batch_size: 8");
+        autocomplete(&mut c, &batching_io());
+        assert!(dynamic_batching(&c).is_some());
+        assert_eq!(c.input[0].dims, vec![8]);
+        // max_batch_size 1: nothing to batch, no scheduler added.
+        let mut c = config("max_batch_size: 1");
+        autocomplete(&mut c, &batching_io());
+        assert!(c.scheduling_choice.is_none());
+        // Inputs and outputs declared: auto-complete does not run at all.
+        let mut c = config(
+            "max_batch_size: 8\ninput [ { name: \"A\" data_type: TYPE_FP32 dims: [ 8 ] } ]\n\
+             output [ { name: \"S\" data_type: TYPE_FP32 dims: [ 8 ] } ]",
+        );
+        autocomplete(&mut c, &batching_io());
+        assert!(c.scheduling_choice.is_none());
+    }
+
+    #[test]
+    fn strict_config_refuses_a_partial_config_with_the_reason() {
+        let e = refuse_incomplete(&config("max_batch_size: 8")).expect_err("no tensors");
+        assert!(e.message.contains("--strict-model-config") && e.message.contains("no input and no output"), "{e}");
+        let complete = config(
+            "input [ { name: \"A\" data_type: TYPE_FP32 dims: [ 8 ] } ]\n\
+             output [ { name: \"S\" data_type: TYPE_FP32 dims: [ 8 ] } ]",
+        );
+        assert!(refuse_incomplete(&complete).is_ok());
+    }
+
+    #[test]
+    fn graph_level_and_execution_mode_reach_the_session_options() {
+        let defaults = SessionOptions::default();
+        for (level, want) in [(-1, 1u8), (0, 3), (1, 2), (2, 0)] {
+            let c = config(&format!("optimization {{ graph {{ level: {level} }} }}"));
+            let mut warnings = Vec::new();
+            let opts = session_options(&c, &defaults, &mut warnings).expect("valid");
+            assert_eq!(opts.optimization_level, want, "graph level {level}");
+            assert!(warnings.is_empty(), "{warnings:?}");
+            assert!(unsupported_fields(&c).is_empty(), "graph level {level} is implemented");
+        }
+        let parallel = config("parameters { key: \"execution_mode\" value: { string_value: \"1\" } }");
+        let mut warnings = Vec::new();
+        assert!(session_options(&parallel, &defaults, &mut warnings).expect("valid").parallel_execution);
+        assert!(warnings.is_empty(), "{warnings:?}");
+        let bad = config("parameters { key: \"execution_mode\" value: { string_value: \"2\" } }");
+        assert!(
+            session_options(&bad, &defaults, &mut Vec::new()).expect_err("0 or 1").message.contains("execution_mode")
+        );
+    }
+
+    #[test]
+    fn warmup_samples_must_match_the_model_inputs() {
+        let spec = ModelSpec {
+            max_batch_size: 4,
+            inputs: vec![TensorSpec {
+                name: "A".into(),
+                datatype: DataType::Fp32,
+                dims: vec![-1, 8],
+                reshape: None,
+                optional: false,
+            }],
+            outputs: vec![],
+        };
+        let sample = |input: &str| {
+            config(&format!("model_warmup [ {{ name: \"w\" batch_size: 2 inputs {{ key: {input} }} }} ]"))
+        };
+        let ok = sample("\"A\" value: { data_type: TYPE_FP32 dims: [ 3, 8 ] zero_data: true }");
+        assert!(check_warmup(&ok, &spec).is_ok());
+        for (input, needles) in [
+            (
+                "\"A\" value: { data_type: TYPE_INT32 dims: [ 3, 8 ] zero_data: true }",
+                ["'w'", "data_type", "TYPE_INT32"],
+            ),
+            ("\"A\" value: { data_type: TYPE_FP32 dims: [ 3, 7 ] zero_data: true }", ["'w'", "dims", "[3, 7]"]),
+            ("\"A\" value: { data_type: TYPE_FP32 dims: [ 8 ] zero_data: true }", ["'w'", "dims", "[8]"]),
+            (
+                "\"B\" value: { data_type: TYPE_FP32 dims: [ 3, 8 ] zero_data: true }",
+                ["'w'", "inputs['B']", "not a model input"],
+            ),
+        ] {
+            let e = check_warmup(&sample(input), &spec).expect_err(input);
+            for n in needles {
+                assert!(e.contains(n), "{n:?} not in {e:?}");
+            }
+        }
     }
 }

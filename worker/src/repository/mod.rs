@@ -45,7 +45,8 @@ pub enum ControlMode {
 pub struct RepositoryOptions {
     pub paths: Vec<PathBuf>,
     pub mode: ControlMode,
-    /// Without a config.pbtxt, refuse to auto-complete (Triton's `--strict-model-config`).
+    /// Triton's `--strict-model-config`: no auto-completion at all; a missing config.pbtxt, or
+    /// one without inputs or outputs, fails the load.
     pub strict_config: bool,
     /// Models to load at start in EXPLICIT mode (`*` = all).
     pub startup_models: Vec<String>,
@@ -129,7 +130,14 @@ pub struct Repository {
     cache: Option<Arc<ResponseCache>>,
     /// Counts loads and unloads (part of an ensemble's cache key).
     epoch: std::sync::atomic::AtomicU64,
+    /// Triton's `--strict-readiness`: the server is ready only while every model it tried to
+    /// load is READY (see [`server_ready`](Self::server_ready)).
+    strict_readiness: bool,
 }
+
+/// The reason an explicitly unloaded model's slot carries: such a model does not count
+/// against strict readiness.
+const UNLOADED: &str = "unloaded";
 
 impl Repository {
     pub fn new(options: RepositoryOptions, metrics: Arc<Metrics>) -> Self {
@@ -143,7 +151,16 @@ impl Repository {
             attempted: Default::default(),
             cache: None,
             epoch: Default::default(),
+            strict_readiness: true,
         }
+    }
+
+    /// Sets strict readiness (Triton's `--strict-readiness`, default true): with it, the server
+    /// reports ready only while every model it tried to load (at start, through the repository
+    /// API, a POLL pass or fleet placement) is READY; without it, once start-up loading is done.
+    pub fn with_strict_readiness(mut self, strict: bool) -> Self {
+        self.strict_readiness = strict;
+        self
     }
 
     /// Gives the repository a response cache of `bytes` (Triton's `--cache-config
@@ -192,8 +209,33 @@ impl Repository {
         self.draining.store(true, Ordering::SeqCst);
     }
 
+    /// Live and done loading at start, not draining and, under strict readiness, no model that
+    /// should serve failing to (see [`not_ready_models`](Self::not_ready_models)).
     pub fn server_ready(&self) -> bool {
-        self.startup_done.load(Ordering::SeqCst) && !self.draining.load(Ordering::SeqCst)
+        self.startup_done.load(Ordering::SeqCst)
+            && !self.draining.load(Ordering::SeqCst)
+            && (!self.strict_readiness || self.not_ready_models().is_empty())
+    }
+
+    /// Models this repository tried to load that do not serve now: a failed load, or one
+    /// still loading for the first time. Models unloaded on purpose (repository API, removed
+    /// from disk under POLL, placement) or being unloaded are not counted, nor is a model whose
+    /// reload failed or is under way while its previous version keeps serving. With nothing
+    /// tried (EXPLICIT mode, no --load-model) the list is empty. Sorted.
+    pub fn not_ready_models(&self) -> Vec<String> {
+        let slots = self.slots.read().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<String> = slots
+            .iter()
+            .filter(|(_, slot)| match &slot.state {
+                _ if slot.model.is_some() => false,
+                State::Ready | State::Unloading => false,
+                State::Unavailable(reason) => reason != UNLOADED,
+                State::Loading => true,
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        out.sort();
+        out
     }
 
     fn slot(&self, name: &str) -> Option<Slot> {
@@ -477,7 +519,7 @@ impl Repository {
                 data: t.data,
             });
         }
-        version.stats.record_execution(rows, 1, Duration::ZERO, Duration::ZERO, Duration::ZERO);
+        version.stats.record_execution(rows, 1, rows, Duration::ZERO, Duration::ZERO, Duration::ZERO);
         Ok(outputs)
     }
 
@@ -761,7 +803,7 @@ impl Repository {
             }
             // In-flight requests hold their version; its scheduler drains once they finish.
         }
-        self.set_slot(name, Slot { state: State::Unavailable("unloaded".into()), model: None, reload_error: None });
+        self.set_slot(name, Slot { state: State::Unavailable(UNLOADED.into()), model: None, reload_error: None });
         self.epoch.fetch_add(1, Ordering::SeqCst);
         tracing::info!(model = %name, "model unloaded");
         Ok(())
@@ -799,9 +841,11 @@ impl Repository {
                             name: name.clone(),
                             version: v.to_string(),
                             state: State::Ready.name().to_string(),
+                            // A READY row's reason carries the load's warnings (unsupported
+                            // fields, skipped version folders, ...), as the config docs promise.
                             reason: match (state, reload_error) {
                                 (_, Some(e)) => e.clone(),
-                                (State::Ready, None) => String::new(),
+                                (State::Ready, None) => m.warnings.join("; "),
                                 (other, None) => other.name().to_string(),
                             },
                         });
@@ -931,6 +975,7 @@ fn ensemble_named_versions<'a>(plans: impl IntoIterator<Item = &'a Plan>, model:
     out
 }
 
+/// Validates and queues one request on `scheduler`.
 async fn run(
     spec: &ModelSpec,
     scheduler: &Scheduler,

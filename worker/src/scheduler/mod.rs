@@ -8,10 +8,18 @@
 //!   "wait until t" it sleeps on a condition variable with a microsecond timeout (tokio's timer
 //!   has millisecond granularity, too coarse for queue delays of 100 µs). A batch therefore
 //!   forms while instances are busy and grows under load. Pushes wake a sleeping instance only
-//!   when that can change its decision: the queue was empty, the batch target is reached, or
-//!   the request carries its own deadline.
-//! - Timeouts fire when they expire (they bound the sleep), and entries whose caller has gone
-//!   are dropped before their batch forms (checked at least every [`CANCEL_SCAN_INTERVAL`]).
+//!   when that can change its decision: the queue was empty, or it reached a size that may
+//!   dispatch early (a preferred batch size or `max_batch_size`).
+//! - One **timer** thread per scheduler applies queue timeouts (the queue policy's
+//!   `default_timeout_microseconds` / a request's shorter `timeout`) when they expire, whether
+//!   or not an instance is free: Triton rejects a timed-out request at its timeout even while
+//!   every instance is busy. It sleeps until the queue's next timeout (indefinitely when there
+//!   is none) and a push wakes it only when it brings that instant forward, so it never spins
+//!   and requests without a queue timeout never touch it. It stops when the scheduler closes.
+//! - A caller's own deadline ends the caller's wait by itself (the request path waits with
+//!   that deadline); the entry leaves the queue at the next expiry. Idle instances apply expiry
+//!   before each decision and at least every [`CANCEL_SCAN_INTERVAL`] while they wait, so a
+//!   batch never takes an entry that timed out, whose deadline passed or whose caller has gone.
 //! - With `preserve_ordering`, answers are released in arrival order through a [`Sequencer`].
 
 pub mod policy;
@@ -24,13 +32,14 @@ use bytes::Bytes;
 use nereid_common::{Code, Status};
 use tokio::sync::oneshot;
 
-use crate::backend::{InstanceSession, JobInputs};
+use crate::backend::{InstanceSession, JobInputs, PhaseTimes};
 use crate::metrics::VersionStats;
 use crate::tensor::OutputTensor;
 use policy::{BatchPolicy, BatchQueue, Decision, DropReason, Pending, QueueFull};
 
-/// While requests wait, the batcher looks for callers that went away at least this often, so a
-/// cancelled request leaves the queue (and the pending gauge) promptly, not when its batch forms.
+/// While requests wait, an idle instance looks for callers that went away at least this often,
+/// so a cancelled request leaves the queue (and the pending gauge) promptly, not when its batch
+/// forms.
 pub const CANCEL_SCAN_INTERVAL: std::time::Duration = std::time::Duration::from_millis(50);
 
 pub type JobResult = Result<Vec<OutputTensor>, Status>;
@@ -150,10 +159,35 @@ impl Delivery {
     }
 }
 
-/// State shared by request handlers and instance threads.
+/// What an instance thread runs a batch on: an ONNX Runtime session in production; tests use
+/// a stand-in they can hold busy.
+pub trait Instance: Send + 'static {
+    /// Runs one batch: `jobs` in order, `wanted(job, output)` saying which outputs each wants.
+    /// Returns one output list per job, and the time spent in each phase.
+    fn run(
+        &mut self,
+        jobs: &[JobInputs<'_>],
+        wanted: &dyn Fn(usize, usize) -> bool,
+    ) -> Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status>;
+}
+
+impl Instance for InstanceSession {
+    fn run(
+        &mut self,
+        jobs: &[JobInputs<'_>],
+        wanted: &dyn Fn(usize, usize) -> bool,
+    ) -> Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status> {
+        InstanceSession::run(self, jobs, wanted)
+    }
+}
+
+/// State shared by request handlers, instance threads and the timer thread.
 struct Shared {
     state: Mutex<QueueState>,
+    /// Wakes idle instances (an arrival, a queue change that may alter their decision).
     wake: Condvar,
+    /// Wakes the timer (an arrival whose queue timeout is earlier than its plan; close).
+    timer: Condvar,
     stats: Arc<VersionStats>,
     delivery: Delivery,
 }
@@ -163,6 +197,10 @@ struct QueueState {
     next_seq: u64,
     /// The last handle is gone: drain what is queued, then stop.
     closed: bool,
+    /// When the timer thread will look at the queue next without being woken; `None` while it
+    /// sleeps with nothing to wait for. A push wakes the timer only when its queue timeout is
+    /// earlier than this.
+    timer_at: Option<Instant>,
 }
 
 impl Shared {
@@ -178,51 +216,76 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// Starts one thread per instance session.
-    pub fn start(
+    /// Starts one thread per instance session, and the queue's timer thread.
+    pub fn start<I: Instance>(
         label: &str,
         policy: BatchPolicy,
         preserve_ordering: bool,
-        sessions: Vec<InstanceSession>,
+        sessions: Vec<I>,
         stats: Arc<VersionStats>,
     ) -> std::io::Result<Scheduler> {
         let delivery = if preserve_ordering { Delivery::Ordered(Arc::default()) } else { Delivery::Direct };
         let shared = Arc::new(Shared {
-            state: Mutex::new(QueueState { queue: BatchQueue::new(policy), next_seq: 0, closed: false }),
+            state: Mutex::new(QueueState {
+                queue: BatchQueue::new(policy),
+                next_seq: 0,
+                closed: false,
+                timer_at: None,
+            }),
             wake: Condvar::new(),
+            timer: Condvar::new(),
             stats,
             delivery,
         });
+        // Constructed first, so that a failed spawn below stops the threads already started.
+        let scheduler = Scheduler { shared: shared.clone() };
         for (i, session) in sessions.into_iter().enumerate() {
             let shared = shared.clone();
             std::thread::Builder::new().name(format!("{label}#{i}")).spawn(move || instance_thread(session, shared))?;
         }
-        Ok(Scheduler { shared })
+        let timer_shared = shared.clone();
+        std::thread::Builder::new().name(format!("{label}/timer")).spawn(move || timer_thread(timer_shared))?;
+        Ok(scheduler)
     }
 
     /// Queues a job. Fails at once with `RESOURCE_EXHAUSTED` when the queue (or the job's
     /// priority level, `max_queue_size`) is full.
     pub fn submit(&self, mut job: Job) -> Result<(), Status> {
-        let wake = {
+        let (wake, wake_timer) = {
             let mut state = self.shared.lock();
             if state.queue.len() >= MAX_QUEUED {
-                return Err(Status::exhausted("the model's request queue is full, retry later"));
+                return Err(Status::exhausted(format!(
+                    "the model's request queue is full ({MAX_QUEUED} requests), retry later"
+                )));
             }
             job.seq = state.next_seq;
             let was_empty = state.queue.is_empty();
-            let has_deadline = job.deadline.is_some() || job.timeout_us > 0;
             let (priority, timeout_us) = (job.priority, job.timeout_us);
-            if let Err(QueueFull(_)) = state.queue.push(job, priority, timeout_us, Instant::now()) {
-                return Err(Status::exhausted(
-                    "the queue of this priority level is full (max_queue_size), retry later",
-                ));
-            }
+            let now = Instant::now();
+            let due = match state.queue.push(job, priority, timeout_us, now) {
+                Ok(due) => due,
+                Err(QueueFull(_)) => {
+                    return Err(Status::exhausted(
+                        "the queue of this priority level is full (max_queue_size), retry later",
+                    ));
+                }
+            };
             state.next_seq += 1;
-            was_empty || has_deadline || state.queue.rows() >= state.queue.fill_target()
+            // The timer must look by this entry's queue timeout.
+            let wake_timer = due.is_some_and(|due| state.timer_at.is_none_or(|planned| due < planned));
+            if wake_timer {
+                // It re-plans from the whole queue once it runs; until then, later pushes need
+                // not wake it again.
+                state.timer_at = Some(now);
+            }
+            (was_empty || state.queue.rows() >= state.queue.wake_threshold(), wake_timer)
         };
         self.shared.stats.pending_add(1);
         if wake {
             self.shared.wake.notify_one();
+        }
+        if wake_timer {
+            self.shared.timer.notify_one();
         }
         Ok(())
     }
@@ -232,26 +295,77 @@ impl Drop for Scheduler {
     fn drop(&mut self) {
         self.shared.lock().closed = true;
         self.shared.wake.notify_all();
+        self.shared.timer.notify_all();
     }
 }
 
-/// Most requests queued per model version, whatever the policy says.
+/// Most requests queued per model version, whatever the queue policy says.
+///
+/// A safety bound, not a Triton setting: without `max_queue_size` Triton's queue is unbounded,
+/// but an unbounded queue lets a burst of clients hold unbounded memory (every queued request
+/// keeps its input tensors) and makes every request in it wait longer than any client would.
+/// Past this many queued requests of one model version, a new request is refused at once with
+/// `RESOURCE_EXHAUSTED` (HTTP 429), like a full `max_queue_size`, and may be retried. A
+/// `max_queue_size` per priority level still applies below it.
 pub const MAX_QUEUED: usize = 8192;
 
-fn instance_thread(mut session: InstanceSession, shared: Arc<Shared>) {
+/// Answers entries that left the queue without running. Called with the queue locked, so the
+/// pending gauge and the queue agree.
+fn answer_dropped(shared: &Shared, dropped: Vec<(Job, DropReason)>) {
+    for (job, why) in dropped {
+        shared.stats.pending_add(-1);
+        let status = match why {
+            // The request path counts it (CANCELED) when its caller goes away; no one reads this.
+            DropReason::Cancelled => Status::new(Code::Cancelled, "the request was cancelled"),
+            // Triton's answer to a queue-policy timeout under REJECT (UNAVAILABLE, counted as
+            // a REJECTED failure), distinct from the caller's own deadline below.
+            DropReason::Rejected => Status::queue_timeout(),
+            DropReason::DeadlineExceeded => {
+                Status::new(Code::DeadlineExceeded, "the request's deadline passed while it was queued")
+            }
+        };
+        shared.delivery.skip(job.seq);
+        let _ = job.reply.send(Err(status));
+    }
+}
+
+/// Applies queue timeouts as they fall due, whether or not an instance is free (and, while
+/// it is at it, callers' deadlines and cancellations); see the module documentation. Exits when
+/// the scheduler closes (the instances then drain what is left, applying expiry themselves).
+fn timer_thread(shared: Arc<Shared>) {
+    let mut state = shared.lock();
+    while !state.closed {
+        let now = Instant::now();
+        let delayed_before = state.queue.delayed_len();
+        let dropped = state.queue.expire(now);
+        // A removed or delayed entry can change what an idle instance would dispatch (a new
+        // head, a preferred size now reachable): let one look again.
+        let changed = !dropped.is_empty() || state.queue.delayed_len() != delayed_before;
+        answer_dropped(&shared, dropped);
+        if changed {
+            shared.wake.notify_one();
+        }
+        // Everything due at `now` is gone, so the next due instant is later than `now`.
+        let next = state.queue.next_timeout();
+        state.timer_at = next;
+        // Waiting releases the lock atomically, so a push cannot slip between planning and
+        // sleeping and have its wake-up lost.
+        state = match next {
+            Some(at) => {
+                let wait = at.saturating_duration_since(now);
+                shared.timer.wait_timeout(state, wait).unwrap_or_else(|e| e.into_inner()).0
+            }
+            None => shared.timer.wait(state).unwrap_or_else(|e| e.into_inner()),
+        };
+    }
+}
+
+fn instance_thread<I: Instance>(mut session: I, shared: Arc<Shared>) {
     let mut state = shared.lock();
     loop {
         let now = Instant::now();
-        for (job, why) in state.queue.expire(now) {
-            shared.stats.pending_add(-1);
-            let status = match why {
-                // The request path counted it when its caller went away.
-                DropReason::Cancelled => Status::new(Code::Cancelled, "the request was cancelled"),
-                DropReason::TimedOut => Status::new(Code::DeadlineExceeded, "request timeout expired while queued"),
-            };
-            shared.delivery.skip(job.seq);
-            let _ = job.reply.send(Err(status));
-        }
+        let dropped = state.queue.expire(now);
+        answer_dropped(&shared, dropped);
         // Once closed, nothing more will join: run what is left without waiting.
         let decide_at = if state.closed { now + Duration::from_secs(86_400) } else { now };
         match state.queue.next_batch(decide_at) {
@@ -265,6 +379,8 @@ fn instance_thread(mut session: InstanceSession, shared: Arc<Shared>) {
                 state = shared.lock();
             }
             Decision::WaitUntil(t) => {
+                // Queue timeouts are the timer's (it wakes us if they change the queue); look
+                // for deadlines and callers that went away ourselves.
                 let until = [Some(t), state.queue.next_timeout(), Some(now + CANCEL_SCAN_INTERVAL)]
                     .into_iter()
                     .flatten()
@@ -281,7 +397,7 @@ fn instance_thread(mut session: InstanceSession, shared: Arc<Shared>) {
     }
 }
 
-fn run_batch(session: &mut InstanceSession, batch: Vec<Job>, dispatched: Instant, shared: &Shared) {
+fn run_batch<I: Instance>(session: &mut I, batch: Vec<Job>, dispatched: Instant, shared: &Shared) {
     for job in &batch {
         shared.stats.record_queue(dispatched.saturating_duration_since(job.arrived));
     }
@@ -293,8 +409,10 @@ fn run_batch(session: &mut InstanceSession, batch: Vec<Job>, dispatched: Instant
     let rows: usize = batch.iter().map(|j| j.rows).sum();
     match result {
         Ok((outputs, times)) => {
-            // Count before answering, so a caller that reads statistics sees its batch.
-            shared.stats.record_execution(rows, batch.len(), times.input, times.infer, times.output);
+            // Count before answering, so a caller that reads statistics sees its batch; rows
+            // whose callers already left are no inferences.
+            let answered = batch.iter().filter(|j| !j.reply.is_closed()).map(|j| j.rows).sum();
+            shared.stats.record_execution(rows, batch.len(), answered, times.input, times.infer, times.output);
             for (job, out) in batch.into_iter().zip(outputs) {
                 shared.delivery.send(job.seq, job.reply, Ok(out));
             }
@@ -322,6 +440,166 @@ mod tests {
 
     fn tag(rx: &mut oneshot::Receiver<JobResult>) -> Option<i64> {
         rx.try_recv().ok().map(|r| r.unwrap()[0].shape[0])
+    }
+
+    /// An instance that reports each batch it starts and then stays busy until the test opens
+    /// its gate (bounded: after [`GATE_LIMIT`] it gives up and records that it did).
+    struct GatedInstance {
+        started: std::sync::mpsc::Sender<usize>,
+        gate: std::sync::mpsc::Receiver<()>,
+        gave_up: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    /// A bound so a broken timer fails the test instead of hanging it; never reached when the
+    /// scheduler works.
+    const GATE_LIMIT: Duration = Duration::from_secs(60);
+
+    impl Instance for GatedInstance {
+        fn run(
+            &mut self,
+            jobs: &[JobInputs<'_>],
+            _wanted: &dyn Fn(usize, usize) -> bool,
+        ) -> Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status> {
+            let _ = self.started.send(jobs.len());
+            if self.gate.recv_timeout(GATE_LIMIT).is_err() {
+                self.gave_up.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+            Ok((jobs.iter().map(|_| vec![]).collect(), PhaseTimes::default()))
+        }
+    }
+
+    struct Harness {
+        scheduler: Scheduler,
+        started: std::sync::mpsc::Receiver<usize>,
+        gate: std::sync::mpsc::Sender<()>,
+        gave_up: Arc<std::sync::atomic::AtomicBool>,
+        stats: Arc<crate::metrics::VersionStats>,
+    }
+
+    fn harness(policy: BatchPolicy) -> Harness {
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let (gate, gate_rx) = std::sync::mpsc::channel();
+        let gave_up = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let instance = GatedInstance { started: started_tx, gate: gate_rx, gave_up: gave_up.clone() };
+        let stats = crate::metrics::Metrics::new().version("m", 1);
+        let scheduler = Scheduler::start("test", policy, false, vec![instance], stats.clone()).expect("threads start");
+        Harness { scheduler, started, gate, gave_up, stats }
+    }
+
+    fn job(timeout_us: u64) -> (Job, oneshot::Receiver<JobResult>) {
+        let (tx, rx) = oneshot::channel();
+        (Job::new(1, vec![], vec![], vec![], 0, timeout_us, tx), rx)
+    }
+
+    fn timeout_policy(action: policy::TimeoutAction, default_ms: u64) -> BatchPolicy {
+        let mut p = BatchPolicy::direct();
+        p.max_batch_size = 4;
+        p.max_requests = usize::MAX;
+        p.levels[0] = policy::LevelPolicy {
+            timeout_action: action,
+            default_timeout: Some(Duration::from_millis(default_ms)),
+            allow_timeout_override: false,
+            max_queue_size: 0,
+        };
+        p
+    }
+
+    /// The audit's case: the only instance is busy; a request queued behind it with a 100 ms
+    /// timeout is rejected while the instance is still busy — by the timer, not when the
+    /// instance next asks for work. Asserted by ordering: the gate is still shut when the
+    /// rejection arrives.
+    #[test]
+    fn queue_timeout_fires_while_every_instance_is_busy() {
+        let h = harness(timeout_policy(policy::TimeoutAction::Reject, 100));
+        let (long, long_rx) = job(0);
+        h.scheduler.submit(long).expect("queued");
+        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "the long request runs");
+        let (short, short_rx) = job(0);
+        h.scheduler.submit(short).expect("queued");
+        let answer = short_rx.blocking_recv().expect("answered");
+        let status = answer.expect_err("rejected");
+        assert_eq!(status, Status::queue_timeout());
+        assert!(!h.gave_up.load(std::sync::atomic::Ordering::SeqCst), "rejected only after the instance freed up");
+        h.gate.send(()).expect("instance waits");
+        assert!(long_rx.blocking_recv().expect("answered").is_ok());
+        assert_eq!(h.scheduler.shared.lock().queue.len(), 0);
+    }
+
+    /// Under `DELAY` a timed-out request is not answered by the timer: it still runs once the
+    /// instance is free.
+    #[test]
+    fn delayed_requests_wait_for_the_busy_instance_and_run() {
+        let h = harness(timeout_policy(policy::TimeoutAction::Delay, 1));
+        let (long, long_rx) = job(0);
+        h.scheduler.submit(long).expect("queued");
+        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1));
+        let (short, mut short_rx) = job(0);
+        h.scheduler.submit(short).expect("queued");
+        // Wait (bounded) until the timer has moved it to the delayed queue.
+        let moved = (0..6000).any(|_| {
+            std::thread::sleep(Duration::from_millis(10));
+            h.scheduler.shared.lock().queue.delayed_len() == 1
+        });
+        assert!(moved, "the timer never applied DELAY");
+        assert!(short_rx.try_recv().is_err(), "a delayed request is not answered");
+        h.gate.send(()).expect("instance waits");
+        assert!(long_rx.blocking_recv().expect("answered").is_ok());
+        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "the delayed request runs next");
+        h.gate.send(()).expect("instance waits");
+        assert!(short_rx.blocking_recv().expect("answered").is_ok());
+    }
+
+    /// A batch whose caller left while it ran is an execution of no inferences; the next one
+    /// counts its row. Both counts move together, so no scrape sees one without the other.
+    #[test]
+    fn rows_of_callers_that_left_are_no_inferences() {
+        let h = harness(timeout_policy(policy::TimeoutAction::Reject, 60_000));
+        let (left, left_rx) = job(0);
+        h.scheduler.submit(left).expect("queued");
+        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1));
+        drop(left_rx);
+        h.gate.send(()).expect("instance waits");
+        let (stays, stays_rx) = job(0);
+        h.scheduler.submit(stays).expect("queued");
+        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1));
+        h.gate.send(()).expect("instance waits");
+        assert!(stays_rx.blocking_recv().expect("answered").is_ok());
+        let s = h.stats.snapshot();
+        assert_eq!((s.execution_count, s.inference_count), (2, 1));
+    }
+
+    /// A caller's own deadline is DEADLINE_EXCEEDED (counted CANCELED), not a queue
+    /// rejection; the entry leaves the queue without waiting for the 60 s batch delay.
+    #[test]
+    fn a_callers_deadline_is_deadline_exceeded() {
+        let mut policy = timeout_policy(policy::TimeoutAction::Reject, 60_000);
+        policy.max_queue_delay = Duration::from_secs(60);
+        let h = harness(policy);
+        let (mut j, rx) = job(0);
+        j.deadline = Some(Instant::now() + Duration::from_millis(20));
+        h.scheduler.submit(j).expect("queued");
+        let status = rx.blocking_recv().expect("answered").expect_err("expired");
+        assert_eq!(status.code, Code::DeadlineExceeded);
+        assert!(h.started.try_recv().is_err(), "it never ran");
+    }
+
+    /// Dropping the scheduler stops the instance and timer threads (each holds the shared
+    /// state; once both are gone, nothing does).
+    #[test]
+    fn threads_stop_with_the_scheduler() {
+        let h = harness(timeout_policy(policy::TimeoutAction::Reject, 100));
+        let weak = Arc::downgrade(&h.scheduler.shared);
+        let (j, rx) = job(0);
+        h.scheduler.submit(j).expect("queued");
+        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1));
+        h.gate.send(()).expect("instance waits");
+        assert!(rx.blocking_recv().expect("answered").is_ok());
+        drop(h.scheduler);
+        let stopped = (0..6000).any(|_| {
+            std::thread::sleep(Duration::from_millis(10));
+            weak.strong_count() == 0
+        });
+        assert!(stopped, "a scheduler thread outlived the scheduler");
     }
 
     #[test]

@@ -2,21 +2,33 @@
 //! every rule is property-tested without a runtime (see the tests at the bottom).
 //!
 //! Rules (Triton's dynamic batcher semantics):
-//! - Requests wait in one FIFO queue per priority level (1 = highest). A batch takes requests in
-//!   priority order, then arrival order, and stops at the first request whose non-batch shapes
-//!   differ from the head's or whose rows would exceed `max_batch_size` (so nobody is overtaken
-//!   by a later request of the same level, and `preserve_ordering` holds).
-//! - A batch is dispatched at once when it is full, when it reaches the largest
-//!   `preferred_batch_size`, when nothing more can join it, when `max_queue_delay` is zero, or
-//!   when its oldest request has waited `max_queue_delay`; otherwise the batcher waits until the
-//!   oldest request's delay runs out.
-//! - Queue policy per level: `max_queue_size` rejects at once when the level is full; a request
-//!   whose timeout passes is rejected (`REJECT`) or moved behind every request that has not
-//!   timed out (`DELAY`).
-//! - Entries whose caller has gone are dropped before any batch forms.
+//! - Requests wait in one FIFO queue per priority level (1 = highest), each followed by that
+//!   level's *delayed* queue (see `DELAY` below). A batch takes requests in that order — level 1,
+//!   level 1 delayed, level 2, level 2 delayed, … — and stops at the first request whose
+//!   non-batch shapes differ from the head's or whose rows would exceed `max_batch_size` (so
+//!   nobody is overtaken by a later request of the same level, and `preserve_ordering` holds).
+//! - While walking that order the policy remembers the largest `preferred_batch_size` the rows
+//!   reach. Before the oldest request's `max_queue_delay` has passed, a batch is dispatched at
+//!   once with exactly that many requests when one was reached (the largest *reachable* one,
+//!   not only the largest configured one, as Triton does); otherwise at once when it is full
+//!   (`max_batch_size` rows or the request limit) or nothing more can join it. Once the delay
+//!   has passed (or when it is zero), whatever can form is dispatched. Otherwise the batcher
+//!   waits until the oldest request's delay runs out.
+//! - Queue policy per level: `max_queue_size` rejects at once when the level (its queue and its
+//!   delayed queue) is full. A request's queue timeout is the level's
+//!   `default_timeout_microseconds`, which the request's own `timeout` may only *shorten*, and
+//!   only with `allow_timeout_override`. A request whose timeout passes is rejected (`REJECT`)
+//!   or moved to its level's delayed queue (`DELAY`): behind every request of its level that has
+//!   not timed out, still ahead of every lower-priority level.
+//! - Entries whose caller has gone are dropped before any batch forms; entries whose caller's
+//!   own deadline passed are dropped whatever the queue policy says.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
+
+/// How far ahead the batcher plans when a delay is too large to represent: it simply asks
+/// again then.
+const FAR: Duration = Duration::from_secs(86_400);
 
 /// What the policy needs to know about a queued request.
 pub trait Pending {
@@ -27,7 +39,8 @@ pub trait Pending {
     /// True when the caller no longer waits for the answer.
     fn is_cancelled(&self) -> bool;
     /// The caller's own deadline (e.g. `grpc-timeout`): past it the request is dropped as
-    /// timed out whatever the queue policy says, since no one would read the answer.
+    /// [`DropReason::DeadlineExceeded`] whatever the queue policy says, since no one would read
+    /// the answer.
     fn deadline(&self) -> Option<Instant> {
         None
     }
@@ -95,15 +108,22 @@ impl BatchPolicy {
         if priority == 0 || priority as usize > self.levels.len() { self.default_level } else { priority as usize }
     }
 
-    /// The queue timeout for a request at `level` that asked for `requested` (0 = none).
+    /// The queue timeout for a request at `level` that asked for `requested_us` (0 = none).
+    ///
+    /// Triton's rule: the level's `default_timeout_microseconds` applies, except that with
+    /// `allow_timeout_override` a non-zero request timeout replaces it when it is *shorter*
+    /// (or when there is no default, i.e. the default is "never"). A request can therefore
+    /// never extend the operator's bound, and without `allow_timeout_override` its `timeout`
+    /// parameter has no effect on the queue at all.
     pub fn timeout_for(&self, level: usize, requested_us: u64) -> Option<Duration> {
         let policy = &self.levels[level - 1];
-        if requested_us > 0 && (policy.allow_timeout_override || policy.default_timeout.is_none()) {
-            // Triton: a request timeout applies when overriding is allowed; with no default it
-            // is the only timeout there is.
-            return Some(Duration::from_micros(requested_us));
+        let requested =
+            (requested_us > 0 && policy.allow_timeout_override).then(|| Duration::from_micros(requested_us));
+        match (requested, policy.default_timeout) {
+            (Some(r), Some(d)) if r < d => Some(r),
+            (Some(r), None) => Some(r),
+            (_, default) => default,
         }
-        policy.default_timeout
     }
 }
 
@@ -112,8 +132,11 @@ impl BatchPolicy {
 pub enum DropReason {
     /// The caller went away.
     Cancelled,
-    /// Its timeout passed under `TimeoutAction::Reject`.
-    TimedOut,
+    /// Its queue timeout passed under `TimeoutAction::Reject`: Triton answers UNAVAILABLE
+    /// "Request timeout expired" and counts it as a REJECTED failure.
+    Rejected,
+    /// The caller's own deadline ([`Pending::deadline`]) passed while it waited.
+    DeadlineExceeded,
 }
 
 /// The answer to "an instance is free: what now?".
@@ -135,15 +158,40 @@ struct Entry<T> {
     item: T,
     arrived: Instant,
     timeout_at: Option<Instant>,
-    level: usize,
+}
+
+impl<T: Pending> Entry<T> {
+    /// The earliest instant at which the queue must look at this entry again: its queue timeout
+    /// or its caller's deadline.
+    fn due(&self) -> Option<Instant> {
+        match (self.timeout_at, self.item.deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+/// One priority level: its FIFO, then the requests whose timeout passed under `DELAY`. Triton
+/// keeps the delayed requests per level, so a delayed request still goes before every request
+/// of a lower-priority level.
+struct Level<T> {
+    queue: VecDeque<Entry<T>>,
+    delayed: VecDeque<Entry<T>>,
+}
+
+impl<T> Level<T> {
+    fn new() -> Self {
+        Level { queue: VecDeque::new(), delayed: VecDeque::new() }
+    }
+    fn len(&self) -> usize {
+        self.queue.len() + self.delayed.len()
+    }
 }
 
 /// The pending requests of one model version.
 pub struct BatchQueue<T> {
     policy: BatchPolicy,
-    levels: Vec<VecDeque<Entry<T>>>,
-    /// Requests whose timeout passed under `DELAY`: served after every other request.
-    delayed: VecDeque<Entry<T>>,
+    levels: Vec<Level<T>>,
     len: usize,
     /// Rows over every queued entry (whatever their shapes).
     rows: usize,
@@ -151,8 +199,8 @@ pub struct BatchQueue<T> {
 
 impl<T: Pending> BatchQueue<T> {
     pub fn new(policy: BatchPolicy) -> Self {
-        let levels = (0..policy.levels.len()).map(|_| VecDeque::new()).collect();
-        BatchQueue { policy, levels, delayed: VecDeque::new(), len: 0, rows: 0 }
+        let levels = (0..policy.levels.len()).map(|_| Level::new()).collect();
+        BatchQueue { policy, levels, len: 0, rows: 0 }
     }
 
     pub fn policy(&self) -> &BatchPolicy {
@@ -172,58 +220,74 @@ impl<T: Pending> BatchQueue<T> {
         self.rows
     }
 
-    /// Rows at which waiting for more cannot help: the largest preferred size, else the
-    /// maximum batch size. A batcher that sleeps until the delay ends needs waking only when
-    /// the queue reaches this (or when it was empty).
-    pub fn fill_target(&self) -> usize {
-        self.policy.preferred_batch_sizes.last().copied().unwrap_or(self.policy.max_batch_size)
+    /// Entries moved to a delayed queue (`DELAY`) that are still waiting, over all levels.
+    pub fn delayed_len(&self) -> usize {
+        self.levels.iter().map(|l| l.delayed.len()).sum()
+    }
+
+    /// Rows from which an early dispatch may have become possible: the smallest preferred
+    /// size (any preferred size the queue reaches dispatches at once), else the maximum batch
+    /// size. A batcher that sleeps until the delay ends needs waking on an arrival only once
+    /// the queue holds this many rows (or when it was empty). Rows of every shape count, so
+    /// this can only wake too often, never too rarely.
+    pub fn wake_threshold(&self) -> usize {
+        self.policy.preferred_batch_sizes.first().copied().unwrap_or(self.policy.max_batch_size)
     }
 
     /// Queues `item` at the level for `priority`, with its timeout. Fails at once if the
-    /// level's `max_queue_size` is reached.
-    pub fn push(&mut self, item: T, priority: u64, timeout_us: u64, now: Instant) -> Result<(), QueueFull<T>> {
+    /// level's `max_queue_size` is reached (its delayed requests count). On success, returns
+    /// the instant its queue timeout fires, if it has one, so a timer sleeping past that
+    /// instant can be woken. (A caller's deadline is not reported: the caller's own wait ends
+    /// at it, and the entry is dropped at the next expiry.)
+    pub fn push(
+        &mut self,
+        item: T,
+        priority: u64,
+        timeout_us: u64,
+        now: Instant,
+    ) -> Result<Option<Instant>, QueueFull<T>> {
         let level = self.policy.level_for(priority);
         let policy = &self.policy.levels[level - 1];
-        let at_level = self.levels[level - 1].len() + self.delayed.iter().filter(|e| e.level == level).count();
-        if policy.max_queue_size > 0 && at_level >= policy.max_queue_size {
+        if policy.max_queue_size > 0 && self.levels[level - 1].len() >= policy.max_queue_size {
             return Err(QueueFull(item));
         }
-        let timeout_at = self.policy.timeout_for(level, timeout_us).map(|t| now + t);
+        // A timeout too large for `Instant` never fires.
+        let timeout_at = self.policy.timeout_for(level, timeout_us).and_then(|t| now.checked_add(t));
         self.rows += item.rows();
-        self.levels[level - 1].push_back(Entry { item, arrived: now, timeout_at, level });
+        self.levels[level - 1].queue.push_back(Entry { item, arrived: now, timeout_at });
         self.len += 1;
-        Ok(())
+        Ok(timeout_at)
     }
 
-    /// Removes cancelled entries and applies timeouts due at `now`. Returns what was dropped.
+    /// Removes cancelled entries and applies timeouts and deadlines due at `now`. Returns what
+    /// was dropped; entries timed out under `DELAY` move to their level's delayed queue.
     pub fn expire(&mut self, now: Instant) -> Vec<(T, DropReason)> {
         let mut dropped = Vec::new();
-        for level in 0..self.levels.len() {
-            let action = self.policy.levels[level].timeout_action;
-            let queue = std::mem::take(&mut self.levels[level]);
-            for entry in queue {
+        for (index, level) in self.levels.iter_mut().enumerate() {
+            let action = self.policy.levels[index].timeout_action;
+            // Delayed entries first, so entries delayed now go behind those delayed before.
+            for entry in std::mem::take(&mut level.delayed) {
                 if entry.item.is_cancelled() {
                     dropped.push((entry.item, DropReason::Cancelled));
                 } else if entry.item.deadline().is_some_and(|d| d <= now) {
-                    dropped.push((entry.item, DropReason::TimedOut));
-                } else if entry.timeout_at.is_some_and(|t| t <= now) {
-                    match action {
-                        TimeoutAction::Reject => dropped.push((entry.item, DropReason::TimedOut)),
-                        TimeoutAction::Delay => self.delayed.push_back(Entry { timeout_at: None, ..entry }),
-                    }
+                    dropped.push((entry.item, DropReason::DeadlineExceeded));
                 } else {
-                    self.levels[level].push_back(entry);
+                    level.delayed.push_back(entry);
                 }
             }
-        }
-        let delayed = std::mem::take(&mut self.delayed);
-        for entry in delayed {
-            if entry.item.is_cancelled() {
-                dropped.push((entry.item, DropReason::Cancelled));
-            } else if entry.item.deadline().is_some_and(|d| d <= now) {
-                dropped.push((entry.item, DropReason::TimedOut));
-            } else {
-                self.delayed.push_back(entry);
+            for entry in std::mem::take(&mut level.queue) {
+                if entry.item.is_cancelled() {
+                    dropped.push((entry.item, DropReason::Cancelled));
+                } else if entry.item.deadline().is_some_and(|d| d <= now) {
+                    dropped.push((entry.item, DropReason::DeadlineExceeded));
+                } else if entry.timeout_at.is_some_and(|t| t <= now) {
+                    match action {
+                        TimeoutAction::Reject => dropped.push((entry.item, DropReason::Rejected)),
+                        TimeoutAction::Delay => level.delayed.push_back(Entry { timeout_at: None, ..entry }),
+                    }
+                } else {
+                    level.queue.push_back(entry);
+                }
             }
         }
         self.len -= dropped.len();
@@ -231,15 +295,16 @@ impl<T: Pending> BatchQueue<T> {
         dropped
     }
 
-    /// The earliest instant at which a queued request's timeout fires.
+    /// The earliest instant at which a queued request's timeout or its caller's deadline
+    /// fires. After [`BatchQueue::expire`]`(now)` it is always later than `now`, so a timer
+    /// that sleeps until it never spins.
     pub fn next_timeout(&self) -> Option<Instant> {
-        let own = self.levels.iter().flatten().filter_map(|e| e.timeout_at);
-        let callers = self.ordered().filter_map(|e| e.item.deadline());
-        own.chain(callers).min()
+        self.ordered().filter_map(Entry::due).min()
     }
 
+    /// Every entry in dispatch order: per level, its queue then its delayed queue.
     fn ordered(&self) -> impl Iterator<Item = &Entry<T>> {
-        self.levels.iter().flatten().chain(self.delayed.iter())
+        self.levels.iter().flat_map(|l| l.queue.iter().chain(l.delayed.iter()))
     }
 
     /// Decides what a free instance should run at `now`. Call [`BatchQueue::expire`] first.
@@ -248,51 +313,60 @@ impl<T: Pending> BatchQueue<T> {
             return Decision::Idle;
         };
         let key = head.item.shape_key().to_vec();
-        let oldest = head.arrived;
+        // A delay too large for `Instant` never passes; wait a day at a time.
+        let deadline = head.arrived.checked_add(self.policy.max_queue_delay).unwrap_or(now + FAR);
+        let delay_passed = deadline <= now;
         // Walk the candidate batch without removing anything yet.
-        let largest_preferred = self.policy.preferred_batch_sizes.last().copied();
         let mut rows = 0usize;
         let mut count = 0usize;
-        let mut closed = false; // waiting cannot make this batch better
+        // Requests in the batch at the largest preferred size reached so far (sizes only grow
+        // along the walk, so the last one reached is the largest).
+        let mut preferred_count = None;
+        let mut closed = false; // waiting cannot make this batch bigger
         for entry in self.ordered() {
             let r = entry.item.rows();
-            if count == self.policy.max_requests
-                || entry.item.shape_key() != key.as_slice()
-                || rows + r > self.policy.max_batch_size
-            {
+            if entry.item.shape_key() != key.as_slice() || rows + r > self.policy.max_batch_size {
                 closed = true;
                 break;
             }
             rows += r;
             count += 1;
-            if Some(rows) == largest_preferred || rows == self.policy.max_batch_size {
+            if self.policy.preferred_batch_sizes.binary_search(&rows).is_ok() {
+                preferred_count = Some(count);
+            }
+            if count == self.policy.max_requests || rows == self.policy.max_batch_size {
                 closed = true;
                 break;
             }
         }
         if count == 0 {
             // The head alone exceeds max_batch_size (validation prevents this): run it alone.
-            count = 1;
-            closed = true;
+            return Decision::Dispatch(self.take_front(1));
         }
-        let deadline = oldest + self.policy.max_queue_delay;
-        if !closed && count < self.policy.max_requests && deadline > now {
-            return Decision::WaitUntil(deadline);
+        if !delay_passed && let Some(n) = preferred_count {
+            return Decision::Dispatch(self.take_front(n));
         }
-        let take = count;
-        Decision::Dispatch(self.take_front(take))
+        if closed || delay_passed {
+            return Decision::Dispatch(self.take_front(count));
+        }
+        Decision::WaitUntil(deadline)
     }
 
     fn take_front(&mut self, mut n: usize) -> Vec<T> {
         let mut out = Vec::with_capacity(n);
-        for level in self.levels.iter_mut().chain(std::iter::once(&mut self.delayed)) {
-            while n > 0 {
-                match level.pop_front() {
-                    Some(e) => {
-                        out.push(e.item);
-                        n -= 1;
+        'levels: for level in &mut self.levels {
+            for queue in [&mut level.queue, &mut level.delayed] {
+                while n > 0 {
+                    match queue.pop_front() {
+                        Some(e) => {
+                            out.push(e.item);
+                            n -= 1;
+                        }
+                        None => break,
                     }
-                    None => break,
+                }
+                if n == 0 {
+                    break 'levels;
                 }
             }
         }
@@ -370,17 +444,25 @@ mod tests {
     }
 
     #[test]
-    fn largest_preferred_dispatches_at_once() {
+    fn largest_reachable_preferred_dispatches_at_once() {
         let t0 = Instant::now();
         let mut q = BatchQueue::new(policy(64, vec![2, 4], 1_000_000, 1));
-        for i in 0..3 {
+        q.push(req(0, 1), 0, 0, t0).unwrap();
+        assert!(matches!(q.next_batch(t0), Decision::WaitUntil(_)));
+        for i in 1..3 {
             q.push(req(i, 1), 0, 0, t0).unwrap();
         }
-        assert!(matches!(q.next_batch(t0), Decision::WaitUntil(_)));
-        q.push(req(3, 1), 0, 0, t0).unwrap();
-        q.push(req(4, 1), 0, 0, t0).unwrap();
+        // 3 queued: 2 is the largest preferred size they reach.
         match q.next_batch(t0) {
-            Decision::Dispatch(b) => assert_eq!(b.len(), 4),
+            Decision::Dispatch(b) => assert_eq!(b.len(), 2),
+            other => panic!("{other:?}"),
+        }
+        for i in 3..7 {
+            q.push(req(i, 1), 0, 0, t0).unwrap();
+        }
+        // 5 queued: 4 is reached, so 4 go, not 2.
+        match q.next_batch(t0) {
+            Decision::Dispatch(b) => assert_eq!(b.iter().map(|r| r.id).collect::<Vec<_>>(), vec![2, 3, 4, 5]),
             other => panic!("{other:?}"),
         }
     }
@@ -419,11 +501,130 @@ mod tests {
         q.push(req(2, 1), 1, 10, t0).unwrap(); // times out at 10 µs, delayed
         q.push(req(3, 1), 1, 0, t0).unwrap();
         let dropped = q.expire(t0 + Duration::from_micros(60));
-        assert_eq!(dropped.iter().map(|(r, why)| (r.id, *why)).collect::<Vec<_>>(), vec![(0, DropReason::TimedOut)]);
+        assert_eq!(dropped.iter().map(|(r, why)| (r.id, *why)).collect::<Vec<_>>(), vec![(0, DropReason::Rejected)]);
         match q.next_batch(t0 + Duration::from_micros(2000)) {
             Decision::Dispatch(b) => assert_eq!(b.iter().map(|r| r.id).collect::<Vec<_>>(), vec![3, 2]),
             other => panic!("{other:?}"),
         }
+    }
+
+    fn ids(d: Decision<Req>) -> Vec<usize> {
+        match d {
+            Decision::Dispatch(b) => b.into_iter().map(|r| r.id).collect(),
+            other => panic!("expected a dispatch, got {other:?}"),
+        }
+    }
+
+    /// The audit's case: preferred [2, 8], a 2 s delay, 2 requests queued → a batch of 2 goes
+    /// at once, not only when the largest preferred size (8) is reached.
+    #[test]
+    fn a_smaller_preferred_size_dispatches_at_once() {
+        let t0 = Instant::now();
+        let mut q = BatchQueue::new(policy(8, vec![2, 8], 2_000_000, 1));
+        q.push(req(0, 1), 0, 0, t0).unwrap();
+        assert_eq!(q.next_batch(t0), Decision::WaitUntil(t0 + Duration::from_secs(2)));
+        q.push(req(1, 1), 0, 0, t0).unwrap();
+        assert_eq!(ids(q.next_batch(t0)), vec![0, 1]);
+        // Three queued: the largest reachable preferred size is 2, so exactly 2 go.
+        for i in 2..5 {
+            q.push(req(i, 1), 0, 0, t0).unwrap();
+        }
+        assert_eq!(ids(q.next_batch(t0)), vec![2, 3]);
+        // One left, below every preferred size: it waits for its delay, then goes alone.
+        assert!(matches!(q.next_batch(t0), Decision::WaitUntil(_)));
+        assert_eq!(ids(q.next_batch(t0 + Duration::from_secs(2))), vec![4]);
+    }
+
+    #[test]
+    fn after_the_delay_everything_that_fits_goes_not_just_the_preferred_size() {
+        let t0 = Instant::now();
+        let mut q = BatchQueue::new(policy(8, vec![2], 1000, 1));
+        for i in 0..3 {
+            q.push(req(i, 1), 0, 0, t0).unwrap();
+        }
+        assert_eq!(ids(q.next_batch(t0 + Duration::from_micros(1000))), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn request_timeout_only_shortens_the_default_and_only_when_allowed() {
+        let ms = Duration::from_millis;
+        let mut p = policy(8, vec![], 0, 1);
+        let set = |p: &mut BatchPolicy, allow: bool, default: Option<Duration>| {
+            p.levels[0].allow_timeout_override = allow;
+            p.levels[0].default_timeout = default;
+        };
+        set(&mut p, true, Some(ms(100)));
+        assert_eq!(p.timeout_for(1, 10_000), Some(ms(10)), "shorter: replaces the default");
+        assert_eq!(p.timeout_for(1, 60_000_000), Some(ms(100)), "longer: the default stands");
+        assert_eq!(p.timeout_for(1, 0), Some(ms(100)), "none asked: the default");
+        set(&mut p, true, None);
+        assert_eq!(p.timeout_for(1, 10_000), Some(ms(10)), "no default (never): any timeout is shorter");
+        assert_eq!(p.timeout_for(1, 0), None);
+        set(&mut p, false, Some(ms(100)));
+        assert_eq!(p.timeout_for(1, 10_000), Some(ms(100)), "override not allowed: ignored");
+        set(&mut p, false, None);
+        assert_eq!(p.timeout_for(1, 10_000), None, "override not allowed, no default: no timeout");
+    }
+
+    #[test]
+    fn delayed_requests_stay_ahead_of_lower_priority_levels() {
+        let t0 = Instant::now();
+        let mut p = policy(1, vec![], 0, 2);
+        for level in &mut p.levels {
+            level.timeout_action = TimeoutAction::Delay;
+            level.allow_timeout_override = true;
+        }
+        let mut q = BatchQueue::new(p);
+        q.push(req(0, 1), 1, 10, t0).unwrap(); // level 1, times out → level 1 delayed
+        q.push(req(1, 1), 1, 0, t0).unwrap(); // level 1
+        q.push(req(2, 1), 2, 10, t0).unwrap(); // level 2, times out → level 2 delayed
+        q.push(req(3, 1), 2, 0, t0).unwrap(); // level 2
+        assert!(q.expire(t0 + Duration::from_micros(20)).is_empty());
+        assert_eq!(q.delayed_len(), 2);
+        let order: Vec<usize> = (0..4).flat_map(|_| ids(q.next_batch(t0))).collect();
+        assert_eq!(order, vec![1, 0, 3, 2], "level 1, level 1 delayed, level 2, level 2 delayed");
+    }
+
+    #[test]
+    fn a_callers_deadline_is_not_a_queue_rejection() {
+        #[derive(Debug)]
+        struct Deadlined(Instant);
+        impl Pending for Deadlined {
+            fn rows(&self) -> usize {
+                1
+            }
+            fn shape_key(&self) -> &[i64] {
+                &[]
+            }
+            fn is_cancelled(&self) -> bool {
+                false
+            }
+            fn deadline(&self) -> Option<Instant> {
+                Some(self.0)
+            }
+        }
+        let t0 = Instant::now();
+        let mut p = policy(8, vec![], 1_000_000, 1);
+        p.levels[0].default_timeout = Some(Duration::from_micros(50));
+        let mut q = BatchQueue::new(p);
+        let due = q.push(Deadlined(t0 + Duration::from_micros(10)), 0, 0, t0).unwrap();
+        assert_eq!(due, Some(t0 + Duration::from_micros(50)), "push reports the queue timeout");
+        q.push(Deadlined(t0 + Duration::from_micros(500)), 0, 0, t0).unwrap();
+        assert_eq!(q.next_timeout(), Some(t0 + Duration::from_micros(10)));
+        let dropped: Vec<DropReason> = q.expire(t0 + Duration::from_micros(60)).into_iter().map(|(_, w)| w).collect();
+        assert_eq!(dropped, vec![DropReason::DeadlineExceeded, DropReason::Rejected]);
+        assert_eq!(q.next_timeout(), None);
+    }
+
+    #[test]
+    fn huge_delays_and_timeouts_do_not_overflow() {
+        let t0 = Instant::now();
+        let mut p = policy(8, vec![], u64::MAX, 1);
+        p.levels[0].default_timeout = Some(Duration::from_micros(u64::MAX));
+        let mut q = BatchQueue::new(p);
+        // Whether or not `Instant` can hold t0 + u64::MAX µs on this platform, nothing panics.
+        q.push(req(0, 1), 0, 0, t0).unwrap();
+        assert!(matches!(q.next_batch(t0), Decision::WaitUntil(t) if t > t0));
     }
 
     proptest! {
@@ -436,33 +637,50 @@ mod tests {
             delay_us in 0u64..500,
             levels in 1usize..4,
             preferred_raw in proptest::collection::vec(1usize..16, 0..3),
-            ops in proptest::collection::vec((0u8..4, 1usize..5, 0u64..4, 0i64..2, 0u64..300, any::<bool>()), 1..80),
+            ops in proptest::collection::vec((0u8..4, 1usize..5, 0u64..4, 0i64..2, 0u64..300, any::<bool>(), 0u64..600), 1..80),
+            level_timeouts in proptest::collection::vec((proptest::option::of(1u64..600), any::<bool>()), 3),
         ) {
             let mut preferred: Vec<usize> = preferred_raw.into_iter().filter(|&p| p <= max).collect();
             preferred.sort();
             preferred.dedup();
             let t0 = Instant::now();
-            let mut q = BatchQueue::new(policy(max, preferred.clone(), delay_us, levels));
+            // Every level REJECTs on timeout (DELAY's ordering has its own property below).
+            let mut p = policy(max, preferred.clone(), delay_us, levels);
+            for (level, (default_us, allow)) in p.levels.iter_mut().zip(&level_timeouts) {
+                level.default_timeout = default_us.map(Duration::from_micros);
+                level.allow_timeout_override = *allow;
+            }
+            let mut q = BatchQueue::new(p);
+            // When each request's queue timeout fires, if it has one.
+            let mut timeouts: std::collections::HashMap<usize, Option<Instant>> = Default::default();
             let mut now = t0;
             let mut arrivals: std::collections::HashMap<usize, (Instant, usize)> = Default::default();
             let mut next_id = 0;
             let mut dispatched = 0usize;
             let mut pushed = 0usize;
-            for (op, rows, prio, key, advance_us, cancel) in ops {
+            for (op, rows, prio, key, advance_us, cancel, timeout_us) in ops {
                 now += Duration::from_micros(advance_us);
                 match op {
                     0 | 1 => {
                         let r = Req { id: next_id, rows: rows.min(max), key: vec![key], cancelled: cancel && op == 1 };
-                        arrivals.insert(next_id, (now, q.policy().level_for(prio)));
-                        q.push(r, prio, 0, now).unwrap();
+                        let level = q.policy().level_for(prio);
+                        arrivals.insert(next_id, (now, level));
+                        timeouts.insert(next_id, q.policy().timeout_for(level, timeout_us).map(|t| now + t));
+                        q.push(r, prio, timeout_us, now).unwrap();
                         next_id += 1;
                         pushed += 1;
                     }
                     _ => {
                         let dropped = q.expire(now);
                         for (r, why) in &dropped {
-                            prop_assert!(r.cancelled, "only cancelled entries drop without timeouts");
-                            prop_assert_eq!(*why, DropReason::Cancelled);
+                            match why {
+                                DropReason::Cancelled => prop_assert!(r.cancelled),
+                                DropReason::Rejected => prop_assert!(
+                                    timeouts[&r.id].is_some_and(|t| t <= now),
+                                    "rejected before its timeout"
+                                ),
+                                DropReason::DeadlineExceeded => prop_assert!(false, "no caller deadlines here"),
+                            }
                         }
                         dispatched += dropped.len();
                         match q.next_batch(now) {
@@ -471,6 +689,10 @@ mod tests {
                                 let total: usize = batch.iter().map(|r| r.rows).sum();
                                 prop_assert!(total <= max, "batch of {} rows exceeds {}", total, max);
                                 prop_assert!(batch.iter().all(|r| !r.cancelled), "cancelled entry batched");
+                                prop_assert!(
+                                    batch.iter().all(|r| timeouts[&r.id].is_none_or(|t| t > now)),
+                                    "timed-out entry batched"
+                                );
                                 prop_assert!(batch.iter().all(|r| r.key == batch[0].key), "shapes mixed");
                                 // Priority order, then arrival order within a level.
                                 let order: Vec<(usize, usize)> = batch.iter().map(|r| (arrivals[&r.id].1, r.id)).collect();
@@ -504,6 +726,108 @@ mod tests {
             prop_assert_eq!(dispatched, pushed);
             prop_assert!(q.is_empty());
             prop_assert_eq!(q.rows(), 0);
+        }
+
+        /// Before the delay passes, the batch is exactly the longest prefix of the walk whose
+        /// rows equal a preferred size (the largest reachable one); without one, a batch goes
+        /// only when full or closed by a different shape; after the delay, the whole prefix
+        /// that fits goes.
+        #[test]
+        fn largest_reachable_preferred_size_goes_at_once(
+            max in 1usize..16,
+            preferred_raw in proptest::collection::vec(1usize..16, 0..4),
+            reqs in proptest::collection::vec((1usize..5, 0i64..2), 1..20),
+            delay_passed in any::<bool>(),
+        ) {
+            let mut preferred: Vec<usize> = preferred_raw.into_iter().filter(|&p| p <= max).collect();
+            preferred.sort();
+            preferred.dedup();
+            let t0 = Instant::now();
+            let delay = Duration::from_secs(2);
+            let mut q = BatchQueue::new(policy(max, preferred.clone(), delay.as_micros() as u64, 1));
+            for (i, &(rows, key)) in reqs.iter().enumerate() {
+                q.push(Req { id: i, rows: rows.min(max), key: vec![key], cancelled: false }, 0, 0, t0).unwrap();
+            }
+            // The oracle: walk the arrival order as the rules say.
+            let (mut rows, mut count, mut best, mut closed) = (0, 0, None, false);
+            for &(r, key) in &reqs {
+                let r = r.min(max);
+                if key != reqs[0].1 || rows + r > max { closed = true; break; }
+                rows += r;
+                count += 1;
+                if preferred.contains(&rows) { best = Some(count); }
+                if rows == max { closed = true; break; }
+            }
+            let now = if delay_passed { t0 + delay } else { t0 };
+            let expected = match (delay_passed, best) {
+                (false, Some(n)) => Some(n),
+                _ if closed || delay_passed => Some(count),
+                _ => None,
+            };
+            match (q.next_batch(now), expected) {
+                (Decision::Dispatch(b), Some(n)) => {
+                    prop_assert_eq!(b.iter().map(|r| r.id).collect::<Vec<_>>(), (0..n).collect::<Vec<_>>());
+                    if !delay_passed && best.is_some() {
+                        let total: usize = b.iter().map(|r| r.rows).sum();
+                        prop_assert!(preferred.contains(&total), "{} rows is not a preferred size", total);
+                    }
+                }
+                (Decision::WaitUntil(t), None) => prop_assert_eq!(t, t0 + delay),
+                (got, want) => prop_assert!(false, "got {:?}, expected a batch of {:?}", got, want),
+            }
+        }
+
+        /// With `DELAY`, whatever times out runs after the rest of its own level and before
+        /// every lower-priority level: level 1, level 1 delayed, level 2, level 2 delayed, …
+        #[test]
+        fn delayed_entries_keep_their_level(
+            levels in 1usize..4,
+            reqs in proptest::collection::vec((1u64..4, any::<bool>()), 1..30),
+        ) {
+            let t0 = Instant::now();
+            let mut p = policy(1, vec![], 0, levels);
+            for level in &mut p.levels {
+                level.timeout_action = TimeoutAction::Delay;
+                level.allow_timeout_override = true;
+            }
+            let mut q = BatchQueue::new(p);
+            let mut expected: Vec<(usize, bool, usize)> = vec![];
+            for (i, &(prio, times_out)) in reqs.iter().enumerate() {
+                q.push(req(i, 1), prio, if times_out { 10 } else { 0 }, t0).unwrap();
+                expected.push((q.policy().level_for(prio), times_out, i));
+            }
+            prop_assert!(q.expire(t0 + Duration::from_micros(10)).is_empty());
+            expected.sort();
+            let mut order = vec![];
+            for _ in 0..reqs.len() {
+                order.extend(ids(q.next_batch(t0)));
+            }
+            prop_assert_eq!(order, expected.into_iter().map(|(_, _, i)| i).collect::<Vec<_>>());
+            prop_assert!(q.is_empty());
+        }
+
+        /// A request's timeout never outlives the level's default, and counts only when
+        /// overriding is allowed.
+        #[test]
+        fn timeout_override_only_shortens(
+            allow in any::<bool>(),
+            default_us in proptest::option::of(1u64..1_000_000),
+            requested_us in 0u64..2_000_000,
+        ) {
+            let mut p = policy(8, vec![], 0, 1);
+            p.levels[0].allow_timeout_override = allow;
+            p.levels[0].default_timeout = default_us.map(Duration::from_micros);
+            let got = p.timeout_for(1, requested_us);
+            let default = p.levels[0].default_timeout;
+            if let (Some(g), Some(d)) = (got, default) {
+                prop_assert!(g <= d, "{:?} extends the default {:?}", g, d);
+            }
+            if !allow || requested_us == 0 {
+                prop_assert_eq!(got, default);
+            } else {
+                let r = Duration::from_micros(requested_us);
+                prop_assert_eq!(got, Some(default.map_or(r, |d| d.min(r))));
+            }
         }
 
         /// Highest-priority requests go first whatever arrives later.
