@@ -200,6 +200,14 @@ def test_service_target_port_missing(tmp_path):
                       "targetPort 'grpc-web' is not a containerPort")
 
 
+def test_service_publishing_the_metrics_port(tmp_path):
+    d = copy_manifests(tmp_path)
+    edit(d, "gateway.yaml", lambda docs: find(docs, "Service")["spec"]["ports"].append(
+        {"name": "metrics", "port": 8002, "targetPort": "metrics"}))
+    assert_fails_with(validate(d, "--flags-from", "builtin"), "Service/nereid-gateway",
+                      "is the metrics port")
+
+
 def test_grace_period_too_short(tmp_path):
     d = copy_manifests(tmp_path)
     edit(d, "gateway.yaml", lambda docs: find(docs, "Deployment")["spec"]["template"]["spec"].update(
@@ -210,11 +218,38 @@ def test_grace_period_too_short(tmp_path):
 
 def test_worker_grace_period_counts_the_etcd_drain(tmp_path):
     d = copy_manifests(tmp_path)
-    # 65 > --exit-timeout-secs 60 alone, but not > 60 + drain delay 2 + etcd bounds 8.
+    # 135 > the preStop drain's 60 s wait + --exit-timeout-secs 60, but not > those + nereidctl's
+    # etcd calls 9 + drain delay 2 + etcd bounds 8.
     edit(d, "worker-cpu.yaml", lambda docs: find(docs, "Deployment")["spec"]["template"]["spec"].update(
-        terminationGracePeriodSeconds=65))
+        terminationGracePeriodSeconds=135))
     assert_fails_with(validate(d, "--flags-from", "builtin"), "Deployment/nereid-worker-cpu",
-                      "terminationGracePeriodSeconds 65", "--drain-delay-ms 2s", "= 70s")
+                      "terminationGracePeriodSeconds 135", "preStop drain 69s", "--drain-delay-ms 2s",
+                      "= 139s")
+
+
+def worker_container(docs):
+    return find(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_worker_without_a_prestop_drain(tmp_path):
+    d = copy_manifests(tmp_path)
+    edit(d, "worker-cpu.yaml", lambda docs: worker_container(docs).pop("lifecycle"))
+    assert_fails_with(validate(d, "--flags-from", "builtin"), "Deployment/nereid-worker-cpu",
+                      "no preStop `nereidctl drain")
+
+
+def test_worker_prestop_drain_of_another_worker_or_etcd(tmp_path):
+    d = copy_manifests(tmp_path)
+
+    def retarget(docs):
+        cmd = worker_container(docs)["lifecycle"]["preStop"]["exec"]["command"]
+        cmd[2] = cmd[2].replace('"$POD_NAME"', "worker-0").replace("--until-exit ", "").replace(
+            "http://etcd-0.etcd:2379,", "")
+    edit(d, "worker-cpu.yaml", retarget)
+    result = validate(d, "--flags-from", "builtin")
+    for needle in ("preStop drain names 'worker-0'", "without --until-exit",
+                   "preStop drain --etcd-endpoints"):
+        assert_fails_with(result, "Deployment/nereid-worker-cpu", needle)
 
 
 def test_gpu_worker_without_gpu_limit(tmp_path):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,7 @@ BUILTIN_FLAGS = {
         "etcd-endpoints": V, "etcd-prefix": V, "worker-id": V, "advertise-address": V,
         "etcd-lease-ttl-secs": V, "label": V, "memory-capacity-mb": V, "max-models": V,
         "drain-delay-ms": V, "cache-config": V, "allow-client-shm": (OPT, BOOL),
+        "strict-readiness": (OPT, BOOL),
         "help": NONE, "version": NONE,
     },
     "nereid-gateway": {
@@ -74,7 +76,7 @@ BUILTIN_FLAGS = {
         "discovery-interval-ms": V, "discovery-timeout-ms": V, "max-request-bytes": V,
         "exit-timeout-secs": V, "log-verbose": V,
         "etcd-endpoints": V, "etcd-prefix": V, "gateway-id": V, "placement": (V, BOOL),
-        "election-ttl-secs": V, "io-threads": V,
+        "election-ttl-secs": V, "io-threads": V, "placement-load-timeout-secs": V,
         "help": NONE, "version": NONE,
     },
 }
@@ -408,13 +410,53 @@ def parse_args(tokens: list[str], fs: FlagSet, where: str, rep: Report) -> dict[
 
 
 def prestop_sleep_seconds(c: dict) -> int:
+    """How long the preStop hook may hold SIGTERM off: a sleep, or a `nereidctl drain
+    --wait-secs N` (N plus its own bounded etcd calls)."""
     pre = ((c.get("lifecycle") or {}).get("preStop")) or {}
     if isinstance((pre.get("sleep") or {}).get("seconds"), int):
         return pre["sleep"]["seconds"]
     cmd = (pre.get("exec") or {}).get("command") or []
     if len(cmd) == 2 and PurePosixPath(str(cmd[0])).name == "sleep" and str(cmd[1]).isdigit():
         return int(cmd[1])
+    drain = prestop_drain(c)
+    if drain is not None:
+        return drain["wait"] + NEREIDCTL_DRAIN_CALLS_SECS
     return 0
+
+
+# nereidctl's etcd calls in `drain --until-exit` (connect, read the lease, write; the wait polls
+# share its --wait-secs), each bounded at 3 s.
+NEREIDCTL_DRAIN_CALLS_SECS = 3 * 3
+
+
+def prestop_drain(c: dict) -> dict | None:
+    """A preStop `nereidctl ... drain WORKER ...` (as a command, or in `sh -c`): its endpoints,
+    target, --until-exit and --wait-secs; None when the hook runs no nereidctl drain."""
+    pre = ((c.get("lifecycle") or {}).get("preStop")) or {}
+    cmd = [str(x) for x in (pre.get("exec") or {}).get("command") or []]
+    if len(cmd) == 3 and PurePosixPath(cmd[0]).name in ("sh", "bash") and cmd[1] == "-c":
+        try:
+            cmd = shlex.split(cmd[2])
+        except ValueError:
+            return None
+    if cmd[:1] == ["exec"]:
+        cmd = cmd[1:]
+    if not cmd or PurePosixPath(cmd[0]).name != "nereidctl" or "drain" not in cmd:
+        return None
+    out = {"endpoints": None, "target": None, "until_exit": "--until-exit" in cmd, "wait": 0}
+    i = cmd.index("drain")
+    for j, tok in enumerate(cmd):
+        if tok.startswith("--etcd-endpoints="):
+            out["endpoints"] = tok.split("=", 1)[1]
+        elif tok == "--etcd-endpoints" and j + 1 < len(cmd):
+            out["endpoints"] = cmd[j + 1]
+        elif tok.startswith("--wait-secs="):
+            out["wait"] = int(tok.split("=", 1)[1]) if tok.split("=", 1)[1].isdigit() else 0
+        elif tok == "--wait-secs" and j + 1 < len(cmd) and cmd[j + 1].isdigit():
+            out["wait"] = int(cmd[j + 1])
+    if i + 1 < len(cmd) and not cmd[i + 1].startswith("-"):
+        out["target"] = cmd[i + 1]
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -695,7 +737,9 @@ class Validator:
         endpoints = last("etcd-endpoints")
         exit_timeout = as_int("exit-timeout-secs", DEFAULT_EXIT_TIMEOUT_SECS)
         sleep = prestop_sleep_seconds(c)
-        parts = [f"preStop sleep {sleep}s", f"--exit-timeout-secs {exit_timeout}s"]
+        drain = prestop_drain(c)
+        hook = "preStop drain" if drain else "preStop sleep"
+        parts = [f"{hook} {sleep}s", f"--exit-timeout-secs {exit_timeout}s"]
         needed = sleep + exit_timeout
         if binary == "nereid-worker" and endpoints:
             delay = -(-as_int("drain-delay-ms", DEFAULT_DRAIN_DELAY_MS) // 1000)
@@ -730,6 +774,8 @@ class Validator:
                 if not self.env_field(c, v) & PER_POD_FIELDS:
                     rep.error(where, f"--{flag}={v} is the same for every pod of the {w.kind}: "
                                      f"use $(POD_NAME)/$(POD_IP) from the downward API")
+            if binary == "nereid-worker":
+                self.worker_prestop_drain(where, c, endpoints, last("worker-id"))
         for label in args.get("label", []):
             if not re.fullmatch(r"[A-Za-z0-9_.\-/]+=[^=]*", label):
                 rep.error(where, f"--label {label!r} is not key=value")
@@ -844,6 +890,31 @@ class Validator:
             rep.error(where, f"--initial-advertise-peer-urls {adv!r} must be "
                              f"http://$(POD_NAME).{svc_name}...:<peer port>")
 
+    def worker_prestop_drain(self, where: str, c: dict, endpoints: str, worker_id: str | None) -> None:
+        """A fleet worker drains in preStop through nereidctl, against its own etcd and id, bound
+        to its registration: otherwise a rollout takes its models away before they load
+        elsewhere, or leaves a drain behind that a later pod of the same id would inherit."""
+        drain = prestop_drain(c)
+        if drain is None:
+            self.rep.error(where, "no preStop `nereidctl drain $POD_NAME --until-exit --wait-secs N`: "
+                                  "SIGTERM alone unloads this worker's models before any other worker "
+                                  "has loaded them")
+            return
+        if drain["endpoints"] != endpoints:
+            self.rep.error(where, f"preStop drain --etcd-endpoints {drain['endpoints']!r} is not the "
+                                  f"worker's {endpoints!r}")
+        want = re.fullmatch(r"\$\((\w+)\)", worker_id or "")
+        target = drain["target"] or ""
+        if not want or target not in (f"${want.group(1)}", f"${{{want.group(1)}}}"):
+            self.rep.error(where, f"preStop drain names {target!r}, not this worker's "
+                                  f"--worker-id={worker_id} (as ${{VAR}} in the shell)")
+        if not drain["until_exit"]:
+            self.rep.error(where, "preStop drain without --until-exit: the drain would outlive the "
+                                  "pod in etcd")
+        if drain["wait"] <= 0:
+            self.rep.error(where, "preStop drain without --wait-secs: SIGTERM would follow before "
+                                  "the models are loaded elsewhere")
+
     # -- Services and PDBs -----------------------------------------------------------------------
     def service(self, s: Obj) -> None:
         spec = s.body.get("spec") or {}
@@ -861,9 +932,18 @@ class Validator:
                                           f"port number")
             target = str(p.get("targetPort", p.get("port")))
             for w in pods:
-                if not any(target in container_ports(c) for c in pod_template(w)[1].get("containers") or []):
+                containers = pod_template(w)[1].get("containers") or []
+                if not any(target in container_ports(c) for c in containers):
                     self.rep.error(s.where(), f"port {p.get('name')}: targetPort {target!r} is not a "
                                               f"containerPort of {w.kind}/{w.name}")
+                # The metrics port also serves operator endpoints (POST /v2/logging): scraped on
+                # the pods, never published to clients.
+                metrics = {container_ports(c).get("metrics") for c in containers} - {None}
+                if any(container_ports(c).get(target) in metrics for c in containers):
+                    self.rep.error(s.where(), f"port {p.get('name')}: targetPort {target!r} is the "
+                                              f"metrics port of {w.kind}/{w.name}, which also serves "
+                                              f"operator endpoints (POST /v2/logging); let Prometheus "
+                                              f"scrape the pods instead")
 
     def pvc(self, p: Obj) -> None:
         spec = p.body.get("spec") or {}

@@ -23,9 +23,8 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def test_up_serves_every_example_model_through_the_gateway_and_down_stops_it(tmp_path):
-    http, grpc, metrics, etcd, peer = free_ports(5)
-    env = dict(
+def fleet_env(tmp_path, http, grpc, metrics, etcd, peer) -> dict:
+    return dict(
         os.environ,
         NEREID_BUILD_PROFILE="debug",
         # scripts/test.sh built the workspace already; a `-p` build would unify features
@@ -39,6 +38,34 @@ def test_up_serves_every_example_model_through_the_gateway_and_down_stops_it(tmp
         ETCD_PORT=str(etcd),
         ETCD_PEER_PORT=str(peer),
     )
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(tmp_path):
+    # Someone else's etcd (e.g. Debian's etcd.service) on the etcd port: up.sh must not take its
+    # health answer for its own etcd's.
+    http, grpc, metrics, etcd, peer = free_ports(5)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", etcd))
+        squatter.listen()
+        run = subprocess.run(
+            ["bash", str(ROOT / "deploy/local/up.sh")],
+            env=fleet_env(tmp_path, http, grpc, metrics, etcd, peer),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out
+    assert f"127.0.0.1:{etcd} is already in use" in out, out
+    assert not list((tmp_path / "fleet").glob("*.pid")), "nothing was left running"
+    for port in (http, grpc, metrics):
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} answers"
+
+
+def test_up_serves_every_example_model_through_the_gateway_and_down_stops_it(tmp_path):
+    http, grpc, metrics, etcd, peer = free_ports(5)
+    env = fleet_env(tmp_path, http, grpc, metrics, etcd, peer)
     run = subprocess.run(
         ["bash", str(ROOT / "deploy/local/up.sh")], env=env, capture_output=True, text=True, timeout=600
     )

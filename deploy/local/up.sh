@@ -40,6 +40,27 @@ NEREID_LOCAL_DIR="$state" bash "$root/deploy/local/down.sh" >/dev/null 2>&1 || t
 rm -rf "$state"
 mkdir -p "$state"
 
+# Every port must be free: an etcd already on ETCD_PORT (Debian's etcd-server package starts
+# etcd.service on 2379 where systemd runs) would answer our health check with its own, possibly
+# stale, data.
+port_in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+for port in "$ETCD_PORT" "$ETCD_PEER_PORT" "$HTTP_PORT" "$GRPC_PORT" "$METRICS_PORT"; do
+  if port_in_use "$port"; then
+    die "127.0.0.1:$port is already in use (by another etcd, e.g. Debian's etcd.service, or an earlier fleet?); \
+free it or choose other ports: ETCD_PORT, ETCD_PEER_PORT, HTTP_PORT, GRPC_PORT, METRICS_PORT"
+  fi
+done
+
+# A failure part-way stops what was started, so nothing is left running behind an error.
+up_ok=0
+on_exit() {
+  if [ "$up_ok" != 1 ]; then
+    log "start-up failed: stopping what was started (logs: $state)"
+    NEREID_LOCAL_DIR="$state" bash "$root/deploy/local/down.sh" >/dev/null 2>&1 || true
+  fi
+}
+trap on_exit EXIT
+
 start() { # name, then the command: runs it in the background, remembers its pid
   local name="$1"; shift
   nohup "$@" >"$state/$name.log" 2>&1 &
@@ -61,7 +82,10 @@ start etcd etcd --name local --data-dir "$state/etcd" \
   --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
   --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
   --initial-cluster "local=http://127.0.0.1:$ETCD_PEER_PORT"
-etcd_healthy() { curl -sf "$endpoint/health" | grep -q '"health":"true"'; }
+etcd_healthy() {
+  kill -0 "$(cat "$state/etcd.pid")" 2>/dev/null || die "etcd exited: see $state/etcd.log"
+  curl -sf "$endpoint/health" | grep -q '"health":"true"'
+}
 wait_for "etcd" 30 etcd_healthy
 
 for i in $(seq 0 $((WORKERS - 1))); do
@@ -123,6 +147,7 @@ ctl workers
 echo "== gateway metrics sample"
 curl -s "http://127.0.0.1:$METRICS_PORT/metrics" | grep -E '^nereid_gateway_(workers|placement_leader|etcd_watch_connected)' || true
 
+up_ok=1
 if [ "${NEREID_LOCAL_STOP:-0}" = 1 ]; then
   NEREID_LOCAL_DIR="$state" bash "$root/deploy/local/down.sh"
 else

@@ -11,7 +11,7 @@
 use std::time::{Duration, Instant};
 
 use nereid_gateway::balance::pick;
-use nereid_gateway::call::InferCall;
+use nereid_gateway::call::{CallDeadline, InferCall};
 use nereid_gateway::config::OutlierConfig;
 use nereid_gateway::routing::{self, RoutingTable, WorkerState, WorkerView};
 use nereid_gateway::upstream::Upstream;
@@ -62,7 +62,7 @@ async fn main() {
             InferCall::new(
                 InferRequest::encode(&ModelInferRequest { model_name: format!("model-{m}"), ..Default::default() }),
                 None,
-                Instant::now() + Duration::from_secs(60),
+                CallDeadline { at: Instant::now() + Duration::from_secs(60), is_gateways: true },
             )
         })
         .collect();

@@ -15,15 +15,30 @@ pub struct InferCall {
     pub version: Option<i64>,
     /// When the gateway gives up: the client's deadline capped by `--request-timeout-ms`.
     pub deadline: Instant,
+    /// Whether the gateway's own limit (`--request-timeout-ms`) set `deadline`, rather than the
+    /// client's: a worker that runs into the gateway's limit is failing, while one that runs
+    /// into a client's tight deadline says nothing about its health.
+    pub deadline_is_gateways: bool,
     /// Workers this call already failed on; a retry goes elsewhere.
     pub excluded: Vec<UpstreamId>,
     /// The worker the balancer picked for this attempt.
     pub target: Option<Arc<Upstream>>,
+    /// The version the balancer resolved the call to (the latest READY one when `version` is
+    /// `None`): the version it is forwarded for.
+    pub resolved_version: Option<i64>,
 }
 
 impl InferCall {
-    pub fn new(request: InferRequest, version: Option<i64>, deadline: Instant) -> Self {
-        InferCall { request, version, deadline, excluded: Vec::new(), target: None }
+    pub fn new(request: InferRequest, version: Option<i64>, deadline: CallDeadline) -> Self {
+        InferCall {
+            request,
+            version,
+            deadline: deadline.at,
+            deadline_is_gateways: deadline.is_gateways,
+            excluded: Vec::new(),
+            target: None,
+            resolved_version: None,
+        }
     }
 
     pub fn model(&self) -> &str {
@@ -37,11 +52,22 @@ impl Deadlined for InferCall {
     }
 }
 
+/// When the gateway gives up on a request, and whether its own limit set that time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallDeadline {
+    pub at: Instant,
+    /// The cap (`--request-timeout-ms`) set it: the client gave no deadline, or a later one.
+    pub is_gateways: bool,
+}
+
 /// The deadline of a request arriving at `now`: the earliest of the client's own deadline and
 /// `now + cap`.
-pub fn effective_deadline(client: Option<Instant>, cap: Duration, now: Instant) -> Instant {
+pub fn effective_deadline(client: Option<Instant>, cap: Duration, now: Instant) -> CallDeadline {
     let capped = now + cap;
-    client.map_or(capped, |c| c.min(capped))
+    match client {
+        Some(c) if c < capped => CallDeadline { at: c, is_gateways: false },
+        _ => CallDeadline { at: capped, is_gateways: true },
+    }
 }
 
 /// `x-nereid-deadline-ms`: a relative deadline in milliseconds, for clients that cannot set
@@ -51,4 +77,22 @@ pub const DEADLINE_HEADER: &str = "x-nereid-deadline-ms";
 
 pub fn parse_deadline_ms(value: &str, now: Instant) -> Option<Instant> {
     value.trim().parse::<u64>().ok().map(|ms| now + Duration::from_millis(ms))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_earlier_deadline_wins_and_says_who_set_it() {
+        let now = Instant::now();
+        let cap = Duration::from_secs(60);
+        let own = CallDeadline { at: now + cap, is_gateways: true };
+        assert_eq!(effective_deadline(None, cap, now), own);
+        assert_eq!(effective_deadline(Some(now + Duration::from_secs(90)), cap, now), own);
+        let client = now + Duration::from_millis(200);
+        assert_eq!(effective_deadline(Some(client), cap, now), CallDeadline { at: client, is_gateways: false });
+        assert_eq!(parse_deadline_ms(" 250 ", now), Some(now + Duration::from_millis(250)));
+        assert_eq!(parse_deadline_ms("soon", now), None);
+    }
 }

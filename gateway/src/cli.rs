@@ -10,9 +10,9 @@ use clap::Parser;
 use crate::config::{
     AdmissionConfig, DEFAULT_DISCOVERY_INTERVAL_MS, DEFAULT_DISCOVERY_TIMEOUT_MS, DEFAULT_EJECTION_BASE_MS,
     DEFAULT_EJECTION_CONSECUTIVE_FAILURES, DEFAULT_EJECTION_MAX_MS, DEFAULT_EXIT_TIMEOUT_SECS,
-    DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_TIMEOUT_MS,
-    DEFAULT_RETRY_BUDGET_MIN_PER_SEC, DEFAULT_RETRY_BUDGET_PERCENT, DiscoveryConfig, EtcdConfig, GatewayConfig,
-    ListenConfig, OutlierConfig, RetryConfig,
+    DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_PLACEMENT_LOAD_TIMEOUT_SECS,
+    DEFAULT_REQUEST_TIMEOUT_MS, DEFAULT_RETRY_BUDGET_MIN_PER_SEC, DEFAULT_RETRY_BUDGET_PERCENT, DiscoveryConfig,
+    EtcdConfig, GatewayConfig, ListenConfig, MAX_PLACEMENT_LOAD_TIMEOUT_SECS, OutlierConfig, RetryConfig,
 };
 
 /// nereid-gateway: one KServe v2 (HTTP + gRPC) endpoint in front of a fleet of nereid-workers.
@@ -44,6 +44,19 @@ pub struct Args {
     /// TTL of the placement election lease in seconds (how long a dead leader blocks the next).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=300))]
     pub election_ttl_secs: u64,
+
+    /// Seconds a placed model version may go without being reported READY by its worker (no
+    /// status at all, or stuck in LOADING) before the placement controller treats the load as
+    /// failed: the replica is placed on another worker and this one is not chosen for that
+    /// version again for a minute. Counted from when the leader first sees it placed and not
+    /// READY; allow for the slowest load and warm-up of your largest model (1-86400).
+    #[arg(
+        long,
+        default_value_t = DEFAULT_PLACEMENT_LOAD_TIMEOUT_SECS,
+        value_parser = clap::value_parser!(u64).range(1..=MAX_PLACEMENT_LOAD_TIMEOUT_SECS),
+        value_name = "SECS"
+    )]
+    pub placement_load_timeout_secs: u64,
 
     /// Address the HTTP, gRPC and metrics servers bind to.
     #[arg(long, default_value = "0.0.0.0", value_name = "IP")]
@@ -142,6 +155,7 @@ impl Args {
                 },
                 placement: self.placement,
                 election_ttl: Duration::from_secs(self.election_ttl_secs),
+                placement_load_timeout: Duration::from_secs(self.placement_load_timeout_secs),
             }),
         };
         let config = GatewayConfig {
@@ -179,4 +193,34 @@ impl Args {
 
 fn default_gateway_id() -> String {
     format!("{}-{}", nereid_common::fleet::hostname("gateway"), std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    fn parse(extra: &[&str]) -> Result<GatewayConfig, String> {
+        let args = ["nereid-gateway", "--etcd-endpoints", "http://127.0.0.1:2379"].iter().chain(extra);
+        Args::try_parse_from(args).map_err(|e| e.to_string())?.into_config()
+    }
+
+    #[test]
+    fn placement_load_timeout_is_validated_and_documented() {
+        let etcd = |c: GatewayConfig| c.etcd.expect("etcd config");
+        assert_eq!(
+            etcd(parse(&[]).unwrap()).placement_load_timeout,
+            Duration::from_secs(DEFAULT_PLACEMENT_LOAD_TIMEOUT_SECS)
+        );
+        let c = etcd(parse(&["--placement-load-timeout-secs", "30"]).unwrap());
+        assert_eq!(c.placement_load_timeout, Duration::from_secs(30));
+        for bad in ["0", "86401", "-1", "ten"] {
+            let e = parse(&[&format!("--placement-load-timeout-secs={bad}")]).unwrap_err();
+            assert!(e.contains("--placement-load-timeout-secs"), "{bad}: {e}");
+        }
+        let help = Args::command().render_long_help().to_string();
+        assert!(help.contains("--placement-load-timeout-secs"), "{help}");
+        assert!(help.contains("[default: 600]"), "{help}");
+    }
 }

@@ -16,6 +16,10 @@ pub const DEFAULT_DISCOVERY_INTERVAL_MS: u64 = 1_000;
 pub const DEFAULT_DISCOVERY_TIMEOUT_MS: u64 = 500;
 pub const DEFAULT_MAX_REQUEST_BYTES: u64 = 64 << 20;
 pub const DEFAULT_EXIT_TIMEOUT_SECS: u64 = 30;
+/// Generous: a large model on a busy worker may take minutes to load and warm up.
+pub const DEFAULT_PLACEMENT_LOAD_TIMEOUT_SECS: u64 = 600;
+/// The longest accepted `--placement-load-timeout-secs` (a day).
+pub const MAX_PLACEMENT_LOAD_TIMEOUT_SECS: u64 = 86_400;
 
 #[derive(Clone, Debug)]
 pub struct GatewayConfig {
@@ -45,6 +49,9 @@ pub struct EtcdConfig {
     pub placement: bool,
     /// TTL of the election lease: how long a dead leader blocks a new one.
     pub election_ttl: Duration,
+    /// How long the placement controller waits for a placed version to be READY before it
+    /// treats the load as failed and places the replica elsewhere.
+    pub placement_load_timeout: Duration,
 }
 
 #[derive(Clone, Debug)]

@@ -3,7 +3,9 @@
 //! [`GatewayError::json_body`] (+ `Retry-After`) for HTTP. Metrics label failures by
 //! [`code_label`], a closed set — never by message text.
 
-use std::time::Duration;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use http::StatusCode;
 
@@ -59,9 +61,10 @@ impl GatewayError {
         http_status(self.grpc_code())
     }
 
-    /// How long the client should wait before trying again, where that helps.
+    /// How long the client should wait before trying again, where that helps: on every 429
+    /// (the gateway's admission, or a worker's full queue passed through).
     pub fn retry_after(&self) -> Option<Duration> {
-        matches!(self, GatewayError::Overloaded(_)).then_some(RETRY_AFTER)
+        (self.grpc_code() == tonic::Code::ResourceExhausted).then_some(RETRY_AFTER)
     }
 
     pub fn to_grpc(&self) -> tonic::Status {
@@ -75,12 +78,49 @@ impl GatewayError {
         serde_json::json!({ "error": self.to_string() }).to_string()
     }
 
+    /// Server-side failures are logged at WARN, at most one line a second (with how many were
+    /// left out since the last): during an outage every request fails, and a line per request
+    /// would flood the log on the request path. The rest, and the ones left out, at DEBUG.
     fn log(&self) {
-        if self.http_status().is_server_error() {
-            tracing::warn!(code = code_label(self.grpc_code()), "{self}");
+        let code = code_label(self.grpc_code());
+        if self.http_status().is_server_error() && WARN_LIMIT.admit(Instant::now()) {
+            let suppressed = WARN_LIMIT.take_suppressed();
+            tracing::warn!(code, suppressed, "{self}");
         } else {
-            tracing::debug!(code = code_label(self.grpc_code()), "{self}");
+            tracing::debug!(code, "{self}");
         }
+    }
+}
+
+static WARN_LIMIT: LogLimit = LogLimit::new();
+
+/// Admits one event per second of a process-wide clock; counts the others.
+struct LogLimit {
+    /// The second (since `epoch`) of the last admitted event, plus one; 0: none yet.
+    last: AtomicU64,
+    suppressed: AtomicU64,
+    epoch: OnceLock<Instant>,
+}
+
+impl LogLimit {
+    const fn new() -> Self {
+        LogLimit { last: AtomicU64::new(0), suppressed: AtomicU64::new(0), epoch: OnceLock::new() }
+    }
+
+    fn admit(&self, now: Instant) -> bool {
+        let epoch = *self.epoch.get_or_init(|| now);
+        let second = now.saturating_duration_since(epoch).as_secs() + 1;
+        let last = self.last.load(Ordering::Relaxed);
+        if second > last && self.last.compare_exchange(last, second, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+            return true;
+        }
+        self.suppressed.fetch_add(1, Ordering::Relaxed);
+        false
+    }
+
+    /// Events left out since the last call.
+    fn take_suppressed(&self) -> u64 {
+        self.suppressed.swap(0, Ordering::Relaxed)
     }
 }
 
@@ -130,6 +170,28 @@ pub fn code_label(code: tonic::Code) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn server_error_lines_are_limited_to_one_a_second() {
+        let limit = LogLimit::new();
+        let t0 = Instant::now();
+        assert!(limit.admit(t0));
+        assert!(!limit.admit(t0 + Duration::from_millis(10)));
+        assert!(!limit.admit(t0 + Duration::from_millis(999)));
+        assert_eq!(limit.take_suppressed(), 2);
+        assert!(limit.admit(t0 + Duration::from_millis(1000)));
+        assert!(!limit.admit(t0 + Duration::from_millis(1500)));
+        assert!(limit.admit(t0 + Duration::from_secs(5)));
+        assert_eq!(limit.take_suppressed(), 1);
+    }
+
+    #[test]
+    fn every_429_says_when_to_retry() {
+        let worker_full = UpstreamError::new("w:1".into(), tonic::Status::resource_exhausted("queue is full"));
+        assert_eq!(GatewayError::from(worker_full).retry_after(), Some(RETRY_AFTER));
+        let unavailable = GatewayError::from(RouteError::NoReadyWorker { model: "m".into(), version: None });
+        assert_eq!(unavailable.retry_after(), None);
+    }
 
     #[test]
     fn rendering() {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use nereid_worker::server::parse_version;
 use tower::ServiceExt;
 
-use crate::call::{InferCall, effective_deadline};
+use crate::call::{CallDeadline, InferCall, effective_deadline};
 use crate::control::Control;
 use crate::error::GatewayError;
 use crate::routing::Routes;
@@ -34,11 +34,16 @@ impl Ingress {
 
     /// The deadline of a request that arrived at `now` with `client`'s own deadline.
     pub fn deadline(&self, client: Option<Instant>, now: Instant) -> Instant {
+        self.call_deadline(client, now).at
+    }
+
+    /// [`Self::deadline`], saying whether the gateway's own limit set it.
+    pub fn call_deadline(&self, client: Option<Instant>, now: Instant) -> CallDeadline {
         effective_deadline(client, self.request_timeout, now)
     }
 
     /// Runs one (encoded) inference down the stack.
-    pub async fn infer(&self, request: InferRequest, deadline: Instant) -> Result<InferResponse, GatewayError> {
+    pub async fn infer(&self, request: InferRequest, deadline: CallDeadline) -> Result<InferResponse, GatewayError> {
         let version = parse_version(&request.header.model_name, &request.header.model_version)?;
         self.infer.clone().oneshot(InferCall::new(request, version, deadline)).await
     }

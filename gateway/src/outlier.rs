@@ -1,7 +1,8 @@
 //! Outlier ejection for one worker: a pure state machine on an explicit clock.
 //!
 //! A worker that fails `consecutive_failures` requests in a row — connection refused or reset,
-//! or an UNAVAILABLE answer (draining, unloading) — is *ejected*: the balancer skips it for
+//! an UNAVAILABLE answer (draining, unloading), or a timeout when the gateway's own limit
+//! (`--request-timeout-ms`) set the deadline, not a client's tighter one — is *ejected*: the balancer skips it for
 //! `base_ejection × 2^k` (capped at `max_ejection`), `k` being the ejections in a row before
 //! this one. When the period ends the worker is on *probation*: it takes traffic again; its
 //! first success re-admits it fully (and resets `k`), its first failure ejects it again for
@@ -21,7 +22,7 @@ use crate::config::OutlierConfig;
 pub enum Outcome {
     /// The worker answered (whatever the status, except UNAVAILABLE).
     Success,
-    /// Connection failure or UNAVAILABLE.
+    /// Connection failure, UNAVAILABLE, or the gateway's own timeout.
     Failure,
     /// Says nothing about the worker (e.g. the client cancelled or its deadline passed).
     Neutral,

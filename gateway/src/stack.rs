@@ -32,7 +32,7 @@ pub fn infer_stack(config: &GatewayConfig, routes: &Routes, metrics: &GatewayMet
         // Deadline: the client's deadline capped by --request-timeout-ms bounds all that follows.
         .layer(DeadlineLayer)
         // Retry: only what a worker provably did not run, elsewhere, within the budget.
-        .layer(RetryLayer::new(SafeRetry::new(routes.clone()), budget, metrics.retries.clone()))
+        .layer(RetryLayer::new(SafeRetry::new(routes.clone(), metrics.retries.clone()), budget))
         // Balance: READY holders from the routing table, power of two choices on outstanding.
         .layer(BalanceLayer::new(routes.clone()))
         // Forward: the worker's pooled HTTP/2 channel; outcomes feed outlier ejection.

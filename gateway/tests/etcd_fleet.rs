@@ -5,18 +5,27 @@
 
 mod common;
 
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{Etcd, Proc, fp32_request, spawn_fleet_gateway, spawn_fleet_worker, wait_until};
-use nereid_common::fleet::etcd_client::{Client, CompactionOptions, GetOptions};
+use nereid_common::fleet::etcd_client::{Client, CompactionOptions, GetOptions, WatchOptions};
+use nereid_common::fleet::read::{self, PageLimits};
 use nereid_proto::inference::ModelInferRequest;
 
 const WAIT: Duration = Duration::from_secs(30);
 const PREFIX: &str = "/nereid/v1";
 const PLACEMENT_READS: &str = "nereid_worker_etcd_placement_reads_total";
 const WATCH_RESUMES: &str = "nereid_worker_etcd_watch_resumes_total";
+const RESYNCS: &str = "nereid_gateway_etcd_resyncs_total";
+const WATCH_CONNECTED: &str = "nereid_gateway_etcd_watch_connected";
+/// tonic's default decode limit, which one unpaged read of the prefix used to run into.
+const DEFAULT_MESSAGE_LIMIT: usize = 4 << 20;
+/// Under etcd's default request limit (1.5 MiB); four of them add up past 4 MiB.
+const BIG_VALUE_BYTES: usize = 1_200_000;
 
 async fn put(client: &mut Client, key: &str, value: &str) {
     client.put(format!("{PREFIX}/{key}"), value, None).await.unwrap();
@@ -200,8 +209,9 @@ async fn declared_models_are_placed_within_capacity_and_routed() {
     let identity = through.model_infer(fp32_request("identity_fp32", "", &[2, 16], |i| i as f32)).await.unwrap();
     let expected: Vec<u8> = (0..32).flat_map(|i| (i as f32).to_le_bytes()).collect();
     assert_eq!(identity.get_ref().raw_output_contents[0], expected);
+    // Declared but placed nowhere: UNAVAILABLE (it may come), not NOT_FOUND (final for clients).
     let missing = through.model_infer(fp32_request("mlp_fp32", "", &[1, 256], |_| 0.0)).await.unwrap_err();
-    assert_eq!(missing.code(), tonic::Code::NotFound, "{missing:?}");
+    assert_eq!(missing.code(), tonic::Code::Unavailable, "{missing:?}");
 
     // Undeclaring a model unloads it everywhere.
     client.delete(format!("{PREFIX}/models/versioned_scale"), None).await.unwrap();
@@ -209,6 +219,12 @@ async fn declared_models_are_placed_within_capacity_and_routed() {
         let mut c = etcd.client().await;
         ready_on(&mut c, "versioned_scale", 1).await.is_empty()
             && ready_on(&mut c, "versioned_scale", 2).await.is_empty()
+    })
+    .await;
+    // Neither declared nor held by any worker any more: unknown.
+    wait_until("versioned_scale to be unknown to the gateway", WAIT, || async {
+        let r = gateway.client().await.model_infer(fp32_request("versioned_scale", "", &[1, 4], |_| 0.0)).await;
+        r.is_err_and(|e| e.code() == tonic::Code::NotFound)
     })
     .await;
 }
@@ -490,4 +506,316 @@ async fn a_draining_worker_under_load_fails_no_request() {
     // Its registration and statuses left with its lease.
     assert!(keys_under(&mut client, "workers/").await == vec!["/workers/w2"]);
     assert!(keys_under(&mut client, "status/w1/").await.is_empty());
+}
+
+/// Writes four values of [`BIG_VALUE_BYTES`] under `{PREFIX}/{under}` (4.8 MB in all: past
+/// tonic's default 4 MiB decode limit for one response holding them all).
+async fn put_big_values(client: &mut Client, under: &str, fill: char) {
+    let value = fill.to_string().repeat(BIG_VALUE_BYTES);
+    for i in 0..4 {
+        client.put(format!("{PREFIX}/{under}/{i}"), value.as_str(), None).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_read_is_paged_complete_and_of_one_revision() {
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let prefix = format!("{PREFIX}/paged/");
+    for i in 0..25 {
+        put(&mut client, &format!("paged/k{i:02}"), &format!("v{i}")).await;
+    }
+    put(&mut client, "paged0", "just past the prefix's range").await;
+    let small = PageLimits { keys: 4, ..PageLimits::default() };
+    let read = read::get_prefix_with(&client, &prefix, small).await.unwrap();
+    let keys: Vec<String> = read.kvs.iter().map(|kv| kv.key_str().unwrap().to_string()).collect();
+    let expected: Vec<String> = (0..25).map(|i| format!("{prefix}k{i:02}")).collect();
+    assert_eq!(keys, expected, "every key, in order, once");
+    let now = client.get(PREFIX, None).await.unwrap().header().unwrap().revision();
+    assert_eq!(read.mark.revision, now);
+
+    // Pages read while a writer changes the prefix: every read is exactly the prefix as of
+    // its own revision (each page pinned to the first page's), never a mix of several.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (stop, mut client) = (stop.clone(), client.clone());
+        let prefix = prefix.clone();
+        tokio::spawn(async move {
+            for n in 0..10_000 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let i = n % 25;
+                client.put(format!("{prefix}k{i:02}"), format!("w{n}"), None).await.unwrap();
+                client.put(format!("{prefix}new{n:05}"), "x", None).await.unwrap();
+                client.delete(format!("{prefix}new{:05}", n.max(3) - 3), None).await.unwrap();
+            }
+        })
+    };
+    let one_key = PageLimits { keys: 1, ..PageLimits::default() };
+    for _ in 0..5 {
+        let read = read::get_prefix_with(&client, &prefix, one_key).await.unwrap();
+        let at = client
+            .get(prefix.as_str(), Some(GetOptions::new().with_prefix().with_revision(read.mark.revision)))
+            .await
+            .unwrap();
+        let shown = |kvs: &[nereid_common::fleet::etcd_client::KeyValue]| -> Vec<(Vec<u8>, Vec<u8>, i64)> {
+            kvs.iter().map(|kv| (kv.key().to_vec(), kv.value().to_vec(), kv.mod_revision())).collect()
+        };
+        assert_eq!(shown(&read.kvs), shown(at.kvs()), "the read is the prefix as of revision {}", read.mark.revision);
+    }
+    stop.store(true, Ordering::Relaxed);
+    writer.await.unwrap();
+
+    // Values adding up past the decode limit: one response cannot hold them (what an unpaged
+    // read of the prefix ran into), so the pages shrink until each fits.
+    put_big_values(&mut client, "big", 'a').await;
+    let unpaged = client.get(format!("{PREFIX}/big/"), Some(GetOptions::new().with_prefix())).await.unwrap_err();
+    assert!(unpaged.to_string().contains("message length too large"), "{unpaged}");
+    let tight = PageLimits { keys: 1000, message_bytes: DEFAULT_MESSAGE_LIMIT };
+    let read = read::get_prefix_with(&client, &format!("{PREFIX}/big/"), tight).await.unwrap();
+    assert_eq!(read.kvs.len(), 4);
+    assert!(read.kvs.iter().all(|kv| kv.value().len() == BIG_VALUE_BYTES));
+    let read = read::get_prefix(&client, &format!("{PREFIX}/")).await.unwrap();
+    assert!(read.kvs.len() > 4 + 25, "the big values, the paged keys and the one beside them");
+
+    // A watch replaying them (as a watch resuming after an outage does) gets them in one
+    // batch: past the default limit (the watch would fail on every resume), within ours.
+    let from = read.kvs.iter().filter(|kv| kv.key_str().unwrap().contains("/big/")).map(|kv| kv.mod_revision()).min();
+    let options = || WatchOptions::new().with_prefix().with_start_revision(from.unwrap());
+    let mut plain = client.watch(format!("{PREFIX}/big/"), Some(options())).await.unwrap();
+    let mut batch = String::new();
+    for _ in 0..3 {
+        // The first answer is the watch's creation; the batch follows.
+        match plain.message().await {
+            Ok(Some(r)) => assert!(r.events().is_empty(), "the batch was decoded"),
+            Ok(None) => break,
+            Err(e) => {
+                batch = e.to_string();
+                break;
+            }
+        }
+    }
+    assert!(batch.contains("message length too large"), "{batch}");
+    let mut watch = read::watch(&client, format!("{PREFIX}/big/"), options()).await.unwrap();
+    let mut events = 0;
+    for _ in 0..6 {
+        events += watch.message().await.unwrap().unwrap().events().len();
+        if events == 4 {
+            break;
+        }
+    }
+    assert_eq!(events, 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_past_the_grpc_message_limit_stop_neither_the_gateway_nor_nereidctl() {
+    let mut etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    // 4.8 MB under the prefix before anyone reads it (not the schema's: ignored by readers).
+    put_big_values(&mut client, "junk", 'a').await;
+    let w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    wait_metric(&gateway, "nereid_gateway_workers{state=\"ready\"}", "a table read past 4 MiB", |v| v == 1.0).await;
+    wait_metric(&gateway, WATCH_CONNECTED, "the watch up", |v| v == 1.0).await;
+    let ctl = tokio::process::Command::new(env!("CARGO_BIN_EXE_nereidctl"))
+        .args(["--etcd-endpoints", &etcd.endpoint(), "workers", "--output", "json"])
+        .env_remove("NEREID_ETCD_ENDPOINTS")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(WAIT, ctl).await.expect("nereidctl did not exit").unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "nereidctl workers: {stdout} {stderr}");
+    assert!(stdout.contains("\"w1\""), "{stdout}");
+
+    // While the gateway and worker are cut off, the big values are rewritten and a model placed
+    // on w1: the resumed watches receive all of it batched, past 4 MiB.
+    etcd.stop();
+    wait_metric(&gateway, WATCH_CONNECTED, "the watch to notice etcd is gone", |v| v == 0.0).await;
+    let mut isolated = etcd.restart_isolated().await;
+    put_big_values(&mut isolated, "junk", 'b').await;
+    put(&mut isolated, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
+    // Placed as the controller would (the controller, back, finds it placed and writes nothing).
+    put(&mut isolated, "placement/w1/identity_fp32/1", r#"{"schema":1,"leader_revision":1}"#).await;
+    drop(isolated);
+    let resyncs = gateway.metric(RESYNCS).await;
+    etcd.restart().await;
+    wait_until("identity_fp32 READY on w1", WAIT, || async {
+        ready_on(&mut etcd.client().await, "identity_fp32", 1).await == ["w1"]
+    })
+    .await;
+    wait_until("the gateway's resumed watch to route identity_fp32", WAIT, || async {
+        infer_ok(&gateway, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await
+    })
+    .await;
+    assert_eq!(gateway.metric(RESYNCS).await, resyncs, "resumed, not re-read");
+    assert_eq!(w1.metric(PLACEMENT_READS).await, Some(1.0), "the worker resumed too");
+}
+
+/// The data directory of the harness's etcd, as its log states it.
+fn data_dir(etcd: &Etcd) -> PathBuf {
+    let log = etcd.log();
+    let line = log.lines().find_map(|l| l.split_once("data dir = ").map(|(_, d)| d.trim().to_string()));
+    PathBuf::from(line.unwrap_or_else(|| panic!("no \"data dir = \" in etcd's log: {log}")))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_that_lost_its_data_is_noticed_and_everything_re_read() {
+    let mut etcd = Etcd::start().await;
+    let w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    declare_identity_and_wait(&etcd, &gateway, 1).await;
+    let mut client = etcd.client().await;
+    // Take the revision far past what the wiped etcd reaches before everyone is back, then
+    // change w1's placement so that the worker too has seen a revision past all of it.
+    for n in 0..100 {
+        put(&mut client, "filler", &n.to_string()).await;
+    }
+    put(&mut client, "models/versioned_scale", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
+    wait_until("versioned_scale 1 routed", WAIT, || async {
+        infer_ok(&gateway, fp32_request("versioned_scale", "1", &[1, 4], |i| i as f32)).await
+    })
+    .await;
+    let resyncs = gateway.metric(RESYNCS).await.unwrap();
+    assert_eq!(w1.metric(PLACEMENT_READS).await, Some(1.0));
+
+    // etcd comes back empty, at revision 1.
+    let data = data_dir(&etcd);
+    etcd.stop();
+    std::fs::remove_dir_all(&data).unwrap();
+    etcd.restart().await;
+
+    // A model declared now is placed at a revision far below the last one seen: the worker only
+    // gets it, and the gateway only routes it, if each noticed and read everything again.
+    put(&mut etcd.client().await, "models/versioned_scale", r#"{"schema":1,"versions":[2],"replicas":1}"#).await;
+    wait_until("versioned_scale 2 routed after the wipe", WAIT, || async {
+        infer_ok(&gateway, fp32_request("versioned_scale", "2", &[1, 4], |i| i as f32)).await
+    })
+    .await;
+    assert!(gateway.metric(RESYNCS).await.unwrap() > resyncs);
+    assert_eq!(w1.metric(PLACEMENT_READS).await, Some(2.0), "the worker re-read its placement");
+    // What the lost data placed is gone: the worker unloads it, the gateway stops routing it.
+    wait_until("identity_fp32 no longer routed", WAIT, || async {
+        let mut client = gateway.client().await;
+        let req = fp32_request("identity_fp32", "", &[1, 16], |i| i as f32);
+        client.model_infer(req).await.is_err_and(|e| e.code() == tonic::Code::NotFound)
+    })
+    .await;
+}
+
+/// One more etcd member started by a test, SIGKILLed on drop.
+struct Member {
+    name: String,
+    client_port: u16,
+    peer: String,
+    initial_cluster: String,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+impl Member {
+    /// Adds a member to the cluster `client` reaches (`cluster`: `name=peer` of each member so
+    /// far) and starts it, waiting until it is healthy.
+    async fn join(client: &mut Client, name: &str, cluster: &mut Vec<String>) -> Member {
+        let peer = format!("http://127.0.0.1:{}", free_port());
+        // etcd refuses a member while the last one joined is connected for less than 5 s
+        // ("unhealthy cluster").
+        wait_until("etcd to accept a new member", WAIT, || {
+            let (mut client, peer) = (client.clone(), peer.clone());
+            async move {
+                match client.member_add([peer.as_str()], None).await {
+                    Ok(_) => true,
+                    Err(e) if e.to_string().contains("unhealthy cluster") => false,
+                    Err(e) => panic!("member add: {e}"),
+                }
+            }
+        })
+        .await;
+        cluster.push(format!("{name}={peer}"));
+        let dir = tempfile::tempdir().unwrap();
+        let initial_cluster = cluster.join(",");
+        let mut member =
+            Member { name: name.into(), client_port: free_port(), peer, initial_cluster, dir, child: None };
+        member.start().await;
+        member
+    }
+
+    async fn start(&mut self) {
+        let bin = std::env::var_os("NEREID_ETCD_BIN").map(PathBuf::from).unwrap_or_else(|| "etcd".into());
+        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("log")).unwrap();
+        let child = Command::new(bin)
+            .args(["--name", &self.name, "--data-dir"])
+            .arg(self.dir.path().join("data"))
+            .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &self.peer, "--initial-advertise-peer-urls", &self.peer])
+            .args(["--initial-cluster", &self.initial_cluster, "--initial-cluster-state", "existing"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
+                panic!("etcd member {} exited with {status}: {}", self.name, self.log());
+            }
+            if let Ok(r) = reqwest::get(format!("{client}/health")).await
+                && r.text().await.unwrap_or_default().contains("\"health\":\"true\"")
+            {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "etcd member {} not healthy: {}", self.name, self.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_on_a_member_without_quorum_reports_its_watch_down() {
+    // Three members; the gateway is given only the harness's.
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let members = client.member_list().await.unwrap();
+    let first = &members.members()[0];
+    let mut cluster = vec![format!("{}={}", first.name(), first.peer_urls()[0])];
+    let mut m2 = Member::join(&mut client, "m2", &mut cluster).await;
+    let mut m3 = Member::join(&mut client, "m3", &mut cluster).await;
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    wait_metric(&gateway, WATCH_CONNECTED, "the watch up", |v| v == 1.0).await;
+    wait_metric(&gateway, "nereid_gateway_placement_leader", "the gateway leading placement", |v| v == 1.0).await;
+
+    // Its member loses the quorum but keeps answering: the watch must not stay "healthy".
+    m2.stop();
+    m3.stop();
+    wait_metric(&gateway, WATCH_CONNECTED, "the watch reported down", |v| v == 0.0).await;
+    wait_metric(&gateway, "nereid_gateway_placement_leader", "the leader stepping down", |v| v == 0.0).await;
+
+    // The quorum back (two of three): the watch resumes.
+    m2.start().await;
+    wait_metric(&gateway, WATCH_CONNECTED, "the watch to resume", |v| v == 1.0).await;
+    let mut client = etcd.client().await;
+    put(&mut client, "drain/w9", r#"{"schema":1}"#).await;
+    drop(m3);
 }

@@ -1,7 +1,8 @@
 //! Two real workers behind a real gateway: results through the gateway equal results straight
 //! from a worker (gRPC, HTTP JSON and binary), load spreads over both, a worker killed with
-//! SIGKILL under load costs at most the requests in flight on it, unknown models are NOT_FOUND,
-//! and the gateway's metrics are there.
+//! SIGKILL under load costs at most the requests in flight on it, a worker that keeps running
+//! into the gateway's own timeout is ejected (one that a client's tight deadline times out is
+//! not), unknown models are NOT_FOUND, and the gateway's metrics are there.
 
 mod common;
 
@@ -180,7 +181,6 @@ async fn unknown_models_are_not_found_and_metrics_are_bounded() {
         "nereid_gateway_requests_total{code=\"OK\",model=\"identity_fp32\",version=\"1\"} 1",
         // Both identity_fp32 requests (the failed one and the OK one) under version 1.
         "nereid_gateway_request_duration_us_count{model=\"identity_fp32\",version=\"1\"} 2",
-        "nereid_gateway_retries_total 0",
         "nereid_gateway_ejections_total 0",
         "nereid_gateway_workers{state=\"ready\"} 2",
         "nereid_gateway_workers{state=\"unreachable\"} 0",
@@ -202,6 +202,7 @@ async fn unknown_models_are_not_found_and_metrics_are_bounded() {
     let age = gateway.metric("nereid_gateway_routing_table_age_seconds").await.unwrap();
     assert!((0.0..5.0).contains(&age), "{age}");
     assert!(!text.contains("no_such_model"), "unknown model names must not become labels");
+    assert!(!text.contains("nereid_gateway_retries_total{"), "nothing was retried:\n{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -284,7 +285,9 @@ async fn killing_a_worker_under_load_costs_only_its_in_flight_requests() {
     assert_eq!(hung, 0, "requests hung");
     assert!(failed <= CLIENTS as u64, "{failed} failures: more than the {CLIENTS} requests that can be in flight");
     // Requests that found the dead worker's connection refused were retried elsewhere.
-    let retries = gateway.metric("nereid_gateway_retries_total").await.unwrap();
+    let retries = gateway.metric_sum("nereid_gateway_retries_total").await;
+    let labelled = gateway.metric("nereid_gateway_retries_total{model=\"identity_fp32\",version=\"1\"}").await;
+    assert_eq!(labelled.unwrap_or(0.0), retries, "retries are labelled with the model and version");
     let ejections = gateway.metric("nereid_gateway_ejections_total").await.unwrap();
     eprintln!("after the kill: {failed} failed, {retries} retried, {ejections} ejections");
     // Everything now goes to the survivor.
@@ -294,6 +297,120 @@ async fn killing_a_worker_under_load_costs_only_its_in_flight_requests() {
         client.model_infer(fp32_request("identity_fp32", "", &[1, 16], |_| 1.0)).await.unwrap();
     }
     assert_eq!(inference_count(&b, "identity_fp32").await, before + 10);
+}
+
+/// `identity_fp32` on a worker that holds every request in its queue for 20 s (a stalled
+/// worker, as far as the gateway can tell).
+const STALLED_IDENTITY: &str = r#"
+name: "identity_fp32"
+backend: "onnxruntime"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+dynamic_batching { preferred_batch_size: [ 8 ] max_queue_delay_microseconds: 20000000 }
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeouts_eject_a_worker_only_when_the_gateways_own_limit_set_the_deadline() {
+    let repo = common::identity_repo(&[("identity_fp32", STALLED_IDENTITY)]);
+    let stalled = start_worker(repo.path(), &[]).await;
+    // One worker only: its ejection shows in the counter, and (all holders ejected) requests
+    // still go to it, so every phase below reaches it.
+    let gateway = start_gateway(
+        &[&stalled],
+        &[
+            "--request-timeout-ms",
+            "800",
+            "--ejection-consecutive-failures",
+            "2",
+            "--ejection-base-ms",
+            "60000",
+            "--ejection-max-ms",
+            "60000",
+        ],
+    )
+    .await;
+    let mut client = gateway.client().await;
+    let http = reqwest::Client::new();
+    let ejected = || gateway.metric("nereid_gateway_workers{state=\"ejected\"}");
+
+    // Clients' own deadlines, tighter than the gateway's limit: the timeouts are theirs, not
+    // the worker's fault — no ejection, however many.
+    for _ in 0..3 {
+        let mut req = tonic::Request::new(fp32_request("identity_fp32", "", &[1, 16], |_| 1.0));
+        req.set_timeout(Duration::from_millis(150));
+        let e = client.model_infer(req).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+        let r = http
+            .post(gateway.http_url("/v2/models/identity_fp32/infer"))
+            .header("x-nereid-deadline-ms", "150")
+            .json(&json!({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": vec![0.0f32; 16]}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 504, "{:?}", r.text().await);
+    }
+    assert_eq!(gateway.metric("nereid_gateway_ejections_total").await, Some(0.0));
+    assert_eq!(ejected().await, Some(0.0));
+
+    // No client deadline: the gateway's 800 ms limit applies, and a worker that runs into it
+    // twice in a row is failing — ejected.
+    for _ in 0..2 {
+        let e = client.model_infer(fp32_request("identity_fp32", "", &[1, 16], |_| 1.0)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+    }
+    wait_until("the stalled worker to be ejected", Duration::from_secs(5), || async {
+        gateway.metric("nereid_gateway_ejections_total").await == Some(1.0) && ejected().await == Some(1.0)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_a_full_queue_is_retried_elsewhere_and_a_429_says_when_to_retry() {
+    // Worker `full` holds a queue of one; a request sent straight to it fills it (and stays
+    // for 20 s). Every later request there is refused at once with RESOURCE_EXHAUSTED — never
+    // run, so the gateway retries it on `ok`.
+    let config = STALLED_IDENTITY.replace(
+        "max_queue_delay_microseconds: 20000000 }",
+        "max_queue_delay_microseconds: 20000000 default_queue_policy { max_queue_size: 1 } }",
+    );
+    let repo = common::identity_repo(&[("identity_fp32", &config)]);
+    let full = start_worker(repo.path(), &[]).await;
+    let ok = start_worker(&example_models(), &["identity_fp32"]).await;
+    let mut direct = full.client().await;
+    let filler = tokio::spawn(async move {
+        let mut req = tonic::Request::new(fp32_request("identity_fp32", "", &[1, 16], |_| 0.0));
+        req.set_timeout(Duration::from_secs(30));
+        direct.model_infer(req).await
+    });
+    wait_until("the stalled worker's queue to fill", Duration::from_secs(10), || async {
+        full.metric("nv_inference_pending_request_count{model=\"identity_fp32\",version=\"1\"}").await == Some(1.0)
+    })
+    .await;
+
+    let gateway = start_gateway(&[&full, &ok], &[]).await;
+    let mut client = gateway.client().await;
+    // Equal loads: each request picks either worker at random, so some pick `full`.
+    for i in 0..20 {
+        let r = client.model_infer(fp32_request("identity_fp32", "", &[1, 16], |j| (i + j) as f32)).await;
+        assert!(r.is_ok(), "request {i}: {r:?}");
+    }
+    assert_eq!(inference_count(&ok, "identity_fp32").await, 20, "every request ran on the worker with room");
+    let retried = gateway.metric("nereid_gateway_retries_total{model=\"identity_fp32\",version=\"1\"}").await;
+    assert!(retried.is_some_and(|n| n >= 1.0), "retries: {retried:?}");
+
+    // With nowhere else to go, the refusal reaches the client: 429 with Retry-After over HTTP.
+    let alone = start_gateway(&[&full], &[]).await;
+    let r = reqwest::Client::new()
+        .post(alone.http_url("/v2/models/identity_fp32/infer"))
+        .json(&json!({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": vec![0.0f32; 16]}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
+    assert!(r.text().await.unwrap().contains("queue"));
+    filler.abort();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -267,3 +267,97 @@ async fn unreachable_etcd_exits_1_within_the_timeout() {
     assert_eq!(out.code, 1, "{out:?}");
     assert!(out.stderr.contains("cannot reach etcd"), "{out:?}");
 }
+
+/// The worker a model version is placed on (the first, by id), per `nereidctl placement`.
+async fn holder(endpoint: &str, model: &str) -> Option<String> {
+    let placement = ctl(endpoint, &["placement", "--output", "json"]).await.ok().json();
+    placement.as_array().unwrap().iter().find_map(|p| {
+        let holds = p["assignments"].as_array().unwrap().iter().any(|a| a["model"] == model && a["placed"] == true);
+        holds.then(|| p["worker"].as_str().unwrap().to_string())
+    })
+}
+
+/// A request through the gateway; `Ok` or its error.
+async fn through(gateway: &Proc, i: usize) -> Result<(), tonic::Status> {
+    let request = common::fp32_request(MODEL, "", &[1, 4], |j| (i + j) as f32);
+    gateway.client().await.model_infer(request).await.map(|_| ())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pre_stop_drain_moves_a_single_replica_without_failing_a_request_and_goes_with_the_worker() {
+    let etcd = Etcd::start().await;
+    let ep = etcd.endpoint();
+    let mut workers = vec![("w1", spawn_fleet_worker(&etcd, "w1", &[])), ("w2", spawn_fleet_worker(&etcd, "w2", &[]))];
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    wait_until("both workers routed", WAIT, || async { gateway_workers(&gateway, "ready").await == 2.0 }).await;
+    ctl(&ep, &["model", "declare", MODEL, "--versions", "1", "--replicas", "1", "--memory-mb", "10"]).await.ok();
+    wait_ready(&ep, "one replica READY", MODEL, 1).await;
+    wait_until("the gateway to route the model", WAIT, || async { through(&gateway, 0).await.is_ok() }).await;
+    let from = holder(&ep, MODEL).await.expect("placed");
+
+    // Load through the gateway while the holder drains as a pod's preStop hook would.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (stop, addr) = (stop.clone(), gateway.grpc_addr());
+        tokio::spawn(async move {
+            let mut client =
+                nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient::connect(format!(
+                    "http://{addr}"
+                ))
+                .await
+                .unwrap();
+            let (mut ok, mut failed) = (0u64, Vec::new());
+            for i in 0..200_000usize {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                let request = common::fp32_request(MODEL, "", &[1, 4], |j| (i + j) as f32);
+                match tokio::time::timeout(Duration::from_secs(10), client.model_infer(request)).await {
+                    Ok(Ok(_)) => ok += 1,
+                    Ok(Err(e)) => failed.push(format!("{:?}: {}", e.code(), e.message())),
+                    Err(_) => failed.push("hung".into()),
+                }
+            }
+            (ok, failed)
+        })
+    };
+    let started = Instant::now();
+    let out = ctl(&ep, &["drain", &from, "--until-exit", "--reason", "pod terminating", "--wait-secs", "30"]).await;
+    let out = out.ok();
+    assert!(out.stdout.contains(&format!("all models moved off worker {from}")), "{out:?}");
+    let to = holder(&ep, MODEL).await.expect("placed elsewhere");
+    assert_ne!(to, from);
+    // The drain is bound to the worker's registration.
+    let mut client = etcd.client().await;
+    let lease_of = |kvs: &[nereid_common::fleet::etcd_client::KeyValue]| kvs.first().map(|kv| kv.lease());
+    let worker_lease = lease_of(client.get(format!("{PREFIX}/workers/{from}"), None).await.unwrap().kvs());
+    let drain_lease = lease_of(client.get(format!("{PREFIX}/drain/{from}"), None).await.unwrap().kvs());
+    assert!(worker_lease.is_some_and(|l| l != 0) && drain_lease == worker_lease, "{worker_lease:?} {drain_lease:?}");
+    eprintln!("moved {MODEL} from {from} to {to} in {:?}", started.elapsed());
+
+    // Then SIGTERM, as the kubelet sends after preStop: the worker exits, its drain with it.
+    let i = workers.iter().position(|(id, _)| *id == from).unwrap();
+    let (_, mut old) = workers.remove(i);
+    old.terminate();
+    assert_eq!(old.wait_exit(Duration::from_secs(30)), Some(0), "{}", old.log());
+    wait_until("the drain key to go with the worker's lease", WAIT, || async {
+        let mut c = etcd.client().await;
+        c.get(format!("{PREFIX}/drain/{from}"), None).await.unwrap().kvs().is_empty()
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (ok, failed) = load.await.unwrap();
+    assert!(ok > 0, "no request went through");
+    assert!(failed.is_empty(), "{} of {} requests failed during the drain: {:?}", failed.len(), ok, failed);
+
+    // The last worker cannot move its models anywhere: the wait ends, exit 1, naming them.
+    let (last, _) = &workers[0];
+    let out = ctl(&ep, &["drain", last, "--until-exit", "--wait-secs", "1"]).await;
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(out.stderr.contains(&format!("worker {last} still holds {MODEL}/1")), "{out:?}");
+    // ... and the model is still served meanwhile (a drained worker is the last resort).
+    through(&gateway, 1).await.unwrap();
+    // Bound to a registration: --until-exit and --force exclude each other; none is refused.
+    ctl(&ep, &["drain", "w9", "--until-exit"]).await.refused("worker w9 is not registered");
+    assert_eq!(ctl(&ep, &["drain", last, "--until-exit", "--force"]).await.code, 2);
+}

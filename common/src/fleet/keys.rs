@@ -139,26 +139,66 @@ impl Keys {
         format!("{}/leader/placement", self.prefix)
     }
 
-    /// Parses a key read from etcd; `None` when it is not under the prefix at all.
+    /// Parses a key read from etcd; `None` when it is not under the prefix at all. A key the
+    /// schema cannot use (see [`Keys::classify`]) is [`Key::Other`].
     pub fn parse(&self, key: &[u8]) -> Option<Key> {
+        self.classify(key).map(|k| k.unwrap_or(Key::Other))
+    }
+
+    /// Parses a key read from etcd, telling apart a key under one of the schema's kinds that
+    /// is malformed (`models/bad name`, `placement/w/m/01`, `workers/a/b`): readers reject and
+    /// count those like invalid values, where [`Key::Other`] (election keys, kinds a later
+    /// version may add) is ignored silently. `None` when the key is not under the prefix.
+    pub fn classify(&self, key: &[u8]) -> Option<Result<Key, InvalidKey>> {
         let key = std::str::from_utf8(key).ok()?;
         let rest = key.strip_prefix(&self.prefix)?.strip_prefix('/')?;
         let parts: Vec<&str> = rest.split('/').collect();
-        let version = |s: &str| s.parse::<i64>().ok().filter(|v| *v >= 1);
-        let name = |s: &str| check_name("name", s).is_ok();
+        let (kind, shape) = match parts[0] {
+            "workers" => ("worker", "workers/<id>"),
+            "models" => ("model", "models/<model>"),
+            "routes" => ("route", "routes/<model>"),
+            "drain" => ("drain", "drain/<worker>"),
+            "placement" => ("placement", "placement/<worker>/<model>/<version>"),
+            "status" => ("status", "status/<worker>/<model>/<version>"),
+            _ => return Some(Ok(Key::Other)),
+        };
+        let invalid = |reason: String| InvalidKey { kind, reason };
+        let name = |what: &str, s: &str| check_name(what, s).map(|()| s.to_string()).map_err(invalid);
+        let assignment = |w: &str, m: &str, v: &str| -> Result<(String, String, i64), InvalidKey> {
+            Ok((name("worker id", w)?, name("model name", m)?, version(v).map_err(invalid)?))
+        };
         Some(match parts.as_slice() {
-            ["workers", id] if name(id) => Key::Worker(id.to_string()),
-            ["models", m] if name(m) => Key::Model(m.to_string()),
-            ["routes", m] if name(m) => Key::Route(m.to_string()),
-            ["drain", w] if name(w) => Key::Drain(w.to_string()),
-            ["placement", w, m, v] if name(w) && name(m) && version(v).is_some() => {
-                Key::Placement { worker: w.to_string(), model: m.to_string(), version: version(v).unwrap_or(1) }
+            ["workers", id] => name("worker id", id).map(Key::Worker),
+            ["models", m] => name("model name", m).map(Key::Model),
+            ["routes", m] => name("model name", m).map(Key::Route),
+            ["drain", w] => name("worker id", w).map(Key::Drain),
+            ["placement", w, m, v] => {
+                assignment(w, m, v).map(|(worker, model, version)| Key::Placement { worker, model, version })
             }
-            ["status", w, m, v] if name(w) && name(m) && version(v).is_some() => {
-                Key::Status { worker: w.to_string(), model: m.to_string(), version: version(v).unwrap_or(1) }
+            ["status", w, m, v] => {
+                assignment(w, m, v).map(|(worker, model, version)| Key::Status { worker, model, version })
             }
-            _ => Key::Other,
+            _ => Err(invalid(format!("expected {shape}"))),
         })
+    }
+}
+
+/// A key under one of the schema's kinds that the schema cannot use.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InvalidKey {
+    /// Bounded label: the kind its first segment names ([`Key::kind`]'s names).
+    pub kind: &'static str,
+    pub reason: String,
+}
+
+/// A version segment: a positive integer written the one way [`Keys::placement`] writes it.
+/// "01" or "+1" would otherwise parse as 1 and alias version 1's key: deleting
+/// `placement/w/m/01` would read as removing `placement/w/m/1`'s assignment while that key
+/// still exists.
+fn version(segment: &str) -> Result<i64, String> {
+    match segment.parse::<i64>() {
+        Ok(v) if v >= 1 && v.to_string() == segment => Ok(v),
+        _ => Err(format!("version '{segment}' is not a positive integer written in canonical form")),
     }
 }
 
@@ -186,6 +226,7 @@ mod tests {
         assert_eq!(k.parse(k.drain("w").as_bytes()), Some(Key::Drain("w".into())));
         assert_eq!(k.parse(b"/nereid/v1/status/w/m/0"), Some(Key::Other));
         assert_eq!(k.parse(b"/nereid/v1/status/w/m/x"), Some(Key::Other));
+        assert_eq!(k.parse(b"/nereid/v1/placement/w/m/01"), Some(Key::Other));
         assert_eq!(k.parse(b"/nereid/v1/leader/placement/123"), Some(Key::Other));
         assert_eq!(k.parse(b"/nereid/v10/workers/w"), None);
         assert_eq!(k.parse(b"/other/workers/w"), None);
@@ -209,5 +250,49 @@ mod tests {
         assert!(check_name("model", &euros).unwrap_err().contains(&"€".repeat(32)));
         let k = Keys::new("/nereid/v1/").unwrap();
         assert_eq!(k.parse(k.model(&euros).as_bytes()), Some(Key::Other));
+    }
+
+    #[test]
+    fn versions_are_canonical() {
+        let k = Keys::new("/n").unwrap();
+        let placement = |v: &str| k.classify(format!("/n/placement/w0/mlp_fp32/{v}").as_bytes());
+        assert_eq!(
+            placement("1"),
+            Some(Ok(Key::Placement { worker: "w0".into(), model: "mlp_fp32".into(), version: 1 }))
+        );
+        assert!(matches!(placement("12"), Some(Ok(Key::Placement { version: 12, .. }))));
+        // Each would alias another key's version (or none): never an assignment.
+        for bad in ["01", "+1", "0", "-1", "1.0", " 1", "1 ", "", "x", "99999999999999999999"] {
+            let got = placement(bad);
+            let Some(Err(e)) = &got else { panic!("{bad:?} parsed as {got:?}") };
+            assert_eq!(e.kind, "placement");
+            assert!(e.reason.contains("canonical form"), "{bad:?}: {e:?}");
+            assert_eq!(k.parse(format!("/n/placement/w0/mlp_fp32/{bad}").as_bytes()), Some(Key::Other));
+        }
+        assert!(matches!(k.classify(b"/n/status/w/m/007"), Some(Err(InvalidKey { kind: "status", .. }))));
+    }
+
+    #[test]
+    fn malformed_keys_of_known_kinds_are_told_from_other_keys() {
+        let k = Keys::new("/n").unwrap();
+        let invalid = |key: &str| match k.classify(key.as_bytes()) {
+            Some(Err(e)) => (e.kind, e.reason),
+            other => panic!("{key}: {other:?}"),
+        };
+        let (kind, reason) = invalid("/n/models/bad name");
+        assert_eq!(kind, "model");
+        assert!(reason.contains("model name 'bad name'"), "{reason}");
+        assert_eq!(invalid("/n/workers/").0, "worker");
+        assert!(invalid("/n/workers/a/b").1.contains("expected workers/<id>"));
+        assert!(invalid("/n/workers").1.contains("expected workers/<id>"));
+        assert_eq!(invalid("/n/routes/a\tb").0, "route");
+        assert_eq!(invalid("/n/drain/x/y").0, "drain");
+        assert_eq!(invalid("/n/placement/w/m").0, "placement");
+        assert!(invalid("/n/status/w/bad name/1").1.contains("model name"));
+        // Not the schema's kinds: ignored, not rejected.
+        for other in ["/n/leader/placement/694d", "/n/filler", "/n/model/typo-of-a-kind", "/n/"] {
+            assert_eq!(k.classify(other.as_bytes()), Some(Ok(Key::Other)), "{other}");
+        }
+        assert_eq!(k.classify(b"/other/models/m"), None);
     }
 }

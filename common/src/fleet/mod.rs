@@ -1,6 +1,8 @@
 //! The fleet's shared state in etcd: the key schema ([`keys`]), the JSON records stored under it
-//! ([`records`]), and a connection helper ([`connect`]). Workers, gateways and `nereidctl` all
-//! read and write etcd through these, so the schema lives in one place.
+//! ([`records`]), a connection helper ([`connect`]), paged prefix reads and watches without the
+//! 4 MiB message limit in the way ([`read`]), and the check that tells a watch resume from a
+//! history etcd lost ([`history`]). Workers, gateways and `nereidctl` all read and write etcd
+//! through these, so the schema lives in one place.
 //!
 //! ```text
 //! <prefix>/workers/<id>                worker record, under the worker's lease
@@ -16,14 +18,18 @@
 //! fields or impossible numbers is rejected by [`records::decode`] — readers keep their last good
 //! state and count the rejection.
 
+pub mod history;
 pub mod keys;
+pub mod read;
 pub mod records;
 pub mod state;
 
 use std::time::Duration;
 
 pub use etcd_client;
+pub use history::{ClusterMark, history_reset};
 pub use keys::{Key, Keys};
+pub use read::{PrefixRead, get_prefix, watch};
 pub use state::{Assignment, FleetState, Rejected};
 
 /// Response header (gRPC metadata and HTTP) in which a worker reports, in-band, how many
@@ -38,11 +44,25 @@ pub const DEFAULT_PREFIX: &str = "/nereid/v1";
 /// etcd that vanished without closing the connection (a partition) is noticed on an idle watch
 /// within ~15 s. The ping interval stays above etcd's `--grpc-keepalive-min-time` (5 s by
 /// default): pinging more often makes etcd close the connection ("too many pings").
+///
+/// Every request also requires a leader (etcd's `hasleader` metadata). A member cut off from its
+/// quorum still answers pings and keeps idle watch streams open, so without it a gateway
+/// attached to that member would keep a stale table with its watch reported healthy. With it,
+/// the member refuses new requests at once ("etcdserver: no leader") and cancels open streams
+/// a few election timeouts after losing its leader, so each stream's owner notices:
+/// - watches (gateway membership, the worker's placement agent) end, are reported down, and
+///   are re-opened with back-off, resuming once a member with a leader answers;
+/// - lease keep-alive streams end too: a worker starts a new session (it re-registers under a
+///   new lease when the quorum is back; a leaderless cluster could not renew the old lease
+///   anyway), and a placement leader steps down instead of planning on a stale view — its
+///   election key, on a lease nobody renews, then expires for the majority side to elect anew;
+/// - campaigns and reads fail fast instead of hanging until their time-outs.
 pub fn connect_options() -> etcd_client::ConnectOptions {
     etcd_client::ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(2))
         .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
         .with_keep_alive_while_idle(true)
+        .with_require_leader(true)
 }
 
 /// Splits and checks `--etcd-endpoints` (comma-separated `http://host:port`).
@@ -147,6 +167,13 @@ mod tests {
         assert!(parse_endpoints("http://a").is_err());
         assert!(parse_endpoints("http://a:0").is_err());
         assert!(parse_endpoints("http://a:1/x").is_err());
+    }
+
+    #[test]
+    fn every_request_requires_a_leader() {
+        // The options' fields are private; their Debug form is the only way to read them back.
+        let options = format!("{:?}", connect_options());
+        assert!(options.contains("require_leader: true"), "{options}");
     }
 
     #[test]

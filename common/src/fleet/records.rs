@@ -107,17 +107,27 @@ pub struct Capacity {
     pub max_models: u32,
 }
 
-/// `host:port` with a non-empty host and a non-zero port.
+/// `host:port` with a non-empty host and a non-zero port, that a client can dial: it must parse
+/// as an HTTP authority (what the gateway builds its channel's URI and HTTP/2 `:authority`
+/// from), without user info. A record whose address passes a looser check but no client can
+/// use (`bad^host:1`) would be accepted, placed on, and then fail in the gateway every time it
+/// builds a table — rejected here, it is logged and counted once like any invalid value.
 pub fn check_host_port(what: &str, s: &str) -> Result<(), String> {
     let err = || format!("{what} '{s}' is not host:port");
     let (host, port) = s.rsplit_once(':').ok_or_else(err)?;
-    if host.is_empty() || s.contains('/') || s.chars().any(char::is_whitespace) {
+    if host.is_empty() || s.contains('/') || s.contains('@') || s.chars().any(char::is_whitespace) {
         return Err(err());
     }
     match port.parse::<u16>() {
-        Ok(p) if p > 0 => Ok(()),
-        _ => Err(err()),
+        Ok(p) if p > 0 && port.bytes().all(|b| b.is_ascii_digit()) => {}
+        _ => return Err(err()),
     }
+    let authority: http::uri::Authority =
+        s.parse().map_err(|e| format!("{what} '{s}' is not a usable host:port ({e})"))?;
+    if authority.host().is_empty() || authority.port_u16().is_none() {
+        return Err(err());
+    }
+    Ok(())
 }
 
 impl Record for WorkerRecord {
@@ -367,10 +377,41 @@ mod tests {
         w.grpc = "nohost".into();
         assert!(encode(&w).unwrap_err().to_string().contains("grpc 'nohost'"));
         let mut w = worker();
+        w.http = Some("bad^host:8000".into());
+        assert!(encode(&w).unwrap_err().to_string().contains("http 'bad^host:8000'"));
+        let mut w = worker();
         w.id = "a/b".into();
         assert!(encode(&w).is_err());
         let r = RouteRecord { schema: 1, weights: [(1, 0)].into(), sticky_key: None };
         assert!(encode(&r).unwrap_err().to_string().contains("every weight is 0"));
         assert!(decode::<StatusRecord>(br#"{"schema":1,"state":"GONE"}"#).is_err());
+    }
+
+    #[test]
+    fn worker_addresses_must_be_dialable() {
+        for good in ["127.0.0.1:8001", "worker-3.nereid.svc:8001", "[::1]:8001", "[fe80::1]:1", "a:65535"] {
+            assert_eq!(check_host_port("grpc", good), Ok(()), "{good}");
+        }
+        for bad in [
+            "bad^host:1",
+            "bad\"host:1",
+            "a{b}:1",
+            "::1:8001",
+            "user@host:1",
+            "host:+1",
+            "host:0",
+            "host:65536",
+            "host:",
+            ":1",
+            "host",
+            "http://host:1",
+            "ho st:1",
+        ] {
+            assert!(check_host_port("grpc", bad).is_err(), "{bad} accepted");
+        }
+        // Through the reader's path: the record is rejected (and so counted), not applied.
+        let json = r#"{"schema":1,"id":"w1","grpc":"bad^host:1","state":"ready"}"#;
+        let e = decode::<WorkerRecord>(json.as_bytes()).unwrap_err().to_string();
+        assert!(e.contains("grpc 'bad^host:1'"), "{e}");
     }
 }

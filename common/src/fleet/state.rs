@@ -41,9 +41,22 @@ impl std::fmt::Display for Rejected {
 
 impl FleetState {
     /// Applies a put (`Some(value)`) or a delete (`None`) of `key`. Returns whether anything
-    /// changed; keys outside the schema are ignored.
+    /// changed; keys outside the schema are ignored. A put under a malformed key of one of the
+    /// schema's kinds (`models/bad name`, `placement/w/m/01`) is rejected like an invalid value
+    /// (so it is logged and counted, not silently dropped); its delete changes nothing.
     pub fn apply(&mut self, keys: &Keys, key: &[u8], value: Option<&[u8]>) -> Result<bool, Rejected> {
-        let Some(parsed) = keys.parse(key) else { return Ok(false) };
+        let parsed = match keys.classify(key) {
+            None => return Ok(false),
+            Some(Ok(parsed)) => parsed,
+            Some(Err(_)) if value.is_none() => return Ok(false),
+            Some(Err(invalid)) => {
+                return Err(Rejected {
+                    kind: invalid.kind,
+                    key: String::from_utf8_lossy(key).into_owned(),
+                    reason: format!("malformed key: {}", invalid.reason),
+                });
+            }
+        };
         let reject =
             |reason: String| Rejected { kind: parsed.kind(), key: String::from_utf8_lossy(key).into_owned(), reason };
         fn decoded<T: records::Record>(v: &[u8]) -> Result<T, String> {
@@ -240,5 +253,30 @@ mod tests {
         assert_eq!(rejected.len(), 1);
         assert_eq!(new.models["m"].replicas, 2, "last good value kept");
         assert!(!new.models.contains_key("gone"), "deleted keys are gone");
+    }
+
+    #[test]
+    fn malformed_keys_are_rejected_and_never_alias_good_ones() {
+        let keys = Keys::new("/n").unwrap();
+        let placed = br#"{"schema":1,"leader_revision":5}"#.as_slice();
+        let (mut s, rejected) = FleetState::from_kvs(
+            &keys,
+            [
+                (b"/n/placement/w0/mlp_fp32/1".as_slice(), placed),
+                (b"/n/placement/w0/mlp_fp32/01", placed),
+                (b"/n/models/bad name", br#"{"schema":1,"versions":[1],"replicas":1}"#),
+                (b"/n/leader/placement/694d", b"g1"),
+            ],
+        );
+        let shown: Vec<(&str, &str)> = rejected.iter().map(|r| (r.kind, r.key.as_str())).collect();
+        assert_eq!(shown, [("placement", "/n/placement/w0/mlp_fp32/01"), ("model", "/n/models/bad name")]);
+        assert!(rejected[0].reason.contains("malformed key: version '01'"), "{}", rejected[0]);
+        assert!(s.models.is_empty());
+        // Deleting the alias leaves version 1's assignment alone.
+        assert!(!s.apply(&keys, b"/n/placement/w0/mlp_fp32/01", None).unwrap());
+        assert!(!s.apply(&keys, b"/n/placement/w0/mlp_fp32/+1", None).unwrap());
+        assert!(s.placements.contains(&("w0".into(), "mlp_fp32".into(), 1)));
+        let r = s.apply(&keys, b"/n/workers/a/b", Some(worker_json("a").as_bytes())).unwrap_err();
+        assert_eq!(r.kind, "worker");
     }
 }

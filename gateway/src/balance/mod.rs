@@ -64,12 +64,13 @@ pub fn choose<'t, R: Rng + ?Sized>(
     p2c(&loads, rng).map(|i| pool[i])
 }
 
-/// Resolves the call's model version and picks its worker in one snapshot of the table.
-pub fn pick(routes: &Routes, call: &InferCall, now: Instant) -> Result<Arc<Upstream>, RouteError> {
+/// Resolves the call's model version and picks its worker in one snapshot of the table: the
+/// worker and the version resolved.
+pub fn pick(routes: &Routes, call: &InferCall, now: Instant) -> Result<(Arc<Upstream>, i64), RouteError> {
     let table = routes.snapshot();
     let route = table.resolve(call.model(), call.version)?;
     choose(&table, route.holders, &call.excluded, now, &mut rand::rng())
-        .cloned()
+        .map(|u| (u.clone(), route.version))
         .ok_or_else(|| RouteError::NoReadyWorker { model: call.model().to_string(), version: call.version })
 }
 

@@ -37,8 +37,9 @@ where
 
     fn call(&mut self, mut call: InferCall) -> Self::Future {
         match pick(&self.routes, &call, Instant::now()) {
-            Ok(target) => {
+            Ok((target, version)) => {
                 call.target = Some(target);
+                call.resolved_version = Some(version);
                 Box::pin(self.inner.call(call))
             }
             Err(e) => Box::pin(futures::future::ready(Err(e.into()))),

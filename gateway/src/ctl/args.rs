@@ -80,8 +80,18 @@ pub enum Command {
         #[arg(long, value_name = "TEXT", value_parser = reason)]
         reason: Option<String>,
         /// Write the drain even if no such worker is registered (e.g. to cordon one before it starts).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "until_exit")]
         force: bool,
+        /// Bind the drain to the worker's current registration (its etcd lease), so that it
+        /// goes away when the worker exits: for a preStop hook, where the pod's worker id is
+        /// never reused. Without it the drain stays until `undrain`, across restarts.
+        #[arg(long)]
+        until_exit: bool,
+        /// Then wait up to SECS for the placement controller to move every model off the worker
+        /// (its placements gone once a replacement is READY elsewhere); exit 1, naming what is
+        /// left, if it has not by then. 0: do not wait.
+        #[arg(long, value_name = "SECS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=3600))]
+        wait_secs: u64,
     },
     /// Undo `drain`: the worker takes traffic and placements again.
     Undrain {
@@ -127,7 +137,9 @@ pub enum ModelCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum RoutesCommand {
-    /// Split a model's traffic across its declared versions by weight.
+    /// Store a model's version weights (routes/<m>), checked against its declared versions,
+    /// for splitting traffic between versions. This gateway does not apply them yet: a request
+    /// naming no version goes to the latest READY one.
     Set {
         /// A declared model.
         #[arg(value_name = "MODEL", value_parser = model_name)]
@@ -145,7 +157,7 @@ pub enum RoutesCommand {
         #[arg(value_name = "MODEL", value_parser = model_name)]
         model: Option<String>,
     },
-    /// Remove a model's routes (every READY version then shares its traffic).
+    /// Remove a model's routes.
     Clear {
         /// Model name.
         #[arg(value_name = "MODEL", value_parser = model_name)]
@@ -180,12 +192,21 @@ fn reason(value: &str) -> Result<String, String> {
     Ok(value.to_string())
 }
 
-/// Parses one `--selector KEY=VALUE`.
+/// Parses one `--selector KEY=VALUE`: a non-empty key, neither part longer than 63 characters
+/// nor holding spaces or control characters (no worker label could match those).
 pub fn selector(value: &str) -> Result<(String, String), String> {
-    match value.split_once('=') {
-        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.trim().to_string())),
-        _ => Err(format!("'{value}': expected KEY=VALUE with a non-empty key")),
+    let Some((k, v)) = value.split_once('=').map(|(k, v)| (k.trim(), v.trim())).filter(|(k, _)| !k.is_empty()) else {
+        return Err(format!("'{value}': expected KEY=VALUE with a non-empty key"));
+    };
+    for (what, part) in [("key", k), ("value", v)] {
+        if part.chars().count() > 63 {
+            return Err(format!("'{value}': the {what} is longer than 63 characters"));
+        }
+        if part.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(format!("'{value}': the {what} holds a space or control character"));
+        }
     }
+    Ok((k.to_string(), v.to_string()))
 }
 
 /// Checked `--versions`: positive integers, each once.
@@ -325,6 +346,9 @@ mod tests {
         assert_eq!(selector("zone=").unwrap(), ("zone".to_string(), String::new()));
         assert!(selector("=gpu").unwrap_err().contains("non-empty key"));
         assert!(selector("gpu").is_err());
+        assert!(selector("dev ice=gpu").unwrap_err().contains("space or control"));
+        assert!(selector("device=g\tpu").unwrap_err().contains("space or control"));
+        assert!(selector(&format!("k={}", "v".repeat(64))).unwrap_err().contains("longer than 63"));
     }
 
     #[test]

@@ -11,6 +11,8 @@ pub mod args;
 pub mod render;
 pub mod store;
 
+use std::time::Duration;
+
 use nereid_common::fleet::etcd_client::{Compare, CompareOp};
 use nereid_common::fleet::records::{self, DrainRecord, ModelRecord, Record, Resources, RouteRecord};
 use nereid_common::fleet::{FleetState, Rejected};
@@ -67,8 +69,36 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
             Ok(show(output, || render::keys_table(&rows), || render::keys_json(&rows)))
         }
         Command::Model(ModelCommand::Declare { name, versions, replicas, memory_mb, cost_class, selector }) => {
-            let selector = selector.into_iter().collect();
-            let (record, value) = model_record(&versions.0, replicas, memory_mb, cost_class, selector)?;
+            let mut labels = std::collections::BTreeMap::new();
+            for (k, v) in selector {
+                if let Some(before) = labels.insert(k.clone(), v.clone())
+                    && before != v
+                {
+                    return Err(CtlError::Invalid(format!(
+                        "--selector gives label {k} twice ({k}={before} and {k}={v}); a worker carries one value"
+                    )));
+                }
+            }
+            let (record, value) = model_record(&versions.0, replicas, memory_mb, cost_class, labels)?;
+            if memory_mb == 0 {
+                warn(&format!(
+                    "--memory-mb not given: model {name} is not counted against workers' memory, so placement \
+                     cannot keep it from overfilling a worker"
+                ));
+            }
+            if !record.selector.is_empty() {
+                let (state, _) = store.state().await?;
+                let matching = state
+                    .workers
+                    .values()
+                    .filter(|w| record.selector.iter().all(|(k, v)| w.labels.get(k) == Some(v)))
+                    .count();
+                if matching == 0 {
+                    warn(&format!(
+                        "no registered worker carries every --selector label; model {name} stays unplaced until one does"
+                    ));
+                }
+            }
             let key = store.keys.model(&name);
             let previous = store.put(&key, &value).await?;
             // A route may now weight a version no longer declared: say so (the write stands).
@@ -126,7 +156,7 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
             let rows = render::routes(&state, model.as_deref());
             if let (Some(m), true) = (&model, rows.is_empty()) {
                 let why = if state.models.contains_key(m) {
-                    "its READY versions share its traffic evenly"
+                    "no weights are set: every request goes to the latest READY version, or to the version it names"
                 } else {
                     "it is not declared either"
                 };
@@ -141,27 +171,50 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
             };
             Ok(written(output, &format!("cleared routes of model {model}"), &key, None, Some(&previous)))
         }
-        Command::Drain { worker, reason, force } => {
+        Command::Drain { worker, reason, force, until_exit, wait_secs } => {
             let record = DrainRecord { schema: records::SCHEMA_VERSION, reason: reason.unwrap_or_default() };
             let value = records::encode(&record).map_err(|e| CtlError::Invalid(format!("--reason: {e}")))?;
             let key = store.keys.drain(&worker);
+            let worker_key = store.keys.worker(&worker);
+            let not_registered = || {
+                CtlError::Invalid(format!(
+                    "worker {worker} is not registered (no {worker_key}); nothing written \
+                     (--force drains it anyway, e.g. before it starts)"
+                ))
+            };
             if force {
                 store.put(&key, &value).await?;
+            } else if until_exit {
+                // Bound to the lease the worker's record holds, and written only while it still
+                // holds that one: the drain cannot outlive this registration.
+                let lease = store.lease_of(&worker_key).await?.ok_or_else(not_registered)?;
+                if lease == 0 {
+                    return Err(CtlError::Invalid(format!(
+                        "{worker_key} is bound to no lease: --until-exit needs a worker's own registration"
+                    )));
+                }
+                let when = vec![Compare::lease(worker_key.as_str(), CompareOp::Equal, lease)];
+                if !store.put_leased_if(when, &key, &value, lease).await? {
+                    return Err(not_registered());
+                }
             } else {
                 // Written only while the worker is registered (its key exists).
-                let worker_key = store.keys.worker(&worker);
                 let when = vec![Compare::version(worker_key.as_str(), CompareOp::Greater, 0)];
                 if !store.put_if(when, &key, &value).await? {
-                    return Err(CtlError::Invalid(format!(
-                        "worker {worker} is not registered (no {worker_key}); nothing written \
-                         (--force drains it anyway, e.g. before it starts)"
-                    )));
+                    return Err(not_registered());
                 }
             }
             let what = format!(
                 "drained worker {worker}: the gateway stops routing to it and the placement controller moves its models"
             );
-            Ok(written(output, &what, &key, Some(&value), None))
+            let mut out = written(output, &what, &key, Some(&value), None);
+            if wait_secs > 0 {
+                let moved = wait_moved(&mut store, &worker, Duration::from_secs(wait_secs)).await?;
+                if output == Output::Table {
+                    out.push_str(&format!("all models moved off worker {worker} in {:.1}s\n", moved.as_secs_f64()));
+                }
+            }
+            Ok(out)
         }
         Command::Undrain { worker } => {
             let key = store.keys.drain(&worker);
@@ -173,6 +226,32 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
         }
     }
 }
+
+/// Waits (polling, bounded by `within`) until `worker` holds no placement; how long it took.
+/// What is still placed on it at the end is the error.
+async fn wait_moved(store: &mut Store, worker: &str, within: Duration) -> Result<Duration, CtlError> {
+    let start = tokio::time::Instant::now();
+    let prefix = store.keys.placement_of(worker);
+    loop {
+        let left = store.keys_under(&prefix).await?;
+        if left.is_empty() {
+            return Ok(start.elapsed());
+        }
+        if start.elapsed() >= within {
+            let names: Vec<&str> = left.iter().map(|k| k.strip_prefix(prefix.as_str()).unwrap_or(k)).collect();
+            return Err(CtlError::Failed(format!(
+                "after {}s worker {worker} still holds {} (model/version): no other worker has loaded \
+                 them yet — see `nereidctl placement` and the gateway's placement log",
+                within.as_secs(),
+                names.join(", ")
+            )));
+        }
+        tokio::time::sleep(WAIT_POLL.min(within.saturating_sub(start.elapsed()))).await;
+    }
+}
+
+/// How often `drain --wait-secs` looks at the worker's placements.
+const WAIT_POLL: Duration = Duration::from_millis(250);
 
 /// The record `model declare` writes, validated and encoded; errors name the flags.
 pub fn model_record(

@@ -1,12 +1,14 @@
-//! `nereidctl`'s etcd access: a handful of reads and writes, each bounded by [`ETCD_TIMEOUT`].
-//! A call that runs out of time or fails becomes [`CtlError::Failed`] (exit 1), naming the
-//! endpoints, what was being done, and for writes that it may or may not have been applied.
+//! `nereidctl`'s etcd access: a handful of reads and writes, each bounded by [`ETCD_TIMEOUT`]
+//! (the full read of the prefix is paged, and each page is bounded: a large fleet takes more
+//! pages, not a longer call). A call that runs out of time or fails becomes
+//! [`CtlError::Failed`] (exit 1), naming the endpoints, what was being done, and for writes
+//! that it may or may not have been applied.
 
 use std::future::Future;
 use std::time::Duration;
 
 use nereid_common::fleet::etcd_client::{self, Client, Compare, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp};
-use nereid_common::fleet::{FleetState, Keys, Rejected};
+use nereid_common::fleet::{self, CALL_TIMEOUT, FleetState, Keys, Rejected};
 
 use super::CtlError;
 
@@ -45,18 +47,14 @@ impl Store {
         bounded(&self.endpoints, what, call, fut).await
     }
 
-    /// Every key under the prefix, in key order.
+    /// Every key under the prefix, in key order, as of one revision. Paged
+    /// ([`fleet::get_prefix`]): one response holding the whole prefix would outgrow gRPC's
+    /// message limit once the values under it add up to a few MiB.
     pub async fn read_all(&mut self) -> Result<Vec<RawKv>, CtlError> {
         let prefix = self.keys.all();
-        let mut client = self.client.clone();
-        let resp = self
-            .call(
-                &format!("read {prefix}"),
-                Call::Read,
-                client.get(prefix.as_str(), Some(GetOptions::new().with_prefix())),
-            )
-            .await?;
-        Ok(resp.kvs().iter().map(|kv| (kv.key().to_vec(), kv.value().to_vec(), kv.lease())).collect())
+        let read = fleet::get_prefix(&self.client, &prefix).await;
+        let read = classify(&self.endpoints, &format!("read {prefix}"), Call::Read, read)?;
+        Ok(read.kvs.iter().map(|kv| (kv.key().to_vec(), kv.value().to_vec(), kv.lease())).collect())
     }
 
     /// The fleet under the prefix, with the values every reader rejects.
@@ -88,6 +86,36 @@ impl Store {
         Ok(resp.succeeded())
     }
 
+    /// The lease `key` is bound to (0: none), or `None` when the key does not exist.
+    pub async fn lease_of(&mut self, key: &str) -> Result<Option<i64>, CtlError> {
+        let mut client = self.client.clone();
+        let resp = self.call(&format!("read {key}"), Call::Read, client.get(key, None)).await?;
+        Ok(resp.kvs().first().map(|kv| kv.lease()))
+    }
+
+    /// Writes `key` bound to `lease` (it goes when the lease does) only if every comparison
+    /// holds; whether it was written.
+    pub async fn put_leased_if(
+        &mut self,
+        when: Vec<Compare>,
+        key: &str,
+        value: &str,
+        lease: i64,
+    ) -> Result<bool, CtlError> {
+        let mut client = self.client.clone();
+        let txn = Txn::new().when(when).and_then([TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease)))]);
+        let resp = self.call(&format!("write {key}"), Call::Write, client.txn(txn)).await?;
+        Ok(resp.succeeded())
+    }
+
+    /// The keys under `prefix` (names only, in key order).
+    pub async fn keys_under(&mut self, prefix: &str) -> Result<Vec<String>, CtlError> {
+        let mut client = self.client.clone();
+        let get = client.get(prefix, Some(GetOptions::new().with_prefix().with_keys_only()));
+        let resp = self.call(&format!("read {prefix}"), Call::Read, get).await?;
+        Ok(resp.kvs().iter().map(|kv| String::from_utf8_lossy(kv.key()).into_owned()).collect())
+    }
+
     /// Deletes `key`; the value it held, or `None` if there was none.
     pub async fn delete(&mut self, key: &str) -> Result<Option<Vec<u8>>, CtlError> {
         let mut client = self.client.clone();
@@ -103,19 +131,35 @@ async fn bounded<T>(
     call: Call,
     fut: impl Future<Output = Result<T, etcd_client::Error>>,
 ) -> Result<T, CtlError> {
-    let maybe = if call == Call::Write { " (it may or may not have been applied)" } else { "" };
     match tokio::time::timeout(ETCD_TIMEOUT, fut).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) if unreachable(&e) => Err(CtlError::Failed(format!(
+        Ok(result) => classify(endpoints, what, call, result),
+        Err(_) => Err(no_answer(endpoints, what, call, ETCD_TIMEOUT)),
+    }
+}
+
+/// An etcd call's result as `nereidctl` reports it.
+fn classify<T>(endpoints: &str, what: &str, call: Call, result: Result<T, etcd_client::Error>) -> Result<T, CtlError> {
+    let maybe = if call == Call::Write { " (it may or may not have been applied)" } else { "" };
+    match result {
+        Ok(v) => Ok(v),
+        Err(e) if unreachable(&e) => Err(CtlError::Failed(format!(
             "cannot reach etcd at {endpoints} ({what}): {}; is it running and reachable?",
             root_cause(&e)
         ))),
-        Ok(Err(e)) => Err(CtlError::Failed(format!("etcd at {endpoints}: {what} failed{maybe}: {e}"))),
-        Err(_) => Err(CtlError::Failed(format!(
-            "etcd at {endpoints} did not answer within {}s ({what}){maybe}; is it running and reachable?",
-            ETCD_TIMEOUT.as_secs()
-        ))),
+        // A page of a paged read that ran out of its time (fleet::get_prefix bounds each page).
+        Err(etcd_client::Error::GRpcStatus(s)) if s.code() == tonic::Code::DeadlineExceeded => {
+            Err(no_answer(endpoints, what, call, CALL_TIMEOUT))
+        }
+        Err(e) => Err(CtlError::Failed(format!("etcd at {endpoints}: {what} failed{maybe}: {e}"))),
     }
+}
+
+fn no_answer(endpoints: &str, what: &str, call: Call, within: Duration) -> CtlError {
+    let maybe = if call == Call::Write { " (it may or may not have been applied)" } else { "" };
+    CtlError::Failed(format!(
+        "etcd at {endpoints} did not answer within {}s ({what}){maybe}; is it running and reachable?",
+        within.as_secs()
+    ))
 }
 
 /// The client could not connect (refused, no route, DNS): nothing reached etcd.
@@ -138,4 +182,27 @@ fn root_cause(e: &etcd_client::Error) -> String {
         cause = next;
     }
     cause.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failed(r: Result<(), CtlError>) -> String {
+        match r {
+            Err(CtlError::Failed(m)) => m,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_page_out_of_time_reads_as_no_answer() {
+        let status = |s| Err::<(), _>(etcd_client::Error::GRpcStatus(s));
+        let m = failed(classify("http://e:1", "read /n/", Call::Read, status(tonic::Status::deadline_exceeded("x"))));
+        assert!(m.contains("did not answer within 3s (read /n/)"), "{m}");
+        let m = failed(classify("http://e:1", "write k", Call::Write, status(tonic::Status::internal("boom"))));
+        assert!(m.contains("write k failed (it may or may not have been applied)"), "{m}");
+        let m = failed(classify("http://e:1", "read /n/", Call::Read, status(tonic::Status::unavailable("down"))));
+        assert!(m.starts_with("cannot reach etcd at http://e:1"), "{m}");
+    }
 }

@@ -205,6 +205,19 @@ impl H2Channel {
         timeout: Duration,
         on_connect: &(dyn Fn(bool) + Sync),
     ) -> Result<(HeaderMap, Bytes), CallError> {
+        self.unary_parts(path, [message, Bytes::new()], timeout, on_connect).await
+    }
+
+    /// [`Self::unary`] with a message sent as two parts, one after the other, neither copied:
+    /// e.g. an encoded message and a field appended to it (a later occurrence of a protobuf
+    /// field overrides an earlier one).
+    pub async fn unary_parts(
+        &self,
+        path: &'static str,
+        parts: [Bytes; 2],
+        timeout: Duration,
+        on_connect: &(dyn Fn(bool) + Sync),
+    ) -> Result<(HeaderMap, Bytes), CallError> {
         // A connection that closed a moment ago may not be marked yet: one that refuses the
         // new stream is retired and the call goes to a fresh one (nothing was sent on it).
         let (send, mut closed) = self.sender(on_connect).await?;
@@ -233,10 +246,16 @@ impl H2Channel {
             .body(())
             .expect("static header names and values");
         let (response, mut body) = send.send_request(request, false).map_err(|e| broken(e, true, &closed))?;
-        // Queued behind the HEADERS: both leave in the connection's next write.
-        let prefix = grpc_prefix(message.len()).map_err(CallError::Status)?;
+        // Queued behind the HEADERS: all leave in the connection's next write.
+        let prefix = grpc_prefix(parts.iter().map(Bytes::len).sum()).map_err(CallError::Status)?;
         body.send_data(prefix, false).map_err(|e| broken(e, true, &closed))?;
-        body.send_data(message, true).map_err(|e| broken(e, true, &closed))?;
+        let [first, second] = parts;
+        if second.is_empty() {
+            body.send_data(first, true).map_err(|e| broken(e, true, &closed))?;
+        } else {
+            body.send_data(first, false).map_err(|e| broken(e, true, &closed))?;
+            body.send_data(second, true).map_err(|e| broken(e, true, &closed))?;
+        }
 
         let response = response.await.map_err(|e| broken(e, false, &closed))?;
         let (parts, mut stream) = response.into_parts();

@@ -13,6 +13,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
+use nereid_common::status::QUEUE_TIMEOUT_MESSAGE;
 use nereid_worker::grpc::convert::deadline_margin;
 use prometheus::{IntCounter, IntCounterVec};
 use tower::Service;
@@ -38,6 +39,10 @@ pub enum FailureKind {
     /// The worker answered UNAVAILABLE: draining, or the model is unloading — it did not run
     /// the request. Safe to retry elsewhere.
     Unavailable,
+    /// The worker answered RESOURCE_EXHAUSTED (its queue is full) or UNAVAILABLE "Request
+    /// timeout expired" (its queue policy timed the request out): it never ran the request.
+    /// Safe to retry elsewhere; the worker is up (overloaded), so no mark against it.
+    Refused,
     /// The connection broke while the request was in flight: the worker may have run it.
     Broken,
     /// The outgoing `grpc-timeout` expired on the client side.
@@ -73,25 +78,33 @@ impl FailureKind {
             // A status tonic made from a transport error carries its cause; one the worker sent
             // in its trailers does not.
             _ if transport => FailureKind::Broken,
+            // A queue-policy timeout (Triton's answer, and the worker's): the request waited in
+            // an overloaded worker's queue and never ran — retry elsewhere, but it is no mark
+            // against the worker's health.
+            tonic::Code::Unavailable if status.message() == QUEUE_TIMEOUT_MESSAGE => FailureKind::Refused,
             tonic::Code::Unavailable => FailureKind::Unavailable,
+            tonic::Code::ResourceExhausted => FailureKind::Refused,
             _ => FailureKind::Answered,
         }
     }
 
     /// Whether the worker provably did not run the request.
     pub fn safe_to_retry(self) -> bool {
-        matches!(self, FailureKind::NotSent | FailureKind::Unavailable)
+        matches!(self, FailureKind::NotSent | FailureKind::Unavailable | FailureKind::Refused)
     }
 
-    /// What the failure says about the worker's health.
-    pub fn outcome(self, code: tonic::Code) -> Outcome {
+    /// What the failure says about the worker's health. A timeout — the gateway's, or the
+    /// worker's DEADLINE_EXCEEDED — is the worker's failure when the gateway's own limit set the
+    /// deadline (`deadline_is_gateways`: `--request-timeout-ms`, which no healthy worker should
+    /// reach), and says nothing when a client's tighter deadline did.
+    pub fn outcome(self, code: tonic::Code, deadline_is_gateways: bool) -> Outcome {
+        let timeout = if deadline_is_gateways { Outcome::Failure } else { Outcome::Neutral };
         match self {
             FailureKind::NotSent | FailureKind::Unavailable | FailureKind::Broken => Outcome::Failure,
-            FailureKind::TimedOut => Outcome::Neutral,
-            FailureKind::Answered if matches!(code, tonic::Code::DeadlineExceeded | tonic::Code::Cancelled) => {
-                Outcome::Neutral
-            }
-            FailureKind::Answered => Outcome::Success,
+            FailureKind::TimedOut => timeout,
+            FailureKind::Answered if code == tonic::Code::DeadlineExceeded => timeout,
+            FailureKind::Answered if code == tonic::Code::Cancelled => Outcome::Neutral,
+            FailureKind::Answered | FailureKind::Refused => Outcome::Success,
         }
     }
 }
@@ -124,7 +137,7 @@ impl UpstreamError {
     /// UNAVAILABLE and an expired timeout DEADLINE_EXCEEDED, whatever tonic made of them.
     pub fn code(&self) -> tonic::Code {
         match self.kind {
-            FailureKind::Answered | FailureKind::Unavailable => self.status.code(),
+            FailureKind::Answered | FailureKind::Unavailable | FailureKind::Refused => self.status.code(),
             FailureKind::NotSent | FailureKind::Broken => tonic::Code::Unavailable,
             FailureKind::TimedOut => tonic::Code::DeadlineExceeded,
         }
@@ -133,7 +146,9 @@ impl UpstreamError {
     fn message(&self) -> String {
         match self.kind {
             // The worker's message names the offending field: pass it through unchanged.
-            FailureKind::Answered | FailureKind::Unavailable => self.status.message().to_string(),
+            FailureKind::Answered | FailureKind::Unavailable | FailureKind::Refused => {
+                self.status.message().to_string()
+            }
             FailureKind::NotSent => format!("worker {} could not be reached: {}", self.worker, self.status.message()),
             FailureKind::Broken => format!("connection to worker {} failed: {}", self.worker, self.status.message()),
             FailureKind::TimedOut => {
@@ -144,10 +159,16 @@ impl UpstreamError {
 }
 
 /// Records the outcome of a call on `worker`'s outlier detector; counts ejections.
-pub fn record_outcome(worker: &Upstream, result: Result<(), &UpstreamError>, ejections: &IntCounter) {
+/// `deadline_is_gateways`: see [`FailureKind::outcome`].
+pub fn record_outcome(
+    worker: &Upstream,
+    result: Result<(), &UpstreamError>,
+    deadline_is_gateways: bool,
+    ejections: &IntCounter,
+) {
     let outcome = match result {
         Ok(()) => Outcome::Success,
-        Err(e) => e.kind.outcome(e.status.code()),
+        Err(e) => e.kind.outcome(e.status.code(), deadline_is_gateways),
     };
     if worker.record(outcome, Instant::now()) {
         ejections.inc();
@@ -185,8 +206,16 @@ impl Service<InferCall> for Forward {
             let _outstanding = worker.start_request();
             let timeout = outgoing_timeout(call.deadline, Instant::now());
             let on_connect = |ok: bool| connects.with_label_values(&[if ok { "ok" } else { "failed" }]).inc();
-            let result = unary_bytes(&worker, MODEL_INFER_PATH, call.request.bytes, timeout, &on_connect).await;
-            record_outcome(&worker, result.as_ref().map(|_| ()), &ejections);
+            // A call naming no version goes to the version the balancer resolved (and chose the
+            // worker for), not to whatever the worker takes as its latest: they differ while a
+            // new version is loading on some workers and not yet seen on others.
+            let pin = match (call.version, call.resolved_version) {
+                (None, Some(v)) => version_field(v),
+                _ => bytes::Bytes::new(),
+            };
+            let parts = [call.request.bytes, pin];
+            let result = unary_bytes(&worker, MODEL_INFER_PATH, parts, timeout, &on_connect).await;
+            record_outcome(&worker, result.as_ref().map(|_| ()), call.deadline_is_gateways, &ejections);
             let bytes = result?;
             // A worker's answer is well-formed; one that is not is the worker's failure.
             InferResponse::from_bytes(bytes).map_err(|e| {
@@ -194,6 +223,18 @@ impl Service<InferCall> for Forward {
             })
         })
     }
+}
+
+/// `ModelInferRequest.model_version` (field 2, a string) set to `version`, encoded as a field
+/// to append to an encoded request: protobuf takes the last occurrence of a field.
+pub fn version_field(version: i64) -> bytes::Bytes {
+    const MODEL_VERSION_KEY: u8 = (2 << 3) | 2;
+    let digits = version.to_string();
+    let mut out = Vec::with_capacity(2 + digits.len());
+    out.push(MODEL_VERSION_KEY);
+    out.push(digits.len() as u8); // at most 20 digits: a one-byte length
+    out.extend_from_slice(digits.as_bytes());
+    bytes::Bytes::from(out)
 }
 
 /// The `grpc-timeout` sent to the worker: the time left, less the worker's own margin
@@ -210,12 +251,12 @@ pub fn outgoing_timeout(deadline: Instant, now: Instant) -> std::time::Duration 
 pub async fn unary_bytes(
     worker: &Upstream,
     path: &'static str,
-    message: bytes::Bytes,
+    message: [bytes::Bytes; 2],
     timeout: Duration,
     on_connect: &(dyn Fn(bool) + Sync),
 ) -> Result<bytes::Bytes, UpstreamError> {
     let err = |status| UpstreamError::new(worker.id.clone(), status);
-    let call = worker.infer_channel().unary(path, message, timeout, on_connect);
+    let call = worker.infer_channel().unary_parts(path, message, timeout, on_connect);
     let (headers, response) = match tokio::time::timeout(timeout, call).await {
         Ok(result) => result.map_err(|e| err(e.into_status()))?,
         Err(_) => return Err(err(tonic::Status::from_error(Box::new(tonic::TimeoutExpired(()))))),
@@ -238,13 +279,43 @@ mod tests {
     fn worker_answers_are_classified_by_code() {
         assert_eq!(FailureKind::classify(&tonic::Status::unavailable("draining")), FailureKind::Unavailable);
         assert_eq!(FailureKind::classify(&tonic::Status::invalid_argument("bad")), FailureKind::Answered);
+        let full = tonic::Status::resource_exhausted("the model's request queue is full");
+        assert_eq!(FailureKind::classify(&full), FailureKind::Refused);
+        let timed_out = tonic::Status::unavailable(QUEUE_TIMEOUT_MESSAGE);
+        assert_eq!(FailureKind::classify(&timed_out), FailureKind::Refused);
+        assert_eq!(UpstreamError::new("w:1".into(), timed_out).code(), tonic::Code::Unavailable);
+        assert!(FailureKind::Refused.safe_to_retry());
+        assert_eq!(FailureKind::Refused.outcome(tonic::Code::ResourceExhausted, true), Outcome::Success);
+        assert_eq!(UpstreamError::new("w:1".into(), full).code(), tonic::Code::ResourceExhausted);
         assert!(FailureKind::Unavailable.safe_to_retry());
         assert!(FailureKind::NotSent.safe_to_retry());
         assert!(!FailureKind::Broken.safe_to_retry());
         assert!(!FailureKind::Answered.safe_to_retry());
-        assert_eq!(FailureKind::Answered.outcome(tonic::Code::InvalidArgument), Outcome::Success);
-        assert_eq!(FailureKind::Answered.outcome(tonic::Code::DeadlineExceeded), Outcome::Neutral);
-        assert_eq!(FailureKind::Broken.outcome(tonic::Code::Unknown), Outcome::Failure);
+        for own in [false, true] {
+            assert_eq!(FailureKind::Answered.outcome(tonic::Code::InvalidArgument, own), Outcome::Success);
+            assert_eq!(FailureKind::Answered.outcome(tonic::Code::Cancelled, own), Outcome::Neutral);
+            assert_eq!(FailureKind::Broken.outcome(tonic::Code::Unknown, own), Outcome::Failure);
+            assert_eq!(FailureKind::NotSent.outcome(tonic::Code::Unavailable, own), Outcome::Failure);
+        }
+        // Timeouts count against the worker only when the gateway's own limit set the deadline.
+        assert_eq!(FailureKind::Answered.outcome(tonic::Code::DeadlineExceeded, false), Outcome::Neutral);
+        assert_eq!(FailureKind::TimedOut.outcome(tonic::Code::DeadlineExceeded, false), Outcome::Neutral);
+        assert_eq!(FailureKind::Answered.outcome(tonic::Code::DeadlineExceeded, true), Outcome::Failure);
+        assert_eq!(FailureKind::TimedOut.outcome(tonic::Code::DeadlineExceeded, true), Outcome::Failure);
+    }
+
+    #[test]
+    fn an_appended_version_field_overrides_the_request_s() {
+        use nereid_proto::inference::ModelInferRequest;
+        use prost::Message;
+        for (named, pinned) in [("", 3i64), ("7", 12345678901234)] {
+            let mut bytes =
+                ModelInferRequest { model_name: "m".into(), model_version: named.into(), ..Default::default() }
+                    .encode_to_vec();
+            bytes.extend_from_slice(&version_field(pinned));
+            let decoded = ModelInferRequest::decode(bytes.as_slice()).unwrap();
+            assert_eq!((decoded.model_name.as_str(), decoded.model_version), ("m", pinned.to_string()));
+        }
     }
 
     #[test]

@@ -229,7 +229,7 @@ impl tonic::server::UnaryService<Bytes> for InferHandler {
         let ingress = self.ingress.clone();
         Box::pin(async move {
             let now = Instant::now();
-            let deadline = ingress.deadline(client_deadline(request.metadata(), now), now);
+            let deadline = ingress.call_deadline(client_deadline(request.metadata(), now), now);
             let request = decode_request(request.into_inner())?;
             // Awaited in place: if the client goes away, tonic drops this future and with it the
             // forwarded call (the worker sees a cancelled RPC).
@@ -254,7 +254,7 @@ impl tonic::server::StreamingService<Bytes> for InferHandler {
             Box::pin(async move {
                 let result = match decode_request(bytes) {
                     Ok(request) => {
-                        let deadline = ingress.deadline(stream_deadline, Instant::now());
+                        let deadline = ingress.call_deadline(stream_deadline, Instant::now());
                         let header = request.header.clone();
                         ingress.infer(request, deadline).await.map_err(|e| (e.to_grpc(), header))
                     }

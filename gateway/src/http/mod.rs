@@ -32,7 +32,7 @@ use serde_json::{Value, json};
 use self::convert::{
     index_entry_from_proto, infer_request_to_proto, infer_response_from_proto, metadata_from_proto, stats_from_proto,
 };
-use crate::call::{DEADLINE_HEADER, parse_deadline_ms};
+use crate::call::{CallDeadline, DEADLINE_HEADER, parse_deadline_ms};
 use crate::error::GatewayError;
 use crate::grpc::{EXTENSIONS, SERVER_NAME, SERVER_VERSION};
 use crate::ingress::Ingress;
@@ -138,8 +138,12 @@ fn model_ref(params: &HashMap<String, String>) -> Result<(String, Option<i64>), 
 
 /// The deadline of an HTTP request: `x-nereid-deadline-ms`, capped by the gateway's limit.
 fn deadline(ingress: &Ingress, headers: &HeaderMap, now: Instant) -> Instant {
+    call_deadline(ingress, headers, now).at
+}
+
+fn call_deadline(ingress: &Ingress, headers: &HeaderMap, now: Instant) -> CallDeadline {
     let client = headers.get(DEADLINE_HEADER).and_then(|v| v.to_str().ok()).and_then(|v| parse_deadline_ms(v, now));
-    ingress.deadline(client, now)
+    ingress.call_deadline(client, now)
 }
 
 fn ok_or_400(ok: bool) -> StatusCode {
@@ -266,7 +270,7 @@ async fn infer(
     body: Body,
 ) -> Result<Response, GatewayError> {
     let now = Instant::now();
-    let deadline = deadline(&ingress, &headers, now);
+    let deadline = call_deadline(&ingress, &headers, now);
     let (name, version) = model_ref(&params)?;
     let header_length = match headers.get(HEADER_CONTENT_LENGTH) {
         None => None,

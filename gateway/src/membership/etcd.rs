@@ -3,8 +3,17 @@
 //! [`FleetState`] and publishing a routing table built from it.
 //!
 //! - **Resume, not restart.** When the watch breaks (etcd restarted, network), the task
-//!   reconnects with back-off and resumes the watch from the last revision it applied; only when
-//!   etcd has compacted that revision away does it re-read everything (counted as a resync).
+//!   reconnects with back-off and resumes the watch from the last revision it applied. It
+//!   re-reads everything (counted in `nereid_gateway_etcd_resyncs_total`) only when resuming
+//!   would miss events: etcd compacted that revision away, or etcd's history went back — its
+//!   data was wiped or restored from an older backup, or it is another cluster
+//!   ([`fleet::history_reset`]): a watch from the old revision would then see nothing while
+//!   looking healthy.
+//! - **Reads of any size.** The full read is paged and pinned to one revision
+//!   ([`fleet::get_prefix`]) and the watch decodes large batches ([`fleet::watch`]), so values
+//!   adding up past gRPC's default 4 MiB message limit neither stop the first table nor a
+//!   resume. Every request requires an etcd leader ([`fleet::connect_options`]): a member cut
+//!   off from its quorum ends the watch, which is then reported down, not healthy and stale.
 //! - **Last good table.** While etcd is away nothing is published: requests keep routing on the
 //!   last table, whose age (`nereid_gateway_routing_table_age_seconds`) grows, and
 //!   `nereid_gateway_etcd_watch_connected` reads 0. An empty table is never published because
@@ -20,9 +29,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
-use nereid_common::fleet::etcd_client::{Client, EventType, GetOptions, WatchOptions};
+use nereid_common::fleet::etcd_client::{Client, EventType, WatchOptions};
 use nereid_common::fleet::records::{ModelState, WorkerState as RecordState};
-use nereid_common::fleet::{self, Backoff, FleetState, Keys, bounded};
+use nereid_common::fleet::{self, Backoff, ClusterMark, FleetState, Keys, bounded, history_reset};
 use nereid_proto::inference::repository_index_response::ModelIndex;
 use tokio_util::sync::CancellationToken;
 
@@ -44,6 +53,9 @@ pub struct EtcdMembership {
     state: FleetState,
     /// Last revision applied (0: nothing read yet).
     revision: i64,
+    /// The etcd history as far as seen (highest revision and term of every response header):
+    /// compared with the cluster's on each reconnect, to notice a history that went back.
+    seen: ClusterMark,
     /// worker id → (gRPC address, upstream), kept across tables.
     upstreams: HashMap<String, (String, Arc<Upstream>)>,
 }
@@ -65,6 +77,7 @@ impl EtcdMembership {
             metrics,
             state: FleetState::default(),
             revision: 0,
+            seen: ClusterMark::default(),
             upstreams: HashMap::new(),
         }
     }
@@ -81,18 +94,32 @@ impl EtcdMembership {
         }
     }
 
-    /// Reads everything under the prefix and notes its revision.
-    async fn resync(&mut self, client: &mut Client) -> Result<(), String> {
-        let resp = bounded("read", client.get(self.keys.all(), Some(GetOptions::new().with_prefix()))).await?;
-        let (state, rejected) = self.state.reread(&self.keys, resp.kvs().iter().map(|kv| (kv.key(), kv.value())));
+    /// Reads everything under the prefix (paged, as of one revision) and notes its revision.
+    /// The history seen restarts from this read's: after a reset, the old marks are another
+    /// history's.
+    async fn resync(&mut self, client: &Client) -> Result<(), String> {
+        let read = fleet::get_prefix(client, &self.keys.all()).await.map_err(|e| format!("read: {e}"))?;
+        let (state, rejected) = self.state.reread(&self.keys, read.kvs.iter().map(|kv| (kv.key(), kv.value())));
         for r in rejected {
             tracing::warn!("{r}; keeping the last good value");
             self.metrics.etcd_invalid_values.with_label_values(&[r.kind]).inc();
         }
         self.state = state;
-        self.revision = resp.header().map(|h| h.revision()).unwrap_or(0);
+        self.revision = read.mark.revision;
+        self.seen = read.mark;
         self.metrics.etcd_resyncs.inc();
         Ok(())
+    }
+
+    /// Whether resuming from `self.revision` would miss events because etcd's history went
+    /// back while we were away; `Some(why)` then. Otherwise notes the cluster's mark.
+    async fn history_lost(&mut self, client: &mut Client) -> Result<Option<String>, String> {
+        let now = bounded("read the revision", ClusterMark::current(client, &self.keys.all())).await?;
+        let why = history_reset(&self.seen, &now);
+        if why.is_none() {
+            self.seen.observe_mark(now);
+        }
+        Ok(why)
     }
 
     fn publish(&mut self, publisher: &RoutesPublisher) {
@@ -136,7 +163,10 @@ impl EtcdMembership {
             views.push(WorkerView { upstream, state, models });
         }
         self.upstreams = upstreams;
-        publisher.publish(RoutingTable::build(views, Instant::now()));
+        // Declared models are known even before (or while) any worker lists them: UNAVAILABLE,
+        // not NOT_FOUND, which clients take as final.
+        let declared = self.state.models.keys().cloned();
+        publisher.publish(RoutingTable::build(views, Instant::now()).with_declared(declared));
     }
 
     /// One connection: (re)read if needed, watch from the next revision, apply events until
@@ -146,14 +176,25 @@ impl EtcdMembership {
             Ok(c) => c,
             Err(e) => return Disconnect::Resume(e),
         };
-        if resync || self.revision == 0 {
-            if let Err(e) = self.resync(&mut client).await {
-                return if resync { Disconnect::Resync(e) } else { Disconnect::Resume(e) };
+        let mut resync = resync || self.revision == 0;
+        if !resync {
+            match self.history_lost(&mut client).await {
+                Ok(None) => {}
+                Ok(Some(why)) => {
+                    tracing::warn!(revision = self.revision, "{why}; re-reading the fleet state");
+                    resync = true;
+                }
+                Err(e) => return Disconnect::Resume(e),
+            }
+        }
+        if resync {
+            if let Err(e) = self.resync(&client).await {
+                return Disconnect::Resync(e);
             }
             self.publish(publisher);
         }
         let options = WatchOptions::new().with_prefix().with_start_revision(self.revision + 1).with_progress_notify();
-        let mut watch = match bounded("watch", client.watch(self.keys.all(), Some(options))).await {
+        let mut watch = match bounded("watch", fleet::watch(&client, self.keys.all(), options)).await {
             Ok(w) => w,
             Err(e) => return Disconnect::Resume(e),
         };
@@ -170,6 +211,7 @@ impl EtcdMembership {
                         Ok(None) => return Disconnect::Resume("the watch stream ended".into()),
                         Err(e) => return Disconnect::Resume(format!("watch: {e}")),
                     };
+                    self.seen.observe(resp.header());
                     if resp.compact_revision() > 0 {
                         return Disconnect::Resync(format!("revision {} was compacted", self.revision + 1));
                     }

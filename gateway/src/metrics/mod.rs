@@ -58,7 +58,8 @@ pub struct GatewayMetrics {
     registry: Registry,
     pub requests: IntCounterVec,
     pub duration_us: HistogramVec,
-    pub retries: IntCounter,
+    /// Retries sent to another worker, by model and version (labelled as `requests`).
+    pub retries: IntCounterVec,
     pub ejections: IntCounter,
     /// Attempts to connect to a worker for inference, by `result` (`ok` / `failed`): a
     /// climbing count means connections keep breaking (a flapping worker or network).
@@ -98,7 +99,11 @@ impl GatewayMetrics {
             &["model", "version"],
         )
         .expect("valid metric");
-        let retries = IntCounter::new(RETRIES_TOTAL, "Retries sent to another worker").expect("valid metric");
+        let retries = IntCounterVec::new(
+            Opts::new(RETRIES_TOTAL, "Inference retries sent to another worker, by model and version"),
+            &["model", "version"],
+        )
+        .expect("valid metric");
         let ejections = IntCounter::new(EJECTIONS_TOTAL, "Workers ejected by outlier detection").expect("valid metric");
         let upstream_connects = IntCounterVec::new(
             Opts::new(UPSTREAM_CONNECTS_TOTAL, "Connection attempts to workers for inference, by result (ok, failed)"),

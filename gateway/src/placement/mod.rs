@@ -8,17 +8,27 @@
 //! leader that lost its lease (partition, pause) can no longer write, even before it notices.
 //! Losing the lease or a fenced write ends the term; the gateway campaigns again.
 //!
-//! A worker whose load of a version FAILED is remembered for [`FAILED_COOLDOWN`] so the version
-//! is re-placed elsewhere instead of bouncing back to it.
+//! A plan runs at most [`DEBOUNCE`] after the first change since the last one, however busy
+//! etcd is ([`Schedule`]), and at least every [`REPLAN_INTERVAL`].
+//!
+//! A worker whose load of a version FAILED — or that did not report it READY within
+//! `--placement-load-timeout-secs` of the leader first seeing it placed and not READY (a dead
+//! agent, a load stuck in LOADING) — is remembered for [`FAILED_COOLDOWN`] so the version is
+//! re-placed elsewhere instead of bouncing back to it ([`LoadWatch`]). The failure is logged
+//! once, with the worker's reason, and remembered per version: a version left unplaced is then
+//! reported with that reason, not only as a lack of room.
 
 pub mod plan;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::{Duration, Instant};
+use std::fmt;
+use std::pin::Pin;
+use std::time::Duration;
 
-use nereid_common::fleet::etcd_client::{Client, Compare, CompareOp, GetOptions, LeaderKey, Txn, TxnOp, WatchOptions};
+use nereid_common::fleet::etcd_client::{Client, Compare, CompareOp, LeaderKey, Txn, TxnOp, WatchOptions};
 use nereid_common::fleet::records::{self, ModelState, PlacementRecord};
 use nereid_common::fleet::{self, Assignment, Backoff, CALL_TIMEOUT, FleetState, Keys, bounded, check_keepalive};
+use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::EtcdConfig;
@@ -30,6 +40,8 @@ pub const FAILED_COOLDOWN: Duration = Duration::from_secs(60);
 const REPLAN_INTERVAL: Duration = Duration::from_secs(2);
 /// Changes arriving within this window are planned together.
 const DEBOUNCE: Duration = Duration::from_millis(50);
+/// An unchanged warning about a version left unplaced is repeated at most this often.
+const UNPLACED_REPORT_INTERVAL: Duration = Duration::from_secs(60);
 /// etcd's default limit on operations per transaction.
 const MAX_TXN_OPS: usize = 128;
 
@@ -39,11 +51,14 @@ pub struct PlacementController {
     /// The fleet as last read, across terms: a value rejected as invalid keeps its last good
     /// value here, so a bad write to `models/<m>` never un-places the model.
     last: FleetState,
+    /// Load failures and waits, across terms (see [`LoadWatch::begin_term`]).
+    loads: LoadWatch,
 }
 
 impl PlacementController {
     pub fn new(config: EtcdConfig, metrics: GatewayMetrics) -> Self {
-        PlacementController { config, metrics, last: FleetState::default() }
+        let loads = LoadWatch::new(config.placement_load_timeout);
+        PlacementController { config, metrics, last: FleetState::default(), loads }
     }
 
     /// Campaigns and leads, term after term, until `shutdown`.
@@ -51,7 +66,7 @@ impl PlacementController {
         let mut backoff = Backoff::new();
         let mut lease = None;
         loop {
-            let started = Instant::now();
+            let started = std::time::Instant::now();
             let result = self.term(&shutdown, &mut lease).await;
             self.metrics.placement_leader.set(0);
             match result {
@@ -105,12 +120,11 @@ impl PlacementController {
         self.metrics.placement_leader.set(1);
         tracing::info!(gateway = %id, revision = leader.rev(), "leading the placement controller");
 
-        let mut watch = bounded("watch", client.watch(keys.all(), Some(WatchOptions::new().with_prefix()))).await?;
-        let mut replan = tokio::time::interval(REPLAN_INTERVAL);
-        let mut failed: BTreeMap<Assignment, Instant> = BTreeMap::new();
-        let mut dirty = true;
+        // Through fleet::watch: its responses may exceed tonic's default 4 MiB limit.
+        let mut watch = bounded("watch", fleet::watch(&client, keys.all(), WatchOptions::new().with_prefix())).await?;
+        self.loads.begin_term();
+        let mut schedule = Schedule::new();
         let result = loop {
-            let debounce = tokio::time::sleep(if dirty { DEBOUNCE } else { REPLAN_INTERVAL });
             tokio::select! {
                 _ = shutdown.cancelled() => break Ok(()),
                 _ = keepalive_tick.tick() => {
@@ -120,14 +134,19 @@ impl PlacementController {
                     if let Err(e) = check_keepalive(msg) { break Err(e) }
                 }
                 msg = watch.message() => match msg {
-                    Ok(Some(r)) if !r.canceled() => dirty |= r.events().iter().any(|e| e.kv().is_some_and(|kv| !is_placement(keys, kv.key()))) ,
+                    // Its own placement writes are no news to the controller.
+                    Ok(Some(r)) if !r.canceled() => {
+                        if r.events().iter().any(|e| e.kv().is_some_and(|kv| !is_placement(keys, kv.key()))) {
+                            schedule.changed();
+                        }
+                    }
                     Ok(_) => break Err("the watch ended".into()),
                     Err(e) => break Err(format!("watch: {e}")),
                 },
-                _ = replan.tick() => dirty = true,
-                _ = debounce, if dirty => {
-                    dirty = false;
-                    if let Err(e) = self.reconcile(&mut client, &leader, &mut failed).await {
+                _ = schedule.due() => {
+                    let result = self.reconcile(&mut client, &leader).await;
+                    schedule.planned();
+                    if let Err(e) = result {
                         break Err(e);
                     }
                 }
@@ -146,38 +165,42 @@ impl PlacementController {
     }
 
     /// Reads the fleet, plans, and writes the difference (fenced on leadership).
-    async fn reconcile(
-        &mut self,
-        client: &mut Client,
-        leader: &LeaderKey,
-        failed: &mut BTreeMap<Assignment, Instant>,
-    ) -> Result<(), String> {
+    async fn reconcile(&mut self, client: &mut Client, leader: &LeaderKey) -> Result<(), String> {
         let keys = self.config.keys.clone();
-        let resp = bounded("read", client.get(keys.all(), Some(GetOptions::new().with_prefix()))).await?;
+        // Paged (each page bounded): one read of a large fleet would exceed gRPC's message limit.
+        let read = fleet::get_prefix(client, &keys.all()).await.map_err(|e| format!("read: {e}"))?;
         // Rejected values are logged and counted by the membership watch; here the last good
         // value of such a key is used.
-        let (state, rejected) = self.last.reread(&keys, resp.kvs().iter().map(|kv| (kv.key(), kv.value())));
+        let (state, rejected) = self.last.reread(&keys, read.kvs.iter().map(|kv| (kv.key(), kv.value())));
         self.last = state.clone();
         // A declaration rejected with no last good value to fall back on (a leader that never
         // saw it valid): the model is neither re-planned nor undeclared — its placements stay
         // as they are until a valid value is written or the key is deleted.
         let frozen = frozen_models(&keys, &rejected, &state);
         let now = Instant::now();
-        failed.retain(|_, at| now.duration_since(*at) < FAILED_COOLDOWN);
-        for (worker, statuses) in &state.statuses {
-            for ((model, version), s) in statuses {
-                if s.state == ModelState::Failed {
-                    failed.entry((worker.clone(), model.clone(), *version)).or_insert(now);
-                }
-            }
+        for f in self.loads.observe(&state, now) {
+            tracing::warn!(
+                worker = %f.worker,
+                model = %f.model,
+                version = f.version,
+                reason = %f.reason,
+                "{f}; the replica goes to another worker if one has room, not back to this one for {}s",
+                FAILED_COOLDOWN.as_secs()
+            );
         }
-        let excluded: BTreeSet<Assignment> = failed.keys().cloned().collect();
+        let excluded = self.loads.excluded();
         let mut planned = plan::plan(&state, &excluded);
         planned.assignments.extend(state.placements.iter().filter(|(_, m, _)| frozen.contains(m)).cloned());
         self.metrics.placement_plans.inc();
         self.metrics.placement_unplaced.set(planned.unplaced_replicas() as i64);
-        for (model, version, missing) in &planned.unplaced {
-            tracing::warn!(%model, version, missing, "not enough active workers with room for every replica");
+        for r in self.loads.unplaced_reports(&state, &planned.unplaced, &excluded, now) {
+            tracing::warn!(
+                model = %r.model,
+                version = r.version,
+                missing = r.missing,
+                excluded_after_failure = r.excluded_failed,
+                "{r}"
+            );
         }
         let value =
             records::encode(&PlacementRecord { schema: records::SCHEMA_VERSION, leader_revision: leader.rev() })
@@ -188,7 +211,10 @@ impl PlacementController {
             ops.push(TxnOp::put(keys.placement(w, m, *v), value.clone(), None));
         }
         for (w, m, v) in state.placements.difference(&planned.assignments) {
-            tracing::info!(worker = %w, model = %m, version = v, "removing placement");
+            // On a draining or drained worker: handed over (its replacement is READY), or with
+            // nothing to hand over (not READY there, or no replacement could be placed).
+            let worker_active = state.is_active(w);
+            tracing::info!(worker = %w, model = %m, version = v, worker_active, "removing placement");
             ops.push(TxnOp::delete(keys.placement(w, m, *v), None));
         }
         for chunk in ops.chunks(MAX_TXN_OPS) {
@@ -205,6 +231,226 @@ impl PlacementController {
     }
 }
 
+/// When the next plan is due: one timer, set when the first change since the last plan arrives
+/// and never pushed back by later ones — so a steady stream of etcd events (a key written every
+/// few milliseconds, the workers' status churn, the keep-alive ticks of the select loop) cannot
+/// postpone a plan past [`DEBOUNCE`] — and re-armed for [`REPLAN_INTERVAL`] after each plan.
+struct Schedule {
+    timer: Pin<Box<Sleep>>,
+}
+
+impl Schedule {
+    /// Due at once: a new leader plans before anything else.
+    fn new() -> Self {
+        Schedule { timer: Box::pin(tokio::time::sleep_until(Instant::now())) }
+    }
+
+    /// Something changed: a plan within [`DEBOUNCE`], or sooner if one is due sooner.
+    fn changed(&mut self) {
+        let soon = Instant::now() + DEBOUNCE;
+        if soon < self.timer.deadline() {
+            self.timer.as_mut().reset(soon);
+        }
+    }
+
+    /// A plan ran: the next one is due after [`REPLAN_INTERVAL`] unless something changes.
+    fn planned(&mut self) {
+        self.timer.as_mut().reset(Instant::now() + REPLAN_INTERVAL);
+    }
+
+    /// Resolves when a plan is due. Cancel-safe (the timer lives in `self`): a select loop may
+    /// drop it every turn without moving the deadline.
+    async fn due(&mut self) {
+        self.timer.as_mut().await
+    }
+}
+
+/// A load that failed: a FAILED status, or no READY within the load timeout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadFailure {
+    pub worker: String,
+    pub model: String,
+    pub version: i64,
+    /// The worker's own reason, or why the controller gave up waiting.
+    pub reason: String,
+}
+
+impl fmt::Display for LoadFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the load of {} version {} failed on worker {}: {}",
+            self.model, self.version, self.worker, self.reason
+        )
+    }
+}
+
+/// Why a version has fewer replicas than declared, as one warning.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnplacedReport {
+    pub model: String,
+    pub version: i64,
+    pub missing: u32,
+    pub replicas: u32,
+    /// Active workers not chosen because their load of this version failed (in cooldown).
+    pub excluded_failed: usize,
+    /// The last load failure of this version seen by this leader, if any.
+    pub last_failure: Option<LoadFailure>,
+}
+
+impl fmt::Display for UnplacedReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (model, version) = (&self.model, self.version);
+        write!(f, "{} of {} replica(s) of {model} version {version} not placed: ", self.missing, self.replicas)?;
+        if self.excluded_failed > 0 {
+            write!(
+                f,
+                "{} active worker(s) excluded because their load of it failed (not retried there for {}s); ",
+                self.excluded_failed,
+                FAILED_COOLDOWN.as_secs()
+            )?;
+        }
+        write!(f, "no other active worker both has room (memory_mb, max_models) and matches its selector")?;
+        if let Some(last) = &self.last_failure {
+            write!(f, "; last load failure, on worker {}: {}", last.worker, last.reason)?;
+        }
+        Ok(())
+    }
+}
+
+/// What the leader learns about loads from plan to plan: which (worker, version) pairs failed
+/// and since when, how long each placement has gone without READY, the last failure per
+/// version, and which unplaced warnings were already given.
+///
+/// A worker's statuses exist only while it is placed there, and the controller removes a
+/// FAILED placement at once, so the reason would vanish within one plan if it were not kept
+/// here.
+struct LoadWatch {
+    load_timeout: Duration,
+    /// Assignments whose load failed, since when: excluded for [`FAILED_COOLDOWN`].
+    failed: BTreeMap<Assignment, Instant>,
+    /// Placements on active workers seen without a READY (or FAILED) status, since when.
+    not_ready_since: BTreeMap<Assignment, Instant>,
+    /// The last failure per (model, version), while the version is declared.
+    last_failure: BTreeMap<(String, i64), LoadFailure>,
+    /// The last unplaced warning per (model, version) and when it was given.
+    reported: BTreeMap<(String, i64), (UnplacedReport, Instant)>,
+}
+
+impl LoadWatch {
+    fn new(load_timeout: Duration) -> Self {
+        LoadWatch {
+            load_timeout,
+            failed: BTreeMap::new(),
+            not_ready_since: BTreeMap::new(),
+            last_failure: BTreeMap::new(),
+            reported: BTreeMap::new(),
+        }
+    }
+
+    /// A new term of leadership: what happened while another gateway led was not watched, so
+    /// waits for READY start over and shortages are reported afresh; failures (with their
+    /// cooldown, in absolute time) and their reasons are kept.
+    fn begin_term(&mut self) {
+        self.not_ready_since.clear();
+        self.reported.clear();
+    }
+
+    /// Takes in a fresh read of the fleet at `now`; returns the failures seen for the first
+    /// time (each FAILED status once per cooldown, each load timeout once), to be logged.
+    fn observe(&mut self, state: &FleetState, now: Instant) -> Vec<LoadFailure> {
+        self.failed.retain(|_, at| now.saturating_duration_since(*at) < FAILED_COOLDOWN);
+        let mut new = Vec::new();
+        let mut note = |failed: &mut BTreeMap<Assignment, Instant>, a: &Assignment, reason: String| {
+            failed.insert(a.clone(), now);
+            let f = LoadFailure { worker: a.0.clone(), model: a.1.clone(), version: a.2, reason };
+            self.last_failure.insert((a.1.clone(), a.2), f.clone());
+            new.push(f);
+        };
+        for (worker, statuses) in &state.statuses {
+            for ((model, version), s) in statuses {
+                let a = (worker.clone(), model.clone(), *version);
+                if s.state == ModelState::Failed && !self.failed.contains_key(&a) {
+                    let reason =
+                        if s.reason.is_empty() { "(the worker gave no reason)".to_string() } else { s.reason.clone() };
+                    note(&mut self.failed, &a, reason);
+                }
+            }
+        }
+        // Placements that should become READY: on an active worker, of a declared version.
+        let mut waiting = BTreeSet::new();
+        for a @ (w, m, v) in &state.placements {
+            if !state.is_active(w) || !state.models.get(m).is_some_and(|d| d.versions.contains(v)) {
+                continue;
+            }
+            let status = state.statuses.get(w).and_then(|s| s.get(&(m.clone(), *v))).map(|s| s.state);
+            if matches!(status, Some(ModelState::Ready | ModelState::Failed)) || self.failed.contains_key(a) {
+                continue;
+            }
+            waiting.insert(a.clone());
+            let since = *self.not_ready_since.entry(a.clone()).or_insert(now);
+            if now.saturating_duration_since(since) >= self.load_timeout {
+                let seen = match status {
+                    Some(s) => format!("it was still {}", s.name()),
+                    None => "the worker published no status for it".to_string(),
+                };
+                let reason = format!(
+                    "not READY within {}s (--placement-load-timeout-secs); {seen}",
+                    self.load_timeout.as_secs()
+                );
+                note(&mut self.failed, a, reason);
+                waiting.remove(a);
+            }
+        }
+        self.not_ready_since.retain(|a, _| waiting.contains(a));
+        self.last_failure.retain(|(m, v), _| state.models.get(m).is_some_and(|d| d.versions.contains(v)));
+        new
+    }
+
+    /// The assignments the plan must not make (or keep): those whose load failed lately.
+    fn excluded(&self) -> BTreeSet<Assignment> {
+        self.failed.keys().cloned().collect()
+    }
+
+    /// The warnings to give about versions left unplaced: each when it first appears or changes,
+    /// and again every [`UNPLACED_REPORT_INTERVAL`] while it lasts — not on every plan.
+    fn unplaced_reports(
+        &mut self,
+        state: &FleetState,
+        unplaced: &[(String, i64, u32)],
+        excluded: &BTreeSet<Assignment>,
+        now: Instant,
+    ) -> Vec<UnplacedReport> {
+        let mut out = Vec::new();
+        let mut current = BTreeSet::new();
+        for (model, version, missing) in unplaced {
+            let key = (model.clone(), *version);
+            let report = UnplacedReport {
+                model: model.clone(),
+                version: *version,
+                missing: *missing,
+                replicas: state.models.get(model).map_or(0, |d| d.replicas),
+                excluded_failed: excluded
+                    .iter()
+                    .filter(|(w, m, v)| m == model && v == version && state.is_active(w))
+                    .count(),
+                last_failure: self.last_failure.get(&key).cloned(),
+            };
+            let repeat = self.reported.get(&key).is_some_and(|(last, at)| {
+                *last == report && now.saturating_duration_since(*at) < UNPLACED_REPORT_INTERVAL
+            });
+            if !repeat {
+                self.reported.insert(key.clone(), (report.clone(), now));
+                out.push(report);
+            }
+            current.insert(key);
+        }
+        // Placed again (or undeclared): a later shortage is news again.
+        self.reported.retain(|k, _| current.contains(k));
+        out
+    }
+}
+
 fn is_placement(keys: &Keys, key: &[u8]) -> bool {
     matches!(keys.parse(key), Some(fleet::Key::Placement { .. }))
 }
@@ -217,4 +463,240 @@ fn frozen_models(keys: &Keys, rejected: &[fleet::Rejected], state: &FleetState) 
             _ => None,
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use nereid_common::fleet::records::DrainRecord;
+
+    use super::plan::fixtures::{a, model, status, worker};
+    use super::*;
+
+    /// A change every 20 ms, for a second: a plan still runs at most DEBOUNCE after the first
+    /// change since the previous plan (virtual time, so exact), instead of waiting for the
+    /// churn to stop.
+    #[tokio::test(start_paused = true)]
+    async fn a_steady_stream_of_changes_does_not_starve_the_plan() {
+        let mut schedule = Schedule::new();
+        let mut churn = tokio::time::interval(Duration::from_millis(20));
+        let mut first_change: Option<Instant> = None;
+        let (mut changes, mut plans) = (0, 0);
+        while changes < 50 {
+            tokio::select! {
+                _ = churn.tick() => {
+                    changes += 1;
+                    first_change.get_or_insert_with(Instant::now);
+                    schedule.changed();
+                }
+                _ = schedule.due() => {
+                    if let Some(first) = first_change.take() {
+                        assert!(Instant::now() - first <= DEBOUNCE, "planned {:?} after a change", Instant::now() - first);
+                        plans += 1;
+                    }
+                    schedule.planned();
+                }
+            }
+        }
+        // One plan per debounce window (and the change after it), not one at the end.
+        assert!(plans >= 10, "{plans} plans during the churn");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn plans_are_due_at_once_then_on_change_or_every_interval() {
+        let start = Instant::now();
+        let mut schedule = Schedule::new();
+        schedule.due().await;
+        assert_eq!(Instant::now(), start, "a new leader plans at once");
+
+        // Nothing changes: the periodic re-plan.
+        schedule.planned();
+        schedule.due().await;
+        assert_eq!(Instant::now(), start + REPLAN_INTERVAL);
+
+        // A change, then another 30 ms later: the first one's deadline holds.
+        schedule.planned();
+        let first = Instant::now();
+        schedule.changed();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        schedule.changed();
+        schedule.due().await;
+        assert_eq!(Instant::now(), first + DEBOUNCE);
+    }
+
+    fn fleet() -> FleetState {
+        let mut s = FleetState::default();
+        worker(&mut s, "w1", 0, 0);
+        worker(&mut s, "w2", 0, 0);
+        model(&mut s, "m", &[1], 1, 0);
+        s
+    }
+
+    #[test]
+    fn a_failed_load_is_reported_once_and_remembered_after_its_status_is_gone() {
+        let t0 = Instant::now();
+        let mut loads = LoadWatch::new(Duration::from_secs(600));
+        let mut s = fleet();
+        s.placements.insert(a("w1", "m", 1));
+        status(&mut s, "w1", "m", 1, Some((ModelState::Failed, "model file is corrupt")));
+        let new = loads.observe(&s, t0);
+        assert_eq!(
+            new,
+            vec![LoadFailure {
+                worker: "w1".into(),
+                model: "m".into(),
+                version: 1,
+                reason: "model file is corrupt".into()
+            }]
+        );
+        assert_eq!(new[0].to_string(), "the load of m version 1 failed on worker w1: model file is corrupt");
+        assert!(loads.observe(&s, t0 + Duration::from_secs(1)).is_empty(), "logged once");
+        assert_eq!(loads.excluded(), BTreeSet::from([a("w1", "m", 1)]));
+
+        // The controller removed the placement; the worker removed the status. The reason stays.
+        s.placements.clear();
+        status(&mut s, "w1", "m", 1, None);
+        assert!(loads.observe(&s, t0 + Duration::from_secs(2)).is_empty());
+        assert_eq!(loads.last_failure[&("m".to_string(), 1)].reason, "model file is corrupt");
+        // Cooldown over: the worker may be chosen again; the last reason is still known.
+        loads.observe(&s, t0 + FAILED_COOLDOWN);
+        assert!(loads.excluded().is_empty());
+        assert!(loads.last_failure.contains_key(&("m".to_string(), 1)));
+        // Undeclared: forgotten.
+        s.models.clear();
+        loads.observe(&s, t0 + FAILED_COOLDOWN);
+        assert!(loads.last_failure.is_empty());
+
+        // No reason given by the worker: said so.
+        let mut loads = LoadWatch::new(Duration::from_secs(600));
+        let mut s = fleet();
+        status(&mut s, "w2", "m", 1, Some((ModelState::Failed, "")));
+        assert!(loads.observe(&s, t0)[0].reason.contains("no reason"));
+    }
+
+    /// A placement that never becomes READY (the worker publishes nothing, or stays LOADING)
+    /// counts as failed after the load timeout, and the plan then moves it.
+    #[test]
+    fn a_placement_not_ready_within_the_load_timeout_is_moved() {
+        let timeout = Duration::from_secs(600);
+        let t0 = Instant::now();
+        let mut loads = LoadWatch::new(timeout);
+        let mut s = fleet();
+        s.placements.insert(a("w1", "m", 1));
+        assert!(loads.observe(&s, t0).is_empty());
+        status(&mut s, "w1", "m", 1, Some((ModelState::Loading, "")));
+        assert!(loads.observe(&s, t0 + timeout - Duration::from_secs(1)).is_empty());
+        assert_eq!(plan::plan(&s, &loads.excluded()).assignments, BTreeSet::from([a("w1", "m", 1)]));
+
+        let new = loads.observe(&s, t0 + timeout);
+        assert_eq!(new.len(), 1, "{new:?}");
+        assert_eq!((new[0].worker.as_str(), new[0].model.as_str(), new[0].version), ("w1", "m", 1));
+        assert!(new[0].reason.contains("not READY within 600s"), "{}", new[0].reason);
+        assert!(new[0].reason.contains("still LOADING"), "{}", new[0].reason);
+        let p = plan::plan(&s, &loads.excluded());
+        assert_eq!(p.assignments, BTreeSet::from([a("w2", "m", 1)]), "moved to w2");
+        assert!(loads.observe(&s, t0 + timeout + Duration::from_secs(1)).is_empty(), "logged once");
+
+        // w2 never publishes anything either.
+        s.placements = p.assignments;
+        status(&mut s, "w1", "m", 1, None);
+        let t1 = t0 + timeout + Duration::from_secs(2);
+        assert!(loads.observe(&s, t1).is_empty());
+        let new = loads.observe(&s, t1 + timeout);
+        assert!(new[0].reason.contains("published no status"), "{new:?}");
+    }
+
+    #[test]
+    fn the_load_timeout_restarts_when_the_placement_was_ready_and_skips_inactive_workers() {
+        let timeout = Duration::from_secs(10);
+        let t0 = Instant::now();
+        let mut loads = LoadWatch::new(timeout);
+        let mut s = fleet();
+        s.placements.insert(a("w1", "m", 1));
+        status(&mut s, "w1", "m", 1, Some((ModelState::Loading, "")));
+        loads.observe(&s, t0);
+        status(&mut s, "w1", "m", 1, Some((ModelState::Ready, "")));
+        loads.observe(&s, t0 + Duration::from_secs(5));
+        assert!(loads.not_ready_since.is_empty(), "READY: nothing pending");
+        // LOADING again (a reload): counted from now, not from t0.
+        status(&mut s, "w1", "m", 1, Some((ModelState::Loading, "")));
+        assert!(loads.observe(&s, t0 + Duration::from_secs(12)).is_empty());
+        assert!(loads.observe(&s, t0 + Duration::from_secs(21)).is_empty());
+        assert_eq!(loads.observe(&s, t0 + Duration::from_secs(22)).len(), 1);
+
+        // Leadership lost and won back: the wait starts over, known failures stay.
+        loads.begin_term();
+        assert!(loads.not_ready_since.is_empty());
+        assert!(loads.last_failure.contains_key(&("m".to_string(), 1)));
+        assert!(loads.observe(&s, t0 + Duration::from_secs(31)).is_empty(), "in cooldown, not failed again");
+        assert_eq!(loads.excluded(), BTreeSet::from([a("w1", "m", 1)]));
+
+        // A drained worker's (or an undeclared version's) placement is not waited on.
+        let mut loads = LoadWatch::new(timeout);
+        let mut s = fleet();
+        s.placements.insert(a("w1", "m", 1));
+        s.placements.insert(a("w2", "gone", 1));
+        s.drains.insert("w1".into(), DrainRecord { schema: 1, reason: String::new() });
+        loads.observe(&s, t0);
+        assert!(loads.observe(&s, t0 + timeout).is_empty());
+        assert!(loads.not_ready_since.is_empty());
+    }
+
+    #[test]
+    fn unplaced_versions_are_reported_with_their_failures_and_rate_limited() {
+        let t0 = Instant::now();
+        let mut loads = LoadWatch::new(Duration::from_secs(600));
+        let mut s = fleet();
+        model(&mut s, "m", &[1], 2, 0);
+        for w in ["w1", "w2"] {
+            s.placements.insert(a(w, "m", 1));
+        }
+        status(&mut s, "w1", "m", 1, Some((ModelState::Failed, "out of memory")));
+        status(&mut s, "w2", "m", 1, Some((ModelState::Ready, "")));
+        loads.observe(&s, t0);
+        let excluded = loads.excluded();
+        let p = plan::plan(&s, &excluded);
+        assert_eq!(p.unplaced, vec![("m".to_string(), 1, 1)]);
+
+        let reports = loads.unplaced_reports(&s, &p.unplaced, &excluded, t0);
+        assert_eq!(reports.len(), 1);
+        let r = &reports[0];
+        assert_eq!((r.missing, r.replicas, r.excluded_failed), (1, 2, 1));
+        let text = r.to_string();
+        assert!(text.starts_with("1 of 2 replica(s) of m version 1 not placed: "), "{text}");
+        assert!(text.contains("1 active worker(s) excluded because their load of it failed"), "{text}");
+        assert!(text.ends_with("last load failure, on worker w1: out of memory"), "{text}");
+
+        // The same shortage on the next plans: not repeated until a minute has passed.
+        for secs in [2, 4, 58] {
+            let at = t0 + Duration::from_secs(secs);
+            assert!(loads.unplaced_reports(&s, &p.unplaced, &excluded, at).is_empty(), "repeated at {secs}s");
+        }
+        assert_eq!(loads.unplaced_reports(&s, &p.unplaced, &excluded, t0 + UNPLACED_REPORT_INTERVAL).len(), 1);
+        // A new term reports it afresh.
+        loads.begin_term();
+        let at = t0 + UNPLACED_REPORT_INTERVAL + Duration::from_secs(1);
+        assert_eq!(loads.unplaced_reports(&s, &p.unplaced, &excluded, at).len(), 1);
+
+        // A change (the cooldown ended: no worker excluded) is reported at once, without the
+        // exclusion but with the last known reason.
+        let at = t0 + UNPLACED_REPORT_INTERVAL + Duration::from_secs(2);
+        let r = loads.unplaced_reports(&s, &p.unplaced, &BTreeSet::new(), at);
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0].excluded_failed, 0);
+        assert!(!r[0].to_string().contains("excluded"), "{}", r[0]);
+        assert!(r[0].to_string().contains("out of memory"), "{}", r[0]);
+
+        // Placed in full, then short again: news again at once.
+        assert!(loads.unplaced_reports(&s, &[], &BTreeSet::new(), at).is_empty());
+        assert_eq!(loads.unplaced_reports(&s, &p.unplaced, &BTreeSet::new(), at).len(), 1);
+
+        // No failure known: only the lack of room.
+        let mut fresh = LoadWatch::new(Duration::from_secs(600));
+        let text = fresh.unplaced_reports(&s, &p.unplaced, &BTreeSet::new(), t0)[0].to_string();
+        assert_eq!(
+            text,
+            "1 of 2 replica(s) of m version 1 not placed: no other active worker both has room (memory_mb, \
+             max_models) and matches its selector"
+        );
+    }
 }

@@ -1,6 +1,5 @@
 use std::sync::Arc;
 
-use prometheus::IntCounter;
 use tower::Layer;
 
 use super::{Retry, RetryBudget};
@@ -9,19 +8,17 @@ use super::{Retry, RetryBudget};
 pub struct RetryLayer<P> {
     policy: P,
     budget: Arc<RetryBudget>,
-    /// Incremented for each retry attempted.
-    retries: IntCounter,
 }
 
 impl<P> RetryLayer<P> {
-    pub fn new(policy: P, budget: Arc<RetryBudget>, retries: IntCounter) -> Self {
-        RetryLayer { policy, budget, retries }
+    pub fn new(policy: P, budget: Arc<RetryBudget>) -> Self {
+        RetryLayer { policy, budget }
     }
 }
 
 impl<P: Clone, S> Layer<S> for RetryLayer<P> {
     type Service = Retry<S, P>;
     fn layer(&self, inner: S) -> Retry<S, P> {
-        Retry::new(inner, self.policy.clone(), self.budget.clone(), self.retries.clone())
+        Retry::new(inner, self.policy.clone(), self.budget.clone())
     }
 }

@@ -1,10 +1,14 @@
 //! [`SafeRetry`]: the gateway's retry policy for inference. A failed call is retried only when
 //! the worker provably did not run it ([`crate::forward::FailureKind::safe_to_retry`]: the
 //! connection could not be made or the stream was refused, or the worker answered UNAVAILABLE
-//! because it is draining or unloading) and another worker holding the model version is
-//! available. The retry excludes every worker the call already failed on.
+//! because it is draining or unloading, or RESOURCE_EXHAUSTED because its queue is full) and
+//! another worker holding the model version is
+//! available. The retry excludes every worker the call already failed on. Each retry sent is
+//! counted by model and version, labelled as the request metrics are.
 
 use std::time::Instant;
+
+use prometheus::IntCounterVec;
 
 use super::Policy;
 use crate::balance::choose;
@@ -15,11 +19,13 @@ use crate::routing::Routes;
 #[derive(Clone)]
 pub struct SafeRetry {
     routes: Routes,
+    /// `nereid_gateway_retries_total{model, version}`.
+    retries: IntCounterVec,
 }
 
 impl SafeRetry {
-    pub fn new(routes: Routes) -> Self {
-        SafeRetry { routes }
+    pub fn new(routes: Routes, retries: IntCounterVec) -> Self {
+        SafeRetry { routes, retries }
     }
 }
 
@@ -41,5 +47,11 @@ impl Policy<InferCall, GatewayError> for SafeRetry {
         let route = table.resolve(call.model(), call.version).ok()?;
         choose(&table, route.holders, &next.excluded, Instant::now(), &mut rand::rng())?;
         Some(next)
+    }
+
+    fn retried(&self, call: &InferCall) {
+        let table = self.routes.snapshot();
+        let version = table.version_label(call.model(), call.version);
+        self.retries.with_label_values(&[table.model_label(call.model()), &version]).inc();
     }
 }

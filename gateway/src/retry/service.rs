@@ -3,7 +3,6 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use futures::future::BoxFuture;
-use prometheus::IntCounter;
 use tower::{Service, ServiceExt};
 
 use super::{MAX_ATTEMPTS, Policy, RetryBudget};
@@ -14,12 +13,11 @@ pub struct Retry<S, P> {
     inner: S,
     policy: P,
     budget: Arc<RetryBudget>,
-    retries: IntCounter,
 }
 
 impl<S, P> Retry<S, P> {
-    pub(super) fn new(inner: S, policy: P, budget: Arc<RetryBudget>, retries: IntCounter) -> Self {
-        Retry { inner, policy, budget, retries }
+    pub(super) fn new(inner: S, policy: P, budget: Arc<RetryBudget>) -> Self {
+        Retry { inner, policy, budget }
     }
 }
 
@@ -44,8 +42,7 @@ where
         // The first attempt uses the service that was polled ready; retries wait for readiness
         // of a clone.
         let first = self.inner.call(req.clone());
-        let (inner, policy, budget, retries) =
-            (self.inner.clone(), self.policy.clone(), self.budget.clone(), self.retries.clone());
+        let (inner, policy, budget) = (self.inner.clone(), self.policy.clone(), self.budget.clone());
         Box::pin(async move {
             budget.deposit(Instant::now());
             let mut req = req;
@@ -62,7 +59,7 @@ where
                     tracing::debug!("retry budget spent; not retrying");
                     break;
                 }
-                retries.inc();
+                policy.retried(&next);
                 attempts += 1;
                 req = next;
                 result = inner.clone().oneshot(req.clone()).await;

@@ -3,9 +3,13 @@
 //! current snapshot and never wait on whoever builds the next one (the request path never waits
 //! on discovery or, later, on etcd).
 //!
-//! Only workers that are *ready* (not draining, reachable) route traffic, and only to versions
-//! they report READY. A model no member lists at all is unknown (NOT_FOUND); a model listed but
-//! READY nowhere is UNAVAILABLE.
+//! Workers that are *ready* (not draining, reachable) route traffic, and only to versions they
+//! report READY. A version READY on no ready worker falls back to the workers that answer but
+//! are not ready — draining, or still loading other models — and still list it READY: a worker
+//! keeps serving while it drains, and sending it the traffic beats failing every request until
+//! a replacement has loaded (make before break). A model no member lists at all, and that is not
+//! declared in etcd either, is unknown (NOT_FOUND); a model known but READY nowhere is
+//! UNAVAILABLE.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -63,6 +67,9 @@ pub enum RouteError {
 struct ModelRoutes {
     /// Indices (into `workers`) of the ready workers holding each version READY.
     ready: BTreeMap<i64, Vec<usize>>,
+    /// Indices of the not-ready (e.g. draining) workers that still hold each version READY: the
+    /// last resort for a version no ready worker holds.
+    fallback: BTreeMap<i64, Vec<usize>>,
     /// Every version some member lists, in any state.
     known_versions: BTreeSet<i64>,
 }
@@ -99,33 +106,46 @@ impl RoutingTable {
                     continue; // A model without a loaded version: known, not routable.
                 };
                 routes.known_versions.insert(version);
-                if w.state == WorkerState::Ready && m.state == "READY" {
-                    let holders = routes.ready.entry(version).or_default();
-                    if !holders.contains(&i) {
-                        holders.push(i);
-                    }
+                let holders = match w.state {
+                    _ if m.state != "READY" => continue,
+                    WorkerState::Ready => routes.ready.entry(version).or_default(),
+                    WorkerState::NotReady => routes.fallback.entry(version).or_default(),
+                    WorkerState::Unreachable => continue,
+                };
+                if !holders.contains(&i) {
+                    holders.push(i);
                 }
             }
         }
         RoutingTable { built_at, workers, models }
     }
 
-    /// Where `model` (`version`, or the latest READY one) may be served.
+    /// The table, with `declared` (models declared in etcd) known even where no member lists
+    /// them yet or any more: a request for one is UNAVAILABLE (it is coming, or being moved), not
+    /// NOT_FOUND — which clients take as final.
+    pub fn with_declared<I: IntoIterator<Item = String>>(mut self, declared: I) -> Self {
+        for model in declared {
+            self.models.entry(model).or_default();
+        }
+        self
+    }
+
+    /// Where `model` (`version`, or the latest READY one) may be served: on ready workers, else
+    /// on the fallback (not-ready) holders.
     pub fn resolve(&self, model: &str, version: Option<i64>) -> Result<Route<'_>, RouteError> {
         let routes = self.models.get(model).ok_or_else(|| RouteError::ModelNotFound { model: model.to_string() })?;
+        let holding = |map: &'_ BTreeMap<i64, Vec<usize>>, v: i64| map.get(&v).filter(|h| !h.is_empty()).is_some();
         match version {
-            Some(v) => match routes.ready.get(&v) {
-                Some(holders) if !holders.is_empty() => Ok(Route { version: v, holders }),
-                _ if routes.known_versions.contains(&v) => {
+            Some(v) => match [&routes.ready, &routes.fallback].into_iter().find(|map| holding(map, v)) {
+                Some(map) => Ok(Route { version: v, holders: &map[&v] }),
+                None if routes.known_versions.contains(&v) => {
                     Err(RouteError::NoReadyWorker { model: model.to_string(), version: Some(v) })
                 }
-                _ => Err(RouteError::VersionNotFound { model: model.to_string(), version: v }),
+                None => Err(RouteError::VersionNotFound { model: model.to_string(), version: v }),
             },
-            None => routes
-                .ready
-                .iter()
-                .rev()
-                .find(|(_, h)| !h.is_empty())
+            None => [&routes.ready, &routes.fallback]
+                .into_iter()
+                .find_map(|map| map.iter().rev().find(|(_, h)| !h.is_empty()))
                 .map(|(v, holders)| Route { version: *v, holders })
                 .ok_or_else(|| RouteError::NoReadyWorker { model: model.to_string(), version: None }),
         }
@@ -271,8 +291,12 @@ pub(crate) mod tests {
         );
         assert_eq!(t.resolve("m", Some(9)).unwrap_err(), RouteError::VersionNotFound { model: "m".into(), version: 9 });
         assert_eq!(t.resolve("nope", None).unwrap_err(), RouteError::ModelNotFound { model: "nope".into() });
-        // Known only on a draining worker: unavailable, not unknown.
-        assert_eq!(t.resolve("d", None).unwrap_err(), RouteError::NoReadyWorker { model: "d".into(), version: None });
+        // READY only on a not-ready (draining) worker: it serves as the last resort...
+        let r = t.resolve("d", None).unwrap();
+        assert_eq!((r.version, r.holders), (1, &[2usize][..]));
+        assert_eq!(t.resolve("d", Some(1)).unwrap().holders, &[2]);
+        // ... but never while a ready worker holds the version: version 2 stays on a alone.
+        assert_eq!(t.resolve("m", Some(2)).unwrap().holders, &[0]);
         assert_eq!(t.resolve("x", None).unwrap_err(), RouteError::NoReadyWorker { model: "x".into(), version: None });
         assert_eq!(t.model_label("m"), "m");
         assert_eq!(t.model_label("nope"), UNKNOWN_MODEL_LABEL);
@@ -280,7 +304,7 @@ pub(crate) mod tests {
         assert_eq!(t.version_label("m", Some(99)), "");
         // None named: the version it resolves to (not 3, only loading); empty when none does.
         assert_eq!(t.version_label("m", None), "2");
-        assert_eq!(t.version_label("d", None), "");
+        assert_eq!(t.version_label("d", None), "1");
         assert_eq!(t.version_label("x", None), "");
         assert_eq!(t.version_label("nope", None), "");
         assert_eq!(t.version_label("nope", Some(1)), "");
@@ -299,6 +323,40 @@ pub(crate) mod tests {
         );
         let ready: Vec<String> = t.index(true).into_iter().map(|r| format!("{}/{}", r.name, r.version)).collect();
         assert_eq!(ready, vec!["m/1", "m/2"]);
+    }
+
+    #[tokio::test]
+    async fn fallback_holders_and_declared_models() {
+        let t = RoutingTable::build(
+            vec![
+                view("a:1", WorkerState::Ready, vec![row("m", "1", "READY")]),
+                view("b:1", WorkerState::NotReady, vec![row("m", "2", "READY"), row("m", "3", "LOADING")]),
+                view("c:1", WorkerState::Unreachable, vec![row("m", "4", "READY"), row("u", "1", "READY")]),
+            ],
+            Instant::now(),
+        )
+        .with_declared(["declared".to_string(), "m".to_string()]);
+        // None named: the latest version on a ready worker wins over a later one only a draining
+        // worker holds; named, the draining worker serves it.
+        assert_eq!(t.resolve("m", None).unwrap().version, 1);
+        assert_eq!(t.resolve("m", Some(2)).unwrap().holders, &[1]);
+        assert!(matches!(t.resolve("m", Some(3)), Err(RouteError::NoReadyWorker { .. })));
+        // An unreachable worker is never a fallback.
+        assert!(matches!(t.resolve("m", Some(4)), Err(RouteError::NoReadyWorker { .. })));
+        assert!(matches!(t.resolve("u", None), Err(RouteError::NoReadyWorker { .. })));
+        // Declared but listed by no member: unavailable (coming), not unknown; a label of its own.
+        assert_eq!(
+            t.resolve("declared", None).unwrap_err(),
+            RouteError::NoReadyWorker { model: "declared".into(), version: None }
+        );
+        assert_eq!(t.model_label("declared"), "declared");
+        assert!(matches!(t.resolve("other", None), Err(RouteError::ModelNotFound { .. })));
+        // Only a draining worker holds m 2: the table alone is ready through a.
+        assert!(t.ready());
+        let draining_only =
+            RoutingTable::build(vec![view("b:1", WorkerState::NotReady, vec![row("m", "2", "READY")])], Instant::now());
+        assert!(!draining_only.ready(), "a gateway whose only holders drain is not ready for new clients");
+        assert_eq!(draining_only.resolve("m", None).unwrap().holders, &[0]);
     }
 
     #[tokio::test]

@@ -125,6 +125,16 @@ impl Proc {
             .and_then(|v| v.parse().ok())
     }
 
+    /// The sum of every series of metric `name` (whatever its labels); 0 when there is none.
+    pub async fn metric_sum(&self, name: &str) -> f64 {
+        self.metrics_text()
+            .await
+            .lines()
+            .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' ')))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
     /// Sends SIGTERM.
     pub fn terminate(&self) {
         let status = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
@@ -259,18 +269,40 @@ fn free_port() -> u16 {
 }
 
 impl Etcd {
+    /// Ports are picked free but then released before etcd binds them, so another process may
+    /// take one meanwhile: etcd then exits at once ("address already in use") and is started
+    /// again on other ports.
     pub async fn start() -> Etcd {
-        let mut etcd =
-            Etcd { child: None, client_port: free_port(), peer_port: free_port(), dir: tempfile::tempdir().unwrap() };
-        etcd.launch(etcd.client_port).await;
+        let dir = tempfile::tempdir().unwrap();
+        let mut etcd = Etcd { child: None, client_port: 0, peer_port: 0, dir };
+        for attempt in 1.. {
+            (etcd.client_port, etcd.peer_port) = (free_port(), free_port());
+            match etcd.try_launch(etcd.client_port).await {
+                Ok(()) => break,
+                Err(e) if e.contains("address already in use") && attempt < 5 => {
+                    eprintln!("etcd could not bind its ports (attempt {attempt}), trying others: {e}");
+                    let _ = std::fs::remove_dir_all(etcd.dir.path().join("data"));
+                }
+                Err(e) => panic!("etcd did not start: {e}"),
+            }
+        }
         etcd
     }
 
     async fn launch(&mut self, client_port: u16) {
+        if let Err(e) = self.try_launch(client_port).await {
+            panic!("etcd did not start: {e}");
+        }
+    }
+
+    /// Starts etcd and waits until it is healthy; `Err(log)` when it exits first.
+    async fn try_launch(&mut self, client_port: u16) -> Result<(), String> {
         let bin = std::env::var_os("NEREID_ETCD_BIN").map(PathBuf::from).unwrap_or_else(|| "etcd".into());
         let client = format!("http://127.0.0.1:{client_port}");
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("etcd.log")).unwrap();
+        let log_path = self.dir.path().join("etcd.log");
+        let log_start = std::fs::metadata(&log_path).map_or(0, |m| m.len() as usize);
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path).unwrap();
         let child = Command::new(&bin)
             .args(["--name", "test", "--data-dir"])
             .arg(self.dir.path().join("data"))
@@ -283,13 +315,22 @@ impl Etcd {
             .unwrap_or_else(|e| panic!("cannot start etcd ({}): {e} — run `bash scripts/setup.sh`", bin.display()));
         self.child = Some(child);
         let url = format!("{client}/health");
-        wait_until("etcd to be healthy", START_TIMEOUT, || async {
-            match reqwest::get(&url).await {
-                Ok(r) => r.text().await.unwrap_or_default().contains("\"health\":\"true\""),
-                Err(_) => false,
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if let Ok(r) = reqwest::get(&url).await
+                && r.text().await.unwrap_or_default().contains("\"health\":\"true\"")
+            {
+                return Ok(());
             }
-        })
-        .await;
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
+                self.child = None;
+                let log = std::fs::read(&log_path).unwrap_or_default();
+                let tail = String::from_utf8_lossy(&log[log_start.min(log.len())..]).into_owned();
+                return Err(format!("etcd exited with {status}: {tail}"));
+            }
+            assert!(Instant::now() < deadline, "timed out after {START_TIMEOUT:?} waiting for etcd to be healthy");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     pub fn endpoint(&self) -> String {

@@ -605,12 +605,36 @@ fn dir_name(key: &str) -> String {
     if name.is_empty() { "_".into() } else { name }
 }
 
+/// Removes `variants/<name>/config.pbtxt` (and the then empty directory) for every `<name>`
+/// that is no row of `report` with a config: a re-run in the same directory must not leave
+/// configs that look like this sweep's. Anything else found there is left alone.
+fn remove_stale_variants(report: &AnalyzeReport, variants: &Path) {
+    let Ok(entries) = std::fs::read_dir(variants) else { return };
+    let current: std::collections::HashSet<String> = report
+        .rows
+        .iter()
+        .filter(|row| variant_pbtxt(report, row).is_some())
+        .map(|row| dir_name(&row.result.key))
+        .collect();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if current.contains(&name) || !entry.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        if std::fs::remove_file(entry.path().join("config.pbtxt")).is_ok() {
+            let _ = std::fs::remove_dir(entry.path());
+        }
+    }
+}
+
 /// Writes `results.json`, `results.csv`, `report.html`, `variants/<key>/config.pbtxt` for every
 /// variant with a config and (when there is one) `recommended/config.pbtxt` under `dir`; a
-/// stale recommended config is removed when nothing is recommended. Returns the errors (each
-/// file is attempted).
+/// stale recommended config is removed when nothing is recommended, and so is every
+/// `variants/<key>/config.pbtxt` left by an earlier sweep in `dir` whose variant is not in
+/// this report. Returns the errors (each file is attempted).
 pub fn write_all(report: &mut AnalyzeReport, dir: &Path) -> Vec<String> {
     let mut errors = Vec::new();
+    remove_stale_variants(report, &dir.join(VARIANTS_DIR));
     for i in 0..report.rows.len() {
         let Some(text) = variant_pbtxt(report, &report.rows[i]) else { continue };
         let variant_dir = dir.join(VARIANTS_DIR).join(dir_name(&report.rows[i].result.key));
@@ -963,6 +987,20 @@ pub(crate) mod tests {
         assert!(r.rows[3].config_pbtxt.is_none());
         assert!(!dir.path().join("variants").join(&r.rows[3].result.key).exists());
         let json: serde_json::Value = serde_json::from_str(&json(&r)).unwrap();
+        // A later sweep in the same directory without the first variant: its config goes, as
+        // does the skipped one's left by some earlier sweep; other files stay.
+        let stale = dir.path().join("variants").join(&r.rows[3].result.key);
+        std::fs::create_dir_all(&stale).unwrap();
+        std::fs::write(stale.join("config.pbtxt"), "stale").unwrap();
+        std::fs::write(dir.path().join("variants/notes.txt"), "mine").unwrap();
+        let mut results = sample_results();
+        results.remove(0);
+        let mut again = report_of(results, Constraints::default(), None);
+        assert!(write_all(&mut again, dir.path()).is_empty());
+        assert!(!dir.path().join("variants/i1_b8_p0_d0").exists(), "stale variant removed");
+        assert!(!stale.exists(), "stale config of a variant that has none now removed");
+        assert!(dir.path().join("variants/i2_b8_p0_d0/config.pbtxt").is_file());
+        assert!(dir.path().join("variants/notes.txt").is_file());
         assert!(json["rows"][0]["config_pbtxt"].as_str().unwrap().ends_with("variants/i1_b8_p0_d0/config.pbtxt"));
         assert!(json["rows"][3].get("config_pbtxt").is_none());
     }

@@ -1,0 +1,359 @@
+//! The placement controller against a real etcd and real workers: it plans promptly however
+//! busy etcd is, gives up on a worker that never reports a placed model READY, hands a drained
+//! worker's replicas over make-before-break, and says why a version stays unplaced. Loopback,
+//! ephemeral ports, every wait on a condition and bounded.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{Etcd, spawn_fleet_worker, wait_until};
+use nereid_common::fleet::etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
+
+const WAIT: Duration = Duration::from_secs(30);
+const PREFIX: &str = "/nereid/v1";
+
+async fn put(client: &mut Client, key: &str, value: &str) {
+    client.put(format!("{PREFIX}/{key}"), value, None).await.unwrap();
+}
+
+async fn keys_under(client: &mut Client, prefix: &str) -> Vec<String> {
+    let resp = client.get(format!("{PREFIX}/{prefix}"), Some(GetOptions::new().with_prefix().with_keys_only())).await;
+    match resp {
+        Ok(r) => r.kvs().iter().map(|kv| kv.key_str().unwrap().trim_start_matches(PREFIX).to_string()).collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// `(kind, worker, model, version)` of a `placement/…` or `status/…` key.
+fn parse_key(key: &str) -> Option<(String, String, String, i64)> {
+    let parts: Vec<&str> = key.strip_prefix(PREFIX)?.trim_start_matches('/').split('/').collect();
+    match parts[..] {
+        [kind @ ("placement" | "status"), w, m, v] => Some((kind.into(), w.into(), m.into(), v.parse().ok()?)),
+        _ => None,
+    }
+}
+
+fn is_ready(value: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(value).is_ok_and(|v| v["state"] == "READY")
+}
+
+/// Workers holding `model`/`version` READY, per their status keys.
+async fn ready_on(client: &mut Client, model: &str, version: i64) -> Vec<String> {
+    let Ok(resp) = client.get(format!("{PREFIX}/status/"), Some(GetOptions::new().with_prefix())).await else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = resp
+        .kvs()
+        .iter()
+        .filter_map(|kv| Some((parse_key(kv.key_str().ok()?)?, kv.value())))
+        .filter(|((_, _, m, v), value)| m == model && *v == version && is_ready(value))
+        .map(|((_, w, _, _), _)| w)
+        .collect();
+    out.sort();
+    out
+}
+
+async fn wait_registered(etcd: &Etcd, workers: &[&str]) {
+    let want: Vec<String> = workers.iter().map(|w| format!("/workers/{w}")).collect();
+    wait_until("the workers to register", WAIT, || async {
+        keys_under(&mut etcd.client().await, "workers/").await == want
+    })
+    .await;
+}
+
+/// A gateway whose whole output (its `tracing` log goes to stdout) is kept in a file, which the
+/// harness's `common::Proc` does not do: these tests read what the placement controller logs.
+struct LoggedGateway {
+    child: Child,
+    metrics: u16,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl LoggedGateway {
+    async fn spawn(etcd: &Etcd, id: &str, extra: &[&str]) -> LoggedGateway {
+        let dir = tempfile::tempdir().unwrap();
+        let (ports, log) = (dir.path().join("ports.json"), dir.path().join("gateway.log"));
+        let out = std::fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_nereid-gateway"))
+            .args(["--etcd-endpoints", &etcd.endpoint(), "--gateway-id", id, "--election-ttl-secs", "2"])
+            .args(["--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
+            .arg("--port-file")
+            .arg(&ports)
+            .args(extra)
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap();
+        let mut gateway = LoggedGateway { child, metrics: 0, log, _dir: dir };
+        let mut text = String::new();
+        wait_until("the gateway's port file", common::START_TIMEOUT, || {
+            text = std::fs::read_to_string(&ports).unwrap_or_default();
+            let exited = gateway.child.try_wait().unwrap();
+            assert!(exited.is_none(), "the gateway exited with {exited:?}: {}", gateway.log());
+            std::future::ready(!text.is_empty())
+        })
+        .await;
+        let ports: serde_json::Value = serde_json::from_str(&text).unwrap();
+        gateway.metrics = ports["metrics"].as_u64().unwrap() as u16;
+        gateway
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The value of one unlabelled series, if present.
+    async fn metric(&self, name: &str) -> Option<f64> {
+        let text = reqwest::get(format!("http://127.0.0.1:{}/metrics", self.metrics)).await.ok()?.text().await.ok()?;
+        text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+    }
+}
+
+impl Drop for LoggedGateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits (bounded) until the gateway's log has `needle`; the log's tail in the failure otherwise.
+async fn wait_log(gateway: &LoggedGateway, what: &str, needle: &str) {
+    let deadline = Instant::now() + WAIT;
+    while !gateway.log().contains(needle) {
+        if Instant::now() >= deadline {
+            let log = gateway.log();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect();
+            panic!("timed out after {WAIT:?} waiting for {what} ({needle:?}); log tail:\n{}", tail.join("\n"));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Keys outside the schema, under the prefix — etcd events the controller sees as changes —
+/// written by [`CHURN_WRITERS`] tasks, each every ~15 ms, until stopped (or for at most 60 s).
+/// Several writers, so that one stalled for a moment does not leave a 50 ms gap.
+struct Churn {
+    stop: Arc<AtomicBool>,
+    writes: Arc<AtomicU64>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+const CHURN_WRITERS: usize = 3;
+
+impl Churn {
+    async fn start(etcd: &Etcd) -> Churn {
+        let (stop, writes) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+        let mut tasks = Vec::new();
+        for writer in 0..CHURN_WRITERS {
+            let (s, n, mut client) = (stop.clone(), writes.clone(), etcd.client().await);
+            tasks.push(tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_millis(15));
+                for i in 0..4_000u64 {
+                    if s.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    tick.tick().await;
+                    if client.put(format!("{PREFIX}/churn/{writer}"), i.to_string(), None).await.is_ok() {
+                        n.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+        }
+        Churn { stop, writes, tasks }
+    }
+
+    fn writes(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
+    }
+
+    /// Stops it; whether it was still running (no writer had run out of writes).
+    async fn stop(self) -> bool {
+        let running = self.tasks.iter().all(|t| !t.is_finished());
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            t.await.unwrap();
+        }
+        running
+    }
+}
+
+/// Before the fix, any change within 50 ms of the last one restarted the debounce, so keys
+/// written every few milliseconds kept a newly declared model from being placed until the
+/// writes stopped (or, on a busy machine, until the writes happened to pause for 50 ms).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_is_placed_while_an_unrelated_key_churns() {
+    let etcd = Etcd::start().await;
+    let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let gateway = LoggedGateway::spawn(&etcd, "g1", &[]).await;
+    wait_registered(&etcd, &["w1"]).await;
+    wait_until("g1 to lead the placement controller", WAIT, || async {
+        gateway.metric("nereid_gateway_placement_leader").await == Some(1.0)
+    })
+    .await;
+
+    let churn = Churn::start(&etcd).await;
+    wait_until("the churn to start", WAIT, || async { churn.writes() >= 10 }).await;
+    put(&mut etcd.client().await, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
+    wait_until("identity_fp32 READY on w1 while the churn goes on", WAIT, || async {
+        ready_on(&mut etcd.client().await, "identity_fp32", 1).await == ["w1"]
+    })
+    .await;
+    let writes = churn.writes();
+    assert!(churn.stop().await, "the churn ended before the model was placed ({writes} writes)");
+}
+
+/// A worker that is registered but never publishes a status (a dead agent) would hold its
+/// replica forever; after --placement-load-timeout-secs the replica moves to a live worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_placement_never_reported_ready_moves_after_the_load_timeout() {
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    // The ghost: the most free memory of any worker and the first id, so it is chosen first.
+    let lease = client.lease_grant(120, None).await.unwrap().id();
+    client
+        .put(
+            format!("{PREFIX}/workers/a-ghost"),
+            r#"{"schema":1,"id":"a-ghost","grpc":"127.0.0.1:9","state":"ready","capacity":{"memory_mb":16777216}}"#,
+            Some(PutOptions::new().with_lease(lease)),
+        )
+        .await
+        .unwrap();
+    wait_registered(&etcd, &["a-ghost", "w1"]).await;
+    let gateway = LoggedGateway::spawn(&etcd, "g1", &["--placement-load-timeout-secs", "2"]).await;
+
+    put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
+    wait_log(
+        &gateway,
+        "the controller to give up on the ghost",
+        "the load of identity_fp32 version 1 failed on worker a-ghost: not READY within 2s",
+    )
+    .await;
+    wait_until("identity_fp32 READY on w1", WAIT, || async {
+        ready_on(&mut etcd.client().await, "identity_fp32", 1).await == ["w1"]
+    })
+    .await;
+    wait_until("the ghost's placement removed", WAIT, || async {
+        keys_under(&mut etcd.client().await, "placement/").await == ["/placement/w1/identity_fp32/1"]
+    })
+    .await;
+}
+
+/// Draining the only holder of a `replicas: 1` model: the replacement is placed and becomes
+/// READY before the drained worker's placement (and so its READY status) goes — checked on
+/// etcd's own history, event by event, so at no revision does the model lack a READY holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_holder_keeps_its_replica_until_the_replacement_is_ready() {
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let _w2 = spawn_fleet_worker(&etcd, "w2", &[]);
+    let _gateway = LoggedGateway::spawn(&etcd, "g1", &[]).await;
+    wait_registered(&etcd, &["w1", "w2"]).await;
+    put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
+    wait_until("identity_fp32 READY on one worker, placed only there", WAIT, || async {
+        let mut c = etcd.client().await;
+        let ready = ready_on(&mut c, "identity_fp32", 1).await;
+        ready.len() == 1
+            && keys_under(&mut c, "placement/").await == [format!("/placement/{}/identity_fp32/1", ready[0])]
+    })
+    .await;
+
+    // The READY holders at one revision, then every change after it.
+    let resp = client.get(format!("{PREFIX}/status/"), Some(GetOptions::new().with_prefix())).await.unwrap();
+    let revision = resp.header().unwrap().revision();
+    let mut ready: BTreeSet<String> = resp
+        .kvs()
+        .iter()
+        .filter_map(|kv| Some((parse_key(kv.key_str().ok()?)?, kv.value())))
+        .filter(|((_, _, m, v), value)| m == "identity_fp32" && *v == 1 && is_ready(value))
+        .map(|((_, w, _, _), _)| w)
+        .collect();
+    assert_eq!(ready.len(), 1, "{ready:?}");
+    let holder = ready.iter().next().unwrap().clone();
+    let other = if holder == "w1" { "w2" } else { "w1" }.to_string();
+    let mut events = client
+        .watch(format!("{PREFIX}/"), Some(WatchOptions::new().with_prefix().with_start_revision(revision + 1)))
+        .await
+        .unwrap();
+
+    put(&mut client, &format!("drain/{holder}"), r#"{"schema":1,"reason":"hand-over test"}"#).await;
+    let deadline = Instant::now() + WAIT;
+    let (mut old_removed, mut new_placed) = (false, false);
+    for _ in 0..100_000 {
+        if old_removed && ready == BTreeSet::from([other.clone()]) {
+            break;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        let msg = tokio::time::timeout(left, events.message()).await;
+        let resp = msg
+            .unwrap_or_else(|_| panic!("timed out: old placement removed {old_removed}, READY on {ready:?}"))
+            .unwrap()
+            .unwrap();
+        for e in resp.events() {
+            let Some(kv) = e.kv() else { continue };
+            let Some((kind, w, m, v)) = kv.key_str().ok().and_then(parse_key) else { continue };
+            if m != "identity_fp32" || v != 1 {
+                continue;
+            }
+            let put = e.event_type() == EventType::Put;
+            match kind.as_str() {
+                "status" if put && is_ready(kv.value()) => {
+                    ready.insert(w);
+                }
+                "status" => {
+                    ready.remove(&w);
+                }
+                "placement" if put && w == other => new_placed = true,
+                "placement" if !put && w == holder => {
+                    assert!(new_placed, "the drained holder's placement went before a replacement was placed");
+                    assert!(
+                        ready.contains(&other),
+                        "the drained holder's placement went at revision {} before {other} was READY",
+                        kv.mod_revision()
+                    );
+                    old_removed = true;
+                }
+                _ => {}
+            }
+            assert!(!ready.is_empty(), "no READY holder of identity_fp32 at revision {}", kv.mod_revision());
+        }
+    }
+    assert!(old_removed, "the drained holder's placement was never removed");
+    assert_eq!(ready, BTreeSet::from([other.clone()]));
+    assert_eq!(keys_under(&mut client, "placement/").await, [format!("/placement/{other}/identity_fp32/1")]);
+}
+
+/// A load that fails is logged with the worker's reason, and the version left unplaced is
+/// reported as excluded after that failure — not only as "not enough room".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_load_is_reported_with_its_reason() {
+    let etcd = Etcd::start().await;
+    let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let gateway = LoggedGateway::spawn(&etcd, "g1", &[]).await;
+    wait_registered(&etcd, &["w1"]).await;
+    // Not in the worker's repository: its load fails.
+    put(&mut etcd.client().await, "models/no_such_model", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
+    wait_log(&gateway, "the failure logged", "the load of no_such_model version 1 failed on worker w1: ").await;
+    wait_log(
+        &gateway,
+        "the shortage explained",
+        "1 of 1 replica(s) of no_such_model version 1 not placed: 1 active worker(s) excluded because their load \
+         of it failed",
+    )
+    .await;
+    let log = gateway.log();
+    let line = log.lines().find(|l| l.contains("the load of no_such_model version 1 failed on worker w1")).unwrap();
+    assert!(line.contains("WARN"), "{line}");
+    let reason = line.split("failed on worker w1: ").nth(1).unwrap_or_default();
+    assert!(!reason.trim().is_empty() && !reason.starts_with("(the worker gave no reason)"), "{line}");
+    let shortage = log.lines().find(|l| l.contains("no_such_model version 1 not placed")).unwrap();
+    assert!(shortage.contains("last load failure, on worker w1: "), "{shortage}");
+}
