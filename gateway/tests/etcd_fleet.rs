@@ -11,13 +11,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{Etcd, Proc, fp32_request, spawn_fleet_gateway, spawn_fleet_worker, wait_until};
+use common::{
+    Etcd, PREFIX, Proc, fp32_request, keys_under, put, ready_on, spawn_fleet_gateway, spawn_fleet_worker, wait_until,
+};
 use nereid_common::fleet::etcd_client::{Client, CompactionOptions, GetOptions, WatchOptions};
 use nereid_common::fleet::read::{self, PageLimits};
 use nereid_proto::inference::ModelInferRequest;
 
 const WAIT: Duration = Duration::from_secs(30);
-const PREFIX: &str = "/nereid/v1";
 const PLACEMENT_READS: &str = "nereid_worker_etcd_placement_reads_total";
 const WATCH_RESUMES: &str = "nereid_worker_etcd_watch_resumes_total";
 const RESYNCS: &str = "nereid_gateway_etcd_resyncs_total";
@@ -26,37 +27,6 @@ const WATCH_CONNECTED: &str = "nereid_gateway_etcd_watch_connected";
 const DEFAULT_MESSAGE_LIMIT: usize = 4 << 20;
 /// Under etcd's default request limit (1.5 MiB); four of them add up past 4 MiB.
 const BIG_VALUE_BYTES: usize = 1_200_000;
-
-async fn put(client: &mut Client, key: &str, value: &str) {
-    client.put(format!("{PREFIX}/{key}"), value, None).await.unwrap();
-}
-
-async fn keys_under(client: &mut Client, prefix: &str) -> Vec<String> {
-    let resp = client.get(format!("{PREFIX}/{prefix}"), Some(GetOptions::new().with_prefix().with_keys_only())).await;
-    match resp {
-        Ok(r) => r.kvs().iter().map(|kv| kv.key_str().unwrap().trim_start_matches(PREFIX).to_string()).collect(),
-        Err(_) => Vec::new(),
-    }
-}
-
-/// Workers holding `model`/`version` READY, per their status keys.
-async fn ready_on(client: &mut Client, model: &str, version: i64) -> Vec<String> {
-    let resp = client.get(format!("{PREFIX}/status/"), Some(GetOptions::new().with_prefix())).await.unwrap();
-    let mut out = Vec::new();
-    for kv in resp.kvs() {
-        let key = kv.key_str().unwrap();
-        let parts: Vec<&str> = key.trim_start_matches(PREFIX).split('/').collect();
-        if parts.len() == 5
-            && parts[3] == model
-            && parts[4] == version.to_string()
-            && kv.value_str().unwrap().contains("READY")
-        {
-            out.push(parts[2].to_string());
-        }
-    }
-    out.sort();
-    out
-}
 
 async fn infer_ok(gateway: &Proc, request: ModelInferRequest) -> bool {
     let mut client = gateway.client().await;

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Etcd, Proc, spawn_fleet_gateway, spawn_fleet_worker, wait_until};
+use common::{Etcd, PREFIX, Proc, spawn_fleet_gateway, spawn_fleet_worker, wait_until};
 use nereid_common::fleet::etcd_client::GetOptions;
 use nereid_common::fleet::records::{self, RouteRecord};
 use serde_json::Value;
@@ -14,7 +14,6 @@ use serde_json::Value;
 const WAIT: Duration = Duration::from_secs(30);
 /// Longest one `nereidctl` run may take (its own etcd calls are bounded by 3 s each).
 const RUN_TIMEOUT: Duration = Duration::from_secs(20);
-const PREFIX: &str = "/nereid/v1";
 const MODEL: &str = "versioned_scale";
 
 /// One finished `nereidctl` run.

@@ -6,58 +6,17 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
-use std::process::{Child, Command};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Etcd, spawn_fleet_worker, wait_until};
-use nereid_common::fleet::etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
+use common::{
+    Etcd, PREFIX, Proc, is_ready, keys_under, parse_key, put, ready_on, spawn_fleet_gateway, spawn_fleet_worker,
+    wait_until,
+};
+use nereid_common::fleet::etcd_client::{EventType, GetOptions, PutOptions, WatchOptions};
 
 const WAIT: Duration = Duration::from_secs(30);
-const PREFIX: &str = "/nereid/v1";
-
-async fn put(client: &mut Client, key: &str, value: &str) {
-    client.put(format!("{PREFIX}/{key}"), value, None).await.unwrap();
-}
-
-async fn keys_under(client: &mut Client, prefix: &str) -> Vec<String> {
-    let resp = client.get(format!("{PREFIX}/{prefix}"), Some(GetOptions::new().with_prefix().with_keys_only())).await;
-    match resp {
-        Ok(r) => r.kvs().iter().map(|kv| kv.key_str().unwrap().trim_start_matches(PREFIX).to_string()).collect(),
-        Err(_) => Vec::new(),
-    }
-}
-
-/// `(kind, worker, model, version)` of a `placement/…` or `status/…` key.
-fn parse_key(key: &str) -> Option<(String, String, String, i64)> {
-    let parts: Vec<&str> = key.strip_prefix(PREFIX)?.trim_start_matches('/').split('/').collect();
-    match parts[..] {
-        [kind @ ("placement" | "status"), w, m, v] => Some((kind.into(), w.into(), m.into(), v.parse().ok()?)),
-        _ => None,
-    }
-}
-
-fn is_ready(value: &[u8]) -> bool {
-    serde_json::from_slice::<serde_json::Value>(value).is_ok_and(|v| v["state"] == "READY")
-}
-
-/// Workers holding `model`/`version` READY, per their status keys.
-async fn ready_on(client: &mut Client, model: &str, version: i64) -> Vec<String> {
-    let Ok(resp) = client.get(format!("{PREFIX}/status/"), Some(GetOptions::new().with_prefix())).await else {
-        return Vec::new();
-    };
-    let mut out: Vec<String> = resp
-        .kvs()
-        .iter()
-        .filter_map(|kv| Some((parse_key(kv.key_str().ok()?)?, kv.value())))
-        .filter(|((_, _, m, v), value)| m == model && *v == version && is_ready(value))
-        .map(|((_, w, _, _), _)| w)
-        .collect();
-    out.sort();
-    out
-}
 
 async fn wait_registered(etcd: &Etcd, workers: &[&str]) {
     let want: Vec<String> = workers.iter().map(|w| format!("/workers/{w}")).collect();
@@ -67,73 +26,9 @@ async fn wait_registered(etcd: &Etcd, workers: &[&str]) {
     .await;
 }
 
-/// A gateway whose whole output (its `tracing` log goes to stdout) is kept in a file, which the
-/// harness's `common::Proc` does not do: these tests read what the placement controller logs.
-struct LoggedGateway {
-    child: Child,
-    metrics: u16,
-    log: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl LoggedGateway {
-    async fn spawn(etcd: &Etcd, id: &str, extra: &[&str]) -> LoggedGateway {
-        let dir = tempfile::tempdir().unwrap();
-        let (ports, log) = (dir.path().join("ports.json"), dir.path().join("gateway.log"));
-        let out = std::fs::File::create(&log).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_nereid-gateway"))
-            .args(["--etcd-endpoints", &etcd.endpoint(), "--gateway-id", id, "--election-ttl-secs", "2"])
-            .args(["--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
-            .arg("--port-file")
-            .arg(&ports)
-            .args(extra)
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .unwrap();
-        let mut gateway = LoggedGateway { child, metrics: 0, log, _dir: dir };
-        let mut text = String::new();
-        wait_until("the gateway's port file", common::START_TIMEOUT, || {
-            text = std::fs::read_to_string(&ports).unwrap_or_default();
-            let exited = gateway.child.try_wait().unwrap();
-            assert!(exited.is_none(), "the gateway exited with {exited:?}: {}", gateway.log());
-            std::future::ready(!text.is_empty())
-        })
-        .await;
-        let ports: serde_json::Value = serde_json::from_str(&text).unwrap();
-        gateway.metrics = ports["metrics"].as_u64().unwrap() as u16;
-        gateway
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// The value of one unlabelled series, if present.
-    async fn metric(&self, name: &str) -> Option<f64> {
-        let text = reqwest::get(format!("http://127.0.0.1:{}/metrics", self.metrics)).await.ok()?.text().await.ok()?;
-        text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-    }
-}
-
-impl Drop for LoggedGateway {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Waits (bounded) until the gateway's log has `needle`; the log's tail in the failure otherwise.
-async fn wait_log(gateway: &LoggedGateway, what: &str, needle: &str) {
-    let deadline = Instant::now() + WAIT;
-    while !gateway.log().contains(needle) {
-        if Instant::now() >= deadline {
-            let log = gateway.log();
-            let tail: Vec<&str> = log.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect();
-            panic!("timed out after {WAIT:?} waiting for {what} ({needle:?}); log tail:\n{}", tail.join("\n"));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+/// Waits (bounded) until the gateway's log has `needle`.
+async fn wait_log(gateway: &Proc, what: &str, needle: &str) {
+    gateway.wait_log(what, needle, WAIT).await;
 }
 
 /// Keys outside the schema, under the prefix — etcd events the controller sees as changes —
@@ -191,7 +86,7 @@ impl Churn {
 async fn a_model_is_placed_while_an_unrelated_key_churns() {
     let etcd = Etcd::start().await;
     let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
-    let gateway = LoggedGateway::spawn(&etcd, "g1", &[]).await;
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
     wait_registered(&etcd, &["w1"]).await;
     wait_until("g1 to lead the placement controller", WAIT, || async {
         gateway.metric("nereid_gateway_placement_leader").await == Some(1.0)
@@ -227,7 +122,7 @@ async fn a_placement_never_reported_ready_moves_after_the_load_timeout() {
         .await
         .unwrap();
     wait_registered(&etcd, &["a-ghost", "w1"]).await;
-    let gateway = LoggedGateway::spawn(&etcd, "g1", &["--placement-load-timeout-secs", "2"]).await;
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &["--placement-load-timeout-secs", "2"]);
 
     put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
     wait_log(
@@ -255,7 +150,7 @@ async fn a_drained_holder_keeps_its_replica_until_the_replacement_is_ready() {
     let mut client = etcd.client().await;
     let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
     let _w2 = spawn_fleet_worker(&etcd, "w2", &[]);
-    let _gateway = LoggedGateway::spawn(&etcd, "g1", &[]).await;
+    let _gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
     wait_registered(&etcd, &["w1", "w2"]).await;
     put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
     wait_until("identity_fp32 READY on one worker, placed only there", WAIT, || async {
@@ -337,7 +232,7 @@ async fn a_drained_holder_keeps_its_replica_until_the_replacement_is_ready() {
 async fn a_failed_load_is_reported_with_its_reason() {
     let etcd = Etcd::start().await;
     let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
-    let gateway = LoggedGateway::spawn(&etcd, "g1", &[]).await;
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
     wait_registered(&etcd, &["w1"]).await;
     // Not in the worker's repository: its load fails.
     put(&mut etcd.client().await, "models/no_such_model", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;

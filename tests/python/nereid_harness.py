@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -196,6 +197,27 @@ class Worker:
                 self.proc.kill()
                 self.proc.wait(timeout=STOP_TIMEOUT_S)
         self._log.close()
+
+
+def copy_model(repo, name, base="identity_fp32", edit=None, config=None):
+    """repo/name: example model `base` renamed to `name`. `edit` rewrites its config text (and
+    must change it); `config` replaces the config instead ("" removes it). Returns the folder."""
+    d = repo / name
+    shutil.copytree(EXAMPLE_MODELS / base, d)
+    cfg = d / "config.pbtxt"
+    if config is not None:
+        if config == "":
+            cfg.unlink(missing_ok=True)
+        else:
+            cfg.write_text(config)
+    elif cfg.exists():
+        text = cfg.read_text().replace(f'name: "{base}"', f'name: "{name}"')
+        if edit:
+            new = edit(text)
+            assert new != text, f"edit of {name} changed nothing"
+            text = new
+        cfg.write_text(text)
+    return d
 
 
 def check_example_models():

@@ -15,21 +15,12 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from nereid_harness import EXAMPLE_MODELS, ORT_LIB, WORKER_BIN, assert_fp32_close, check_example_models
+from nereid_harness import EXAMPLE_MODELS, ORT_LIB, WORKER_BIN, assert_fp32_close, check_example_models, copy_model
 
 
 def _variant(repo, name, base, edit=None, model_bytes=None, drop_model=False, drop_versions=False):
     """repo/name: a copy of example model `base` renamed to `name`, then edited."""
-    d = repo / name
-    shutil.copytree(EXAMPLE_MODELS / base, d)
-    cfg = d / "config.pbtxt"
-    if cfg.exists():
-        text = cfg.read_text().replace(f'name: "{base}"', f'name: "{name}"')
-        if edit:
-            new = edit(text)
-            assert new != text, f"edit of {name} changed nothing"
-            text = new
-        cfg.write_text(text)
+    d = copy_model(repo, name, base, edit=edit)
     if model_bytes is not None:
         (d / "1" / "model.onnx").write_bytes(model_bytes)
     if drop_model:

@@ -16,30 +16,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from nereid_harness import EXAMPLE_MODELS, check_example_models, wait_until
+from nereid_harness import check_example_models, copy_model, wait_until
 
 LOAD_TIMEOUT_S = 60.0
-
-
-def _copy(repo, name, base="identity_fp32", edit=None, config=None):
-    """repo/name: example model `base` renamed to `name`; `edit` rewrites its config text,
-    `config` replaces it (None with no edit keeps the base's; "" removes it)."""
-    d = repo / name
-    shutil.copytree(EXAMPLE_MODELS / base, d)
-    cfg = d / "config.pbtxt"
-    if config is not None:
-        if config == "":
-            cfg.unlink(missing_ok=True)
-        else:
-            cfg.write_text(config)
-    elif cfg.exists():
-        text = cfg.read_text().replace(f'name: "{base}"', f'name: "{name}"')
-        if edit:
-            new = edit(text)
-            assert new != text, f"edit of {name} changed nothing"
-            text = new
-        cfg.write_text(text)
-    return d
 
 
 def _without_instance_group(text):
@@ -69,24 +48,24 @@ def semantics_repo(tmp_path_factory):
     check_example_models()
     repo = tmp_path_factory.mktemp("semantics") / "repo"
     repo.mkdir()
-    _copy(repo, "plain")
+    copy_model(repo, "plain")
     # "07" and "+1" are no versions (Triton skips them); "3" is.
-    d = _copy(repo, "odd_versions", edit=lambda t: t + "version_policy: { all: { } }\n")
+    d = copy_model(repo, "odd_versions", edit=lambda t: t + "version_policy: { all: { } }\n")
     (d / "1").rename(d / "07")
     shutil.copytree(d / "07", d / "+1")
     shutil.copytree(d / "07", d / "3")
-    _copy(repo, "specific_missing", edit=lambda t: t + "version_policy: { specific: { versions: [ 1, 5 ] } }\n")
-    _copy(repo, "default_count", edit=lambda t: _without_instance_group(t) + "instance_group [ { kind: KIND_CPU } ]\n")
-    _copy(repo, "no_group", edit=_without_instance_group)
-    _copy(repo, "partial_batching", base="autocomplete_add", config='name: "partial_batching"\nmax_batch_size: 8\n')
-    _copy(repo, "tuning_warning", edit=lambda t: t + "optimization { priority: PRIORITY_MAX graph { level: -1 } }\n")
-    _copy(repo, "graph_level", edit=lambda t: t + 'optimization { graph { level: 1 } }\nparameters { key: "execution_mode" value: { string_value: "1" } }\n')
+    copy_model(repo, "specific_missing", edit=lambda t: t + "version_policy: { specific: { versions: [ 1, 5 ] } }\n")
+    copy_model(repo, "default_count", edit=lambda t: _without_instance_group(t) + "instance_group [ { kind: KIND_CPU } ]\n")
+    copy_model(repo, "no_group", edit=_without_instance_group)
+    copy_model(repo, "partial_batching", base="autocomplete_add", config='name: "partial_batching"\nmax_batch_size: 8\n')
+    copy_model(repo, "tuning_warning", edit=lambda t: t + "optimization { priority: PRIORITY_MAX graph { level: -1 } }\n")
+    copy_model(repo, "graph_level", edit=lambda t: t + 'optimization { graph { level: 1 } }\nparameters { key: "execution_mode" value: { string_value: "1" } }\n')
     for name, value in {
         "warmup_dtype": '"INPUT0" value: { data_type: TYPE_INT32 dims: [ 16 ] zero_data: true }',
         "warmup_dims": '"INPUT0" value: { data_type: TYPE_FP32 dims: [ 15 ] zero_data: true }',
         "warmup_name": '"NOT_AN_INPUT" value: { data_type: TYPE_FP32 dims: [ 16 ] zero_data: true }',
     }.items():
-        _copy(repo, name, edit=lambda t, v=value, n=name: t + _warmup(f"{n}_sample", v))
+        copy_model(repo, name, edit=lambda t, v=value, n=name: t + _warmup(f"{n}_sample", v))
     return repo
 
 
@@ -220,10 +199,10 @@ def test_strict_readiness_false_and_ambiguous_and_strict_config(start_worker, tm
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
-    _copy(first, "twice")
-    _copy(second, "twice")
-    _copy(first, "complete")
-    _copy(first, "partial", base="autocomplete_add", config='name: "partial"\nmax_batch_size: 8\n')
+    copy_model(first, "twice")
+    copy_model(second, "twice")
+    copy_model(first, "complete")
+    copy_model(first, "partial", base="autocomplete_add", config='name: "partial"\nmax_batch_size: 8\n')
     w = start_worker(
         first, "--model-repository", str(second), "--strict-readiness=false", "--strict-model-config=true"
     )
@@ -246,7 +225,7 @@ def test_metrics_count_successful_requests_only(start_worker, tmp_path):
     check_example_models()
     repo = tmp_path / "repo"
     repo.mkdir()
-    _copy(repo, "m")
+    copy_model(repo, "m")
     w = start_worker(repo)
     c = httpclient.InferenceServerClient(w.http_url)
     try:

@@ -66,13 +66,16 @@ impl Proc {
         let dir = tempfile::tempdir().unwrap();
         let port_file = dir.path().join("ports.json");
         let log = dir.path().join(format!("{name}.log"));
+        // Log lines go to stdout, start-up failures to stderr: both land in one file, so a
+        // failing test can show what the process said.
+        let log_file = std::fs::File::create(&log).unwrap();
         let mut cmd = Command::new(bin);
         cmd.args(args)
             .args(["--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
             .arg("--port-file")
             .arg(&port_file)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap());
+            .stdout(log_file.try_clone().unwrap())
+            .stderr(log_file);
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -133,6 +136,20 @@ impl Proc {
             .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' ')))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
+    }
+
+    /// Waits (bounded by `within`) until the process's log has `needle`; the log's tail in the
+    /// failure otherwise.
+    pub async fn wait_log(&self, what: &str, needle: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        while !self.log().contains(needle) {
+            if Instant::now() >= deadline {
+                let log = self.log();
+                let tail: Vec<&str> = log.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect();
+                panic!("timed out after {within:?} waiting for {what} ({needle:?}); log tail:\n{}", tail.join("\n"));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Sends SIGTERM.
@@ -410,4 +427,57 @@ pub fn spawn_fleet_gateway(etcd: &Etcd, id: &str, extra: &[&str]) -> Proc {
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
     Proc::spawn("gateway", Path::new(env!("CARGO_BIN_EXE_nereid-gateway")), &args, &[])
+}
+
+/// The key prefix of the fleet's etcd schema.
+pub const PREFIX: &str = "/nereid/v1";
+
+/// Writes `{PREFIX}/{key}`.
+pub async fn put(client: &mut nereid_common::fleet::etcd_client::Client, key: &str, value: &str) {
+    client.put(format!("{PREFIX}/{key}"), value, None).await.unwrap();
+}
+
+/// Keys (without [`PREFIX`]) under `{PREFIX}/{prefix}`; none while etcd is unreachable.
+pub async fn keys_under(client: &mut nereid_common::fleet::etcd_client::Client, prefix: &str) -> Vec<String> {
+    let options = nereid_common::fleet::etcd_client::GetOptions::new().with_prefix().with_keys_only();
+    match client.get(format!("{PREFIX}/{prefix}"), Some(options)).await {
+        Ok(r) => r.kvs().iter().map(|kv| kv.key_str().unwrap().trim_start_matches(PREFIX).to_string()).collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// `(kind, worker, model, version)` of a `placement/…` or `status/…` key.
+pub fn parse_key(key: &str) -> Option<(String, String, String, i64)> {
+    let parts: Vec<&str> = key.strip_prefix(PREFIX)?.trim_start_matches('/').split('/').collect();
+    match parts[..] {
+        [kind @ ("placement" | "status"), w, m, v] => Some((kind.into(), w.into(), m.into(), v.parse().ok()?)),
+        _ => None,
+    }
+}
+
+/// Whether a status value says READY.
+pub fn is_ready(value: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(value).is_ok_and(|v| v["state"] == "READY")
+}
+
+/// Workers holding `model`/`version` READY per their status keys, sorted; none while etcd is
+/// unreachable.
+pub async fn ready_on(
+    client: &mut nereid_common::fleet::etcd_client::Client,
+    model: &str,
+    version: i64,
+) -> Vec<String> {
+    let options = nereid_common::fleet::etcd_client::GetOptions::new().with_prefix();
+    let Ok(resp) = client.get(format!("{PREFIX}/status/"), Some(options)).await else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = resp
+        .kvs()
+        .iter()
+        .filter_map(|kv| Some((parse_key(kv.key_str().ok()?)?, kv.value())))
+        .filter(|((_, _, m, v), value)| m == model && *v == version && is_ready(value))
+        .map(|((_, w, _, _), _)| w)
+        .collect();
+    out.sort();
+    out
 }
