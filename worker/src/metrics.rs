@@ -184,8 +184,6 @@ impl VersionStats {
         infer: StdDuration,
         output: StdDuration,
     ) {
-        self.inference_count.fetch_add(answered as u64, Relaxed);
-        self.execution_count.fetch_add(1, Relaxed);
         self.batch_size.observe(rows as u64);
         // Triton accounts compute time per request: each request in the batch sees it.
         for _ in 0..requests {
@@ -194,7 +192,11 @@ impl VersionStats {
             self.compute_output.add(output);
         }
         let cell = {
+            // Under the lock [`snapshot`](Self::snapshot) reads them with: a snapshot sees both
+            // counts of a batch or neither.
             let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
+            self.inference_count.fetch_add(answered as u64, Relaxed);
+            self.execution_count.fetch_add(1, Relaxed);
             batches.entry(rows as u64).or_default().clone()
         };
         cell.input.add(input);

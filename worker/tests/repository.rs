@@ -368,6 +368,17 @@ async fn poll_mode_reloads_changes_without_dropping_in_flight_requests() {
     std::fs::copy(example_onnx("identity_fp32", 1), vdir.join("model.onnx")).unwrap();
     repo.poll_once().await;
     assert!(repo.model_ready("fresh", None));
+    assert!(repo.server_ready());
+
+    // A model that fails to load makes the server not ready (strict readiness) until it is
+    // fixed or, as here, removed from the repository.
+    std::fs::create_dir_all(dir.path().join("broken/1")).unwrap();
+    std::fs::write(dir.path().join("broken/1/model.onnx"), b"not a model").unwrap();
+    repo.poll_once().await;
+    assert!(!repo.server_ready(), "{:?}", repo.index(false));
+    std::fs::remove_dir_all(dir.path().join("broken")).unwrap();
+    repo.poll_once().await;
+    assert!(repo.server_ready(), "{:?}", repo.index(false));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

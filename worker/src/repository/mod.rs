@@ -910,9 +910,21 @@ impl Repository {
             }
         }
         for (name, slot) in loaded {
-            if !on_disk.contains_key(&name) && slot.model.is_some() {
+            if on_disk.contains_key(&name) {
+                continue;
+            }
+            if slot.model.is_some() {
                 tracing::info!(model = %name, "model removed from the repository; unloading");
                 let _ = self.unload_inner(&name).await;
+            } else if matches!(&slot.state, State::Unavailable(reason) if reason != UNLOADED) {
+                // A model that failed to load and is gone from disk no longer counts against
+                // strict readiness: nothing is left to fix or to serve.
+                tracing::info!(model = %name, "failed model removed from the repository");
+                self.set_slot(
+                    &name,
+                    Slot { state: State::Unavailable(UNLOADED.into()), model: None, reload_error: None },
+                );
+                self.attempted.lock().unwrap_or_else(|e| e.into_inner()).remove(&name);
             }
         }
     }
