@@ -79,6 +79,27 @@ impl Code {
 /// The message of [`Status::queue_timeout`], Triton's own wording.
 pub const QUEUE_TIMEOUT_MESSAGE: &str = "Request timeout expired";
 
+/// The message of the RESOURCE_EXHAUSTED a priority level's full queue (`max_queue_size`)
+/// answers at once.
+pub const LEVEL_QUEUE_FULL_MESSAGE: &str = "the queue of this priority level is full (max_queue_size), retry later";
+
+/// How the message of the RESOURCE_EXHAUSTED a model's full request queue answers begins.
+pub const QUEUE_FULL_MESSAGE_PREFIX: &str = "the model's request queue is full";
+
+/// Whether a worker's answer says its scheduler refused the request before it ran: a full
+/// queue, or a queue-policy timeout. Exact messages only: an ensemble prefixes its steps'
+/// errors (an earlier step may have run), and other RESOURCE_EXHAUSTED answers (an oversized
+/// message) would fail the same way anywhere.
+pub fn is_queue_refusal(code: Code, message: &str) -> bool {
+    match code {
+        Code::Unavailable => message == QUEUE_TIMEOUT_MESSAGE,
+        Code::ResourceExhausted => {
+            message == LEVEL_QUEUE_FULL_MESSAGE || message.starts_with(QUEUE_FULL_MESSAGE_PREFIX)
+        }
+        _ => false,
+    }
+}
+
 /// An error with a code and a message that names the offending field.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Status {

@@ -299,7 +299,7 @@ async fn killing_a_worker_under_load_costs_only_its_in_flight_requests() {
     assert_eq!(inference_count(&b, "identity_fp32").await, before + 10);
 }
 
-/// `identity_fp32` on a worker that holds every request in its queue for 20 s (a stalled
+/// `identity_fp32` on a worker that holds every request in its queue for 10 minutes (a stalled
 /// worker, as far as the gateway can tell).
 const STALLED_IDENTITY: &str = r#"
 name: "identity_fp32"
@@ -307,7 +307,7 @@ backend: "onnxruntime"
 max_batch_size: 8
 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
 output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
-dynamic_batching { preferred_batch_size: [ 8 ] max_queue_delay_microseconds: 20000000 }
+dynamic_batching { preferred_batch_size: [ 8 ] max_queue_delay_microseconds: 600000000 }
 "#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -337,8 +337,10 @@ async fn timeouts_eject_a_worker_only_when_the_gateways_own_limit_set_the_deadli
     // Clients' own deadlines, tighter than the gateway's limit: the timeouts are theirs, not
     // the worker's fault — no ejection, however many.
     for _ in 0..3 {
+        // Sent as the header, not `grpc-timeout`: tonic's client enforces a `grpc-timeout`
+        // itself, and on a slow machine its own timer (CANCELLED) may beat the gateway's answer.
         let mut req = tonic::Request::new(fp32_request("identity_fp32", "", &[1, 16], |_| 1.0));
-        req.set_timeout(Duration::from_millis(150));
+        req.metadata_mut().insert("x-nereid-deadline-ms", "150".parse().unwrap());
         let e = client.model_infer(req).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
         let r = http
@@ -371,8 +373,8 @@ async fn a_worker_with_a_full_queue_is_retried_elsewhere_and_a_429_says_when_to_
     // for 20 s). Every later request there is refused at once with RESOURCE_EXHAUSTED — never
     // run, so the gateway retries it on `ok`.
     let config = STALLED_IDENTITY.replace(
-        "max_queue_delay_microseconds: 20000000 }",
-        "max_queue_delay_microseconds: 20000000 default_queue_policy { max_queue_size: 1 } }",
+        "max_queue_delay_microseconds: 600000000 }",
+        "max_queue_delay_microseconds: 600000000 default_queue_policy { max_queue_size: 1 } }",
     );
     let repo = common::identity_repo(&[("identity_fp32", &config)]);
     let full = start_worker(repo.path(), &[]).await;
@@ -380,7 +382,7 @@ async fn a_worker_with_a_full_queue_is_retried_elsewhere_and_a_429_says_when_to_
     let mut direct = full.client().await;
     let filler = tokio::spawn(async move {
         let mut req = tonic::Request::new(fp32_request("identity_fp32", "", &[1, 16], |_| 0.0));
-        req.set_timeout(Duration::from_secs(30));
+        req.set_timeout(Duration::from_secs(600));
         direct.model_infer(req).await
     });
     wait_until("the stalled worker's queue to fill", Duration::from_secs(10), || async {
@@ -411,6 +413,40 @@ async fn a_worker_with_a_full_queue_is_retried_elsewhere_and_a_429_says_when_to_
     assert_eq!(r.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
     assert!(r.text().await.unwrap().contains("queue"));
     filler.abort();
+}
+
+/// A request naming no version is pinned to the version the gateway's table resolved. When
+/// the worker has replaced that version before the table caught up (a rollout), the request is
+/// not failed NOT_FOUND: it goes again unpinned and the worker's latest answers it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_replaced_before_the_table_caught_up_is_served_by_the_latest() {
+    let worker = start_worker(&example_models(), &["versioned_scale"]).await;
+    // The table is read once at start and not again during the test.
+    let gateway = start_gateway(&[&worker], &["--discovery-interval-ms", "3600000"]).await;
+    let mut client = gateway.client().await;
+    let request = || fp32_request("versioned_scale", "", &[1, 4], |_| 1.0);
+    let before = client.model_infer(request()).await.unwrap().into_inner();
+    assert_eq!(before.model_version, "2");
+
+    // The worker now serves version 1 only; the gateway's table still says 2.
+    let config = json!({
+        "name": "versioned_scale", "backend": "onnxruntime", "max_batch_size": 16,
+        "version_policy": {"specific": {"versions": [1]}},
+        "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [4]}],
+        "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [4]}],
+    });
+    let load = reqwest::Client::new()
+        .post(worker.http_url("/v2/repository/models/versioned_scale/load"))
+        .json(&json!({"parameters": {"config": config.to_string()}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(load.status(), 200, "{}", load.text().await.unwrap());
+    let after = client.model_infer(request()).await.expect("served by the worker's latest version").into_inner();
+    assert_eq!(after.model_version, "1");
+    // A client that names the gone version still hears that it is gone.
+    let named = client.model_infer(fp32_request("versioned_scale", "2", &[1, 4], |_| 1.0)).await.unwrap_err();
+    assert_eq!(named.code(), tonic::Code::NotFound, "{named:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -109,7 +109,8 @@ async fn admission_sheds_at_once_beyond_the_limit() {
     let start = Instant::now();
     let e = gateway.client().await.model_infer(fp32_request("held", "", &[1, 16], |_| 0.0)).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
-    assert!(start.elapsed() < Duration::from_secs(1));
+    // "At once": it does not wait for the held request (held for as long as the test runs).
+    assert!(start.elapsed() < Duration::from_secs(5));
     // HTTP: 429 with Retry-After.
     let r = reqwest::Client::new()
         .post(gateway.http_url("/v2/models/held/infer"))

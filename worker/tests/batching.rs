@@ -240,11 +240,11 @@ async fn without_dynamic_batching_requests_run_one_at_a_time() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn priority_levels_serve_the_higher_level_first() {
     // max_batch_size 4. Queue A (level 2, 2 rows) and B (level 2, 1 row): 3 rows, waiting for
-    // the delay. Then C (level 1, 2 rows) arrives: by priority the batch is C + A = 4 rows,
+    // the 2 s delay. Then C (level 1, 2 rows) arrives: by priority the batch is C + A = 4 rows,
     // full, and runs at once; B is left for a second batch. First-come-first-served would have
     // run A + B and left C.
     let cfg = identity_config(
-        "dynamic_batching { max_queue_delay_microseconds: 100000 priority_levels: 2 default_priority_level: 2 }",
+        "dynamic_batching { max_queue_delay_microseconds: 2000000 priority_levels: 2 default_priority_level: 2 }",
     );
     let dir = repo(&[TestModel { name: "m", source: "identity_fp32", config: Some(&cfg) }]);
     let repo = start(dir.path(), ControlMode::None).await;
@@ -324,7 +324,7 @@ onnx.save(m, out)
 }
 
 /// The audit's case: the only instance is busy with a long batch; a request queued behind it
-/// with a 100 ms queue timeout is rejected by the timer while that batch still runs, not
+/// with a 20 ms queue timeout is rejected by the timer while that batch still runs, not
 /// when the instance frees up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_timeout_fires_while_the_only_instance_is_busy() {
@@ -336,11 +336,11 @@ max_batch_size: 512
 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 512 ] } ]
 output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 512 ] } ]
 instance_group [ { count: 1 kind: KIND_CPU } ]
-dynamic_batching { max_queue_delay_microseconds: 0 default_queue_policy { timeout_action: REJECT default_timeout_microseconds: 100000 } }
+dynamic_batching { max_queue_delay_microseconds: 0 default_queue_policy { timeout_action: REJECT default_timeout_microseconds: 20000 } }
 "#;
     std::fs::write(dir.path().join("m/config.pbtxt"), config).expect("config");
     let repo = start(dir.path(), ControlMode::None).await;
-    // A full batch (512 rows): it runs alone, for far longer than 100 ms.
+    // A full batch (512 rows): it runs alone, for far longer than 20 ms.
     let long = {
         let repo = repo.clone();
         tokio::spawn(async move { repo.infer(wide_request(0.5, 512, 512, 0, 0)).await })

@@ -23,7 +23,7 @@ pub use self::layer::BalanceLayer;
 pub use self::p2c::p2c;
 pub use self::service::Balance;
 use crate::call::InferCall;
-use crate::routing::{RouteError, Routes, RoutingTable};
+use crate::routing::{Route, RouteError, Routes, RoutingTable};
 use crate::upstream::{Upstream, UpstreamId};
 
 /// Up to this many holders, every one is scanned.
@@ -66,10 +66,22 @@ pub fn choose<'t, R: Rng + ?Sized>(
 
 /// Resolves the call's model version and picks its worker in one snapshot of the table: the
 /// worker and the version resolved.
+/// [`choose`] among the route's ready holders, else (all of them excluded) among the
+/// not-ready ones that still hold the version.
+pub fn choose_route<'t, R: Rng + ?Sized>(
+    table: &'t RoutingTable,
+    route: &Route<'_>,
+    excluded: &[UpstreamId],
+    now: Instant,
+    rng: &mut R,
+) -> Option<&'t Arc<Upstream>> {
+    choose(table, route.holders, excluded, now, rng).or_else(|| choose(table, route.fallback, excluded, now, rng))
+}
+
 pub fn pick(routes: &Routes, call: &InferCall, now: Instant) -> Result<(Arc<Upstream>, i64), RouteError> {
     let table = routes.snapshot();
     let route = table.resolve(call.model(), call.version)?;
-    choose(&table, route.holders, &call.excluded, now, &mut rand::rng())
+    choose_route(&table, &route, &call.excluded, now, &mut rand::rng())
         .map(|u| (u.clone(), route.version))
         .ok_or_else(|| RouteError::NoReadyWorker { model: call.model().to_string(), version: call.version })
 }
@@ -82,6 +94,26 @@ mod tests {
     use crate::routing::tests::{row, view};
     use rand::SeedableRng;
     use rand::rngs::StdRng;
+
+    /// A retry that excludes the only ready holder goes to a draining worker that still holds
+    /// the version, rather than nowhere.
+    #[tokio::test]
+    async fn with_every_ready_holder_excluded_a_draining_holder_takes_the_call() {
+        let t = RoutingTable::build(
+            vec![
+                view("a:1", WorkerState::Ready, vec![row("m", "1", "READY")]),
+                view("d:1", WorkerState::NotReady, vec![row("m", "1", "READY")]),
+            ],
+            Instant::now(),
+        );
+        let (mut rng, now) = (StdRng::seed_from_u64(1), Instant::now());
+        let route = t.resolve("m", None).unwrap();
+        assert_eq!((route.holders, route.fallback), (&[0usize][..], &[1usize][..]));
+        let a: UpstreamId = "a:1".into();
+        assert_eq!(&*choose_route(&t, &route, &[], now, &mut rng).unwrap().id, "a:1");
+        assert_eq!(&*choose_route(&t, &route, std::slice::from_ref(&a), now, &mut rng).unwrap().id, "d:1");
+        assert!(choose_route(&t, &route, &[a, "d:1".into()], now, &mut rng).is_none());
+    }
 
     #[tokio::test]
     async fn skips_excluded_and_ejected_workers_unless_all_are_ejected() {

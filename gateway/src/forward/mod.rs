@@ -13,7 +13,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
-use nereid_common::status::QUEUE_TIMEOUT_MESSAGE;
+use nereid_common::status::{QUEUE_TIMEOUT_MESSAGE, is_queue_refusal};
 use nereid_worker::grpc::convert::deadline_margin;
 use prometheus::{IntCounter, IntCounterVec};
 use tower::Service;
@@ -81,9 +81,19 @@ impl FailureKind {
             // A queue-policy timeout (Triton's answer, and the worker's): the request waited in
             // an overloaded worker's queue and never ran — retry elsewhere, but it is no mark
             // against the worker's health.
+            // Likewise a full queue. Only the scheduler's own refusals, by their exact text: an
+            // ensemble's step refusal comes prefixed (earlier steps ran: not retried), and any
+            // other RESOURCE_EXHAUSTED (an oversized message) would fail alike everywhere.
             tonic::Code::Unavailable if status.message() == QUEUE_TIMEOUT_MESSAGE => FailureKind::Refused,
+            tonic::Code::ResourceExhausted
+                if is_queue_refusal(nereid_common::Code::ResourceExhausted, status.message()) =>
+            {
+                FailureKind::Refused
+            }
+            // An ensemble step's queue timeout: the worker is overloaded, not unhealthy, and
+            // its earlier steps ran — answered as it is.
+            tonic::Code::Unavailable if status.message().ends_with(QUEUE_TIMEOUT_MESSAGE) => FailureKind::Answered,
             tonic::Code::Unavailable => FailureKind::Unavailable,
-            tonic::Code::ResourceExhausted => FailureKind::Refused,
             _ => FailureKind::Answered,
         }
     }
@@ -128,6 +138,13 @@ pub struct UpstreamError {
 }
 
 impl UpstreamError {
+    /// The worker answered that it has no such version (NOT_FOUND naming the version).
+    pub fn is_version_gone(&self) -> bool {
+        self.kind == FailureKind::Answered
+            && self.status.code() == tonic::Code::NotFound
+            && self.status.message().contains("has no version")
+    }
+
     pub fn new(worker: UpstreamId, status: tonic::Status) -> Self {
         let kind = FailureKind::classify(&status);
         UpstreamError { worker, status, kind }
@@ -213,8 +230,17 @@ impl Service<InferCall> for Forward {
                 (None, Some(v)) => version_field(v),
                 _ => bytes::Bytes::new(),
             };
-            let parts = [call.request.bytes, pin];
-            let result = unary_bytes(&worker, MODEL_INFER_PATH, parts, timeout, &on_connect).await;
+            let pinned = !pin.is_empty();
+            let body = call.request.bytes;
+            let mut result = unary_bytes(&worker, MODEL_INFER_PATH, [body.clone(), pin], timeout, &on_connect).await;
+            if pinned && result.as_ref().is_err_and(UpstreamError::is_version_gone) {
+                // The worker replaced the version the table still shows (a rollout the table
+                // has not caught up with): without the pin it serves its latest, which is what
+                // a request naming no version asks for.
+                let timeout = outgoing_timeout(call.deadline, Instant::now());
+                result =
+                    unary_bytes(&worker, MODEL_INFER_PATH, [body, bytes::Bytes::new()], timeout, &on_connect).await;
+            }
             record_outcome(&worker, result.as_ref().map(|_| ()), call.deadline_is_gateways, &ejections);
             let bytes = result?;
             // A worker's answer is well-formed; one that is not is the worker's failure.
@@ -284,6 +310,16 @@ mod tests {
         let timed_out = tonic::Status::unavailable(QUEUE_TIMEOUT_MESSAGE);
         assert_eq!(FailureKind::classify(&timed_out), FailureKind::Refused);
         assert_eq!(UpstreamError::new("w:1".into(), timed_out).code(), tonic::Code::Unavailable);
+        // Not the scheduler's refusals: an ensemble step's (earlier steps ran) and an
+        // oversized message (every worker would refuse it).
+        let step = format!("ensemble 'e' step 1 (model 'm'): {QUEUE_TIMEOUT_MESSAGE}");
+        assert_eq!(FailureKind::classify(&tonic::Status::unavailable(step)), FailureKind::Answered);
+        let step_full = tonic::Status::resource_exhausted("ensemble 'e' step 1 (model 'm'): the model's request queue");
+        assert_eq!(FailureKind::classify(&step_full), FailureKind::Answered);
+        let too_large = tonic::Status::resource_exhausted("decoded message length too large");
+        assert_eq!(FailureKind::classify(&too_large), FailureKind::Answered);
+        let level = tonic::Status::resource_exhausted(nereid_common::status::LEVEL_QUEUE_FULL_MESSAGE);
+        assert_eq!(FailureKind::classify(&level), FailureKind::Refused);
         assert!(FailureKind::Refused.safe_to_retry());
         assert_eq!(FailureKind::Refused.outcome(tonic::Code::ResourceExhausted, true), Outcome::Success);
         assert_eq!(UpstreamError::new("w:1".into(), full).code(), tonic::Code::ResourceExhausted);

@@ -11,7 +11,7 @@ use std::time::Instant;
 use prometheus::IntCounterVec;
 
 use super::Policy;
-use crate::balance::choose;
+use crate::balance::choose_route;
 use crate::call::InferCall;
 use crate::error::GatewayError;
 use crate::routing::Routes;
@@ -45,7 +45,7 @@ impl Policy<InferCall, GatewayError> for SafeRetry {
         // Pointless when no other worker could take it: the client gets the real error.
         let table = self.routes.snapshot();
         let route = table.resolve(call.model(), call.version).ok()?;
-        choose(&table, route.holders, &next.excluded, Instant::now(), &mut rand::rng())?;
+        choose_route(&table, &route, &next.excluded, Instant::now(), &mut rand::rng())?;
         Some(next)
     }
 

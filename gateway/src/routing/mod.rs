@@ -81,6 +81,9 @@ pub struct Route<'a> {
     pub version: i64,
     /// Indices of the workers holding it READY (see [`RoutingTable::upstream`]).
     pub holders: &'a [usize],
+    /// Not-ready workers that still list it READY (draining), for when every one of
+    /// `holders` is excluded (a retry); empty when `holders` are those already.
+    pub fallback: &'a [usize],
 }
 
 #[derive(Debug)]
@@ -135,20 +138,22 @@ impl RoutingTable {
     pub fn resolve(&self, model: &str, version: Option<i64>) -> Result<Route<'_>, RouteError> {
         let routes = self.models.get(model).ok_or_else(|| RouteError::ModelNotFound { model: model.to_string() })?;
         let holding = |map: &'_ BTreeMap<i64, Vec<usize>>, v: i64| map.get(&v).filter(|h| !h.is_empty()).is_some();
-        match version {
-            Some(v) => match [&routes.ready, &routes.fallback].into_iter().find(|map| holding(map, v)) {
-                Some(map) => Ok(Route { version: v, holders: &map[&v] }),
-                None if routes.known_versions.contains(&v) => {
-                    Err(RouteError::NoReadyWorker { model: model.to_string(), version: Some(v) })
-                }
-                None => Err(RouteError::VersionNotFound { model: model.to_string(), version: v }),
-            },
+        let fallback_of = |v: i64| routes.fallback.get(&v).map_or(&[][..], Vec::as_slice);
+        let version = match version {
+            Some(v) if holding(&routes.ready, v) || holding(&routes.fallback, v) => v,
+            Some(v) if routes.known_versions.contains(&v) => {
+                return Err(RouteError::NoReadyWorker { model: model.to_string(), version: Some(v) });
+            }
+            Some(v) => return Err(RouteError::VersionNotFound { model: model.to_string(), version: v }),
             None => [&routes.ready, &routes.fallback]
                 .into_iter()
-                .find_map(|map| map.iter().rev().find(|(_, h)| !h.is_empty()))
-                .map(|(v, holders)| Route { version: *v, holders })
-                .ok_or_else(|| RouteError::NoReadyWorker { model: model.to_string(), version: None }),
-        }
+                .find_map(|map| map.iter().rev().find(|(_, h)| !h.is_empty()).map(|(v, _)| *v))
+                .ok_or_else(|| RouteError::NoReadyWorker { model: model.to_string(), version: None })?,
+        };
+        Ok(match routes.ready.get(&version).filter(|h| !h.is_empty()) {
+            Some(holders) => Route { version, holders, fallback: fallback_of(version) },
+            None => Route { version, holders: fallback_of(version), fallback: &[] },
+        })
     }
 
     /// The worker at `index` (from a [`Route`]).

@@ -216,7 +216,9 @@ pub async fn start_gateway(workers: &[&Proc], extra: &[&str]) -> Proc {
     for w in workers {
         args.extend(["--worker-grpc".into(), w.grpc_addr()]);
     }
-    args.extend(["--discovery-interval-ms".into(), "100".into()]);
+    if !extra.contains(&"--discovery-interval-ms") {
+        args.extend(["--discovery-interval-ms".into(), "100".into()]);
+    }
     args.extend(extra.iter().map(|s| s.to_string()));
     let gateway = Proc::spawn("gateway", Path::new(env!("CARGO_BIN_EXE_nereid-gateway")), &args, &[]);
     let n = workers.len() as f64;
@@ -394,7 +396,8 @@ impl Drop for Etcd {
 }
 
 /// A worker in the fleet: explicit mode, registered in `etcd` as `id`, models from placement
-/// (`extra` may set its own `--drain-delay-ms`; 300 otherwise).
+/// (`extra` may set its own `--drain-delay-ms` and `--etcd-lease-ttl-secs`; 300 ms and 2 s
+/// otherwise).
 pub fn spawn_fleet_worker(etcd: &Etcd, id: &str, extra: &[&str]) -> Proc {
     let mut args: Vec<String> = vec![
         "--model-repository".into(),
@@ -405,9 +408,10 @@ pub fn spawn_fleet_worker(etcd: &Etcd, id: &str, extra: &[&str]) -> Proc {
         etcd.endpoint(),
         "--worker-id".into(),
         id.into(),
-        "--etcd-lease-ttl-secs".into(),
-        "2".into(),
     ];
+    if !extra.contains(&"--etcd-lease-ttl-secs") {
+        args.extend(["--etcd-lease-ttl-secs".into(), "2".into()]);
+    }
     if !extra.contains(&"--drain-delay-ms") {
         args.extend(["--drain-delay-ms".into(), "300".into()]);
     }

@@ -255,7 +255,8 @@ impl Scheduler {
             let mut state = self.shared.lock();
             if state.queue.len() >= MAX_QUEUED {
                 return Err(Status::exhausted(format!(
-                    "the model's request queue is full ({MAX_QUEUED} requests), retry later"
+                    "{} ({MAX_QUEUED} requests), retry later",
+                    nereid_common::status::QUEUE_FULL_MESSAGE_PREFIX
                 )));
             }
             job.seq = state.next_seq;
@@ -265,9 +266,7 @@ impl Scheduler {
             let due = match state.queue.push(job, priority, timeout_us, now) {
                 Ok(due) => due,
                 Err(QueueFull(_)) => {
-                    return Err(Status::exhausted(
-                        "the queue of this priority level is full (max_queue_size), retry later",
-                    ));
+                    return Err(Status::exhausted(nereid_common::status::LEVEL_QUEUE_FULL_MESSAGE));
                 }
             };
             state.next_seq += 1;
