@@ -655,6 +655,16 @@ async fn an_etcd_that_lost_its_data_is_noticed_and_everything_re_read() {
     std::fs::remove_dir_all(&data).unwrap();
     etcd.restart().await;
 
+    // The wiped etcd holds no placement for w1: it keeps serving what it has (a wipe must not
+    // take the fleet down) and the gateway routes to it again once it has re-registered.
+    wait_until("the worker to re-read its placement", WAIT, || async { w1.metric(PLACEMENT_READS).await == Some(2.0) })
+        .await;
+    wait_until("identity_fp32 routed after the wipe", WAIT, || async {
+        infer_ok(&gateway, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await
+    })
+    .await;
+    assert!(w1.log().contains("holds no placement for this worker"), "{}", w1.log());
+
     // A model declared now is placed at a revision far below the last one seen: the worker only
     // gets it, and the gateway only routes it, if each noticed and read everything again.
     put(&mut etcd.client().await, "models/versioned_scale", r#"{"schema":1,"versions":[2],"replicas":1}"#).await;
@@ -663,14 +673,22 @@ async fn an_etcd_that_lost_its_data_is_noticed_and_everything_re_read() {
     })
     .await;
     assert!(gateway.metric(RESYNCS).await.unwrap() > resyncs);
-    assert_eq!(w1.metric(PLACEMENT_READS).await, Some(2.0), "the worker re-read its placement");
-    // What the lost data placed is gone: the worker unloads it, the gateway stops routing it.
-    wait_until("identity_fp32 no longer routed", WAIT, || async {
-        let mut client = gateway.client().await;
+    // The placement written since replaces the kept one: what the lost data placed is gone,
+    // the worker unloads it, the gateway stops routing it.
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
         let req = fp32_request("identity_fp32", "", &[1, 16], |i| i as f32);
-        client.model_infer(req).await.is_err_and(|e| e.code() == tonic::Code::NotFound)
-    })
-    .await;
+        match gateway.client().await.model_infer(req).await {
+            Err(e) if e.code() == tonic::Code::NotFound => break,
+            other => assert!(
+                std::time::Instant::now() < deadline,
+                "identity_fp32 still answered {other:?}\nworker log:\n{}\ngateway log:\n{}",
+                w1.log(),
+                gateway.log()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// One more etcd member started by a test, SIGKILLed on drop.

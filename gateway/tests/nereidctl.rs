@@ -360,3 +360,33 @@ async fn a_pre_stop_drain_moves_a_single_replica_without_failing_a_request_and_g
     ctl(&ep, &["drain", "w9", "--until-exit"]).await.refused("worker w9 is not registered");
     assert_eq!(ctl(&ep, &["drain", last, "--until-exit", "--force"]).await.code, 2);
 }
+
+/// The lease `key` (under the prefix) is bound to, if it exists.
+async fn lease_of(etcd: &Etcd, key: &str) -> Option<i64> {
+    let mut client = etcd.client().await;
+    client.get(format!("{PREFIX}/{key}"), None).await.ok()?.kvs().first().map(|kv| kv.lease())
+}
+
+/// `--until-exit` binds the drain to the worker's lease. A worker whose etcd session restarts
+/// (here: etcd itself restarts) registers under a new lease and revokes the old one; the drain
+/// moves to the new lease with it instead of vanishing while the worker is still on its way out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_until_exit_drain_survives_the_workers_session_restart() {
+    let mut etcd = Etcd::start().await;
+    let ep = etcd.endpoint();
+    // A lease that outlives etcd's restart and the worker's reconnect back-off.
+    let worker = spawn_fleet_worker(&etcd, "w1", &["--etcd-lease-ttl-secs", "30"]);
+    wait_until("w1 registered", WAIT, || async { lease_of(&etcd, "workers/w1").await.is_some() }).await;
+    ctl(&ep, &["drain", "w1", "--until-exit"]).await.ok();
+    let first = lease_of(&etcd, "workers/w1").await.unwrap();
+    assert_eq!(lease_of(&etcd, "drain/w1").await, Some(first));
+
+    etcd.restart().await;
+    wait_until("w1 to register under a new lease", WAIT, || async {
+        lease_of(&etcd, "workers/w1").await.is_some_and(|l| l != first)
+    })
+    .await;
+    let now = lease_of(&etcd, "workers/w1").await;
+    wait_until("the drain on the new lease", WAIT, || async { lease_of(&etcd, "drain/w1").await == now }).await;
+    assert!(worker.log().contains("drain record moved to the new lease"), "{}", worker.log());
+}

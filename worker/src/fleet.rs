@@ -28,7 +28,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nereid_common::fleet::etcd_client::{Client, DeleteOptions, EventType, PutOptions, WatchOptions, WatchStream};
+use nereid_common::fleet::etcd_client::{
+    Client, Compare, CompareOp, DeleteOptions, EventType, PutOptions, Txn, TxnOp, WatchOptions, WatchStream,
+};
 use nereid_common::fleet::records::{self, ModelState, PlacementRecord, StatusRecord, WorkerRecord, WorkerState};
 use nereid_common::fleet::{
     self as fleet, Backoff, CALL_TIMEOUT, ClusterMark, Key, Keys, bounded, check_keepalive, history_reset,
@@ -72,6 +74,12 @@ struct PlacementView {
     /// etcd's history as far as seen (every response header), compared with the cluster's at
     /// the start of each session.
     seen: ClusterMark,
+    /// etcd's history went back (wiped, or restored from a backup) since the placement was
+    /// last read.
+    reset: bool,
+    /// The placement was kept across such a reset because the new history holds none for this
+    /// worker: the next placement written replaces it whole.
+    kept: bool,
 }
 
 /// Handle to the agent thread.
@@ -208,6 +216,7 @@ impl Session<'_> {
         self.put_record(&mut client, *phase.borrow()).await?;
         self.publish_statuses(&mut client).await?;
         if let Some(old) = previous_lease {
+            self.carry_drain(&mut client, old, lease).await?;
             // Only now: the registration and statuses were re-put under the new lease, so this
             // removes just what is stale (revoking first would make gateways see this worker
             // leave and come back).
@@ -246,6 +255,10 @@ impl Session<'_> {
                     if resp.canceled() {
                         return Err(format!("the placement watch was cancelled: {}", resp.cancel_reason()));
                     }
+                    if !resp.events().is_empty() && std::mem::take(&mut self.view.kept) {
+                        // The first placement written since a reset replaces the kept one.
+                        self.view.placement.clear();
+                    }
                     for event in resp.events() {
                         let Some(kv) = event.kv() else { continue };
                         let value = (event.event_type() == EventType::Put).then(|| kv.value());
@@ -279,6 +292,24 @@ impl Session<'_> {
         }
     }
 
+    /// Moves a drain bound to the previous session's lease (`nereidctl drain --until-exit`,
+    /// meant to last until this worker exits) onto the new one before the old lease goes:
+    /// otherwise a session restart (a lost keep-alive, an etcd leader change) would undrain a
+    /// worker that is still on its way out. Written only if the key is unchanged since read.
+    async fn carry_drain(&self, client: &mut Client, old: i64, new: i64) -> SessionResult {
+        let key = self.options.keys.drain(&self.options.record.id);
+        let resp = bounded("read the drain record", client.get(key.as_str(), None)).await?;
+        let Some(kv) = resp.kvs().first().filter(|kv| kv.lease() == old) else {
+            return Ok(());
+        };
+        let txn = Txn::new()
+            .when([Compare::mod_revision(key.as_str(), CompareOp::Equal, kv.mod_revision())])
+            .and_then([TxnOp::put(key.as_str(), kv.value(), Some(PutOptions::new().with_lease(new)))]);
+        bounded("carry the drain record", client.txn(txn)).await?;
+        tracing::info!(worker = %self.options.record.id, "drain record moved to the new lease");
+        Ok(())
+    }
+
     /// Forgets the revision to resume the placement watch from when etcd's history went back
     /// since it was seen (the next watch then starts from a full read); otherwise notes the
     /// cluster's mark.
@@ -292,6 +323,7 @@ impl Session<'_> {
             Some(why) => {
                 tracing::warn!(worker = %self.options.record.id, "{why}; re-reading the placement");
                 self.view.revision = None;
+                self.view.reset = true;
             }
             None => self.view.seen.observe_mark(now),
         }
@@ -312,9 +344,24 @@ impl Session<'_> {
             None => {
                 let read = fleet::get_prefix(client, &prefix).await.map_err(|e| format!("read placement: {e}"))?;
                 self.counters.placement_reads.fetch_add(1, Ordering::Relaxed);
-                self.view.placement.clear();
-                for kv in &read.kvs {
-                    self.apply_placement(kv.key(), Some(kv.value()));
+                let reset = std::mem::take(&mut self.view.reset);
+                if reset && read.kvs.is_empty() && !self.view.placement.is_empty() {
+                    // A wiped etcd (or one restored from an old backup) holds no placement for
+                    // this worker: unloading on its word would take the whole fleet down at once.
+                    // Keep serving until the placement is written again.
+                    tracing::warn!(
+                        worker = %self.options.record.id,
+                        models = self.view.placement.len(),
+                        "etcd's history was reset and holds no placement for this worker; keeping \
+                         what it serves until a placement is written"
+                    );
+                    self.view.kept = true;
+                } else {
+                    self.view.kept = false;
+                    self.view.placement.clear();
+                    for kv in &read.kvs {
+                        self.apply_placement(kv.key(), Some(kv.value()));
+                    }
                 }
                 self.view.revision = Some(read.mark.revision);
                 // The history seen restarts from this read's (after a reset, the old marks are
