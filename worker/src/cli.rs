@@ -175,6 +175,8 @@ pub struct Args {
 
     /// After SIGTERM, milliseconds between marking this worker draining in etcd and closing
     /// the listeners, so gateways stop sending before connections are refused (etcd mode only).
+    /// Also how long a model whose placement was removed keeps serving, no longer published
+    /// READY, before it is unloaded (at least 500 ms).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(0..=60_000))]
     pub drain_delay_ms: u64,
 }

@@ -51,6 +51,9 @@ pub struct FleetOptions {
     /// The record to register (its `state` is set by the agent).
     pub record: WorkerRecord,
     pub lease_ttl: Duration,
+    /// How long a model whose placement was removed keeps serving, no longer published READY,
+    /// before it is unloaded: gateways whose watches lag still send it requests meanwhile.
+    pub unload_grace: Duration,
 }
 
 /// What the process wants of the agent.
@@ -138,8 +141,15 @@ async fn agent(
     drained: watch::Sender<bool>,
 ) {
     let failures: Failures = Default::default();
+    let retiring: Retiring = Default::default();
     let (desired_tx, desired_rx) = watch::channel(None::<Placement>);
-    let reconciler = tokio::spawn(reconcile(repository.clone(), desired_rx, failures.clone()));
+    let reconciler = tokio::spawn(reconcile(
+        repository.clone(),
+        desired_rx,
+        failures.clone(),
+        retiring.clone(),
+        options.unload_grace,
+    ));
     let mut backoff = Backoff::new();
     let mut previous_lease = None;
     let mut view = PlacementView::default();
@@ -149,6 +159,7 @@ async fn agent(
             options: &options,
             repository: &repository,
             failures: &failures,
+            retiring: &retiring,
             desired: &desired_tx,
             drained: &drained,
             backoff: &mut backoff,
@@ -185,10 +196,14 @@ async fn agent(
 
 type Failures = Arc<Mutex<HashMap<String, String>>>;
 
+/// Models no longer placed here that still serve during the unload grace.
+type Retiring = Arc<Mutex<BTreeSet<String>>>;
+
 struct Session<'a> {
     options: &'a FleetOptions,
     repository: &'a Repository,
     failures: &'a Failures,
+    retiring: &'a Retiring,
     desired: &'a watch::Sender<Option<Placement>>,
     drained: &'a watch::Sender<bool>,
     backoff: &'a mut Backoff,
@@ -432,7 +447,8 @@ impl Session<'_> {
     /// Writes the statuses that changed since the last call (and deletes the ones gone).
     async fn publish_statuses(&mut self, client: &mut Client) -> SessionResult {
         let failures = self.failures.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let current = model_statuses(&self.repository.held_index(), &self.view.placement, &failures);
+        let retiring = self.retiring.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let current = model_statuses(&self.repository.held_index(), &self.view.placement, &failures, &retiring);
         let keys = &self.options.keys;
         let id = &self.options.record.id;
         let lease = self.lease.unwrap_or(0);
@@ -463,11 +479,15 @@ fn model_statuses(
     index: &[IndexEntry],
     placement: &Placement,
     failures: &HashMap<String, String>,
+    retiring: &BTreeSet<String>,
 ) -> BTreeMap<(String, i64), StatusRecord> {
     let status =
         |state, reason: &str| StatusRecord { schema: records::SCHEMA_VERSION, state, reason: reason.to_string() };
     let mut out = BTreeMap::new();
     for e in index {
+        if retiring.contains(&e.name) {
+            continue; // Serving out its unload grace: no new traffic.
+        }
         if let (Ok(v), "READY") = (e.version.parse::<i64>(), e.state.as_str()) {
             out.insert((e.name.clone(), v), status(ModelState::Ready, ""));
         }
@@ -495,11 +515,22 @@ fn model_statuses(
 /// Applies each new placement to the repository: loads a model whose placed versions changed
 /// (exactly those versions), unloads one no longer placed here. A failed load is remembered
 /// (reported FAILED) and not retried until its placement changes.
-async fn reconcile(repository: Arc<Repository>, mut desired: watch::Receiver<Option<Placement>>, failures: Failures) {
+///
+/// A model no longer placed is not unloaded at once: for `grace` it keeps serving while no
+/// longer published READY, so gateways whose watches have not caught up yet (and still route
+/// to it) are answered instead of failed; placed again meanwhile, it simply stays.
+async fn reconcile(
+    repository: Arc<Repository>,
+    mut desired: watch::Receiver<Option<Placement>>,
+    failures: Failures,
+    retiring: Retiring,
+    grace: Duration,
+) {
     let mut applied = Placement::new();
     while desired.changed().await.is_ok() {
         let Some(want) = desired.borrow_and_update().clone() else { continue };
         for (model, versions) in &want {
+            retiring.lock().unwrap_or_else(|e| e.into_inner()).remove(model);
             if applied.get(model) == Some(versions) {
                 continue;
             }
@@ -515,10 +546,19 @@ async fn reconcile(repository: Arc<Repository>, mut desired: watch::Receiver<Opt
         for model in removed {
             applied.remove(&model);
             failures.lock().unwrap_or_else(|e| e.into_inner()).remove(&model);
-            tracing::info!(%model, "placement: unloading");
-            if let Err(e) = repository.unload_placed(&model).await {
-                tracing::warn!(%model, "placement: unload failed: {}", e.message);
-            }
+            retiring.lock().unwrap_or_else(|e| e.into_inner()).insert(model.clone());
+            tracing::info!(%model, ?grace, "placement removed: unloading after the grace");
+            let (repository, retiring) = (repository.clone(), retiring.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(grace).await;
+                // Still retiring (not placed again meanwhile): unload.
+                if retiring.lock().unwrap_or_else(|e| e.into_inner()).remove(&model) {
+                    tracing::info!(%model, "placement: unloading");
+                    if let Err(e) = repository.unload_placed(&model).await {
+                        tracing::warn!(%model, "placement: unload failed: {}", e.message);
+                    }
+                }
+            });
         }
     }
 }
@@ -549,7 +589,7 @@ mod tests {
         ]
         .into();
         let failures = HashMap::from([("e".to_string(), "failed to load 'e': boom".to_string())]);
-        let s = model_statuses(&index, &placement, &failures);
+        let s = model_statuses(&index, &placement, &failures, &BTreeSet::new());
         let show: Vec<String> =
             s.iter().map(|((m, v), r)| format!("{m}/{v}={}:{}", r.state.name(), r.reason)).collect();
         assert_eq!(
@@ -564,5 +604,11 @@ mod tests {
                 "e/2=FAILED:failed to load 'e': boom",
             ]
         );
+        // A model serving out its unload grace (placement removed) is no longer READY.
+        let retiring = BTreeSet::from(["a".to_string()]);
+        let unplaced: Placement = placement.into_iter().filter(|(m, _)| m != "a").collect();
+        let s = model_statuses(&index, &unplaced, &failures, &retiring);
+        assert!(!s.keys().any(|(m, _)| m == "a"), "{s:?}");
+        assert!(s.contains_key(&("e".to_string(), 1)));
     }
 }

@@ -223,7 +223,14 @@ fn fleet_options(args: &Args, grpc_port: Option<u16>, http_port: Option<u16>) ->
         cost_classes: Vec::new(),
     };
     records::encode(&record).map_err(|e| anyhow::anyhow!("--worker-id / --advertise-address / --label: {e}"))?;
-    Ok(Some(FleetOptions { endpoints, keys, record, lease_ttl: Duration::from_secs(args.etcd_lease_ttl_secs) }))
+    Ok(Some(FleetOptions {
+        endpoints,
+        keys,
+        record,
+        lease_ttl: Duration::from_secs(args.etcd_lease_ttl_secs),
+        // Long enough for one status update to be published (200 ms) and watched.
+        unload_grace: Duration::from_millis(args.drain_delay_ms.max(500)),
+    }))
 }
 
 /// MemTotal from /proc/meminfo, in MiB (0 when unknown).
