@@ -245,6 +245,14 @@ pub(crate) mod fixtures {
     pub fn a(w: &str, m: &str, v: i64) -> Assignment {
         (w.into(), m.into(), v)
     }
+
+    /// `m`/`v` placed on each of `workers` and READY there.
+    pub fn ready_on(state: &mut FleetState, workers: &[&str], m: &str, v: i64) {
+        for w in workers {
+            state.placements.insert(a(w, m, v));
+            status(state, w, m, v, Some((ModelState::Ready, "")));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -396,10 +404,7 @@ mod tests {
             worker(&mut s, w, 0, 0);
         }
         model(&mut s, "m", &[1], 2, 0);
-        for w in ["w1", "w2"] {
-            s.placements.insert(a(w, "m", 1));
-            status(&mut s, w, "m", 1, Some((ModelState::Ready, "")));
-        }
+        ready_on(&mut s, &["w1", "w2"], "m", 1);
         // One of two READY holders drained: it stays until its replacement (w3) is READY.
         s.drains.insert("w1".into(), DrainRecord { schema: 1, reason: String::new() });
         let p = plan(&s, &BTreeSet::new());
@@ -500,10 +505,7 @@ mod tests {
         worker(&mut s, "w1", 0, 0);
         worker(&mut s, "w2", 0, 0);
         model(&mut s, "m", &[1], 2, 0);
-        for w in ["w1", "w2"] {
-            s.placements.insert(a(w, "m", 1));
-            status(&mut s, w, "m", 1, Some((ModelState::Ready, "")));
-        }
+        ready_on(&mut s, &["w1", "w2"], "m", 1);
         s.drains.insert("w1".into(), DrainRecord { schema: 1, reason: String::new() });
         let p = plan(&s, &BTreeSet::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w2", "m", 1)]));
