@@ -142,12 +142,14 @@ async fn agent(
 ) {
     let failures: Failures = Default::default();
     let retiring: Retiring = Default::default();
+    let loading: Loading = Default::default();
     let (desired_tx, desired_rx) = watch::channel(None::<Placement>);
     let reconciler = tokio::spawn(reconcile(
         repository.clone(),
         desired_rx,
         failures.clone(),
         retiring.clone(),
+        loading.clone(),
         options.unload_grace,
     ));
     let mut backoff = Backoff::new();
@@ -160,6 +162,7 @@ async fn agent(
             repository: &repository,
             failures: &failures,
             retiring: &retiring,
+            loading: &loading,
             desired: &desired_tx,
             drained: &drained,
             backoff: &mut backoff,
@@ -199,11 +202,15 @@ type Failures = Arc<Mutex<HashMap<String, String>>>;
 /// Models no longer placed here that still serve during the unload grace.
 type Retiring = Arc<Mutex<BTreeSet<String>>>;
 
+/// The model whose placement the reconciler is loading now.
+type Loading = Arc<Mutex<Option<String>>>;
+
 struct Session<'a> {
     options: &'a FleetOptions,
     repository: &'a Repository,
     failures: &'a Failures,
     retiring: &'a Retiring,
+    loading: &'a Loading,
     desired: &'a watch::Sender<Option<Placement>>,
     drained: &'a watch::Sender<bool>,
     backoff: &'a mut Backoff,
@@ -448,7 +455,14 @@ impl Session<'_> {
     async fn publish_statuses(&mut self, client: &mut Client) -> SessionResult {
         let failures = self.failures.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let retiring = self.retiring.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let current = model_statuses(&self.repository.held_index(), &self.view.placement, &failures, &retiring);
+        let loading = self.loading.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let current = model_statuses(
+            &self.repository.held_index(),
+            &self.view.placement,
+            &failures,
+            &retiring,
+            loading.as_deref(),
+        );
         let keys = &self.options.keys;
         let id = &self.options.record.id;
         let lease = self.lease.unwrap_or(0);
@@ -480,6 +494,7 @@ fn model_statuses(
     placement: &Placement,
     failures: &HashMap<String, String>,
     retiring: &BTreeSet<String>,
+    loading: Option<&str>,
 ) -> BTreeMap<(String, i64), StatusRecord> {
     let status =
         |state, reason: &str| StatusRecord { schema: records::SCHEMA_VERSION, state, reason: reason.to_string() };
@@ -499,12 +514,15 @@ fn model_statuses(
                 continue;
             }
             let s = match (row.map(|r| r.state.as_str()), failures.get(model)) {
+                _ if loading == Some(model.as_str()) => status(ModelState::Loading, ""),
                 (Some("LOADING"), _) => status(ModelState::Loading, ""),
                 (_, Some(reason)) => status(ModelState::Failed, reason),
                 (Some("UNAVAILABLE"), None) if row.is_some_and(|r| r.reason != "unloaded") => {
                     status(ModelState::Failed, &row.map(|r| r.reason.clone()).unwrap_or_default())
                 }
-                _ => status(ModelState::Loading, ""),
+                // Its load has not started: the reconciler loads one model at a time. The
+                // placement controller does not time a pending load out.
+                _ => status(ModelState::Loading, records::PENDING_REASON),
             };
             out.insert((model.clone(), *v), s);
         }
@@ -524,6 +542,7 @@ async fn reconcile(
     mut desired: watch::Receiver<Option<Placement>>,
     failures: Failures,
     retiring: Retiring,
+    loading: Loading,
     grace: Duration,
 ) {
     let mut applied = Placement::new();
@@ -537,7 +556,10 @@ async fn reconcile(
             applied.insert(model.clone(), versions.clone());
             failures.lock().unwrap_or_else(|e| e.into_inner()).remove(model);
             tracing::info!(%model, ?versions, "placement: loading");
-            if let Err(e) = repository.load_versions(model, versions.iter().copied().collect()).await {
+            *loading.lock().unwrap_or_else(|e| e.into_inner()) = Some(model.clone());
+            let loaded = repository.load_versions(model, versions.iter().copied().collect()).await;
+            *loading.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            if let Err(e) = loaded {
                 tracing::warn!(%model, "placement: load failed: {}", e.message);
                 failures.lock().unwrap_or_else(|e| e.into_inner()).insert(model.clone(), e.message.clone());
             }
@@ -589,25 +611,30 @@ mod tests {
         ]
         .into();
         let failures = HashMap::from([("e".to_string(), "failed to load 'e': boom".to_string())]);
-        let s = model_statuses(&index, &placement, &failures, &BTreeSet::new());
+        // The reconciler is loading `a` (its version 2 next to the READY 1).
+        let s = model_statuses(&index, &placement, &failures, &BTreeSet::new(), Some("a"));
         let show: Vec<String> =
             s.iter().map(|((m, v), r)| format!("{m}/{v}={}:{}", r.state.name(), r.reason)).collect();
+        let pending = format!("d/1=LOADING:{}", records::PENDING_REASON);
         assert_eq!(
             show,
             vec![
                 "a/1=READY:",
-                "a/2=LOADING:", // reload in progress or pending
-                "b/1=LOADING:",
+                "a/2=LOADING:",
+                "b/1=LOADING:", // the repository says so
                 "c/3=FAILED:bad model",
-                "d/1=LOADING:", // not yet attempted
+                &pending, // not yet attempted: waits its turn
                 "e/1=READY:",
                 "e/2=FAILED:failed to load 'e': boom",
             ]
         );
+        // Nothing loading now: `a`'s version 2 waits its turn too.
+        let s = model_statuses(&index, &placement, &failures, &BTreeSet::new(), None);
+        assert_eq!(s[&("a".to_string(), 2)].reason, records::PENDING_REASON);
         // A model serving out its unload grace (placement removed) is no longer READY.
         let retiring = BTreeSet::from(["a".to_string()]);
         let unplaced: Placement = placement.into_iter().filter(|(m, _)| m != "a").collect();
-        let s = model_statuses(&index, &unplaced, &failures, &retiring);
+        let s = model_statuses(&index, &unplaced, &failures, &retiring, None);
         assert!(!s.keys().any(|(m, _)| m == "a"), "{s:?}");
         assert!(s.contains_key(&("e".to_string(), 1)));
     }

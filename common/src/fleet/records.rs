@@ -18,6 +18,10 @@ pub const MAX_MEMORY_MB: u64 = 16 << 20; // 16 TiB
 pub const MAX_VERSIONS: usize = 64;
 pub const MAX_WEIGHT: u32 = 1_000_000;
 
+/// The reason of a LOADING status whose load has not started yet: the worker loads placed
+/// models one at a time, and this one waits its turn.
+pub const PENDING_REASON: &str = "pending: waiting for this worker's other loads";
+
 /// Why a value was rejected.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RecordError {

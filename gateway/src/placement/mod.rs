@@ -26,7 +26,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use nereid_common::fleet::etcd_client::{Client, Compare, CompareOp, LeaderKey, Txn, TxnOp, WatchOptions};
-use nereid_common::fleet::records::{self, ModelState, PlacementRecord};
+use nereid_common::fleet::records::{self, ModelState, PENDING_REASON, PlacementRecord};
 use nereid_common::fleet::{self, Assignment, Backoff, CALL_TIMEOUT, FleetState, Keys, bounded, check_keepalive};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
@@ -325,12 +325,21 @@ impl fmt::Display for UnplacedReport {
 /// A worker's statuses exist only while it is placed there, and the controller removes a
 /// FAILED placement at once, so the reason would vanish within one plan if it were not kept
 /// here.
+/// How many load timeouts a load still waiting its turn on the worker (pending) is given.
+const PENDING_TIMEOUT_FACTOR: u32 = 4;
+
+/// A status as far as the load timeout cares: its state and reason.
+type StatusKey = (ModelState, String);
+
 struct LoadWatch {
     load_timeout: Duration,
     /// Assignments whose load failed, since when: excluded for [`FAILED_COOLDOWN`].
     failed: BTreeMap<Assignment, Instant>,
-    /// Placements on active workers seen without a READY (or FAILED) status, since when.
-    not_ready_since: BTreeMap<Assignment, Instant>,
+    /// Placements on active workers seen without a READY (or FAILED) status: since when, and
+    /// the status they had then. A worker that queues its loads says PENDING (LOADING with
+    /// reason [`PENDING_REASON`]) until it starts a load: the wait restarts with each change, so
+    /// the timeout measures the load itself, not the queue before it.
+    not_ready_since: BTreeMap<Assignment, (Instant, Option<StatusKey>)>,
     /// The last failure per (model, version), while the version is declared.
     last_failure: BTreeMap<(String, i64), LoadFailure>,
     /// The last unplaced warning per (model, version) and when it was given.
@@ -388,8 +397,18 @@ impl LoadWatch {
                 continue;
             }
             waiting.insert(a.clone());
-            let since = *self.not_ready_since.entry(a.clone()).or_insert(now);
-            if now.saturating_duration_since(since) >= self.load_timeout {
+            let key = state.statuses.get(w).and_then(|s| s.get(&(m.clone(), *v))).map(|s| (s.state, s.reason.clone()));
+            let entry = self.not_ready_since.entry(a.clone()).or_insert((now, key.clone()));
+            if entry.1 != key {
+                *entry = (now, key);
+            }
+            let since = entry.0;
+            // A pending load waits for the worker's others (each bounded by the timeout); it
+            // gets four times as long, in case the worker's queue is stuck behind a hung load.
+            let pending = entry.1.as_ref().is_some_and(|(_, reason)| reason == PENDING_REASON);
+            let limit =
+                if pending { self.load_timeout.saturating_mul(PENDING_TIMEOUT_FACTOR) } else { self.load_timeout };
+            if now.saturating_duration_since(since) >= limit {
                 let seen = match status {
                     Some(s) => format!("it was still {}", s.name()),
                     None => "the worker published no status for it".to_string(),
@@ -582,8 +601,8 @@ mod tests {
         let mut loads = LoadWatch::new(timeout);
         let mut s = fleet();
         s.placements.insert(a("w1", "m", 1));
-        assert!(loads.observe(&s, t0).is_empty());
         status(&mut s, "w1", "m", 1, Some((ModelState::Loading, "")));
+        assert!(loads.observe(&s, t0).is_empty());
         assert!(loads.observe(&s, t0 + timeout - Duration::from_secs(1)).is_empty());
         assert_eq!(plan::plan(&s, &loads.excluded()).assignments, BTreeSet::from([a("w1", "m", 1)]));
 
@@ -603,6 +622,33 @@ mod tests {
         assert!(loads.observe(&s, t1).is_empty());
         let new = loads.observe(&s, t1 + timeout);
         assert!(new[0].reason.contains("published no status"), "{new:?}");
+    }
+
+    /// A load queued behind the worker's other loads (LOADING, reason pending) is timed from
+    /// when the worker starts it, not from when it was placed.
+    #[test]
+    fn the_load_timeout_counts_from_the_start_of_the_load_not_the_queue() {
+        let timeout = Duration::from_secs(10);
+        let t0 = Instant::now();
+        let mut loads = LoadWatch::new(timeout);
+        let mut s = fleet();
+        s.placements.insert(a("w1", "m", 1));
+        status(&mut s, "w1", "m", 1, Some((ModelState::Loading, PENDING_REASON)));
+        assert!(loads.observe(&s, t0).is_empty());
+        // Queued for 30 s, longer than the timeout: not a failure, no load of it has run.
+        assert!(loads.observe(&s, t0 + Duration::from_secs(15)).is_empty());
+        assert!(loads.observe(&s, t0 + Duration::from_secs(30)).is_empty());
+        status(&mut s, "w1", "m", 1, Some((ModelState::Loading, "")));
+        assert!(loads.observe(&s, t0 + Duration::from_secs(30)).is_empty());
+        assert!(loads.observe(&s, t0 + Duration::from_secs(39)).is_empty());
+        assert_eq!(loads.observe(&s, t0 + Duration::from_secs(40)).len(), 1, "10 s into the load itself");
+
+        // A queue that never moves (stuck behind a hung load) still ends, after four timeouts.
+        let mut loads = LoadWatch::new(timeout);
+        status(&mut s, "w1", "m", 1, Some((ModelState::Loading, PENDING_REASON)));
+        assert!(loads.observe(&s, t0).is_empty());
+        assert!(loads.observe(&s, t0 + Duration::from_secs(39)).is_empty());
+        assert_eq!(loads.observe(&s, t0 + Duration::from_secs(40)).len(), 1);
     }
 
     #[test]
