@@ -153,7 +153,9 @@ async fn agent(
         options.unload_grace,
     ));
     let mut backoff = Backoff::new();
-    let mut previous_lease = None;
+    // Leases of earlier sessions not yet revoked (a session can fail between its grant and
+    // revoking its predecessor's).
+    let mut previous_leases: Vec<i64> = Vec::new();
     let mut view = PlacementView::default();
     loop {
         counters.sessions.fetch_add(1, Ordering::Relaxed);
@@ -171,10 +173,14 @@ async fn agent(
             published: HashMap::new(),
             view: &mut view,
         };
-        let result = session.run(&mut phase, previous_lease).await;
+        let result = session.run(&mut phase, &mut previous_leases).await;
         counters.connected.store(0, Ordering::Relaxed);
-        // A session that failed before its grant leaves the older lease to revoke next time.
-        previous_lease = session.lease.or(previous_lease);
+        // This session's lease is the next one's to carry from and revoke.
+        if let Some(lease) = session.lease
+            && !previous_leases.contains(&lease)
+        {
+            previous_leases.push(lease);
+        }
         match result {
             Ok(()) => break,
             Err(e) => {
@@ -225,7 +231,7 @@ type SessionResult = Result<(), String>;
 
 impl Session<'_> {
     /// Runs one session; `Ok` only when stopped.
-    async fn run(&mut self, phase: &mut watch::Receiver<Phase>, previous_lease: Option<i64>) -> SessionResult {
+    async fn run(&mut self, phase: &mut watch::Receiver<Phase>, previous_leases: &mut Vec<i64>) -> SessionResult {
         let id = self.options.record.id.clone();
         let mut client = bounded("connect", nereid_common::fleet::connect(&self.options.endpoints)).await?;
         // Before this session writes anything: its own writes would move a wiped etcd's
@@ -237,12 +243,14 @@ impl Session<'_> {
         let (mut keeper, mut keepalives) = bounded("keep-alive", client.lease_keep_alive(lease)).await?;
         self.put_record(&mut client, *phase.borrow()).await?;
         self.publish_statuses(&mut client).await?;
-        if let Some(old) = previous_lease {
-            self.carry_drain(&mut client, old, lease).await?;
+        if !previous_leases.is_empty() {
+            self.carry_drain(&mut client, previous_leases, lease).await?;
             // Only now: the registration and statuses were re-put under the new lease, so this
             // removes just what is stale (revoking first would make gateways see this worker
             // leave and come back).
-            let _ = tokio::time::timeout(CALL_TIMEOUT, client.lease_revoke(old)).await;
+            for old in std::mem::take(previous_leases) {
+                let _ = tokio::time::timeout(CALL_TIMEOUT, client.lease_revoke(old)).await;
+            }
         }
 
         let mut watch = self.watch_placement(&mut client, *phase.borrow()).await?;
@@ -314,21 +322,25 @@ impl Session<'_> {
         }
     }
 
-    /// Moves a drain bound to the previous session's lease (`nereidctl drain --until-exit`,
+    /// Moves a drain bound to an earlier session's lease (`nereidctl drain --until-exit`,
     /// meant to last until this worker exits) onto the new one before the old lease goes:
     /// otherwise a session restart (a lost keep-alive, an etcd leader change) would undrain a
     /// worker that is still on its way out. Written only if the key is unchanged since read.
-    async fn carry_drain(&self, client: &mut Client, old: i64, new: i64) -> SessionResult {
+    async fn carry_drain(&self, client: &mut Client, old: &[i64], new: i64) -> SessionResult {
         let key = self.options.keys.drain(&self.options.record.id);
         let resp = bounded("read the drain record", client.get(key.as_str(), None)).await?;
-        let Some(kv) = resp.kvs().first().filter(|kv| kv.lease() == old) else {
+        let Some(kv) = resp.kvs().first().filter(|kv| old.contains(&kv.lease())) else {
             return Ok(());
         };
         let txn = Txn::new()
             .when([Compare::mod_revision(key.as_str(), CompareOp::Equal, kv.mod_revision())])
             .and_then([TxnOp::put(key.as_str(), kv.value(), Some(PutOptions::new().with_lease(new)))]);
-        bounded("carry the drain record", client.txn(txn)).await?;
-        tracing::info!(worker = %self.options.record.id, "drain record moved to the new lease");
+        if bounded("carry the drain record", client.txn(txn)).await?.succeeded() {
+            tracing::info!(worker = %self.options.record.id, "drain record moved to the new lease");
+        } else {
+            // Changed since read (an operator undrained or re-drained it): theirs stands.
+            tracing::info!(worker = %self.options.record.id, "drain record changed meanwhile; left as it is");
+        }
         Ok(())
     }
 
@@ -367,7 +379,9 @@ impl Session<'_> {
                 let read = fleet::get_prefix(client, &prefix).await.map_err(|e| format!("read placement: {e}"))?;
                 self.counters.placement_reads.fetch_add(1, Ordering::Relaxed);
                 let reset = std::mem::take(&mut self.view.reset);
-                if reset && read.kvs.is_empty() && !self.view.placement.is_empty() {
+                // Still kept (nothing placed here since the reset) counts as well: a re-read after
+                // a compaction must not unload what the reset kept.
+                if (reset || self.view.kept) && read.kvs.is_empty() && !self.view.placement.is_empty() {
                     // A wiped etcd (or one restored from an old backup) holds no placement for
                     // this worker: unloading on its word would take the whole fleet down at once.
                     // Keep serving until the placement is written again.
@@ -500,7 +514,7 @@ fn model_statuses(
         |state, reason: &str| StatusRecord { schema: records::SCHEMA_VERSION, state, reason: reason.to_string() };
     let mut out = BTreeMap::new();
     for e in index {
-        if retiring.contains(&e.name) {
+        if retiring.contains(&e.name) && !placement.contains_key(&e.name) {
             continue; // Serving out its unload grace: no new traffic.
         }
         if let (Ok(v), "READY") = (e.version.parse::<i64>(), e.state.as_str()) {
@@ -546,10 +560,49 @@ async fn reconcile(
     grace: Duration,
 ) {
     let mut applied = Placement::new();
-    while desired.changed().await.is_ok() {
+    // Models whose placement was removed, still loaded: when they unload, and with which
+    // versions. Unloads happen here, in this one task, so a re-placement and an unload of the
+    // same model can never cross.
+    let mut retired: BTreeMap<String, (tokio::time::Instant, BTreeSet<i64>)> = BTreeMap::new();
+    let set_retiring = |retired: &BTreeMap<String, (tokio::time::Instant, BTreeSet<i64>)>| {
+        *retiring.lock().unwrap_or_else(|e| e.into_inner()) = retired.keys().cloned().collect();
+    };
+    loop {
+        let next_unload = retired.values().map(|(at, _)| *at).min();
+        tokio::select! {
+            // A new placement first: one that places a retired model again must win over its
+            // unload when both are due.
+            biased;
+            changed = desired.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+            }
+            _ = tokio::time::sleep_until(next_unload.unwrap_or_else(tokio::time::Instant::now)), if next_unload.is_some() => {
+                let now = tokio::time::Instant::now();
+                let due: Vec<String> = retired.iter().filter(|(_, (at, _))| *at <= now).map(|(m, _)| m.clone()).collect();
+                for model in due {
+                    retired.remove(&model);
+                    set_retiring(&retired);
+                    tracing::info!(%model, "placement: unloading");
+                    if let Err(e) = repository.unload_placed(&model).await {
+                        tracing::warn!(%model, "placement: unload failed: {}", e.message);
+                    }
+                }
+                continue;
+            }
+        }
         let Some(want) = desired.borrow_and_update().clone() else { continue };
+        // Placed again while serving out the grace: with the same versions it simply stays.
         for (model, versions) in &want {
-            retiring.lock().unwrap_or_else(|e| e.into_inner()).remove(model);
+            if let Some((_, had)) = retired.remove(model)
+                && had == *versions
+            {
+                applied.insert(model.clone(), had);
+            }
+        }
+        set_retiring(&retired);
+        for (model, versions) in &want {
             if applied.get(model) == Some(versions) {
                 continue;
             }
@@ -559,29 +612,35 @@ async fn reconcile(
             *loading.lock().unwrap_or_else(|e| e.into_inner()) = Some(model.clone());
             let loaded = repository.load_versions(model, versions.iter().copied().collect()).await;
             *loading.lock().unwrap_or_else(|e| e.into_inner()) = None;
-            if let Err(e) = loaded {
-                tracing::warn!(%model, "placement: load failed: {}", e.message);
-                failures.lock().unwrap_or_else(|e| e.into_inner()).insert(model.clone(), e.message.clone());
+            let failure = match loaded {
+                Err(e) => Some(e.message),
+                // A `specific` load serves the versions found on disk: a placed one that is not
+                // there will not come by waiting.
+                Ok(()) => {
+                    let served: BTreeSet<i64> = repository
+                        .held_index()
+                        .iter()
+                        .filter(|e| e.name == *model && e.state == "READY")
+                        .filter_map(|e| e.version.parse().ok())
+                        .collect();
+                    let missing: Vec<String> = versions.difference(&served).map(i64::to_string).collect();
+                    (!missing.is_empty())
+                        .then(|| format!("version {} of '{model}' is not in the model repository", missing.join(", ")))
+                }
+            };
+            if let Some(reason) = failure {
+                tracing::warn!(%model, "placement: load failed: {reason}");
+                failures.lock().unwrap_or_else(|e| e.into_inner()).insert(model.clone(), reason);
             }
         }
         let removed: Vec<String> = applied.keys().filter(|m| !want.contains_key(*m)).cloned().collect();
         for model in removed {
-            applied.remove(&model);
+            let versions = applied.remove(&model).unwrap_or_default();
             failures.lock().unwrap_or_else(|e| e.into_inner()).remove(&model);
-            retiring.lock().unwrap_or_else(|e| e.into_inner()).insert(model.clone());
             tracing::info!(%model, ?grace, "placement removed: unloading after the grace");
-            let (repository, retiring) = (repository.clone(), retiring.clone());
-            tokio::spawn(async move {
-                tokio::time::sleep(grace).await;
-                // Still retiring (not placed again meanwhile): unload.
-                if retiring.lock().unwrap_or_else(|e| e.into_inner()).remove(&model) {
-                    tracing::info!(%model, "placement: unloading");
-                    if let Err(e) = repository.unload_placed(&model).await {
-                        tracing::warn!(%model, "placement: unload failed: {}", e.message);
-                    }
-                }
-            });
+            retired.insert(model, (tokio::time::Instant::now() + grace, versions));
         }
+        set_retiring(&retired);
     }
 }
 

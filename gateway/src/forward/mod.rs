@@ -138,11 +138,17 @@ pub struct UpstreamError {
 }
 
 impl UpstreamError {
-    /// The worker answered that it has no such version (NOT_FOUND naming the version).
-    pub fn is_version_gone(&self) -> bool {
+    /// The worker answered that `model` itself has no such version (its own NOT_FOUND, not an
+    /// ensemble step's: those come prefixed, and earlier steps ran).
+    pub fn is_version_gone(&self, model: &str) -> bool {
         self.kind == FailureKind::Answered
             && self.status.code() == tonic::Code::NotFound
-            && self.status.message().contains("has no version")
+            && self
+                .status
+                .message()
+                .strip_prefix("model '")
+                .and_then(|m| m.strip_prefix(model))
+                .is_some_and(|m| m.starts_with("' has no version "))
     }
 
     pub fn new(worker: UpstreamId, status: tonic::Status) -> Self {
@@ -231,9 +237,9 @@ impl Service<InferCall> for Forward {
                 _ => bytes::Bytes::new(),
             };
             let pinned = !pin.is_empty();
-            let body = call.request.bytes;
+            let body = call.request.bytes.clone();
             let mut result = unary_bytes(&worker, MODEL_INFER_PATH, [body.clone(), pin], timeout, &on_connect).await;
-            if pinned && result.as_ref().is_err_and(UpstreamError::is_version_gone) {
+            if pinned && result.as_ref().is_err_and(|e| e.is_version_gone(call.model())) {
                 // The worker replaced the version the table still shows (a rollout the table
                 // has not caught up with): without the pin it serves its latest, which is what
                 // a request naming no version asks for.
@@ -318,6 +324,11 @@ mod tests {
         assert_eq!(FailureKind::classify(&step_full), FailureKind::Answered);
         let too_large = tonic::Status::resource_exhausted("decoded message length too large");
         assert_eq!(FailureKind::classify(&too_large), FailureKind::Answered);
+        // Only the model's own "no such version", not an ensemble step's.
+        let gone = |m: &str| UpstreamError::new("w:1".into(), tonic::Status::not_found(m.to_string()));
+        assert!(gone("model 'm' has no version 2 (ready versions: 3)").is_version_gone("m"));
+        assert!(!gone("model 'mm' has no version 2 (ready versions: 3)").is_version_gone("m"));
+        assert!(!gone("ensemble 'm' step 1 (model 's'): model 's' has no version 2").is_version_gone("m"));
         let level = tonic::Status::resource_exhausted(nereid_common::status::LEVEL_QUEUE_FULL_MESSAGE);
         assert_eq!(FailureKind::classify(&level), FailureKind::Refused);
         assert!(FailureKind::Refused.safe_to_retry());

@@ -918,13 +918,21 @@ impl Repository {
                 let _ = self.unload_inner(&name).await;
             } else if matches!(&slot.state, State::Unavailable(reason) if reason != UNLOADED) {
                 // A model that failed to load and is gone from disk no longer counts against
-                // strict readiness: nothing is left to fix or to serve.
-                tracing::info!(model = %name, "failed model removed from the repository");
-                self.set_slot(
-                    &name,
-                    Slot { state: State::Unavailable(UNLOADED.into()), model: None, reload_error: None },
+                // strict readiness: nothing is left to fix or to serve. Decided again under the
+                // change lock: a load may have succeeded since this pass's snapshot.
+                let _serial = self.changes.lock().await;
+                let still_failed = matches!(
+                    self.slot(&name),
+                    Some(Slot { model: None, state: State::Unavailable(ref r), .. }) if r != UNLOADED
                 );
-                self.attempted.lock().unwrap_or_else(|e| e.into_inner()).remove(&name);
+                if still_failed {
+                    tracing::info!(model = %name, "failed model removed from the repository");
+                    self.set_slot(
+                        &name,
+                        Slot { state: State::Unavailable(UNLOADED.into()), model: None, reload_error: None },
+                    );
+                    self.attempted.lock().unwrap_or_else(|e| e.into_inner()).remove(&name);
+                }
             }
         }
     }
