@@ -148,7 +148,9 @@ pub fn init_tracing(verbose: u8) {
     let dynamic = tracing_subscriber::filter::filter_fn(|meta| SETTINGS.enabled(meta.level()));
     let env = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("trace"));
-    let fmt = tracing_subscriber::fmt::layer().with_target(false);
+    // Colours only on a terminal: a log file or a pod's log (kubectl logs) gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout()) && std::env::var_os("NO_COLOR").is_none();
+    let fmt = tracing_subscriber::fmt::layer().with_target(false).with_ansi(ansi);
     let installed = tracing_subscriber::registry()
         .with(level)
         .with(env)

@@ -252,3 +252,59 @@ async fn a_failed_load_is_reported_with_its_reason() {
     let shortage = log.lines().find(|l| l.contains("no_such_model version 1 not placed")).unwrap();
     assert!(shortage.contains("last load failure, on worker w1: "), "{shortage}");
 }
+
+/// A model whose placement goes away stops being published READY at once but keeps serving
+/// for the worker's grace (`--drain-delay-ms`): gateways that have not caught up are still
+/// answered. Placed again within the grace, it stays loaded — no reload; after the grace it
+/// unloads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_placement_serves_out_its_grace_and_a_re_placement_keeps_it_loaded() {
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let w1 = spawn_fleet_worker(&etcd, "w1", &["--drain-delay-ms", "30000"]);
+    let _gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    wait_registered(&etcd, &["w1"]).await;
+    let declared = r#"{"schema":1,"versions":[1],"replicas":1}"#;
+    put(&mut client, "models/identity_fp32", declared).await;
+    let ready = || async { ready_on(&mut etcd.client().await, "identity_fp32", 1).await == ["w1"] };
+    wait_until("identity_fp32 READY on w1", WAIT, ready).await;
+    let served = || async {
+        let request = common::fp32_request("identity_fp32", "1", &[1, 16], |i| i as f32);
+        w1.client().await.model_infer(request).await.is_ok()
+    };
+
+    // Undeclared: the placement and the READY status go; the worker still answers.
+    client.delete(format!("{PREFIX}/models/identity_fp32"), None).await.unwrap();
+    wait_until("the READY status to go", WAIT, || async { !ready().await }).await;
+    assert!(served().await, "served during the grace: {}", w1.log());
+
+    // Declared again within the grace: READY again, never unloaded, loaded once in all.
+    put(&mut client, "models/identity_fp32", declared).await;
+    wait_until("identity_fp32 READY on w1 again", WAIT, ready).await;
+    assert!(served().await);
+    let log = w1.log();
+    assert_eq!(log.matches("placement: loading model=identity_fp32").count(), 1, "{log}");
+    assert!(!log.contains("placement: unloading"), "{log}");
+}
+
+/// With a short grace the removed model does unload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_placement_unloads_after_its_grace() {
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let _gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    wait_registered(&etcd, &["w1"]).await;
+    put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
+    wait_until("identity_fp32 READY on w1", WAIT, || async {
+        ready_on(&mut etcd.client().await, "identity_fp32", 1).await == ["w1"]
+    })
+    .await;
+    client.delete(format!("{PREFIX}/models/identity_fp32"), None).await.unwrap();
+    w1.wait_log("the unload", "placement: unloading model=identity_fp32", WAIT).await;
+    wait_until("the worker to stop serving it", WAIT, || async {
+        let request = common::fp32_request("identity_fp32", "1", &[1, 16], |i| i as f32);
+        w1.client().await.model_infer(request).await.is_err()
+    })
+    .await;
+}
