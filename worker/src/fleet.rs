@@ -535,7 +535,7 @@ fn model_statuses(
                     status(ModelState::Failed, &row.map(|r| r.reason.clone()).unwrap_or_default())
                 }
                 // Its load has not started: the reconciler loads one model at a time. The
-                // placement controller does not time a pending load out.
+                // placement controller gives a pending load four times its load timeout.
                 _ => status(ModelState::Loading, records::PENDING_REASON),
             };
             out.insert((model.clone(), *v), s);

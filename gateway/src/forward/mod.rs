@@ -78,12 +78,11 @@ impl FailureKind {
             // A status tonic made from a transport error carries its cause; one the worker sent
             // in its trailers does not.
             _ if transport => FailureKind::Broken,
-            // A queue-policy timeout (Triton's answer, and the worker's): the request waited in
-            // an overloaded worker's queue and never ran — retry elsewhere, but it is no mark
-            // against the worker's health.
-            // Likewise a full queue. Only the scheduler's own refusals, by their exact text: an
-            // ensemble's step refusal comes prefixed (earlier steps ran: not retried), and any
-            // other RESOURCE_EXHAUSTED (an oversized message) would fail alike everywhere.
+            // A queue-policy timeout (Triton's answer, and the worker's) or a full queue: the
+            // request never ran in an overloaded worker — retry elsewhere, but it is no mark
+            // against the worker's health. Only the scheduler's own refusals, by their exact
+            // text: an ensemble's step refusal comes prefixed (earlier steps ran: not retried),
+            // and any other RESOURCE_EXHAUSTED (an oversized message) would fail alike anywhere.
             tonic::Code::Unavailable if status.message() == QUEUE_TIMEOUT_MESSAGE => FailureKind::Refused,
             tonic::Code::ResourceExhausted
                 if is_queue_refusal(nereid_common::Code::ResourceExhausted, status.message()) =>
