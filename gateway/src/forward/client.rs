@@ -576,7 +576,13 @@ mod tests {
         // The server drops the connection mid-call: that call fails as a broken connection...
         let e = channel.unary("/s/m", Bytes::from_static(b"bye"), Duration::from_secs(5), &|_| {}).await.unwrap_err();
         assert!(matches!(e, CallError::H2(_)), "{e:?}");
-        // ...and the next call connects again.
+        // ...and, once the channel has seen the connection end (the reset stream may arrive
+        // before the end of the connection), the next call connects again.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while channel.live().is_some() {
+            assert!(std::time::Instant::now() < deadline, "the closed connection was never noticed");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         let (_, message) =
             channel.unary("/s/m", Bytes::from_static(b"xy"), Duration::from_secs(5), &|_| {}).await.unwrap();
         assert_eq!(message, Bytes::from_static(b"yx"));

@@ -13,6 +13,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
+use nereid_common::Code;
 use nereid_common::status::{QUEUE_TIMEOUT_MESSAGE, is_queue_refusal};
 use nereid_worker::grpc::convert::deadline_margin;
 use prometheus::{IntCounter, IntCounterVec};
@@ -83,10 +84,8 @@ impl FailureKind {
             // against the worker's health. Only the scheduler's own refusals, by their exact
             // text: an ensemble's step refusal comes prefixed (earlier steps ran: not retried),
             // and any other RESOURCE_EXHAUSTED (an oversized message) would fail alike anywhere.
-            tonic::Code::Unavailable if status.message() == QUEUE_TIMEOUT_MESSAGE => FailureKind::Refused,
-            tonic::Code::ResourceExhausted
-                if is_queue_refusal(nereid_common::Code::ResourceExhausted, status.message()) =>
-            {
+            tonic::Code::Unavailable if is_queue_refusal(Code::Unavailable, status.message()) => FailureKind::Refused,
+            tonic::Code::ResourceExhausted if is_queue_refusal(Code::ResourceExhausted, status.message()) => {
                 FailureKind::Refused
             }
             // An ensemble step's queue timeout: the worker is overloaded, not unhealthy, and
@@ -220,7 +219,7 @@ impl Service<InferCall> for Forward {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, call: InferCall) -> Self::Future {
+    fn call(&mut self, mut call: InferCall) -> Self::Future {
         let ejections = self.ejections.clone();
         let connects = self.connects.clone();
         Box::pin(async move {
@@ -235,10 +234,13 @@ impl Service<InferCall> for Forward {
                 (None, Some(v)) => version_field(v),
                 _ => bytes::Bytes::new(),
             };
-            let pinned = !pin.is_empty();
-            let body = call.request.bytes.clone();
-            let mut result = unary_bytes(&worker, MODEL_INFER_PATH, [body.clone(), pin], timeout, &on_connect).await;
-            if pinned && result.as_ref().is_err_and(|e| e.is_version_gone(call.model())) {
+            // Kept (a reference, no copy) only where a resend may need it.
+            let unpinned = (!pin.is_empty()).then(|| call.request.bytes.clone());
+            let body = std::mem::take(&mut call.request.bytes);
+            let mut result = unary_bytes(&worker, MODEL_INFER_PATH, [body, pin], timeout, &on_connect).await;
+            if let Some(body) = unpinned
+                && result.as_ref().is_err_and(|e| e.is_version_gone(call.model()))
+            {
                 // The worker replaced the version the table still shows (a rollout the table
                 // has not caught up with): without the pin it serves its latest, which is what
                 // a request naming no version asks for.

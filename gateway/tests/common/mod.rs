@@ -95,9 +95,9 @@ impl Proc {
         Proc { name, child, http: port("http"), grpc: port("grpc"), metrics: port("metrics"), log, _dir: dir }
     }
 
-    /// What the process wrote so far, without terminal colour codes (so `model=x` reads as is).
+    /// What the process wrote so far (plain text: its log is not a terminal).
     pub fn log(&self) -> String {
-        strip_ansi(&std::fs::read_to_string(&self.log).unwrap_or_default())
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     pub fn grpc_addr(&self) -> String {
@@ -484,24 +484,5 @@ pub async fn ready_on(
         .map(|((_, w, _, _), _)| w)
         .collect();
     out.sort();
-    out
-}
-
-/// `text` without ANSI escape sequences (ESC `[` parameters, then a final letter).
-pub fn strip_ansi(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars().peekable();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' && chars.peek() == Some(&'[') {
-            chars.next();
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
     out
 }
