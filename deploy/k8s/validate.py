@@ -65,7 +65,7 @@ BUILTIN_FLAGS = {
         "etcd-endpoints": V, "etcd-prefix": V, "worker-id": V, "advertise-address": V,
         "etcd-lease-ttl-secs": V, "label": V, "memory-capacity-mb": V, "max-models": V,
         "drain-delay-ms": V, "cache-config": V, "allow-client-shm": (OPT, BOOL),
-        "strict-readiness": (OPT, BOOL),
+        "strict-readiness": (OPT, BOOL), "denormal-as-zero": (OPT, BOOL),
         "help": NONE, "version": NONE,
     },
     "nereid-gateway": {

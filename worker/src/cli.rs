@@ -131,6 +131,13 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     pub intra_op_threads: usize,
 
+    /// Flush subnormal floats to zero on the threads that run models (FTZ/DAZ, as TensorFlow
+    /// does by default): arithmetic on subnormals takes the CPU's slow path, so a model fed
+    /// random or tiny values can run far slower. Results differ only where a value is below
+    /// about 1e-38 (FP32). A model's parameters { key: "nereid.denormal_as_zero" } overrides.
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub denormal_as_zero: bool,
+
     /// Write the bound ports as JSON ({"http":..,"grpc":..,"metrics":..}) to this file once
     /// listening (useful with port 0).
     #[arg(long, value_name = "FILE")]

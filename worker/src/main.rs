@@ -66,7 +66,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         mode: args.model_control_mode.into(),
         strict_config: args.strict_model_config,
         startup_models: args.load_model.clone(),
-        session_defaults: SessionOptions { intra_op_threads: args.intra_op_threads, ..Default::default() },
+        session_defaults: SessionOptions {
+            intra_op_threads: args.intra_op_threads,
+            denormal_as_zero: args.denormal_as_zero,
+            ..Default::default()
+        },
     };
     if options.mode != ControlMode::Explicit && !args.load_model.is_empty() {
         anyhow::bail!("--load-model requires --model-control-mode=explicit");

@@ -58,6 +58,11 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     inter_op_threads: usize,
 
+    /// Flush subnormals to zero on the running threads, as the worker does by default
+    /// (its --denormal-as-zero).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    denormal_as_zero: bool,
+
     /// Measurement time per point, in seconds (bounded to 60).
     #[arg(long, default_value_t = 2.0)]
     seconds: f64,
@@ -146,8 +151,12 @@ fn run(args: &Args) -> Result<(), String> {
         );
     }
     for &threads in &args.intra_op_threads {
-        let options =
-            SessionOptions { intra_op_threads: threads, inter_op_threads: args.inter_op_threads, ..Default::default() };
+        let options = SessionOptions {
+            intra_op_threads: threads,
+            inter_op_threads: args.inter_op_threads,
+            denormal_as_zero: args.denormal_as_zero,
+            ..Default::default()
+        };
         let session = create_session(&model_path, &options)?;
         let io = model_io(&session);
         // Batching exactly when the worker's auto-complete would: every tensor's first dim dynamic.
@@ -165,7 +174,9 @@ fn run(args: &Args) -> Result<(), String> {
                 return Err(format!("input '{}' has dynamic non-batch dims {:?}", spec.name, spec.dims));
             }
         }
-        let mut instance = InstanceSession::new(session, inputs.clone(), outputs, batching);
+        let mut instance = InstanceSession::new(session, inputs.clone(), outputs, batching)
+            .with_denormal_as_zero(options.denormal_as_zero);
+        instance.prepare_thread();
         let batch_sizes: Vec<usize> = if batching { args.batch_sizes.clone() } else { vec![1] };
 
         for &batch in &batch_sizes {

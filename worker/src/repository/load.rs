@@ -246,7 +246,10 @@ pub fn load_model(
     for (version, sessions) in sessions_by_version {
         let mut instances: Vec<InstanceSession> = sessions
             .into_iter()
-            .map(|s| InstanceSession::new(s, spec.inputs.clone(), spec.outputs.clone(), batching))
+            .map(|s| {
+                InstanceSession::new(s, spec.inputs.clone(), spec.outputs.clone(), batching)
+                    .with_denormal_as_zero(session_options.denormal_as_zero)
+            })
             .collect();
         warmup(&config, dir, &spec, &mut instances).map_err(|e| fail(format!("version {version}: warmup: {e}")))?;
         let stats = metrics.version(name, version);
@@ -368,17 +371,17 @@ fn session_options(
             v.parse::<usize>()
                 .map_err(|_| fail(format!("parameters['{key}'] must be a non-negative integer, got '{v}'")))
         };
+        let flag = || match v {
+            "true" | "1" => Ok(true),
+            "false" | "0" => Ok(false),
+            _ => Err(fail(format!("parameters['{key}'] must be true or false, got '{v}'"))),
+        };
         match key.as_str() {
             // Triton's onnxruntime backend keys; 0 means ONNX Runtime's own default.
             "intra_op_thread_count" => opts.intra_op_threads = number()?,
             "inter_op_thread_count" => opts.inter_op_threads = number()?,
-            "nereid.intra_op_spinning" => {
-                opts.intra_op_spinning = match v {
-                    "true" | "1" => true,
-                    "false" | "0" => false,
-                    _ => return Err(fail(format!("parameters['{key}'] must be true or false, got '{v}'"))),
-                }
-            }
+            "nereid.intra_op_spinning" => opts.intra_op_spinning = flag()?,
+            "nereid.denormal_as_zero" => opts.denormal_as_zero = flag()?,
             // Triton's onnxruntime key: "0" sequential (the default), "1" parallel.
             "execution_mode" => {
                 opts.parallel_execution = match v {

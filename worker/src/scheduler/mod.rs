@@ -169,9 +169,16 @@ pub trait Instance: Send + 'static {
         jobs: &[JobInputs<'_>],
         wanted: &dyn Fn(usize, usize) -> bool,
     ) -> Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status>;
+
+    /// Called once on the instance's own thread before its first batch.
+    fn prepare_thread(&mut self) {}
 }
 
 impl Instance for InstanceSession {
+    fn prepare_thread(&mut self) {
+        InstanceSession::prepare_thread(self);
+    }
+
     fn run(
         &mut self,
         jobs: &[JobInputs<'_>],
@@ -360,6 +367,7 @@ fn timer_thread(shared: Arc<Shared>) {
 }
 
 fn instance_thread<I: Instance>(mut session: I, shared: Arc<Shared>) {
+    session.prepare_thread();
     let mut state = shared.lock();
     loop {
         let now = Instant::now();
