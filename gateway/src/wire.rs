@@ -359,7 +359,7 @@ mod tests {
                 shape: vec![1, 4],
                 ..Default::default()
             }],
-            raw_input_contents: vec![vec![7u8; 16], vec![]],
+            raw_input_contents: vec![vec![7u8; 16].into(), Default::default()],
             ..Default::default()
         }
     }
@@ -381,7 +381,7 @@ mod tests {
         // Other parameters, and the key's text inside tensor data, are not a region.
         let mut other = request();
         other.inputs[0].parameters = [("binary_data_size".to_string(), InferParameter::default())].into();
-        other.raw_input_contents = vec![b"shared_memory_region".to_vec()];
+        other.raw_input_contents = vec![bytes::Bytes::from_static(b"shared_memory_region")];
         assert_eq!(uses_shared_memory(&other.encode_to_vec()), Ok(false));
         let mut input = request();
         input.inputs[0].parameters = shm();
@@ -449,7 +449,7 @@ mod tests {
     fn a_stream_reply_wraps_the_workers_bytes_unchanged() {
         let response = ModelInferResponse {
             model_name: "m".into(),
-            raw_output_contents: vec![vec![1; 300]],
+            raw_output_contents: vec![vec![1; 300].into()],
             ..Default::default()
         };
         let bytes = Bytes::from(response.encode_to_vec());
@@ -478,7 +478,7 @@ mod tests {
                 model_name: name,
                 model_version: version,
                 id,
-                raw_input_contents: raw,
+                raw_input_contents: raw.into_iter().map(Into::into).collect(),
                 ..request()
             };
             let bytes = r.encode_to_vec();

@@ -58,7 +58,7 @@ fn grpc_outputs(body: &[u8]) -> Result<Vec<Output>, String> {
                 .raw_output_contents
                 .get(i)
                 .ok_or_else(|| format!("output '{}' has no raw_output_contents entry", o.name))?;
-            Some(raw.clone())
+            Some(raw.to_vec())
         };
         out.push(Output { name: o.name.clone(), data, shm_byte_size });
     }
@@ -234,7 +234,7 @@ mod tests {
                     ..Default::default()
                 },
             ],
-            raw_output_contents: vec![1.5f32.to_le_bytes().to_vec(), vec![]],
+            raw_output_contents: vec![1.5f32.to_le_bytes().to_vec().into(), Default::default()],
             ..Default::default()
         };
         let message = response.encode_to_vec();

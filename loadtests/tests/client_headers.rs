@@ -248,7 +248,7 @@ impl GrpcInferenceService for GrpcServer {
         Ok(tonic::Response::new(ModelInferResponse {
             model_name: "tiny".into(),
             outputs: vec![output],
-            raw_output_contents: vec![vec![0; 8]],
+            raw_output_contents: vec![vec![0; 8].into()],
             ..Default::default()
         }))
     }

@@ -21,7 +21,7 @@ fn model_infer_request_roundtrip() {
             ..Default::default()
         }],
         outputs: vec![InferRequestedOutputTensor { name: "OUTPUT0".into(), ..Default::default() }],
-        raw_input_contents: vec![data.clone()],
+        raw_input_contents: vec![data.clone().into()],
         ..Default::default()
     };
     req.parameters.insert("priority".into(), InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(3)) });

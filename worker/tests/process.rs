@@ -155,7 +155,7 @@ fn grpc_client_cancel_removes_the_queued_request() {
                     shape: vec![1, 16],
                     ..Default::default()
                 }],
-                raw_input_contents: vec![vec![0u8; 64]],
+                raw_input_contents: vec![vec![0u8; 64].into()],
                 ..Default::default()
             })
             .await
@@ -235,7 +235,7 @@ fn responses_report_the_queue_in_band() {
             shape: vec![1, 16],
             ..Default::default()
         }],
-        raw_input_contents: vec![vec![0u8; 64]],
+        raw_input_contents: vec![vec![0u8; 64].into()],
         ..Default::default()
     };
     let url = format!("http://127.0.0.1:{}", worker.grpc);
@@ -303,7 +303,7 @@ fn failures_count_against_the_resolved_version_only() {
                 shape: vec![1, 16],
                 ..Default::default()
             }],
-            raw_input_contents: raw,
+            raw_input_contents: raw.into_iter().map(Into::into).collect(),
             ..Default::default()
         };
         let url = url.clone();

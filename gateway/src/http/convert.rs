@@ -38,7 +38,7 @@ pub fn infer_request_to_proto(r: InferRequest) -> ModelInferRequest {
             parameters: Default::default(),
             contents: None,
         });
-        raw_input_contents.push(Vec::from(t.data));
+        raw_input_contents.push(t.data.into());
     }
     ModelInferRequest {
         model_name: r.model_name,
@@ -175,7 +175,7 @@ mod tests {
             model_name: "m".into(),
             model_version: "2".into(),
             outputs: vec![out("INT32")],
-            raw_output_contents: vec![vec![7, 0, 0, 0]],
+            raw_output_contents: vec![vec![7, 0, 0, 0].into()],
             ..Default::default()
         };
         let r = infer_response_from_proto(ok.clone()).unwrap();

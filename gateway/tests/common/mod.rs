@@ -258,7 +258,7 @@ pub fn fp32_request(model: &str, version: &str, shape: &[i64], f: impl Fn(usize)
             shape: shape.to_vec(),
             ..Default::default()
         }],
-        raw_input_contents: vec![data],
+        raw_input_contents: vec![data.into()],
         ..Default::default()
     }
 }

@@ -368,7 +368,11 @@ pub fn encode(entry: &Entry, inputs: &[InputTensor], shm: Option<&ShmRequest>) -
                     .collect()
             })
             .unwrap_or_default(),
-        raw_input_contents: if shm.is_some() { Vec::new() } else { inputs.iter().map(|i| i.data.clone()).collect() },
+        raw_input_contents: if shm.is_some() {
+            Vec::new()
+        } else {
+            inputs.iter().map(|i| bytes::Bytes::copy_from_slice(&i.data)).collect()
+        },
     };
     // gRPC length-prefixed message: uncompressed flag, big-endian length, protobuf.
     let len = request.encoded_len();

@@ -637,7 +637,7 @@ mod tests {
             parameters: HashMap::new(),
             inputs,
             outputs: vec![],
-            raw_input_contents: raw,
+            raw_input_contents: raw.into_iter().map(Into::into).collect(),
         }
     }
 
