@@ -308,3 +308,22 @@ async fn a_removed_placement_unloads_after_its_grace() {
     })
     .await;
 }
+
+/// A placed version that is not in the worker's repository is reported FAILED with that reason
+/// at once (not LOADING until the load timeout), while the versions that are there serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_placed_version_missing_from_the_repository_fails_and_the_others_serve() {
+    let etcd = Etcd::start().await;
+    let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    wait_registered(&etcd, &["w1"]).await;
+    put(&mut etcd.client().await, "models/identity_fp32", r#"{"schema":1,"versions":[1,7],"replicas":1}"#).await;
+    wait_log(&gateway, "the failure logged", "the load of identity_fp32 version 7 failed on worker w1: ").await;
+    let log = gateway.log();
+    let line = log.lines().find(|l| l.contains("identity_fp32 version 7 failed on worker w1")).unwrap();
+    assert!(line.contains("version 7 of 'identity_fp32' is not in the model repository"), "{line}");
+    wait_until("identity_fp32 version 1 READY on w1", WAIT, || async {
+        ready_on(&mut etcd.client().await, "identity_fp32", 1).await == ["w1"]
+    })
+    .await;
+}

@@ -73,3 +73,58 @@ def test_invalid_log_settings_are_refused_and_change_nothing(logging_worker, pro
         assert current["log_info"] in (True, {"bool_param": True}), current
     finally:
         c.close()
+
+
+def _log_until_loaded(repo, env_changes, terminal):
+    """The worker's output up to 'model repository loaded', written to a pseudo-terminal or to
+    a pipe (as under a log collector)."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import time
+
+    from nereid_harness import ORT_LIB, WORKER_BIN
+
+    env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
+    env.update(env_changes)
+    env["NEREID_ORT_LIB"] = str(ORT_LIB)
+    cmd = [str(WORKER_BIN), "--model-repository", str(repo), "--address", "127.0.0.1",
+           "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
+    if terminal:
+        reader, writer = pty.openpty()
+    else:
+        reader, writer = os.pipe()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=writer, stderr=writer, env=env)
+    os.close(writer)
+    out = b""
+    try:
+        deadline = time.monotonic() + 30
+        while b"model repository loaded" not in out:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no 'model repository loaded' in 30 s:\n{out.decode(errors='replace')}"
+            if select.select([reader], [], [], left)[0]:
+                try:
+                    chunk = os.read(reader, 65536)
+                except OSError:  # the terminal closed: the worker exited
+                    chunk = b""
+                assert chunk, f"the worker exited:\n{out.decode(errors='replace')}"
+                out += chunk
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+        os.close(reader)
+    return out
+
+
+@pytest.mark.parametrize(
+    "terminal,env,coloured",
+    [(True, {}, True), (True, {"NO_COLOR": "1"}, False), (False, {}, False)],
+    ids=["terminal", "terminal-NO_COLOR", "pipe"],
+)
+def test_log_colours_only_on_a_terminal_without_no_color(repo_copy, terminal, env, coloured):
+    """Colour codes in a log file or a pod's log break searches such as `grep model=x`."""
+    out = _log_until_loaded(repo_copy("identity_fp32"), env, terminal)
+    assert (b"\x1b[" in out) == coloured, out.decode(errors="replace")
+    if not coloured:
+        assert b"model=identity_fp32" in out, out.decode(errors="replace")

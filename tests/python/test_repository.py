@@ -288,6 +288,27 @@ def test_poll_failed_reload_not_retried_until_files_change(repo_copy, make_worke
         h.close()
 
 
+def test_poll_removing_a_model_that_failed_to_load_restores_readiness(repo_copy, make_worker):
+    """Under strict readiness a model that failed to load keeps the worker not-ready; deleting
+    it from the repository (the operator's fix) makes the worker ready again without a restart."""
+    repo, w, h = _poll_worker(repo_copy, make_worker, "identity_fp32")
+    try:
+        assert h.is_server_ready()
+        broken = repo / "broken"
+        shutil.copytree(EXAMPLE_MODELS / "identity_fp32", broken)
+        cfg = broken / "config.pbtxt"
+        cfg.write_text(cfg.read_text().replace('name: "identity_fp32"', 'name: "broken"') + "bogus_field: 1\n")
+        wait_until(lambda: not h.is_server_ready(), POLL_DEADLINE_S, interval=0.1, what="the failed load to make the worker not ready")
+        rows = {e["name"]: e for e in h.get_model_repository_index()}
+        assert rows["broken"]["state"] == "UNAVAILABLE" and "bogus_field" in rows["broken"]["reason"], rows
+        shutil.rmtree(broken)
+        wait_until(h.is_server_ready, POLL_DEADLINE_S, interval=0.1, what="readiness after the broken model was removed")
+        assert not h.is_model_ready("broken")
+        _infer_identity(h, httpclient)
+    finally:
+        h.close()
+
+
 @pytest.mark.parametrize("mode", ["none", "poll"])
 def test_load_unload_refused_outside_explicit_mode(repo_copy, make_worker, mode):
     repo = repo_copy("identity_fp32")
