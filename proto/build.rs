@@ -29,7 +29,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         .generate_default_stubs(true)
         // Tensor payloads as `Bytes`: decoded as slices of the received message buffer instead
-        // of one allocation and copy each, and moved into responses without copying.
+        // of one allocation and copy each, and moved into responses without copying. A slice
+        // is aligned only as the message laid it out: users check before viewing it as
+        // elements (the worker copies a misaligned one into its batch buffer).
         .bytes(".inference.ModelInferRequest.raw_input_contents")
         .bytes(".inference.ModelInferResponse.raw_output_contents")
         .file_descriptor_set_path(out_dir.join("nereid_descriptor.bin"))

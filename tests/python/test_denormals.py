@@ -45,7 +45,8 @@ def _settled(worker):
 
 
 def _add(worker, model):
-    """Z for X = SUBNORMAL, Y = 0, asked several times so that both instances answer."""
+    """Z for X = SUBNORMAL, Y = 0, asked several times (either of the two instances may
+    answer each)."""
     client = grpcclient.InferenceServerClient(worker.grpc_url)
     try:
         x = np.full((2, 3), SUBNORMAL, dtype=np.float32)

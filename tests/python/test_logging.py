@@ -86,7 +86,8 @@ def _log_until_loaded(repo, env_changes, terminal):
 
     from nereid_harness import ORT_LIB, WORKER_BIN
 
-    env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
+    # RUST_LOG could hide the line waited for.
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "RUST_LOG")}
     env.update(env_changes)
     env["NEREID_ORT_LIB"] = str(ORT_LIB)
     cmd = [str(WORKER_BIN), "--model-repository", str(repo), "--address", "127.0.0.1",
@@ -112,7 +113,11 @@ def _log_until_loaded(repo, env_changes, terminal):
                 out += chunk
     finally:
         proc.terminate()
-        proc.wait(timeout=15)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         os.close(reader)
     return out
 

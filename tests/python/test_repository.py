@@ -288,16 +288,19 @@ def test_poll_failed_reload_not_retried_until_files_change(repo_copy, make_worke
         h.close()
 
 
-def test_poll_removing_a_model_that_failed_to_load_restores_readiness(repo_copy, make_worker):
+def test_poll_removing_a_model_that_failed_to_load_restores_readiness(repo_copy, make_worker, tmp_path):
     """Under strict readiness a model that failed to load keeps the worker not-ready; deleting
     it from the repository (the operator's fix) makes the worker ready again without a restart."""
     repo, w, h = _poll_worker(repo_copy, make_worker, "identity_fp32")
     try:
         assert h.is_server_ready()
-        broken = repo / "broken"
-        shutil.copytree(EXAMPLE_MODELS / "identity_fp32", broken)
-        cfg = broken / "config.pbtxt"
+        # Prepared outside and renamed in, so that no scan sees it half written.
+        staged = tmp_path / "staged"
+        shutil.copytree(EXAMPLE_MODELS / "identity_fp32", staged)
+        cfg = staged / "config.pbtxt"
         cfg.write_text(cfg.read_text().replace('name: "identity_fp32"', 'name: "broken"') + "bogus_field: 1\n")
+        broken = repo / "broken"
+        staged.rename(broken)
         wait_until(lambda: not h.is_server_ready(), POLL_DEADLINE_S, interval=0.1, what="the failed load to make the worker not ready")
         rows = {e["name"]: e for e in h.get_model_repository_index()}
         assert rows["broken"]["state"] == "UNAVAILABLE" and "bogus_field" in rows["broken"]["reason"], rows

@@ -121,12 +121,29 @@ pub fn gpu_count() -> usize {
 /// Creates one session for `model_path`.
 pub fn create_session(model_path: &Path, options: &SessionOptions) -> Result<Session, String> {
     let env = environment().map_err(|e| e.message)?;
-    // ONNX Runtime turns flush-to-zero on for the thread that creates the first session asking
-    // for it (and every thread started from it later inherits that): put it back as it was.
-    let fp = fp_control();
-    let session = build_session(env, model_path, options).map_err(|e| format!("{e}"));
-    set_fp_control(fp);
-    session
+    // ONNX Runtime's pool threads start with this thread's setting (its own option sets it on
+    // them only on x86), and the option also turns it on for the thread creating the first
+    // session that asks for it: set it as the session wants, and put it back afterwards.
+    let _fp = DenormalScope::enter(options.denormal_as_zero);
+    build_session(env, model_path, options).map_err(|e| format!("{e}"))
+}
+
+/// Sets the calling thread's subnormal flushing for a scope (a session's creation, its warm-up
+/// on a loader thread) and restores the previous setting when dropped.
+pub struct DenormalScope(u64);
+
+impl DenormalScope {
+    pub fn enter(on: bool) -> Self {
+        let saved = DenormalScope(fp_control());
+        set_denormals_as_zero(on);
+        saved
+    }
+}
+
+impl Drop for DenormalScope {
+    fn drop(&mut self) {
+        set_fp_control(self.0);
+    }
 }
 
 fn build_session(
@@ -374,7 +391,9 @@ impl InstanceSession {
                         })?);
                     }
                 }
-            } else if single && (parts[i][0].1.as_ptr() as usize).is_multiple_of(8) {
+            } else if single
+                && (parts[i][0].1.as_ptr() as usize).is_multiple_of(spec.datatype.element_size().unwrap_or(8))
+            {
                 direct[i] = true;
             } else {
                 let total: usize = parts[i].iter().map(|p| p.1.len()).sum();
@@ -613,7 +632,10 @@ mod tests {
 
 /// Flush-to-zero and denormals-are-zero on (`true`) or off for the calling thread's floating
 /// point unit (MXCSR on x86-64, FPCR.FZ on aarch64; elsewhere nothing). New threads inherit the
-/// setting of the thread that starts them.
+/// setting of the thread that starts them. Rust and LLVM assume the default floating point
+/// environment: with the flags on, code on this thread sees subnormal values as zero (what the
+/// setting is for) and nothing else changes; threads that run Rust code of their own (tokio)
+/// must not keep it, hence [`DenormalScope`].
 pub fn set_denormals_as_zero(on: bool) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -681,7 +703,7 @@ mod denormal_tests {
     fn flushing_subnormals_changes_only_the_calling_thread() {
         let tiny = f32::MIN_POSITIVE;
         let flushed = std::thread::spawn(move || {
-            let before = black_box(tiny) / black_box(4.0f32);
+            let before = black_box(black_box(tiny) / black_box(4.0f32));
             set_denormals_as_zero(true);
             // DAZ: a subnormal operand reads as zero; FTZ: a subnormal result becomes zero.
             let operand = black_box(tiny / 4.0) * black_box(1.0f32);
@@ -703,5 +725,23 @@ mod denormal_tests {
         .join()
         .expect("thread");
         assert!(cleared > 0.0, "turned off again");
+    }
+
+    #[test]
+    fn a_scope_restores_the_previous_setting() {
+        let tiny = f32::MIN_POSITIVE;
+        let (inside, after) = std::thread::spawn(move || {
+            let inside = {
+                let _scope = super::DenormalScope::enter(true);
+                black_box(black_box(tiny) / black_box(4.0f32))
+            };
+            (inside, black_box(black_box(tiny) / black_box(4.0f32)))
+        })
+        .join()
+        .expect("thread");
+        if cfg!(any(target_arch = "x86_64", target_arch = "aarch64")) {
+            assert_eq!(inside, 0.0);
+        }
+        assert!(after > 0.0, "restored when the scope ended");
     }
 }

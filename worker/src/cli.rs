@@ -133,8 +133,9 @@ pub struct Args {
 
     /// Flush subnormal floats to zero on the threads that run models (FTZ/DAZ, as TensorFlow
     /// does by default): arithmetic on subnormals takes the CPU's slow path, so a model fed
-    /// random or tiny values can run far slower. Results differ only where a value is below
-    /// about 1e-38 (FP32). A model's parameters { key: "nereid.denormal_as_zero" } overrides.
+    /// random or tiny values can run far slower. Results change only where an input or an
+    /// intermediate value is subnormal (below ~1.2e-38 in FP32, ~2.2e-308 in FP64): it counts
+    /// as zero. A model's parameters { key: "nereid.denormal_as_zero" } overrides.
     #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub denormal_as_zero: bool,
 

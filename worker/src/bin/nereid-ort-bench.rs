@@ -12,6 +12,10 @@
 //! One line per (intra-op threads, batch size): rows/s, runs/s and per-run latency
 //! percentiles (µs), plus the mean time of each phase `InstanceSession::run` reports.
 
+/// The worker's allocator, so that the baseline runs the same code.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};

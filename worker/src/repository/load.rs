@@ -251,7 +251,12 @@ pub fn load_model(
                     .with_denormal_as_zero(session_options.denormal_as_zero)
             })
             .collect();
-        warmup(&config, dir, &spec, &mut instances).map_err(|e| fail(format!("version {version}: warmup: {e}")))?;
+        {
+            // Warm up as the instance threads will run, without leaving the setting on this
+            // (runtime) thread.
+            let _fp = backend::DenormalScope::enter(session_options.denormal_as_zero);
+            warmup(&config, dir, &spec, &mut instances).map_err(|e| fail(format!("version {version}: warmup: {e}")))?;
+        }
         let stats = metrics.version(name, version);
         let scheduler =
             Scheduler::start(&format!("{name}:{version}"), policy.clone(), preserve, instances, stats.clone())
