@@ -2,7 +2,6 @@
 //! [`InferResponse`] and JSON renderers' input types) and the gRPC messages forwarded to
 //! workers. HTTP JSON is converted once into raw little-endian tensors here, at ingress.
 
-use bytes::Bytes;
 use nereid_common::{DataType, Status};
 use nereid_proto::inference::infer_parameter::ParameterChoice;
 use nereid_proto::inference::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
@@ -38,7 +37,7 @@ pub fn infer_request_to_proto(r: InferRequest) -> ModelInferRequest {
             parameters: Default::default(),
             contents: None,
         });
-        raw_input_contents.push(t.data.into());
+        raw_input_contents.push(t.data);
     }
     ModelInferRequest {
         model_name: r.model_name,
@@ -76,7 +75,7 @@ pub fn infer_response_from_proto(r: ModelInferResponse) -> Result<InferResponse,
                     o.name, o.datatype
                 ))
             })?;
-            Ok(OutputTensor { name: o.name, datatype, shape: o.shape, data: Bytes::from(data) })
+            Ok(OutputTensor { name: o.name, datatype, shape: o.shape, data })
         })
         .collect::<Result<_, Status>>()?;
     Ok(InferResponse {
@@ -149,7 +148,7 @@ mod tests {
             "inputs":[{"name":"INPUT0","shape":[1,2],"datatype":"FP32","data":[1.5,-2]},
                       {"name":"S","shape":[1],"datatype":"BYTES","data":["ab"]}],
             "outputs":[{"name":"OUTPUT0"}]}"#;
-        let parsed = parse_infer_request("m", Some(3), Bytes::from_static(body), None, 1 << 20, None).unwrap();
+        let parsed = parse_infer_request("m", Some(3), bytes::Bytes::from_static(body), None, 1 << 20, None).unwrap();
         let p = infer_request_to_proto(parsed.request);
         assert_eq!((p.model_name.as_str(), p.model_version.as_str(), p.id.as_str()), ("m", "3", "r1"));
         assert_eq!(p.parameters["priority"], uint64(2));

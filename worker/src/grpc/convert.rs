@@ -492,8 +492,7 @@ pub fn infer_response_to_proto(resp: InferResponse) -> ModelInferResponse {
             parameters: Default::default(),
             contents: None,
         });
-        // Zero-copy when the core hands over a uniquely owned buffer.
-        raw_output_contents.push(data.into());
+        raw_output_contents.push(data);
     }
     ModelInferResponse {
         model_name: resp.model_name,
@@ -1045,7 +1044,7 @@ mod tests {
         assert_eq!(p.outputs[1].datatype, "BYTES");
         assert_eq!(p.raw_output_contents.len(), 2);
         assert_eq!(&p.raw_output_contents[0][..], &y[..]);
-        assert_eq!(p.raw_output_contents[0].as_ptr(), ptr, "uniquely owned output is moved, not copied");
+        assert_eq!(p.raw_output_contents[0].as_ptr(), ptr, "the output buffer is moved, not copied");
         assert_eq!(&p.raw_output_contents[1][..], b"\x01\x00\x00\x00z");
     }
 
