@@ -348,14 +348,17 @@ fn stream_error(e: Status, id: String, model_name: String, model_version: String
 /// The response side of `ModelStreamInfer`: reads requests from `incoming`, runs up to `limit`
 /// of them concurrently through `run`, and yields their responses in completion order.
 ///
-/// Everything runs inside this stream (no spawned task): dropping it — the client cancelled or
-/// the connection closed — drops the in-flight futures, which cancels their requests. A failed
-/// request yields an error *message*; only a broken request stream (e.g. an undecodable or
-/// oversized message) ends the RPC, with that status, after the requests already read finish.
+/// Each request runs as its own task, so it progresses (and its deadline, its admission permit
+/// and the upstream flow-control window it holds are released) even while the client reads no
+/// replies; a finished reply not yet read still counts against `limit`. Dropping the stream —
+/// the client cancelled or the connection closed — aborts the tasks, which cancels their
+/// requests. A failed request yields an error *message*; only a broken request stream (e.g. an
+/// undecodable or oversized message) ends the RPC, with that status, after the requests already
+/// read finish.
 pub struct InferStream<S, F, R = ModelStreamInferResponse> {
     incoming: Option<S>,
     run: F,
-    in_flight: FuturesUnordered<BoxFuture<'static, R>>,
+    in_flight: FuturesUnordered<AbortOnDrop<R>>,
     limit: usize,
     /// Set when the request stream failed; reported once the in-flight requests drained.
     error: Option<tonic::Status>,
@@ -387,10 +390,35 @@ where
     }
 }
 
+/// A spawned request of an [`InferStream`]: aborted when dropped; yields its reply (a panic in
+/// it is resumed in the stream's task, as it was when the request ran inline).
+struct AbortOnDrop<R>(tokio::task::JoinHandle<R>);
+
+impl<R> std::future::Future for AbortOnDrop<R> {
+    type Output = R;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<R> {
+        match Pin::new(&mut self.0).poll(cx) {
+            Poll::Ready(Ok(reply)) => Poll::Ready(reply),
+            Poll::Ready(Err(e)) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // Only `drop` aborts the task, and nothing polls it after that.
+            Poll::Ready(Err(_)) => Poll::Pending,
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<R> Drop for AbortOnDrop<R> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 impl<S, F, Q, R> Stream for InferStream<S, F, R>
 where
     S: Stream<Item = Result<Q, tonic::Status>> + Unpin + Send,
     F: FnMut(Q) -> BoxFuture<'static, R> + Unpin + Send,
+    R: Send + 'static,
 {
     type Item = Result<R, tonic::Status>;
 
@@ -411,7 +439,7 @@ where
             match incoming.poll_next_unpin(cx) {
                 Poll::Ready(Some(Ok(req))) => {
                     let fut = (this.run)(req);
-                    this.in_flight.push(fut);
+                    this.in_flight.push(AbortOnDrop(tokio::spawn(fut)));
                 }
                 Poll::Ready(Some(Err(status))) => {
                     this.incoming = None;
@@ -501,6 +529,35 @@ mod tests {
         assert!(peak.load(Ordering::SeqCst) >= 2, "requests ran concurrently");
     }
 
+    /// A client that stops reading replies does not stop its requests: they run to the end
+    /// (releasing what they hold) while the replies wait; dropping the stream cancels the rest.
+    #[tokio::test]
+    async fn requests_run_while_the_client_reads_nothing_and_stop_when_it_goes() {
+        let (active, peak) = counters();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut s = InferStream::new(UnboundedReceiverStream::new(rx), runner(active.clone(), peak.clone()), 8);
+        for id in ["sleep-10", "sleep-20", "sleep-600000"] {
+            tx.send(Ok(req(id))).unwrap();
+        }
+        // One poll admits the three; then nothing polls the stream.
+        assert!(tokio::time::timeout(Duration::from_millis(1), s.next()).await.is_err());
+        assert_eq!(peak.load(Ordering::SeqCst), 3);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while active.load(Ordering::SeqCst) > 1 {
+            assert!(tokio::time::Instant::now() < deadline, "the unread requests did not finish");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // Their replies wait for the reader.
+        let first = s.next().await.unwrap().unwrap();
+        assert_eq!(first.infer_response.unwrap().id, "sleep-10");
+        // Gone: the long request is cancelled, not left running.
+        drop(s);
+        while active.load(Ordering::SeqCst) > 0 {
+            assert!(tokio::time::Instant::now() < deadline, "the dropped stream's request kept running");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     #[tokio::test]
     async fn stream_bounds_in_flight_requests() {
         let (active, peak) = counters();
@@ -562,6 +619,11 @@ mod tests {
         assert!(tokio::time::timeout(Duration::from_millis(50), s.next()).await.is_err());
         assert_eq!(active.load(Ordering::SeqCst), 1);
         drop(s);
-        assert_eq!(active.load(Ordering::SeqCst), 0, "dropping the stream dropped the in-flight request");
+        // Aborted: the task's future is dropped when the runtime next runs it.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while active.load(Ordering::SeqCst) > 0 {
+            assert!(tokio::time::Instant::now() < deadline, "dropping the stream left the in-flight request running");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 }
