@@ -516,3 +516,42 @@ def test_bytes_output_roundtrip_after_errors(bw, stub):
         got.append(out[off + 4 : off + 4 + n])
         off += 4 + n
     assert got == texts
+
+
+def test_a_bad_string_does_not_fail_the_requests_batched_with_it(tmp_path, start_worker):
+    """Strings that cannot become an ONNX string tensor (not UTF-8, or holding NUL) are refused
+    before they are queued. Found in the batch instead, they failed every request in it."""
+    import concurrent.futures
+
+    from nereid_harness import copy_model
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    # A long queue delay and one instance: requests sent together form one batch.
+    copy_model(repo, "strings_batched", base="string_len",
+               edit=lambda t: t + "dynamic_batching { max_queue_delay_microseconds: 300000 }\n"
+               "instance_group [ { count: 1 kind: KIND_CPU } ]\n")
+    w = start_worker(repo)
+    ch = grpc.insecure_channel(w.grpc_url)
+    try:
+        stub = pbg.GRPCInferenceServiceStub(ch)
+
+        def text(payload: bytes):
+            return _grpc_req("strings_batched", "TEXT", "BYTES", (1, 1), raw=struct.pack("<I", len(payload)) + payload)
+
+        bad = {"not_utf8": b"\xff\xfe", "nul": b"a\x00b"}
+        good = [f"text {i}".encode() for i in range(5)]
+        with concurrent.futures.ThreadPoolExecutor(len(bad) + len(good)) as pool:
+            bad_calls = {k: pool.submit(stub.ModelInfer, text(v), timeout=30) for k, v in bad.items()}
+            good_calls = [pool.submit(stub.ModelInfer, text(g), timeout=30) for g in good]
+            for payload, call in zip(good, good_calls):
+                out = call.result().raw_output_contents[0]
+                assert out == struct.pack("<I", len(payload)) + payload
+            for kind, call in bad_calls.items():
+                with pytest.raises(grpc.RpcError) as e:
+                    call.result()
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kind
+                assert "TEXT" in e.value.details() and ("UTF-8" in e.value.details() or "NUL" in e.value.details()), e.value.details()
+    finally:
+        ch.close()
+        w.stop()

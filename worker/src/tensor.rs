@@ -66,13 +66,33 @@ pub struct OutputTensor {
 
 /// Splits a serialized `BYTES` tensor into its elements. Fails, naming `tensor`, on a truncated
 /// length prefix or element.
-pub fn split_bytes_elements<'a>(tensor: &str, mut data: &'a [u8]) -> Result<Vec<&'a [u8]>, Status> {
+pub fn split_bytes_elements<'a>(tensor: &str, data: &'a [u8]) -> Result<Vec<&'a [u8]>, Status> {
     let mut out = Vec::new();
+    visit_bytes_elements(tensor, data, |_, e| {
+        out.push(e);
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// The number of elements of a `BYTES` tensor, checking the layout, without collecting them
+/// (a payload of empty elements has one per 4 bytes).
+pub fn count_bytes_elements(tensor: &str, data: &[u8]) -> Result<u64, Status> {
+    visit_bytes_elements(tensor, data, |_, _| Ok(()))
+}
+
+/// Walks a `BYTES` tensor's elements in order (`visit(index, element)`); returns how many there
+/// are. Fails on a truncated length prefix or element, or when `visit` fails.
+pub fn visit_bytes_elements<'a>(
+    tensor: &str,
+    mut data: &'a [u8],
+    mut visit: impl FnMut(u64, &'a [u8]) -> Result<(), Status>,
+) -> Result<u64, Status> {
+    let mut n = 0u64;
     while !data.is_empty() {
         if data.len() < 4 {
             return Err(Status::invalid(format!(
-                "input '{tensor}': BYTES element {} has a truncated 4-byte length prefix ({} bytes left)",
-                out.len(),
+                "input '{tensor}': BYTES element {n} has a truncated 4-byte length prefix ({} bytes left)",
                 data.len()
             )));
         }
@@ -80,15 +100,31 @@ pub fn split_bytes_elements<'a>(tensor: &str, mut data: &'a [u8]) -> Result<Vec<
         data = &data[4..];
         if data.len() < len {
             return Err(Status::invalid(format!(
-                "input '{tensor}': BYTES element {} claims {len} bytes but only {} remain",
-                out.len(),
+                "input '{tensor}': BYTES element {n} claims {len} bytes but only {} remain",
                 data.len()
             )));
         }
-        out.push(&data[..len]);
+        visit(n, &data[..len])?;
         data = &data[len..];
+        n += 1;
     }
-    Ok(out)
+    Ok(n)
+}
+
+/// Checks that a `BYTES` tensor can become an ONNX string tensor: every element UTF-8 text
+/// without NUL. Returns the element count.
+pub fn check_onnx_strings(tensor: &str, data: &[u8]) -> Result<u64, Status> {
+    visit_bytes_elements(tensor, data, |i, e| {
+        let text = std::str::from_utf8(e).map_err(|_| {
+            Status::invalid(format!("input '{tensor}': BYTES element {i} is not UTF-8 (ONNX string tensors hold text)"))
+        })?;
+        if text.contains('\0') {
+            return Err(Status::invalid(format!(
+                "input '{tensor}': BYTES element {i} contains a NUL character (ONNX Runtime strings cannot)"
+            )));
+        }
+        Ok(())
+    })
 }
 
 /// Serializes elements in Triton's `BYTES` layout.

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use nereid_common::{DataType, Status, dtype};
 
 use crate::backend::TensorSpec;
-use crate::tensor::{InferRequest, split_bytes_elements};
+use crate::tensor::{InferRequest, check_onnx_strings};
 
 /// A model version's tensors as requests must match them.
 #[derive(Clone, Debug)]
@@ -184,7 +184,9 @@ pub fn check_byte_size(name: &str, datatype: DataType, shape: &[i64], data: &[u8
             }
         }
         None => {
-            let count = split_bytes_elements(name, data)?.len() as u64;
+            // Checked here, before queueing: in the backend a bad element would fail the whole
+            // batch, other clients' requests included.
+            let count = check_onnx_strings(name, data)?;
             if count != elements {
                 return Err(Status::invalid(format!(
                     "input '{name}': got {count} BYTES elements, but shape {} needs {elements}",

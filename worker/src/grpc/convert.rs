@@ -23,7 +23,7 @@ use nereid_proto::inference::{
 
 use crate::server::{self, IndexEntry, ModelMetadata, ModelStats, TensorMetadata, parse_version};
 use crate::shm::{self, SharedMemory, ShmRef, ShmWritten};
-use crate::tensor::{InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput, split_bytes_elements};
+use crate::tensor::{InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput, count_bytes_elements};
 
 // ---------------------------------------------------------------------------------------------
 // Requests
@@ -246,7 +246,7 @@ where
             }
             let data = shm.read(&ctx, &r, budget)?;
             if expected_bytes.is_none() {
-                let elements = split_bytes_elements(&name, &data)?.len() as u64;
+                let elements = count_bytes_elements(&name, &data)?;
                 if elements != count {
                     return Err(Status::invalid(format!(
                         "{ctx}: its shared memory holds {elements} BYTES elements but shape {} needs {count}",
@@ -274,7 +274,7 @@ where
                 }
                 Some(_) => {}
                 None => {
-                    let elements = split_bytes_elements(&name, raw.as_ref())?.len() as u64;
+                    let elements = count_bytes_elements(&name, raw.as_ref())?;
                     if elements != count {
                         return Err(Status::invalid(format!(
                             "input '{name}': raw_input_contents holds {elements} BYTES elements but shape {} needs {count}",

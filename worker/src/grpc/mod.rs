@@ -111,8 +111,8 @@ pub async fn serve(
 const HTTP2_CONNECTION_WINDOW: u32 = 64 << 20;
 const HTTP2_STREAM_WINDOW: u32 = 8 << 20;
 
-/// tonic answers a request it cannot decode with INTERNAL and one over the size limit with
-/// OUT_OF_RANGE, before any handler runs. Clients act on INVALID_ARGUMENT (malformed protobuf:
+/// tonic answers a request it cannot decode or inflate with INTERNAL and one over the size limit
+/// with OUT_OF_RANGE, before any handler runs. Clients act on INVALID_ARGUMENT (malformed protobuf:
 /// the request is wrong, do not retry) and RESOURCE_EXHAUSTED (too large), so rewrite those
 /// codes in trailers-only error responses; the message is kept.
 fn remap_transport_errors<B>(mut response: http::Response<B>) -> http::Response<B> {
@@ -123,6 +123,8 @@ fn remap_transport_errors<B>(mut response: http::Response<B>) -> http::Response<
     let message = message.to_str().unwrap_or("").replace("%20", " ");
     let code = match (status.as_bytes(), message.as_str()) {
         (b"13", m) if m.contains("failed to decode Protobuf message") => tonic::Code::InvalidArgument,
+        // A compressed message that does not inflate (corrupt gzip/deflate data).
+        (b"13", m) if m.starts_with("Error decompressing") => tonic::Code::InvalidArgument,
         (b"11", m) if m.contains("decoded message length too large") => tonic::Code::ResourceExhausted,
         _ => return response,
     };
@@ -556,6 +558,25 @@ mod tests {
             assert!(tokio::time::Instant::now() < deadline, "the dropped stream's request kept running");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+    }
+
+    #[test]
+    fn transport_errors_about_the_request_become_client_errors() {
+        let answer = |status: &str, message: &str| {
+            let mut response = http::Response::new(());
+            response.headers_mut().insert("grpc-status", http::HeaderValue::from_str(status).unwrap());
+            response.headers_mut().insert("grpc-message", http::HeaderValue::from_str(message).unwrap());
+            remap_transport_errors(response).headers()["grpc-status"].to_str().unwrap().to_string()
+        };
+        let invalid = (tonic::Code::InvalidArgument as i32).to_string();
+        let exhausted = (tonic::Code::ResourceExhausted as i32).to_string();
+        assert_eq!(answer("13", "failed to decode Protobuf message: invalid wire type"), invalid);
+        assert_eq!(
+            answer("13", "Error%20decompressing:%20corrupt%20deflate%20stream,%20while%20sending%20request"),
+            invalid
+        );
+        assert_eq!(answer("11", "decoded message length too large: found 9 bytes, the limit is: 4 bytes"), exhausted);
+        assert_eq!(answer("13", "something else broke"), "13", "other internal errors stay internal");
     }
 
     #[tokio::test]

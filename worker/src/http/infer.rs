@@ -12,6 +12,7 @@
 //! Non-finite floats travel as the bare tokens `NaN`, `Infinity` and `-Infinity` in both
 //! directions, as in tritonserver (rapidjson) and Python's json module.
 
+use std::cell::Cell;
 use std::fmt;
 
 use bytes::Bytes;
@@ -185,7 +186,10 @@ fn parse_json(json: &[u8], max_bytes: usize) -> Result<RawRequest, Status> {
 /// arrays stand for non-finite numbers.
 fn parse_json_with(json: &[u8], max_bytes: usize, non_finite: bool) -> Result<RawRequest, serde_json::Error> {
     let mut de = serde_json::Deserializer::from_slice(json);
-    let raw = RequestSeed { max_bytes, non_finite }.deserialize(&mut de)?;
+    // What the inputs' buffers may reserve in advance, all together: a claimed shape is only a
+    // claim until its elements arrive.
+    let reserve = Cell::new(max_bytes);
+    let raw = RequestSeed { max_bytes, non_finite, reserve: &reserve }.deserialize(&mut de)?;
     de.end()?;
     Ok(raw)
 }
@@ -534,19 +538,20 @@ enum InputField {
     Other,
 }
 
-struct RequestSeed {
+struct RequestSeed<'r> {
     max_bytes: usize,
     non_finite: bool,
+    reserve: &'r Cell<usize>,
 }
 
-impl<'de> DeserializeSeed<'de> for RequestSeed {
+impl<'de> DeserializeSeed<'de> for RequestSeed<'_> {
     type Value = RawRequest;
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<RawRequest, D::Error> {
         d.deserialize_map(self)
     }
 }
 
-impl<'de> Visitor<'de> for RequestSeed {
+impl<'de> Visitor<'de> for RequestSeed<'_> {
     type Value = RawRequest;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("an inference request object")
@@ -558,9 +563,11 @@ impl<'de> Visitor<'de> for RequestSeed {
                 RequestField::Id => r.id = Some(map.next_value()?),
                 RequestField::Parameters => r.parameters = map.next_value()?,
                 RequestField::Inputs => {
-                    r.inputs = Some(
-                        map.next_value_seed(InputsSeed { max_bytes: self.max_bytes, non_finite: self.non_finite })?,
-                    )
+                    r.inputs = Some(map.next_value_seed(InputsSeed {
+                        max_bytes: self.max_bytes,
+                        non_finite: self.non_finite,
+                        reserve: self.reserve,
+                    })?)
                 }
                 RequestField::Outputs => r.outputs = map.next_value()?,
                 RequestField::Other => {
@@ -572,47 +579,51 @@ impl<'de> Visitor<'de> for RequestSeed {
     }
 }
 
-struct InputsSeed {
+struct InputsSeed<'r> {
     max_bytes: usize,
     non_finite: bool,
+    reserve: &'r Cell<usize>,
 }
 
-impl<'de> DeserializeSeed<'de> for InputsSeed {
+impl<'de> DeserializeSeed<'de> for InputsSeed<'_> {
     type Value = Vec<RawInput>;
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<RawInput>, D::Error> {
         d.deserialize_seq(self)
     }
 }
 
-impl<'de> Visitor<'de> for InputsSeed {
+impl<'de> Visitor<'de> for InputsSeed<'_> {
     type Value = Vec<RawInput>;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("an array of input tensors")
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<RawInput>, A::Error> {
         let mut inputs = Vec::with_capacity(seq.size_hint().unwrap_or(1).min(64));
-        while let Some(input) =
-            seq.next_element_seed(InputSeed { max_bytes: self.max_bytes, non_finite: self.non_finite })?
-        {
+        while let Some(input) = seq.next_element_seed(InputSeed {
+            max_bytes: self.max_bytes,
+            non_finite: self.non_finite,
+            reserve: self.reserve,
+        })? {
             inputs.push(input);
         }
         Ok(inputs)
     }
 }
 
-struct InputSeed {
+struct InputSeed<'r> {
     max_bytes: usize,
     non_finite: bool,
+    reserve: &'r Cell<usize>,
 }
 
-impl<'de> DeserializeSeed<'de> for InputSeed {
+impl<'de> DeserializeSeed<'de> for InputSeed<'_> {
     type Value = RawInput;
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<RawInput, D::Error> {
         d.deserialize_map(self)
     }
 }
 
-impl<'de> Visitor<'de> for InputSeed {
+impl<'de> Visitor<'de> for InputSeed<'_> {
     type Value = RawInput;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("an input tensor object")
@@ -634,7 +645,8 @@ impl<'de> Visitor<'de> for InputSeed {
                     );
                 }
                 InputField::Data => {
-                    let plan = DataPlan::new(input.datatype.as_deref(), input.shape.as_ref(), self.max_bytes);
+                    let plan =
+                        DataPlan::new(input.datatype.as_deref(), input.shape.as_ref(), self.max_bytes, self.reserve);
                     input.data = Some(map.next_value_seed(DataSeed {
                         plan,
                         max_bytes: self.max_bytes,
@@ -661,7 +673,13 @@ enum DataPlan {
 }
 
 impl DataPlan {
-    fn new(datatype: Option<&str>, shape: Option<&Result<Vec<i64>, String>>, max_bytes: usize) -> DataPlan {
+    /// `reserve`: what may still be reserved in advance for this request (taken from it).
+    fn new(
+        datatype: Option<&str>,
+        shape: Option<&Result<Vec<i64>, String>>,
+        max_bytes: usize,
+        reserve: &Cell<usize>,
+    ) -> DataPlan {
         let Some(datatype) = datatype else {
             return DataPlan::Deferred;
         };
@@ -680,6 +698,8 @@ impl DataPlan {
             Some(Err(_)) => return DataPlan::Skip,
             None => 0,
         };
+        let capacity = capacity.min(reserve.get());
+        reserve.set(reserve.get() - capacity);
         DataPlan::Typed { dtype, capacity }
     }
 }
@@ -1257,6 +1277,32 @@ mod tests {
 
     fn le<T: Copy, const N: usize>(values: &[T], f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
         values.iter().flat_map(|v| f(*v)).collect()
+    }
+
+    /// Each input's buffer is reserved from its claimed shape before any element arrives; all
+    /// inputs together may not reserve more than the request limit, however many claim it.
+    #[test]
+    fn claimed_shapes_reserve_at_most_the_request_limit_in_all() {
+        let one = r#"{"name":"x","datatype":"FP32","shape":[16777216],"data":[]}"#;
+        let json = format!(r#"{{"inputs":[{}]}}"#, vec![one; 1000].join(","));
+        let raw = parse_json(json.as_bytes(), MAX).expect("parses");
+        let reserved: usize = raw
+            .inputs
+            .unwrap()
+            .iter()
+            .map(|i| match &i.data {
+                Some(RawData::Buf(b)) => b.out.capacity(),
+                _ => 0,
+            })
+            .sum();
+        assert!(reserved <= MAX, "{reserved} bytes reserved for 1000 inputs of 64 MiB each");
+        // A single input still gets its whole buffer up front.
+        let raw = parse_json(br#"{"inputs":[{"name":"x","datatype":"FP32","shape":[4],"data":[1,2,3,4]}]}"#, MAX)
+            .expect("parses");
+        match &raw.inputs.unwrap()[0].data {
+            Some(RawData::Buf(b)) => assert_eq!((b.out.len(), b.out.capacity()), (16, 16)),
+            _ => panic!("typed data expected"),
+        }
     }
 
     #[test]
