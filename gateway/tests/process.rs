@@ -95,6 +95,26 @@ async fn pending(worker: &Proc) -> Option<f64> {
     worker.metric(PENDING).await
 }
 
+/// Each JSON tensor fits --max-request-bytes, but converted to gRPC the request as a whole does
+/// not: a 400 naming the limit, nothing forwarded, and the gateway keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_json_request_that_outgrows_the_limit_once_converted_is_refused() {
+    let (_worker, gateway) = held_fleet(&["--max-request-bytes", "1048576"]).await;
+    // 140,000 zeros per input: 280 KB of JSON each, 560 KB as FP32 each, 1.12 MB together.
+    let zeros = vec![0; 140_000];
+    let body = json!({"inputs": [
+        {"name": "INPUT0", "shape": [8750, 16], "datatype": "FP32", "data": zeros},
+        {"name": "INPUT1", "shape": [8750, 16], "datatype": "FP32", "data": zeros},
+    ]});
+    let r = reqwest::Client::new().post(gateway.http_url("/v2/models/stuck/infer")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let text = r.text().await.unwrap();
+    assert!(text.contains("over the limit of 1048576 bytes"), "{text}");
+    // A full batch (max_batch_size 4) runs at once despite the model's long queue delay.
+    let out = gateway.client().await.model_infer(fp32_request("stuck", "", &[4, 16], |i| i as f32)).await;
+    assert_eq!(out.expect("served").into_inner().raw_output_contents[0].len(), 256);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_sheds_at_once_beyond_the_limit() {
     let (worker, gateway) = held_fleet(&["--max-concurrent-requests", "1"]).await;

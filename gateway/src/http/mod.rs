@@ -285,7 +285,19 @@ async fn infer(
     // Converted once, to the encoded gRPC request the stack forwards as it is.
     let (request, format) = maybe_offload(heavy, move || {
         let ParsedInfer { request, format } = parse_infer_request(&name, version, body, header_length, max, None)?;
-        Ok((InferRequest::encode(&infer_request_to_proto(request)), format))
+        let proto = infer_request_to_proto(request);
+        // The limit holds per tensor while parsing; the message as a whole can still outgrow it
+        // (JSON "0," is 2 bytes, an INT64 element 8), and the worker would refuse it with a
+        // size the client never sent.
+        let encoded = prost::Message::encoded_len(&proto);
+        if encoded > max {
+            return Err(Status::invalid(format!(
+                "the request's tensors take {encoded} bytes once converted, over the limit of {max} bytes \
+                 (--max-request-bytes): send fewer or smaller tensors, or binary data"
+            ))
+            .into());
+        }
+        Ok((InferRequest::encode(&proto), format))
     })
     .await?;
 
