@@ -294,8 +294,7 @@ async fn infer(
             return Err(Status::invalid(format!(
                 "the request's tensors take {encoded} bytes once converted, over the limit of {max} bytes \
                  (--max-request-bytes): send fewer or smaller tensors, or binary data"
-            ))
-            .into());
+            )));
         }
         Ok((InferRequest::encode(&proto), format))
     })
