@@ -95,6 +95,30 @@ async fn pending(worker: &Proc) -> Option<f64> {
     worker.metric(PENDING).await
 }
 
+/// A client that sends its headers and then trickles (here: stops) its body is answered 504
+/// once the request's deadline passes, instead of holding its buffer for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_http_upload_ends_at_the_deadline() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_worker, gateway) = held_fleet(&[]).await;
+    let url = gateway.http_url("/");
+    let addr = url.trim_start_matches("http://").trim_end_matches('/').to_string();
+    let mut socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!(
+        "POST /v2/models/held/infer HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: 1000\r\nx-nereid-deadline-ms: 300\r\n\r\n{{\"inputs\":"
+    );
+    socket.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(30), socket.read(&mut answer))
+        .await
+        .expect("no answer within 30 s")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
+    assert!(answer.contains("before its body was received"), "{answer}");
+}
+
 /// Each JSON tensor fits --max-request-bytes, but converted to gRPC the request as a whole does
 /// not: a 400 naming the limit, nothing forwarded, and the gateway keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

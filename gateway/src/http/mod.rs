@@ -279,7 +279,17 @@ async fn infer(
         })?),
     };
     let max = ingress.max_request_bytes;
-    let body = read_body(&headers, body, max).await?;
+    // A body trickled in slowly holds its buffer: the request's deadline bounds the upload too.
+    let body = match tokio::time::timeout_at(deadline.at.into(), read_body(&headers, body, max)).await {
+        Ok(body) => body?,
+        Err(_) => {
+            return Err(Status::new(
+                nereid_common::Code::DeadlineExceeded,
+                "the request's deadline passed before its body was received",
+            )
+            .into());
+        }
+    };
 
     let heavy = header_length.unwrap_or(body.len()).min(body.len()) > OFFLOAD_JSON_BYTES;
     // Converted once, to the encoded gRPC request the stack forwards as it is.
