@@ -70,24 +70,18 @@ def _kept(results):
     return all(np.array_equal(z, np.full((2, 3), SUBNORMAL, dtype=np.float32)) for z in results)
 
 
-def test_flushed_by_default_and_kept_where_a_model_says_so(start_worker, repo):
-    w = start_worker(repo, wait_ready=False)
+@pytest.mark.parametrize(
+    "args,default_flushes",
+    [([], True), (["--denormal-as-zero=false"], False)],
+    ids=["worker-default", "worker-flag-off"],
+)
+def test_the_worker_default_and_the_models_that_override_it(start_worker, repo, args, default_flushes):
+    w = start_worker(repo, *args, wait_ready=False)
     try:
         _settled(w)
-        assert _flushed(_add(w, "add_default"))
-        assert _flushed(_add(w, "add_flush"))
-        assert _kept(_add(w, "add_keep"))
-    finally:
-        w.stop()
-
-
-def test_the_worker_flag_sets_the_default_and_models_still_override(start_worker, repo):
-    w = start_worker(repo, "--denormal-as-zero=false", wait_ready=False)
-    try:
-        _settled(w)
-        assert _kept(_add(w, "add_default"))
-        assert _flushed(_add(w, "add_flush"))
-        assert _kept(_add(w, "add_keep"))
+        expected = {"add_default": default_flushes, "add_flush": True, "add_keep": False}
+        for model, flushes in expected.items():
+            assert (_flushed if flushes else _kept)(_add(w, model)), model
     finally:
         w.stop()
 
