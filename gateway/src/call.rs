@@ -76,7 +76,8 @@ pub fn effective_deadline(client: Option<Instant>, cap: Duration, now: Instant) 
 pub const DEADLINE_HEADER: &str = "x-nereid-deadline-ms";
 
 pub fn parse_deadline_ms(value: &str, now: Instant) -> Option<Instant> {
-    value.trim().parse::<u64>().ok().map(|ms| now + Duration::from_millis(ms))
+    // A deadline past what the clock can hold is no deadline (the gateway's cap applies).
+    value.trim().parse::<u64>().ok().and_then(|ms| now.checked_add(Duration::from_millis(ms)))
 }
 
 #[cfg(test)]
@@ -93,6 +94,9 @@ mod tests {
         let client = now + Duration::from_millis(200);
         assert_eq!(effective_deadline(Some(client), cap, now), CallDeadline { at: client, is_gateways: false });
         assert_eq!(parse_deadline_ms(" 250 ", now), Some(now + Duration::from_millis(250)));
+        let far = parse_deadline_ms(&u64::MAX.to_string(), now);
+        assert!(far.is_none_or(|at| at > now + cap), "u64::MAX ms is at least as late as the cap");
+        assert_eq!(effective_deadline(far, cap, now), own);
         assert_eq!(parse_deadline_ms("soon", now), None);
     }
 }
