@@ -515,6 +515,15 @@ mod tests {
         (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)))
     }
 
+    /// Waits (at most 30 s, else fails with `what`) until at most `n` requests are running.
+    async fn wait_active_at_most(active: &AtomicUsize, n: usize, what: &str) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while active.load(Ordering::SeqCst) > n {
+            assert!(tokio::time::Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     #[tokio::test]
     async fn stream_runs_concurrently_out_of_order_and_survives_errors() {
         let (active, peak) = counters();
@@ -544,20 +553,13 @@ mod tests {
         // One poll admits the three; then nothing polls the stream.
         assert!(tokio::time::timeout(Duration::from_millis(1), s.next()).await.is_err());
         assert_eq!(peak.load(Ordering::SeqCst), 3);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while active.load(Ordering::SeqCst) > 1 {
-            assert!(tokio::time::Instant::now() < deadline, "the unread requests did not finish");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        wait_active_at_most(&active, 1, "the unread requests did not finish").await;
         // Their replies wait for the reader.
         let first = s.next().await.unwrap().unwrap();
         assert_eq!(first.infer_response.unwrap().id, "sleep-10");
         // Gone: the long request is cancelled, not left running.
         drop(s);
-        while active.load(Ordering::SeqCst) > 0 {
-            assert!(tokio::time::Instant::now() < deadline, "the dropped stream's request kept running");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        wait_active_at_most(&active, 0, "the dropped stream's request kept running").await;
     }
 
     #[test]
@@ -641,10 +643,6 @@ mod tests {
         assert_eq!(active.load(Ordering::SeqCst), 1);
         drop(s);
         // Aborted: the task's future is dropped when the runtime next runs it.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while active.load(Ordering::SeqCst) > 0 {
-            assert!(tokio::time::Instant::now() < deadline, "dropping the stream left the in-flight request running");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        wait_active_at_most(&active, 0, "dropping the stream left the in-flight request running").await;
     }
 }
