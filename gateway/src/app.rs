@@ -12,11 +12,12 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::admission::AdmissionGate;
 use crate::config::GatewayConfig;
 use crate::control::Control;
 use crate::ingress::Ingress;
 use crate::membership::{EtcdMembership, Membership, StaticMembership};
-use crate::metrics::GatewayMetrics;
+use crate::metrics::{GatewayMetrics, Refusals};
 use crate::placement::PlacementController;
 use crate::stack::infer_stack;
 use crate::{grpc, http, routing};
@@ -72,12 +73,15 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
     }
 
     let draining = Arc::new(AtomicBool::new(false));
+    let admission = AdmissionGate::new(config.admission.max_concurrent_requests);
     let ingress = Ingress {
-        infer: infer_stack(&config, &routes, &metrics),
+        infer: infer_stack(&config, &routes, &metrics, &admission),
         control: Control::new(routes.clone()),
         routes: routes.clone(),
         request_timeout: config.request_timeout,
         max_request_bytes: config.max_request_bytes,
+        admission,
+        refusals: Refusals::new(&metrics, routes.clone()),
         draining: draining.clone(),
     };
 

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::admission::{Admissible, Permit};
 use crate::deadline::Deadlined;
 use crate::upstream::{Upstream, UpstreamId};
 use crate::wire::InferRequest;
@@ -26,6 +27,9 @@ pub struct InferCall {
     /// The version the balancer resolved the call to (the latest READY one when `version` is
     /// `None`): the version it is forwarded for.
     pub resolved_version: Option<i64>,
+    /// The place under the admission limit its ingress took before reading it (none: the
+    /// stack's admission layer takes one).
+    pub permit: Option<Permit>,
 }
 
 impl InferCall {
@@ -38,11 +42,24 @@ impl InferCall {
             excluded: Vec::new(),
             target: None,
             resolved_version: None,
+            permit: None,
         }
+    }
+
+    /// The call, admitted by its ingress.
+    pub fn admitted(mut self, permit: Option<Permit>) -> Self {
+        self.permit = permit;
+        self
     }
 
     pub fn model(&self) -> &str {
         &self.request.header.model_name
+    }
+}
+
+impl Admissible for InferCall {
+    fn take_permit(&mut self) -> Option<Permit> {
+        self.permit.take()
     }
 }
 

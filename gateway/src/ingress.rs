@@ -8,9 +8,11 @@ use std::time::{Duration, Instant};
 use nereid_worker::server::parse_version;
 use tower::ServiceExt;
 
+use crate::admission::{AdmissionGate, Permit};
 use crate::call::{CallDeadline, InferCall, effective_deadline};
 use crate::control::Control;
 use crate::error::GatewayError;
+use crate::metrics::Refusals;
 use crate::routing::Routes;
 use crate::stack::InferService;
 use crate::wire::{InferRequest, InferResponse};
@@ -23,6 +25,10 @@ pub struct Ingress {
     pub routes: Routes,
     pub request_timeout: Duration,
     pub max_request_bytes: usize,
+    /// The gateway's concurrency limit, also enforced in the stack.
+    pub admission: AdmissionGate,
+    /// Counts what is refused before it reaches the stack (and its metrics layer).
+    pub refusals: Refusals,
     /// Set once shutdown begins: readiness turns false so load balancers stop sending.
     pub draining: Arc<AtomicBool>,
 }
@@ -42,9 +48,27 @@ impl Ingress {
         effective_deadline(client, self.request_timeout, now)
     }
 
-    /// Runs one (encoded) inference down the stack.
-    pub async fn infer(&self, request: InferRequest, deadline: CallDeadline) -> Result<InferResponse, GatewayError> {
+    /// A place under the concurrency limit for an inference whose body is not read yet, or
+    /// RESOURCE_EXHAUSTED at once — counted in the request metrics under the model and version
+    /// the request's path names (HTTP), or [`crate::routing::UNKNOWN_MODEL_LABEL`] when the
+    /// model is only in the unread body (gRPC).
+    pub fn admit(&self, model: Option<(&str, Option<i64>)>, arrived: Instant) -> Result<Permit, GatewayError> {
+        self.admission.try_admit().map_err(|overloaded| {
+            let e = GatewayError::from(overloaded);
+            self.refusals.count(model, e.grpc_code(), arrived);
+            e
+        })
+    }
+
+    /// Runs one (encoded) inference down the stack, holding `permit` (when its ingress admitted
+    /// it) until it completes.
+    pub async fn infer(
+        &self,
+        request: InferRequest,
+        deadline: CallDeadline,
+        permit: Option<Permit>,
+    ) -> Result<InferResponse, GatewayError> {
         let version = parse_version(&request.header.model_name, &request.header.model_version)?;
-        self.infer.clone().oneshot(InferCall::new(request, version, deadline)).await
+        self.infer.clone().oneshot(InferCall::new(request, version, deadline).admitted(permit)).await
     }
 }

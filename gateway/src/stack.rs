@@ -7,7 +7,7 @@ use std::time::Instant;
 use tower::ServiceBuilder;
 use tower::util::BoxCloneSyncService;
 
-use crate::admission::AdmissionLayer;
+use crate::admission::{AdmissionGate, AdmissionLayer};
 use crate::balance::BalanceLayer;
 use crate::call::InferCall;
 use crate::config::GatewayConfig;
@@ -22,13 +22,20 @@ use crate::wire::InferResponse;
 /// The boxed stack: cheap to clone (one clone per request).
 pub type InferService = BoxCloneSyncService<InferCall, InferResponse, GatewayError>;
 
-pub fn infer_stack(config: &GatewayConfig, routes: &Routes, metrics: &GatewayMetrics) -> InferService {
+/// The stack, sharing `admission` with the ingresses (which admit before reading a body).
+pub fn infer_stack(
+    config: &GatewayConfig,
+    routes: &Routes,
+    metrics: &GatewayMetrics,
+    admission: &AdmissionGate,
+) -> InferService {
     let budget = Arc::new(RetryBudget::new(config.retry.budget_percent, config.retry.min_per_sec, Instant::now()));
     let stack = ServiceBuilder::new()
         // Metrics: every request counted by model and final code, rejections included.
         .layer(RequestMetricsLayer::new(metrics.clone(), routes.clone()))
-        // Admission: past --max-concurrent-requests, RESOURCE_EXHAUSTED / 429 at once.
-        .layer(AdmissionLayer::new(config.admission.max_concurrent_requests))
+        // Admission: past --max-concurrent-requests, RESOURCE_EXHAUSTED / 429 at once (for
+        // requests their ingress did not admit already).
+        .layer(AdmissionLayer::new(admission.clone()))
         // Deadline: the client's deadline capped by --request-timeout-ms bounds all that follows.
         .layer(DeadlineLayer)
         // Retry: only what a worker provably did not run, elsewhere, within the budget.

@@ -99,22 +99,8 @@ async fn pending(worker: &Proc) -> Option<f64> {
 /// once the request's deadline passes, instead of holding its buffer for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_http_upload_ends_at_the_deadline() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (_worker, gateway) = held_fleet(&[]).await;
-    let url = gateway.http_url("/");
-    let addr = url.trim_start_matches("http://").trim_end_matches('/').to_string();
-    let mut socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let head = format!(
-        "POST /v2/models/held/infer HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: 1000\r\nx-nereid-deadline-ms: 300\r\n\r\n{{\"inputs\":"
-    );
-    socket.write_all(head.as_bytes()).await.unwrap();
-    let mut answer = vec![0u8; 4096];
-    let n = tokio::time::timeout(Duration::from_secs(30), socket.read(&mut answer))
-        .await
-        .expect("no answer within 30 s")
-        .unwrap();
-    let answer = String::from_utf8_lossy(&answer[..n]);
+    let answer = headers_only_http(&gateway, "/v2/models/held/infer", "x-nereid-deadline-ms: 300\r\n").await;
     assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
     assert!(answer.contains("before its body was received"), "{answer}");
 }
@@ -166,6 +152,15 @@ async fn admission_sheds_at_once_beyond_the_limit() {
     assert_eq!(r.headers()["retry-after"], "1");
     assert!(r.text().await.unwrap().contains("limit of 1 concurrent requests"));
 
+    // Refused before the body is read: a client that sent only its headers is answered at
+    // once, not when its (20 s) deadline ends the wait for a body that never comes.
+    let answer = headers_only_http(&gateway, "/v2/models/held/infer", "x-nereid-deadline-ms: 20000\r\n").await;
+    assert!(answer.starts_with("HTTP/1.1 429"), "{answer}");
+    // Over gRPC too: the answer (trailers-only) comes while the message is still unsent.
+    let (status, message) = headers_only_grpc(&gateway).await;
+    assert_eq!(status.as_deref(), Some("8"), "{message:?}"); // RESOURCE_EXHAUSTED
+    assert!(message.unwrap_or_default().contains("limit of 1 concurrent requests"));
+
     // The admitted request completes normally, and the slot is free again.
     let out = held.await.unwrap().unwrap().into_inner();
     assert_eq!(out.raw_output_contents[0].len(), 64);
@@ -176,6 +171,62 @@ async fn admission_sheds_at_once_beyond_the_limit() {
         text.contains("nereid_gateway_requests_total{code=\"RESOURCE_EXHAUSTED\",model=\"held\",version=\"1\"} 2"),
         "{text}"
     );
+    // gRPC names the model in the body, which a refused request never has read.
+    assert!(
+        text.contains("nereid_gateway_requests_total{code=\"RESOURCE_EXHAUSTED\",model=\"_unknown\",version=\"\"} 2"),
+        "{text}"
+    );
+    let r = reqwest::Client::new()
+        .post(gateway.http_url("/v2/models/held/infer"))
+        .header("x-nereid-deadline-ms", "100")
+        .json(&json!({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": vec![0.0; 16]}]}))
+        .send()
+        .await
+        .unwrap();
+    // Admitted again (and timed out in the batcher, which holds it for 3 s).
+    assert_eq!(r.status(), 504);
+}
+
+/// Sends the head of a POST to `path` announcing a 1000-byte body that never comes; returns the
+/// gateway's answer (at most 30 s).
+async fn headers_only_http(gateway: &Proc, path: &str, extra_headers: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let url = gateway.http_url("/");
+    let addr = url.trim_start_matches("http://").trim_end_matches('/').to_string();
+    let mut socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: 1000\r\n{extra_headers}\r\n"
+    );
+    socket.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(30), socket.read(&mut answer))
+        .await
+        .expect("no answer within 30 s")
+        .unwrap();
+    String::from_utf8_lossy(&answer[..n]).to_string()
+}
+
+/// Opens a `ModelInfer` call on the gateway's gRPC port and sends its headers only; returns
+/// the `grpc-status` and `grpc-message` the gateway answers with (at most 30 s).
+async fn headers_only_grpc(gateway: &Proc) -> (Option<String>, Option<String>) {
+    let addr = gateway.grpc_addr();
+    let socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let (client, connection) = h2::client::handshake(socket).await.unwrap();
+    tokio::spawn(connection);
+    let mut client = client.ready().await.unwrap();
+    let request = http::Request::post(format!("http://{addr}/inference.GRPCInferenceService/ModelInfer"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    // The stream stays open: no message, no end of stream.
+    let (response, _send) = client.send_request(request, false).unwrap();
+    let response =
+        tokio::time::timeout(Duration::from_secs(30), response).await.expect("no answer within 30 s").unwrap();
+    let header = |name: &str| response.headers().get(name).map(|v| v.to_str().unwrap().to_string());
+    let message = header("grpc-message").map(|m| m.replace("%20", " "));
+    (header("grpc-status"), message)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,26 +1,22 @@
-use std::sync::Arc;
-
-use tokio::sync::Semaphore;
 use tower::Layer;
 
-use super::Admission;
+use super::{Admission, AdmissionGate};
 
-/// Shares one limit among every service it wraps.
+/// Shares one gate's limit among every service it wraps.
 #[derive(Clone, Debug)]
 pub struct AdmissionLayer {
-    permits: Arc<Semaphore>,
-    limit: usize,
+    gate: AdmissionGate,
 }
 
 impl AdmissionLayer {
-    pub fn new(limit: usize) -> Self {
-        AdmissionLayer { permits: Arc::new(Semaphore::new(limit)), limit }
+    pub fn new(gate: AdmissionGate) -> Self {
+        AdmissionLayer { gate }
     }
 }
 
 impl<S> Layer<S> for AdmissionLayer {
     type Service = Admission<S>;
     fn layer(&self, inner: S) -> Admission<S> {
-        Admission::new(inner, self.permits.clone(), self.limit)
+        Admission::new(inner, self.gate.clone())
     }
 }

@@ -1,32 +1,30 @@
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use futures::future::BoxFuture;
-use tokio::sync::Semaphore;
 use tower::Service;
 
-use super::Overloaded;
+use super::{Admissible, AdmissionGate, Overloaded};
 
 #[derive(Clone, Debug)]
 pub struct Admission<S> {
     inner: S,
-    permits: Arc<Semaphore>,
-    limit: usize,
+    gate: AdmissionGate,
 }
 
 impl<S> Admission<S> {
-    pub(super) fn new(inner: S, permits: Arc<Semaphore>, limit: usize) -> Self {
-        Admission { inner, permits, limit }
+    pub(super) fn new(inner: S, gate: AdmissionGate) -> Self {
+        Admission { inner, gate }
     }
 
     /// Requests holding a permit now.
     pub fn in_flight(&self) -> usize {
-        self.limit - self.permits.available_permits()
+        self.gate.in_flight()
     }
 }
 
 impl<S, Req> Service<Req> for Admission<S>
 where
+    Req: Admissible,
     S: Service<Req>,
     S::Future: Send + 'static,
     S::Response: Send + 'static,
@@ -41,20 +39,17 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Req) -> Self::Future {
-        match self.permits.clone().try_acquire_owned() {
-            Ok(permit) => {
-                let fut = self.inner.call(req);
-                Box::pin(async move {
-                    let result = fut.await;
-                    drop(permit);
-                    result
-                })
-            }
-            Err(_) => {
-                let limit = self.limit;
-                Box::pin(futures::future::ready(Err(Overloaded { limit }.into())))
-            }
-        }
+    fn call(&mut self, mut req: Req) -> Self::Future {
+        // Admitted at ingress, or here.
+        let permit = match req.take_permit().map_or_else(|| self.gate.try_admit(), Ok) {
+            Ok(permit) => permit,
+            Err(overloaded) => return Box::pin(futures::future::ready(Err(overloaded.into()))),
+        };
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let result = fut.await;
+            drop(permit);
+            result
+        })
     }
 }

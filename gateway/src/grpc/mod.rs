@@ -26,6 +26,7 @@ use tonic::codec::CompressionEncoding;
 use tonic::codegen::BoxStream;
 use tonic::{Request, Response};
 
+use crate::admission::Permit;
 use crate::call::{DEADLINE_HEADER, parse_deadline_ms};
 use crate::error::GatewayError;
 use crate::ingress::Ingress;
@@ -173,10 +174,16 @@ impl tower::Service<http::Request<tonic::body::Body>> for InferenceService {
         std::task::Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+    fn call(&mut self, mut request: http::Request<tonic::body::Body>) -> Self::Future {
         let max_request = self.infer.ingress.max_request_bytes;
         match request.uri().path() {
             MODEL_INFER_PATH => {
+                // Admitted before tonic reads (and buffers) the message; refused, it is never
+                // read (the model it names is not known yet: counted under `_unknown`).
+                match self.infer.ingress.admit(None, Instant::now()) {
+                    Ok(permit) => request.extensions_mut().insert(permit),
+                    Err(e) => return Box::pin(futures::future::ready(Ok(e.to_grpc().into_http()))),
+                };
                 let handler = self.infer.clone();
                 Box::pin(async move { Ok(bytes_server::<Bytes>(max_request).unary(handler, request).await) })
             }
@@ -230,10 +237,12 @@ impl tonic::server::UnaryService<Bytes> for InferHandler {
         Box::pin(async move {
             let now = Instant::now();
             let deadline = ingress.call_deadline(client_deadline(request.metadata(), now), now);
+            let mut request = request;
+            let permit = request.extensions_mut().remove::<Permit>();
             let request = decode_request(request.into_inner())?;
             // Awaited in place: if the client goes away, tonic drops this future and with it the
             // forwarded call (the worker sees a cancelled RPC).
-            let response = ingress.infer(request, deadline).await.map_err(|e| e.to_grpc())?;
+            let response = ingress.infer(request, deadline, permit).await.map_err(|e| e.to_grpc())?;
             Ok(Response::new(response.bytes))
         })
     }
@@ -256,7 +265,7 @@ impl tonic::server::StreamingService<Bytes> for InferHandler {
                     Ok(request) => {
                         let deadline = ingress.call_deadline(stream_deadline, Instant::now());
                         let header = request.header.clone();
-                        ingress.infer(request, deadline).await.map_err(|e| (e.to_grpc(), header))
+                        ingress.infer(request, deadline, None).await.map_err(|e| (e.to_grpc(), header))
                     }
                     Err(status) => Err((status, Default::default())),
                 };

@@ -272,6 +272,8 @@ async fn infer(
     let now = Instant::now();
     let deadline = call_deadline(&ingress, &headers, now);
     let (name, version) = model_ref(&params)?;
+    // Admitted before the body is read: an overloaded gateway buffers nothing.
+    let permit = ingress.admit(Some((&name, version)), now)?;
     let header_length = match headers.get(HEADER_CONTENT_LENGTH) {
         None => None,
         Some(v) => Some(v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok()).ok_or_else(|| {
@@ -311,7 +313,7 @@ async fn infer(
     .await?;
 
     // Awaited here: if the client goes away, this future and the forwarded call are dropped.
-    let response = ingress.infer(request, deadline).await?;
+    let response = ingress.infer(request, deadline, Some(permit)).await?;
 
     let heavy = response.bytes.len() > OFFLOAD_JSON_BYTES / 4;
     let rendered = maybe_offload(heavy, move || {

@@ -99,6 +99,38 @@ where
     }
 }
 
+/// Counts the inferences an ingress refuses before they reach the stack (admission, before the
+/// body is read), labelled as [`RequestMetrics`] labels what reaches it.
+#[derive(Clone)]
+pub struct Refusals {
+    requests: prometheus::IntCounterVec,
+    duration_us: prometheus::HistogramVec,
+    routes: Routes,
+}
+
+impl Refusals {
+    pub fn new(metrics: &GatewayMetrics, routes: Routes) -> Self {
+        Refusals { requests: metrics.requests.clone(), duration_us: metrics.duration_us.clone(), routes }
+    }
+
+    /// One refusal with `code`, of a request for `model` (name, version asked for) when known.
+    pub fn count(&self, model: Option<(&str, Option<i64>)>, code: tonic::Code, start: Instant) {
+        let table = self.routes.snapshot();
+        let (model, version) = match model {
+            Some((name, version)) => (table.model_label(name).to_string(), table.version_label(name, version)),
+            None => (crate::routing::UNKNOWN_MODEL_LABEL.to_string(), String::new()),
+        };
+        drop(Record {
+            requests: self.requests.clone(),
+            duration_us: self.duration_us.clone(),
+            model,
+            version,
+            start,
+            code: Some(code),
+        });
+    }
+}
+
 /// Records on drop, so that a dropped (cancelled) request is counted too.
 struct Record {
     requests: prometheus::IntCounterVec,

@@ -12,7 +12,7 @@ use prometheus::{
 };
 
 use crate::routing::{RoutingTable, WorkerState};
-pub use layer::RequestMetricsLayer;
+pub use layer::{Refusals, RequestMetricsLayer};
 
 pub const REQUESTS_TOTAL: &str = "nereid_gateway_requests_total";
 pub const REQUEST_DURATION_US: &str = "nereid_gateway_request_duration_us";
