@@ -108,6 +108,21 @@ pub fn uses_shared_memory(request: &[u8]) -> Result<bool, String> {
     Ok(false)
 }
 
+/// `ModelInferRequest.parameters`: map entries, key in field 1.
+const REQUEST_PARAMETERS: u64 = 4;
+
+/// Whether an encoded `ModelInferRequest` sets the request parameter `key` (e.g. `timeout`).
+/// Framing it cannot follow counts as set: callers use it to decide against a retry.
+pub fn sets_parameter(request: &[u8], key: &str) -> bool {
+    length_delimited(request).any(|field| match field {
+        Ok((REQUEST_PARAMETERS, entry)) => {
+            length_delimited(entry).any(|f| matches!(f, Ok((1, k)) if k == key.as_bytes()) || f.is_err())
+        }
+        Ok(_) => false,
+        Err(_) => true,
+    })
+}
+
 /// The length-delimited fields of an encoded message, as (field number, contents), skipping
 /// the others (per request, so nothing is allocated); an error for framing it cannot follow
 /// ends the walk.
@@ -402,6 +417,21 @@ mod tests {
         // Framing it cannot follow inside an input is an error, not a "no".
         let broken = [(INPUTS as u8) << 3 | 2, 2, (4 << 3) | 2, 9];
         assert!(uses_shared_memory(&broken).is_err());
+    }
+
+    #[test]
+    fn request_parameters_are_found_by_key() {
+        let with = request().encode_to_vec();
+        assert!(sets_parameter(&with, "timeout"));
+        assert!(!sets_parameter(&with, "priority"));
+        let mut without = request();
+        without.parameters.clear();
+        // A tensor's parameter of that name is not the request's.
+        without.inputs[0].parameters = [("timeout".to_string(), InferParameter::default())].into();
+        assert!(!sets_parameter(&without.encode_to_vec(), "timeout"));
+        // Framing it cannot follow: counted as set.
+        let broken = [(REQUEST_PARAMETERS as u8) << 3 | 2, 9, 1];
+        assert!(sets_parameter(&broken, "timeout"));
     }
 
     #[test]

@@ -415,6 +415,43 @@ async fn a_worker_with_a_full_queue_is_retried_elsewhere_and_a_429_says_when_to_
     filler.abort();
 }
 
+/// A request the worker's queue policy timed out never ran: it is retried on another worker,
+/// unless the client set that timeout itself (the KServe `timeout` parameter) — then the wait
+/// it allowed is used up, and the client gets the worker's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_timeout_is_retried_elsewhere_unless_the_client_set_the_timeout() {
+    let config = STALLED_IDENTITY.replace(
+        "max_queue_delay_microseconds: 600000000 }",
+        "max_queue_delay_microseconds: 600000000 default_queue_policy { timeout_action: REJECT \
+         default_timeout_microseconds: 200000 allow_timeout_override: true } }",
+    );
+    let repo = common::identity_repo(&[("identity_fp32", &config)]);
+    let a = start_worker(repo.path(), &[]).await;
+    let b = start_worker(repo.path(), &[]).await;
+    let gateway = start_gateway(&[&a, &b], &[]).await;
+    let mut client = gateway.client().await;
+    let retries = || gateway.metric("nereid_gateway_retries_total{model=\"identity_fp32\",version=\"1\"}");
+    let timed_out =
+        |e: &tonic::Status| e.code() == tonic::Code::Unavailable && e.message() == "Request timeout expired";
+
+    // The model's default timeout (the worker's limit): tried on both workers.
+    let e = client.model_infer(fp32_request("identity_fp32", "", &[1, 16], |_| 0.0)).await.unwrap_err();
+    assert!(timed_out(&e), "{e:?}");
+    assert_eq!(retries().await, Some(1.0));
+
+    // The client's own timeout: answered as the first worker answered it.
+    let mut request = fp32_request("identity_fp32", "", &[1, 16], |_| 0.0);
+    let timeout = InferParameter { parameter_choice: Some(infer_parameter::ParameterChoice::Uint64Param(200_000)) };
+    request.parameters.insert("timeout".into(), timeout);
+    let e = client.model_infer(request).await.unwrap_err();
+    assert!(timed_out(&e), "{e:?}");
+    assert_eq!(retries().await, Some(1.0), "not retried");
+    // Three refusals in all: two for the first request, one for the second.
+    let series = "nv_inference_request_failure{model=\"identity_fp32\",version=\"1\",reason=\"REJECTED\"}";
+    let failed = a.metric(series).await.unwrap_or(0.0) + b.metric(series).await.unwrap_or(0.0);
+    assert_eq!(failed, 3.0);
+}
+
 /// A request naming no version is pinned to the version the gateway's table resolved. When
 /// the worker has replaced that version before the table caught up (a rollout), the request is
 /// not failed NOT_FOUND: it goes again unpinned and the worker's latest answers it.

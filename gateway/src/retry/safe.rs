@@ -1,9 +1,9 @@
 //! [`SafeRetry`]: the gateway's retry policy for inference. A failed call is retried only when
 //! the worker provably did not run it ([`crate::forward::FailureKind::safe_to_retry`]: the
 //! connection could not be made or the stream was refused, or the worker answered UNAVAILABLE
-//! because it is draining or unloading, or RESOURCE_EXHAUSTED because its queue is full) and
-//! another worker holding the model version is
-//! available. The retry excludes every worker the call already failed on. Each retry sent is
+//! because it is draining or unloading, or RESOURCE_EXHAUSTED because its queue is full, or
+//! its queue policy timed the request out — unless the request set its own `timeout`, which
+//! that wait used up) and another worker holding the model version is available. The retry excludes every worker the call already failed on. Each retry sent is
 //! counted by model and version, labelled as the request metrics are.
 
 use std::time::Instant;
@@ -14,6 +14,7 @@ use super::Policy;
 use crate::balance::choose_route;
 use crate::call::InferCall;
 use crate::error::GatewayError;
+use crate::forward::FailureKind;
 use crate::routing::Routes;
 
 #[derive(Clone)]
@@ -35,6 +36,15 @@ impl Policy<InferCall, GatewayError> for SafeRetry {
             return None;
         };
         if !e.kind.safe_to_retry() {
+            return None;
+        }
+        // The worker's queue timed the request out after the wait the client itself allowed
+        // (the KServe `timeout` parameter, forwarded as it is): another wait elsewhere would
+        // outlast it. (A queue policy's default timeout is the worker's own limit: retried.)
+        if e.kind == FailureKind::Refused
+            && e.status.code() == tonic::Code::Unavailable
+            && crate::wire::sets_parameter(&call.request.bytes, "timeout")
+        {
             return None;
         }
         let mut next = call.clone();
