@@ -665,6 +665,30 @@ async fn an_etcd_that_lost_its_data_is_noticed_and_everything_re_read() {
     .await;
     assert!(w1.log().contains("holds no placement for this worker"), "{}", w1.log());
 
+    // Still nothing placed since the wipe when the worker's watch falls behind a compaction:
+    // the read that follows finds no placement again, and must not unload what it kept.
+    etcd.stop();
+    wait_metric(&w1, "nereid_worker_etcd_connected", "the worker to lose its session", |v| v == 0.0).await;
+    let mut isolated = etcd.restart_isolated().await;
+    // Two changes: the revision the worker resumes from (one past the last it read) lies
+    // strictly before the compaction.
+    put(&mut isolated, "filler", "after the wipe").await;
+    put(&mut isolated, "filler", "and again").await;
+    compact_all(&mut isolated).await;
+    drop(isolated);
+    etcd.restart().await;
+    wait_metric(&w1, PLACEMENT_READS, "the worker to re-read its placement after the compaction", |v| v == 3.0).await;
+    wait_metric(&w1, "nereid_worker_etcd_connected", "the worker's session back", |v| v == 1.0).await;
+    // An unload would come one unload grace (0.5 s here) after the read; an absence cannot be
+    // waited on, so the worker is asked for four graces' time.
+    let until = std::time::Instant::now() + Duration::from_secs(2);
+    let mut n = 0;
+    while std::time::Instant::now() < until {
+        let req = fp32_request("identity_fp32", "", &[1, 16], |i| i as f32);
+        assert!(infer_ok(&w1, req).await, "request {n} after the re-read failed\n{}", w1.log());
+        n += 1;
+    }
+
     // A model declared now is placed at a revision far below the last one seen: the worker only
     // gets it, and the gateway only routes it, if each noticed and read everything again.
     put(&mut etcd.client().await, "models/versioned_scale", r#"{"schema":1,"versions":[2],"replicas":1}"#).await;
