@@ -6,8 +6,9 @@ in one run, on one worker — what the gateway costs.
     .venv/bin/python bench/gateway_bench.py --quick    # smoke run (1 s windows)
 
 Measured per model (identity_fp32, mlp_fp32) x protocol (gRPC, HTTP) x concurrency (1, 16):
-infer/s and latency percentiles, direct and through the gateway, alternating which goes first
-per point. Reported: the p50 the gateway adds at concurrency 1 (target <= 50 us) and the
+infer/s and latency percentiles, direct, through a byte-copying TCP relay
+(gateway/examples/tcp_relay.rs: the cost of one more loopback hop and process alone, the floor
+under any proxy on this machine) and through the gateway, rotating which goes first per point. Reported: the p50 the gateway adds at concurrency 1 (target <= 50 us) and the
 throughput ratio gateway / direct at concurrency 16 (target >= 0.95). Also runs the
 routing-decision micro-benchmark (gateway/benches/routing.rs). Results:
 bench/results/gateway.json and gateway.md.
@@ -128,6 +129,48 @@ class ThroughGateway:
         return self.gateway.alive() and self.worker.alive()
 
 
+class Relay:
+    """Two byte-copying TCP relays (gateway/examples/tcp_relay.rs), one per worker port."""
+
+    def __init__(self, binary: Path, worker: Worker, workdir: Path):
+        self.binary, self.worker, self.workdir = binary, worker, workdir
+        self.procs: list[subprocess.Popen] = []
+        self.ports: dict = {}
+
+    @property
+    def http(self) -> str:
+        return f"127.0.0.1:{self.ports['http']}"
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    def start(self) -> None:
+        for proto, upstream in (("http", self.worker.http), ("grpc", self.worker.grpc)):
+            port_file = self.workdir / f"relay-{proto}.port"
+            with open(self.workdir / f"relay-{proto}.log", "wb") as f:
+                self.procs.append(subprocess.Popen([str(self.binary), str(port_file), upstream], cwd=ROOT, stdout=f,
+                                                   stderr=subprocess.STDOUT, start_new_session=True))
+            deadline = time.monotonic() + 30
+            while not port_file.is_file():
+                if self.procs[-1].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the {proto} relay did not start")
+                time.sleep(0.05)
+            self.ports[proto] = int(port_file.read_text())
+        log(f"relays ready: {self.ports}")
+
+    def stats(self, model: str):
+        return self.worker.stats(model)
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs) and self.worker.alive()
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                kill_group(p)
+
+
 def fmt(v, spec=",.0f") -> str:
     return "–" if v is None else format(v, spec)
 
@@ -152,6 +195,29 @@ def write_markdown(path: Path, report: dict) -> None:
             f"{fmt(g.get('infer_per_s'))} | {fmt(p.get('ratio'), '.3f')} | {fmt(d.get('p50_us'))} | "
             f"{fmt(g.get('p50_us'))} | {fmt(p.get('added_p50_us'))} | {fmt(d.get('p99_us'))} | {fmt(g.get('p99_us'))} |"
         )
+    if any("relay" in p for p in report["points"]):
+        lines += [
+            "",
+            "## The floor: a byte-copying TCP relay in the gateway's place",
+            "",
+            "`gateway/examples/tcp_relay.rs` copies bytes between the client's connection and one to the worker, "
+            "on one event-loop thread like the gateway: no HTTP/2, no routing. What it adds is what one more "
+            "loopback hop and one more process cost on this machine by themselves — the floor under any proxy "
+            "here. Measured in the same run, the same load, direct and gateway runs alternating with it.",
+            "",
+            "| model | protocol | concurrency | relay infer/s | relay ratio | relay added p50 µs | gateway ratio | gateway added p50 µs | relay CPU µs/req |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for p in report["points"]:
+            r = p.get("relay") or {}
+            rc = r.get("cpu_pct") or {}
+            per_req = (10_000 * rc["relay"] / r["infer_per_s"]
+                       if rc.get("relay") is not None and r.get("infer_per_s") else None)
+            lines.append(
+                f"| {p['model']} | {p['protocol']} | {p['concurrency']} | {fmt(r.get('infer_per_s'))} | "
+                f"{fmt(p.get('relay_ratio'), '.3f')} | {fmt(p.get('relay_added_p50_us'))} | "
+                f"{fmt(p.get('ratio'), '.3f')} | {fmt(p.get('added_p50_us'))} | {fmt(per_req, '.0f')} |"
+            )
     lines += [
         "",
         "## CPU during each run",
@@ -225,31 +291,43 @@ def main() -> int:
 
     if not build_and_install_pa(["nereid-worker", "nereid-gateway"], build=not args.no_build):
         return 1
+    relay_bin = ROOT / "target/release/examples/tcp_relay"
+    if not args.no_build or not relay_bin.is_file():
+        res = sh(["cargo", "build", "--release", "--locked", "-p", "nereid-gateway", "--example", "tcp_relay"], timeout=900)
+        if res.returncode != 0:
+            print((res.stdout or "")[-3000:], file=sys.stderr)
+            return 1
     pa = ROOT / ".deps/perf_analyzer/perf_analyzer.sh"
     machine = machine_info()
 
     workdir = Path(tempfile.mkdtemp(prefix="nereid-gw-bench-"))
     worker = Worker(ROOT / "target/release/nereid-worker", ROOT / "examples/models", workdir, 1)
     gateway = Gateway(ROOT / "target/release/nereid-gateway", worker, workdir)
+    relay = Relay(relay_bin, worker, workdir)
     points = []
     try:
         worker.start()
         gateway.start(models)
+        relay.start()
         through = ThroughGateway(gateway, worker)
+        n = 0
         for model in models:
             for protocol in protocols:
-                for i, c in enumerate(CONCURRENCY):
-                    order = [("direct", worker), ("gateway", through)]
-                    if i % 2:
-                        order.reverse()
+                for c in CONCURRENCY:
+                    order = [("direct", worker), ("relay", relay), ("gateway", through)]
+                    order = order[n % 3:] + order[:n % 3]
+                    n += 1
                     point = {"model": model, "protocol": protocol, "concurrency": c}
                     for name, target in order:
                         left = t_end - time.monotonic()
                         if left < 30:
                             raise TimeoutError("time budget spent")
                         log(f"{model} {protocol} c={c} {name}")
+                        # The relays' CPU: the one on this protocol's port does the work.
+                        relay_pid = relay.procs[0 if protocol == "http" else 1].pid if name == "relay" else None
                         meter = CpuMeter({
                             "gateway": gateway.proc.pid if name == "gateway" and gateway.proc else None,
+                            "relay": relay_pid,
                             "worker": worker.proc.pid if worker.proc else None,
                         })
                         rec = run_perf_analyzer(pa, target, model, protocol, c, args, workdir, timeout=min(180, left))
@@ -260,9 +338,15 @@ def main() -> int:
                         point["ratio"] = g["infer_per_s"] / d["infer_per_s"]
                     if d.get("p50_us") is not None and g.get("p50_us") is not None:
                         point["added_p50_us"] = g["p50_us"] - d["p50_us"]
+                    r = point["relay"]
+                    if d.get("infer_per_s") and r.get("infer_per_s"):
+                        point["relay_ratio"] = r["infer_per_s"] / d["infer_per_s"]
+                    if d.get("p50_us") is not None and r.get("p50_us") is not None:
+                        point["relay_added_p50_us"] = r["p50_us"] - d["p50_us"]
                     log(f"  -> ratio {point.get('ratio')}, added p50 {point.get('added_p50_us')} us")
                     points.append(point)
     finally:
+        relay.stop()
         gateway.stop()
         worker.stop()
 
