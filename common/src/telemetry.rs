@@ -4,8 +4,9 @@
 //!
 //! Triton's settings map onto levels: `log_error`, `log_warning` and `log_info` switch ERROR,
 //! WARN and INFO events on or off, each on its own; `log_verbose_level` 1 adds DEBUG and 2 or
-//! more TRACE. Logs go to standard output, so `log_file` can only be empty; `log_format` is
-//! `default` or `ISO8601` (timestamps are ISO 8601 either way).
+//! more TRACE. Logs go to standard output, or to the file named at start
+//! ([`init_tracing_to`]), which cannot change afterwards; `log_format` is `default` or
+//! `ISO8601` (timestamps are ISO 8601 either way).
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
@@ -63,7 +64,7 @@ impl LogSettings {
     /// Every setting, by Triton's names.
     pub fn current(&self) -> BTreeMap<&'static str, LogValue> {
         BTreeMap::from([
-            ("log_file", LogValue::Str(String::new())),
+            ("log_file", LogValue::Str(log_file().to_string())),
             ("log_info", LogValue::Bool(self.info.load(Relaxed))),
             ("log_warning", LogValue::Bool(self.warning.load(Relaxed))),
             ("log_error", LogValue::Bool(self.error.load(Relaxed))),
@@ -89,11 +90,14 @@ impl LogSettings {
                 ("log_info" | "log_warning" | "log_error", _) => return Err(wrong("a boolean")),
                 ("log_verbose_level", LogValue::Uint(n)) => Change::Verbose(*n),
                 ("log_verbose_level", _) => return Err(wrong("a non-negative integer")),
-                ("log_file", LogValue::Str(path)) if path.is_empty() => Change::Nothing,
+                ("log_file", LogValue::Str(path)) if path == log_file() => Change::Nothing,
                 ("log_file", LogValue::Str(_)) => {
-                    return Err(Status::invalid(
-                        "log setting 'log_file' must be empty: this process logs to standard output",
-                    ));
+                    return Err(Status::invalid(match log_file() {
+                        "" => "log setting 'log_file' must be empty: this process logs to standard output \
+                               (a file is named at start, with --log-file)"
+                            .to_string(),
+                        now => format!("log setting 'log_file' is set at start (--log-file) and stays '{now}'"),
+                    }));
                 }
                 ("log_format", LogValue::Str(f)) if f == "default" || f == "ISO8601" => Change::Nothing,
                 ("log_file" | "log_format", _) => {
@@ -134,6 +138,13 @@ impl LogSettings {
     }
 }
 
+/// The file the log goes to, when one was named at start.
+static LOG_FILE: OnceLock<String> = OnceLock::new();
+
+fn log_file() -> &'static str {
+    LOG_FILE.get().map_or("", String::as_str)
+}
+
 /// Sets the subscriber's global level filter (which rebuilds `tracing`'s callsite cache).
 static MAX_LEVEL: OnceLock<Box<dyn Fn(LevelFilter) + Send + Sync>> = OnceLock::new();
 
@@ -141,6 +152,25 @@ static MAX_LEVEL: OnceLock<Box<dyn Fn(LevelFilter) + Send + Sync>> = OnceLock::n
 /// trace). `RUST_LOG`, when set, narrows what [`log_settings`] lets through. A second call
 /// does nothing.
 pub fn init_tracing(verbose: u8) {
+    let _ = init_tracing_to(verbose, None);
+}
+
+/// [`init_tracing`], appending to `file` (created if missing) instead of standard output.
+/// Fails only when the file cannot be opened.
+pub fn init_tracing_to(verbose: u8, file: Option<&std::path::Path>) -> std::io::Result<()> {
+    use tracing_subscriber::fmt::writer::BoxMakeWriter;
+    let (writer, ansi) = match file {
+        Some(path) => {
+            let f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+            let _ = LOG_FILE.set(path.display().to_string());
+            (BoxMakeWriter::new(std::sync::Arc::new(f)), false)
+        }
+        // Colours only on a terminal: a pod's log (kubectl logs) gets plain text.
+        None => (
+            BoxMakeWriter::new(std::io::stdout),
+            std::io::IsTerminal::is_terminal(&std::io::stdout()) && std::env::var_os("NO_COLOR").is_none(),
+        ),
+    };
     SETTINGS.verbose.store(u32::from(verbose), Relaxed);
     // The global level filter keeps disabled levels free (callsites above it are skipped
     // statically, as with a fixed level); the per-event filter applies the single switches.
@@ -148,9 +178,7 @@ pub fn init_tracing(verbose: u8) {
     let dynamic = tracing_subscriber::filter::filter_fn(|meta| SETTINGS.enabled(meta.level()));
     let env = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("trace"));
-    // Colours only on a terminal: a log file or a pod's log (kubectl logs) gets plain text.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout()) && std::env::var_os("NO_COLOR").is_none();
-    let fmt = tracing_subscriber::fmt::layer().with_target(false).with_ansi(ansi);
+    let fmt = tracing_subscriber::fmt::layer().with_target(false).with_ansi(ansi).with_writer(writer);
     let installed = tracing_subscriber::registry()
         .with(level)
         .with(env)
@@ -161,6 +189,7 @@ pub fn init_tracing(verbose: u8) {
             let _ = handle.reload(max);
         }));
     }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -66,6 +66,18 @@ BUILTIN_FLAGS = {
         "etcd-lease-ttl-secs": V, "label": V, "memory-capacity-mb": V, "max-models": V,
         "drain-delay-ms": V, "cache-config": V, "allow-client-shm": (OPT, BOOL),
         "strict-readiness": (OPT, BOOL), "denormal-as-zero": (OPT, BOOL),
+        "http-address": V, "grpc-address": V, "metrics-address": V, "id": V,
+        "disable-auto-complete-config": NONE, "log-info": (OPT, BOOL), "log-warning": (OPT, BOOL),
+        "log-error": (OPT, BOOL), "log-format": (V, ("default", "ISO8601")), "log-file": V,
+        "grpc-keepalive-time": V, "grpc-keepalive-timeout": V,
+        # tritonserver flags accepted for compatibility (warned about, or refused when true).
+        "model-load-thread-count": V, "http-thread-count": V, "grpc-infer-allocation-pool-size": V,
+        "grpc-keepalive-permit-without-calls": (OPT, BOOL), "grpc-http2-max-pings-without-data": V,
+        "grpc-http2-min-recv-ping-interval-without-data": V, "grpc-http2-max-ping-strikes": V,
+        "pinned-memory-pool-byte-size": V, "cuda-memory-pool-byte-size": V, "backend-directory": V,
+        "repoagent-directory": V, "allow-sagemaker": (OPT, BOOL), "allow-vertex-ai": (OPT, BOOL),
+        "grpc-use-ssl": (OPT, BOOL), "grpc-use-ssl-mutual": (OPT, BOOL),
+        "reuse-http-port": (OPT, BOOL), "reuse-grpc-port": (OPT, BOOL), "model-namespacing": (OPT, BOOL),
         "help": NONE, "version": NONE,
     },
     "nereid-gateway": {
@@ -93,7 +105,7 @@ INTEGER_FLAGS = {
     "http-port", "grpc-port", "metrics-port", "exit-timeout-secs", "etcd-lease-ttl-secs",
     "memory-capacity-mb", "request-timeout-ms", "max-concurrent-requests", "log-verbose",
     "repository-poll-secs", "max-request-bytes", "intra-op-threads", "max-models",
-    "drain-delay-ms", "election-ttl-secs", "io-threads",
+    "drain-delay-ms", "election-ttl-secs", "io-threads", "grpc-keepalive-time", "grpc-keepalive-timeout",
 }
 HEALTH_PATHS = {"livenessProbe": "/v2/health/live", "readinessProbe": "/v2/health/ready",
                 "startupProbe": None}  # startup: live or ready

@@ -186,9 +186,11 @@ def test_explicit_load_of_broken_model_then_fix(repo_copy, make_worker):
         c.close()
 
 
-def test_strict_model_config_refuses_autocomplete(repo_copy, make_worker):
+# tritonserver's two spellings: --strict-model-config=true and (newer) --disable-auto-complete-config.
+@pytest.mark.parametrize("flag", ["--strict-model-config=true", "--disable-auto-complete-config"])
+def test_strict_model_config_refuses_autocomplete(repo_copy, make_worker, flag):
     repo = repo_copy("identity_fp32", "autocomplete_add")
-    w = make_worker(repo, "--strict-model-config=true", "--strict-readiness=false")
+    w = make_worker(repo, flag, "--strict-readiness=false")
     idx = {e["name"]: e for e in w.index()}
     assert idx["identity_fp32"]["state"] == "READY"
     assert idx["autocomplete_add"]["state"] == "UNAVAILABLE"

@@ -1,10 +1,14 @@
 //! Command line. Flags follow tritonserver's where they overlap (`--model-repository`,
 //! `--http-port`, `--model-control-mode=explicit`, `--strict-model-config=true`, ...), so Triton
-//! users' scripts carry over; Nereid's own flags follow.
+//! users' scripts carry over; Nereid's own flags follow. Booleans take tritonserver's
+//! spellings (`true`, `True`, `1`, `false`, `False`, `0`). tritonserver flags with no counterpart here are
+//! accepted and named in a warning, or refused where they ask for a missing feature
+//! ([`TritonFlags`]).
 
 use std::net::IpAddr;
 use std::path::PathBuf;
 
+use clap::builder::TypedValueParser;
 use clap::{ArgAction, Parser, ValueEnum};
 
 use crate::repository::ControlMode;
@@ -38,9 +42,26 @@ pub struct Args {
     #[arg(long = "model-repository", alias = "model-store", required = true, value_name = "DIR")]
     pub model_repository: Vec<PathBuf>,
 
-    /// Address the HTTP, gRPC and metrics servers bind to.
+    /// Address the HTTP, gRPC and metrics servers bind to (each overridable below).
     #[arg(long, default_value = "0.0.0.0", value_name = "IP")]
     pub address: IpAddr,
+
+    /// Address the HTTP server binds to. Default: --address.
+    #[arg(long, value_name = "IP")]
+    pub http_address: Option<IpAddr>,
+
+    /// Address the gRPC server binds to. Default: --address.
+    #[arg(long, value_name = "IP")]
+    pub grpc_address: Option<IpAddr>,
+
+    /// Address the metrics server binds to. Default: --address.
+    #[arg(long, value_name = "IP")]
+    pub metrics_address: Option<IpAddr>,
+
+    /// This server's identifier: the `name` in server metadata (HTTP `GET /v2`, gRPC
+    /// ServerMetadata). Default: nereid.
+    #[arg(long, value_name = "NAME", value_parser = parse_id)]
+    pub id: Option<String>,
 
     /// HTTP port (KServe v2 REST). 0 picks a free port (see --port-file).
     #[arg(long, default_value_t = 8000)]
@@ -55,15 +76,15 @@ pub struct Args {
     pub metrics_port: u16,
 
     /// Serve HTTP.
-    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
     pub allow_http: bool,
 
     /// Serve gRPC.
-    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
     pub allow_grpc: bool,
 
     /// Serve metrics.
-    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
     pub allow_metrics: bool,
 
     /// Model control mode: none, poll or explicit.
@@ -80,32 +101,67 @@ pub struct Args {
 
     /// No auto-completion: a model without config.pbtxt, or whose config lacks inputs or
     /// outputs, fails to load (the reason says why).
-    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
     pub strict_model_config: bool,
+
+    /// The same as --strict-model-config=true (tritonserver's newer spelling; takes no value).
+    #[arg(long)]
+    pub disable_auto_complete_config: bool,
 
     /// Report the server ready (HTTP /v2/health/ready, gRPC ServerReady) only while every model
     /// it tried to load is READY (a model unloaded on purpose excepted), as tritonserver's
     /// default; false: ready once start-up loading is done, whatever failed. Default: true, but
     /// false with --etcd-endpoints, where placement decides the loads and one bad model must
     /// not take the whole worker out of load balancers (each model's state is in etcd).
-    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
     pub strict_readiness: Option<bool>,
 
     /// Exit at start if any model fails to load (Triton's default is true; Nereid keeps
     /// serving the models that loaded and reports the failure in the repository index).
-    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
     pub exit_on_error: bool,
 
     /// Allow clients to register system shared-memory regions and pass tensors through them
     /// (Triton's shared-memory extension; the same flag and default as tritonserver). A
     /// registered key opens any POSIX shared-memory object this process can open, so allow it
     /// only where every client that can reach the worker shares the host's trust.
-    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
     pub allow_client_shm: bool,
 
     /// Verbose logging level (0 = info, 1 = debug, 2+ = trace). RUST_LOG overrides.
     #[arg(long, default_value_t = 0)]
     pub log_verbose: u8,
+
+    /// Log INFO events (switchable at run time too: `POST /v2/logging`, gRPC LogSettings).
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    pub log_info: bool,
+
+    /// Log WARN events.
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    pub log_warning: bool,
+
+    /// Log ERROR events.
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    pub log_error: bool,
+
+    /// Log format, by tritonserver's names: `default` or `ISO8601` (Nereid's timestamps are
+    /// ISO 8601 in both).
+    #[arg(long, default_value = "default", value_parser = ["default", "ISO8601"])]
+    pub log_format: String,
+
+    /// Append the log to this file instead of standard output.
+    #[arg(long, value_name = "FILE")]
+    pub log_file: Option<PathBuf>,
+
+    /// gRPC keep-alive: milliseconds between the pings the server sends on an idle
+    /// connection (tritonserver's default is 2 hours; Nereid's notices a dead client sooner).
+    #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub grpc_keepalive_time: u64,
+
+    /// gRPC keep-alive: milliseconds to wait for a ping's acknowledgement before closing the
+    /// connection.
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub grpc_keepalive_timeout: u64,
 
     /// Seconds to finish in-flight requests after SIGTERM/SIGINT before exiting.
     #[arg(long, default_value_t = 30)]
@@ -136,7 +192,7 @@ pub struct Args {
     /// random or tiny values can run far slower. Results change only where an input or an
     /// intermediate value is subnormal (below ~1.2e-38 in FP32, ~2.2e-308 in FP64): it counts
     /// as zero. A model's parameters { key: "nereid.denormal_as_zero" } overrides.
-    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
     pub denormal_as_zero: bool,
 
     /// Write the bound ports as JSON ({"http":..,"grpc":..,"metrics":..}) to this file once
@@ -159,7 +215,7 @@ pub struct Args {
     pub worker_id: Option<String>,
 
     /// Host the gateway dials for this worker (with the bound gRPC/HTTP ports). Default: the
-    /// --address, or 127.0.0.1 when that is a wildcard address.
+    /// --grpc-address (else --address), or 127.0.0.1 when that is a wildcard address.
     #[arg(long, value_name = "HOST")]
     pub advertise_address: Option<String>,
 
@@ -187,6 +243,163 @@ pub struct Args {
     /// READY, before it is unloaded (at least 500 ms).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(0..=60_000))]
     pub drain_delay_ms: u64,
+
+    #[command(flatten)]
+    pub triton: TritonFlags,
+}
+
+/// A boolean as tritonserver's command lines spell it.
+fn triton_bool() -> impl TypedValueParser<Value = bool> {
+    clap::builder::PossibleValuesParser::new(["true", "false", "True", "False", "1", "0"])
+        .map(|v| matches!(v.as_str(), "true" | "True" | "1"))
+}
+
+fn parse_id(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > 256 || s.chars().any(char::is_control) {
+        return Err("must be 1 to 256 characters, none of them control characters".into());
+    }
+    Ok(s.to_string())
+}
+
+/// tritonserver flags that deployments pass (KServe ModelMesh's Triton runtime, Helm charts)
+/// and that have no counterpart here. Accepted so those command lines start Nereid unchanged;
+/// each one given is named in a warning at start saying why it changes nothing, and one that
+/// asks for a feature Nereid lacks (`--grpc-use-ssl=true`, ...) is refused instead
+/// ([`TritonFlags::check`]).
+#[derive(Clone, Debug, Default, clap::Args)]
+#[command(next_help_heading = "tritonserver flags accepted for compatibility (see --help of each)")]
+pub struct TritonFlags {
+    /// Accepted; models load one at a time here.
+    #[arg(long, value_name = "N")]
+    pub model_load_thread_count: Option<u64>,
+    /// Accepted; HTTP and gRPC share one I/O runtime with a thread per core.
+    #[arg(long, value_name = "N")]
+    pub http_thread_count: Option<u64>,
+    /// Accepted; requests are not pooled.
+    #[arg(long, value_name = "N")]
+    pub grpc_infer_allocation_pool_size: Option<u64>,
+    /// Accepted; every client ping is allowed, with or without calls in flight.
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    pub grpc_keepalive_permit_without_calls: Option<bool>,
+    /// Accepted; the server's keep-alive pings follow --grpc-keepalive-time alone.
+    #[arg(long, value_name = "N")]
+    pub grpc_http2_max_pings_without_data: Option<u64>,
+    /// Accepted; client pings are allowed at any interval.
+    #[arg(long, value_name = "MS")]
+    pub grpc_http2_min_recv_ping_interval_without_data: Option<u64>,
+    /// Accepted; no ping is a strike (as 0).
+    #[arg(long, value_name = "N")]
+    pub grpc_http2_max_ping_strikes: Option<u64>,
+    /// Accepted; no pinned host-memory pool (tensors go to ONNX Runtime from request buffers).
+    #[arg(long, value_name = "BYTES")]
+    pub pinned_memory_pool_byte_size: Option<u64>,
+    /// Accepted (`GPU:BYTES`, repeatable); ONNX Runtime's CUDA provider allocates its own.
+    #[arg(long, value_name = "GPU:BYTES")]
+    pub cuda_memory_pool_byte_size: Vec<String>,
+    /// Accepted; the backend (ONNX Runtime) is built in: see --onnxruntime-lib.
+    #[arg(long, value_name = "DIR")]
+    pub backend_directory: Option<PathBuf>,
+    /// Accepted; no repository agents.
+    #[arg(long, value_name = "DIR")]
+    pub repoagent_directory: Option<PathBuf>,
+    /// Accepted only as false: no SageMaker endpoint.
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    pub allow_sagemaker: Option<bool>,
+    /// Accepted only as false: no Vertex AI endpoint.
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    pub allow_vertex_ai: Option<bool>,
+    /// Accepted only as false: no TLS on the gRPC port (terminate TLS in front of it).
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    pub grpc_use_ssl: Option<bool>,
+    /// Accepted only as false: no TLS on the gRPC port.
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    pub grpc_use_ssl_mutual: Option<bool>,
+    /// Accepted only as false: ports are not shared between processes.
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    pub reuse_http_port: Option<bool>,
+    /// Accepted only as false: ports are not shared between processes.
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    pub reuse_grpc_port: Option<bool>,
+    /// Accepted only as false: model names are unique across repositories.
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    pub model_namespacing: Option<bool>,
+}
+
+impl TritonFlags {
+    /// The warnings to log for the flags given that change nothing here, or the error naming
+    /// the first that asks for a feature Nereid does not have.
+    pub fn check(&self) -> Result<Vec<String>, String> {
+        let refused = [
+            ("--allow-sagemaker", self.allow_sagemaker, "nereid-worker has no SageMaker endpoint"),
+            ("--allow-vertex-ai", self.allow_vertex_ai, "nereid-worker has no Vertex AI endpoint"),
+            (
+                "--grpc-use-ssl",
+                self.grpc_use_ssl,
+                "nereid-worker serves gRPC without TLS: terminate TLS in front of it",
+            ),
+            ("--grpc-use-ssl-mutual", self.grpc_use_ssl_mutual, "nereid-worker serves gRPC without TLS"),
+            ("--reuse-http-port", self.reuse_http_port, "nereid-worker does not share its ports"),
+            ("--reuse-grpc-port", self.reuse_grpc_port, "nereid-worker does not share its ports"),
+            ("--model-namespacing", self.model_namespacing, "model names must be unique across repositories"),
+        ];
+        if let Some((flag, _, why)) = refused.iter().find(|(_, v, _)| *v == Some(true)) {
+            return Err(format!("{flag}=true is not supported: {why}"));
+        }
+        let ignored: [(&str, bool, &str); 11] = [
+            ("--model-load-thread-count", self.model_load_thread_count.is_some(), "models load one at a time"),
+            (
+                "--http-thread-count",
+                self.http_thread_count.is_some(),
+                "HTTP and gRPC share one I/O runtime with a thread per core",
+            ),
+            (
+                "--grpc-infer-allocation-pool-size",
+                self.grpc_infer_allocation_pool_size.is_some(),
+                "requests are not pooled",
+            ),
+            (
+                "--grpc-keepalive-permit-without-calls",
+                self.grpc_keepalive_permit_without_calls == Some(false),
+                "every client ping is allowed, with or without calls in flight",
+            ),
+            (
+                "--grpc-http2-max-pings-without-data",
+                self.grpc_http2_max_pings_without_data.is_some_and(|n| n != 0),
+                "the server's keep-alive pings follow --grpc-keepalive-time alone",
+            ),
+            (
+                "--grpc-http2-min-recv-ping-interval-without-data",
+                self.grpc_http2_min_recv_ping_interval_without_data.is_some(),
+                "client pings are allowed at any interval",
+            ),
+            (
+                "--grpc-http2-max-ping-strikes",
+                self.grpc_http2_max_ping_strikes.is_some_and(|n| n != 0),
+                "no client ping counts as a strike",
+            ),
+            (
+                "--pinned-memory-pool-byte-size",
+                self.pinned_memory_pool_byte_size.is_some(),
+                "there is no pinned host-memory pool",
+            ),
+            (
+                "--cuda-memory-pool-byte-size",
+                !self.cuda_memory_pool_byte_size.is_empty(),
+                "ONNX Runtime's CUDA provider allocates its own memory",
+            ),
+            (
+                "--backend-directory",
+                self.backend_directory.is_some(),
+                "the ONNX Runtime backend is built in (its library: --onnxruntime-lib)",
+            ),
+            ("--repoagent-directory", self.repoagent_directory.is_some(), "there are no repository agents"),
+        ];
+        Ok(ignored
+            .iter()
+            .filter(|(_, given, _)| *given)
+            .map(|(flag, _, why)| format!("{flag} has no effect in nereid-worker: {why}"))
+            .collect())
+    }
 }
 
 impl Args {

@@ -16,6 +16,7 @@ use anyhow::Context;
 use clap::Parser;
 use nereid_common::fleet::records::{self, Capacity, WorkerRecord, WorkerState};
 use nereid_common::fleet::{self, Keys};
+use nereid_common::telemetry::LogValue;
 use nereid_worker::backend::{self, SessionOptions};
 use nereid_worker::cli::Args;
 use nereid_worker::fleet::{FleetAgent, FleetOptions};
@@ -29,7 +30,21 @@ use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    nereid_common::telemetry::init_tracing(args.log_verbose);
+    if let Err(e) = nereid_common::telemetry::init_tracing_to(args.log_verbose, args.log_file.as_deref()) {
+        let file = args.log_file.as_deref().unwrap_or(std::path::Path::new("")).display();
+        eprintln!("nereid-worker: --log-file {file}: {e}");
+        return ExitCode::from(2);
+    }
+    let levels = [("log_info", args.log_info), ("log_warning", args.log_warning), ("log_error", args.log_error)];
+    let levels: Vec<_> = levels.iter().map(|(k, on)| (k.to_string(), LogValue::Bool(*on))).collect();
+    nereid_common::telemetry::log_settings().apply(&levels).expect("booleans are valid log settings");
+    match args.triton.check() {
+        Ok(warnings) => warnings.iter().for_each(|w| tracing::warn!("{w}")),
+        Err(e) => {
+            eprintln!("nereid-worker: {e}");
+            return ExitCode::from(2);
+        }
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("nereid-io").build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -53,7 +68,7 @@ async fn bind(enabled: bool, addr: std::net::IpAddr, port: u16, what: &str) -> a
     }
     let listener = TcpListener::bind(SocketAddr::new(addr, port))
         .await
-        .with_context(|| format!("cannot bind the {what} port {addr}:{port} (--{what}-port)"))?;
+        .with_context(|| format!("cannot bind the {what} port {addr}:{port} (--{what}-address / --{what}-port)"))?;
     Ok(Some(listener))
 }
 
@@ -70,7 +85,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let options = RepositoryOptions {
         paths: args.model_repository.clone(),
         mode: args.model_control_mode.into(),
-        strict_config: args.strict_model_config,
+        strict_config: args.strict_model_config || args.disable_auto_complete_config,
         startup_models: args.load_model.clone(),
         session_defaults: SessionOptions {
             intra_op_threads: args.intra_op_threads,
@@ -91,6 +106,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .with_strict_readiness(args.strict_readiness()),
     );
     let server = Server {
+        name: args.id.as_deref().unwrap_or(nereid_worker::server::SERVER_NAME).into(),
         repository: repository.clone(),
         metrics,
         limits: Limits { max_request_bytes: args.max_request_bytes as usize },
@@ -101,9 +117,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }),
     };
 
-    let http_listener = bind(args.allow_http, args.address, args.http_port, "http").await?;
-    let grpc_listener = bind(args.allow_grpc, args.address, args.grpc_port, "grpc").await?;
-    let metrics_listener = bind(args.allow_metrics, args.address, args.metrics_port, "metrics").await?;
+    let http_address = args.http_address.unwrap_or(args.address);
+    let http_listener = bind(args.allow_http, http_address, args.http_port, "http").await?;
+    let grpc_address = args.grpc_address.unwrap_or(args.address);
+    let grpc_listener = bind(args.allow_grpc, grpc_address, args.grpc_port, "grpc").await?;
+    let metrics_address = args.metrics_address.unwrap_or(args.address);
+    let metrics_listener = bind(args.allow_metrics, metrics_address, args.metrics_port, "metrics").await?;
     let port = |l: &Option<TcpListener>| l.as_ref().and_then(|l| l.local_addr().ok()).map(|a| a.port());
     let (grpc_listener_port, http_listener_port) = (port(&grpc_listener), port(&http_listener));
     let ports = serde_json::json!({
@@ -121,7 +140,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if let Some(listener) = grpc_listener {
         let (server, token) = (server.clone(), shutdown.clone());
-        servers.spawn(async move { grpc::serve(listener, server, token).await.context("gRPC server") });
+        let keepalive = grpc::KeepAlive {
+            interval: Duration::from_millis(args.grpc_keepalive_time),
+            timeout: Duration::from_millis(args.grpc_keepalive_timeout),
+        };
+        servers.spawn(async move { grpc::serve(listener, server, keepalive, token).await.context("gRPC server") });
     }
     if let Some(listener) = metrics_listener {
         let (router, token) = (http::metrics_router(server.clone()), shutdown.clone());
@@ -202,8 +225,11 @@ fn fleet_options(args: &Args, grpc_port: Option<u16>, http_port: Option<u16>) ->
     let grpc_port = grpc_port.context("--etcd-endpoints requires the gRPC server (--allow-grpc=true)")?;
     let host = match &args.advertise_address {
         Some(h) => h.clone(),
-        None if args.address.is_unspecified() => "127.0.0.1".to_string(),
-        None => args.address.to_string(),
+        // The gateway dials the gRPC port: where that server listens.
+        None => match args.grpc_address.unwrap_or(args.address) {
+            a if a.is_unspecified() => "127.0.0.1".to_string(),
+            a => a.to_string(),
+        },
     };
     let host = if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host };
     let id = match &args.worker_id {

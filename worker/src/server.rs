@@ -109,6 +109,8 @@ pub struct ModelStats {
 /// The worker as its front ends see it. Cheap to clone.
 #[derive(Clone)]
 pub struct Server {
+    /// The name server metadata reports (`--id`; default [`SERVER_NAME`]).
+    pub name: Arc<str>,
     pub repository: Arc<Repository>,
     pub metrics: Arc<Metrics>,
     pub limits: Limits,

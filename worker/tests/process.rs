@@ -90,6 +90,16 @@ fn invalid_flags_exit_non_zero_naming_the_flag() {
             vec!["--model-repository", repo, "--onnxruntime-lib", "/nonexistent/libonnxruntime.so", "--http-port", "0"],
             "--onnxruntime-lib",
         ),
+        // tritonserver flags asking for what Nereid lacks are refused, not ignored.
+        (vec!["--model-repository", repo, "--grpc-use-ssl=true", "--http-port", "0"], "--grpc-use-ssl"),
+        (vec!["--model-repository", repo, "--allow-sagemaker", "--http-port", "0"], "--allow-sagemaker"),
+        (vec!["--model-repository", repo, "--model-namespacing=1", "--http-port", "0"], "--model-namespacing"),
+        (vec!["--model-repository", repo, "--id="], "--id"),
+        (vec!["--model-repository", repo, "--log-format=json"], "--log-format"),
+        (vec!["--model-repository", repo, "--log-info=maybe"], "--log-info"),
+        (vec!["--model-repository", repo, "--http-address=localhost"], "--http-address"),
+        (vec!["--model-repository", repo, "--grpc-keepalive-time=0"], "--grpc-keepalive-time"),
+        (vec!["--model-repository", repo, "--log-file=/nonexistent/dir/worker.log"], "--log-file"),
     ] {
         let (code, output) = run_cli(&args);
         assert_ne!(code, 0, "{args:?} should fail");
@@ -112,6 +122,74 @@ fn invalid_flags_exit_non_zero_naming_the_flag() {
     ] {
         assert!(help.contains(flag), "--help lacks {flag}");
     }
+}
+
+/// A tritonserver command line as deployments write it (KServe ModelMesh's Triton runtime
+/// passes the keep-alive and SageMaker flags below; `True` as its spelling of a boolean) starts
+/// the worker unchanged: the flags with a counterpart take effect, the others are named in a
+/// warning.
+#[test]
+fn a_tritonserver_command_line_starts_the_worker() {
+    let repo = common::example_models();
+    let dir = tempfile::tempdir().unwrap();
+    let log_file = dir.path().join("triton.log");
+    let log_arg = format!("--log-file={}", log_file.display());
+    let worker = WorkerProcess::start(
+        &repo,
+        &[
+            "--model-control-mode=explicit",
+            "--load-model=identity_fp32",
+            "--strict-model-config=false",
+            "--strict-readiness=false",
+            "--allow-http=true",
+            "--allow-sagemaker=false",
+            "--grpc-keepalive-time=10000",
+            "--grpc-keepalive-timeout=999999999",
+            "--grpc-keepalive-permit-without-calls=True",
+            "--grpc-http2-max-pings-without-data=0",
+            "--grpc-http2-min-recv-ping-interval-without-data=5000",
+            "--grpc-http2-max-ping-strikes=0",
+            "--model-load-thread-count=4",
+            "--id=triton-a",
+            "--log-info=false",
+            "--log-format=ISO8601",
+            &log_arg,
+            "--http-address=127.0.0.1",
+        ],
+    );
+    let (status, body) = worker.http_get("/v2");
+    assert_eq!(status, 200, "{body}");
+    let metadata: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(metadata["name"], "triton-a");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let url = format!("http://127.0.0.1:{}", worker.grpc);
+    let name = rt.block_on(async move {
+        use nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+        let mut client = GrpcInferenceServiceClient::connect(url).await.unwrap();
+        client.server_metadata(nereid_proto::inference::ServerMetadataRequest {}).await.unwrap().into_inner().name
+    });
+    assert_eq!(name, "triton-a");
+    assert_eq!(
+        worker.http_request(worker.http, "POST", "/v2/models/identity_fp32/infer", INFER_BODY.as_bytes()).0,
+        200
+    );
+
+    // The logging extension reports what the flags set.
+    let (status, body) = worker.http_get("/v2/logging");
+    assert_eq!(status, 200, "{body}");
+    let settings: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(settings["log_file"], log_file.display().to_string());
+    assert_eq!(settings["log_info"], false);
+    // The log went to the file: the warnings naming each flag that changes nothing here (and
+    // not those set to what Nereid does anyway), and no INFO line.
+    let text = std::fs::read_to_string(&log_file).unwrap();
+    for flag in ["--model-load-thread-count", "--grpc-http2-min-recv-ping-interval-without-data"] {
+        assert!(text.contains(&format!("{flag} has no effect")), "no warning for {flag}:\n{text}");
+    }
+    for flag in ["--grpc-http2-max-ping-strikes", "--grpc-keepalive-permit-without-calls", "--allow-sagemaker"] {
+        assert!(!text.contains(flag), "{flag} is what Nereid does:\n{text}");
+    }
+    assert!(!text.contains("INFO"), "--log-info=false:\n{text}");
 }
 
 #[test]

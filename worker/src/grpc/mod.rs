@@ -25,7 +25,7 @@ use tonic::codec::CompressionEncoding;
 use tonic::codegen::BoxStream;
 use tonic::{Request, Response};
 
-use crate::server::{SERVER_NAME, SERVER_VERSION, Server, parse_version};
+use crate::server::{SERVER_VERSION, Server, parse_version};
 use crate::shm;
 use convert::{
     grpc_deadline, index_entry_to_proto, infer_request_from_proto, infer_response_to_proto, load_config_parameter,
@@ -83,6 +83,21 @@ fn configure(frontend: GrpcFrontend) -> GrpcInferenceServiceServer<GrpcFrontend>
         .accept_compressed(CompressionEncoding::Deflate)
 }
 
+/// The pings the gRPC server sends on a connection (`--grpc-keepalive-time` /
+/// `--grpc-keepalive-timeout`): every `interval`, closing the connection when one is not
+/// acknowledged within `timeout`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeepAlive {
+    pub interval: Duration,
+    pub timeout: Duration,
+}
+
+impl Default for KeepAlive {
+    fn default() -> Self {
+        KeepAlive { interval: Duration::from_secs(60), timeout: Duration::from_secs(20) }
+    }
+}
+
 /// Serves the gRPC front end on `listener` until `shutdown` is cancelled, then stops accepting
 /// and waits for open connections to finish their in-flight RPCs (graceful HTTP/2 GOAWAY);
 /// open streams stop taking requests and end once theirs have been answered. A client that
@@ -90,13 +105,14 @@ fn configure(frontend: GrpcFrontend) -> GrpcInferenceServiceServer<GrpcFrontend>
 pub async fn serve(
     listener: TcpListener,
     server: Server,
+    keepalive: KeepAlive,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
         // Only applies to sockets tonic binds itself; `incoming` below sets it on ours.
         .tcp_nodelay(true)
-        .http2_keepalive_interval(Some(Duration::from_secs(60)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .http2_keepalive_interval(Some(keepalive.interval))
+        .http2_keepalive_timeout(Some(keepalive.timeout))
         // Large fixed windows: with small (adaptive) ones, bursts of small requests trip h2's
         // flood guard ("too_many_data_frames" GOAWAY), failing every call on the connection.
         .initial_connection_window_size(Some(HTTP2_CONNECTION_WINDOW))
@@ -171,7 +187,7 @@ impl GrpcInferenceService for GrpcFrontend {
 
     async fn server_metadata(&self, _request: Request<ServerMetadataRequest>) -> TonicResult<ServerMetadataResponse> {
         Ok(Response::new(ServerMetadataResponse {
-            name: SERVER_NAME.to_string(),
+            name: self.server.name.to_string(),
             version: SERVER_VERSION.to_string(),
             extensions: self.server.extensions(),
         }))

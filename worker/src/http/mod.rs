@@ -35,7 +35,7 @@ pub use self::infer::{
     HEADER_CONTENT_LENGTH, OutputFormat, ParsedInfer, RenderedResponse, fmt_shape, parse_infer_request,
     render_infer_response,
 };
-use crate::server::{self, IndexEntry, ModelMetadata, ModelStats, SERVER_NAME, SERVER_VERSION, Server, parse_version};
+use crate::server::{self, IndexEntry, ModelMetadata, ModelStats, SERVER_VERSION, Server, parse_version};
 use crate::shm::RegionStatus;
 
 /// JSON parts (request or response) larger than this are parsed / rendered on the blocking
@@ -430,7 +430,7 @@ fn ok_or_400(ok: bool) -> StatusCode {
 }
 
 async fn server_metadata(State(server): State<Server>) -> Json<Value> {
-    Json(server_metadata_json(&server.extensions()))
+    Json(server_metadata_json(&server.name, &server.extensions()))
 }
 
 async fn health_live(State(server): State<Server>) -> StatusCode {
@@ -642,8 +642,8 @@ async fn metrics(State(server): State<Server>) -> Response {
 // ---------------------------------------------------------------------------------------------
 
 /// `GET /v2`.
-pub fn server_metadata_json(extensions: &[String]) -> Value {
-    json!({ "name": SERVER_NAME, "version": SERVER_VERSION, "extensions": extensions })
+pub fn server_metadata_json(name: &str, extensions: &[String]) -> Value {
+    json!({ "name": name, "version": SERVER_VERSION, "extensions": extensions })
 }
 
 /// `GET /v2/logging`: every log setting, by Triton's names.
@@ -948,8 +948,8 @@ mod tests {
     #[test]
     fn server_metadata_lists_extensions() {
         let extensions: Vec<String> = EXTENSIONS.iter().map(|e| e.to_string()).collect();
-        let v = server_metadata_json(&extensions);
-        assert_eq!(v["name"], SERVER_NAME);
+        let v = server_metadata_json(crate::server::SERVER_NAME, &extensions);
+        assert_eq!(v["name"], crate::server::SERVER_NAME);
         assert_eq!(v["version"], SERVER_VERSION);
         assert_eq!(v["extensions"].as_array().unwrap().len(), EXTENSIONS.len());
         assert!(v["extensions"].as_array().unwrap().contains(&json!("binary_tensor_data")));
