@@ -106,6 +106,7 @@ INTEGER_FLAGS = {
     "memory-capacity-mb", "request-timeout-ms", "max-concurrent-requests", "log-verbose",
     "repository-poll-secs", "max-request-bytes", "intra-op-threads", "max-models",
     "drain-delay-ms", "election-ttl-secs", "io-threads", "grpc-keepalive-time", "grpc-keepalive-timeout",
+    "model-load-thread-count",
 }
 HEALTH_PATHS = {"livenessProbe": "/v2/health/live", "readinessProbe": "/v2/health/ready",
                 "startupProbe": None}  # startup: live or ready

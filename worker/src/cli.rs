@@ -108,6 +108,12 @@ pub struct Args {
     #[arg(long)]
     pub disable_auto_complete_config: bool,
 
+    /// Models loaded at once at start: reading each model, creating its ONNX Runtime sessions
+    /// and its warm-up run on this many threads (ensembles are put in place after the models
+    /// they compose).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub model_load_thread_count: u64,
+
     /// Report the server ready (HTTP /v2/health/ready, gRPC ServerReady) only while every model
     /// it tried to load is READY (a model unloaded on purpose excepted), as tritonserver's
     /// default; false: ready once start-up loading is done, whatever failed. Default: true, but
@@ -269,9 +275,6 @@ fn parse_id(s: &str) -> Result<String, String> {
 #[derive(Clone, Debug, Default, clap::Args)]
 #[command(next_help_heading = "tritonserver flags accepted for compatibility (see --help of each)")]
 pub struct TritonFlags {
-    /// Accepted; models load one at a time here.
-    #[arg(long, value_name = "N")]
-    pub model_load_thread_count: Option<u64>,
     /// Accepted; HTTP and gRPC share one I/O runtime with a thread per core.
     #[arg(long, value_name = "N")]
     pub http_thread_count: Option<u64>,
@@ -345,8 +348,7 @@ impl TritonFlags {
         if let Some((flag, _, why)) = refused.iter().find(|(_, v, _)| *v == Some(true)) {
             return Err(format!("{flag}=true is not supported: {why}"));
         }
-        let ignored: [(&str, bool, &str); 11] = [
-            ("--model-load-thread-count", self.model_load_thread_count.is_some(), "models load one at a time"),
+        let ignored: [(&str, bool, &str); 10] = [
             (
                 "--http-thread-count",
                 self.http_thread_count.is_some(),

@@ -87,6 +87,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         mode: args.model_control_mode.into(),
         strict_config: args.strict_model_config || args.disable_auto_complete_config,
         startup_models: args.load_model.clone(),
+        load_threads: args.model_load_thread_count as usize,
         session_defaults: SessionOptions {
             intra_op_threads: args.intra_op_threads,
             denormal_as_zero: args.denormal_as_zero,

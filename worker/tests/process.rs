@@ -150,6 +150,7 @@ fn a_tritonserver_command_line_starts_the_worker() {
             "--grpc-http2-min-recv-ping-interval-without-data=5000",
             "--grpc-http2-max-ping-strikes=0",
             "--model-load-thread-count=4",
+            "--pinned-memory-pool-byte-size=268435456",
             "--id=triton-a",
             "--log-info=false",
             "--log-format=ISO8601",
@@ -183,10 +184,15 @@ fn a_tritonserver_command_line_starts_the_worker() {
     // The log went to the file: the warnings naming each flag that changes nothing here (and
     // not those set to what Nereid does anyway), and no INFO line.
     let text = std::fs::read_to_string(&log_file).unwrap();
-    for flag in ["--model-load-thread-count", "--grpc-http2-min-recv-ping-interval-without-data"] {
+    for flag in ["--pinned-memory-pool-byte-size", "--grpc-http2-min-recv-ping-interval-without-data"] {
         assert!(text.contains(&format!("{flag} has no effect")), "no warning for {flag}:\n{text}");
     }
-    for flag in ["--grpc-http2-max-ping-strikes", "--grpc-keepalive-permit-without-calls", "--allow-sagemaker"] {
+    for flag in [
+        "--grpc-http2-max-ping-strikes",
+        "--grpc-keepalive-permit-without-calls",
+        "--allow-sagemaker",
+        "--model-load-thread-count",
+    ] {
         assert!(!text.contains(flag), "{flag} is what Nereid does:\n{text}");
     }
     assert!(!text.contains("INFO"), "--log-info=false:\n{text}");

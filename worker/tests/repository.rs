@@ -482,3 +482,59 @@ async fn optional_inputs_take_the_models_default_and_batch_apart() {
     assert!(e.message.contains("lacks 'INPUT0'"), "{}", e.message);
     repo.infer(identity_request("no_default", None)).await.unwrap();
 }
+
+/// Writes 64 bytes into a FIFO once, unblocking the reader: at the end of the test, or when it
+/// fails first (a reader left blocked would hold the runtime's shutdown for ever).
+struct Gate(Option<std::path::PathBuf>);
+
+impl Gate {
+    fn open(&mut self) {
+        if let Some(path) = self.0.take() {
+            std::fs::write(&path, [0u8; 64]).unwrap();
+        }
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        if let Some(path) = self.0.take() {
+            let _ = std::fs::write(path, [0u8; 64]);
+        }
+    }
+}
+
+/// Start-up loads run side by side (`--model-load-thread-count`, 4 here): `a_gated`'s warm-up
+/// reads a FIFO that stays empty until this test writes it, so its load cannot finish before
+/// then; `b_free`, after it in name order, is READY meanwhile only because loads run at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn startup_loads_run_side_by_side() {
+    let gated = GOOD.replace("good", "a_gated")
+        + r#"model_warmup [ { name: "gate" batch_size: 1 inputs { key: "INPUT0" value {
+             data_type: TYPE_FP32 dims: [ 16 ] input_data_file: "gate" } } } ]"#;
+    let dir = repo(&[
+        TestModel { name: "a_gated", source: "identity_fp32", config: Some(&gated) },
+        TestModel { name: "b_free", source: "identity_fp32", config: Some(&GOOD.replace("good", "b_free")) },
+    ]);
+    let warmup = dir.path().join("a_gated/warmup");
+    std::fs::create_dir_all(&warmup).unwrap();
+    let fifo = warmup.join("gate");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let mut gate = Gate(Some(fifo));
+    let repo = repository(dir.path(), ControlMode::None, false);
+    let startup = tokio::spawn({
+        let repo = repo.clone();
+        async move { repo.load_startup_models().await }
+    });
+    let state = |name: &str| repo.index(false).into_iter().find(|e| e.name == name).map(|e| e.state);
+    common::eventually("b_free READY while a_gated waits for its warm-up data", || {
+        state("b_free").as_deref() == Some("READY")
+    })
+    .await;
+    assert_eq!(state("a_gated").as_deref(), Some("LOADING"));
+    assert!(!repo.server_ready(), "start-up loading is not done");
+    tokio::task::spawn_blocking(move || gate.open()).await.unwrap();
+    let failed = startup.await.unwrap();
+    assert!(failed.is_empty(), "{failed:?}");
+    assert_eq!(state("a_gated").as_deref(), Some("READY"));
+    assert!(repo.server_ready());
+}

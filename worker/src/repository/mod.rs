@@ -52,6 +52,9 @@ pub struct RepositoryOptions {
     pub startup_models: Vec<String>,
     /// Session defaults when a config's `parameters` do not say.
     pub session_defaults: SessionOptions,
+    /// Models built at once at start (tritonserver's `--model-load-thread-count`; 0 counts as
+    /// 1).
+    pub load_threads: usize,
 }
 
 /// One loaded version: what runs its requests, and its counters.
@@ -191,17 +194,79 @@ impl Repository {
             }
         };
         let mut failed = Vec::new();
-        for name in names {
-            if self.slot(&name).is_some_and(|s| s.state == State::Ready) {
-                continue; // loaded already, as an ensemble's composing model
+        // The expensive part of a load — reading the model, creating its ONNX Runtime
+        // sessions, warm-up — runs for up to `load_threads` models at once, outside the change
+        // lock; each built model is put in place under the lock as soon as it is ready.
+        // Ensembles are put in place last, once the models they compose are.
+        let mut names = names.into_iter();
+        let mut builds = tokio::task::JoinSet::new();
+        let mut ensembles = Vec::new();
+        loop {
+            while builds.len() < self.options.load_threads.max(1) {
+                let Some(name) = names.next() else { break };
+                if self.slot(&name).is_some() {
+                    continue; // loaded (or being loaded) already
+                }
+                self.set_slot(&name, Slot { state: State::Loading, model: None, reload_error: None });
+                let (options, metrics) = (self.options.clone(), self.metrics.clone());
+                builds.spawn_blocking(move || {
+                    // Caught here, so that the name comes back with the failure.
+                    let build =
+                        std::panic::AssertUnwindSafe(|| load::load_model(&options, &name, None, None, &[], &metrics));
+                    let result = std::panic::catch_unwind(build)
+                        .unwrap_or_else(|_| Err(Status::internal("model load panicked")));
+                    (name, result)
+                });
             }
-            if let Err(e) = self.load_inner(&name, None, None).await {
+            let Some(joined) = builds.join_next().await else { break };
+            // The tasks are never aborted, and panics are caught inside them.
+            let Ok((name, result)) = joined else { continue };
+            if result.as_ref().is_ok_and(|m| m.ensemble.is_some()) {
+                ensembles.push((name, result));
+                continue;
+            }
+            if let Err(e) = self.install_built(&name, result).await {
+                tracing::error!(model = %name, error = %e, "model failed to load");
+                failed.push((name, e.message));
+            }
+        }
+        ensembles.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, result) in ensembles {
+            if let Err(e) = self.install_built(&name, result).await {
                 tracing::error!(model = %name, error = %e, "model failed to load");
                 failed.push((name, e.message));
             }
         }
         self.startup_done.store(true, Ordering::SeqCst);
         failed
+    }
+
+    /// Puts a model built at start in place, under the change lock. It was built without the
+    /// versions loaded ensembles name (none is loaded before the models it composes are in
+    /// place). Dropped instead when the model is READY by now (loaded as an ensemble's
+    /// composing model, or through the repository API), and loaded again as a load would when
+    /// something else touched it meanwhile (a failed load as a composing model) or an ensemble
+    /// names versions of it after all.
+    async fn install_built(&self, name: &str, result: Result<LoadedModel, Status>) -> Result<(), Status> {
+        let _serial = self.changes.lock().await;
+        let previous = self.slot(name);
+        let placeholder = previous.as_ref().is_some_and(|s| s.state == State::Loading && s.model.is_none());
+        if placeholder && self.ensemble_named_versions(name).is_empty() {
+            // The placeholder is this build's own (no slot existed when it started): nothing
+            // was there before it.
+            return self.install_locked(name, None, None, result, &mut Vec::new()).await;
+        }
+        let serving = previous.as_ref().and_then(|s| s.model.clone());
+        let served: Vec<i64> = serving.iter().flat_map(|m| m.versions.keys().copied()).collect();
+        drop(result);
+        self.metrics.retain_versions(name, &served);
+        if previous.as_ref().is_some_and(|s| s.state == State::Ready) {
+            return Ok(());
+        }
+        if placeholder {
+            self.slots.write().unwrap_or_else(|e| e.into_inner()).remove(name);
+        }
+        self.load_locked(name, None, None, Vec::new(), &mut Vec::new()).await
     }
 
     /// Stops answering ready; requests already admitted still run.
@@ -638,34 +703,47 @@ impl Repository {
             let options = self.options.clone();
             let owned_name = name.to_string();
             let metrics = self.metrics.clone();
-            let mut result = tokio::task::spawn_blocking(move || {
+            let result = tokio::task::spawn_blocking(move || {
                 load::load_model(&options, &owned_name, config_override, versions.as_deref(), &also, &metrics)
             })
             .await
             .unwrap_or_else(|e| Err(Status::internal(format!("model load panicked: {e}"))));
-            if let Ok(model) = &mut result
-                && model.cache_enabled
-                && self.cache.is_none()
-            {
-                model.cache_enabled = false;
-                model.warnings.push(
-                    "response_cache.enable is set but the worker has no response cache (--cache-config \
-                     local,size=BYTES): responses are not cached"
-                        .into(),
-                );
-            }
-            if let Ok(model) = &result
-                && let Some(plan) = &model.ensemble
-            {
-                loading.push(name.to_string());
-                let composed = self.prepare_composing(&model.config, plan, loading).await;
-                loading.pop();
-                if let Err(e) = composed {
-                    result = Err(e);
-                }
-            }
-            self.finish_load(name, previous, serving, result)
+            self.install_locked(name, previous, serving, result, loading).await
         })
+    }
+
+    /// Puts a built model in place (the change lock held): an ensemble first gets its composing
+    /// models loaded and is checked against them.
+    async fn install_locked(
+        &self,
+        name: &str,
+        previous: Option<Slot>,
+        serving: Option<Arc<LoadedModel>>,
+        mut result: Result<LoadedModel, Status>,
+        loading: &mut Vec<String>,
+    ) -> Result<(), Status> {
+        if let Ok(model) = &mut result
+            && model.cache_enabled
+            && self.cache.is_none()
+        {
+            model.cache_enabled = false;
+            model.warnings.push(
+                "response_cache.enable is set but the worker has no response cache (--cache-config \
+                 local,size=BYTES): responses are not cached"
+                    .into(),
+            );
+        }
+        if let Ok(model) = &result
+            && let Some(plan) = &model.ensemble
+        {
+            loading.push(name.to_string());
+            let composed = self.prepare_composing(&model.config, plan, loading).await;
+            loading.pop();
+            if let Err(e) = composed {
+                result = Err(e);
+            }
+        }
+        self.finish_load(name, previous, serving, result)
     }
 
     /// Loads an ensemble's composing models that are not ready (and, for a composing ensemble

@@ -64,6 +64,7 @@ pub fn repository(dir: &Path, mode: ControlMode, strict: bool) -> Arc<Repository
             strict_config: strict,
             startup_models: vec![],
             session_defaults: SessionOptions::default(),
+            load_threads: 4,
         },
         Arc::new(Metrics::new()),
     ))
@@ -85,6 +86,7 @@ pub async fn start(dir: &Path, mode: ControlMode) -> Arc<Repository> {
         strict_config: false,
         startup_models: vec![],
         session_defaults: SessionOptions::default(),
+        load_threads: 4,
     };
     let repo = Arc::new(Repository::new(options, Arc::new(Metrics::new())));
     let failed = repo.load_startup_models().await;
