@@ -69,9 +69,10 @@ BUILTIN_FLAGS = {
         "http-address": V, "grpc-address": V, "metrics-address": V, "id": V,
         "disable-auto-complete-config": NONE, "log-info": (OPT, BOOL), "log-warning": (OPT, BOOL),
         "log-error": (OPT, BOOL), "log-format": (V, ("default", "ISO8601")), "log-file": V,
-        "grpc-keepalive-time": V, "grpc-keepalive-timeout": V,
+        "grpc-keepalive-time": V, "grpc-keepalive-timeout": V, "model-load-thread-count": V,
+        "allow-gpu-metrics": (OPT, BOOL), "allow-cpu-metrics": (OPT, BOOL), "metrics-interval-ms": V,
         # tritonserver flags accepted for compatibility (warned about, or refused when true).
-        "model-load-thread-count": V, "http-thread-count": V, "grpc-infer-allocation-pool-size": V,
+        "http-thread-count": V, "grpc-infer-allocation-pool-size": V,
         "grpc-keepalive-permit-without-calls": (OPT, BOOL), "grpc-http2-max-pings-without-data": V,
         "grpc-http2-min-recv-ping-interval-without-data": V, "grpc-http2-max-ping-strikes": V,
         "pinned-memory-pool-byte-size": V, "cuda-memory-pool-byte-size": V, "backend-directory": V,
@@ -106,7 +107,7 @@ INTEGER_FLAGS = {
     "memory-capacity-mb", "request-timeout-ms", "max-concurrent-requests", "log-verbose",
     "repository-poll-secs", "max-request-bytes", "intra-op-threads", "max-models",
     "drain-delay-ms", "election-ttl-secs", "io-threads", "grpc-keepalive-time", "grpc-keepalive-timeout",
-    "model-load-thread-count",
+    "model-load-thread-count", "metrics-interval-ms",
 }
 HEALTH_PATHS = {"livenessProbe": "/v2/health/live", "readinessProbe": "/v2/health/ready",
                 "startupProbe": None}  # startup: live or ready

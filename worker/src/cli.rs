@@ -108,6 +108,19 @@ pub struct Args {
     #[arg(long)]
     pub disable_auto_complete_config: bool,
 
+    /// Export the GPUs' metrics (`nv_gpu_*`, where there are GPUs and the `cuda` feature).
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    pub allow_gpu_metrics: bool,
+
+    /// Export the host's CPU utilization and memory (`nv_cpu_*`, from /proc).
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    pub allow_cpu_metrics: bool,
+
+    /// Milliseconds between readings of the GPU and CPU metrics: scrapes closer together see
+    /// the same values; CPU utilization covers the span between two readings.
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    pub metrics_interval_ms: u64,
+
     /// Models loaded at once at start: reading each model, creating its ONNX Runtime sessions
     /// and its warm-up run on this many threads (ensembles are put in place after the models
     /// they compose).

@@ -35,6 +35,7 @@ type Sampler = Box<dyn Fn() -> Vec<GpuSample> + Send + Sync>;
 pub struct GpuMonitor {
     sampler: Sampler,
     cache: Mutex<Option<(Instant, Vec<GpuSample>)>>,
+    ttl: Duration,
 }
 
 impl std::fmt::Debug for GpuMonitor {
@@ -61,14 +62,20 @@ impl GpuMonitor {
 
     /// A monitor over any source of readings (tests, other back ends).
     pub fn from_sampler(sampler: impl Fn() -> Vec<GpuSample> + Send + Sync + 'static) -> GpuMonitor {
-        GpuMonitor { sampler: Box::new(sampler), cache: Mutex::new(None) }
+        GpuMonitor { sampler: Box::new(sampler), cache: Mutex::new(None), ttl: CACHE_TTL }
     }
 
-    /// Current readings, reused if taken less than [`CACHE_TTL`] ago.
+    /// Reuses one set of readings for `ttl` (`--metrics-interval-ms`) instead of [`CACHE_TTL`].
+    pub fn with_interval(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// Current readings, reused if taken less than the interval ago.
     pub fn samples(&self) -> Vec<GpuSample> {
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((at, samples)) = cache.as_ref()
-            && at.elapsed() < CACHE_TTL
+            && at.elapsed() < self.ttl
         {
             return samples.clone();
         }

@@ -9,6 +9,7 @@
 pub mod backend;
 pub mod cache;
 pub mod cli;
+pub mod cpu;
 pub mod ensemble;
 pub mod fleet;
 pub mod gpu;

@@ -81,7 +81,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let lib = args.onnxruntime_lib.clone().unwrap_or_else(backend::default_runtime_path);
     backend::init_runtime(&lib).map_err(|e| anyhow::anyhow!("--onnxruntime-lib: {e}"))?;
 
-    let metrics = Arc::new(Metrics::with_gpu(nereid_worker::gpu::GpuMonitor::new()));
+    let interval = Duration::from_millis(args.metrics_interval_ms);
+    let gpu = args.allow_gpu_metrics.then(nereid_worker::gpu::GpuMonitor::new).flatten();
+    let cpu = args.allow_cpu_metrics.then(|| nereid_worker::cpu::CpuMonitor::new(interval)).flatten();
+    let metrics = Arc::new(Metrics::with_gpu(gpu.map(|g| g.with_interval(interval))).with_cpu(cpu));
     let options = RepositoryOptions {
         paths: args.model_repository.clone(),
         mode: args.model_control_mode.into(),

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration as StdDuration, SystemTime, UNIX_EPOCH};
 
+use crate::cpu::CpuMonitor;
 use crate::gpu::GpuMonitor;
 use crate::server::{BatchStats, Duration, ModelStats};
 
@@ -291,6 +292,8 @@ impl FleetCounters {
 pub struct Metrics {
     versions: Mutex<BTreeMap<(String, String), Arc<VersionStats>>>,
     gpu: Option<GpuMonitor>,
+    /// The host's CPU and memory (`nv_cpu_*`), when on (`--allow-cpu-metrics`).
+    cpu: Option<CpuMonitor>,
     /// The etcd agent's counters, rendered once a fleet agent asked for them.
     fleet: std::sync::OnceLock<Arc<FleetCounters>>,
     /// Requests waiting in every model's queue: the load figure reported in-band to gateways.
@@ -312,6 +315,12 @@ impl Metrics {
     /// time (see [`GpuMonitor::new`], which is `None` where there is no GPU).
     pub fn with_gpu(gpu: Option<GpuMonitor>) -> Self {
         Metrics { gpu, ..Self::default() }
+    }
+
+    /// Adds Triton's `nv_cpu_*` series, when `cpu` is `Some`.
+    pub fn with_cpu(mut self, cpu: Option<CpuMonitor>) -> Self {
+        self.cpu = cpu;
+        self
     }
 
     /// The etcd agent's counters (from then on part of `/metrics`).
@@ -446,6 +455,9 @@ impl Metrics {
         }
         if let Some(gpu) = &self.gpu {
             gpu.render(&mut out);
+        }
+        if let Some(cpu) = &self.cpu {
+            cpu.render(&mut out);
         }
         out
     }

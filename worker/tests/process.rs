@@ -198,6 +198,29 @@ fn a_tritonserver_command_line_starts_the_worker() {
     assert!(!text.contains("INFO"), "--log-info=false:\n{text}");
 }
 
+/// Triton's host metrics: `nv_cpu_utilization` and the memory pair, sane on this host, and
+/// gone with `--allow-cpu-metrics=false`.
+#[test]
+fn host_cpu_metrics_carry_tritons_names_and_can_be_turned_off() {
+    let repo = common::example_models();
+    let worker = WorkerProcess::start(&repo, &["--model-control-mode=explicit", "--metrics-interval-ms=1"]);
+    let total = worker.metric("nv_cpu_memory_total_bytes").expect("nv_cpu_memory_total_bytes");
+    let used = worker.metric("nv_cpu_memory_used_bytes").expect("nv_cpu_memory_used_bytes");
+    assert!(total > 0.0 && used > 0.0 && used <= total, "{used} of {total}");
+    // Utilization needs some CPU time to have passed between two readings.
+    wait_for("nv_cpu_utilization", &worker, |w| w.metric("nv_cpu_utilization").is_some());
+    let utilization = worker.metric("nv_cpu_utilization").unwrap();
+    assert!((0.0..=1.0).contains(&utilization), "{utilization}");
+    assert!(worker.metrics_text().contains("# TYPE nv_cpu_utilization gauge"));
+
+    let off = WorkerProcess::start(
+        &repo,
+        &["--model-control-mode=explicit", "--allow-cpu-metrics=false", "--allow-gpu-metrics=false"],
+    );
+    let text = off.metrics_text();
+    assert!(!text.contains("nv_cpu_") && !text.contains("nv_gpu_"), "{text}");
+}
+
 #[test]
 fn http_client_disconnect_cancels_the_queued_request() {
     use std::io::Write;
