@@ -91,13 +91,12 @@ impl CpuMonitor {
     fn utilization(&self) -> Option<f64> {
         let mut r = self.readings.lock().unwrap_or_else(|e| e.into_inner());
         let (at, from) = r.since;
-        if r.utilization.is_none() || at.elapsed() >= self.interval {
-            if let Some(now) = read_stat() {
-                if let Some(u) = utilization(from, now) {
-                    r.utilization = Some(u);
-                    r.since = (Instant::now(), now);
-                }
-            }
+        if (r.utilization.is_none() || at.elapsed() >= self.interval)
+            && let Some(now) = read_stat()
+            && let Some(u) = utilization(from, now)
+        {
+            r.utilization = Some(u);
+            r.since = (Instant::now(), now);
         }
         r.utilization
     }
