@@ -30,6 +30,8 @@ pub struct InferCall {
     /// The place under the admission limit its ingress took before reading it (none: the
     /// stack's admission layer takes one).
     pub permit: Option<Permit>,
+    /// When the call entered the stack.
+    pub arrived: Instant,
 }
 
 impl InferCall {
@@ -43,6 +45,7 @@ impl InferCall {
             target: None,
             resolved_version: None,
             permit: None,
+            arrived: Instant::now(),
         }
     }
 

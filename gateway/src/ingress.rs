@@ -50,7 +50,7 @@ impl Ingress {
 
     /// A place under the concurrency limit for an inference whose body is not read yet, or
     /// RESOURCE_EXHAUSTED at once — counted in the request metrics under the model and version
-    /// the request's path names (HTTP), or [`crate::routing::UNKNOWN_MODEL_LABEL`] when the
+    /// the request's path names (HTTP), or [`crate::metrics::UNREAD_MODEL_LABEL`] when the
     /// model is only in the unread body (gRPC).
     pub fn admit(&self, model: Option<(&str, Option<i64>)>, arrived: Instant) -> Result<Permit, GatewayError> {
         self.admission.try_admit().map_err(|overloaded| {

@@ -111,16 +111,32 @@ pub fn uses_shared_memory(request: &[u8]) -> Result<bool, String> {
 /// `ModelInferRequest.parameters`: map entries, key in field 1.
 const REQUEST_PARAMETERS: u64 = 4;
 
-/// Whether an encoded `ModelInferRequest` sets the request parameter `key` (e.g. `timeout`).
-/// Framing it cannot follow counts as set: callers use it to decide against a retry.
-pub fn sets_parameter(request: &[u8], key: &str) -> bool {
-    length_delimited(request).any(|field| match field {
-        Ok((REQUEST_PARAMETERS, entry)) => {
-            length_delimited(entry).any(|f| matches!(f, Ok((1, k)) if k == key.as_bytes()) || f.is_err())
+/// The request parameter `key` of an encoded `ModelInferRequest` (e.g. `timeout`, in µs) when
+/// it holds a non-negative integer (`int64_param` or `uint64_param`); the last entry wins, as in
+/// protobuf maps. `None` when absent, of another type, or past framing it cannot follow.
+pub fn request_parameter_u64(request: &[u8], key: &str) -> Option<u64> {
+    use nereid_proto::inference::infer_parameter::ParameterChoice;
+    let mut found = None;
+    for field in length_delimited(request) {
+        let (REQUEST_PARAMETERS, entry) = field.ok()? else { continue };
+        let (mut name, mut value) = (None, None);
+        for f in length_delimited(entry) {
+            match f.ok()? {
+                (1, k) => name = Some(k),
+                (2, v) => value = Some(v),
+                _ => {}
+            }
         }
-        Ok(_) => false,
-        Err(_) => true,
-    })
+        if name == Some(key.as_bytes()) {
+            let parameter = nereid_proto::inference::InferParameter::decode(value.unwrap_or_default()).ok()?;
+            found = match parameter.parameter_choice {
+                Some(ParameterChoice::Int64Param(v)) => u64::try_from(v).ok(),
+                Some(ParameterChoice::Uint64Param(v)) => Some(v),
+                _ => None,
+            };
+        }
+    }
+    found
 }
 
 /// The length-delimited fields of an encoded message, as (field number, contents), skipping
@@ -420,18 +436,30 @@ mod tests {
     }
 
     #[test]
-    fn request_parameters_are_found_by_key() {
-        let with = request().encode_to_vec();
-        assert!(sets_parameter(&with, "timeout"));
-        assert!(!sets_parameter(&with, "priority"));
-        let mut without = request();
-        without.parameters.clear();
+    fn integer_request_parameters_are_read_by_key() {
+        use nereid_proto::inference::infer_parameter::ParameterChoice;
+        let with = |key: &str, choice: ParameterChoice| {
+            let mut r = request();
+            r.parameters = [(key.to_string(), InferParameter { parameter_choice: Some(choice) })].into();
+            r.encode_to_vec()
+        };
+        assert_eq!(request_parameter_u64(&with("timeout", ParameterChoice::Uint64Param(500)), "timeout"), Some(500));
+        assert_eq!(request_parameter_u64(&with("timeout", ParameterChoice::Int64Param(7)), "timeout"), Some(7));
+        assert_eq!(request_parameter_u64(&with("timeout", ParameterChoice::Int64Param(-1)), "timeout"), None);
+        assert_eq!(request_parameter_u64(&with("timeout", ParameterChoice::BoolParam(true)), "timeout"), None);
+        assert_eq!(request_parameter_u64(&with("priority", ParameterChoice::Uint64Param(1)), "timeout"), None);
         // A tensor's parameter of that name is not the request's.
-        without.inputs[0].parameters = [("timeout".to_string(), InferParameter::default())].into();
-        assert!(!sets_parameter(&without.encode_to_vec(), "timeout"));
-        // Framing it cannot follow: counted as set.
-        let broken = [(REQUEST_PARAMETERS as u8) << 3 | 2, 9, 1];
-        assert!(sets_parameter(&broken, "timeout"));
+        let mut tensor = request();
+        tensor.parameters.clear();
+        let p = InferParameter { parameter_choice: Some(ParameterChoice::Uint64Param(9)) };
+        tensor.inputs[0].parameters = [("timeout".to_string(), p)].into();
+        assert_eq!(request_parameter_u64(&tensor.encode_to_vec(), "timeout"), None);
+        // The last entry wins, as a protobuf decoder keeps it.
+        let mut twice = with("timeout", ParameterChoice::Uint64Param(1));
+        twice.extend(with("timeout", ParameterChoice::Uint64Param(2)));
+        assert_eq!(request_parameter_u64(&twice, "timeout"), Some(2));
+        // Framing it cannot follow: none.
+        assert_eq!(request_parameter_u64(&[(REQUEST_PARAMETERS as u8) << 3 | 2, 9, 1], "timeout"), None);
     }
 
     #[test]

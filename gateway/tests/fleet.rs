@@ -416,10 +416,10 @@ async fn a_worker_with_a_full_queue_is_retried_elsewhere_and_a_429_says_when_to_
 }
 
 /// A request the worker's queue policy timed out never ran: it is retried on another worker,
-/// unless the client set that timeout itself (the KServe `timeout` parameter) — then the wait
-/// it allowed is used up, and the client gets the worker's answer.
+/// unless the wait the client allowed itself (the KServe `timeout` parameter) has passed by
+/// then — the client gets the worker's answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_queue_timeout_is_retried_elsewhere_unless_the_client_set_the_timeout() {
+async fn a_queue_timeout_is_retried_elsewhere_unless_the_clients_own_timeout_passed() {
     let config = STALLED_IDENTITY.replace(
         "max_queue_delay_microseconds: 600000000 }",
         "max_queue_delay_microseconds: 600000000 default_queue_policy { timeout_action: REJECT \
@@ -433,23 +433,33 @@ async fn a_queue_timeout_is_retried_elsewhere_unless_the_client_set_the_timeout(
     let retries = || gateway.metric("nereid_gateway_retries_total{model=\"identity_fp32\",version=\"1\"}");
     let timed_out =
         |e: &tonic::Status| e.code() == tonic::Code::Unavailable && e.message() == "Request timeout expired";
+    let with_timeout = |us: Option<u64>| {
+        let mut request = fp32_request("identity_fp32", "", &[1, 16], |_| 0.0);
+        if let Some(us) = us {
+            let p = InferParameter { parameter_choice: Some(infer_parameter::ParameterChoice::Uint64Param(us)) };
+            request.parameters.insert("timeout".into(), p);
+        }
+        request
+    };
 
-    // The model's default timeout (the worker's limit): tried on both workers.
-    let e = client.model_infer(fp32_request("identity_fp32", "", &[1, 16], |_| 0.0)).await.unwrap_err();
+    // The model's default timeout (the worker's limit, 200 ms): tried on both workers.
+    let e = client.model_infer(with_timeout(None)).await.unwrap_err();
     assert!(timed_out(&e), "{e:?}");
     assert_eq!(retries().await, Some(1.0));
-
-    // The client's own timeout: answered as the first worker answered it.
-    let mut request = fp32_request("identity_fp32", "", &[1, 16], |_| 0.0);
-    let timeout = InferParameter { parameter_choice: Some(infer_parameter::ParameterChoice::Uint64Param(200_000)) };
-    request.parameters.insert("timeout".into(), timeout);
-    let e = client.model_infer(request).await.unwrap_err();
+    // The client's own 100 ms (shorter, and the model allows overriding): spent when the first
+    // worker answers — not retried.
+    let e = client.model_infer(with_timeout(Some(100_000))).await.unwrap_err();
     assert!(timed_out(&e), "{e:?}");
-    assert_eq!(retries().await, Some(1.0), "not retried");
-    // Three refusals in all: two for the first request, one for the second.
+    assert_eq!(retries().await, Some(1.0), "retried past the client's own timeout");
+    // A client timeout of 10 s: the worker's 200 ms fired first, so the client's wait is not
+    // spent — retried.
+    let e = client.model_infer(with_timeout(Some(10_000_000))).await.unwrap_err();
+    assert!(timed_out(&e), "{e:?}");
+    assert_eq!(retries().await, Some(2.0));
+    // Five refusals in all: two, one, two.
     let series = "nv_inference_request_failure{model=\"identity_fp32\",version=\"1\",reason=\"REJECTED\"}";
     let failed = a.metric(series).await.unwrap_or(0.0) + b.metric(series).await.unwrap_or(0.0);
-    assert_eq!(failed, 3.0);
+    assert_eq!(failed, 5.0);
 }
 
 /// A request naming no version is pinned to the version the gateway's table resolved. When

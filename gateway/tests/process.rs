@@ -129,9 +129,10 @@ async fn a_json_request_that_outgrows_the_limit_once_converted_is_refused() {
 async fn admission_sheds_at_once_beyond_the_limit() {
     let (worker, gateway) = held_fleet(&["--max-concurrent-requests", "1"]).await;
     let mut client = gateway.client().await;
-    let held = tokio::spawn(async move { client.model_infer(fp32_request("held", "", &[1, 16], |i| i as f32)).await });
+    // `stuck` holds its request for 60 s: the only place stays taken until the test lets go.
+    let held = tokio::spawn(async move { client.model_infer(fp32_request("stuck", "", &[1, 16], |i| i as f32)).await });
     wait_until("the first request to be held at the worker", Duration::from_secs(10), || async {
-        pending(&worker).await == Some(1.0)
+        worker.metric(STUCK_PENDING).await == Some(1.0)
     })
     .await;
 
@@ -139,7 +140,7 @@ async fn admission_sheds_at_once_beyond_the_limit() {
     let start = Instant::now();
     let e = gateway.client().await.model_infer(fp32_request("held", "", &[1, 16], |_| 0.0)).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
-    // "At once": it does not wait for the held request (held for as long as the test runs).
+    // "At once": it does not wait for the held request.
     assert!(start.elapsed() < Duration::from_secs(5));
     // HTTP: 429 with Retry-After.
     let r = reqwest::Client::new()
@@ -157,14 +158,10 @@ async fn admission_sheds_at_once_beyond_the_limit() {
     let answer = headers_only_http(&gateway, "/v2/models/held/infer", "x-nereid-deadline-ms: 20000\r\n").await;
     assert!(answer.starts_with("HTTP/1.1 429"), "{answer}");
     // Over gRPC too: the answer (trailers-only) comes while the message is still unsent.
-    let (status, message) = headers_only_grpc(&gateway).await;
+    let (status, message) = headers_only_grpc(&gateway, &[]).await;
     assert_eq!(status.as_deref(), Some("8"), "{message:?}"); // RESOURCE_EXHAUSTED
     assert!(message.unwrap_or_default().contains("limit of 1 concurrent requests"));
 
-    // The admitted request completes normally, and the slot is free again.
-    let out = held.await.unwrap().unwrap().into_inner();
-    assert_eq!(out.raw_output_contents[0].len(), 64);
-    assert_eq!(pending(&worker).await, Some(0.0));
     let text = gateway.metrics_text().await;
     assert!(
         // Named no version: counted against the one they resolved to.
@@ -173,18 +170,37 @@ async fn admission_sheds_at_once_beyond_the_limit() {
     );
     // gRPC names the model in the body, which a refused request never has read.
     assert!(
-        text.contains("nereid_gateway_requests_total{code=\"RESOURCE_EXHAUSTED\",model=\"_unknown\",version=\"\"} 2"),
+        text.contains("nereid_gateway_requests_total{code=\"RESOURCE_EXHAUSTED\",model=\"_unread\",version=\"\"} 2"),
         "{text}"
     );
-    let r = reqwest::Client::new()
-        .post(gateway.http_url("/v2/models/held/infer"))
-        .header("x-nereid-deadline-ms", "100")
-        .json(&json!({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": vec![0.0; 16]}]}))
-        .send()
-        .await
-        .unwrap();
-    // Admitted again (and timed out in the batcher, which holds it for 3 s).
-    assert_eq!(r.status(), 504);
+
+    // The client goes away: the gateway cancels the forwarded call and the place is free again
+    // (a request is admitted, and ends at its 100 ms deadline in the batcher, which holds it).
+    held.abort();
+    wait_until("the place to be given back", Duration::from_secs(10), || async {
+        let r = reqwest::Client::new()
+            .post(gateway.http_url("/v2/models/held/infer"))
+            .header("x-nereid-deadline-ms", "100")
+            .json(&json!({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": vec![0.0; 16]}]}))
+            .send()
+            .await
+            .unwrap();
+        r.status() == 504
+    })
+    .await;
+}
+
+/// A gRPC client that sends its headers and then nothing holds its admission place until its
+/// deadline, no longer: DEADLINE_EXCEEDED, and the next request is admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_grpc_upload_gives_its_place_back_at_the_deadline() {
+    let (_worker, gateway) = held_fleet(&["--max-concurrent-requests", "1"]).await;
+    let (status, message) = headers_only_grpc(&gateway, &[("grpc-timeout", "300m")]).await;
+    assert_eq!(status.as_deref(), Some("4"), "{message:?}"); // DEADLINE_EXCEEDED
+    assert!(message.unwrap_or_default().contains("before its message was received"));
+    // A full batch (max_batch_size 4) runs at once despite the model's long queue delay.
+    let out = gateway.client().await.model_infer(fp32_request("stuck", "", &[4, 16], |i| i as f32)).await;
+    assert_eq!(out.expect("admitted").into_inner().raw_output_contents[0].len(), 256);
 }
 
 /// Sends the head of a POST to `path` announcing a 1000-byte body that never comes; returns the
@@ -209,17 +225,19 @@ async fn headers_only_http(gateway: &Proc, path: &str, extra_headers: &str) -> S
 
 /// Opens a `ModelInfer` call on the gateway's gRPC port and sends its headers only; returns
 /// the `grpc-status` and `grpc-message` the gateway answers with (at most 30 s).
-async fn headers_only_grpc(gateway: &Proc) -> (Option<String>, Option<String>) {
+async fn headers_only_grpc(gateway: &Proc, headers: &[(&str, &str)]) -> (Option<String>, Option<String>) {
     let addr = gateway.grpc_addr();
     let socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
     let (client, connection) = h2::client::handshake(socket).await.unwrap();
     tokio::spawn(connection);
     let mut client = client.ready().await.unwrap();
-    let request = http::Request::post(format!("http://{addr}/inference.GRPCInferenceService/ModelInfer"))
+    let mut request = http::Request::post(format!("http://{addr}/inference.GRPCInferenceService/ModelInfer"))
         .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
+        .header("te", "trailers");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(()).unwrap();
     // The stream stays open: no message, no end of stream.
     let (response, _send) = client.send_request(request, false).unwrap();
     let response =

@@ -1,7 +1,7 @@
 //! Command line. Flags follow tritonserver's where they overlap (`--model-repository`,
 //! `--http-port`, `--model-control-mode=explicit`, `--strict-model-config=true`, ...), so Triton
-//! users' scripts carry over; Nereid's own flags follow. Booleans take tritonserver's
-//! spellings (`true`, `True`, `1`, `false`, `False`, `0`). tritonserver flags with no counterpart here are
+//! users' scripts carry over; Nereid's own flags follow. Booleans read as tritonserver reads
+//! them (`true`/`on`/`1`, `false`/`off`/`0`, any case). tritonserver flags with no counterpart here are
 //! accepted and named in a warning, or refused where they ask for a missing feature
 //! ([`TritonFlags`]).
 
@@ -43,19 +43,19 @@ pub struct Args {
     pub model_repository: Vec<PathBuf>,
 
     /// Address the HTTP, gRPC and metrics servers bind to (each overridable below).
-    #[arg(long, default_value = "0.0.0.0", value_name = "IP")]
+    #[arg(long, default_value = "0.0.0.0", value_name = "IP", value_parser = parse_ip)]
     pub address: IpAddr,
 
     /// Address the HTTP server binds to. Default: --address.
-    #[arg(long, value_name = "IP")]
+    #[arg(long, value_name = "IP", value_parser = parse_ip)]
     pub http_address: Option<IpAddr>,
 
     /// Address the gRPC server binds to. Default: --address.
-    #[arg(long, value_name = "IP")]
+    #[arg(long, value_name = "IP", value_parser = parse_ip)]
     pub grpc_address: Option<IpAddr>,
 
     /// Address the metrics server binds to. Default: --address.
-    #[arg(long, value_name = "IP")]
+    #[arg(long, value_name = "IP", value_parser = parse_ip)]
     pub metrics_address: Option<IpAddr>,
 
     /// This server's identifier: the `name` in server metadata (HTTP `GET /v2`, gRPC
@@ -76,15 +76,15 @@ pub struct Args {
     pub metrics_port: u16,
 
     /// Serve HTTP.
-    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool(), ignore_case = true)]
     pub allow_http: bool,
 
     /// Serve gRPC.
-    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool(), ignore_case = true)]
     pub allow_grpc: bool,
 
     /// Serve metrics.
-    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool(), ignore_case = true)]
     pub allow_metrics: bool,
 
     /// Model control mode: none, poll or explicit.
@@ -101,7 +101,7 @@ pub struct Args {
 
     /// No auto-completion: a model without config.pbtxt, or whose config lacks inputs or
     /// outputs, fails to load (the reason says why).
-    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool(), ignore_case = true)]
     pub strict_model_config: bool,
 
     /// The same as --strict-model-config=true (tritonserver's newer spelling; takes no value).
@@ -109,11 +109,11 @@ pub struct Args {
     pub disable_auto_complete_config: bool,
 
     /// Export the GPUs' metrics (`nv_gpu_*`, where there are GPUs and the `cuda` feature).
-    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool(), ignore_case = true)]
     pub allow_gpu_metrics: bool,
 
     /// Export the host's CPU utilization and memory (`nv_cpu_*`, from /proc).
-    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool(), ignore_case = true)]
     pub allow_cpu_metrics: bool,
 
     /// Milliseconds between readings of the GPU and CPU metrics: scrapes closer together see
@@ -132,35 +132,36 @@ pub struct Args {
     /// default; false: ready once start-up loading is done, whatever failed. Default: true, but
     /// false with --etcd-endpoints, where placement decides the loads and one bad model must
     /// not take the whole worker out of load balancers (each model's state is in etcd).
-    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool(), ignore_case = true)]
     pub strict_readiness: Option<bool>,
 
     /// Exit at start if any model fails to load (Triton's default is true; Nereid keeps
     /// serving the models that loaded and reports the failure in the repository index).
-    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool(), ignore_case = true)]
     pub exit_on_error: bool,
 
     /// Allow clients to register system shared-memory regions and pass tensors through them
     /// (Triton's shared-memory extension; the same flag and default as tritonserver). A
     /// registered key opens any POSIX shared-memory object this process can open, so allow it
     /// only where every client that can reach the worker shares the host's trust.
-    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool(), ignore_case = true)]
     pub allow_client_shm: bool,
 
-    /// Verbose logging level (0 = info, 1 = debug, 2+ = trace). RUST_LOG overrides.
-    #[arg(long, default_value_t = 0)]
+    /// Verbose logging level (0 = info, 1 = debug, 2+ = trace; true/false as 1/0). RUST_LOG
+    /// overrides.
+    #[arg(long, default_value_t = 0, value_parser = parse_log_verbose)]
     pub log_verbose: u8,
 
     /// Log INFO events (switchable at run time too: `POST /v2/logging`, gRPC LogSettings).
-    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool(), ignore_case = true)]
     pub log_info: bool,
 
     /// Log WARN events.
-    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool(), ignore_case = true)]
     pub log_warning: bool,
 
     /// Log ERROR events.
-    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool(), ignore_case = true)]
     pub log_error: bool,
 
     /// Log format, by tritonserver's names: `default` or `ISO8601` (Nereid's timestamps are
@@ -211,7 +212,7 @@ pub struct Args {
     /// random or tiny values can run far slower. Results change only where an input or an
     /// intermediate value is subnormal (below ~1.2e-38 in FP32, ~2.2e-308 in FP64): it counts
     /// as zero. A model's parameters { key: "nereid.denormal_as_zero" } overrides.
-    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool())]
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool(), ignore_case = true)]
     pub denormal_as_zero: bool,
 
     /// Write the bound ports as JSON ({"http":..,"grpc":..,"metrics":..}) to this file once
@@ -267,10 +268,26 @@ pub struct Args {
     pub triton: TritonFlags,
 }
 
-/// A boolean as tritonserver's command lines spell it.
+/// A boolean as tritonserver reads one: `true`/`on`/`1` or `false`/`off`/`0`, in any case
+/// (with the argument's `ignore_case`).
 fn triton_bool() -> impl TypedValueParser<Value = bool> {
-    clap::builder::PossibleValuesParser::new(["true", "false", "True", "False", "1", "0"])
-        .map(|v| matches!(v.as_str(), "true" | "True" | "1"))
+    clap::builder::PossibleValuesParser::new(["true", "false", "on", "off", "1", "0"])
+        .map(|v| matches!(v.to_ascii_lowercase().as_str(), "true" | "on" | "1"))
+}
+
+/// `--log-verbose`: a level, or a boolean as tritonserver also takes it (true = 1).
+fn parse_log_verbose(s: &str) -> Result<u8, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "true" | "on" => Ok(1),
+        "false" | "off" => Ok(0),
+        n => n.parse().map_err(|_| format!("'{s}' is neither a level (0-255) nor a boolean")),
+    }
+}
+
+/// An address flag's IP, also in brackets as IPv6 addresses are written in URLs (`[::]`).
+fn parse_ip(s: &str) -> Result<IpAddr, String> {
+    let bare = s.strip_prefix('[').and_then(|r| r.strip_suffix(']')).unwrap_or(s);
+    bare.parse().map_err(|e| format!("'{s}' is not an IP address: {e}"))
 }
 
 fn parse_id(s: &str) -> Result<String, String> {
@@ -294,8 +311,9 @@ pub struct TritonFlags {
     /// Accepted; requests are not pooled.
     #[arg(long, value_name = "N")]
     pub grpc_infer_allocation_pool_size: Option<u64>,
-    /// Accepted; every client ping is allowed, with or without calls in flight.
-    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    /// Accepted; the server pings idle connections too (as with true), and allows client pings
+    /// with or without calls in flight.
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool(), ignore_case = true)]
     pub grpc_keepalive_permit_without_calls: Option<bool>,
     /// Accepted; the server's keep-alive pings follow --grpc-keepalive-time alone.
     #[arg(long, value_name = "N")]
@@ -319,25 +337,25 @@ pub struct TritonFlags {
     #[arg(long, value_name = "DIR")]
     pub repoagent_directory: Option<PathBuf>,
     /// Accepted only as false: no SageMaker endpoint.
-    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool(), ignore_case = true)]
     pub allow_sagemaker: Option<bool>,
     /// Accepted only as false: no Vertex AI endpoint.
-    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool(), ignore_case = true)]
     pub allow_vertex_ai: Option<bool>,
     /// Accepted only as false: no TLS on the gRPC port (terminate TLS in front of it).
-    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool(), ignore_case = true)]
     pub grpc_use_ssl: Option<bool>,
     /// Accepted only as false: no TLS on the gRPC port.
-    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool(), ignore_case = true)]
     pub grpc_use_ssl_mutual: Option<bool>,
     /// Accepted only as false: ports are not shared between processes.
-    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool(), ignore_case = true)]
     pub reuse_http_port: Option<bool>,
     /// Accepted only as false: ports are not shared between processes.
-    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool(), ignore_case = true)]
     pub reuse_grpc_port: Option<bool>,
     /// Accepted only as false: model names are unique across repositories.
-    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool())]
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool(), ignore_case = true)]
     pub model_namespacing: Option<bool>,
 }
 
@@ -375,7 +393,7 @@ impl TritonFlags {
             (
                 "--grpc-keepalive-permit-without-calls",
                 self.grpc_keepalive_permit_without_calls == Some(false),
-                "every client ping is allowed, with or without calls in flight",
+                "the server sends its keep-alive pings on idle connections too (as with true)",
             ),
             (
                 "--grpc-http2-max-pings-without-data",

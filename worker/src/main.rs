@@ -227,15 +227,17 @@ fn fleet_options(args: &Args, grpc_port: Option<u16>, http_port: Option<u16>) ->
     let endpoints = fleet::parse_endpoints(endpoints).map_err(|e| anyhow::anyhow!("--etcd-endpoints: {e}"))?;
     let keys = Keys::new(&args.etcd_prefix).map_err(|e| anyhow::anyhow!("--etcd-prefix: {e}"))?;
     let grpc_port = grpc_port.context("--etcd-endpoints requires the gRPC server (--allow-grpc=true)")?;
-    let host = match &args.advertise_address {
-        Some(h) => h.clone(),
-        // The gateway dials the gRPC port: where that server listens.
-        None => match args.grpc_address.unwrap_or(args.address) {
-            a if a.is_unspecified() => "127.0.0.1".to_string(),
-            a => a.to_string(),
-        },
+    // The host the gateway dials: --advertise-address, else where each server listens.
+    let host_of = |bound: std::net::IpAddr| {
+        let host = match &args.advertise_address {
+            Some(h) => h.clone(),
+            None if bound.is_unspecified() => "127.0.0.1".to_string(),
+            None => bound.to_string(),
+        };
+        if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host }
     };
-    let host = if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host };
+    let host = host_of(args.grpc_address.unwrap_or(args.address));
+    let http_host = host_of(args.http_address.unwrap_or(args.address));
     let id = match &args.worker_id {
         Some(id) => id.clone(),
         None => format!("{}-{grpc_port}", fleet::hostname("worker")),
@@ -252,7 +254,7 @@ fn fleet_options(args: &Args, grpc_port: Option<u16>, http_port: Option<u16>) ->
         schema: records::SCHEMA_VERSION,
         id,
         grpc: format!("{host}:{grpc_port}"),
-        http: http_port.map(|p| format!("{host}:{p}")),
+        http: http_port.map(|p| format!("{http_host}:{p}")),
         state: WorkerState::Ready,
         capacity: Capacity {
             memory_mb: args.memory_capacity_mb.unwrap_or_else(host_memory_mb),

@@ -483,31 +483,49 @@ async fn optional_inputs_take_the_models_default_and_batch_apart() {
     repo.infer(identity_request("no_default", None)).await.unwrap();
 }
 
-/// Writes 64 bytes into a FIFO once, unblocking the reader: at the end of the test, or when it
-/// fails first (a reader left blocked would hold the runtime's shutdown for ever).
-struct Gate(Option<std::path::PathBuf>);
+/// Gives the reader of a FIFO its 64 bytes when the test says so, or when it ends or fails
+/// first (a reader left blocked would hold the runtime's shutdown for ever); then replaces the
+/// FIFO with a plain file of those bytes, so that a later reader (a load run again) does not
+/// block either.
+struct Gate {
+    path: std::path::PathBuf,
+    opened: bool,
+}
 
 impl Gate {
     fn open(&mut self) {
-        if let Some(path) = self.0.take() {
-            std::fs::write(&path, [0u8; 64]).unwrap();
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        if std::mem::replace(&mut self.opened, true) {
+            return;
         }
+        // Non-blocking: with no reader (yet, or ever: a load that failed first) the open fails
+        // with ENXIO instead of waiting for one.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::time::Instant::now() < deadline {
+            match std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(&self.path) {
+                Ok(mut f) => {
+                    let _ = f.write_all(&[0u8; 64]);
+                    break;
+                }
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(2)),
+            }
+        }
+        let plain = self.path.with_extension("plain");
+        std::fs::write(&plain, [0u8; 64]).unwrap();
+        std::fs::rename(&plain, &self.path).unwrap();
     }
 }
 
 impl Drop for Gate {
     fn drop(&mut self) {
-        if let Some(path) = self.0.take() {
-            let _ = std::fs::write(path, [0u8; 64]);
-        }
+        self.open();
     }
 }
 
-/// Start-up loads run side by side (`--model-load-thread-count`, 4 here): `a_gated`'s warm-up
-/// reads a FIFO that stays empty until this test writes it, so its load cannot finish before
-/// then; `b_free`, after it in name order, is READY meanwhile only because loads run at once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn startup_loads_run_side_by_side() {
+/// A repository whose `a_gated` cannot finish loading until the returned [`Gate`] opens: its
+/// warm-up reads a FIFO that stays empty until then. `b_free` comes after it in name order.
+fn gated_repo() -> (tempfile::TempDir, Gate) {
     let gated = GOOD.replace("good", "a_gated")
         + r#"model_warmup [ { name: "gate" batch_size: 1 inputs { key: "INPUT0" value {
              data_type: TYPE_FP32 dims: [ 16 ] input_data_file: "gate" } } } ]"#;
@@ -519,22 +537,61 @@ async fn startup_loads_run_side_by_side() {
     std::fs::create_dir_all(&warmup).unwrap();
     let fifo = warmup.join("gate");
     assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
-    let mut gate = Gate(Some(fifo));
+    (dir, Gate { path: fifo, opened: false })
+}
+
+fn state(repo: &Repository, name: &str) -> Option<String> {
+    repo.index(false).into_iter().find(|e| e.name == name).map(|e| e.state)
+}
+
+/// Start-up loads run side by side (`--model-load-thread-count`, 4 here): `b_free`, after the
+/// gated model in name order, is READY while that one still loads only because loads run at
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn startup_loads_run_side_by_side() {
+    let (dir, mut gate) = gated_repo();
     let repo = repository(dir.path(), ControlMode::None, false);
     let startup = tokio::spawn({
         let repo = repo.clone();
         async move { repo.load_startup_models().await }
     });
-    let state = |name: &str| repo.index(false).into_iter().find(|e| e.name == name).map(|e| e.state);
     common::eventually("b_free READY while a_gated waits for its warm-up data", || {
-        state("b_free").as_deref() == Some("READY")
+        state(&repo, "b_free").as_deref() == Some("READY")
     })
     .await;
-    assert_eq!(state("a_gated").as_deref(), Some("LOADING"));
+    assert_eq!(state(&repo, "a_gated").as_deref(), Some("LOADING"));
     assert!(!repo.server_ready(), "start-up loading is not done");
-    tokio::task::spawn_blocking(move || gate.open()).await.unwrap();
+    gate.open();
     let failed = startup.await.unwrap();
     assert!(failed.is_empty(), "{failed:?}");
-    assert_eq!(state("a_gated").as_deref(), Some("READY"));
+    assert_eq!(state(&repo, "a_gated").as_deref(), Some("READY"));
     assert!(repo.server_ready());
+}
+
+/// A model unloaded (repository API) while start-up is still building it stays unloaded: the
+/// finished build is dropped, not put in place over the unload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_unloaded_while_it_is_built_at_start_stays_unloaded() {
+    let (dir, mut gate) = gated_repo();
+    common::init_ort();
+    let options = nereid_worker::repository::RepositoryOptions {
+        paths: vec![dir.path().to_path_buf()],
+        mode: ControlMode::Explicit,
+        strict_config: false,
+        startup_models: vec!["*".into()],
+        session_defaults: Default::default(),
+        load_threads: 4,
+    };
+    let repo = Arc::new(Repository::new(options, Arc::new(nereid_worker::metrics::Metrics::new())));
+    let startup = tokio::spawn({
+        let repo = repo.clone();
+        async move { repo.load_startup_models().await }
+    });
+    common::eventually("a_gated LOADING", || state(&repo, "a_gated").as_deref() == Some("LOADING")).await;
+    repo.unload("a_gated").await.unwrap();
+    gate.open();
+    assert!(startup.await.unwrap().is_empty());
+    assert_ne!(state(&repo, "a_gated").as_deref(), Some("READY"), "{:?}", repo.index(false));
+    assert!(repo.infer(identity_request("a_gated", None)).await.is_err(), "still serving");
+    assert!(repo.infer(identity_request("b_free", None)).await.is_ok());
 }

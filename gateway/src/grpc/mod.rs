@@ -10,6 +10,8 @@
 //! its own, at most [`MAX_STREAM_IN_FLIGHT`] at once per stream (then the stream stops reading,
 //! and HTTP/2 flow control pushes back on the client).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -27,7 +29,7 @@ use tonic::codegen::BoxStream;
 use tonic::{Request, Response};
 
 use crate::admission::Permit;
-use crate::call::{DEADLINE_HEADER, parse_deadline_ms};
+use crate::call::{CallDeadline, DEADLINE_HEADER, parse_deadline_ms};
 use crate::error::GatewayError;
 use crate::ingress::Ingress;
 use crate::upstream::{HTTP2_CONNECTION_WINDOW, HTTP2_STREAM_WINDOW};
@@ -179,13 +181,40 @@ impl tower::Service<http::Request<tonic::body::Body>> for InferenceService {
         match request.uri().path() {
             MODEL_INFER_PATH => {
                 // Admitted before tonic reads (and buffers) the message; refused, it is never
-                // read (the model it names is not known yet: counted under `_unknown`).
-                match self.infer.ingress.admit(None, Instant::now()) {
-                    Ok(permit) => request.extensions_mut().insert(permit),
+                // read (the model it names is not known yet). The deadline runs from now.
+                let arrived = Instant::now();
+                let metadata = tonic::metadata::MetadataMap::from_headers(request.headers().clone());
+                let deadline = self.infer.ingress.call_deadline(client_deadline(&metadata, arrived), arrived);
+                let received = Arc::new(AtomicBool::new(false));
+                match self.infer.ingress.admit(None, arrived) {
+                    Ok(permit) => {
+                        let admitted = Admitted { permit, deadline, received: received.clone() };
+                        request.extensions_mut().insert(admitted);
+                    }
                     Err(e) => return Box::pin(futures::future::ready(Ok(e.to_grpc().into_http()))),
-                };
+                }
                 let handler = self.infer.clone();
-                Box::pin(async move { Ok(bytes_server::<Bytes>(max_request).unary(handler, request).await) })
+                Box::pin(async move {
+                    let mut grpc = bytes_server::<Bytes>(max_request);
+                    let call = grpc.unary(handler, request);
+                    tokio::pin!(call);
+                    tokio::select! {
+                        response = &mut call => Ok(response),
+                        // A client that sends its headers and then stalls holds its admission
+                        // place until its deadline, no longer. (Once the message is in, the
+                        // stack answers at the deadline itself.)
+                        _ = tokio::time::sleep_until(deadline.at.into()) => {
+                            if received.load(Ordering::Acquire) {
+                                Ok(call.await)
+                            } else {
+                                let status = tonic::Status::deadline_exceeded(
+                                    "the request's deadline passed before its message was received",
+                                );
+                                Ok(status.into_http())
+                            }
+                        }
+                    }
+                })
             }
             MODEL_STREAM_INFER_PATH => {
                 let handler = self.infer.clone();
@@ -203,6 +232,16 @@ fn bytes_server<E: WireEncode>(max_request: usize) -> tonic::server::Grpc<BytesC
         .accept_compressed(CompressionEncoding::Deflate)
         .max_decoding_message_size(max_request)
         .max_encoding_message_size(usize::MAX)
+}
+
+/// What the service hands a `ModelInfer` call it admitted, through the request's extensions.
+#[derive(Clone)]
+struct Admitted {
+    permit: Permit,
+    /// From the call's arrival, not from when its message was read.
+    deadline: CallDeadline,
+    /// Set once the message is in (tonic decoded it and called the handler).
+    received: Arc<AtomicBool>,
 }
 
 /// The two infer methods, on encoded messages.
@@ -235,10 +274,17 @@ impl tonic::server::UnaryService<Bytes> for InferHandler {
     fn call(&mut self, request: Request<Bytes>) -> Self::Future {
         let ingress = self.ingress.clone();
         Box::pin(async move {
-            let now = Instant::now();
-            let deadline = ingress.call_deadline(client_deadline(request.metadata(), now), now);
             let mut request = request;
-            let permit = request.extensions_mut().remove::<Permit>();
+            let (permit, deadline) = match request.extensions_mut().remove::<Admitted>() {
+                Some(admitted) => {
+                    admitted.received.store(true, Ordering::Release);
+                    (Some(admitted.permit), admitted.deadline)
+                }
+                None => {
+                    let now = Instant::now();
+                    (None, ingress.call_deadline(client_deadline(request.metadata(), now), now))
+                }
+            };
             let request = decode_request(request.into_inner())?;
             // Awaited in place: if the client goes away, tonic drops this future and with it the
             // forwarded call (the worker sees a cancelled RPC).

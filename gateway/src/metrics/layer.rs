@@ -99,6 +99,10 @@ where
     }
 }
 
+/// The `model` label of a gRPC inference refused before its message (which names the model)
+/// was read.
+pub const UNREAD_MODEL_LABEL: &str = "_unread";
+
 /// Counts the inferences an ingress refuses before they reach the stack (admission, before the
 /// body is read), labelled as [`RequestMetrics`] labels what reaches it.
 #[derive(Clone)]
@@ -118,7 +122,7 @@ impl Refusals {
         let table = self.routes.snapshot();
         let (model, version) = match model {
             Some((name, version)) => (table.model_label(name).to_string(), table.version_label(name, version)),
-            None => (crate::routing::UNKNOWN_MODEL_LABEL.to_string(), String::new()),
+            None => (UNREAD_MODEL_LABEL.to_string(), String::new()),
         };
         drop(Record {
             requests: self.requests.clone(),

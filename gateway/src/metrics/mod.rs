@@ -1,5 +1,6 @@
 //! The gateway's Prometheus metrics, names as constants here. Labels are bounded: `model` is a
-//! name from the routing table or [`crate::routing::UNKNOWN_MODEL_LABEL`], `version` a version
+//! name from the routing table, [`crate::routing::UNKNOWN_MODEL_LABEL`] or
+//! [`layer::UNREAD_MODEL_LABEL`] (refused before the request naming it was read), `version` a version
 //! the table knows for that model (or empty when none could be resolved), `code` a canonical
 //! gRPC code name, `state` a worker state.
 
@@ -12,7 +13,7 @@ use prometheus::{
 };
 
 use crate::routing::{RoutingTable, WorkerState};
-pub use layer::{Refusals, RequestMetricsLayer};
+pub use layer::{Refusals, RequestMetricsLayer, UNREAD_MODEL_LABEL};
 
 pub const REQUESTS_TOTAL: &str = "nereid_gateway_requests_total";
 pub const REQUEST_DURATION_US: &str = "nereid_gateway_request_duration_us";

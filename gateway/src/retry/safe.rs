@@ -2,11 +2,11 @@
 //! the worker provably did not run it ([`crate::forward::FailureKind::safe_to_retry`]: the
 //! connection could not be made or the stream was refused, or the worker answered UNAVAILABLE
 //! because it is draining or unloading, or RESOURCE_EXHAUSTED because its queue is full, or
-//! its queue policy timed the request out — unless the request set its own `timeout`, which
-//! that wait used up) and another worker holding the model version is available. The retry excludes every worker the call already failed on. Each retry sent is
+//! its queue policy timed the request out — unless that happened after the `timeout` the
+//! request set itself) and another worker holding the model version is available. The retry excludes every worker the call already failed on. Each retry sent is
 //! counted by model and version, labelled as the request metrics are.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use prometheus::IntCounterVec;
 
@@ -38,12 +38,14 @@ impl Policy<InferCall, GatewayError> for SafeRetry {
         if !e.kind.safe_to_retry() {
             return None;
         }
-        // The worker's queue timed the request out after the wait the client itself allowed
-        // (the KServe `timeout` parameter, forwarded as it is): another wait elsewhere would
-        // outlast it. (A queue policy's default timeout is the worker's own limit: retried.)
+        // A queue-policy timeout once the wait the client itself allowed (the KServe `timeout`
+        // parameter, in µs, forwarded as it is) has passed: another wait elsewhere would outlast
+        // it. Earlier, the worker's own (default) timeout fired: retried.
         if e.kind == FailureKind::Refused
             && e.status.code() == tonic::Code::Unavailable
-            && crate::wire::sets_parameter(&call.request.bytes, "timeout")
+            && let Some(us) = crate::wire::request_parameter_u64(&call.request.bytes, "timeout")
+            && us > 0
+            && call.arrived.elapsed() >= Duration::from_micros(us)
         {
             return None;
         }

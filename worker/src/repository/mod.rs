@@ -142,6 +142,17 @@ pub struct Repository {
 /// against strict readiness.
 const UNLOADED: &str = "unloaded";
 
+/// What a failed load task said: its panic's message, or why it did not finish.
+fn panic_message(e: tokio::task::JoinError) -> String {
+    match e.try_into_panic() {
+        Ok(payload) => match payload.downcast::<String>() {
+            Ok(s) => *s,
+            Err(payload) => payload.downcast_ref::<&str>().map_or_else(|| "(no message)".into(), |s| s.to_string()),
+        },
+        Err(e) => e.to_string(),
+    }
+}
+
 impl Repository {
     pub fn new(options: RepositoryOptions, metrics: Arc<Metrics>) -> Self {
         Repository {
@@ -200,6 +211,7 @@ impl Repository {
         // Ensembles are put in place last, once the models they compose are.
         let mut names = names.into_iter();
         let mut builds = tokio::task::JoinSet::new();
+        let mut building: HashMap<tokio::task::Id, String> = HashMap::new();
         let mut ensembles = Vec::new();
         loop {
             while builds.len() < self.options.load_threads.max(1) {
@@ -209,18 +221,19 @@ impl Repository {
                 }
                 self.set_slot(&name, Slot { state: State::Loading, model: None, reload_error: None });
                 let (options, metrics) = (self.options.clone(), self.metrics.clone());
-                builds.spawn_blocking(move || {
-                    // Caught here, so that the name comes back with the failure.
-                    let build =
-                        std::panic::AssertUnwindSafe(|| load::load_model(&options, &name, None, None, &[], &metrics));
-                    let result = std::panic::catch_unwind(build)
-                        .unwrap_or_else(|_| Err(Status::internal("model load panicked")));
-                    (name, result)
-                });
+                let task = name.clone();
+                let id =
+                    builds.spawn_blocking(move || load::load_model(&options, &task, None, None, &[], &metrics)).id();
+                building.insert(id, name);
             }
-            let Some(joined) = builds.join_next().await else { break };
-            // The tasks are never aborted, and panics are caught inside them.
-            let Ok((name, result)) = joined else { continue };
+            let Some(joined) = builds.join_next_with_id().await else { break };
+            let (name, result) = match joined {
+                Ok((id, result)) => (building.remove(&id).unwrap_or_default(), result),
+                Err(e) => {
+                    let name = building.remove(&e.id()).unwrap_or_default();
+                    (name, Err(Status::internal(format!("model load panicked: {}", panic_message(e)))))
+                }
+            };
             if result.as_ref().is_ok_and(|m| m.ensemble.is_some()) {
                 ensembles.push((name, result));
                 continue;
@@ -260,7 +273,13 @@ impl Repository {
         let served: Vec<i64> = serving.iter().flat_map(|m| m.versions.keys().copied()).collect();
         drop(result);
         self.metrics.retain_versions(name, &served);
-        if previous.as_ref().is_some_and(|s| s.state == State::Ready) {
+        // READY by now, or unloaded on purpose while it was being built (the repository API,
+        // placement): that stands.
+        let stands = |s: &Slot| {
+            matches!(&s.state, State::Ready | State::Unloading)
+                || matches!(&s.state, State::Unavailable(reason) if reason == UNLOADED)
+        };
+        if previous.as_ref().is_some_and(stands) {
             return Ok(());
         }
         if placeholder {
@@ -707,7 +726,7 @@ impl Repository {
                 load::load_model(&options, &owned_name, config_override, versions.as_deref(), &also, &metrics)
             })
             .await
-            .unwrap_or_else(|e| Err(Status::internal(format!("model load panicked: {e}"))));
+            .unwrap_or_else(|e| Err(Status::internal(format!("model load panicked: {}", panic_message(e)))));
             self.install_locked(name, previous, serving, result, loading).await
         })
     }
