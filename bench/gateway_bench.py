@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from worker_bench import (  # noqa: E402
     ROOT,
     CpuMeter,
+    LoopbackPorts,
     Worker,
     build_and_install_pa,
     kill_group,
@@ -55,19 +56,11 @@ TARGET_RATIO_C16 = 0.95
 TOTAL_BUDGET_S = 19 * 60
 
 
-class Gateway:
+class Gateway(LoopbackPorts):
     def __init__(self, binary: Path, worker: Worker, workdir: Path):
         self.binary, self.worker, self.workdir = binary, worker, workdir
         self.proc: subprocess.Popen | None = None
         self.ports: dict = {}
-
-    @property
-    def http(self) -> str:
-        return f"127.0.0.1:{self.ports['http']}"
-
-    @property
-    def grpc(self) -> str:
-        return f"127.0.0.1:{self.ports['grpc']}"
 
     def start(self, models: list[str]) -> None:
         port_file = self.workdir / "gateway-ports.json"
@@ -129,21 +122,13 @@ class ThroughGateway:
         return self.gateway.alive() and self.worker.alive()
 
 
-class Relay:
+class Relay(LoopbackPorts):
     """Two byte-copying TCP relays (gateway/examples/tcp_relay.rs), one per worker port."""
 
     def __init__(self, binary: Path, worker: Worker, workdir: Path):
         self.binary, self.worker, self.workdir = binary, worker, workdir
         self.procs: list[subprocess.Popen] = []
         self.ports: dict = {}
-
-    @property
-    def http(self) -> str:
-        return f"127.0.0.1:{self.ports['http']}"
-
-    @property
-    def grpc(self) -> str:
-        return f"127.0.0.1:{self.ports['grpc']}"
 
     def start(self) -> None:
         for proto, upstream in (("http", self.worker.http), ("grpc", self.worker.grpc)):

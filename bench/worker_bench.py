@@ -207,15 +207,10 @@ def loadavg() -> list[float] | None:
 # Worker process
 
 
-class Worker:
-    def __init__(self, binary: Path, repo: Path, workdir: Path, intra_op_threads: int):
-        self.binary, self.repo, self.workdir = binary, repo, workdir
-        self.intra_op_threads = intra_op_threads
-        self.proc: subprocess.Popen | None = None
-        self.ports: dict = {}
-        self.starts = 0
-        self.log_paths: list[Path] = []
-        self.exits: list[dict] = []  # unexpected exits seen
+class LoopbackPorts:
+    """A server on loopback whose ports (`self.ports`: "http", "grpc") are known once started."""
+
+    ports: dict
 
     @property
     def http(self) -> str:
@@ -224,6 +219,17 @@ class Worker:
     @property
     def grpc(self) -> str:
         return f"127.0.0.1:{self.ports['grpc']}"
+
+
+class Worker(LoopbackPorts):
+    def __init__(self, binary: Path, repo: Path, workdir: Path, intra_op_threads: int):
+        self.binary, self.repo, self.workdir = binary, repo, workdir
+        self.intra_op_threads = intra_op_threads
+        self.proc: subprocess.Popen | None = None
+        self.ports: dict = {}
+        self.starts = 0
+        self.log_paths: list[Path] = []
+        self.exits: list[dict] = []  # unexpected exits seen
 
     def start(self) -> None:
         self.starts += 1

@@ -331,7 +331,6 @@ async fn timeouts_eject_a_worker_only_when_the_gateways_own_limit_set_the_deadli
     )
     .await;
     let mut client = gateway.client().await;
-    let http = reqwest::Client::new();
     let ejected = || gateway.metric("nereid_gateway_workers{state=\"ejected\"}");
 
     // Clients' own deadlines, tighter than the gateway's limit: the timeouts are theirs, not
@@ -343,13 +342,7 @@ async fn timeouts_eject_a_worker_only_when_the_gateways_own_limit_set_the_deadli
         req.metadata_mut().insert("x-nereid-deadline-ms", "150".parse().unwrap());
         let e = client.model_infer(req).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
-        let r = http
-            .post(gateway.http_url("/v2/models/identity_fp32/infer"))
-            .header("x-nereid-deadline-ms", "150")
-            .json(&json!({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": vec![0.0f32; 16]}]}))
-            .send()
-            .await
-            .unwrap();
+        let r = gateway.json_infer("identity_fp32", Some(150)).await;
         assert_eq!(r.status(), 504, "{:?}", r.text().await);
     }
     assert_eq!(gateway.metric("nereid_gateway_ejections_total").await, Some(0.0));
@@ -403,12 +396,7 @@ async fn a_worker_with_a_full_queue_is_retried_elsewhere_and_a_429_says_when_to_
 
     // With nowhere else to go, the refusal reaches the client: 429 with Retry-After over HTTP.
     let alone = start_gateway(&[&full], &[]).await;
-    let r = reqwest::Client::new()
-        .post(alone.http_url("/v2/models/identity_fp32/infer"))
-        .json(&json!({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": vec![0.0f32; 16]}]}))
-        .send()
-        .await
-        .unwrap();
+    let r = alone.json_infer("identity_fp32", None).await;
     assert_eq!(r.status(), 429);
     assert_eq!(r.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
     assert!(r.text().await.unwrap().contains("queue"));

@@ -143,12 +143,7 @@ async fn admission_sheds_at_once_beyond_the_limit() {
     // "At once": it does not wait for the held request.
     assert!(start.elapsed() < Duration::from_secs(5));
     // HTTP: 429 with Retry-After.
-    let r = reqwest::Client::new()
-        .post(gateway.http_url("/v2/models/held/infer"))
-        .json(&json!({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": vec![0.0; 16]}]}))
-        .send()
-        .await
-        .unwrap();
+    let r = gateway.json_infer("held", None).await;
     assert_eq!(r.status(), 429);
     assert_eq!(r.headers()["retry-after"], "1");
     assert!(r.text().await.unwrap().contains("limit of 1 concurrent requests"));
@@ -178,13 +173,7 @@ async fn admission_sheds_at_once_beyond_the_limit() {
     // (a request is admitted, and ends at its 100 ms deadline in the batcher, which holds it).
     held.abort();
     wait_until("the place to be given back", Duration::from_secs(10), || async {
-        let r = reqwest::Client::new()
-            .post(gateway.http_url("/v2/models/held/infer"))
-            .header("x-nereid-deadline-ms", "100")
-            .json(&json!({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": vec![0.0; 16]}]}))
-            .send()
-            .await
-            .unwrap();
+        let r = gateway.json_infer("held", Some(100)).await;
         r.status() == 504
     })
     .await;
@@ -272,13 +261,7 @@ async fn deadlines_propagate_to_the_worker() {
 
     // x-nereid-deadline-ms over HTTP: 504.
     let start = Instant::now();
-    let r = reqwest::Client::new()
-        .post(gateway.http_url("/v2/models/stuck/infer"))
-        .header("x-nereid-deadline-ms", "1000")
-        .json(&json!({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": vec![0.0; 16]}]}))
-        .send()
-        .await
-        .unwrap();
+    let r = gateway.json_infer("stuck", Some(1000)).await;
     assert_eq!(r.status(), 504);
     assert!(start.elapsed() < Duration::from_secs(10));
     wait_until("the second request to leave the worker's queue", Duration::from_secs(20), || async {

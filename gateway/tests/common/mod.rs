@@ -112,6 +112,17 @@ impl Proc {
         GrpcInferenceServiceClient::connect(format!("http://127.0.0.1:{}", self.grpc)).await.unwrap()
     }
 
+    /// A JSON inference of one zero row of 16 FP32 (`INPUT0`) to `model`, with
+    /// `x-nereid-deadline-ms` when given.
+    pub async fn json_infer(&self, model: &str, deadline_ms: Option<u64>) -> reqwest::Response {
+        let mut request = reqwest::Client::new().post(self.http_url(&format!("/v2/models/{model}/infer")));
+        if let Some(ms) = deadline_ms {
+            request = request.header("x-nereid-deadline-ms", ms.to_string());
+        }
+        let body = serde_json::json!({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": vec![0.0f32; 16]}]});
+        request.json(&body).send().await.unwrap()
+    }
+
     pub async fn metrics_text(&self) -> String {
         match reqwest::get(format!("http://127.0.0.1:{}/metrics", self.metrics)).await {
             Ok(r) => r.text().await.unwrap_or_default(),
