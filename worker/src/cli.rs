@@ -121,6 +121,11 @@ pub struct Args {
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
     pub metrics_interval_ms: u64,
 
+    /// Threads of the I/O runtime that serves HTTP and gRPC (they share it). Default: one per
+    /// core.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub http_thread_count: Option<u64>,
+
     /// Models loaded at once at start: reading each model, creating its ONNX Runtime sessions
     /// and its warm-up run on this many threads (ensembles are put in place after the models
     /// they compose).
@@ -305,9 +310,6 @@ fn parse_id(s: &str) -> Result<String, String> {
 #[derive(Clone, Debug, Default, clap::Args)]
 #[command(next_help_heading = "tritonserver flags accepted for compatibility (see --help of each)")]
 pub struct TritonFlags {
-    /// Accepted; HTTP and gRPC share one I/O runtime with a thread per core.
-    #[arg(long, value_name = "N")]
-    pub http_thread_count: Option<u64>,
     /// Accepted; requests are not pooled.
     #[arg(long, value_name = "N")]
     pub grpc_infer_allocation_pool_size: Option<u64>,
@@ -379,12 +381,7 @@ impl TritonFlags {
         if let Some((flag, _, why)) = refused.iter().find(|(_, v, _)| *v == Some(true)) {
             return Err(format!("{flag}=true is not supported: {why}"));
         }
-        let ignored: [(&str, bool, &str); 10] = [
-            (
-                "--http-thread-count",
-                self.http_thread_count.is_some(),
-                "HTTP and gRPC share one I/O runtime with a thread per core",
-            ),
+        let ignored: [(&str, bool, &str); 9] = [
             (
                 "--grpc-infer-allocation-pool-size",
                 self.grpc_infer_allocation_pool_size.is_some(),

@@ -45,7 +45,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("nereid-io").build() {
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = args.http_thread_count {
+        runtime.worker_threads(n as usize);
+    }
+    let runtime = match runtime.enable_all().thread_name("nereid-io").build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("nereid-worker: cannot start the async runtime: {e}");

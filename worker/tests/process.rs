@@ -99,6 +99,7 @@ fn invalid_flags_exit_non_zero_naming_the_flag() {
         (vec!["--model-repository", repo, "--log-info=maybe"], "--log-info"),
         (vec!["--model-repository", repo, "--http-address=localhost"], "--http-address"),
         (vec!["--model-repository", repo, "--grpc-keepalive-time=0"], "--grpc-keepalive-time"),
+        (vec!["--model-repository", repo, "--http-thread-count=0"], "--http-thread-count"),
         (vec!["--model-repository", repo, "--log-file=/nonexistent/dir/worker.log"], "--log-file"),
     ] {
         let (code, output) = run_cli(&args);
@@ -150,6 +151,7 @@ fn a_tritonserver_command_line_starts_the_worker() {
             "--grpc-http2-min-recv-ping-interval-without-data=5000",
             "--grpc-http2-max-ping-strikes=0",
             "--model-load-thread-count=4",
+            "--http-thread-count=2",
             "--pinned-memory-pool-byte-size=268435456",
             "--id=triton-a",
             "--log-info=false",
@@ -192,6 +194,7 @@ fn a_tritonserver_command_line_starts_the_worker() {
         "--grpc-keepalive-permit-without-calls",
         "--allow-sagemaker",
         "--model-load-thread-count",
+        "--http-thread-count",
     ] {
         assert!(!text.contains(flag), "{flag} is what Nereid does:\n{text}");
     }
