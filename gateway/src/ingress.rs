@@ -69,6 +69,42 @@ impl Ingress {
         permit: Option<Permit>,
     ) -> Result<InferResponse, GatewayError> {
         let version = parse_version(&request.header.model_name, &request.header.model_version)?;
+        let deadline = after_upload(deadline, self.request_timeout, Instant::now());
         self.infer.clone().oneshot(InferCall::new(request, version, deadline).admitted(permit)).await
+    }
+}
+
+/// `deadline` once the request is in, at `now`: a client that took a real share of the
+/// gateway's limit (`--request-timeout-ms`) to send it leaves the worker less than that limit,
+/// and running into what is left says nothing about the worker's health — as with a client's
+/// own deadline, it no longer counts as the gateway's.
+fn after_upload(mut deadline: CallDeadline, limit: Duration, now: Instant) -> CallDeadline {
+    let used = limit.saturating_sub(deadline.at.saturating_duration_since(now));
+    if used > (limit / 10).max(Duration::from_secs(1)) {
+        deadline.is_gateways = false;
+    }
+    deadline
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slow_upload_makes_the_deadline_the_clients() {
+        let (limit, arrived) = (Duration::from_secs(60), Instant::now());
+        let deadline = CallDeadline { at: arrived + limit, is_gateways: true };
+        // In at once, or within a tenth of the limit: still the gateway's own.
+        assert!(after_upload(deadline, limit, arrived).is_gateways);
+        assert!(after_upload(deadline, limit, arrived + Duration::from_secs(5)).is_gateways);
+        // Most of it spent uploading: a timeout is the client's doing.
+        assert!(!after_upload(deadline, limit, arrived + Duration::from_secs(50)).is_gateways);
+        // Short limits keep a second's grace.
+        let short = Duration::from_millis(800);
+        let deadline = CallDeadline { at: arrived + short, is_gateways: true };
+        assert!(after_upload(deadline, short, arrived + Duration::from_millis(500)).is_gateways);
+        // A client's deadline stays the client's.
+        let theirs = CallDeadline { at: arrived + Duration::from_secs(1), is_gateways: false };
+        assert!(!after_upload(theirs, limit, arrived).is_gateways);
     }
 }

@@ -256,6 +256,18 @@ impl InferRequest {
     }
 
     /// A request built by the gateway (HTTP ingress), encoded once here.
+    /// The request with its parameter `key` set to `value` (an appended `parameters` entry:
+    /// protobuf keeps a map's last entry for a key). Copies the message.
+    pub fn with_parameter_u64(&self, key: &str, value: u64) -> Self {
+        use nereid_proto::inference::{InferParameter, ModelInferRequest, infer_parameter::ParameterChoice};
+        let parameter = InferParameter { parameter_choice: Some(ParameterChoice::Uint64Param(value)) };
+        let entry = ModelInferRequest { parameters: [(key.to_string(), parameter)].into(), ..Default::default() };
+        let mut bytes = Vec::with_capacity(self.bytes.len() + 32);
+        bytes.extend_from_slice(&self.bytes);
+        entry.encode(&mut bytes).expect("a Vec grows");
+        InferRequest { bytes: bytes.into(), header: self.header.clone() }
+    }
+
     pub fn encode(request: &nereid_proto::inference::ModelInferRequest) -> Self {
         let header = Header {
             model_name: request.model_name.clone(),

@@ -484,8 +484,8 @@ async fn optional_inputs_take_the_models_default_and_batch_apart() {
 }
 
 /// Gives the reader of a FIFO its 64 bytes when the test says so, or when it ends or fails
-/// first (a reader left blocked would hold the runtime's shutdown for ever); then replaces the
-/// FIFO with a plain file of those bytes, so that a later reader (a load run again) does not
+/// first (a reader left blocked would hold the runtime's shutdown for ever), and puts a plain
+/// file of those bytes in the FIFO's place, so that a later reader (a load run again) does not
 /// block either.
 struct Gate {
     path: std::path::PathBuf,
@@ -499,21 +499,16 @@ impl Gate {
         if std::mem::replace(&mut self.opened, true) {
             return;
         }
-        // Non-blocking: with no reader (yet, or ever: a load that failed first) the open fails
-        // with ENXIO instead of waiting for one.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while std::time::Instant::now() < deadline {
-            match std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(&self.path) {
-                Ok(mut f) => {
-                    let _ = f.write_all(&[0u8; 64]);
-                    break;
-                }
-                Err(_) => std::thread::sleep(std::time::Duration::from_millis(2)),
-            }
-        }
+        // Read-write and non-blocking: this open never waits (Linux), and as a writer it
+        // releases a reader blocked opening the FIFO. After the rename, the path is the plain
+        // file; a reader that has the FIFO open gets the bytes, then end of file.
+        let fifo = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_NONBLOCK).open(&self.path);
         let plain = self.path.with_extension("plain");
-        std::fs::write(&plain, [0u8; 64]).unwrap();
-        std::fs::rename(&plain, &self.path).unwrap();
+        let _ = std::fs::write(&plain, [0u8; 64]);
+        let _ = std::fs::rename(&plain, &self.path);
+        if let Ok(mut fifo) = fifo {
+            let _ = fifo.write_all(&[0u8; 64]);
+        }
     }
 }
 

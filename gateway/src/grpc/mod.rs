@@ -20,7 +20,7 @@ use futures::future::BoxFuture;
 use nereid_proto::inference::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use nereid_proto::inference::*;
 use nereid_worker::grpc::InferStream;
-use nereid_worker::grpc::convert::grpc_deadline;
+use nereid_worker::grpc::convert::{deadline_margin, grpc_deadline, parse_grpc_timeout};
 use nereid_worker::server::parse_version;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -56,6 +56,19 @@ pub struct GatewayGrpc {
 fn client_deadline(metadata: &tonic::metadata::MetadataMap, now: Instant) -> Option<Instant> {
     let grpc = grpc_deadline(metadata, now);
     let header = metadata.get(DEADLINE_HEADER).and_then(|v| v.to_str().ok()).and_then(|v| parse_deadline_ms(v, now));
+    match (grpc, header) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// [`client_deadline`] from a call's HTTP/2 headers, before tonic has made them metadata.
+fn header_deadline(headers: &http::HeaderMap, now: Instant) -> Option<Instant> {
+    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let grpc = text("grpc-timeout")
+        .and_then(parse_grpc_timeout)
+        .and_then(|timeout| now.checked_add(timeout - deadline_margin(timeout)));
+    let header = text(DEADLINE_HEADER).and_then(|v| parse_deadline_ms(v, now));
     match (grpc, header) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
@@ -183,16 +196,15 @@ impl tower::Service<http::Request<tonic::body::Body>> for InferenceService {
                 // Admitted before tonic reads (and buffers) the message; refused, it is never
                 // read (the model it names is not known yet). The deadline runs from now.
                 let arrived = Instant::now();
-                let metadata = tonic::metadata::MetadataMap::from_headers(request.headers().clone());
-                let deadline = self.infer.ingress.call_deadline(client_deadline(&metadata, arrived), arrived);
-                let received = Arc::new(AtomicBool::new(false));
-                match self.infer.ingress.admit(None, arrived) {
-                    Ok(permit) => {
-                        let admitted = Admitted { permit, deadline, received: received.clone() };
-                        request.extensions_mut().insert(admitted);
-                    }
+                let permit = match self.infer.ingress.admit(None, arrived) {
+                    Ok(permit) => permit,
                     Err(e) => return Box::pin(futures::future::ready(Ok(e.to_grpc().into_http()))),
-                }
+                };
+                let client = header_deadline(request.headers(), arrived);
+                let deadline = self.infer.ingress.call_deadline(client, arrived);
+                let received = Arc::new(AtomicBool::new(false));
+                request.extensions_mut().insert(Admitted { permit, deadline, received: received.clone() });
+                let refusals = self.infer.ingress.refusals.clone();
                 let handler = self.infer.clone();
                 Box::pin(async move {
                     let mut grpc = bytes_server::<Bytes>(max_request);
@@ -207,6 +219,7 @@ impl tower::Service<http::Request<tonic::body::Body>> for InferenceService {
                             if received.load(Ordering::Acquire) {
                                 Ok(call.await)
                             } else {
+                                refusals.count(None, tonic::Code::DeadlineExceeded, arrived);
                                 let status = tonic::Status::deadline_exceeded(
                                     "the request's deadline passed before its message was received",
                                 );

@@ -285,6 +285,7 @@ async fn infer(
     let body = match tokio::time::timeout_at(deadline.at.into(), read_body(&headers, body, max)).await {
         Ok(body) => body?,
         Err(_) => {
+            ingress.refusals.count(Some((&name, version)), tonic::Code::DeadlineExceeded, now);
             return Err(Status::new(
                 nereid_common::Code::DeadlineExceeded,
                 "the request's deadline passed before its body was received",

@@ -2,11 +2,11 @@
 //! the worker provably did not run it ([`crate::forward::FailureKind::safe_to_retry`]: the
 //! connection could not be made or the stream was refused, or the worker answered UNAVAILABLE
 //! because it is draining or unloading, or RESOURCE_EXHAUSTED because its queue is full, or
-//! its queue policy timed the request out — unless that happened after the `timeout` the
-//! request set itself) and another worker holding the model version is available. The retry excludes every worker the call already failed on. Each retry sent is
+//! its queue policy timed the request out), another worker holding the model version is
+//! available, and the queue `timeout` the request set itself (if any) has not passed. The retry excludes every worker the call already failed on. Each retry sent is
 //! counted by model and version, labelled as the request metrics are.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use prometheus::IntCounterVec;
 
@@ -14,7 +14,6 @@ use super::Policy;
 use crate::balance::choose_route;
 use crate::call::InferCall;
 use crate::error::GatewayError;
-use crate::forward::FailureKind;
 use crate::routing::Routes;
 
 #[derive(Clone)]
@@ -38,19 +37,21 @@ impl Policy<InferCall, GatewayError> for SafeRetry {
         if !e.kind.safe_to_retry() {
             return None;
         }
-        // A queue-policy timeout once the wait the client itself allowed (the KServe `timeout`
-        // parameter, in µs, forwarded as it is) has passed: another wait elsewhere would outlast
-        // it. Earlier, the worker's own (default) timeout fired: retried.
-        if e.kind == FailureKind::Refused
-            && e.status.code() == tonic::Code::Unavailable
-            && let Some(us) = crate::wire::request_parameter_u64(&call.request.bytes, "timeout")
-            && us > 0
-            && call.arrived.elapsed() >= Duration::from_micros(us)
-        {
-            return None;
-        }
         let mut next = call.clone();
         next.target = None;
+        // The client's own queue `timeout` (µs; the KServe parameter, forwarded as it is)
+        // counts the time already spent: past it, nothing is retried — the client waited what
+        // it allowed; before it, the retry carries what is left (an appended map entry: the
+        // last one wins), so that all attempts together wait no longer than that.
+        if let Some(us) = crate::wire::request_parameter_u64(&call.request.bytes, "timeout")
+            && us > 0
+        {
+            let spent = u64::try_from(call.arrived.elapsed().as_micros()).unwrap_or(u64::MAX);
+            if spent >= us {
+                return None;
+            }
+            next.request = call.request.with_parameter_u64("timeout", us - spent);
+        }
         if !next.excluded.contains(&e.worker) {
             next.excluded.push(e.worker.clone());
         }
@@ -65,5 +66,55 @@ impl Policy<InferCall, GatewayError> for SafeRetry {
         let table = self.routes.snapshot();
         let version = table.version_label(call.model(), call.version);
         self.retries.with_label_values(&[table.model_label(call.model()), &version]).inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use nereid_proto::inference::infer_parameter::ParameterChoice;
+    use nereid_proto::inference::{InferParameter, ModelInferRequest};
+
+    use super::*;
+    use crate::call::{CallDeadline, InferCall};
+    use crate::forward::UpstreamError;
+    use crate::routing::tests::{row, view};
+    use crate::routing::{RoutingTable, WorkerState, routes};
+    use crate::wire::{InferRequest, request_parameter_u64};
+
+    fn call_with_timeout(us: u64, spent: Duration) -> InferCall {
+        let timeout = InferParameter { parameter_choice: Some(ParameterChoice::Uint64Param(us)) };
+        let request = ModelInferRequest {
+            model_name: "m".into(),
+            parameters: [("timeout".to_string(), timeout)].into(),
+            ..Default::default()
+        };
+        let deadline = CallDeadline { at: Instant::now() + Duration::from_secs(600), is_gateways: true };
+        let mut call = InferCall::new(InferRequest::encode(&request), None, deadline);
+        call.arrived = Instant::now() - spent;
+        call
+    }
+
+    #[tokio::test]
+    async fn a_retry_carries_what_is_left_of_the_clients_own_timeout() {
+        let (publisher, routes) = routes(Instant::now());
+        let holders = ["a:1", "b:1"].map(|w| view(w, WorkerState::Ready, vec![row("m", "1", "READY")]));
+        publisher.publish(RoutingTable::build(holders.to_vec(), Instant::now()));
+        let counter = prometheus::IntCounterVec::new(prometheus::Opts::new("r", "r"), &["model", "version"]).unwrap();
+        let policy = SafeRetry::new(routes, counter);
+        let timed_out = GatewayError::from(UpstreamError::new(
+            "a:1".into(),
+            tonic::Status::unavailable(nereid_common::status::QUEUE_TIMEOUT_MESSAGE),
+        ));
+
+        // 10 s allowed, 1 s spent: the retry goes elsewhere with at most 9 s left.
+        let next = policy.retry(&call_with_timeout(10_000_000, Duration::from_secs(1)), &timed_out).expect("retried");
+        let left = request_parameter_u64(&next.request.bytes, "timeout").unwrap();
+        assert!((5_000_000..=9_000_000).contains(&left), "{left}");
+        assert_eq!(next.excluded, ["a:1".into()]);
+        assert_eq!(next.request.header.model_name, "m", "the request is otherwise the same");
+        // 500 ms allowed, 1 s spent: not retried.
+        assert!(policy.retry(&call_with_timeout(500_000, Duration::from_secs(1)), &timed_out).is_none());
     }
 }
