@@ -173,13 +173,18 @@ def write_markdown(path: Path, report: dict) -> None:
         "| model | protocol | concurrency | direct infer/s | gateway infer/s | ratio | direct p50 µs | gateway p50 µs | added p50 µs | direct p99 µs | gateway p99 µs |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    def mark(r: dict) -> str:
+        return "†" if r.get("stabilised_on") == "average" else ""
+
     for p in report["points"]:
         d, g = p["direct"], p["gateway"]
         lines.append(
-            f"| {p['model']} | {p['protocol']} | {p['concurrency']} | {fmt(d.get('infer_per_s'))} | "
-            f"{fmt(g.get('infer_per_s'))} | {fmt(p.get('ratio'), '.3f')} | {fmt(d.get('p50_us'))} | "
+            f"| {p['model']} | {p['protocol']} | {p['concurrency']} | {fmt(d.get('infer_per_s'))}{mark(d)} | "
+            f"{fmt(g.get('infer_per_s'))}{mark(g)} | {fmt(p.get('ratio'), '.3f')} | {fmt(d.get('p50_us'))} | "
             f"{fmt(g.get('p50_us'))} | {fmt(p.get('added_p50_us'))} | {fmt(d.get('p99_us'))} | {fmt(g.get('p99_us'))} |"
         )
+    lines += ["", "† stabilised on the average latency: p99 would not settle within the trials (perf_analyzer "
+              "still reports the percentiles)."]
     if any("relay" in p for p in report["points"]):
         lines += [
             "",
@@ -199,7 +204,7 @@ def write_markdown(path: Path, report: dict) -> None:
             per_req = (10_000 * rc["relay"] / r["infer_per_s"]
                        if rc.get("relay") is not None and r.get("infer_per_s") else None)
             lines.append(
-                f"| {p['model']} | {p['protocol']} | {p['concurrency']} | {fmt(r.get('infer_per_s'))} | "
+                f"| {p['model']} | {p['protocol']} | {p['concurrency']} | {fmt(r.get('infer_per_s'))}{mark(r)} | "
                 f"{fmt(p.get('relay_ratio'), '.3f')} | {fmt(p.get('relay_added_p50_us'))} | "
                 f"{fmt(p.get('ratio'), '.3f')} | {fmt(p.get('added_p50_us'))} | {fmt(per_req, '.0f')} |"
             )

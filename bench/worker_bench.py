@@ -357,8 +357,7 @@ def run_perf_analyzer(pa: Path, worker: Worker, model: str, protocol: str, concu
     csv_path = workdir / f"pa-{model}-{protocol}-c{concurrency}.csv"
     base = [str(pa), "-m", model, "-u", url, "-i", wire, "-b", "1",
             "--concurrency-range", f"{concurrency}:{concurrency}",
-            "--measurement-interval", str(args.interval_ms),
-            "--percentile=99"]
+            "--measurement-interval", str(args.interval_ms)]
     if args.pa_mode == "async":
         base += ["--async", "--max-threads", str(args.pa_max_threads)]
     else:
@@ -367,17 +366,23 @@ def run_perf_analyzer(pa: Path, worker: Worker, model: str, protocol: str, concu
         base += ["--shared-memory", "system", "--output-shared-memory-size", "65536"]
     if wire == "http" and args.http_input_data:
         base += ["--input-data", args.http_input_data]
-    attempts = [(args.stability, args.max_trials)]
+    # Stabilised on p99 first; a point whose p99 will not settle (concurrency 1 on shared cores,
+    # where one descheduled request moves it) is measured again stabilised on the average
+    # latency — perf_analyzer still reports the percentiles.
+    attempts = [(args.stability, args.max_trials, True)]
     if args.retry_unstable:
-        attempts.append((max(args.stability, 50), 3))
+        attempts.append((max(args.stability, 50), 3, True))
+        attempts.append((args.stability, args.max_trials, False))
     record: dict = {"model": model, "protocol": protocol, "concurrency": concurrency, "attempts": []}
     t_end = time.monotonic() + timeout
-    for stability, trials in attempts:
+    for stability, trials, on_p99 in attempts:
         left = t_end - time.monotonic()
         if left < 5:
             break
         csv_path.unlink(missing_ok=True)
         cmd = base + ["--stability-percentage", str(stability), "--max-trials", str(trials), "-f", str(csv_path)]
+        if on_p99:
+            cmd.append("--percentile=99")
         before = worker.stats(model)
         t0 = time.monotonic()
         res = sh(cmd, timeout=left)
@@ -386,14 +391,15 @@ def run_perf_analyzer(pa: Path, worker: Worker, model: str, protocol: str, concu
         (workdir / f"pa-{model}-{protocol}-c{concurrency}.log").write_text(res.stdout or "")
         parsed = parse_pa_csv(csv_path)
         attempt = {"cmd": " ".join(cmd), "rc": res.returncode, "wall_s": round(wall, 1),
-                   "stability": stability, "max_trials": trials,
+                   "stability": stability, "max_trials": trials, "stabilised_on": "p99" if on_p99 else "average",
                    "unstable": "Failed to obtain stable measurement" in (res.stdout or "")}
         if res.returncode != 0 or parsed is None:
             attempt["output_tail"] = "\n".join((res.stdout or "").splitlines()[-15:])
         record["attempts"].append(attempt)
         if parsed is not None:
             record.update({"ok": True, "pa": parsed, "server": stats_delta(before, after),
-                           "unstable": attempt["unstable"], "stability_used": stability})
+                           "unstable": attempt["unstable"], "stability_used": stability,
+                           "stabilised_on": attempt["stabilised_on"]})
             return record
         if not worker.alive():
             break
@@ -424,6 +430,7 @@ def pa_fields(rec: dict) -> dict:
         "server_compute_infer_us": g("Server Compute Infer"),
         "server_compute_output_us": g("Server Compute Output"),
         "client_recv_us": g("Client Recv"),
+        "stabilised_on": rec.get("stabilised_on"),
     }
 
 
