@@ -20,7 +20,7 @@ use futures::future::BoxFuture;
 use nereid_proto::inference::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use nereid_proto::inference::*;
 use nereid_worker::grpc::InferStream;
-use nereid_worker::grpc::convert::{deadline_margin, grpc_deadline, parse_grpc_timeout};
+use nereid_worker::grpc::convert::grpc_timeout_deadline;
 use nereid_worker::server::parse_version;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -54,20 +54,16 @@ pub struct GatewayGrpc {
 
 /// The client's deadline from `grpc-timeout` or `x-nereid-deadline-ms`, the earlier of both.
 fn client_deadline(metadata: &tonic::metadata::MetadataMap, now: Instant) -> Option<Instant> {
-    let grpc = grpc_deadline(metadata, now);
-    let header = metadata.get(DEADLINE_HEADER).and_then(|v| v.to_str().ok()).and_then(|v| parse_deadline_ms(v, now));
-    match (grpc, header) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
+    deadline_from(|name| metadata.get(name)?.to_str().ok(), now)
 }
 
 /// [`client_deadline`] from a call's HTTP/2 headers, before tonic has made them metadata.
 fn header_deadline(headers: &http::HeaderMap, now: Instant) -> Option<Instant> {
-    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    let grpc = text("grpc-timeout")
-        .and_then(parse_grpc_timeout)
-        .and_then(|timeout| now.checked_add(timeout - deadline_margin(timeout)));
+    deadline_from(|name| headers.get(name)?.to_str().ok(), now)
+}
+
+fn deadline_from<'a>(text: impl Fn(&str) -> Option<&'a str>, now: Instant) -> Option<Instant> {
+    let grpc = text("grpc-timeout").and_then(|v| grpc_timeout_deadline(v, now));
     let header = text(DEADLINE_HEADER).and_then(|v| parse_deadline_ms(v, now));
     match (grpc, header) {
         (Some(a), Some(b)) => Some(a.min(b)),

@@ -466,7 +466,12 @@ pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
 /// core answer first, with DEADLINE_EXCEEDED (what Triton answers, and what the statistics
 /// should count), in all but pathological cases (a body slower to arrive than the margin).
 pub fn grpc_deadline(metadata: &tonic::metadata::MetadataMap, now: Instant) -> Option<Instant> {
-    let timeout = parse_grpc_timeout(metadata.get("grpc-timeout")?.to_str().ok()?)?;
+    grpc_timeout_deadline(metadata.get("grpc-timeout")?.to_str().ok()?, now)
+}
+
+/// [`grpc_deadline`] from a `grpc-timeout` header's text.
+pub fn grpc_timeout_deadline(value: &str, now: Instant) -> Option<Instant> {
+    let timeout = parse_grpc_timeout(value)?;
     now.checked_add(timeout - deadline_margin(timeout))
 }
 
