@@ -12,14 +12,28 @@
 //! made while the worker cannot be reached fails fast with a *connect* error, which the retry
 //! policy knows was never sent). An idle connection is probed with HTTP/2 PINGs and closed when
 //! the worker stops answering them, failing its open calls.
+//!
+//! When a connection breaks, h2 fails every open call alike, whether or not its request ever
+//! left the gateway. The socket is watched ([`Observed`]) so that a call can tell two cases
+//! apart where the worker provably never saw its request, and be retried (gRPC's "transparent
+//! retry"): nothing was written to the socket after the request was queued (a worker killed
+//! with requests unread in its socket resets the connection, and the write of a request queued
+//! after that fails), or the worker never sent a byte on the connection (an HTTP/2 server
+//! writes its SETTINGS before it reads a request; a worker killed while its kernel was still
+//! completing our connection accepted it in no process). A worker that closed the connection
+//! cleanly (a FIN: it had read everything) is not caught this way: a request queued before the
+//! gateway's event loop noticed is written into the closed socket and fails as Broken.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use h2::client::SendRequest;
 use http::HeaderMap;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 /// Time to establish the TCP connection and the HTTP/2 handshake with a worker (the control
@@ -58,21 +72,109 @@ pub struct H2Channel {
 #[derive(Debug)]
 struct Live {
     send: SendRequest<Bytes>,
-    closed: Arc<AtomicBool>,
+    wire: Arc<Wire>,
 }
 
 impl Drop for Live {
     fn drop(&mut self) {
         // The connection task ends once every handle is gone and its streams are done; marking it
         // closed makes sure no later call picks it up meanwhile.
-        self.closed.store(true, Ordering::Relaxed);
+        self.wire.closed.store(true, Ordering::Relaxed);
+    }
+}
+
+/// What is known of one connection's socket.
+#[derive(Debug, Default)]
+struct Wire {
+    /// No call may use it any more (it failed, or nobody drives it).
+    closed: AtomicBool,
+    /// Bytes the gateway has written to the socket.
+    written: AtomicU64,
+    /// Whether the worker has sent a byte on it.
+    heard: AtomicBool,
+}
+
+impl Wire {
+    fn written(&self) -> u64 {
+        self.written.load(Ordering::Acquire)
+    }
+
+    /// Why a call whose request was queued when `written_before` bytes had been written, and
+    /// that failed with the connection before any answer, provably never reached the worker;
+    /// `None` where it may have.
+    ///
+    /// The counters are read after h2 reported the failure, which the connection task recorded
+    /// after its last read or write: what they show includes every byte moved before it.
+    fn unsent(&self, written_before: u64) -> Option<&'static str> {
+        if !self.heard.load(Ordering::Acquire) {
+            Some("the worker never spoke on the connection, so it never read the request")
+        } else if self.written() == written_before {
+            Some("the connection failed before the request was written")
+        } else {
+            None
+        }
+    }
+}
+
+/// A worker connection's socket, counting what crosses it (see [`Wire`]).
+struct Observed {
+    io: TcpStream,
+    wire: Arc<Wire>,
+}
+
+impl AsyncRead for Observed {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let read = Pin::new(&mut self.io).poll_read(cx, buf);
+        if buf.filled().len() > before && !self.wire.heard.load(Ordering::Relaxed) {
+            self.wire.heard.store(true, Ordering::Release);
+        }
+        read
+    }
+}
+
+impl Observed {
+    fn count(&self, written: Poll<std::io::Result<usize>>) -> Poll<std::io::Result<usize>> {
+        if let Poll::Ready(Ok(n)) = written {
+            self.wire.written.fetch_add(n as u64, Ordering::Release);
+        }
+        written
+    }
+}
+
+impl AsyncWrite for Observed {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        let written = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.count(written)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let written = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.count(written)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
 
 /// A failed call, by what it proves (the caller classifies the status it carries).
 #[derive(Debug)]
 pub enum CallError {
-    /// Connecting failed, or the connection refused the new stream before anything was sent.
+    /// Connecting failed, or the connection refused the new stream before anything was sent,
+    /// or failed before the request could reach the worker (see [`Wire::unsent`]).
     Connect(std::io::Error),
     /// The connection or stream failed (h2 says whether the worker processed the stream).
     H2(h2::Error),
@@ -103,11 +205,11 @@ impl H2Channel {
         })
     }
 
-    /// The current connection's handle and its *closed* flag, unless it is marked closed.
-    fn live(&self) -> Option<(SendRequest<Bytes>, Arc<AtomicBool>)> {
+    /// The current connection's handle and what is known of it, unless it is marked closed.
+    fn live(&self) -> Option<(SendRequest<Bytes>, Arc<Wire>)> {
         let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
         match current.as_ref() {
-            Some(live) if !live.closed.load(Ordering::Relaxed) => Some((live.send.clone(), live.closed.clone())),
+            Some(live) if !live.wire.closed.load(Ordering::Relaxed) => Some((live.send.clone(), live.wire.clone())),
             Some(_) => {
                 *current = None;
                 None
@@ -118,10 +220,7 @@ impl H2Channel {
 
     /// The live connection, or a new one; `on_connect` hears of each attempt this call makes
     /// (`true`: connected).
-    async fn sender(
-        &self,
-        on_connect: &(dyn Fn(bool) + Sync),
-    ) -> Result<(SendRequest<Bytes>, Arc<AtomicBool>), CallError> {
+    async fn sender(&self, on_connect: &(dyn Fn(bool) + Sync)) -> Result<(SendRequest<Bytes>, Arc<Wire>), CallError> {
         if let Some(live) = self.live() {
             return Ok(live);
         }
@@ -139,7 +238,7 @@ impl H2Channel {
             Err(CallError::Connect(std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")))
         });
         on_connect(attempt.is_ok());
-        let (send, closed) = match attempt {
+        let (send, wire) = match attempt {
             Ok(live) => live,
             Err(CallError::Connect(e)) => {
                 *self.failed.lock().unwrap_or_else(|e| e.into_inner()) =
@@ -148,14 +247,15 @@ impl H2Channel {
             }
             Err(e) => return Err(e),
         };
-        *self.current.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(Live { send: send.clone(), closed: closed.clone() });
-        Ok((send, closed))
+        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(Live { send: send.clone(), wire: wire.clone() });
+        Ok((send, wire))
     }
 
-    async fn connect(&self) -> Result<(SendRequest<Bytes>, Arc<AtomicBool>), CallError> {
+    async fn connect(&self) -> Result<(SendRequest<Bytes>, Arc<Wire>), CallError> {
         let tcp = TcpStream::connect(&self.address).await.map_err(CallError::Connect)?;
         tcp.set_nodelay(true).map_err(CallError::Connect)?;
+        let wire = Arc::new(Wire::default());
+        let tcp = Observed { io: tcp, wire: wire.clone() };
         let (send, mut connection) = h2::client::Builder::new()
             .initial_window_size(self.settings.stream_window)
             .initial_connection_window_size(self.settings.connection_window)
@@ -163,10 +263,9 @@ impl H2Channel {
             .handshake::<_, Bytes>(tcp)
             .await
             .map_err(|e| CallError::Connect(std::io::Error::other(e)))?;
-        let closed = Arc::new(AtomicBool::new(false));
         let mut ping = connection.ping_pong();
         let address = self.address.clone();
-        let done = closed.clone();
+        let done = wire.clone();
         let (interval, timeout) = (self.settings.keepalive_interval, self.settings.keepalive_timeout);
         tokio::spawn(async move {
             let keepalive = async {
@@ -189,10 +288,10 @@ impl H2Channel {
             }
             // Marked before the connection is dropped (which fails its open streams), so that no
             // new call queues a stream on a connection nobody drives any more.
-            done.store(true, Ordering::Relaxed);
+            done.closed.store(true, Ordering::Relaxed);
             drop(connection);
         });
-        Ok((send, closed))
+        Ok((send, wire))
     }
 
     /// One unary call: `message` (an encoded protobuf) to `path`, with `timeout` sent as
@@ -220,16 +319,18 @@ impl H2Channel {
     ) -> Result<(HeaderMap, Bytes), CallError> {
         // A connection that closed a moment ago may not be marked yet: one that refuses the
         // new stream is retired and the call goes to a fresh one (nothing was sent on it).
-        let (send, mut closed) = self.sender(on_connect).await?;
+        let (send, mut wire) = self.sender(on_connect).await?;
         let mut send = match send.ready().await {
             Ok(send) => send,
             Err(_) => {
-                closed.store(true, Ordering::Relaxed);
+                wire.closed.store(true, Ordering::Relaxed);
                 let (send, fresh) = self.sender(on_connect).await?;
-                closed = fresh;
-                send.ready().await.map_err(|e| broken(e, true, &closed))?
+                wire = fresh;
+                send.ready().await.map_err(|e| broken(e, true, &wire))?
             }
         };
+        // Read before the request is queued: the connection task may write it at once.
+        let written_before = wire.written();
         let request = http::Request::builder()
             .method(http::Method::POST)
             .uri(
@@ -245,19 +346,25 @@ impl H2Channel {
             .header("grpc-timeout", grpc_timeout(timeout))
             .body(())
             .expect("static header names and values");
-        let (response, mut body) = send.send_request(request, false).map_err(|e| broken(e, true, &closed))?;
+        let (response, mut body) = send.send_request(request, false).map_err(|e| broken(e, true, &wire))?;
         // Queued behind the HEADERS: all leave in the connection's next write.
         let prefix = grpc_prefix(parts.iter().map(Bytes::len).sum()).map_err(CallError::Status)?;
-        body.send_data(prefix, false).map_err(|e| broken(e, true, &closed))?;
+        body.send_data(prefix, false).map_err(|e| broken(e, true, &wire))?;
         let [first, second] = parts;
         if second.is_empty() {
-            body.send_data(first, true).map_err(|e| broken(e, true, &closed))?;
+            body.send_data(first, true).map_err(|e| broken(e, true, &wire))?;
         } else {
-            body.send_data(first, false).map_err(|e| broken(e, true, &closed))?;
-            body.send_data(second, true).map_err(|e| broken(e, true, &closed))?;
+            body.send_data(first, false).map_err(|e| broken(e, true, &wire))?;
+            body.send_data(second, true).map_err(|e| broken(e, true, &wire))?;
         }
 
-        let response = response.await.map_err(|e| broken(e, false, &closed))?;
+        let response = response.await.map_err(|e| match wire.unsent(written_before) {
+            Some(why) if e.is_io() => {
+                wire.closed.store(true, Ordering::Relaxed);
+                CallError::Connect(std::io::Error::other(format!("{e} ({why})")))
+            }
+            _ => broken(e, false, &wire),
+        })?;
         let (parts, mut stream) = response.into_parts();
         if parts.status != http::StatusCode::OK {
             // A grpc-status, where a proxy left one, says more than the HTTP status.
@@ -276,11 +383,11 @@ impl H2Channel {
         }
         let mut chunks: Vec<Bytes> = Vec::with_capacity(1);
         while let Some(chunk) = stream.data().await {
-            let chunk = chunk.map_err(|e| broken(e, false, &closed))?;
+            let chunk = chunk.map_err(|e| broken(e, false, &wire))?;
             let _ = stream.flow_control().release_capacity(chunk.len());
             chunks.push(chunk);
         }
-        let trailers = stream.trailers().await.map_err(|e| broken(e, false, &closed))?;
+        let trailers = stream.trailers().await.map_err(|e| broken(e, false, &wire))?;
         match trailers.as_ref().and_then(tonic::Status::from_header_map) {
             Some(status) if status.code() == tonic::Code::Ok => {}
             Some(status) => return Err(CallError::Status(status)),
@@ -291,12 +398,12 @@ impl H2Channel {
     }
 }
 
-/// An h2 error on a call made on the connection whose *closed* flag is `closed`;
-/// `before_sending`: the request cannot have reached the worker whole (its last DATA frame was
-/// not queued). A connection-level failure marks that connection — not a newer one — closed.
-fn broken(e: h2::Error, before_sending: bool, closed: &AtomicBool) -> CallError {
+/// An h2 error on a call made on the connection `wire`; `before_sending`: the request cannot
+/// have reached the worker whole (its last DATA frame was not queued). A connection-level
+/// failure marks that connection — not a newer one — closed.
+fn broken(e: h2::Error, before_sending: bool, wire: &Wire) -> CallError {
     if e.is_io() || e.is_go_away() {
-        closed.store(true, Ordering::Relaxed);
+        wire.closed.store(true, Ordering::Relaxed);
     }
     if before_sending { CallError::Connect(std::io::Error::other(e)) } else { CallError::H2(e) }
 }
@@ -605,6 +712,76 @@ mod tests {
         .unwrap();
         let reversed: Vec<u8> = message.into_iter().rev().collect();
         assert!(answer == reversed, "the answer differs from the reversed message");
+    }
+
+    #[tokio::test]
+    async fn a_call_on_a_connection_the_worker_never_spoke_on_is_known_never_sent() {
+        // The kernel completes the connection, but no HTTP/2 server ever answers on it: it is
+        // read, then dropped (a worker killed while its listener's backlog held our connection).
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 1 << 16];
+            let _ = tokio::io::AsyncReadExt::read(&mut socket, &mut buf).await;
+        });
+        let channel = H2Channel::new(&address, settings()).unwrap();
+        let e = channel.unary("/s/m", Bytes::from_static(b"abc"), Duration::from_secs(5), &|_| {}).await.unwrap_err();
+        let CallError::Connect(e) = e else { panic!("{e:?}") };
+        assert!(e.to_string().contains("never spoke"), "{e}");
+        let status = CallError::Connect(e).into_status();
+        assert_eq!(crate::forward::FailureKind::classify(&status), crate::forward::FailureKind::NotSent);
+    }
+
+    #[test]
+    fn a_call_queued_on_a_connection_that_died_unnoticed_is_known_never_sent() {
+        // The worker, in a thread of its own: answers one call, then resets the connection when
+        // told (as a killed worker's kernel does where requests wait unread) — while the
+        // client's runtime, and so its connection task, is not running.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let (close_tx, close_rx) = std::sync::mpsc::channel::<()>();
+        let (closed_tx, closed_rx) = std::sync::mpsc::channel::<()>();
+        let worker = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                let (socket, _) = listener.accept().await.unwrap();
+                socket.set_zero_linger().unwrap(); // closing resets it
+                let mut conn = h2::server::handshake(socket).await.unwrap();
+                let (request, respond) = conn.accept().await.unwrap().unwrap();
+                let (close, _open) = tokio::sync::mpsc::channel(1);
+                tokio::spawn(answer(request, respond, close));
+                let told = tokio::task::spawn_blocking(move || close_rx.recv());
+                tokio::select! {
+                    _ = told => {}
+                    next = conn.accept() => panic!("the connection went on: {:?}", next.map(|r| r.map(|_| ()))),
+                }
+                drop(conn);
+            });
+            closed_tx.send(()).unwrap();
+        });
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            // No keepalive PING may be pending: it would be written before the failure is read.
+            let quiet = ClientSettings { keepalive_interval: Duration::from_secs(600), ..settings() };
+            let channel = H2Channel::new(&address, quiet).unwrap();
+            let (_, message) =
+                channel.unary("/s/m", Bytes::from_static(b"abc"), Duration::from_secs(5), &|_| {}).await.unwrap();
+            assert_eq!(message, Bytes::from_static(b"cba"));
+            close_tx.send(()).unwrap();
+            // Blocks this runtime on purpose: the closed connection stays unnoticed.
+            closed_rx.recv().unwrap();
+            let e =
+                channel.unary("/s/m", Bytes::from_static(b"xyz"), Duration::from_secs(5), &|_| {}).await.unwrap_err();
+            let CallError::Connect(e) = e else { panic!("{e:?}") };
+            assert!(e.to_string().contains("before the request was written"), "{e}");
+            // The next call connects again (and finds nobody).
+            let e = channel.unary("/s/m", Bytes::from_static(b"x"), Duration::from_secs(5), &|_| {}).await.unwrap_err();
+            assert!(matches!(e, CallError::Connect(_)), "{e:?}");
+        });
+        worker.join().unwrap();
     }
 
     #[tokio::test]

@@ -30,12 +30,11 @@ const MODEL_INFER_PATH: &str = "/inference.GRPCInferenceService/ModelInfer";
 /// What a failed call proves about whether the worker ran the request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FailureKind {
-    /// It never reached the worker: the connection could not be made or refused the new stream
-    /// before the request was queued on it ([`client::CallError::Connect`]), or HTTP/2 says the
-    /// worker did not process the stream (REFUSED_STREAM, or above the last stream id of a
-    /// graceful GOAWAY — a worker shutting down). Safe to retry. (A connection that dies while
-    /// a queued request still waits to be written fails it as Broken: h2 does not say whether
-    /// it was written, so it is not retried.)
+    /// It never reached the worker: the connection could not be made, refused the new stream,
+    /// or failed with nothing written after the request was queued or without the worker ever
+    /// speaking on it ([`client::CallError::Connect`]), or HTTP/2 says the worker did not
+    /// process the stream (REFUSED_STREAM, or above the last stream id of a graceful GOAWAY — a
+    /// worker shutting down). Safe to retry.
     NotSent,
     /// The worker answered UNAVAILABLE: draining, or the model is unloading — it did not run
     /// the request. Safe to retry elsewhere.
