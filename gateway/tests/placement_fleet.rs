@@ -327,3 +327,51 @@ async fn a_placed_version_missing_from_the_repository_fails_and_the_others_serve
     })
     .await;
 }
+
+/// A worker loads the models placed on it side by side (`--model-load-thread-count`): a model
+/// whose load cannot finish — its warm-up reads a FIFO nobody writes yet — does not hold up
+/// another placed after it, which is READY and serving meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placed_models_load_side_by_side() {
+    let config = r#"
+name: "gated_identity"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+model_warmup [ { name: "gate" batch_size: 1 inputs { key: "INPUT0" value {
+  data_type: TYPE_FP32 dims: [ 16 ] input_data_file: "gate" } } } ]
+"#;
+    let repo = common::identity_repo(&[("gated_identity", config)]);
+    let warmup = repo.path().join("gated_identity/warmup");
+    std::fs::create_dir_all(&warmup).unwrap();
+    let fifo = warmup.join("gate");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let w1 = spawn_fleet_worker(&etcd, "w1", &["--model-repository", &repo.path().display().to_string()]);
+    let _gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    wait_registered(&etcd, &["w1"]).await;
+    put(&mut client, "models/gated_identity", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
+    w1.wait_log("the gated load to start", "placement: loading model=gated_identity", WAIT).await;
+    put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
+    wait_until("identity_fp32 READY on w1 while gated_identity loads", WAIT, || async {
+        ready_on(&mut etcd.client().await, "identity_fp32", 1).await == ["w1"]
+    })
+    .await;
+    let request = common::fp32_request("identity_fp32", "1", &[1, 16], |i| i as f32);
+    w1.client().await.model_infer(request).await.unwrap();
+    assert!(ready_on(&mut client, "gated_identity", 1).await.is_empty(), "the gate is still shut");
+
+    // The warm-up reads its file to the end: the reader blocked on the FIFO gets 64 bytes, then
+    // end of file once the writer closes (opening the FIFO read-write never blocks, on Linux).
+    // A plain file of those bytes takes the FIFO's place, for a reader that opens it later.
+    let mut gate = std::fs::OpenOptions::new().read(true).write(true).open(&fifo).unwrap();
+    std::fs::write(warmup.join("plain"), [0u8; 64]).unwrap();
+    std::fs::rename(warmup.join("plain"), &fifo).unwrap();
+    std::io::Write::write_all(&mut gate, &[0u8; 64]).unwrap();
+    drop(gate);
+    wait_until("gated_identity READY on w1", WAIT, || async {
+        ready_on(&mut etcd.client().await, "gated_identity", 1).await == ["w1"]
+    })
+    .await;
+}

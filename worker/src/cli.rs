@@ -126,9 +126,10 @@ pub struct Args {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub http_thread_count: Option<u64>,
 
-    /// Models loaded at once at start: reading each model, creating its ONNX Runtime sessions
-    /// and its warm-up run on this many threads (ensembles are put in place after the models
-    /// they compose).
+    /// Models loaded at once (at start, through the repository API, by POLL or by fleet
+    /// placement): reading each model, creating its ONNX Runtime sessions and its warm-up run
+    /// on this many threads. One model's loads and unloads still run in order; ensembles are
+    /// put in place after the models they compose.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=256))]
     pub model_load_thread_count: u64,
 

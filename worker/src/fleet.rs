@@ -21,7 +21,7 @@
 //! instead of leaving the worker following a history that no longer advances.
 //!
 //! Loads and unloads run in a separate task (the *reconciler*) so a slow model load never
-//! delays a keep-alive.
+//! delays a keep-alive; up to `--model-load-thread-count` placed models load at once.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
@@ -208,8 +208,8 @@ type Failures = Arc<Mutex<HashMap<String, String>>>;
 /// Models no longer placed here that still serve during the unload grace.
 type Retiring = Arc<Mutex<BTreeSet<String>>>;
 
-/// The model whose placement the reconciler is loading now.
-type Loading = Arc<Mutex<Option<String>>>;
+/// The models whose placement the reconciler is loading now.
+type Loading = Arc<Mutex<BTreeSet<String>>>;
 
 struct Session<'a> {
     options: &'a FleetOptions,
@@ -470,13 +470,8 @@ impl Session<'_> {
         let failures = self.failures.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let retiring = self.retiring.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let loading = self.loading.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let current = model_statuses(
-            &self.repository.held_index(),
-            &self.view.placement,
-            &failures,
-            &retiring,
-            loading.as_deref(),
-        );
+        let current =
+            model_statuses(&self.repository.held_index(), &self.view.placement, &failures, &retiring, &loading);
         let keys = &self.options.keys;
         let id = &self.options.record.id;
         let lease = self.lease.unwrap_or(0);
@@ -508,7 +503,7 @@ fn model_statuses(
     placement: &Placement,
     failures: &HashMap<String, String>,
     retiring: &BTreeSet<String>,
-    loading: Option<&str>,
+    loading: &BTreeSet<String>,
 ) -> BTreeMap<(String, i64), StatusRecord> {
     let status =
         |state, reason: &str| StatusRecord { schema: records::SCHEMA_VERSION, state, reason: reason.to_string() };
@@ -528,13 +523,13 @@ fn model_statuses(
                 continue;
             }
             let s = match (row.map(|r| r.state.as_str()), failures.get(model)) {
-                _ if loading == Some(model.as_str()) => status(ModelState::Loading, ""),
+                _ if loading.contains(model) => status(ModelState::Loading, ""),
                 (Some("LOADING"), _) => status(ModelState::Loading, ""),
                 (_, Some(reason)) => status(ModelState::Failed, reason),
                 (Some("UNAVAILABLE"), None) if row.is_some_and(|r| r.reason != "unloaded") => {
                     status(ModelState::Failed, &row.map(|r| r.reason.clone()).unwrap_or_default())
                 }
-                // Its load has not started: the reconciler loads one model at a time. The
+                // Its load has not started: the reconciler loads a few models at a time. The
                 // placement controller gives a pending load four times its load timeout.
                 _ => status(ModelState::Loading, records::PENDING_REASON),
             };
@@ -546,7 +541,9 @@ fn model_statuses(
 
 /// Applies each new placement to the repository: loads a model whose placed versions changed
 /// (exactly those versions), unloads one no longer placed here. A failed load is remembered
-/// (reported FAILED) and not retried until its placement changes.
+/// (reported FAILED) and not retried until its placement changes. Up to `load_threads` models
+/// load at once (the repository bounds its builds the same way); a model whose placement
+/// changes while it loads is loaded again, as placed now, once that load is done.
 ///
 /// A model no longer placed is not unloaded at once: for `grace` it keeps serving while no
 /// longer published READY, so gateways whose watches have not caught up yet (and still route
@@ -559,14 +556,20 @@ async fn reconcile(
     loading: Loading,
     grace: Duration,
 ) {
+    let limit = repository.options().load_threads.max(1);
+    // What each placed model was last asked to load (loading now, or done).
     let mut applied = Placement::new();
+    // Each running load says why it failed, if it did; `tasks` names their models.
+    let mut loads: tokio::task::JoinSet<Option<String>> = tokio::task::JoinSet::new();
+    let mut tasks: HashMap<tokio::task::Id, String> = HashMap::new();
     // Models whose placement was removed, still loaded: when they unload, and with which
-    // versions. Unloads happen here, in this one task, so a re-placement and an unload of the
-    // same model can never cross.
+    // versions. Unloads happen here, in this one task, and never for a model loading now, so a
+    // re-placement and an unload of the same model can never cross.
     let mut retired: BTreeMap<String, (tokio::time::Instant, BTreeSet<i64>)> = BTreeMap::new();
     let set_retiring = |retired: &BTreeMap<String, (tokio::time::Instant, BTreeSet<i64>)>| {
         *retiring.lock().unwrap_or_else(|e| e.into_inner()) = retired.keys().cloned().collect();
     };
+    let in_flight = || loading.lock().unwrap_or_else(|e| e.into_inner()).clone();
     loop {
         let next_unload = retired.values().map(|(at, _)| *at).min();
         tokio::select! {
@@ -576,6 +579,19 @@ async fn reconcile(
             changed = desired.changed() => {
                 if changed.is_err() {
                     break;
+                }
+            }
+            Some(done) = loads.join_next_with_id(), if !loads.is_empty() => {
+                let (model, failure) = match done {
+                    Ok((id, failure)) => (tasks.remove(&id).unwrap_or_default(), failure),
+                    // Only a panic ends a load task early (the set is never aborted while this
+                    // loop runs): its model is reported failed.
+                    Err(e) => (tasks.remove(&e.id()).unwrap_or_default(), Some(format!("the load task failed: {e}"))),
+                };
+                loading.lock().unwrap_or_else(|e| e.into_inner()).remove(&model);
+                if let Some(reason) = failure {
+                    tracing::warn!(%model, "placement: load failed: {reason}");
+                    failures.lock().unwrap_or_else(|e| e.into_inner()).insert(model, reason);
                 }
             }
             _ = tokio::time::sleep_until(next_unload.unwrap_or_else(tokio::time::Instant::now)), if next_unload.is_some() => {
@@ -593,6 +609,7 @@ async fn reconcile(
             }
         }
         let Some(want) = desired.borrow_and_update().clone() else { continue };
+        let busy = in_flight();
         // Placed again while serving out the grace: with the same versions it simply stays.
         for (model, versions) in &want {
             if let Some((_, had)) = retired.remove(model)
@@ -603,37 +620,22 @@ async fn reconcile(
         }
         set_retiring(&retired);
         for (model, versions) in &want {
-            if applied.get(model) == Some(versions) {
-                continue;
+            if applied.get(model) == Some(versions) || busy.contains(model) {
+                continue; // as placed, or loading: looked at again once that load is done
+            }
+            if loading.lock().unwrap_or_else(|e| e.into_inner()).len() >= limit {
+                break; // the rest wait their turn (reported pending)
             }
             applied.insert(model.clone(), versions.clone());
             failures.lock().unwrap_or_else(|e| e.into_inner()).remove(model);
             tracing::info!(%model, ?versions, "placement: loading");
-            *loading.lock().unwrap_or_else(|e| e.into_inner()) = Some(model.clone());
-            let loaded = repository.load_versions(model, versions.iter().copied().collect()).await;
-            *loading.lock().unwrap_or_else(|e| e.into_inner()) = None;
-            let failure = match loaded {
-                Err(e) => Some(e.message),
-                // A `specific` load serves the versions found on disk: a placed one that is not
-                // there will not come by waiting.
-                Ok(()) => {
-                    let served: BTreeSet<i64> = repository
-                        .held_index()
-                        .iter()
-                        .filter(|e| e.name == *model && e.state == "READY")
-                        .filter_map(|e| e.version.parse().ok())
-                        .collect();
-                    let missing: Vec<String> = versions.difference(&served).map(i64::to_string).collect();
-                    (!missing.is_empty())
-                        .then(|| format!("version {} of '{model}' is not in the model repository", missing.join(", ")))
-                }
-            };
-            if let Some(reason) = failure {
-                tracing::warn!(%model, "placement: load failed: {reason}");
-                failures.lock().unwrap_or_else(|e| e.into_inner()).insert(model.clone(), reason);
-            }
+            loading.lock().unwrap_or_else(|e| e.into_inner()).insert(model.clone());
+            let (repository, name, versions) = (repository.clone(), model.clone(), versions.clone());
+            let id = loads.spawn(async move { load_placed(&repository, &name, &versions).await }).id();
+            tasks.insert(id, model.clone());
         }
-        let removed: Vec<String> = applied.keys().filter(|m| !want.contains_key(*m)).cloned().collect();
+        let removed: Vec<String> =
+            applied.keys().filter(|m| !want.contains_key(*m) && !busy.contains(*m)).cloned().collect();
         for model in removed {
             let versions = applied.remove(&model).unwrap_or_default();
             failures.lock().unwrap_or_else(|e| e.into_inner()).remove(&model);
@@ -641,6 +643,26 @@ async fn reconcile(
             retired.insert(model, (tokio::time::Instant::now() + grace, versions));
         }
         set_retiring(&retired);
+    }
+}
+
+/// Loads exactly `versions` of `model`; why that failed, if it did.
+async fn load_placed(repository: &Repository, model: &str, versions: &BTreeSet<i64>) -> Option<String> {
+    match repository.load_versions(model, versions.iter().copied().collect()).await {
+        Err(e) => Some(e.message),
+        // A `specific` load serves the versions found on disk: a placed one that is not there
+        // will not come by waiting.
+        Ok(()) => {
+            let served: BTreeSet<i64> = repository
+                .held_index()
+                .iter()
+                .filter(|e| e.name == model && e.state == "READY")
+                .filter_map(|e| e.version.parse().ok())
+                .collect();
+            let missing: Vec<String> = versions.difference(&served).map(i64::to_string).collect();
+            (!missing.is_empty())
+                .then(|| format!("version {} of '{model}' is not in the model repository", missing.join(", ")))
+        }
     }
 }
 
@@ -671,7 +693,7 @@ mod tests {
         .into();
         let failures = HashMap::from([("e".to_string(), "failed to load 'e': boom".to_string())]);
         // The reconciler is loading `a` (its version 2 next to the READY 1).
-        let s = model_statuses(&index, &placement, &failures, &BTreeSet::new(), Some("a"));
+        let s = model_statuses(&index, &placement, &failures, &BTreeSet::new(), &BTreeSet::from(["a".to_string()]));
         let show: Vec<String> =
             s.iter().map(|((m, v), r)| format!("{m}/{v}={}:{}", r.state.name(), r.reason)).collect();
         let pending = format!("d/1=LOADING:{}", records::PENDING_REASON);
@@ -688,12 +710,12 @@ mod tests {
             ]
         );
         // Nothing loading now: `a`'s version 2 waits its turn too.
-        let s = model_statuses(&index, &placement, &failures, &BTreeSet::new(), None);
+        let s = model_statuses(&index, &placement, &failures, &BTreeSet::new(), &BTreeSet::new());
         assert_eq!(s[&("a".to_string(), 2)].reason, records::PENDING_REASON);
         // A model serving out its unload grace (placement removed) is no longer READY.
         let retiring = BTreeSet::from(["a".to_string()]);
         let unplaced: Placement = placement.into_iter().filter(|(m, _)| m != "a").collect();
-        let s = model_statuses(&index, &unplaced, &failures, &retiring, None);
+        let s = model_statuses(&index, &unplaced, &failures, &retiring, &BTreeSet::new());
         assert!(!s.keys().any(|(m, _)| m == "a"), "{s:?}");
         assert!(s.contains_key(&("e".to_string(), 1)));
     }

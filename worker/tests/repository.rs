@@ -590,3 +590,41 @@ async fn a_model_unloaded_while_it_is_built_at_start_stays_unloaded() {
     assert!(repo.infer(identity_request("a_gated", None)).await.is_err(), "still serving");
     assert!(repo.infer(identity_request("b_free", None)).await.is_ok());
 }
+
+/// Loads through the repository API build side by side (outside the change lock): `b_free`
+/// loads and serves while `a_gated` is still being built. One model's changes still run in
+/// order: an unload of `a_gated` issued during its build waits for the load, then stands.
+#[tokio::test(flavor = "current_thread")]
+async fn api_loads_build_side_by_side_and_one_models_changes_run_in_order() {
+    let (dir, mut gate) = gated_repo();
+    let repo = repository(dir.path(), ControlMode::Explicit, false);
+    let gated = tokio::spawn({
+        let repo = repo.clone();
+        async move { repo.load("a_gated", None).await }
+    });
+    common::eventually("a_gated LOADING", || state(&repo, "a_gated").as_deref() == Some("LOADING")).await;
+    tokio::time::timeout(std::time::Duration::from_secs(60), repo.load("b_free", None))
+        .await
+        .expect("b_free's load waited for a_gated's build")
+        .unwrap();
+    repo.infer(identity_request("b_free", None)).await.unwrap();
+    assert_eq!(state(&repo, "a_gated").as_deref(), Some("LOADING"));
+
+    let unload = tokio::spawn({
+        let repo = repo.clone();
+        async move { repo.unload("a_gated").await }
+    });
+    // On this one-thread runtime the unload task runs at each yield: it would finish at its
+    // first run if it did not wait for the load.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert!(!unload.is_finished(), "the unload ran in the middle of the load");
+    assert_eq!(state(&repo, "a_gated").as_deref(), Some("LOADING"));
+    gate.open();
+    gated.await.unwrap().unwrap();
+    unload.await.unwrap().unwrap();
+    assert_eq!(state(&repo, "a_gated").as_deref(), Some("UNAVAILABLE"), "{:?}", repo.index(false));
+    assert!(repo.infer(identity_request("a_gated", None)).await.is_err(), "still serving");
+    assert!(repo.infer(identity_request("b_free", None)).await.is_ok());
+}

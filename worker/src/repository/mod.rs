@@ -122,8 +122,14 @@ pub struct Repository {
     options: RepositoryOptions,
     metrics: Arc<Metrics>,
     slots: RwLock<HashMap<String, Slot>>,
-    /// Serializes loads and unloads (requests never take it).
+    /// Serializes changes to the table (requests never take it). A load builds its model
+    /// outside it, taking it to read the model's state before and to put the model in place
+    /// after.
     changes: tokio::sync::Mutex<()>,
+    /// Each model's turn: the loads and unloads of one model run one at a time, in order.
+    turns: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Bounds the models built at once outside start-up (`load_threads`).
+    builds: tokio::sync::Semaphore,
     startup_done: AtomicBool,
     draining: AtomicBool,
     /// POLL: the files each model had at its last load attempt, so an unchanged broken model
@@ -142,6 +148,25 @@ pub struct Repository {
 /// against strict readiness.
 const UNLOADED: &str = "unloaded";
 
+/// A model's turn, held (see [`Repository::turn`]); the last holder removes its entry.
+struct Turn<'a> {
+    turns: &'a std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    name: String,
+    lock: Arc<tokio::sync::Mutex<()>>,
+    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        self.guard = None;
+        let mut turns = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+        // Held by the table and this guard only: nobody else waits for the turn.
+        if Arc::strong_count(&self.lock) == 2 {
+            turns.remove(&self.name);
+        }
+    }
+}
+
 /// What a failed load task said: its panic's message, or why it did not finish.
 fn panic_message(e: tokio::task::JoinError) -> String {
     match e.try_into_panic() {
@@ -155,11 +180,14 @@ fn panic_message(e: tokio::task::JoinError) -> String {
 
 impl Repository {
     pub fn new(options: RepositoryOptions, metrics: Arc<Metrics>) -> Self {
+        let builds = options.load_threads.max(1);
         Repository {
             options,
             metrics,
             slots: RwLock::new(HashMap::new()),
             changes: tokio::sync::Mutex::new(()),
+            turns: Default::default(),
+            builds: tokio::sync::Semaphore::new(builds),
             startup_done: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             attempted: Default::default(),
@@ -691,14 +719,55 @@ impl Repository {
         Ok(())
     }
 
+    /// Waits for `name`'s turn (see [`Repository::turns`]) and holds it until the guard drops.
+    async fn turn(&self, name: &str) -> Turn<'_> {
+        let lock = self.turns.lock().unwrap_or_else(|e| e.into_inner()).entry(name.to_string()).or_default().clone();
+        let guard = lock.clone().lock_owned().await;
+        Turn { turns: &self.turns, name: name.to_string(), lock, guard: Some(guard) }
+    }
+
+    /// Loads (or reloads) `name` in its turn. The model is built — files read, ONNX Runtime
+    /// sessions created, warm-up run — outside the change lock, up to `load_threads` models at
+    /// once, so loads of different models proceed side by side and nothing else waits on a
+    /// slow one; it is put in place under the lock. Should another change have touched the
+    /// model meanwhile (an ensemble loading it as a composing model, or naming other versions
+    /// of it), it is built again under the lock, as that change left it.
     async fn load_inner(
         &self,
         name: &str,
         config_override: Option<String>,
         versions: Option<Vec<i64>>,
     ) -> Result<(), Status> {
+        let _turn = self.turn(name).await;
+        let permit = self.builds.acquire().await.expect("the build semaphore is never closed");
+        let (previous, serving, also) = {
+            let _serial = self.changes.lock().await;
+            let previous = self.slot(name);
+            let serving = previous.as_ref().and_then(|s| s.model.clone());
+            self.set_slot(name, Slot { state: State::Loading, model: serving.clone(), reload_error: None });
+            (previous, serving, self.ensemble_named_versions(name))
+        };
+        let (options, metrics) = (self.options.clone(), self.metrics.clone());
+        let (task, config, wanted, named) = (name.to_string(), config_override.clone(), versions.clone(), also.clone());
+        let result = tokio::task::spawn_blocking(move || {
+            load::load_model(&options, &task, config, wanted.as_deref(), &named, &metrics)
+        })
+        .await
+        .unwrap_or_else(|e| Err(Status::internal(format!("model load panicked: {}", panic_message(e)))));
+        drop(permit);
         let _serial = self.changes.lock().await;
-        self.load_locked(name, config_override, versions, Vec::new(), &mut Vec::new()).await
+        let now = self.slot(name).and_then(|s| s.model);
+        let untouched = match (&now, &serving) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        };
+        if !untouched || self.ensemble_named_versions(name) != also {
+            tracing::info!(model = %name, "changed while it was being built; building it again");
+            drop(result);
+            return self.load_locked(name, config_override, versions, Vec::new(), &mut Vec::new()).await;
+        }
+        self.install_locked(name, previous, serving, result, &mut Vec::new()).await
     }
 
     /// Loads `name` with the change lock held. An ensemble first loads those of its composing
@@ -886,6 +955,7 @@ impl Repository {
     }
 
     async fn unload_inner(&self, name: &str) -> Result<(), Status> {
+        let _turn = self.turn(name).await;
         let _serial = self.changes.lock().await;
         let Some(slot) = self.slot(name) else {
             if scan_models(&self.options.paths).contains_key(name) {
