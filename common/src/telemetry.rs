@@ -5,16 +5,23 @@
 //! Triton's settings map onto levels: `log_error`, `log_warning` and `log_info` switch ERROR,
 //! WARN and INFO events on or off, each on its own; `log_verbose_level` 1 adds DEBUG and 2 or
 //! more TRACE. Logs go to standard output, or to the file named at start
-//! ([`init_tracing_to`]), which cannot change afterwards; `log_format` is `default` or
-//! `ISO8601` (timestamps are ISO 8601 either way).
+//! ([`init_tracing_to`]), which cannot change afterwards.
+//!
+//! Lines look like tritonserver's in the worker ([`LogFormat`]: `default`, its glog-like
+//! lines, or `ISO8601`; switchable at run time as `log_format`), with the event's fields after
+//! the message as `key=value`; the gateway and the tools keep `tracing`'s own lines (their
+//! `default`).
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering::Relaxed};
 
-use tracing::Level;
+use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::filter::LevelFilter;
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::reload;
 use tracing_subscriber::util::SubscriberInitExt;
 
@@ -27,6 +34,11 @@ pub struct LogSettings {
     warning: AtomicBool,
     error: AtomicBool,
     verbose: AtomicU32,
+    /// A [`LogFormat`], as `u8`.
+    format: AtomicU8,
+    /// The format `log_format: "default"` names here: the one the process started with, unless
+    /// that was ISO8601 (then tritonserver's `default`).
+    default_format: AtomicU8,
 }
 
 static SETTINGS: LogSettings = LogSettings {
@@ -34,7 +46,50 @@ static SETTINGS: LogSettings = LogSettings {
     warning: AtomicBool::new(true),
     error: AtomicBool::new(true),
     verbose: AtomicU32::new(0),
+    format: AtomicU8::new(LogFormat::Tracing as u8),
+    default_format: AtomicU8::new(LogFormat::Tracing as u8),
 };
+
+/// How a log line looks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum LogFormat {
+    /// `tracing`'s own: `2026-11-24T02:31:44.123456Z  INFO message key=value`.
+    Tracing = 0,
+    /// tritonserver's `default`: `I1124 02:31:44.123456 4242 fleet.rs:611] message key=value`
+    /// (level E, W or I — verbose lines are I, as in Triton —, month and day, UTC time, process
+    /// id, source file and line).
+    Default = 1,
+    /// tritonserver's `ISO8601`: `2026-11-24T02:31:44Z I 4242 fleet.rs:611] message key=value`.
+    Iso8601 = 2,
+}
+
+impl LogFormat {
+    /// tritonserver's name for it (`--log-format`, the `log_format` setting).
+    pub fn name(self) -> &'static str {
+        match self {
+            LogFormat::Tracing | LogFormat::Default => "default",
+            LogFormat::Iso8601 => "ISO8601",
+        }
+    }
+
+    /// The format tritonserver calls `name`.
+    pub fn from_name(name: &str) -> Option<LogFormat> {
+        match name {
+            "default" => Some(LogFormat::Default),
+            "ISO8601" => Some(LogFormat::Iso8601),
+            _ => None,
+        }
+    }
+
+    fn load(cell: &AtomicU8) -> LogFormat {
+        match cell.load(Relaxed) {
+            1 => LogFormat::Default,
+            2 => LogFormat::Iso8601,
+            _ => LogFormat::Tracing,
+        }
+    }
+}
 
 /// The process's log settings.
 pub fn log_settings() -> &'static LogSettings {
@@ -69,7 +124,7 @@ impl LogSettings {
             ("log_warning", LogValue::Bool(self.warning.load(Relaxed))),
             ("log_error", LogValue::Bool(self.error.load(Relaxed))),
             ("log_verbose_level", LogValue::Uint(self.verbose.load(Relaxed))),
-            ("log_format", LogValue::Str("default".into())),
+            ("log_format", LogValue::Str(LogFormat::load(&self.format).name().into())),
         ])
     }
 
@@ -78,6 +133,7 @@ impl LogSettings {
         enum Change<'a> {
             Flag(&'a AtomicBool, bool),
             Verbose(u32),
+            Format(LogFormat),
             Nothing,
         }
         let mut planned = Vec::with_capacity(changes.len());
@@ -99,7 +155,9 @@ impl LogSettings {
                         now => format!("log setting 'log_file' is set at start (--log-file) and stays '{now}'"),
                     }));
                 }
-                ("log_format", LogValue::Str(f)) if f == "default" || f == "ISO8601" => Change::Nothing,
+                ("log_format", LogValue::Str(f)) if LogFormat::from_name(f).is_some() => {
+                    Change::Format(LogFormat::from_name(f).expect("checked"))
+                }
                 ("log_file" | "log_format", _) => {
                     return Err(wrong("a string ('default' or 'ISO8601' for log_format)"));
                 }
@@ -115,6 +173,8 @@ impl LogSettings {
             match change {
                 Change::Flag(flag, on) => flag.store(on, Relaxed),
                 Change::Verbose(n) => self.verbose.store(n, Relaxed),
+                Change::Format(LogFormat::Default) => self.format.store(self.default_format.load(Relaxed), Relaxed),
+                Change::Format(f) => self.format.store(f as u8, Relaxed),
                 Change::Nothing => {}
             }
         }
@@ -149,15 +209,15 @@ fn log_file() -> &'static str {
 static MAX_LEVEL: OnceLock<Box<dyn Fn(LevelFilter) + Send + Sync>> = OnceLock::new();
 
 /// Installs the global `tracing` subscriber, starting at `verbose` (0 = info, 1 = debug, 2+ =
-/// trace). `RUST_LOG`, when set, narrows what [`log_settings`] lets through. A second call
-/// does nothing.
+/// trace), with `tracing`'s own lines. `RUST_LOG`, when set, narrows what [`log_settings`]
+/// lets through. A second call does nothing.
 pub fn init_tracing(verbose: u8) {
-    let _ = init_tracing_to(verbose, None);
+    let _ = init_tracing_to(verbose, LogFormat::Tracing, None);
 }
 
-/// [`init_tracing`], appending to `file` (created if missing) instead of standard output.
-/// Fails only when the file cannot be opened.
-pub fn init_tracing_to(verbose: u8, file: Option<&std::path::Path>) -> std::io::Result<()> {
+/// [`init_tracing`] with lines in `format`, appending to `file` (created if missing) instead
+/// of standard output. Fails only when the file cannot be opened.
+pub fn init_tracing_to(verbose: u8, format: LogFormat, file: Option<&std::path::Path>) -> std::io::Result<()> {
     use tracing_subscriber::fmt::writer::BoxMakeWriter;
     let (writer, ansi) = match file {
         Some(path) => {
@@ -172,13 +232,17 @@ pub fn init_tracing_to(verbose: u8, file: Option<&std::path::Path>) -> std::io::
         ),
     };
     SETTINGS.verbose.store(u32::from(verbose), Relaxed);
+    SETTINGS.format.store(format as u8, Relaxed);
+    let default = if format == LogFormat::Iso8601 { LogFormat::Default } else { format };
+    SETTINGS.default_format.store(default as u8, Relaxed);
     // The global level filter keeps disabled levels free (callsites above it are skipped
     // statically, as with a fixed level); the per-event filter applies the single switches.
     let (level, handle) = reload::Layer::new(SETTINGS.max_level());
     let dynamic = tracing_subscriber::filter::filter_fn(|meta| SETTINGS.enabled(meta.level()));
     let env = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("trace"));
-    let fmt = tracing_subscriber::fmt::layer().with_target(false).with_ansi(ansi).with_writer(writer);
+    let fmt =
+        tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(writer).event_format(Lines::new(&SETTINGS.format));
     let installed = tracing_subscriber::registry()
         .with(level)
         .with(env)
@@ -192,9 +256,157 @@ pub fn init_tracing_to(verbose: u8, file: Option<&std::path::Path>) -> std::io::
     Ok(())
 }
 
+/// Formats each event as its [`LogFormat`] (read per event: `log_format` changes at run time).
+struct Lines {
+    format: &'static AtomicU8,
+    tracing: tracing_subscriber::fmt::format::Format,
+    pid: u32,
+}
+
+impl Lines {
+    fn new(format: &'static AtomicU8) -> Lines {
+        Lines { format, tracing: tracing_subscriber::fmt::format().with_target(false), pid: std::process::id() }
+    }
+}
+
+impl<S, N> FormatEvent<S, N> for Lines
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(&self, ctx: &FmtContext<'_, S, N>, mut writer: Writer<'_>, event: &Event<'_>) -> std::fmt::Result {
+        let format = LogFormat::load(self.format);
+        if format == LogFormat::Tracing {
+            return self.tracing.format_event(ctx, writer, event);
+        }
+        let meta = event.metadata();
+        let (letter, colour) = match *meta.level() {
+            Level::ERROR => ('E', "31"),
+            Level::WARN => ('W', "33"),
+            _ => ('I', "32"),
+        };
+        let level =
+            if writer.has_ansi_escapes() { format!("\x1b[{colour}m{letter}\x1b[0m") } else { letter.to_string() };
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let t = civil_time(now.as_secs());
+        let file = meta.file().map_or("?", |f| f.rsplit(['/', '\\']).next().unwrap_or(f));
+        let (pid, line) = (self.pid, meta.line().unwrap_or(0));
+        if format == LogFormat::Iso8601 {
+            write!(
+                writer,
+                "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}Z {level} ",
+                t.year, t.month, t.day, t.hour, t.minute, t.second
+            )?;
+        } else {
+            let micros = now.subsec_micros();
+            write!(
+                writer,
+                "{level}{:02}{:02} {:02}:{:02}:{:02}.{micros:06} ",
+                t.month, t.day, t.hour, t.minute, t.second
+            )?;
+        }
+        write!(writer, "{pid} {file}:{line}] ")?;
+        ctx.format_fields(writer.by_ref(), event)?;
+        writeln!(writer)
+    }
+}
+
+/// A UTC date and time of day.
+#[derive(Debug, PartialEq, Eq)]
+struct CivilTime {
+    year: i64,
+    month: u32,
+    day: u32,
+    hour: u32,
+    minute: u32,
+    second: u32,
+}
+
+/// The UTC date and time `secs` seconds after the Unix epoch (proleptic Gregorian calendar:
+/// days counted in 400-year eras from 0000-03-01).
+fn civil_time(secs: u64) -> CivilTime {
+    let days = (secs / 86_400) as i64 + 719_468;
+    let of_day = (secs % 86_400) as u32;
+    let era = days.div_euclid(146_097);
+    let day_of_era = days.rem_euclid(146_097);
+    let year_of_era = (day_of_era - day_of_era / 1_460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let shifted_month = (5 * day_of_year + 2) / 153; // March = 0
+    let day = (day_of_year - (153 * shifted_month + 2) / 5 + 1) as u32;
+    let month = if shifted_month < 10 { shifted_month + 3 } else { shifted_month - 9 } as u32;
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    CivilTime { year, month, day, hour: of_day / 3_600, minute: of_day % 3_600 / 60, second: of_day % 60 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn civil_time_counts_leap_years() {
+        let at = |secs| {
+            let t = civil_time(secs);
+            format!("{:04}-{:02}-{:02}T{:02}:{:02}:{:02}", t.year, t.month, t.day, t.hour, t.minute, t.second)
+        };
+        assert_eq!(at(0), "1970-01-01T00:00:00");
+        assert_eq!(at(951_782_400 + 3_661), "2000-02-29T01:01:01");
+        assert_eq!(at(951_868_800), "2000-03-01T00:00:00");
+        assert_eq!(at(4_107_542_399), "2100-02-28T23:59:59");
+        assert_eq!(at(4_107_542_400), "2100-03-01T00:00:00", "2100 is no leap year");
+        assert_eq!(at(1_795_998_704), "2026-11-30T00:31:44");
+    }
+
+    /// Lines in each format, switched between events as `log_format` does.
+    #[test]
+    fn lines_look_like_tritonservers() {
+        static FORMAT: AtomicU8 = AtomicU8::new(LogFormat::Default as u8);
+        let buffer = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+        let sink = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(move || Sink(sink.clone()))
+            .event_format(Lines::new(&FORMAT))
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::info!(model = "m", version = 3, "model ready");
+            FORMAT.store(LogFormat::Iso8601 as u8, Relaxed);
+            tracing::warn!("reload failed");
+            FORMAT.store(LogFormat::Tracing as u8, Relaxed);
+            tracing::error!("boom");
+        });
+        let text = String::from_utf8(buffer.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        let pid = std::process::id();
+        // I1124 02:31:44.123456 4242 telemetry.rs:NNN] model ready model="m" version=3
+        let (head, rest) = lines[0].split_once(&format!(" {pid} telemetry.rs:")).expect(lines[0]);
+        let b = head.as_bytes();
+        assert!(head.len() == 21 && b[0] == b'I' && b[5] == b' ' && b[14] == b'.', "{head}");
+        assert!(head[1..5].bytes().chain(head[15..].bytes()).all(|c| c.is_ascii_digit()), "{head}");
+        let (line, message) = rest.split_once("] ").unwrap();
+        assert!(line.parse::<u32>().is_ok(), "{rest}");
+        assert_eq!(message, "model ready model=\"m\" version=3");
+        // 2026-11-24T02:31:44Z W 4242 telemetry.rs:NNN] reload failed
+        let (head, rest) = lines[1].split_once(&format!(" W {pid} telemetry.rs:")).expect(lines[1]);
+        assert!(head.len() == 20 && head.as_bytes()[10] == b'T' && head.ends_with('Z'), "{head}");
+        assert!(rest.ends_with("] reload failed"), "{rest}");
+        // tracing's own: a full timestamp, the level spelled out.
+        assert!(lines[2].contains("ERROR") && lines[2].ends_with("boom"), "{}", lines[2]);
+    }
+
+    /// A writer appending to a shared buffer.
+    struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Sink {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
 
     /// The settings are process-wide: one test changes them and puts them back.
     #[test]

@@ -170,8 +170,9 @@ pub struct Args {
     #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = triton_bool(), ignore_case = true)]
     pub log_error: bool,
 
-    /// Log format, by tritonserver's names: `default` or `ISO8601` (Nereid's timestamps are
-    /// ISO 8601 in both).
+    /// Log line format, as tritonserver's: `default` (`I1124 02:31:44.123456 4242
+    /// fleet.rs:611] message`) or `ISO8601` (`2026-11-24T02:31:44Z I 4242 fleet.rs:611]
+    /// message`); an event's fields follow its message as `key=value`.
     #[arg(long, default_value = "default", value_parser = ["default", "ISO8601"])]
     pub log_format: String,
 

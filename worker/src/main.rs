@@ -16,7 +16,7 @@ use anyhow::Context;
 use clap::Parser;
 use nereid_common::fleet::records::{self, Capacity, WorkerRecord, WorkerState};
 use nereid_common::fleet::{self, Keys};
-use nereid_common::telemetry::LogValue;
+use nereid_common::telemetry::{LogFormat, LogValue};
 use nereid_worker::backend::{self, SessionOptions};
 use nereid_worker::cli::Args;
 use nereid_worker::fleet::{FleetAgent, FleetOptions};
@@ -30,7 +30,8 @@ use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    if let Err(e) = nereid_common::telemetry::init_tracing_to(args.log_verbose, args.log_file.as_deref()) {
+    let format = LogFormat::from_name(&args.log_format).expect("--log-format takes only tritonserver's names");
+    if let Err(e) = nereid_common::telemetry::init_tracing_to(args.log_verbose, format, args.log_file.as_deref()) {
         let file = args.log_file.as_deref().unwrap_or(std::path::Path::new("")).display();
         eprintln!("nereid-worker: --log-file {file}: {e}");
         return ExitCode::from(2);

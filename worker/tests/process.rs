@@ -198,7 +198,25 @@ fn a_tritonserver_command_line_starts_the_worker() {
     ] {
         assert!(!text.contains(flag), "{flag} is what Nereid does:\n{text}");
     }
-    assert!(!text.contains("INFO"), "--log-info=false:\n{text}");
+    // tritonserver's ISO8601 lines, and no INFO line (--log-info=false).
+    let pid = worker.child.id();
+    for line in text.lines() {
+        let (stamp, rest) = line.split_at_checked(21).unwrap_or_else(|| panic!("{line}"));
+        assert!(stamp.len() == 21 && &stamp[10..11] == "T" && stamp.ends_with("Z "), "{line}");
+        assert!(rest.starts_with(&format!("W {pid} ")) || rest.starts_with(&format!("E {pid} ")), "{line}");
+    }
+
+    // log_format changes at run time: a load's INFO lines come in tritonserver's default format.
+    let body = br#"{"log_format": "default", "log_info": true}"#;
+    assert_eq!(worker.http_request(worker.http, "POST", "/v2/logging", body).0, 200);
+    let load = worker.http_request(worker.http, "POST", "/v2/repository/models/mlp_fp32/load", b"{}");
+    assert_eq!(load.0, 200, "{}", load.1);
+    let text = std::fs::read_to_string(&log_file).unwrap();
+    let ready = text.lines().find(|l| l.contains("model ready") && l.contains("mlp_fp32")).expect(&text);
+    // I1124 02:31:44.123456 4242 repository.rs:NNN] model ready model=mlp_fp32
+    let (stamp, rest) = ready.split_at_checked(22).unwrap_or_else(|| panic!("{ready}"));
+    assert!(stamp.starts_with('I') && &stamp[5..6] == " " && &stamp[14..15] == ".", "{ready}");
+    assert!(rest.starts_with(&format!("{pid} ")) && rest.contains(".rs:"), "{ready}");
 }
 
 /// Triton's host metrics: `nv_cpu_utilization` and the memory pair, sane on this host, and
