@@ -208,8 +208,9 @@ type Failures = Arc<Mutex<HashMap<String, String>>>;
 /// Models no longer placed here that still serve during the unload grace.
 type Retiring = Arc<Mutex<BTreeSet<String>>>;
 
-/// The models whose placement the reconciler is loading now.
-type Loading = Arc<Mutex<BTreeSet<String>>>;
+/// The models whose placement the reconciler is loading now, with the versions each load is
+/// for.
+type Loading = Arc<Mutex<BTreeMap<String, BTreeSet<i64>>>>;
 
 struct Session<'a> {
     options: &'a FleetOptions,
@@ -503,7 +504,7 @@ fn model_statuses(
     placement: &Placement,
     failures: &HashMap<String, String>,
     retiring: &BTreeSet<String>,
-    loading: &BTreeSet<String>,
+    loading: &BTreeMap<String, BTreeSet<i64>>,
 ) -> BTreeMap<(String, i64), StatusRecord> {
     let status =
         |state, reason: &str| StatusRecord { schema: records::SCHEMA_VERSION, state, reason: reason.to_string() };
@@ -523,7 +524,9 @@ fn model_statuses(
                 continue;
             }
             let s = match (row.map(|r| r.state.as_str()), failures.get(model)) {
-                _ if loading.contains(model) => status(ModelState::Loading, ""),
+                _ if loading.get(model).is_some_and(|vs| vs.contains(v)) => status(ModelState::Loading, ""),
+                // Placed anew while a load for other versions runs: its turn comes after.
+                _ if loading.contains_key(model) => status(ModelState::Loading, records::PENDING_REASON),
                 (Some("LOADING"), _) => status(ModelState::Loading, ""),
                 (_, Some(reason)) => status(ModelState::Failed, reason),
                 (Some("UNAVAILABLE"), None) if row.is_some_and(|r| r.reason != "unloaded") => {
@@ -569,7 +572,7 @@ async fn reconcile(
     let set_retiring = |retired: &BTreeMap<String, (tokio::time::Instant, BTreeSet<i64>)>| {
         *retiring.lock().unwrap_or_else(|e| e.into_inner()) = retired.keys().cloned().collect();
     };
-    let in_flight = || loading.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let in_flight = || loading.lock().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect::<BTreeSet<_>>();
     loop {
         let next_unload = retired.values().map(|(at, _)| *at).min();
         tokio::select! {
@@ -623,13 +626,14 @@ async fn reconcile(
             if applied.get(model) == Some(versions) || busy.contains(model) {
                 continue; // as placed, or loading: looked at again once that load is done
             }
+            // Placed otherwise than when its last load failed: that failure is history.
+            failures.lock().unwrap_or_else(|e| e.into_inner()).remove(model);
             if loading.lock().unwrap_or_else(|e| e.into_inner()).len() >= limit {
-                break; // the rest wait their turn (reported pending)
+                continue; // waits its turn (reported pending)
             }
             applied.insert(model.clone(), versions.clone());
-            failures.lock().unwrap_or_else(|e| e.into_inner()).remove(model);
             tracing::info!(%model, ?versions, "placement: loading");
-            loading.lock().unwrap_or_else(|e| e.into_inner()).insert(model.clone());
+            loading.lock().unwrap_or_else(|e| e.into_inner()).insert(model.clone(), versions.clone());
             let (repository, name, versions) = (repository.clone(), model.clone(), versions.clone());
             let id = loads.spawn(async move { load_placed(&repository, &name, &versions).await }).id();
             tasks.insert(id, model.clone());
@@ -693,7 +697,8 @@ mod tests {
         .into();
         let failures = HashMap::from([("e".to_string(), "failed to load 'e': boom".to_string())]);
         // The reconciler is loading `a` (its version 2 next to the READY 1).
-        let s = model_statuses(&index, &placement, &failures, &BTreeSet::new(), &BTreeSet::from(["a".to_string()]));
+        let loading = BTreeMap::from([("a".to_string(), BTreeSet::from([1, 2]))]);
+        let s = model_statuses(&index, &placement, &failures, &BTreeSet::new(), &loading);
         let show: Vec<String> =
             s.iter().map(|((m, v), r)| format!("{m}/{v}={}:{}", r.state.name(), r.reason)).collect();
         let pending = format!("d/1=LOADING:{}", records::PENDING_REASON);
@@ -710,12 +715,16 @@ mod tests {
             ]
         );
         // Nothing loading now: `a`'s version 2 waits its turn too.
-        let s = model_statuses(&index, &placement, &failures, &BTreeSet::new(), &BTreeSet::new());
+        let s = model_statuses(&index, &placement, &failures, &BTreeSet::new(), &BTreeMap::new());
+        assert_eq!(s[&("a".to_string(), 2)].reason, records::PENDING_REASON);
+        // Placed anew while a load of version 1 alone runs: version 2 waits for that load.
+        let loading = BTreeMap::from([("a".to_string(), BTreeSet::from([1]))]);
+        let s = model_statuses(&index, &placement, &failures, &BTreeSet::new(), &loading);
         assert_eq!(s[&("a".to_string(), 2)].reason, records::PENDING_REASON);
         // A model serving out its unload grace (placement removed) is no longer READY.
         let retiring = BTreeSet::from(["a".to_string()]);
         let unplaced: Placement = placement.into_iter().filter(|(m, _)| m != "a").collect();
-        let s = model_statuses(&index, &unplaced, &failures, &retiring, &BTreeSet::new());
+        let s = model_statuses(&index, &unplaced, &failures, &retiring, &BTreeMap::new());
         assert!(!s.keys().any(|(m, _)| m == "a"), "{s:?}");
         assert!(s.contains_key(&("e".to_string(), 1)));
     }

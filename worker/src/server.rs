@@ -162,14 +162,19 @@ impl Server {
     }
 
     /// Loads (or reloads) a model from the repository; `config` overrides its `config.pbtxt`
-    /// (JSON text of a ModelConfig, as Triton's load API accepts).
+    /// (JSON text of a ModelConfig, as Triton's load API accepts). The load runs to its end
+    /// even when the caller goes away (a client that disconnects): stopped half-way, it would
+    /// leave the model LOADING.
     pub async fn load_model(&self, name: &str, config: Option<String>) -> Result<(), Status> {
-        self.repository.load(name, config).await
+        let (repository, name) = (self.repository.clone(), name.to_string());
+        finish(tokio::spawn(async move { repository.load(&name, config).await })).await
     }
 
-    /// Unloads a model; with `dependents`, an ensemble's composing models too.
+    /// Unloads a model; with `dependents`, an ensemble's composing models too. Runs to its end
+    /// whatever becomes of the caller, as a load does.
     pub async fn unload_model(&self, name: &str, dependents: bool) -> Result<(), Status> {
-        self.repository.unload_with(name, dependents).await
+        let (repository, name) = (self.repository.clone(), name.to_string());
+        finish(tokio::spawn(async move { repository.unload_with(&name, dependents).await })).await
     }
 
     /// Prometheus text exposition of every metric.
@@ -186,4 +191,9 @@ pub fn parse_version(model: &str, version: &str) -> Result<Option<i64>, Status> 
     version.parse::<i64>().ok().filter(|v| *v >= 0).map(Some).ok_or_else(|| {
         Status::not_found(format!("model '{model}' has no version '{version}' (versions are non-negative integers)"))
     })
+}
+
+/// The result of a repository change run as its own task.
+async fn finish(task: tokio::task::JoinHandle<Result<(), Status>>) -> Result<(), Status> {
+    task.await.unwrap_or_else(|e| Err(Status::internal(format!("the repository change failed: {e}"))))
 }

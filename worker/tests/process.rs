@@ -500,3 +500,37 @@ fn failures_count_against_the_resolved_version_only() {
     assert_eq!(rows, vec![("m".to_string(), "1".to_string(), 2)]);
     assert_ne!(worker.http_get("/v2/models/gone/stats").0, 200);
 }
+
+/// A load whose caller goes away (here: its gRPC deadline passes, and the server drops the
+/// call) still runs to its end: the model becomes READY instead of staying LOADING for good.
+#[test]
+fn a_load_whose_caller_goes_away_still_finishes() {
+    let (dir, mut gate) = common::gated_repo();
+    let worker = WorkerProcess::start(dir.path(), &["--model-control-mode=explicit"]);
+    let state = |w: &WorkerProcess| {
+        let (_, body) = w.http_request(w.http, "POST", "/v2/repository/index", b"{}");
+        let index: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        let row = index.as_array().and_then(|rows| rows.iter().find(|r| r["name"] == "a_gated").cloned());
+        row.and_then(|r| r["state"].as_str().map(str::to_string)).unwrap_or_default()
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let url = format!("http://127.0.0.1:{}", worker.grpc);
+    let status = rt.block_on(async move {
+        use nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+        let mut client = GrpcInferenceServiceClient::connect(url).await.unwrap();
+        let mut request = tonic::Request::new(nereid_proto::inference::RepositoryModelLoadRequest {
+            model_name: "a_gated".into(),
+            ..Default::default()
+        });
+        request.set_timeout(Duration::from_millis(300));
+        client.repository_model_load(request).await.expect_err("the load cannot finish before the gate opens")
+    });
+    assert!(
+        matches!(status.code(), tonic::Code::DeadlineExceeded | tonic::Code::Cancelled),
+        "{status:?}; log:\n{}",
+        worker.log()
+    );
+    assert_eq!(state(&worker), "LOADING");
+    gate.open();
+    wait_for("a_gated READY", &worker, |w| state(w) == "READY");
+}

@@ -16,13 +16,15 @@
 //! When a connection breaks, h2 fails every open call alike, whether or not its request ever
 //! left the gateway. The socket is watched ([`Observed`]) so that a call can tell two cases
 //! apart where the worker provably never saw its request, and be retried (gRPC's "transparent
-//! retry"): nothing was written to the socket after the request was queued (a worker killed
-//! with requests unread in its socket resets the connection, and the write of a request queued
-//! after that fails), or the worker never sent a byte on the connection (an HTTP/2 server
-//! writes its SETTINGS before it reads a request; a worker killed while its kernel was still
-//! completing our connection accepted it in no process). A worker that closed the connection
-//! cleanly (a FIN: it had read everything) is not caught this way: a request queued before the
-//! gateway's event loop noticed is written into the closed socket and fails as Broken.
+//! retry"): nothing was written to the socket after the request was queued, as the connection
+//! ended (a worker killed with requests unread in its socket resets the connection, and the
+//! write of a request queued after that fails), or the worker reset a connection on which it
+//! never sent a byte (an HTTP/2 server writes its SETTINGS before it reads a request; a worker
+//! killed while its kernel was still completing our connection accepted it in no process). A
+//! worker that closed the connection cleanly (a FIN: it had read everything) is not caught this
+//! way: a request queued before the gateway's event loop noticed is written into the closed
+//! socket and fails as Broken. Nor is a connection the gateway itself gave up (keepalive): the
+//! worker's kernel may hold the request for a process that reads it later.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -92,6 +94,8 @@ struct Wire {
     written: AtomicU64,
     /// Whether the worker has sent a byte on it.
     heard: AtomicBool,
+    /// Cancelled when the connection task has ended: nothing more is written.
+    ended: tokio_util::sync::CancellationToken,
 }
 
 impl Wire {
@@ -100,14 +104,18 @@ impl Wire {
     }
 
     /// Why a call whose request was queued when `written_before` bytes had been written, and
-    /// that failed with the connection before any answer, provably never reached the worker;
-    /// `None` where it may have.
+    /// that failed with `failure` (the connection's) before any answer, provably never reached
+    /// the worker; `None` where it may have.
     ///
-    /// The counters are read after h2 reported the failure, which the connection task recorded
-    /// after its last read or write: what they show includes every byte moved before it.
-    fn unsent(&self, written_before: u64) -> Option<&'static str> {
-        if !self.heard.load(Ordering::Acquire) {
-            Some("the worker never spoke on the connection, so it never read the request")
+    /// h2 fails the streams before the connection task is done (a clean close still flushes
+    /// what h2 had buffered): the counters are read once the task has ended — they are final
+    /// then — and a task that does not end soon proves nothing.
+    async fn unsent(&self, failure: &std::io::Error, written_before: u64) -> Option<&'static str> {
+        if tokio::time::timeout(CONNECT_TIMEOUT, self.ended.cancelled()).await.is_err() {
+            return None;
+        }
+        if failure.kind() == std::io::ErrorKind::ConnectionReset && !self.heard.load(Ordering::Acquire) {
+            Some("the worker reset a connection it never spoke on: no process read the request")
         } else if self.written() == written_before {
             Some("the connection failed before the request was written")
         } else {
@@ -290,6 +298,7 @@ impl H2Channel {
             // new call queues a stream on a connection nobody drives any more.
             done.closed.store(true, Ordering::Relaxed);
             drop(connection);
+            done.ended.cancel();
         });
         Ok((send, wire))
     }
@@ -358,13 +367,22 @@ impl H2Channel {
             body.send_data(second, true).map_err(|e| broken(e, true, &wire))?;
         }
 
-        let response = response.await.map_err(|e| match wire.unsent(written_before) {
-            Some(why) if e.is_io() => {
-                wire.closed.store(true, Ordering::Relaxed);
-                CallError::Connect(std::io::Error::other(format!("{e} ({why})")))
+        let response = match response.await {
+            Ok(response) => response,
+            Err(e) => {
+                let unsent = match e.get_io() {
+                    Some(io) => wire.unsent(io, written_before).await.map(|why| (io.kind(), why)),
+                    None => None,
+                };
+                return Err(match unsent {
+                    Some((kind, why)) => {
+                        wire.closed.store(true, Ordering::Relaxed);
+                        CallError::Connect(std::io::Error::new(kind, format!("{e} ({why})")))
+                    }
+                    None => broken(e, false, &wire),
+                });
             }
-            _ => broken(e, false, &wire),
-        })?;
+        };
         let (parts, mut stream) = response.into_parts();
         if parts.status != http::StatusCode::OK {
             // A grpc-status, where a proxy left one, says more than the HTTP status.
@@ -717,20 +735,47 @@ mod tests {
     #[tokio::test]
     async fn a_call_on_a_connection_the_worker_never_spoke_on_is_known_never_sent() {
         // The kernel completes the connection, but no HTTP/2 server ever answers on it: it is
-        // read, then dropped (a worker killed while its listener's backlog held our connection).
+        // read, then reset (a worker killed while its listener's backlog held our connection).
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
         tokio::spawn(async move {
             let (mut socket, _) = listener.accept().await.unwrap();
+            socket.set_zero_linger().unwrap(); // closing resets it
+            // All of the request, up to its last DATA frame's payload, reaches the socket.
+            let mut received = Vec::new();
             let mut buf = vec![0u8; 1 << 16];
-            let _ = tokio::io::AsyncReadExt::read(&mut socket, &mut buf).await;
+            while !received.ends_with(b"abc") {
+                match tokio::io::AsyncReadExt::read(&mut socket, &mut buf).await {
+                    Ok(n) if n > 0 => received.extend_from_slice(&buf[..n]),
+                    _ => panic!("the request never arrived whole"),
+                }
+            }
         });
         let channel = H2Channel::new(&address, settings()).unwrap();
         let e = channel.unary("/s/m", Bytes::from_static(b"abc"), Duration::from_secs(5), &|_| {}).await.unwrap_err();
         let CallError::Connect(e) = e else { panic!("{e:?}") };
-        assert!(e.to_string().contains("never spoke"), "{e}");
+        assert!(e.to_string().contains("never spoke on"), "{e}");
         let status = CallError::Connect(e).into_status();
         assert_eq!(crate::forward::FailureKind::classify(&status), crate::forward::FailureKind::NotSent);
+
+        // Silent but never reset: the gateway gives the connection up (no PING answer), while
+        // the worker's kernel holds the request for a process that may still read it — so the
+        // call may have run.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let (read_tx, read_rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 1 << 16];
+            let _ = tokio::io::AsyncReadExt::read(&mut socket, &mut buf).await;
+            let _ = read_tx.send(());
+            std::future::pending::<()>().await;
+        });
+        let channel = H2Channel::new(&address, settings()).unwrap();
+        let call = channel.unary("/s/m", Bytes::from_static(b"abc"), Duration::from_secs(60), &|_| {});
+        let e = tokio::time::timeout(Duration::from_secs(20), call).await.expect("keepalive ends it").unwrap_err();
+        assert!(matches!(e, CallError::H2(_)), "{e:?}");
+        read_rx.await.expect("the request reached the silent peer");
     }
 
     #[test]

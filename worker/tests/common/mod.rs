@@ -102,3 +102,63 @@ pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
 }
+
+/// `identity_fp32`'s config, named "good".
+pub const IDENTITY_CONFIG: &str = r#"
+name: "good"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+"#;
+
+/// Gives the reader of a FIFO its 64 bytes when the test says so, or when it ends or fails
+/// first (a reader left blocked would hold the runtime's shutdown for ever), and puts a plain
+/// file of those bytes in the FIFO's place, so that a later reader (a load run again) does not
+/// block either.
+pub struct Gate {
+    path: std::path::PathBuf,
+    opened: bool,
+}
+
+impl Gate {
+    pub fn open(&mut self) {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        if std::mem::replace(&mut self.opened, true) {
+            return;
+        }
+        // Read-write and non-blocking: this open never waits (Linux), and as a writer it
+        // releases a reader blocked opening the FIFO. After the rename, the path is the plain
+        // file; a reader that has the FIFO open gets the bytes, then end of file.
+        let fifo = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_NONBLOCK).open(&self.path);
+        let plain = self.path.with_extension("plain");
+        let _ = std::fs::write(&plain, [0u8; 64]);
+        let _ = std::fs::rename(&plain, &self.path);
+        if let Ok(mut fifo) = fifo {
+            let _ = fifo.write_all(&[0u8; 64]);
+        }
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.open();
+    }
+}
+
+/// A repository whose `a_gated` cannot finish loading until the returned [`Gate`] opens: its
+/// warm-up reads a FIFO that stays empty until then. `b_free` comes after it in name order.
+pub fn gated_repo() -> (tempfile::TempDir, Gate) {
+    let gated = IDENTITY_CONFIG.replace("good", "a_gated")
+        + r#"model_warmup [ { name: "gate" batch_size: 1 inputs { key: "INPUT0" value {
+             data_type: TYPE_FP32 dims: [ 16 ] input_data_file: "gate" } } } ]"#;
+    let dir = repo(&[
+        TestModel { name: "a_gated", source: "identity_fp32", config: Some(&gated) },
+        TestModel { name: "b_free", source: "identity_fp32", config: Some(&IDENTITY_CONFIG.replace("good", "b_free")) },
+    ]);
+    let warmup = dir.path().join("a_gated/warmup");
+    std::fs::create_dir_all(&warmup).unwrap();
+    let fifo = warmup.join("gate");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    (dir, Gate { path: fifo, opened: false })
+}
