@@ -79,6 +79,14 @@ BUILTIN_FLAGS = {
         "repoagent-directory": V, "allow-sagemaker": (OPT, BOOL), "allow-vertex-ai": (OPT, BOOL),
         "grpc-use-ssl": (OPT, BOOL), "grpc-use-ssl-mutual": (OPT, BOOL),
         "reuse-http-port": (OPT, BOOL), "reuse-grpc-port": (OPT, BOOL), "model-namespacing": (OPT, BOOL),
+        "backend-config": V, "model-config-name": V, "http-max-input-size": V,
+        "rate-limit": (V, ("off", "execution_count")), "rate-limit-resource": V,
+        "buffer-manager-thread-count": V, "trace-config": V, "trace-level": V, "trace-file": V,
+        "trace-rate": V, "trace-count": V, "trace-log-frequency": V, "host-policy": V,
+        "min-supported-compute-capability": V, "http-header-forward-pattern": V,
+        "grpc-header-forward-pattern": V, "http-restricted-api": V, "grpc-restricted-protocol": V,
+        "cache-directory": V,
+        "grpc-infer-response-compression-level": (V, ("none", "low", "medium", "high")),
         "help": NONE, "version": NONE,
     },
     "nereid-gateway": {
@@ -107,7 +115,8 @@ INTEGER_FLAGS = {
     "memory-capacity-mb", "request-timeout-ms", "max-concurrent-requests", "log-verbose",
     "repository-poll-secs", "max-request-bytes", "intra-op-threads", "max-models",
     "drain-delay-ms", "election-ttl-secs", "io-threads", "grpc-keepalive-time", "grpc-keepalive-timeout",
-    "model-load-thread-count", "metrics-interval-ms",
+    "model-load-thread-count", "metrics-interval-ms", "http-max-input-size", "buffer-manager-thread-count",
+    "trace-rate", "trace-log-frequency",
 }
 HEALTH_PATHS = {"livenessProbe": "/v2/health/live", "readinessProbe": "/v2/health/ready",
                 "startupProbe": None}  # startup: live or ready

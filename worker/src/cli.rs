@@ -209,6 +209,26 @@ pub struct Args {
     #[arg(long = "cache-config", value_name = "CACHE,KEY=VALUE")]
     pub cache_config: Vec<String>,
 
+    /// Backend settings, as tritonserver takes them: `[BACKEND,]SETTING=VALUE`, repeatable.
+    /// `default-max-batch-size=N` (global, or for `onnxruntime`, which wins) is the
+    /// max_batch_size auto-complete gives a model that can batch (4 when not set; 0: such
+    /// models do not batch). onnxruntime's `enable-global-threadpool`, `intra_op_thread_count`
+    /// and `inter_op_thread_count`, and settings for backends Nereid has not, are accepted
+    /// and named in a warning: each instance has its own thread pool (a model's
+    /// `parameters`, or --intra-op-threads).
+    #[arg(long, value_name = "[BACKEND,]SETTING=VALUE")]
+    pub backend_config: Vec<String>,
+
+    /// tritonserver's custom model configuration: each model's config is read from
+    /// `<model>/configs/<NAME>.pbtxt` where that file exists, else from its config.pbtxt.
+    #[arg(long, value_name = "NAME", value_parser = parse_config_name)]
+    pub model_config_name: Option<String>,
+
+    /// Largest accepted HTTP request body in bytes (tritonserver's flag; default: the
+    /// --max-request-bytes limit, which then bounds gRPC messages alone).
+    #[arg(long, value_name = "BYTES", value_parser = clap::value_parser!(u64).range(1024..=(1 << 32)))]
+    pub http_max_input_size: Option<u64>,
+
     /// Default ONNX Runtime intra-op threads per instance (a model's
     /// parameters { key: "intra_op_thread_count" } overrides; 0 = ONNX Runtime's default).
     #[arg(long, default_value_t = 1)]
@@ -297,6 +317,57 @@ fn parse_ip(s: &str) -> Result<IpAddr, String> {
     bare.parse().map_err(|e| format!("'{s}' is not an IP address: {e}"))
 }
 
+/// `--model-config-name`: a file name without its `.pbtxt`, naming a file in `configs/`.
+fn parse_config_name(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.contains(['/', '\\']) || s == "." || s == ".." || s.chars().any(char::is_control) {
+        return Err("must name a file in each model's configs/ folder (no path, no .pbtxt)".into());
+    }
+    Ok(s.strip_suffix(".pbtxt").unwrap_or(s).to_string())
+}
+
+/// What `--backend-config` sets here.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendSettings {
+    /// `default-max-batch-size`: the max_batch_size auto-complete gives a model that can batch.
+    pub default_max_batch_size: Option<i32>,
+}
+
+/// The settings of `--backend-config` entries (`[BACKEND,]SETTING=VALUE`), with a warning for
+/// each entry that changes nothing here, or the error naming the first malformed one. A
+/// backend's own `default-max-batch-size` wins over the global one, in any order.
+pub fn backend_settings(entries: &[String]) -> Result<(BackendSettings, Vec<String>), String> {
+    let (mut global, mut onnxruntime) = (None, None);
+    let mut warnings = Vec::new();
+    for entry in entries {
+        let malformed = || format!("--backend-config '{entry}': expected [BACKEND,]SETTING=VALUE");
+        let (setting, value) = entry.split_once('=').ok_or_else(malformed)?;
+        let (backend, setting) = match setting.split_once(',') {
+            Some((backend, setting)) => (Some(backend.trim()), setting.trim()),
+            None => (None, setting.trim()),
+        };
+        if setting.is_empty() || backend == Some("") {
+            return Err(malformed());
+        }
+        let ignored = |why: &str| format!("--backend-config {entry} has no effect in nereid-worker: {why}");
+        match (backend, setting) {
+            (None | Some("onnxruntime"), "default-max-batch-size") => {
+                let n = value.trim().parse::<i32>().ok().filter(|n| *n >= 0).ok_or_else(|| {
+                    format!("--backend-config '{entry}': default-max-batch-size must be a non-negative integer")
+                })?;
+                *if backend.is_some() { &mut onnxruntime } else { &mut global } = Some(n);
+            }
+            (Some("onnxruntime"), "enable-global-threadpool" | "intra_op_thread_count" | "inter_op_thread_count") => {
+                warnings.push(ignored(
+                    "each model instance has its own thread pool (a model's parameters, or --intra-op-threads)",
+                ));
+            }
+            (Some("onnxruntime") | None, _) => warnings.push(ignored("not a setting nereid-worker knows")),
+            (Some(other), _) => warnings.push(ignored(&format!("there is no '{other}' backend (ONNX Runtime only)"))),
+        }
+    }
+    Ok((BackendSettings { default_max_batch_size: onnxruntime.or(global) }, warnings))
+}
+
 fn parse_id(s: &str) -> Result<String, String> {
     if s.is_empty() || s.len() > 256 || s.chars().any(char::is_control) {
         return Err("must be 1 to 256 characters, none of them control characters".into());
@@ -361,6 +432,60 @@ pub struct TritonFlags {
     /// Accepted only as false: model names are unique across repositories.
     #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool(), ignore_case = true)]
     pub model_namespacing: Option<bool>,
+    /// Accepted only as `off`: instances run as soon as they have work (no rate limiter).
+    #[arg(long, value_name = "MODE", value_parser = ["off", "execution_count"])]
+    pub rate_limit: Option<String>,
+    /// Accepted (repeatable); there is no rate limiter to give resources to.
+    #[arg(long, value_name = "NAME:COUNT:DEVICE")]
+    pub rate_limit_resource: Vec<String>,
+    /// Accepted; inputs are not staged through buffer-manager threads.
+    #[arg(long, value_name = "N")]
+    pub buffer_manager_thread_count: Option<u64>,
+    /// Accepted (repeatable) while it turns no tracing on (`level=OFF`, or settings without a
+    /// level): Triton's trace extension is not implemented.
+    #[arg(long, value_name = "[MODE,]SETTING=VALUE")]
+    pub trace_config: Vec<String>,
+    /// Accepted only as OFF (tritonserver's older trace flags, like the ones below).
+    #[arg(long, value_name = "LEVEL")]
+    pub trace_level: Vec<String>,
+    /// Accepted; nothing is traced.
+    #[arg(long, value_name = "FILE")]
+    pub trace_file: Option<PathBuf>,
+    /// Accepted; nothing is traced.
+    #[arg(long, value_name = "N")]
+    pub trace_rate: Option<u64>,
+    /// Accepted; nothing is traced.
+    #[arg(long, value_name = "N")]
+    pub trace_count: Option<i64>,
+    /// Accepted; nothing is traced.
+    #[arg(long, value_name = "N")]
+    pub trace_log_frequency: Option<u64>,
+    /// Accepted (repeatable); no NUMA host policies.
+    #[arg(long, value_name = "NAME,SETTING=VALUE")]
+    pub host_policy: Vec<String>,
+    /// Accepted; GPUs are used where ONNX Runtime's CUDA provider accepts them.
+    #[arg(long, value_name = "VERSION")]
+    pub min_supported_compute_capability: Option<String>,
+    /// Accepted; no backend reads forwarded headers.
+    #[arg(long, value_name = "REGEX")]
+    pub http_header_forward_pattern: Option<String>,
+    /// Accepted; no backend reads forwarded headers.
+    #[arg(long, value_name = "REGEX")]
+    pub grpc_header_forward_pattern: Option<String>,
+    /// Refused: the APIs cannot be restricted by header here, and serving them unrestricted
+    /// is not what was asked for.
+    #[arg(long, value_name = "APIS:KEY=VALUE")]
+    pub http_restricted_api: Vec<String>,
+    /// Refused, as --http-restricted-api.
+    #[arg(long, value_name = "PROTOCOLS:KEY=VALUE")]
+    pub grpc_restricted_protocol: Vec<String>,
+    /// Accepted; the response cache (--cache-config local,...) is built in.
+    #[arg(long, value_name = "DIR")]
+    pub cache_directory: Option<PathBuf>,
+    /// Accepted as `none` (the default); other levels are named in a warning: responses are
+    /// sent uncompressed.
+    #[arg(long, value_name = "LEVEL", value_parser = ["none", "low", "medium", "high"])]
+    pub grpc_infer_response_compression_level: Option<String>,
 }
 
 impl TritonFlags {
@@ -383,7 +508,41 @@ impl TritonFlags {
         if let Some((flag, _, why)) = refused.iter().find(|(_, v, _)| *v == Some(true)) {
             return Err(format!("{flag}=true is not supported: {why}"));
         }
-        let ignored: [(&str, bool, &str); 9] = [
+        let tracing_on = |setting: &str| {
+            let level = setting.rsplit(',').next().unwrap_or(setting);
+            level.split_once('=').is_some_and(|(k, v)| k.trim() == "level" && !v.trim().eq_ignore_ascii_case("off"))
+        };
+        let no_restrictions = "the APIs cannot be restricted by header in nereid-worker (restrict them in front of it)";
+        let refused_values: [(&str, Option<&String>, &str); 5] = [
+            (
+                "--rate-limit",
+                self.rate_limit.as_ref().filter(|m| *m != "off"),
+                "there is no rate limiter: instances run as soon as they have work",
+            ),
+            (
+                "--trace-config",
+                self.trace_config.iter().find(|c| tracing_on(c)),
+                "Triton's trace extension is not implemented",
+            ),
+            (
+                "--trace-level",
+                self.trace_level.iter().find(|l| !l.eq_ignore_ascii_case("off")),
+                "Triton's trace extension is not implemented",
+            ),
+            ("--http-restricted-api", self.http_restricted_api.first(), no_restrictions),
+            ("--grpc-restricted-protocol", self.grpc_restricted_protocol.first(), no_restrictions),
+        ];
+        if let Some((flag, Some(value), why)) = refused_values.iter().find(|(_, v, _)| v.is_some()) {
+            return Err(format!("{flag}={value} is not supported: {why}"));
+        }
+        let traced = self.trace_file.is_some()
+            || self.trace_rate.is_some()
+            || self.trace_count.is_some()
+            || self.trace_log_frequency.is_some()
+            || !self.trace_config.is_empty()
+            || !self.trace_level.is_empty();
+        let compression = self.grpc_infer_response_compression_level.as_deref().is_some_and(|l| l != "none");
+        let ignored: Vec<(&str, bool, &str)> = vec![
             (
                 "--grpc-infer-allocation-pool-size",
                 self.grpc_infer_allocation_pool_size.is_some(),
@@ -425,6 +584,39 @@ impl TritonFlags {
                 "the ONNX Runtime backend is built in (its library: --onnxruntime-lib)",
             ),
             ("--repoagent-directory", self.repoagent_directory.is_some(), "there are no repository agents"),
+            (
+                "--rate-limit-resource",
+                !self.rate_limit_resource.is_empty(),
+                "there is no rate limiter to give resources to",
+            ),
+            (
+                "--buffer-manager-thread-count",
+                self.buffer_manager_thread_count.is_some(),
+                "inputs are not staged through buffer-manager threads",
+            ),
+            ("--trace-*", traced, "nothing is traced (Triton's trace extension is not implemented)"),
+            ("--host-policy", !self.host_policy.is_empty(), "there are no NUMA host policies"),
+            (
+                "--min-supported-compute-capability",
+                self.min_supported_compute_capability.is_some(),
+                "GPUs are used where ONNX Runtime's CUDA provider accepts them",
+            ),
+            (
+                "--http-header-forward-pattern",
+                self.http_header_forward_pattern.is_some(),
+                "no backend reads forwarded headers",
+            ),
+            (
+                "--grpc-header-forward-pattern",
+                self.grpc_header_forward_pattern.is_some(),
+                "no backend reads forwarded headers",
+            ),
+            (
+                "--cache-directory",
+                self.cache_directory.is_some(),
+                "the response cache (--cache-config local,size=BYTES) is built in",
+            ),
+            ("--grpc-infer-response-compression-level", compression, "responses are sent uncompressed"),
         ];
         Ok(ignored
             .iter()
@@ -438,5 +630,52 @@ impl Args {
     /// `--strict-readiness` as given, else its default: true, false in fleet mode.
     pub fn strict_readiness(&self) -> bool {
         self.strict_readiness.unwrap_or(self.etcd_endpoints.is_none())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entries(e: &[&str]) -> Vec<String> {
+        e.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn backend_config_sets_the_autocomplete_batch_size_and_names_what_it_ignores() {
+        let (settings, warnings) = backend_settings(&entries(&["default-max-batch-size=8"])).unwrap();
+        assert_eq!(settings.default_max_batch_size, Some(8));
+        assert!(warnings.is_empty());
+        // The backend's own setting wins over the global one, in either order.
+        for order in [
+            ["onnxruntime,default-max-batch-size=16", "default-max-batch-size=2"],
+            ["default-max-batch-size=2", "onnxruntime,default-max-batch-size=16"],
+        ] {
+            assert_eq!(backend_settings(&entries(&order)).unwrap().0.default_max_batch_size, Some(16));
+        }
+        let (settings, warnings) = backend_settings(&entries(&[
+            "onnxruntime,enable-global-threadpool=1",
+            "tensorflow,version=2",
+            "onnxruntime,no-such-setting=1",
+        ]))
+        .unwrap();
+        assert_eq!(settings, BackendSettings::default());
+        assert_eq!(warnings.len(), 3, "{warnings:?}");
+        assert!(warnings[0].contains("own thread pool"), "{}", warnings[0]);
+        assert!(warnings[1].contains("no 'tensorflow' backend"), "{}", warnings[1]);
+        assert!(warnings[2].contains("not a setting"), "{}", warnings[2]);
+        for bad in ["nonsense", "=4", ",x=1", "default-max-batch-size=-1", "onnxruntime,default-max-batch-size=x"] {
+            let e = backend_settings(&entries(&[bad])).unwrap_err();
+            assert!(e.starts_with("--backend-config"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn config_names_are_file_names() {
+        assert_eq!(parse_config_name("h100").unwrap(), "h100");
+        assert_eq!(parse_config_name("h100.pbtxt").unwrap(), "h100");
+        for bad in ["", "a/b", "..", "x\ty"] {
+            assert!(parse_config_name(bad).is_err(), "{bad}");
+        }
     }
 }

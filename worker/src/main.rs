@@ -21,7 +21,7 @@ use nereid_worker::backend::{self, SessionOptions};
 use nereid_worker::cli::Args;
 use nereid_worker::fleet::{FleetAgent, FleetOptions};
 use nereid_worker::metrics::Metrics;
-use nereid_worker::repository::{ControlMode, Repository, RepositoryOptions};
+use nereid_worker::repository::{AUTOCOMPLETE_MAX_BATCH_SIZE, ControlMode, Repository, RepositoryOptions};
 use nereid_worker::server::{Limits, Server};
 use nereid_worker::shm::SharedMemory;
 use nereid_worker::{grpc, http};
@@ -90,12 +90,17 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let gpu = args.allow_gpu_metrics.then(nereid_worker::gpu::GpuMonitor::new).flatten();
     let cpu = args.allow_cpu_metrics.then(|| nereid_worker::cpu::CpuMonitor::new(interval)).flatten();
     let metrics = Arc::new(Metrics::with_gpu(gpu.map(|g| g.with_interval(interval))).with_cpu(cpu));
+    let (backend, backend_warnings) =
+        nereid_worker::cli::backend_settings(&args.backend_config).map_err(|e| anyhow::anyhow!(e))?;
+    backend_warnings.iter().for_each(|w| tracing::warn!("{w}"));
     let options = RepositoryOptions {
         paths: args.model_repository.clone(),
         mode: args.model_control_mode.into(),
         strict_config: args.strict_model_config || args.disable_auto_complete_config,
         startup_models: args.load_model.clone(),
         load_threads: args.model_load_thread_count as usize,
+        default_max_batch_size: backend.default_max_batch_size.unwrap_or(AUTOCOMPLETE_MAX_BATCH_SIZE),
+        config_name: args.model_config_name.clone(),
         session_defaults: SessionOptions {
             intra_op_threads: args.intra_op_threads,
             denormal_as_zero: args.denormal_as_zero,
@@ -144,7 +149,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let mut servers = tokio::task::JoinSet::new();
     if let Some(listener) = http_listener {
-        let (router, token) = (http::router(server.clone()), shutdown.clone());
+        // --http-max-input-size bounds HTTP bodies alone.
+        let limit = args.http_max_input_size.unwrap_or(args.max_request_bytes) as usize;
+        let http_server = Server { limits: Limits { max_request_bytes: limit }, ..server.clone() };
+        let (router, token) = (http::router(http_server), shutdown.clone());
         servers.spawn(async move { http::serve(listener, router, token).await.context("HTTP server") });
     }
     if let Some(listener) = grpc_listener {

@@ -101,6 +101,16 @@ fn invalid_flags_exit_non_zero_naming_the_flag() {
         (vec!["--model-repository", repo, "--grpc-keepalive-time=0"], "--grpc-keepalive-time"),
         (vec!["--model-repository", repo, "--http-thread-count=0"], "--http-thread-count"),
         (vec!["--model-repository", repo, "--log-file=/nonexistent/dir/worker.log"], "--log-file"),
+        (vec!["--model-repository", repo, "--backend-config=nonsense"], "--backend-config"),
+        (vec!["--model-repository", repo, "--backend-config=default-max-batch-size=-1"], "--backend-config"),
+        (vec!["--model-repository", repo, "--model-config-name=a/b"], "--model-config-name"),
+        (vec!["--model-repository", repo, "--http-max-input-size=1"], "--http-max-input-size"),
+        (vec!["--model-repository", repo, "--rate-limit=execution_count"], "--rate-limit"),
+        (vec!["--model-repository", repo, "--trace-config=level=TIMESTAMPS"], "--trace-config"),
+        (vec!["--model-repository", repo, "--trace-level=TENSORS"], "--trace-level"),
+        (vec!["--model-repository", repo, "--http-restricted-api=model-repository:k=v"], "--http-restricted-api"),
+        (vec!["--model-repository", repo, "--grpc-restricted-protocol=inference:k=v"], "--grpc-restricted-protocol"),
+        (vec!["--model-repository", repo, "--grpc-infer-response-compression-level=max"], "compression-level"),
     ] {
         let (code, output) = run_cli(&args);
         assert_ne!(code, 0, "{args:?} should fail");
@@ -158,6 +168,14 @@ fn a_tritonserver_command_line_starts_the_worker() {
             "--log-format=ISO8601",
             &log_arg,
             "--http-address=127.0.0.1",
+            "--backend-config=onnxruntime,default-max-batch-size=8",
+            "--backend-config=python,shm-default-byte-size=1048576",
+            "--model-config-name=h100",
+            "--http-max-input-size=1048576",
+            "--rate-limit=off",
+            "--buffer-manager-thread-count=2",
+            "--trace-config=rate=100",
+            "--grpc-infer-response-compression-level=none",
         ],
     );
     let (status, body) = worker.http_get("/v2");
@@ -186,7 +204,13 @@ fn a_tritonserver_command_line_starts_the_worker() {
     // The log went to the file: the warnings naming each flag that changes nothing here (and
     // not those set to what Nereid does anyway), and no INFO line.
     let text = std::fs::read_to_string(&log_file).unwrap();
-    for flag in ["--pinned-memory-pool-byte-size", "--grpc-http2-min-recv-ping-interval-without-data"] {
+    for flag in [
+        "--pinned-memory-pool-byte-size",
+        "--grpc-http2-min-recv-ping-interval-without-data",
+        "--backend-config python,shm-default-byte-size=1048576",
+        "--buffer-manager-thread-count",
+        "--trace-*",
+    ] {
         assert!(text.contains(&format!("{flag} has no effect")), "no warning for {flag}:\n{text}");
     }
     for flag in [
@@ -195,6 +219,9 @@ fn a_tritonserver_command_line_starts_the_worker() {
         "--allow-sagemaker",
         "--model-load-thread-count",
         "--http-thread-count",
+        "--rate-limit",
+        "--grpc-infer-response-compression-level",
+        "default-max-batch-size",
     ] {
         assert!(!text.contains(flag), "{flag} is what Nereid does:\n{text}");
     }
@@ -205,6 +232,21 @@ fn a_tritonserver_command_line_starts_the_worker() {
         assert!(stamp.len() == 21 && &stamp[10..11] == "T" && stamp.ends_with("Z "), "{line}");
         assert!(rest.starts_with(&format!("W {pid} ")) || rest.starts_with(&format!("E {pid} ")), "{line}");
     }
+
+    // --backend-config=onnxruntime,default-max-batch-size: what auto-complete gives a model
+    // that can batch; --model-config-name falls back to config.pbtxt where configs/ lacks it.
+    let load = worker.http_request(worker.http, "POST", "/v2/repository/models/autocomplete_add/load", b"{}");
+    assert_eq!(load.0, 200, "{}", load.1);
+    let (_, config) = worker.http_get("/v2/models/autocomplete_add/config");
+    let config: serde_json::Value = serde_json::from_str(&config).unwrap();
+    assert_eq!(config["max_batch_size"], 8, "{config}");
+    let (_, config) = worker.http_get("/v2/models/identity_fp32/config");
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&config).unwrap()["max_batch_size"], 64, "config.pbtxt");
+    // --http-max-input-size bounds HTTP bodies.
+    let big = vec![b' '; 2 << 20];
+    let (status, body) = worker.http_request(worker.http, "POST", "/v2/models/identity_fp32/infer", &big);
+    assert!(status == 413 || status == 400, "{status}: {body}");
+    assert!(body.contains("1048576"), "{body}");
 
     // log_format changes at run time: a load's INFO lines come in tritonserver's default format.
     let body = br#"{"log_format": "default", "log_info": true}"#;

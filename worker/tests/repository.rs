@@ -7,7 +7,7 @@ mod common;
 use bytes::Bytes;
 use common::{TestModel, example_onnx, gated_repo, repo, repository, unavailable_reason as reason};
 use nereid_common::{Code, DataType};
-use nereid_worker::repository::{ControlMode, Repository};
+use nereid_worker::repository::{ControlMode, Repository, RepositoryOptions};
 use nereid_worker::tensor::{InferRequest, InputTensor};
 use std::sync::Arc;
 
@@ -511,16 +511,8 @@ async fn startup_loads_run_side_by_side() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_unloaded_while_it_is_built_at_start_stays_unloaded() {
     let (dir, mut gate) = gated_repo();
-    common::init_ort();
-    let options = nereid_worker::repository::RepositoryOptions {
-        paths: vec![dir.path().to_path_buf()],
-        mode: ControlMode::Explicit,
-        strict_config: false,
-        startup_models: vec!["*".into()],
-        session_defaults: Default::default(),
-        load_threads: 4,
-    };
-    let repo = Arc::new(Repository::new(options, Arc::new(nereid_worker::metrics::Metrics::new())));
+    let options = common::options(dir.path(), ControlMode::Explicit, false);
+    let repo = common::repository_with(RepositoryOptions { startup_models: vec!["*".into()], ..options });
     let startup = tokio::spawn({
         let repo = repo.clone();
         async move { repo.load_startup_models().await }
@@ -570,4 +562,36 @@ async fn api_loads_build_side_by_side_and_one_models_changes_run_in_order() {
     assert_eq!(state(&repo, "a_gated").as_deref(), Some("UNAVAILABLE"), "{:?}", repo.index(false));
     assert!(repo.infer(identity_request("a_gated", None)).await.is_err(), "still serving");
     assert!(repo.infer(identity_request("b_free", None)).await.is_ok());
+}
+
+/// tritonserver's `--model-config-name`: a model with `configs/<name>.pbtxt` loads with it, one
+/// without falls back to its config.pbtxt; `--backend-config=default-max-batch-size` is what
+/// auto-complete gives a model that can batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_config_names_and_the_default_max_batch_size_apply() {
+    let dir = repo(&[
+        TestModel { name: "custom", source: "identity_fp32", config: Some(&GOOD.replace("good", "custom")) },
+        TestModel { name: "plain", source: "identity_fp32", config: Some(&GOOD.replace("good", "plain")) },
+        TestModel { name: "auto", source: "identity_fp32", config: None },
+    ]);
+    std::fs::create_dir_all(dir.path().join("custom/configs")).unwrap();
+    let h100 = GOOD.replace("good", "custom").replace("max_batch_size: 8", "max_batch_size: 2");
+    std::fs::write(dir.path().join("custom/configs/h100.pbtxt"), h100).unwrap();
+    let options = common::options(dir.path(), ControlMode::Explicit, false);
+    let repo = common::repository_with(RepositoryOptions {
+        config_name: Some("h100".into()),
+        default_max_batch_size: 32,
+        ..options
+    });
+    for name in ["custom", "plain", "auto"] {
+        repo.load(name, None).await.unwrap();
+    }
+    assert_eq!(repo.model_config("custom", None).unwrap().max_batch_size, 2, "configs/h100.pbtxt");
+    assert_eq!(repo.model_config("plain", None).unwrap().max_batch_size, 8, "config.pbtxt");
+    assert_eq!(repo.model_config("auto", None).unwrap().max_batch_size, 32, "auto-completed");
+
+    // A broken custom config fails its model, naming the file.
+    std::fs::write(dir.path().join("custom/configs/h100.pbtxt"), "max_batch_size: [").unwrap();
+    let e = repo.load("custom", None).await.unwrap_err();
+    assert!(e.message.contains("configs/h100.pbtxt"), "{}", e.message);
 }

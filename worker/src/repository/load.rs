@@ -96,6 +96,14 @@ fn collect(dir: &Path, depth: usize, out: &mut Vec<(PathBuf, u64, Option<SystemT
     }
 }
 
+/// The model's config file, relative to its directory: `configs/<name>.pbtxt` when a custom
+/// config name is given and that file exists, else config.pbtxt.
+fn config_file(dir: &Path, name: Option<&str>) -> String {
+    name.map(|n| format!("configs/{n}.pbtxt"))
+        .filter(|custom| dir.join(custom).is_file())
+        .unwrap_or_else(|| "config.pbtxt".to_string())
+}
+
 fn fail(message: impl Into<String>) -> Status {
     Status::invalid(message)
 }
@@ -125,13 +133,14 @@ pub fn load_model(
         }
     };
     let stamp = Stamp::of(dir);
-    let config_path = dir.join("config.pbtxt");
+    let config_file = config_file(dir, options.config_name.as_deref());
+    let config_path = dir.join(&config_file);
     let mut config = match &config_override {
         Some(json) => parse_model_config_json(json).map_err(|e| fail(format!("config parameter: {e}")))?,
         None if config_path.is_file() => {
             let text = std::fs::read_to_string(&config_path)
                 .map_err(|e| fail(format!("cannot read {}: {e}", config_path.display())))?;
-            parse_model_config(&text).map_err(|e| fail(format!("config.pbtxt: {e}")))?
+            parse_model_config(&text).map_err(|e| fail(format!("{config_file}: {e}")))?
         }
         None if options.strict_config => {
             return Err(fail("config.pbtxt is missing and --strict-model-config=true forbids auto-complete"));
@@ -202,7 +211,7 @@ pub fn load_model(
                 // Triton's --strict-model-config=true: the config must be complete as written.
                 refuse_incomplete(&config)?;
             } else {
-                autocomplete(&mut config, &io);
+                autocomplete(&mut config, &io, options.default_max_batch_size);
             }
             fill_backend(&mut config);
             validate_model_config(&config).map_err(|e| fail(format!("config: {e}")))?;
@@ -573,17 +582,18 @@ fn config_type(dt: DataType) -> i32 {
 /// Fills in what the config leaves out from the model's own inputs and outputs, as Triton's
 /// onnxruntime backend does. It runs only where the config lacks inputs or outputs (a config
 /// declaring both is taken as written). When every tensor's first dim is dynamic the model can
-/// batch: `max_batch_size` 0 becomes [`AUTOCOMPLETE_MAX_BATCH_SIZE`], and a final
-/// `max_batch_size` > 1 without a scheduler gets `dynamic_batching {}` (whether the config set
-/// it or auto-complete did; Triton's `AutoCompleteMaxBatch`).
-fn autocomplete(config: &mut ModelConfig, io: &ModelIo) {
+/// batch: `max_batch_size` 0 becomes `default_max_batch_size` ([`AUTOCOMPLETE_MAX_BATCH_SIZE`]
+/// unless `--backend-config` says otherwise), and a final `max_batch_size` > 1 without a
+/// scheduler gets `dynamic_batching {}` (whether the config set it or auto-complete did;
+/// Triton's `AutoCompleteMaxBatch`).
+fn autocomplete(config: &mut ModelConfig, io: &ModelIo, default_max_batch_size: i32) {
     if !config.input.is_empty() && !config.output.is_empty() {
         return;
     }
     let can_batch = !io.inputs.is_empty() && io.inputs.iter().chain(&io.outputs).all(|t| t.dims.first() == Some(&-1));
     if can_batch {
         if config.max_batch_size == 0 {
-            config.max_batch_size = AUTOCOMPLETE_MAX_BATCH_SIZE;
+            config.max_batch_size = default_max_batch_size;
         }
         if config.max_batch_size > 1 && config.scheduling_choice.is_none() {
             config.scheduling_choice = Some(SchedulingChoice::DynamicBatching(ModelDynamicBatching::default()));
@@ -1002,25 +1012,36 @@ mod tests {
     fn autocomplete_turns_on_dynamic_batching_whenever_the_model_batches_beyond_one() {
         // Nothing declared: max_batch_size 4 and dynamic batching, as before.
         let mut c = ModelConfig::default();
-        autocomplete(&mut c, &batching_io());
+        autocomplete(&mut c, &batching_io(), AUTOCOMPLETE_MAX_BATCH_SIZE);
         assert_eq!(c.max_batch_size, AUTOCOMPLETE_MAX_BATCH_SIZE);
         assert!(dynamic_batching(&c).is_some());
         // max_batch_size set by the config, tensors left out: dynamic batching too.
         let mut c = config("max_batch_size: 8");
-        autocomplete(&mut c, &batching_io());
+        autocomplete(&mut c, &batching_io(), AUTOCOMPLETE_MAX_BATCH_SIZE);
         assert!(dynamic_batching(&c).is_some());
         assert_eq!(c.input[0].dims, vec![8]);
         // max_batch_size 1: nothing to batch, no scheduler added.
         let mut c = config("max_batch_size: 1");
-        autocomplete(&mut c, &batching_io());
+        autocomplete(&mut c, &batching_io(), AUTOCOMPLETE_MAX_BATCH_SIZE);
         assert!(c.scheduling_choice.is_none());
         // Inputs and outputs declared: auto-complete does not run at all.
         let mut c = config(
             "max_batch_size: 8\ninput [ { name: \"A\" data_type: TYPE_FP32 dims: [ 8 ] } ]\n\
              output [ { name: \"S\" data_type: TYPE_FP32 dims: [ 8 ] } ]",
         );
-        autocomplete(&mut c, &batching_io());
+        autocomplete(&mut c, &batching_io(), AUTOCOMPLETE_MAX_BATCH_SIZE);
         assert!(c.scheduling_choice.is_none());
+        // --backend-config=default-max-batch-size: 16 batches up to 16; 0 does not batch (the
+        // batch dim stays in the tensors' dims).
+        let mut c = ModelConfig::default();
+        autocomplete(&mut c, &batching_io(), 16);
+        assert_eq!(c.max_batch_size, 16);
+        assert!(dynamic_batching(&c).is_some());
+        let mut c = ModelConfig::default();
+        autocomplete(&mut c, &batching_io(), 0);
+        assert_eq!(c.max_batch_size, 0);
+        assert!(c.scheduling_choice.is_none());
+        assert_eq!(c.input[0].dims, vec![-1, 8]);
     }
 
     #[test]

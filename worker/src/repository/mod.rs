@@ -11,6 +11,8 @@
 
 mod load;
 
+pub use load::AUTOCOMPLETE_MAX_BATCH_SIZE;
+
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -52,9 +54,14 @@ pub struct RepositoryOptions {
     pub startup_models: Vec<String>,
     /// Session defaults when a config's `parameters` do not say.
     pub session_defaults: SessionOptions,
-    /// Models built at once at start (tritonserver's `--model-load-thread-count`; 0 counts as
-    /// 1).
+    /// Models built at once (tritonserver's `--model-load-thread-count`; 0 counts as 1).
     pub load_threads: usize,
+    /// The max_batch_size auto-complete gives a model that can batch (tritonserver's
+    /// `--backend-config=default-max-batch-size`).
+    pub default_max_batch_size: i32,
+    /// tritonserver's `--model-config-name`: read `<model>/configs/<name>.pbtxt` where it
+    /// exists, else config.pbtxt.
+    pub config_name: Option<String>,
 }
 
 /// One loaded version: what runs its requests, and its counters.

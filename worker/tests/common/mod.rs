@@ -56,18 +56,26 @@ pub fn repo(models: &[TestModel<'_>]) -> tempfile::TempDir {
 
 /// A repository over `dir` (nothing loaded yet; `strict`: no auto-complete).
 pub fn repository(dir: &Path, mode: ControlMode, strict: bool) -> Arc<Repository> {
+    repository_with(options(dir, mode, strict))
+}
+
+/// The options [`repository`] uses, to change before [`repository_with`].
+pub fn options(dir: &Path, mode: ControlMode, strict: bool) -> RepositoryOptions {
+    RepositoryOptions {
+        paths: vec![dir.to_path_buf()],
+        mode,
+        strict_config: strict,
+        startup_models: vec![],
+        session_defaults: SessionOptions::default(),
+        load_threads: 4,
+        default_max_batch_size: nereid_worker::repository::AUTOCOMPLETE_MAX_BATCH_SIZE,
+        config_name: None,
+    }
+}
+
+pub fn repository_with(options: RepositoryOptions) -> Arc<Repository> {
     init_ort();
-    Arc::new(Repository::new(
-        RepositoryOptions {
-            paths: vec![dir.to_path_buf()],
-            mode,
-            strict_config: strict,
-            startup_models: vec![],
-            session_defaults: SessionOptions::default(),
-            load_threads: 4,
-        },
-        Arc::new(Metrics::new()),
-    ))
+    Arc::new(Repository::new(options, Arc::new(Metrics::new())))
 }
 
 /// Why `model` is UNAVAILABLE, from the repository index (panics if it is not).
@@ -87,6 +95,8 @@ pub async fn start(dir: &Path, mode: ControlMode) -> Arc<Repository> {
         startup_models: vec![],
         session_defaults: SessionOptions::default(),
         load_threads: 4,
+        default_max_batch_size: nereid_worker::repository::AUTOCOMPLETE_MAX_BATCH_SIZE,
+        config_name: None,
     };
     let repo = Arc::new(Repository::new(options, Arc::new(Metrics::new())));
     let failed = repo.load_startup_models().await;
