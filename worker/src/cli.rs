@@ -224,6 +224,19 @@ pub struct Args {
     #[arg(long, value_name = "NAME", value_parser = parse_config_name)]
     pub model_config_name: Option<String>,
 
+    /// Restricts HTTP APIs to requests carrying a header (tritonserver's flag, repeatable):
+    /// `API[,API...]:KEY=VALUE` — a request to one of the APIs without header KEY set to
+    /// VALUE is answered 403. APIs: health, metadata, inference, shared-memory, model-config,
+    /// model-repository, statistics, trace, logging; each in one group at most.
+    #[arg(long, value_name = "APIS:KEY=VALUE")]
+    pub http_restricted_api: Vec<String>,
+
+    /// Restricts gRPC protocols as --http-restricted-api does HTTP APIs; the header is
+    /// `triton-grpc-protocol-KEY`, and a refused call is answered UNAVAILABLE (as tritonserver
+    /// answers it).
+    #[arg(long, value_name = "PROTOCOLS:KEY=VALUE")]
+    pub grpc_restricted_protocol: Vec<String>,
+
     /// Largest accepted HTTP request body in bytes (tritonserver's flag; default: the
     /// --max-request-bytes limit, which then bounds gRPC messages alone).
     #[arg(long, value_name = "BYTES", value_parser = clap::value_parser!(u64).range(1024..=(1 << 32)))]
@@ -472,13 +485,6 @@ pub struct TritonFlags {
     /// Accepted; no backend reads forwarded headers.
     #[arg(long, value_name = "REGEX")]
     pub grpc_header_forward_pattern: Option<String>,
-    /// Refused: the APIs cannot be restricted by header here, and serving them unrestricted
-    /// is not what was asked for.
-    #[arg(long, value_name = "APIS:KEY=VALUE")]
-    pub http_restricted_api: Vec<String>,
-    /// Refused, as --http-restricted-api.
-    #[arg(long, value_name = "PROTOCOLS:KEY=VALUE")]
-    pub grpc_restricted_protocol: Vec<String>,
     /// Accepted; the response cache (--cache-config local,...) is built in.
     #[arg(long, value_name = "DIR")]
     pub cache_directory: Option<PathBuf>,
@@ -512,8 +518,7 @@ impl TritonFlags {
             let level = setting.rsplit(',').next().unwrap_or(setting);
             level.split_once('=').is_some_and(|(k, v)| k.trim() == "level" && !v.trim().eq_ignore_ascii_case("off"))
         };
-        let no_restrictions = "the APIs cannot be restricted by header in nereid-worker (restrict them in front of it)";
-        let refused_values: [(&str, Option<&String>, &str); 5] = [
+        let refused_values: [(&str, Option<&String>, &str); 3] = [
             (
                 "--rate-limit",
                 self.rate_limit.as_ref().filter(|m| *m != "off"),
@@ -529,8 +534,6 @@ impl TritonFlags {
                 self.trace_level.iter().find(|l| !l.eq_ignore_ascii_case("off")),
                 "Triton's trace extension is not implemented",
             ),
-            ("--http-restricted-api", self.http_restricted_api.first(), no_restrictions),
-            ("--grpc-restricted-protocol", self.grpc_restricted_protocol.first(), no_restrictions),
         ];
         if let Some((flag, Some(value), why)) = refused_values.iter().find(|(_, v, _)| v.is_some()) {
             return Err(format!("{flag}={value} is not supported: {why}"));

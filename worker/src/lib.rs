@@ -17,6 +17,7 @@ pub mod grpc;
 pub mod http;
 pub mod metrics;
 pub mod repository;
+pub mod restrict;
 pub mod scheduler;
 pub mod server;
 pub mod shm;

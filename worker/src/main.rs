@@ -22,6 +22,7 @@ use nereid_worker::cli::Args;
 use nereid_worker::fleet::{FleetAgent, FleetOptions};
 use nereid_worker::metrics::Metrics;
 use nereid_worker::repository::{AUTOCOMPLETE_MAX_BATCH_SIZE, ControlMode, Repository, RepositoryOptions};
+use nereid_worker::restrict::Restrictions;
 use nereid_worker::server::{Limits, Server};
 use nereid_worker::shm::SharedMemory;
 use nereid_worker::{grpc, http};
@@ -93,6 +94,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let (backend, backend_warnings) =
         nereid_worker::cli::backend_settings(&args.backend_config).map_err(|e| anyhow::anyhow!(e))?;
     backend_warnings.iter().for_each(|w| tracing::warn!("{w}"));
+    let http_rules = Arc::new(Restrictions::http(&args.http_restricted_api).map_err(anyhow::Error::msg)?);
+    let grpc_rules = Arc::new(Restrictions::grpc(&args.grpc_restricted_protocol).map_err(anyhow::Error::msg)?);
     let options = RepositoryOptions {
         paths: args.model_repository.clone(),
         mode: args.model_control_mode.into(),
@@ -152,7 +155,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         // --http-max-input-size bounds HTTP bodies alone.
         let limit = args.http_max_input_size.unwrap_or(args.max_request_bytes) as usize;
         let http_server = Server { limits: Limits { max_request_bytes: limit }, ..server.clone() };
-        let (router, token) = (http::router(http_server), shutdown.clone());
+        let (router, token) = (http::restricted(http::router(http_server), http_rules), shutdown.clone());
         servers.spawn(async move { http::serve(listener, router, token).await.context("HTTP server") });
     }
     if let Some(listener) = grpc_listener {
@@ -161,7 +164,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             interval: Duration::from_millis(args.grpc_keepalive_time),
             timeout: Duration::from_millis(args.grpc_keepalive_timeout),
         };
-        servers.spawn(async move { grpc::serve(listener, server, keepalive, token).await.context("gRPC server") });
+        servers.spawn(async move {
+            grpc::serve(listener, server, keepalive, grpc_rules, token).await.context("gRPC server")
+        });
     }
     if let Some(listener) = metrics_listener {
         let (router, token) = (http::metrics_router(server.clone()), shutdown.clone());

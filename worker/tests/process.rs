@@ -108,8 +108,16 @@ fn invalid_flags_exit_non_zero_naming_the_flag() {
         (vec!["--model-repository", repo, "--rate-limit=execution_count"], "--rate-limit"),
         (vec!["--model-repository", repo, "--trace-config=level=TIMESTAMPS"], "--trace-config"),
         (vec!["--model-repository", repo, "--trace-level=TENSORS"], "--trace-level"),
-        (vec!["--model-repository", repo, "--http-restricted-api=model-repository:k=v"], "--http-restricted-api"),
-        (vec!["--model-repository", repo, "--grpc-restricted-protocol=inference:k=v"], "--grpc-restricted-protocol"),
+        (vec!["--model-repository", repo, "--http-restricted-api=inferense:k=v"], "--http-restricted-api"),
+        (
+            vec![
+                "--model-repository",
+                repo,
+                "--grpc-restricted-protocol=health:k=v",
+                "--grpc-restricted-protocol=health:j=w",
+            ],
+            "--grpc-restricted-protocol",
+        ),
         (vec!["--model-repository", repo, "--grpc-infer-response-compression-level=max"], "compression-level"),
     ] {
         let (code, output) = run_cli(&args);

@@ -11,6 +11,7 @@ pub mod convert;
 
 use nereid_common::fleet::QUEUE_REPORT_HEADER;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -25,6 +26,7 @@ use tonic::codec::CompressionEncoding;
 use tonic::codegen::BoxStream;
 use tonic::{Request, Response};
 
+use crate::restrict::{Api, Restrictions};
 use crate::server::{SERVER_VERSION, Server, parse_version};
 use crate::shm;
 use convert::{
@@ -106,6 +108,7 @@ pub async fn serve(
     listener: TcpListener,
     server: Server,
     keepalive: KeepAlive,
+    restrictions: Arc<Restrictions>,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
@@ -119,9 +122,40 @@ pub async fn serve(
         .initial_stream_window_size(Some(HTTP2_STREAM_WINDOW))
         .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
         .layer(tower::util::MapResponseLayer::new(remap_transport_errors))
+        .layer(tower::layer::layer_fn(move |inner| Restricted { inner, rules: restrictions.clone() }))
         .add_service(service_with_shutdown(server, shutdown.clone()))
         .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())
         .await
+}
+
+/// Refuses calls to APIs restricted by `--grpc-restricted-protocol` that lack the group's
+/// header and value, with UNAVAILABLE (tritonserver's answer), before any handler runs.
+#[derive(Clone)]
+struct Restricted<S> {
+    inner: S,
+    rules: Arc<Restrictions>,
+}
+
+impl<S, B> tower::Service<http::Request<B>> for Restricted<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = futures::future::Either<S::Future, std::future::Ready<Result<Self::Response, S::Error>>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        match self.rules.refusal(Api::of_grpc(request.uri().path()), request.headers()) {
+            Some(message) => {
+                futures::future::Either::Right(std::future::ready(Ok(tonic::Status::unavailable(message).into_http())))
+            }
+            None => futures::future::Either::Left(self.inner.call(request)),
+        }
+    }
 }
 
 const HTTP2_CONNECTION_WINDOW: u32 = 64 << 20;

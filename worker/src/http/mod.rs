@@ -76,6 +76,24 @@ pub fn router(server: Server) -> Router {
         .with_state(server)
 }
 
+/// `router` with `rules` applied (`--http-restricted-api`): a request to a restricted API
+/// without the group's header and value is answered 403 before any handler runs.
+pub fn restricted(router: Router, rules: std::sync::Arc<crate::restrict::Restrictions>) -> Router {
+    if rules.is_empty() {
+        return router;
+    }
+    router.layer(axum::middleware::from_fn(move |request: axum::extract::Request, next: axum::middleware::Next| {
+        let refusal =
+            rules.refusal(crate::restrict::Api::of_http(request.method(), request.uri().path()), request.headers());
+        async move {
+            match refusal {
+                Some(message) => (StatusCode::FORBIDDEN, Json(json!({ "error": message }))).into_response(),
+                None => next.run(request).await,
+            }
+        }
+    }))
+}
+
 /// `GET /metrics`: the Prometheus text exposition (served on its own port, as Triton does).
 pub fn metrics_router(server: Server) -> Router {
     Router::new()
