@@ -749,7 +749,10 @@ def main() -> int:
                 text = p.read_text(errors="replace")
             except OSError:
                 continue
-            bad = [ln for ln in text.splitlines() if re.search(r"\b(WARN|ERROR)\b|panicked|SIGSEGV|core dumped", ln)]
+            # tritonserver's line formats (W/E + month and day; ISO8601's "Z W"), or tracing's.
+            warned = (r"^(\x1b\[[0-9;]*m)?[WE](\x1b\[0m)?\d{4} \d\d:|^\S+Z [WE] \d+ |\b(WARN|ERROR)\b"
+                      r"|panicked|SIGSEGV|core dumped")
+            bad = [ln for ln in text.splitlines() if re.search(warned, ln)]
             if bad:
                 anomalies.append(f"worker log {p.name}: {len(bad)} warning/error lines, e.g.: "
                                  + " | ".join(re.sub(r"\x1b\[[0-9;]*m", "", b)[:300] for b in bad[:5]))

@@ -232,9 +232,6 @@ pub fn init_tracing_to(verbose: u8, format: LogFormat, file: Option<&std::path::
         ),
     };
     SETTINGS.verbose.store(u32::from(verbose), Relaxed);
-    SETTINGS.format.store(format as u8, Relaxed);
-    let default = if format == LogFormat::Iso8601 { LogFormat::Default } else { format };
-    SETTINGS.default_format.store(default as u8, Relaxed);
     // The global level filter keeps disabled levels free (callsites above it are skipped
     // statically, as with a fixed level); the per-event filter applies the single switches.
     let (level, handle) = reload::Layer::new(SETTINGS.max_level());
@@ -249,6 +246,10 @@ pub fn init_tracing_to(verbose: u8, format: LogFormat, file: Option<&std::path::
         .with(tracing_subscriber::Layer::with_filter(fmt, dynamic))
         .try_init();
     if installed.is_ok() {
+        // Only the call that installed the subscriber says how its lines look.
+        SETTINGS.format.store(format as u8, Relaxed);
+        let default = if format == LogFormat::Iso8601 { LogFormat::Default } else { format };
+        SETTINGS.default_format.store(default as u8, Relaxed);
         let _ = MAX_LEVEL.set(Box::new(move |max| {
             let _ = handle.reload(max);
         }));

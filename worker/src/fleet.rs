@@ -528,10 +528,10 @@ fn model_statuses(
                 // Placed anew while a load for other versions runs: its turn comes after.
                 _ if loading.contains_key(model) => status(ModelState::Loading, records::PENDING_REASON),
                 (Some("LOADING"), _) => status(ModelState::Loading, ""),
+                // The reconciler's record of the load for this placement, not the repository's
+                // row: a row left UNAVAILABLE by a failed load of an earlier placement (or at
+                // start) says nothing about the load this placement waits for.
                 (_, Some(reason)) => status(ModelState::Failed, reason),
-                (Some("UNAVAILABLE"), None) if row.is_some_and(|r| r.reason != "unloaded") => {
-                    status(ModelState::Failed, &row.map(|r| r.reason.clone()).unwrap_or_default())
-                }
                 // Its load has not started: the reconciler loads a few models at a time. The
                 // placement controller gives a pending load four times its load timeout.
                 _ => status(ModelState::Loading, records::PENDING_REASON),
@@ -702,14 +702,15 @@ mod tests {
         let show: Vec<String> =
             s.iter().map(|((m, v), r)| format!("{m}/{v}={}:{}", r.state.name(), r.reason)).collect();
         let pending = format!("d/1=LOADING:{}", records::PENDING_REASON);
+        let pending_c = format!("c/3=LOADING:{}", records::PENDING_REASON);
         assert_eq!(
             show,
             vec![
                 "a/1=READY:",
                 "a/2=LOADING:",
                 "b/1=LOADING:", // the repository says so
-                "c/3=FAILED:bad model",
-                &pending, // not yet attempted: waits its turn
+                &pending_c,     // UNAVAILABLE in the repository, but its load for this placement is to come
+                &pending,       // not yet attempted: waits its turn
                 "e/1=READY:",
                 "e/2=FAILED:failed to load 'e': boom",
             ]

@@ -47,6 +47,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    // Checked here too, so that a malformed value exits 2 like every other flag error.
+    let checked = nereid_worker::cli::backend_settings(&args.backend_config)
+        .and_then(|_| Restrictions::http(&args.http_restricted_api))
+        .and_then(|_| Restrictions::grpc(&args.grpc_restricted_protocol));
+    if let Err(e) = checked {
+        eprintln!("nereid-worker: {e}");
+        return ExitCode::from(2);
+    }
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if let Some(n) = args.http_thread_count {
         runtime.worker_threads(n as usize);

@@ -62,7 +62,8 @@ impl Api {
     pub fn of_http(method: &Method, path: &str) -> Option<Api> {
         let segments: Vec<&str> = path.trim_end_matches('/').split('/').skip(1).collect();
         match segments.as_slice() {
-            ["v2"] if method == Method::GET => Some(Api::Metadata),
+            // GET, and HEAD, which the router answers as GET.
+            ["v2"] if method != Method::POST => Some(Api::Metadata),
             ["v2", "health", "live" | "ready"] => Some(Api::Health),
             ["v2", "models", "stats"] => Some(Api::Statistics),
             ["v2", "repository", ..] => Some(Api::ModelRepository),
@@ -148,7 +149,8 @@ impl Restrictions {
                 .ok()
                 .filter(|_| !key.trim().is_empty())
                 .ok_or_else(|| format!("{flag} '{group}': '{key}' is not a header name"))?;
-            let value = HeaderValue::from_str(value)
+            // Trimmed as header values arrive (hyper drops surrounding whitespace).
+            let value = HeaderValue::from_str(value.trim())
                 .map_err(|_| format!("{flag} '{group}': the value is not a valid header value"))?;
             for name in apis.split(',').map(str::trim) {
                 let api = Api::from_name(name).ok_or_else(|| {
@@ -197,6 +199,7 @@ mod tests {
         let get = |p| Api::of_http(&Method::GET, p);
         let post = |p| Api::of_http(&Method::POST, p);
         assert_eq!(get("/v2"), Some(Api::Metadata));
+        assert_eq!(Api::of_http(&Method::HEAD, "/v2"), Some(Api::Metadata));
         assert_eq!(get("/v2/health/ready"), Some(Api::Health));
         assert_eq!(get("/v2/models/m/ready"), Some(Api::Health));
         assert_eq!(get("/v2/models/m/versions/2/ready"), Some(Api::Health));
@@ -239,7 +242,7 @@ mod tests {
         assert!(r.refusal(Some(Api::Health), &HeaderMap::new()).is_none(), "unrestricted");
         assert!(r.refusal(None, &HeaderMap::new()).is_none());
 
-        let r = Restrictions::http(&groups(&["inference:Token=abc"])).unwrap();
+        let r = Restrictions::http(&groups(&["inference:Token= abc "])).unwrap();
         let mut headers = HeaderMap::new();
         headers.insert("token", HeaderValue::from_static("abc"));
         assert!(r.refusal(Some(Api::Inference), &headers).is_none(), "header names are case-insensitive");
