@@ -185,6 +185,16 @@ def write_markdown(path: Path, report: dict) -> None:
         )
     lines += ["", "† stabilised on the average latency: p99 would not settle within the trials (perf_analyzer "
               "still reports the percentiles)."]
+    # A run that gave no measurement at all (– in the tables): what perf_analyzer said last.
+    for p in report["points"]:
+        for side in ("direct", "gateway", "relay"):
+            attempts = p.get(side, {}).get("error")
+            if attempts:
+                tail = [ln for ln in (attempts[-1].get("output_tail") or "").splitlines() if ln.strip()]
+                lines.append(f"- no {side} measurement for {p['model']} {p['protocol']} c={p['concurrency']} "
+                             f"after {len(attempts)} attempts: {tail[-1] if tail else 'no output'}"
+                             + (f" ({sum('CURLMsg' in ln for ln in tail)} perf_analyzer HTTP client errors "
+                                "'Unexpected error: received CURLMsg')" if any("CURLMsg" in ln for ln in tail) else ""))
     if any("relay" in p for p in report["points"]):
         lines += [
             "",
