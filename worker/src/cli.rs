@@ -237,6 +237,11 @@ pub struct Args {
     #[arg(long, value_name = "PROTOCOLS:KEY=VALUE")]
     pub grpc_restricted_protocol: Vec<String>,
 
+    /// gRPC response compression, by tritonserver's levels: `none`, or `low`/`medium`/`high` —
+    /// responses gzipped (at one level) for clients that accept gzip.
+    #[arg(long, default_value = "none", value_parser = ["none", "low", "medium", "high"])]
+    pub grpc_infer_response_compression_level: String,
+
     /// Largest accepted HTTP request body in bytes (tritonserver's flag; default: the
     /// --max-request-bytes limit, which then bounds gRPC messages alone).
     #[arg(long, value_name = "BYTES", value_parser = clap::value_parser!(u64).range(1024..=(1 << 32)))]
@@ -488,10 +493,6 @@ pub struct TritonFlags {
     /// Accepted; the response cache (--cache-config local,...) is built in.
     #[arg(long, value_name = "DIR")]
     pub cache_directory: Option<PathBuf>,
-    /// Accepted as `none` (the default); other levels are named in a warning: responses are
-    /// sent uncompressed.
-    #[arg(long, value_name = "LEVEL", value_parser = ["none", "low", "medium", "high"])]
-    pub grpc_infer_response_compression_level: Option<String>,
 }
 
 impl TritonFlags {
@@ -544,7 +545,6 @@ impl TritonFlags {
             || self.trace_log_frequency.is_some()
             || !self.trace_config.is_empty()
             || !self.trace_level.is_empty();
-        let compression = self.grpc_infer_response_compression_level.as_deref().is_some_and(|l| l != "none");
         let ignored: Vec<(&str, bool, &str)> = vec![
             (
                 "--grpc-infer-allocation-pool-size",
@@ -619,7 +619,6 @@ impl TritonFlags {
                 self.cache_directory.is_some(),
                 "the response cache (--cache-config local,size=BYTES) is built in",
             ),
-            ("--grpc-infer-response-compression-level", compression, "responses are sent uncompressed"),
         ];
         Ok(ignored
             .iter()

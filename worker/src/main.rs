@@ -168,13 +168,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if let Some(listener) = grpc_listener {
         let (server, token) = (server.clone(), shutdown.clone());
-        let keepalive = grpc::KeepAlive {
-            interval: Duration::from_millis(args.grpc_keepalive_time),
-            timeout: Duration::from_millis(args.grpc_keepalive_timeout),
+        let options = grpc::ServeOptions {
+            keepalive: grpc::KeepAlive {
+                interval: Duration::from_millis(args.grpc_keepalive_time),
+                timeout: Duration::from_millis(args.grpc_keepalive_timeout),
+            },
+            restrictions: grpc_rules,
+            compress_responses: args.grpc_infer_response_compression_level != "none",
         };
-        servers.spawn(async move {
-            grpc::serve(listener, server, keepalive, grpc_rules, token).await.context("gRPC server")
-        });
+        servers.spawn(async move { grpc::serve(listener, server, options, token).await.context("gRPC server") });
     }
     if let Some(listener) = metrics_listener {
         let (router, token) = (http::metrics_router(server.clone()), shutdown.clone());

@@ -584,3 +584,34 @@ fn a_load_whose_caller_goes_away_still_finishes() {
     gate.open();
     wait_for("a_gated READY", &worker, |w| state(w) == "READY");
 }
+
+/// `--grpc-infer-response-compression-level` other than none: a client that accepts gzip gets
+/// gzipped responses (and the same answer); without the flag, none is compressed.
+#[test]
+fn grpc_responses_are_compressed_when_asked() {
+    let repo = common::example_models();
+    let encoding = |extra: &[&str]| {
+        let mut args = vec!["--model-control-mode=explicit", "--load-model=identity_fp32"];
+        args.extend_from_slice(extra);
+        let worker = WorkerProcess::start(&repo, &args);
+        let url = format!("http://127.0.0.1:{}", worker.grpc);
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async move {
+            use nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+            let client = GrpcInferenceServiceClient::connect(url).await.unwrap();
+            let mut client = client.accept_compressed(tonic::codec::CompressionEncoding::Gzip);
+            let response = client
+                .model_config(nereid_proto::inference::ModelConfigRequest {
+                    name: "identity_fp32".into(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            let encoding = response.metadata().get("grpc-encoding").map(|v| v.to_str().unwrap().to_string());
+            assert_eq!(response.into_inner().config.unwrap().name, "identity_fp32");
+            encoding
+        })
+    };
+    assert_eq!(encoding(&["--grpc-infer-response-compression-level=high"]).as_deref(), Some("gzip"));
+    assert_eq!(encoding(&[]), None);
+}

@@ -85,6 +85,17 @@ fn configure(frontend: GrpcFrontend) -> GrpcInferenceServiceServer<GrpcFrontend>
         .accept_compressed(CompressionEncoding::Deflate)
 }
 
+/// How [`serve`] runs the gRPC front end.
+#[derive(Clone, Debug, Default)]
+pub struct ServeOptions {
+    pub keepalive: KeepAlive,
+    /// `--grpc-restricted-protocol`.
+    pub restrictions: Arc<Restrictions>,
+    /// `--grpc-infer-response-compression-level` other than `none`: responses are gzipped for
+    /// clients that accept gzip (tritonserver's levels are not graded here).
+    pub compress_responses: bool,
+}
+
 /// The pings the gRPC server sends on a connection (`--grpc-keepalive-time` /
 /// `--grpc-keepalive-timeout`): every `interval`, closing the connection when one is not
 /// acknowledged within `timeout`.
@@ -107,10 +118,14 @@ impl Default for KeepAlive {
 pub async fn serve(
     listener: TcpListener,
     server: Server,
-    keepalive: KeepAlive,
-    restrictions: Arc<Restrictions>,
+    options: ServeOptions,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
+    let ServeOptions { keepalive, restrictions, compress_responses } = options;
+    let mut service = service_with_shutdown(server, shutdown.clone());
+    if compress_responses {
+        service = service.send_compressed(CompressionEncoding::Gzip);
+    }
     tonic::transport::Server::builder()
         // Only applies to sockets tonic binds itself; `incoming` below sets it on ours.
         .tcp_nodelay(true)
@@ -123,7 +138,7 @@ pub async fn serve(
         .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
         .layer(tower::util::MapResponseLayer::new(remap_transport_errors))
         .layer(tower::layer::layer_fn(move |inner| Restricted { inner, rules: restrictions.clone() }))
-        .add_service(service_with_shutdown(server, shutdown.clone()))
+        .add_service(service)
         .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())
         .await
 }
