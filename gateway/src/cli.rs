@@ -49,9 +49,9 @@ pub struct Args {
     /// status at all, or stuck in LOADING) before the placement controller treats the load as
     /// failed: the replica is placed on another worker and this one is not chosen for that
     /// version again for a minute. Counted from when the leader sees the worker's status for
-    /// it change (a worker loads one model at a time; one still waiting its turn, "pending",
-    /// gets four times as long); allow for the slowest load and warm-up of your largest model
-    /// (1-86400).
+    /// it change (a worker loads a few models at a time, --model-load-thread-count; one still
+    /// waiting its turn, "pending", gets four times as long); allow for the slowest load and
+    /// warm-up of your largest model, with the others loading beside it (1-86400).
     #[arg(
         long,
         default_value_t = DEFAULT_PLACEMENT_LOAD_TIMEOUT_SECS,
