@@ -595,3 +595,21 @@ async fn custom_config_names_and_the_default_max_batch_size_apply() {
     let e = repo.load("custom", None).await.unwrap_err();
     assert!(e.message.contains("configs/h100.pbtxt"), "{}", e.message);
 }
+
+/// A POLL pass loads the models it finds new or changed side by side: `b_free` is READY while
+/// `a_gated`, first in name order, is still being built.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_pass_loads_changed_models_side_by_side() {
+    let (dir, mut gate) = gated_repo();
+    let repo = repository(dir.path(), ControlMode::Poll, false);
+    let pass = tokio::spawn({
+        let repo = repo.clone();
+        async move { repo.poll_once().await }
+    });
+    common::eventually("b_free READY while a_gated is built", || state(&repo, "b_free").as_deref() == Some("READY"))
+        .await;
+    assert_eq!(state(&repo, "a_gated").as_deref(), Some("LOADING"));
+    gate.open();
+    pass.await.unwrap();
+    assert_eq!(state(&repo, "a_gated").as_deref(), Some("READY"));
+}

@@ -104,6 +104,15 @@ fn config_file(dir: &Path, name: Option<&str>) -> String {
         .unwrap_or_else(|| "config.pbtxt".to_string())
 }
 
+/// Whether the model in `dir` is an ensemble, as far as its config file says (an unreadable
+/// or unparsable one counts as not: its load will say what is wrong).
+pub(super) fn declares_ensemble(dir: &Path, config_name: Option<&str>) -> bool {
+    std::fs::read_to_string(dir.join(config_file(dir, config_name)))
+        .ok()
+        .and_then(|text| parse_model_config(&text).ok())
+        .is_some_and(|config| crate::ensemble::is_ensemble(&config))
+}
+
 fn fail(message: impl Into<String>) -> Status {
     Status::invalid(message)
 }

@@ -1064,11 +1064,11 @@ impl Repository {
     pub async fn poll_once(&self) {
         let on_disk = scan_models(&self.options.paths);
         let loaded: HashMap<String, Slot> = self.slots.read().unwrap_or_else(|e| e.into_inner()).clone();
+        // Load what is new or changed, but retry a failed (re)load only once its files change
+        // again.
+        let mut changed = Vec::new();
         for (name, dir) in &on_disk {
             let stamp = Stamp::of(dir);
-            // Load what is new or changed, but retry a failed (re)load only once its files
-            // change again. The slot is read afresh: an ensemble loaded earlier in this pass
-            // may have loaded this model as one of its steps already.
             let needs_load = match self.slot(name).as_ref() {
                 Some(Slot { model: Some(m), .. }) => m.stamp != stamp && self.not_attempted(name, &stamp),
                 Some(Slot { state: State::Unavailable(_), .. }) => self.not_attempted(name, &stamp),
@@ -1076,12 +1076,22 @@ impl Repository {
                 None => true,
             };
             if needs_load {
+                changed.push((name.clone(), stamp, load::declares_ensemble(dir, self.options.config_name.as_deref())));
+            }
+        }
+        // The changed models load side by side (their builds bounded by `load_threads`), the
+        // ensembles after them: an ensemble then finds the models it composes in place
+        // instead of building them itself while their own loads do too.
+        let (ensembles, models): (Vec<_>, Vec<_>) = changed.into_iter().partition(|(_, _, ensemble)| *ensemble);
+        for batch in [models, ensembles] {
+            futures::future::join_all(batch.into_iter().map(|(name, stamp, _)| async move {
                 tracing::info!(model = %name, "repository change detected; loading");
-                if let Err(e) = self.load_inner(name, None, None).await {
+                if let Err(e) = self.load_inner(&name, None, None).await {
                     tracing::error!(model = %name, error = %e, "load after repository change failed");
                 }
-                self.remember_stamp(name, stamp);
-            }
+                self.remember_stamp(&name, stamp);
+            }))
+            .await;
         }
         for (name, slot) in loaded {
             if on_disk.contains_key(&name) {
