@@ -613,3 +613,34 @@ async fn a_poll_pass_loads_changed_models_side_by_side() {
     pass.await.unwrap();
     assert_eq!(state(&repo, "a_gated").as_deref(), Some("READY"));
 }
+
+/// Identical loads waiting for one model's turn share one build (a client retrying a slow load
+/// does not pile up reloads); a different request — another config — still gets its own.
+#[tokio::test(flavor = "current_thread")]
+async fn identical_queued_loads_share_one_build() {
+    let (dir, mut gate) = gated_repo();
+    let repo = repository(dir.path(), ControlMode::Explicit, false);
+    let load = |config: Option<String>| {
+        let repo = repo.clone();
+        tokio::spawn(async move { repo.load("a_gated", config).await })
+    };
+    let first = load(None);
+    common::eventually("a_gated LOADING", || state(&repo, "a_gated").as_deref() == Some("LOADING")).await;
+    let before = repo.builds_started();
+    let retries: Vec<_> = (0..3).map(|_| load(None)).collect();
+    let other = load(Some(r#"{"max_batch_size": 4}"#.to_string()));
+    // On this one-thread runtime each task runs to where it waits, at these yields.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    gate.open();
+    first.await.unwrap().unwrap();
+    for retry in retries {
+        retry.await.unwrap().unwrap();
+    }
+    other.await.unwrap().unwrap();
+    // The first load's build was under way already; then one for the three retries, one for
+    // the other config.
+    assert_eq!(repo.builds_started() - before, 2);
+    assert_eq!(repo.model_config("a_gated", None).unwrap().max_batch_size, 4, "the other config, last");
+}

@@ -15,7 +15,7 @@ pub use load::AUTOCOMPLETE_MAX_BATCH_SIZE;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -137,6 +137,14 @@ pub struct Repository {
     turns: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Bounds the models built at once outside start-up (`load_threads`).
     builds: tokio::sync::Semaphore,
+    /// The load of each model that waits for its turn, if one does: an identical request
+    /// (same config override and versions) arriving meanwhile is answered by it instead of
+    /// queueing another build — a client retrying a slow load does not pile up reloads.
+    queued: std::sync::Mutex<HashMap<String, Queued>>,
+    /// Numbers queued loads.
+    queued_ids: AtomicU64,
+    /// Model builds started by loads outside start-up.
+    builds_started: AtomicU64,
     startup_done: AtomicBool,
     draining: AtomicBool,
     /// POLL: the files each model had at its last load attempt, so an unchanged broken model
@@ -154,6 +162,29 @@ pub struct Repository {
 /// The reason an explicitly unloaded model's slot carries: such a model does not count
 /// against strict readiness.
 const UNLOADED: &str = "unloaded";
+
+/// A load waiting for its model's turn (see [`Repository::queued`]).
+struct Queued {
+    request: (Option<String>, Option<Vec<i64>>),
+    id: u64,
+    done: tokio::sync::watch::Receiver<Option<Result<(), Status>>>,
+}
+
+/// Takes a queued load off [`Repository::queued`] when it gets its turn or is dropped.
+struct Unqueue<'a> {
+    queued: &'a std::sync::Mutex<HashMap<String, Queued>>,
+    name: &'a str,
+    id: u64,
+}
+
+impl Drop for Unqueue<'_> {
+    fn drop(&mut self) {
+        let mut queued = self.queued.lock().unwrap_or_else(|e| e.into_inner());
+        if queued.get(self.name).is_some_and(|q| q.id == self.id) {
+            queued.remove(self.name);
+        }
+    }
+}
 
 /// A model's turn, held (see [`Repository::turn`]); the last holder removes its entry.
 struct Turn<'a> {
@@ -195,6 +226,9 @@ impl Repository {
             changes: tokio::sync::Mutex::new(()),
             turns: Default::default(),
             builds: tokio::sync::Semaphore::new(builds),
+            queued: Default::default(),
+            queued_ids: Default::default(),
+            builds_started: Default::default(),
             startup_done: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             attempted: Default::default(),
@@ -321,6 +355,12 @@ impl Repository {
             self.slots.write().unwrap_or_else(|e| e.into_inner()).remove(name);
         }
         self.load_locked(name, None, None, Vec::new(), &mut Vec::new()).await
+    }
+
+    /// How many model builds loads have started outside start-up (the repository API, POLL,
+    /// placement; rebuilds included): for diagnostics and tests.
+    pub fn builds_started(&self) -> u64 {
+        self.builds_started.load(Ordering::Relaxed)
     }
 
     /// Stops answering ready; requests already admitted still run.
@@ -745,7 +785,44 @@ impl Repository {
         config_override: Option<String>,
         versions: Option<Vec<i64>>,
     ) -> Result<(), Status> {
+        let request = (config_override.clone(), versions.clone());
+        // An identical load still waiting for its turn reads the files when it starts, as this
+        // one would: its result is this one's.
+        let joined = {
+            let queued = self.queued.lock().unwrap_or_else(|e| e.into_inner());
+            queued.get(name).filter(|q| q.request == request).map(|q| q.done.clone())
+        };
+        if let Some(mut done) = joined
+            && let Ok(result) = done.wait_for(Option::is_some).await
+        {
+            return result.clone().expect("waited for a result");
+        }
+        // (A joined load dropped before it finished leaves this one to run.)
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        let id = self.queued_ids.fetch_add(1, Ordering::Relaxed);
+        let unqueue = {
+            let mut queued = self.queued.lock().unwrap_or_else(|e| e.into_inner());
+            (!queued.contains_key(name)).then(|| {
+                queued.insert(name.to_string(), Queued { request, id, done: rx });
+                Unqueue { queued: &self.queued, name, id }
+            })
+        };
+        let result = self.load_in_turn(name, config_override, versions, unqueue).await;
+        let _ = tx.send(Some(result.clone()));
+        result
+    }
+
+    /// [`Self::load_inner`] once queued: takes the model's turn (then the load no longer
+    /// answers for requests arriving after it, `unqueue`), builds, puts in place.
+    async fn load_in_turn(
+        &self,
+        name: &str,
+        config_override: Option<String>,
+        versions: Option<Vec<i64>>,
+        unqueue: Option<Unqueue<'_>>,
+    ) -> Result<(), Status> {
         let _turn = self.turn(name).await;
+        drop(unqueue);
         let permit = self.builds.acquire().await.expect("the build semaphore is never closed");
         let (previous, serving, also) = {
             let _serial = self.changes.lock().await;
@@ -756,6 +833,7 @@ impl Repository {
         };
         let (options, metrics) = (self.options.clone(), self.metrics.clone());
         let (task, config, wanted, named) = (name.to_string(), config_override.clone(), versions.clone(), also.clone());
+        self.builds_started.fetch_add(1, Ordering::Relaxed);
         let result = tokio::task::spawn_blocking(move || {
             load::load_model(&options, &task, config, wanted.as_deref(), &named, &metrics)
         })
@@ -798,6 +876,7 @@ impl Repository {
             let options = self.options.clone();
             let owned_name = name.to_string();
             let metrics = self.metrics.clone();
+            self.builds_started.fetch_add(1, Ordering::Relaxed);
             let result = tokio::task::spawn_blocking(move || {
                 load::load_model(&options, &owned_name, config_override, versions.as_deref(), &also, &metrics)
             })
