@@ -444,5 +444,11 @@ mod tests {
         .unwrap();
         assert_eq!(s.current()["log_verbose_level"], LogValue::Uint(0));
         assert!(s.enabled(&Level::WARN) && !s.enabled(&Level::DEBUG));
+        assert_eq!(LogFormat::load(&s.format), LogFormat::Iso8601);
+        // This process started with tracing's own lines (as the gateway does): "default" names
+        // them, not tritonserver's.
+        s.apply(&[set("log_format", LogValue::Str("default".into()))]).unwrap();
+        assert_eq!(LogFormat::load(&s.format), LogFormat::Tracing);
+        assert_eq!(s.current()["log_format"], LogValue::Str("default".into()));
     }
 }

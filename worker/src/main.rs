@@ -47,14 +47,23 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    // Checked here too, so that a malformed value exits 2 like every other flag error.
-    let checked = nereid_worker::cli::backend_settings(&args.backend_config)
-        .and_then(|_| Restrictions::http(&args.http_restricted_api))
-        .and_then(|_| Restrictions::grpc(&args.grpc_restricted_protocol));
-    if let Err(e) = checked {
-        eprintln!("nereid-worker: {e}");
-        return ExitCode::from(2);
-    }
+    // Parsed before anything starts, so that a malformed value exits 2 like every other flag
+    // error.
+    let parsed = nereid_worker::cli::backend_settings(&args.backend_config).and_then(|(backend, warnings)| {
+        Ok(Parsed {
+            backend,
+            http_rules: Arc::new(Restrictions::http(&args.http_restricted_api)?),
+            grpc_rules: Arc::new(Restrictions::grpc(&args.grpc_restricted_protocol)?),
+        })
+        .inspect(|_| warnings.iter().for_each(|w| tracing::warn!("{w}")))
+    });
+    let parsed = match parsed {
+        Ok(parsed) => parsed,
+        Err(e) => {
+            eprintln!("nereid-worker: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if let Some(n) = args.http_thread_count {
         runtime.worker_threads(n as usize);
@@ -66,7 +75,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(args)) {
+    match runtime.block_on(run(args, parsed)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e:#}");
@@ -86,7 +95,15 @@ async fn bind(enabled: bool, addr: std::net::IpAddr, port: u16, what: &str) -> a
     Ok(Some(listener))
 }
 
-async fn run(args: Args) -> anyhow::Result<()> {
+/// Flag values parsed beyond what clap checks.
+struct Parsed {
+    backend: nereid_worker::cli::BackendSettings,
+    http_rules: Arc<Restrictions>,
+    grpc_rules: Arc<Restrictions>,
+}
+
+async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
+    let Parsed { backend, http_rules, grpc_rules } = parsed;
     // Register for SIGTERM/SIGINT first: a signal during start-up must also shut down cleanly.
     let mut shutdown_requested = std::pin::pin!(shutdown_signal()?);
     for repo in &args.model_repository {
@@ -99,11 +116,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let gpu = args.allow_gpu_metrics.then(nereid_worker::gpu::GpuMonitor::new).flatten();
     let cpu = args.allow_cpu_metrics.then(|| nereid_worker::cpu::CpuMonitor::new(interval)).flatten();
     let metrics = Arc::new(Metrics::with_gpu(gpu.map(|g| g.with_interval(interval))).with_cpu(cpu));
-    let (backend, backend_warnings) =
-        nereid_worker::cli::backend_settings(&args.backend_config).map_err(|e| anyhow::anyhow!(e))?;
-    backend_warnings.iter().for_each(|w| tracing::warn!("{w}"));
-    let http_rules = Arc::new(Restrictions::http(&args.http_restricted_api).map_err(anyhow::Error::msg)?);
-    let grpc_rules = Arc::new(Restrictions::grpc(&args.grpc_restricted_protocol).map_err(anyhow::Error::msg)?);
     let options = RepositoryOptions {
         paths: args.model_repository.clone(),
         mode: args.model_control_mode.into(),

@@ -164,6 +164,9 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        if self.rules.is_empty() {
+            return futures::future::Either::Left(self.inner.call(request));
+        }
         match self.rules.refusal(Api::of_grpc(request.uri().path()), request.headers()) {
             Some(message) => {
                 futures::future::Either::Right(std::future::ready(Ok(tonic::Status::unavailable(message).into_http())))
