@@ -180,7 +180,7 @@ mod tests {
                     data: Bytes::copy_from_slice(d),
                 })
                 .collect(),
-            outputs: outputs.iter().map(|n| RequestedOutput { name: n.to_string(), binary_data: None }).collect(),
+            outputs: outputs.iter().map(|n| RequestedOutput { name: n.to_string(), ..Default::default() }).collect(),
             ..Default::default()
         }
     }

@@ -8,6 +8,7 @@
 
 pub mod backend;
 pub mod cache;
+pub mod classify;
 pub mod cli;
 pub mod cpu;
 pub mod ensemble;

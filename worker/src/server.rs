@@ -17,6 +17,7 @@ pub const SERVER_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The KServe v2 / Triton protocol extensions this worker implements.
 pub const EXTENSIONS: &[&str] = &[
     "binary_tensor_data",
+    "classification",
     "model_repository",
     "model_configuration",
     "schedule_policy",

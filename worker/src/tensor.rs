@@ -46,6 +46,9 @@ pub struct RequestedOutput {
     pub name: String,
     /// HTTP only: return this output in the binary section (`parameters.binary_data`).
     pub binary_data: Option<bool>,
+    /// The classification extension: return the top this many classes of each batch row
+    /// instead of the tensor (0: the tensor itself). See [`crate::classify`].
+    pub classification: u32,
 }
 
 #[derive(Debug, Default)]

@@ -277,7 +277,7 @@ mod tests {
     #[test]
     fn accepts_a_good_request() {
         let mut r = request(vec![2, 3, 4], 96, 2);
-        r.outputs = vec![RequestedOutput { name: "Y".into(), binary_data: None }];
+        r.outputs = vec![RequestedOutput { name: "Y".into(), ..Default::default() }];
         let v = validate(&spec(), &mut r).unwrap();
         assert_eq!(v.rows, 2);
         assert_eq!(v.wanted, vec![false, true]);
@@ -323,7 +323,7 @@ mod tests {
         r.inputs[0].datatype = DataType::Int32;
         assert!(validate(&spec(), &mut r).unwrap_err().message.contains("datatype INT32"));
         let mut r = request(vec![2, 3, 4], 96, 2);
-        r.outputs = vec![RequestedOutput { name: "NOPE".into(), binary_data: None }];
+        r.outputs = vec![RequestedOutput { name: "NOPE".into(), ..Default::default() }];
         assert!(validate(&spec(), &mut r).unwrap_err().message.contains("output 'NOPE'"));
     }
 }

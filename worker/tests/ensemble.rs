@@ -36,7 +36,7 @@ fn request(model: &str, rows: &[[f32; 4]], outputs: &[&str]) -> InferRequest {
             shape: vec![rows.len() as i64, 4],
             data: f32_bytes(&flat),
         }],
-        outputs: outputs.iter().map(|n| RequestedOutput { name: n.to_string(), binary_data: None }).collect(),
+        outputs: outputs.iter().map(|n| RequestedOutput { name: n.to_string(), ..Default::default() }).collect(),
         ..Default::default()
     }
 }

@@ -43,7 +43,8 @@ const MAX_CONCURRENT_STREAMS: u32 = 4096;
 pub const SERVER_NAME: &str = "nereid-gateway";
 pub const SERVER_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The KServe v2 / Triton protocol extensions the gateway implements.
-pub const EXTENSIONS: &[&str] = &["binary_tensor_data", "model_configuration", "parameters", "statistics"];
+pub const EXTENSIONS: &[&str] =
+    &["binary_tensor_data", "classification", "model_configuration", "parameters", "statistics"];
 
 type TonicResult<T> = Result<Response<T>, tonic::Status>;
 

@@ -16,9 +16,14 @@ fn uint64(v: u64) -> InferParameter {
     InferParameter { parameter_choice: Some(ParameterChoice::Uint64Param(v)) }
 }
 
+fn int64(v: i64) -> InferParameter {
+    InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(v)) }
+}
+
 /// An HTTP inference request as the gRPC message a worker gets: tensors in
-/// `raw_input_contents`, `priority` / `timeout` as request parameters. The HTTP-only output
-/// choices (`binary_data`) stay at the gateway, which renders the response.
+/// `raw_input_contents`, `priority` / `timeout` as request parameters, an output's
+/// `classification` as its parameter. The HTTP-only output choices (`binary_data`) stay at the
+/// gateway, which renders the response.
 pub fn infer_request_to_proto(r: InferRequest) -> ModelInferRequest {
     let mut parameters = std::collections::HashMap::new();
     if r.priority != 0 {
@@ -48,7 +53,13 @@ pub fn infer_request_to_proto(r: InferRequest) -> ModelInferRequest {
         outputs: r
             .outputs
             .into_iter()
-            .map(|o| InferRequestedOutputTensor { name: o.name, parameters: Default::default() })
+            .map(|o| {
+                let mut parameters = std::collections::HashMap::new();
+                if o.classification > 0 {
+                    parameters.insert("classification".to_string(), int64(i64::from(o.classification)));
+                }
+                InferRequestedOutputTensor { name: o.name, parameters }
+            })
             .collect(),
         raw_input_contents,
     }
@@ -147,7 +158,7 @@ mod tests {
         let body = br#"{"id":"r1","parameters":{"priority":2,"timeout":500,"binary_data_output":true},
             "inputs":[{"name":"INPUT0","shape":[1,2],"datatype":"FP32","data":[1.5,-2]},
                       {"name":"S","shape":[1],"datatype":"BYTES","data":["ab"]}],
-            "outputs":[{"name":"OUTPUT0"}]}"#;
+            "outputs":[{"name":"OUTPUT0"},{"name":"SCORES","parameters":{"classification":3,"binary_data":true}}]}"#;
         let parsed = parse_infer_request("m", Some(3), bytes::Bytes::from_static(body), None, 1 << 20, None).unwrap();
         let p = infer_request_to_proto(parsed.request);
         assert_eq!((p.model_name.as_str(), p.model_version.as_str(), p.id.as_str()), ("m", "3", "r1"));
@@ -159,6 +170,11 @@ mod tests {
         assert_eq!(p.raw_input_contents[0], expected);
         assert_eq!(p.raw_input_contents[1], vec![2, 0, 0, 0, b'a', b'b']);
         assert_eq!(p.outputs[0].name, "OUTPUT0");
+        assert!(p.outputs[0].parameters.is_empty());
+        // The class count travels to the worker; binary_data stays here.
+        assert_eq!(p.outputs[1].name, "SCORES");
+        assert_eq!(p.outputs[1].parameters.len(), 1);
+        assert_eq!(p.outputs[1].parameters["classification"], int64(3));
         assert!(parsed.format.binary_default);
     }
 

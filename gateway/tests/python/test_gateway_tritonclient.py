@@ -139,6 +139,27 @@ def test_an_ensemble_through_the_gateway(fleet, protocol):
     assert_fp32_close(result.as_numpy("SCALED3"), ort_run("versioned_scale", {"INPUT0": x}, version=2)["OUTPUT0"])
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_classification_through_the_gateway(fleet, protocol):
+    """An output's class count reaches the worker over both ingresses; the top classes come
+    back as the worker ranks them (onnxruntime's order)."""
+    gateway, _ = fleet
+    mod = httpclient if protocol == "http" else grpcclient
+    client = mod.InferenceServerClient(gateway.http_url if protocol == "http" else gateway.grpc_url)
+    assert "classification" in (client.get_server_metadata()["extensions"] if protocol == "http"
+                                else client.get_server_metadata().extensions)
+    x = _x((2, 256), seed=9)
+    inp = mod.InferInput("INPUT0", [2, 256], "FP32")
+    inp.set_data_from_numpy(x)
+    result = client.infer("mlp_fp32", [inp], outputs=[mod.InferRequestedOutput("OUTPUT0", class_count=3)])
+    classes = result.as_numpy("OUTPUT0")
+    assert classes.shape == (2, 3)
+    scores = ort_run("mlp_fp32", {"INPUT0": x})["OUTPUT0"]
+    for row, srow in zip(classes, scores):
+        indices = [int(c.decode().split(":")[1]) for c in row]
+        assert indices == sorted(range(10), key=lambda i: (-srow[i], i))[:3]
+
+
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
 def test_compressed_http_through_the_gateway(fleet, algorithm):
     """tritonclient compresses the request body and asks for a compressed answer; the gateway

@@ -78,17 +78,19 @@ pub fn infer_request_from_proto(mut req: ModelInferRequest, shm: &SharedMemory) 
     let mut outputs = Vec::with_capacity(req.outputs.len());
     let mut shm_outputs = Vec::new();
     for output in std::mem::take(&mut req.outputs) {
-        if output.parameters.contains_key("classification") {
-            return Err(Status::invalid(format!(
-                "output '{}': parameter 'classification' is not supported",
-                output.name
-            )));
-        }
         let ctx = || format!("output '{}'", output.name);
+        let classification = match output.parameters.get("classification").map(|p| &p.parameter_choice) {
+            None => 0,
+            Some(Some(ParameterChoice::Int64Param(n))) => classification_count(ctx, *n)?,
+            Some(Some(ParameterChoice::Uint64Param(n))) => classification_count(ctx, i64::try_from(*n).unwrap_or(-1))?,
+            Some(_) => {
+                return Err(Status::invalid(format!("{}: parameter 'classification' must be an int64_param", ctx())));
+            }
+        };
         if let Some(r) = shm_parameters(ctx, &output.parameters)? {
             shm_outputs.push((output.name.clone(), shm.target(&ctx(), &r)?));
         }
-        outputs.push(RequestedOutput { name: output.name, binary_data: None });
+        outputs.push(RequestedOutput { name: output.name, binary_data: None, classification });
     }
 
     Ok(InferRequest {
@@ -152,6 +154,13 @@ pub fn shm_input_bytes(req: &ModelInferRequest) -> u64 {
 
 /// A tensor's shared-memory parameters (`None` when it has none): the region as a
 /// `string_param`, offset and byte size as `int64_param` (or `uint64_param`).
+/// A requested output's `classification` class count (0: not requested).
+pub fn classification_count(ctx: impl Fn() -> String, n: i64) -> Result<u32, Status> {
+    u32::try_from(n).map_err(|_| {
+        Status::invalid(format!("{}: classification must be a class count from 0 to {}, got {n}", ctx(), u32::MAX))
+    })
+}
+
 fn shm_parameters(
     ctx: impl Fn() -> String,
     parameters: &std::collections::HashMap<String, InferParameter>,
@@ -962,17 +971,21 @@ mod tests {
         );
         assert!(err(req).message.contains("timeout"));
 
-        let mut req = request(vec![], vec![]);
-        let mut params = HashMap::new();
-        params.insert(
-            "classification".to_string(),
-            InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(3)) },
-        );
-        req.outputs = vec![InferRequestedOutputTensor { name: "OUT".into(), parameters: params }];
-        let e = err(req);
-        assert!(
-            e.message.contains("'OUT'") && e.message.contains("classification") && e.message.contains("not supported")
-        );
+        let classify = |choice: ParameterChoice| {
+            let mut req = request(vec![], vec![]);
+            let mut params = HashMap::new();
+            params.insert("classification".to_string(), InferParameter { parameter_choice: Some(choice) });
+            req.outputs = vec![InferRequestedOutputTensor { name: "OUT".into(), parameters: params }];
+            infer_request_from_proto(req, &SharedMemory::disabled())
+        };
+        assert_eq!(classify(ParameterChoice::Int64Param(3)).unwrap().outputs[0].classification, 3);
+        assert_eq!(classify(ParameterChoice::Uint64Param(2)).unwrap().outputs[0].classification, 2);
+        for bad in [ParameterChoice::Int64Param(-1), ParameterChoice::Uint64Param(u64::MAX)] {
+            let e = classify(bad).unwrap_err();
+            assert!(e.message.contains("output 'OUT': classification must be a class count"), "{}", e.message);
+        }
+        let e = classify(ParameterChoice::StringParam("3".into())).unwrap_err();
+        assert!(e.message.contains("'classification' must be an int64_param"), "{}", e.message);
 
         let mut inp = input("A", "FP32", &[1], None);
         inp.parameters.insert(

@@ -144,6 +144,7 @@ pub fn parse_infer_request(
             request.shm_outputs.push((output.name.clone(), shm.target(&ctx(), &r)?));
         }
         let mut binary_data = None;
+        let mut classification = 0;
         for (key, value) in output.parameters.iter().flatten() {
             match key.as_str() {
                 "binary_data" => {
@@ -152,9 +153,15 @@ pub fn parse_infer_request(
                     })?;
                     binary_data = Some(b);
                 }
-                // A class count of 0 means "not requested".
-                "classification" if !(value.is_null() || value.as_u64() == Some(0)) => {
-                    return Err(Status::invalid(format!("{}: classification is not supported", ctx())));
+                // A class count of 0 (or null) means "not requested".
+                "classification" if !value.is_null() => {
+                    classification = value.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| {
+                        Status::invalid(format!(
+                            "{}: classification must be a class count from 0 to {}, got {value}",
+                            ctx(),
+                            u32::MAX
+                        ))
+                    })?;
                 }
                 _ => {}
             }
@@ -162,7 +169,7 @@ pub fn parse_infer_request(
         if let Some(b) = binary_data {
             format.explicit.push((output.name.clone(), b));
         }
-        request.outputs.push(RequestedOutput { name: output.name, binary_data });
+        request.outputs.push(RequestedOutput { name: output.name, binary_data, classification });
     }
 
     Ok(ParsedInfer { request, format })
@@ -1450,12 +1457,24 @@ mod tests {
     }
 
     #[test]
-    fn classification_is_rejected_naming_the_output() {
-        let e = parse(r#"{"inputs":[],"outputs":[{"name":"OUT0","parameters":{"classification":3}}]}"#).unwrap_err();
-        assert_eq!(e.code, Code::InvalidArgument);
-        assert_eq!(e.message, "outputs[0] ('OUT0'): classification is not supported");
-        // classification 0 means "not requested".
-        parse(r#"{"inputs":[],"outputs":[{"name":"OUT0","parameters":{"classification":0}}]}"#).unwrap();
+    fn classification_is_a_class_count() {
+        let count = |v: &str| {
+            parse(&format!(r#"{{"inputs":[],"outputs":[{{"name":"OUT0","parameters":{{"classification":{v}}}}}]}}"#))
+                .map(|p| p.request.outputs[0].classification)
+        };
+        assert_eq!(count("3").unwrap(), 3);
+        // 0 or null means "not requested".
+        assert_eq!(count("0").unwrap(), 0);
+        assert_eq!(count("null").unwrap(), 0);
+        for bad in ["-1", "2.5", "\"3\"", "4294967296"] {
+            let e = count(bad).unwrap_err();
+            assert_eq!(e.code, Code::InvalidArgument);
+            assert!(
+                e.message.starts_with("outputs[0] ('OUT0'): classification must be a class count"),
+                "{bad}: {}",
+                e.message
+            );
+        }
     }
 
     #[test]

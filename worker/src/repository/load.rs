@@ -1,7 +1,7 @@
 //! Loading one model from disk: config (parsed, auto-completed, validated against the ONNX
 //! model), instance sessions, warmup, schedulers. Runs on a blocking thread.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -283,8 +283,10 @@ pub fn load_model(
             .insert(version, Arc::new(ModelVersion { version, executor: Executor::Scheduler(scheduler), stats }));
     }
     let cache_enabled = config.response_cache.is_some_and(|c| c.enable);
+    let labels = read_labels(&config, dir)?;
     Ok(LoadedModel {
         name: name.to_string(),
+        labels,
         config: Arc::new(config),
         spec: Arc::new(spec),
         versions: loaded_versions,
@@ -347,8 +349,10 @@ fn load_ensemble(
         })
         .collect();
     let cache_enabled = config.response_cache.is_some_and(|c| c.enable);
+    let labels = read_labels(&config, dir)?;
     Ok(LoadedModel {
         name: name.to_string(),
+        labels,
         config: Arc::new(config),
         spec: Arc::new(spec),
         versions,
@@ -358,6 +362,36 @@ fn load_ensemble(
         ensemble: Some(plan),
         generation: next_generation(),
     })
+}
+
+/// Largest `label_filename` file read.
+const MAX_LABEL_FILE_BYTES: u64 = 16 << 20;
+
+/// The labels of every output naming a `label_filename`: a file in the model's directory, one
+/// label per line. A missing or unreadable file fails the load, naming it.
+fn read_labels(config: &ModelConfig, dir: &Path) -> Result<HashMap<String, Arc<[String]>>, Status> {
+    let mut labels = HashMap::new();
+    for output in config.output.iter().filter(|o| !o.label_filename.is_empty()) {
+        let at = format!("output '{}': label_filename '{}'", output.name, output.label_filename);
+        let relative = Path::new(&output.label_filename);
+        // Labels come back to clients: only files of the model's own directory are read.
+        if !relative.components().all(|c| matches!(c, std::path::Component::Normal(_))) {
+            return Err(fail(format!("{at}: must name a file inside the model directory")));
+        }
+        let path = dir.join(relative);
+        let size =
+            std::fs::metadata(&path).map_err(|e| fail(format!("{at}: cannot read {}: {e}", path.display())))?.len();
+        if size > MAX_LABEL_FILE_BYTES {
+            return Err(fail(format!(
+                "{at}: {} is {size} bytes, over the {MAX_LABEL_FILE_BYTES}-byte limit",
+                path.display()
+            )));
+        }
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| fail(format!("{at}: cannot read {}: {e}", path.display())))?;
+        labels.insert(output.name.clone(), Arc::from(crate::classify::parse_labels(&text)));
+    }
+    Ok(labels)
 }
 
 fn check_backend(config: &ModelConfig) -> Result<(), Status> {

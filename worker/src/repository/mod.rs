@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use nereid_common::{Code, Status};
+use nereid_common::{Code, DataType, Status};
 use nereid_proto::inference::ModelConfig;
 use tokio::sync::oneshot;
 
@@ -95,6 +95,8 @@ pub struct LoadedModel {
     /// Distinct for every load, so a reload (new weights under the same version) never
     /// answers from responses cached before it.
     pub generation: u64,
+    /// Class labels of the outputs that name a `label_filename`, for classification.
+    pub labels: HashMap<String, Arc<[String]>>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -517,6 +519,11 @@ impl Repository {
         // caller drops this future (client disconnect, gateway cancel) at any point.
         let mut counted = CancelGuard { stats: &version.stats, started, armed: true };
         let stats = &version.stats;
+        if let Err(status) = check_classification(&model, &request) {
+            counted.armed = false;
+            stats.record_failure(started.elapsed(), status.code.reason());
+            return Err(status);
+        }
         // The response cache, for a model that enables it: an identical earlier request's
         // answer is returned without running anything.
         let cached = self.cache.as_ref().filter(|_| model.cache_enabled).map(|cache| {
@@ -534,7 +541,7 @@ impl Repository {
                 model_name: request.model_name,
                 model_version: version.version,
                 id: request.id,
-                outputs: outputs.as_ref().clone(),
+                outputs: classified(&model, &request.outputs, outputs.as_ref().clone())?,
             });
         }
         let outcome = match &version.executor {
@@ -558,6 +565,9 @@ impl Repository {
             cache.insert(*key, Arc::new(outputs.clone()));
             stats.record_cache_miss(*lookup + insert.elapsed());
         }
+        // The classification extension reshapes what the model answered (the cache keeps the
+        // answer itself).
+        let outcome = outcome.and_then(|outputs| classified(&model, &request.outputs, outputs));
         match outcome {
             Ok(outputs) => {
                 stats.record_success(elapsed);
@@ -623,7 +633,10 @@ impl Repository {
                     outputs: step
                         .outputs
                         .iter()
-                        .map(|(output, _)| crate::tensor::RequestedOutput { name: output.clone(), binary_data: None })
+                        .map(|(output, _)| crate::tensor::RequestedOutput {
+                            name: output.clone(),
+                            ..Default::default()
+                        })
                         .collect(),
                     priority: request.priority,
                     timeout_us: request.timeout_us,
@@ -1222,6 +1235,38 @@ impl Drop for CancelGuard<'_> {
             self.stats.record_failure(self.started.elapsed(), "CANCELED");
         }
     }
+}
+
+/// Refuses, before anything runs, a classification of an output that has no order to rank by
+/// (or that the model lacks: validation names that one).
+fn check_classification(model: &LoadedModel, request: &InferRequest) -> Result<(), Status> {
+    for wanted in request.outputs.iter().filter(|o| o.classification > 0) {
+        if let Some(spec) = model.spec.outputs.iter().find(|s| s.name == wanted.name)
+            && matches!(spec.datatype, DataType::Bytes | DataType::Bool)
+        {
+            return Err(Status::invalid(format!(
+                "output '{}': classification needs numeric scores, but the output is {}",
+                wanted.name,
+                spec.datatype.wire_name()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `outputs` with those the request asked classified replaced by their top classes.
+fn classified(
+    model: &LoadedModel,
+    wanted: &[crate::tensor::RequestedOutput],
+    mut outputs: Vec<crate::tensor::OutputTensor>,
+) -> Result<Vec<crate::tensor::OutputTensor>, Status> {
+    for want in wanted.iter().filter(|o| o.classification > 0) {
+        if let Some(output) = outputs.iter_mut().find(|o| o.name == want.name) {
+            let labels = model.labels.get(&want.name).map(|l| &l[..]);
+            *output = crate::classify::classify(output, want.classification, model.spec.max_batch_size > 0, labels)?;
+        }
+    }
+    Ok(outputs)
 }
 
 /// The latest a request may wait for its turn: its deadline, or its `timeout` from now,

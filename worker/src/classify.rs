@@ -1,0 +1,203 @@
+//! Triton's classification extension: an output requested with `classification: N` comes back
+//! as the top N classes of each batch row instead of the model's scores — a `BYTES` tensor of
+//! shape `[rows, N]` (`[N]` for a model that does not batch) whose elements read
+//! `<value>:<index>[:<label>]`. Classes are ranked by value, highest first, compared in the
+//! output's own type; equal values keep index order. The label is line `<index>` of the
+//! output's `label_filename` (a file in the model's directory), where it has one.
+
+use std::cmp::Ordering;
+
+use nereid_common::{DataType, Status};
+
+use crate::tensor::{OutputTensor, serialize_bytes_elements};
+
+/// One score, in a form that orders and prints as Triton's (C++ `std::to_string`) do: integers
+/// exactly, floating point with six decimals.
+#[derive(Clone, Copy, Debug)]
+enum Score {
+    Int(i128),
+    Float(f64),
+}
+
+impl Score {
+    /// Highest first; a NaN ranks below every number.
+    fn rank(a: &Score, b: &Score) -> Ordering {
+        match (a, b) {
+            (Score::Int(x), Score::Int(y)) => y.cmp(x),
+            (Score::Float(x), Score::Float(y)) => match (x.is_nan(), y.is_nan()) {
+                (true, true) => Ordering::Equal,
+                (true, false) => Ordering::Greater,
+                (false, true) => Ordering::Less,
+                (false, false) => y.partial_cmp(x).unwrap_or(Ordering::Equal),
+            },
+            // One tensor has one type.
+            _ => Ordering::Equal,
+        }
+    }
+
+    fn text(self) -> String {
+        match self {
+            Score::Int(v) => v.to_string(),
+            Score::Float(v) if v.is_nan() => "nan".into(),
+            Score::Float(v) if v.is_infinite() => if v > 0.0 { "inf" } else { "-inf" }.into(),
+            Score::Float(v) => format!("{v:.6}"),
+        }
+    }
+}
+
+/// The scores of a tensor's elements, in order; `None` for a type that has no order to rank by.
+fn scores(datatype: DataType, data: &[u8]) -> Option<Vec<Score>> {
+    macro_rules! each {
+        ($t:ty, $n:expr, $to:expr) => {
+            data.chunks_exact($n).map(|c| $to(<$t>::from_le_bytes(c.try_into().expect("chunk width")))).collect()
+        };
+    }
+    Some(match datatype {
+        DataType::Uint8 => each!(u8, 1, |v| Score::Int(i128::from(v))),
+        DataType::Uint16 => each!(u16, 2, |v| Score::Int(i128::from(v))),
+        DataType::Uint32 => each!(u32, 4, |v| Score::Int(i128::from(v))),
+        DataType::Uint64 => each!(u64, 8, |v| Score::Int(i128::from(v))),
+        DataType::Int8 => each!(i8, 1, |v| Score::Int(i128::from(v))),
+        DataType::Int16 => each!(i16, 2, |v| Score::Int(i128::from(v))),
+        DataType::Int32 => each!(i32, 4, |v| Score::Int(i128::from(v))),
+        DataType::Int64 => each!(i64, 8, |v| Score::Int(i128::from(v))),
+        DataType::Fp16 => each!(u16, 2, |v| Score::Float(f64::from(half::f16::from_bits(v)))),
+        DataType::Bf16 => each!(u16, 2, |v| Score::Float(f64::from(half::bf16::from_bits(v)))),
+        DataType::Fp32 => each!(f32, 4, |v| Score::Float(f64::from(v))),
+        DataType::Fp64 => each!(f64, 8, Score::Float),
+        DataType::Bool | DataType::Bytes => return None,
+    })
+}
+
+/// `output` as its top `count` classes per batch row (`batching`: the model's first dimension
+/// is the batch). Fewer classes than asked for give as many as there are.
+pub fn classify(
+    output: &OutputTensor,
+    count: u32,
+    batching: bool,
+    labels: Option<&[String]>,
+) -> Result<OutputTensor, Status> {
+    let scores = scores(output.datatype, &output.data).ok_or_else(|| {
+        Status::invalid(format!(
+            "output '{}': classification needs numeric scores, but the output is {}",
+            output.name,
+            output.datatype.wire_name()
+        ))
+    })?;
+    let rows = match (batching, output.shape.first()) {
+        (true, Some(&rows)) => usize::try_from(rows).unwrap_or(0),
+        _ => 1,
+    };
+    let per_row = scores.len().checked_div(rows).unwrap_or(0);
+    let k = per_row.min(count as usize);
+    let mut classes = Vec::with_capacity(rows * k);
+    let mut order: Vec<usize> = Vec::with_capacity(per_row);
+    for row in scores.chunks(per_row.max(1)).take(rows) {
+        order.clear();
+        order.extend(0..row.len());
+        // Stable: equal scores keep index order.
+        order.sort_by(|&a, &b| Score::rank(&row[a], &row[b]));
+        for &index in order.iter().take(k) {
+            let mut class = format!("{}:{index}", row[index].text());
+            if let Some(label) = labels.and_then(|l| l.get(index)) {
+                class.push(':');
+                class.push_str(label);
+            }
+            classes.push(class);
+        }
+    }
+    let shape = if batching { vec![rows as i64, k as i64] } else { vec![k as i64] };
+    Ok(OutputTensor {
+        name: output.name.clone(),
+        datatype: DataType::Bytes,
+        shape,
+        data: serialize_bytes_elements(classes).into(),
+    })
+}
+
+/// Labels from a `label_filename` file: one per line, line N naming class N.
+pub fn parse_labels(text: &str) -> Vec<String> {
+    text.lines().map(str::to_string).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::split_bytes_elements;
+
+    fn tensor(datatype: DataType, shape: &[i64], data: Vec<u8>) -> OutputTensor {
+        OutputTensor { name: "OUT".into(), datatype, shape: shape.to_vec(), data: data.into() }
+    }
+
+    fn fp32(shape: &[i64], values: &[f32]) -> OutputTensor {
+        tensor(DataType::Fp32, shape, values.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+
+    fn strings(t: &OutputTensor) -> Vec<String> {
+        split_bytes_elements("OUT", &t.data)
+            .unwrap()
+            .into_iter()
+            .map(|e| String::from_utf8(e.to_vec()).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn top_classes_per_row_highest_first_with_labels() {
+        let out = fp32(&[2, 4], &[1.0, 5.0, 10.0, 4.0, 0.5, -1.0, 0.25, 3.0]);
+        let labels: Vec<String> = ["zero", "one", "two"].map(String::from).to_vec();
+        let c = classify(&out, 2, true, Some(&labels)).unwrap();
+        assert_eq!((c.datatype, c.shape.clone()), (DataType::Bytes, vec![2, 2]));
+        // Index 3 has no label line: no label part.
+        assert_eq!(strings(&c), ["10.000000:2:two", "5.000000:1:one", "3.000000:3", "0.500000:0:zero"]);
+    }
+
+    #[test]
+    fn a_model_that_does_not_batch_ranks_its_whole_output() {
+        let out = fp32(&[2, 2], &[0.1, 0.4, 0.3, 0.2]);
+        let c = classify(&out, 3, false, None).unwrap();
+        assert_eq!(c.shape, vec![3]);
+        assert_eq!(strings(&c), ["0.400000:1", "0.300000:2", "0.200000:3"]);
+    }
+
+    #[test]
+    fn more_classes_than_there_are_gives_them_all() {
+        let c = classify(&fp32(&[1, 2], &[1.0, 2.0]), 5, true, None).unwrap();
+        assert_eq!(c.shape, vec![1, 2]);
+        assert_eq!(strings(&c), ["2.000000:1", "1.000000:0"]);
+    }
+
+    #[test]
+    fn integers_compare_and_print_exactly_and_ties_keep_index_order() {
+        let values: [i64; 4] = [i64::MAX - 1, 7, i64::MAX, 7];
+        let out = tensor(DataType::Int64, &[1, 4], values.iter().flat_map(|v| v.to_le_bytes()).collect());
+        let c = classify(&out, 4, true, None).unwrap();
+        assert_eq!(strings(&c), [format!("{}:2", i64::MAX), format!("{}:0", i64::MAX - 1), "7:1".into(), "7:3".into()]);
+    }
+
+    #[test]
+    fn half_precision_and_nan_rank_sensibly() {
+        let values = [half::f16::from_f32(0.5), half::f16::NAN, half::f16::from_f32(2.0)];
+        let out = tensor(DataType::Fp16, &[1, 3], values.iter().flat_map(|v| v.to_le_bytes()).collect());
+        let c = classify(&out, 3, true, None).unwrap();
+        assert_eq!(strings(&c), ["2.000000:2", "0.500000:0", "nan:1"]);
+    }
+
+    #[test]
+    fn bytes_and_bool_outputs_cannot_be_classified() {
+        for datatype in [DataType::Bytes, DataType::Bool] {
+            let e = classify(&tensor(datatype, &[1, 1], vec![0; 5]), 1, true, None).unwrap_err();
+            assert!(e.message.contains("output 'OUT': classification needs numeric scores"), "{}", e.message);
+        }
+    }
+
+    #[test]
+    fn an_empty_batch_gives_no_classes() {
+        let c = classify(&fp32(&[0, 4], &[]), 2, true, None).unwrap();
+        assert_eq!((c.shape.clone(), c.data.len()), (vec![0, 0], 0));
+    }
+
+    #[test]
+    fn labels_are_lines() {
+        assert_eq!(parse_labels("cat\r\ndog\n\nbird"), ["cat", "dog", "", "bird"]);
+    }
+}
