@@ -644,3 +644,81 @@ async fn identical_queued_loads_share_one_build() {
     assert_eq!(repo.builds_started() - before, 2);
     assert_eq!(repo.model_config("a_gated", None).unwrap().max_batch_size, 4, "the other config, last");
 }
+
+/// An ensemble over `a_gated` and `b_free` (the models of [`gated_repo`]), named `ens`.
+fn add_gated_ensemble(dir: &std::path::Path) {
+    let config = r#"
+name: "ens"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUT_A" data_type: TYPE_FP32 dims: [ 16 ] }, { name: "OUT_B" data_type: TYPE_FP32 dims: [ 16 ] } ]
+ensemble_scheduling { step [
+  { model_name: "a_gated" model_version: -1 input_map { key: "INPUT0" value: "IN" } output_map { key: "OUTPUT0" value: "OUT_A" } },
+  { model_name: "b_free" model_version: -1 input_map { key: "INPUT0" value: "IN" } output_map { key: "OUTPUT0" value: "OUT_B" } }
+] }
+"#;
+    std::fs::create_dir_all(dir.join("ens/1")).unwrap();
+    std::fs::write(dir.join("ens/config.pbtxt"), config).unwrap();
+}
+
+fn ensemble_request() -> InferRequest {
+    let mut request = identity_request("ens", None);
+    request.inputs[0].name = "IN".into();
+    request
+}
+
+/// Placement takes a model away while an ensemble composing it is still loading: whether an
+/// ensemble composes it is decided when the unload's turn comes (where ensembles are put in
+/// place), so the ensemble that finished meanwhile keeps it — it was not left READY over a
+/// composing model that is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placement_keeps_a_model_an_ensemble_finishing_its_load_composes() {
+    let (dir, mut gate) = gated_repo();
+    add_gated_ensemble(dir.path());
+    let repo = repository(dir.path(), ControlMode::Explicit, false);
+    repo.load("b_free", None).await.unwrap();
+    // The ensemble's load builds `a_gated` (which it composes) and waits at the gate.
+    let load = tokio::spawn({
+        let repo = repo.clone();
+        async move { repo.load("ens", None).await }
+    });
+    common::eventually("a_gated LOADING for the ensemble", || state(&repo, "a_gated").as_deref() == Some("LOADING"))
+        .await;
+    let unload = tokio::spawn({
+        let repo = repo.clone();
+        async move { repo.unload_placed("b_free").await }
+    });
+    gate.open();
+    load.await.unwrap().unwrap();
+    unload.await.unwrap().unwrap();
+    assert_eq!(state(&repo, "b_free").as_deref(), Some("READY"), "{:?}", repo.index(false));
+    let answer = repo.infer(ensemble_request()).await.unwrap();
+    assert_eq!(answer.outputs.len(), 2);
+}
+
+/// Unloading an ensemble with its dependents while its load still runs unloads the composing
+/// models that load brought in: they are read from the ensemble actually removed, once the
+/// load is done, not from the state when the unload was asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unloading_dependents_of_an_ensemble_still_loading_takes_its_composing_models() {
+    let (dir, mut gate) = gated_repo();
+    add_gated_ensemble(dir.path());
+    let repo = repository(dir.path(), ControlMode::Explicit, false);
+    let load = tokio::spawn({
+        let repo = repo.clone();
+        async move { repo.load("ens", None).await }
+    });
+    common::eventually("a_gated LOADING for the ensemble", || state(&repo, "a_gated").as_deref() == Some("LOADING"))
+        .await;
+    let unload = tokio::spawn({
+        let repo = repo.clone();
+        async move { repo.unload_with("ens", true).await }
+    });
+    gate.open();
+    load.await.unwrap().unwrap();
+    unload.await.unwrap().unwrap();
+    for model in ["ens", "a_gated", "b_free"] {
+        assert_ne!(state(&repo, model).as_deref(), Some("READY"), "{model}: {:?}", repo.index(false));
+    }
+}

@@ -716,11 +716,10 @@ impl Repository {
     /// A model a loaded ensemble composes stays: placement does not know about ensembles, and
     /// taking it away would break one this worker serves.
     pub async fn unload_placed(&self, name: &str) -> Result<(), Status> {
-        if let Some(user) = self.ensembles_using(name, &[]).first() {
+        if let Unloaded::Kept(user) = self.unload_inner(name, Some(&[])).await? {
             tracing::info!(model = %name, ensemble = %user, "placement: kept, a loaded ensemble composes it");
-            return Ok(());
         }
-        self.unload_inner(name).await
+        Ok(())
     }
 
     /// Loaded ensembles (other than those in `except`) with a step on `name`.
@@ -757,22 +756,24 @@ impl Repository {
             if done.contains(&next) {
                 continue;
             }
-            // A composing model another loaded ensemble still uses stays.
-            if next != name && !self.ensembles_using(&next, &done).is_empty() {
-                done.push(next);
-                continue;
-            }
+            // A composing model another loaded ensemble still uses stays (decided under the
+            // change lock: an ensemble that finishes loading meanwhile counts).
+            let keep = (next != name).then_some(&done[..]);
+            let unloaded = match self.unload_inner(&next, keep).await {
+                Ok(unloaded) => unloaded,
+                Err(e) if next == name => return Err(e),
+                Err(e) => {
+                    tracing::warn!(model = %next, error = %e, "could not unload a composing model");
+                    Unloaded::Removed(None)
+                }
+            };
+            // The composing models of the ensemble actually removed: a load still running when
+            // the unload was asked for has finished by now, and may have changed its steps.
             if dependents
-                && let Ok(model) = self.model(&next)
+                && let Unloaded::Removed(Some(model)) = &unloaded
                 && let Some(plan) = &model.ensemble
             {
                 pending.extend(plan.models().into_iter().map(str::to_string));
-            }
-            let unloaded = self.unload_inner(&next).await;
-            if next == name {
-                unloaded?;
-            } else if let Err(e) = unloaded {
-                tracing::warn!(model = %next, error = %e, "could not unload a composing model");
             }
             done.push(next);
         }
@@ -1053,17 +1054,25 @@ impl Repository {
         }
     }
 
-    async fn unload_inner(&self, name: &str) -> Result<(), Status> {
+    /// Unloads `name` in its turn. `keep_if_composed`: unless a loaded ensemble (other than
+    /// those listed) has a step on it, checked under the change lock, where ensembles are
+    /// installed — not before waiting for the turn, when one still loading would be missed.
+    async fn unload_inner(&self, name: &str, keep_if_composed: Option<&[String]>) -> Result<Unloaded, Status> {
         let _turn = self.turn(name).await;
         let _serial = self.changes.lock().await;
+        if let Some(except) = keep_if_composed
+            && let Some(user) = self.ensembles_using(name, except).into_iter().next()
+        {
+            return Ok(Unloaded::Kept(user));
+        }
         let Some(slot) = self.slot(name) else {
             if scan_models(&self.options.paths).contains_key(name) {
-                return Ok(()); // present but never loaded: nothing to do (Triton answers OK)
+                return Ok(Unloaded::Removed(None)); // present but never loaded: nothing to do (Triton answers OK)
             }
             return Err(Status::not_found(format!("unknown model '{name}'")));
         };
         self.set_slot(name, Slot { state: State::Unloading, model: None, reload_error: None });
-        if let Some(model) = slot.model {
+        if let Some(model) = &slot.model {
             for v in model.versions.keys() {
                 self.metrics.remove(name, *v);
             }
@@ -1072,7 +1081,7 @@ impl Repository {
         self.set_slot(name, Slot { state: State::Unavailable(UNLOADED.into()), model: None, reload_error: None });
         self.epoch.fetch_add(1, Ordering::SeqCst);
         tracing::info!(model = %name, "model unloaded");
-        Ok(())
+        Ok(Unloaded::Removed(slot.model))
     }
 
     /// Every model in the repository and every loaded one, with its state.
@@ -1191,7 +1200,7 @@ impl Repository {
             }
             if slot.model.is_some() {
                 tracing::info!(model = %name, "model removed from the repository; unloading");
-                let _ = self.unload_inner(&name).await;
+                let _ = self.unload_inner(&name, None).await;
             } else if matches!(&slot.state, State::Unavailable(reason) if reason != UNLOADED) {
                 // A model that failed to load and is gone from disk no longer counts against
                 // strict readiness: nothing is left to fix or to serve. Decided again under the
@@ -1220,6 +1229,14 @@ impl Repository {
     fn remember_stamp(&self, name: &str, stamp: Stamp) {
         self.attempted.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), stamp);
     }
+}
+
+/// What an unload did.
+enum Unloaded {
+    /// Removed: the model that was loaded, if one was.
+    Removed(Option<Arc<LoadedModel>>),
+    /// Kept: this loaded ensemble composes it.
+    Kept(String),
 }
 
 /// Counts a request as CANCELED if its future is dropped before it finished.
