@@ -90,6 +90,13 @@ async fn results_through_the_gateway_equal_results_from_a_worker() {
     }
     assert_eq!(reqwest::get(gateway.http_url("/v2/models/mlp_fp32/ready")).await.unwrap().status(), 200);
     assert_eq!(reqwest::get(gateway.http_url("/v2/models/nope/ready")).await.unwrap().status(), 400);
+    // A model name that is not UTF-8: a 400 with a JSON error, from the gateway as from a worker.
+    for url in [a.http_url("/v2/models/%C3%28/infer"), gateway.http_url("/v2/models/%C3%28/infer")] {
+        let r = http.post(&url).body("{}").send().await.unwrap();
+        assert_eq!(r.status(), 400, "{url}");
+        let v: Value = r.json().await.unwrap();
+        assert!(v["error"].as_str().is_some_and(|e| !e.is_empty()), "{url}: {v}");
+    }
     let index: Value = http
         .post(gateway.http_url("/v2/repository/index"))
         .json(&json!({"ready": true}))

@@ -10,7 +10,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{Proc, fp32_request, identity_repo, start_gateway, start_worker, wait_until};
+use common::{Proc, fp32_request, identity_repo, start_gateway, start_worker, start_worker_with, wait_until};
 use serde_json::json;
 
 /// One request waits in the batcher for up to 3 s (until 4 arrive, which they never do).
@@ -123,6 +123,69 @@ async fn a_json_request_that_outgrows_the_limit_once_converted_is_refused() {
     // A full batch (max_batch_size 4) runs at once despite the model's long queue delay.
     let out = gateway.client().await.model_infer(fp32_request("stuck", "", &[4, 16], |i| i as f32)).await;
     assert_eq!(out.expect("served").into_inner().raw_output_contents[0].len(), 256);
+}
+
+/// A JSON request that fits --max-request-bytes once converted, but not with the version pin
+/// forwarding appends to it, is refused by the gateway with a 400 naming the limit — a worker
+/// with the same limit would refuse it as too large, which reached the client as a 429 to
+/// retry. One with room for the pin is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_room_for_what_forwarding_appends_is_refused_at_the_gateway() {
+    use nereid_proto::inference::ModelInferRequest;
+    use nereid_proto::inference::model_infer_request::InferInputTensor;
+    use prost::Message;
+
+    const MAX: usize = 1 << 20;
+    const ROWS: usize = 16_000; // 1,024,000 bytes of FP32: 16,000 rows of 16 zeros
+    let big = HELD
+        .replace("\"held\"", "\"big\"")
+        .replace("max_batch_size: 4", "max_batch_size: 16000")
+        .replace("dynamic_batching { max_queue_delay_microseconds: 3000000 }", "");
+    let repo = identity_repo(&[("big", &big)]);
+    let limit = ["--max-request-bytes", "1048576"];
+    let worker = start_worker_with(repo.path(), &[], &limit).await;
+    let gateway = start_gateway(&[&worker], &limit).await;
+    // The gRPC message the gateway makes of the JSON request below, with an id of `n` bytes.
+    let encoded = |n: usize| {
+        ModelInferRequest {
+            model_name: "big".into(),
+            id: "x".repeat(n),
+            inputs: vec![InferInputTensor {
+                name: "INPUT0".into(),
+                datatype: "FP32".into(),
+                shape: vec![ROWS as i64, 16],
+                ..Default::default()
+            }],
+            raw_input_contents: vec![vec![0u8; ROWS * 64].into()],
+            ..Default::default()
+        }
+        .encoded_len()
+    };
+    // An id costs its length plus its tag and length prefix (a few bytes).
+    let id_for = |size: usize| {
+        let mut n = size - encoded(0);
+        while encoded(n) > size {
+            n -= 1;
+        }
+        assert_eq!(encoded(n), size);
+        "x".repeat(n)
+    };
+    // Written by hand: "datatype" before "data", as tritonclient writes them (json! sorts keys).
+    let zeros = vec!["0"; ROWS * 16].join(",");
+    let send = |id: String| {
+        let body = format!(
+            r#"{{"id":"{id}","inputs":[{{"name":"INPUT0","shape":[{ROWS},16],"datatype":"FP32","data":[{zeros}]}}]}}"#
+        );
+        reqwest::Client::new().post(gateway.http_url("/v2/models/big/infer")).body(body).send()
+    };
+    // One byte under the limit: the pin (3 bytes) would take it over.
+    let r = send(id_for(MAX - 1)).await.unwrap();
+    assert_eq!(r.status(), 400);
+    let text = r.text().await.unwrap();
+    assert!(text.contains("over the limit of 1048576 bytes"), "{text}");
+    // With room for what forwarding adds: served.
+    let r = send(id_for(MAX - 64)).await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -42,6 +42,28 @@ use crate::wire::InferRequest;
 
 /// Bodies larger than this are parsed / rendered on the blocking pool.
 const OFFLOAD_JSON_BYTES: usize = 256 << 10;
+/// Requests larger than this are converted on the blocking pool even when their JSON part is
+/// small: encoding copies the binary section once.
+const OFFLOAD_COPY_BYTES: usize = 4 << 20;
+/// Room left under --max-request-bytes for what the forward path appends to a converted
+/// request (a version pin, a retry's remaining timeout), so that a worker with the same limit
+/// never refuses, as too large, a request this gateway let through.
+const FORWARD_APPEND_BYTES: usize = 64;
+
+/// The `{model}` / `{version}` path segments. A path that does not decode (not UTF-8) is
+/// answered in JSON, as every other error is.
+struct ModelPath(HashMap<String, String>);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for ModelPath {
+    type Rejection = GatewayError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, GatewayError> {
+        Path::<HashMap<String, String>>::from_request_parts(parts, state)
+            .await
+            .map(|Path(params)| ModelPath(params))
+            .map_err(|e| Status::invalid(e.body_text()).into())
+    }
+}
 
 /// The KServe v2 HTTP API of the gateway.
 pub fn router(ingress: Ingress) -> Router {
@@ -164,7 +186,7 @@ async fn health_ready(State(ingress): State<Ingress>) -> StatusCode {
 
 async fn model_ready(
     State(ingress): State<Ingress>,
-    Path(params): Path<HashMap<String, String>>,
+    ModelPath(params): ModelPath,
     headers: HeaderMap,
 ) -> Result<StatusCode, GatewayError> {
     let (name, version) = model_ref(&params)?;
@@ -174,7 +196,7 @@ async fn model_ready(
 
 async fn model_metadata(
     State(ingress): State<Ingress>,
-    Path(params): Path<HashMap<String, String>>,
+    ModelPath(params): ModelPath,
     headers: HeaderMap,
 ) -> Result<Json<Value>, GatewayError> {
     let (name, version) = model_ref(&params)?;
@@ -184,7 +206,7 @@ async fn model_metadata(
 
 async fn model_config(
     State(ingress): State<Ingress>,
-    Path(params): Path<HashMap<String, String>>,
+    ModelPath(params): ModelPath,
     headers: HeaderMap,
 ) -> Result<Json<Value>, GatewayError> {
     let (name, version) = model_ref(&params)?;
@@ -194,7 +216,7 @@ async fn model_config(
 
 async fn model_stats(
     State(ingress): State<Ingress>,
-    Path(params): Path<HashMap<String, String>>,
+    ModelPath(params): ModelPath,
     headers: HeaderMap,
 ) -> Result<Json<Value>, GatewayError> {
     let (name, version) = model_ref(&params)?;
@@ -265,7 +287,7 @@ async fn maybe_offload<T: Send + 'static>(
 
 async fn infer(
     State(ingress): State<Ingress>,
-    Path(params): Path<HashMap<String, String>>,
+    ModelPath(params): ModelPath,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, GatewayError> {
@@ -294,7 +316,8 @@ async fn infer(
         }
     };
 
-    let heavy = header_length.unwrap_or(body.len()).min(body.len()) > OFFLOAD_JSON_BYTES;
+    let heavy =
+        header_length.unwrap_or(body.len()).min(body.len()) > OFFLOAD_JSON_BYTES || body.len() > OFFLOAD_COPY_BYTES;
     // Converted once, to the encoded gRPC request the stack forwards as it is.
     let (request, format) = maybe_offload(heavy, move || {
         let ParsedInfer { request, format } = parse_infer_request(&name, version, body, header_length, max, None)?;
@@ -303,9 +326,10 @@ async fn infer(
         // (JSON "0," is 2 bytes, an INT64 element 8), and the worker would refuse it with a
         // size the client never sent.
         let encoded = prost::Message::encoded_len(&proto);
-        if encoded > max {
+        if encoded.saturating_add(FORWARD_APPEND_BYTES) > max {
             return Err(Status::invalid(format!(
-                "the request's tensors take {encoded} bytes once converted, over the limit of {max} bytes \
+                "the request's tensors take {encoded} bytes once converted, which with the \
+                 {FORWARD_APPEND_BYTES} bytes forwarding may add is over the limit of {max} bytes \
                  (--max-request-bytes): send fewer or smaller tensors, or binary data"
             )));
         }

@@ -209,7 +209,13 @@ async fn http_status(url: &str) -> u16 {
 
 /// A worker on `repo` (loading `models` explicitly, or everything when empty), ready.
 pub async fn start_worker(repo: &Path, models: &[&str]) -> Proc {
+    start_worker_with(repo, models, &[]).await
+}
+
+/// [`start_worker`] with `extra` flags.
+pub async fn start_worker_with(repo: &Path, models: &[&str], extra: &[&str]) -> Proc {
     let mut args = vec!["--model-repository".to_string(), repo.display().to_string()];
+    args.extend(extra.iter().map(|a| a.to_string()));
     if !models.is_empty() {
         args.extend(["--model-control-mode".into(), "explicit".into()]);
         for m in models {
