@@ -622,15 +622,30 @@ async fn reconcile(
             }
         }
         set_retiring(&retired);
-        for (model, versions) in &want {
+        // Ensembles load after the other models: an ensemble put in place before its composing
+        // models loads them itself, under the repository's change lock (stalling every other
+        // change), and their own loads then build them again.
+        let ensembles = repository.ensembles_among(want.keys().chain(busy.iter()));
+        let mut others_loading = busy.iter().any(|m| !ensembles.contains(m));
+        let in_order = want
+            .iter()
+            .filter(|(m, _)| !ensembles.contains(*m))
+            .chain(want.iter().filter(|(m, _)| ensembles.contains(*m)));
+        for (model, versions) in in_order {
+            let ensemble = ensembles.contains(model);
             if applied.get(model) == Some(versions) || busy.contains(model) {
                 continue; // as placed, or loading: looked at again once that load is done
             }
             // Placed otherwise than when its last load failed: that failure is history.
             failures.lock().unwrap_or_else(|e| e.into_inner()).remove(model);
+            if ensemble && others_loading {
+                continue; // after the other models' loads (reported pending)
+            }
             if loading.lock().unwrap_or_else(|e| e.into_inner()).len() >= limit {
+                others_loading |= !ensemble;
                 continue; // waits its turn (reported pending)
             }
+            others_loading |= !ensemble;
             applied.insert(model.clone(), versions.clone());
             tracing::info!(%model, ?versions, "placement: loading");
             loading.lock().unwrap_or_else(|e| e.into_inner()).insert(model.clone(), versions.clone());
@@ -728,5 +743,71 @@ mod tests {
         let s = model_statuses(&index, &unplaced, &failures, &retiring, &BTreeMap::new());
         assert!(!s.keys().any(|(m, _)| m == "a"), "{s:?}");
         assert!(s.contains_key(&("e".to_string(), 1)));
+    }
+
+    /// Copies an example model (its config, version folders and files) into `repo`.
+    fn copy_example(repo: &std::path::Path, name: &str) {
+        let from = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/models").join(name);
+        let copy = std::process::Command::new("cp").arg("-r").arg(&from).arg(repo.join(name)).status().unwrap();
+        assert!(copy.success(), "cp {}", from.display());
+    }
+
+    /// An ensemble placed together with its composing model loads after it: loaded first, it
+    /// would build the composing model itself under the repository's change lock, and that
+    /// model's own load would build it again — four builds instead of two.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_ensemble_placed_with_its_composing_model_loads_after_it() {
+        crate::backend::init_runtime(&crate::backend::default_runtime_path()).expect("ONNX Runtime (scripts/setup.sh)");
+        let dir = tempfile::tempdir().unwrap();
+        for model in ["versioned_scale", "scale_ensemble"] {
+            copy_example(dir.path(), model);
+        }
+        assert!(dir.path().join("versioned_scale/2/model.onnx").is_file(), "run scripts/setup.sh (example models)");
+        let options = crate::repository::RepositoryOptions {
+            paths: vec![dir.path().to_path_buf()],
+            mode: crate::repository::ControlMode::Explicit,
+            strict_config: false,
+            startup_models: vec![],
+            session_defaults: Default::default(),
+            load_threads: 4,
+            default_max_batch_size: crate::repository::AUTOCOMPLETE_MAX_BATCH_SIZE,
+            config_name: None,
+        };
+        let repository = Arc::new(Repository::new(options, Arc::new(crate::metrics::Metrics::new())));
+        let (desired, placements) = watch::channel(None::<Placement>);
+        let loading: Loading = Default::default();
+        let reconciler = tokio::spawn(reconcile(
+            repository.clone(),
+            placements,
+            Default::default(),
+            Default::default(),
+            loading.clone(),
+            Duration::from_secs(60),
+        ));
+        let placement: Placement = [
+            ("scale_ensemble".to_string(), BTreeSet::from([1])),
+            ("versioned_scale".to_string(), BTreeSet::from([1, 2])),
+        ]
+        .into();
+        desired.send(Some(placement)).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let ready: BTreeSet<(String, String)> = repository
+                .held_index()
+                .into_iter()
+                .filter(|e| e.state == "READY")
+                .map(|e| (e.name, e.version))
+                .collect();
+            let all = [("scale_ensemble", "1"), ("versioned_scale", "1"), ("versioned_scale", "2")];
+            if all.iter().all(|(m, v)| ready.contains(&(m.to_string(), v.to_string())))
+                && loading.lock().unwrap().is_empty()
+            {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "not all READY: {:?}", repository.held_index());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(repository.builds_started(), 2, "one build per model");
+        reconciler.abort();
     }
 }

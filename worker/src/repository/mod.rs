@@ -13,7 +13,7 @@ mod load;
 
 pub use load::AUTOCOMPLETE_MAX_BATCH_SIZE;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -261,6 +261,17 @@ impl Repository {
 
     pub fn options(&self) -> &RepositoryOptions {
         &self.options
+    }
+
+    /// Those of `names` whose config in the repository declares an ensemble.
+    pub fn ensembles_among<'a>(&self, names: impl IntoIterator<Item = &'a String>) -> BTreeSet<String> {
+        let on_disk = scan_models(&self.options.paths);
+        let config_name = self.options.config_name.as_deref();
+        names
+            .into_iter()
+            .filter(|n| on_disk.get(*n).is_some_and(|dir| load::declares_ensemble(dir, config_name)))
+            .cloned()
+            .collect()
     }
 
     /// Loads what the control mode says to load at start. Returns the names that failed.
