@@ -726,8 +726,7 @@ impl<'de> DeserializeSeed<'de> for DataSeed {
                 return Ok(RawData::Skipped);
             }
             DataPlan::Typed { dtype, capacity } => DataBuf::typed(dtype, capacity, self.max_bytes),
-            // The tagged form takes at most 9 bytes per element where the typed one takes 8
-            // (or 4 + len vs 5 + len for strings): allow for that.
+            // The tagged form takes at most twice the typed size (see TAG_FALSE).
             DataPlan::Deferred => DataBuf {
                 mode: Mode::Deferred,
                 out: Vec::new(),
@@ -794,6 +793,14 @@ struct DataBuf {
     error: Option<String>,
 }
 
+// The tagged form of an element whose tensor's datatype is not known yet ("data" before
+// "datatype" in the JSON): a tag, then the value in the fewest bytes that hold it exactly (the
+// replay restores the same scalar). An element then takes at most twice its typed size (a
+// small integer 2 bytes where INT8 takes 1; a float exact in f32 — what a client serializing a
+// float32 array writes — 5 bytes where FP32 takes 4; 5 + len bytes for a string where BYTES
+// takes 4 + len), so the deferred buffer, bounded at twice the request limit, refuses no
+// tensor the typed path accepts. Only decimals that are exact in no narrower type ("0.1")
+// take 9 bytes: such an FP32/FP16 tensor near the limit needs "datatype" first.
 const TAG_FALSE: u8 = 0;
 const TAG_TRUE: u8 = 1;
 const TAG_I64: u8 = 2;
@@ -801,6 +808,14 @@ const TAG_U64: u8 = 3;
 const TAG_F64: u8 = 4;
 const TAG_STR: u8 = 5;
 const TAG_NULL: u8 = 6;
+const TAG_I8: u8 = 7;
+const TAG_I16: u8 = 8;
+const TAG_I32: u8 = 9;
+const TAG_U8: u8 = 10;
+const TAG_U16: u8 = 11;
+const TAG_U32: u8 = 12;
+const TAG_F16: u8 = 13;
+const TAG_F32: u8 = 14;
 
 impl DataBuf {
     fn typed(dtype: DataType, capacity: usize, max_bytes: usize) -> DataBuf {
@@ -855,8 +870,16 @@ impl DataBuf {
             let s = match tag {
                 TAG_FALSE => Scalar::Bool(false),
                 TAG_TRUE => Scalar::Bool(true),
+                TAG_I8 => Scalar::I64(i8::from_le_bytes(word(&mut p)).into()),
+                TAG_I16 => Scalar::I64(i16::from_le_bytes(word(&mut p)).into()),
+                TAG_I32 => Scalar::I64(i32::from_le_bytes(word(&mut p)).into()),
                 TAG_I64 => Scalar::I64(i64::from_le_bytes(word(&mut p))),
+                TAG_U8 => Scalar::U64(u8::from_le_bytes(word(&mut p)).into()),
+                TAG_U16 => Scalar::U64(u16::from_le_bytes(word(&mut p)).into()),
+                TAG_U32 => Scalar::U64(u32::from_le_bytes(word(&mut p)).into()),
                 TAG_U64 => Scalar::U64(u64::from_le_bytes(word(&mut p))),
+                TAG_F16 => Scalar::F64(half::f16::from_le_bytes(word(&mut p)).to_f64()),
+                TAG_F32 => Scalar::F64(f32::from_le_bytes(word(&mut p)).into()),
                 TAG_F64 => Scalar::F64(f64::from_le_bytes(word(&mut p))),
                 TAG_STR => {
                     let len = u32::from_le_bytes(word(&mut p)) as usize;
@@ -878,16 +901,47 @@ fn encode_tagged(s: Scalar<'_>, out: &mut Vec<u8>) {
         Scalar::Bool(false) => out.push(TAG_FALSE),
         Scalar::Bool(true) => out.push(TAG_TRUE),
         Scalar::I64(v) => {
-            out.push(TAG_I64);
-            out.extend_from_slice(&v.to_le_bytes());
+            if let Ok(v) = i8::try_from(v) {
+                out.push(TAG_I8);
+                out.extend_from_slice(&v.to_le_bytes());
+            } else if let Ok(v) = i16::try_from(v) {
+                out.push(TAG_I16);
+                out.extend_from_slice(&v.to_le_bytes());
+            } else if let Ok(v) = i32::try_from(v) {
+                out.push(TAG_I32);
+                out.extend_from_slice(&v.to_le_bytes());
+            } else {
+                out.push(TAG_I64);
+                out.extend_from_slice(&v.to_le_bytes());
+            }
         }
         Scalar::U64(v) => {
-            out.push(TAG_U64);
-            out.extend_from_slice(&v.to_le_bytes());
+            if let Ok(v) = u8::try_from(v) {
+                out.push(TAG_U8);
+                out.push(v);
+            } else if let Ok(v) = u16::try_from(v) {
+                out.push(TAG_U16);
+                out.extend_from_slice(&v.to_le_bytes());
+            } else if let Ok(v) = u32::try_from(v) {
+                out.push(TAG_U32);
+                out.extend_from_slice(&v.to_le_bytes());
+            } else {
+                out.push(TAG_U64);
+                out.extend_from_slice(&v.to_le_bytes());
+            }
         }
         Scalar::F64(v) => {
-            out.push(TAG_F64);
-            out.extend_from_slice(&v.to_le_bytes());
+            let half = half::f16::from_f64(v);
+            if half.to_f64() == v || (v.is_nan() && half.is_nan()) {
+                out.push(TAG_F16);
+                out.extend_from_slice(&half.to_le_bytes());
+            } else if f64::from(v as f32) == v {
+                out.push(TAG_F32);
+                out.extend_from_slice(&(v as f32).to_le_bytes());
+            } else {
+                out.push(TAG_F64);
+                out.extend_from_slice(&v.to_le_bytes());
+            }
         }
         Scalar::Str(t) => {
             out.push(TAG_STR);
@@ -1396,6 +1450,60 @@ mod tests {
         assert_eq!(&p.request.inputs[0].data[..], le(&[-1.5f32, 2.0], f32::to_le_bytes).as_slice());
         let e = parse(r#"{"inputs":[{"data":[1, 300],"shape":[2],"datatype":"INT8","name":"i"}]}"#).unwrap_err();
         assert!(e.message.contains("inputs[0] ('i')") && e.message.contains("300 is out of range"), "{}", e.message);
+    }
+
+    /// Whether "data" comes before "datatype" changes nothing: the same bytes, values kept
+    /// exactly (the deferred form stores each in its narrowest exact width), and a tensor at
+    /// the request limit is accepted either way.
+    #[test]
+    fn data_before_datatype_is_exact_and_fits_the_same_limit() {
+        const LIMIT: usize = 4096;
+        let both = |datatype: &str, shape: &str, data: &str| {
+            let parse = |json: String| {
+                parse_infer_request("m", None, Bytes::from(json), None, LIMIT, None)
+                    .map(|p| p.request.inputs[0].data.clone())
+            };
+            let typed = parse(format!(
+                r#"{{"inputs":[{{"name":"x","shape":{shape},"datatype":"{datatype}","data":{data}}}]}}"#
+            ));
+            let deferred = parse(format!(
+                r#"{{"inputs":[{{"data":{data},"name":"x","shape":{shape},"datatype":"{datatype}"}}]}}"#
+            ));
+            let typed = typed.unwrap_or_else(|e| panic!("{datatype} typed: {}", e.message));
+            let deferred = deferred.unwrap_or_else(|e| panic!("{datatype} deferred: {}", e.message));
+            assert_eq!(typed, deferred, "{datatype}");
+            typed
+        };
+        let join = |v: Vec<String>| format!("[{}]", v.join(","));
+        // At the limit: LIMIT bytes of each type.
+        both("INT8", &format!("[{LIMIT}]"), &join((0..LIMIT).map(|i| ((i % 256) as i64 - 128).to_string()).collect()));
+        both("UINT8", &format!("[{LIMIT}]"), &join((0..LIMIT).map(|i| (i % 256).to_string()).collect()));
+        both("BOOL", &format!("[{LIMIT}]"), &join((0..LIMIT).map(|i| (i % 2 == 0).to_string()).collect()));
+        both(
+            "INT16",
+            &format!("[{}]", LIMIT / 2),
+            &join((0..LIMIT / 2).map(|i| (i as i64 * 13 - 20000).to_string()).collect()),
+        );
+        both(
+            "FP32",
+            &format!("[{}]", LIMIT / 4),
+            &join((0..LIMIT / 4).map(|i| f64::from(i as f32 * 0.37).to_string()).collect()),
+        );
+        both("INT64", &format!("[{}]", LIMIT / 8), &join((0..LIMIT / 8).map(|i| (i * 3).to_string()).collect()));
+        both(
+            "FP16",
+            &format!("[{}]", LIMIT / 2),
+            &join((0..LIMIT / 2).map(|i| (i as f64 / 8.0).to_string()).collect()),
+        );
+        // Extremes of every width come back exactly.
+        let data = both("INT64", "[6]", &format!("[{},-129,-128,127,40000,{}]", i64::MIN, i64::MAX));
+        assert_eq!(&data[..], le(&[i64::MIN, -129, -128, 127, 40000, i64::MAX], i64::to_le_bytes).as_slice());
+        let data = both("UINT64", "[6]", &format!("[0,255,256,70000,4294967296,{}]", u64::MAX));
+        assert_eq!(&data[..], le(&[0u64, 255, 256, 70000, 1 << 32, u64::MAX], u64::to_le_bytes).as_slice());
+        let values = [0.1, 1e300, -0.0, 65504.0, 1e-9, 0.5, 16777217.0];
+        let text = values.iter().map(|v: &f64| format!("{v:e}")).collect::<Vec<_>>().join(",");
+        let data = both("FP64", "[7]", &format!("[{text}]"));
+        assert_eq!(&data[..], le(&values, f64::to_le_bytes).as_slice());
     }
 
     #[test]
