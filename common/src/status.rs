@@ -86,6 +86,17 @@ pub const LEVEL_QUEUE_FULL_MESSAGE: &str = "the queue of this priority level is 
 /// How the message of the RESOURCE_EXHAUSTED a model's full request queue answers begins.
 pub const QUEUE_FULL_MESSAGE_PREFIX: &str = "the model's request queue is full";
 
+/// The message of an ensemble's failure in one of its steps: earlier steps (and the other
+/// steps of the same wave) may have run.
+pub fn ensemble_step_message(ensemble: &str, step: usize, model: &str, message: &str) -> String {
+    format!("ensemble '{ensemble}' step {step} (model '{model}'): {message}")
+}
+
+/// Whether `message` is an ensemble step's failure ([`ensemble_step_message`]).
+pub fn is_ensemble_step_failure(message: &str) -> bool {
+    message.strip_prefix("ensemble '").is_some_and(|rest| rest.contains("' step "))
+}
+
 /// Whether a worker's answer says its scheduler refused the request before it ran: a full
 /// queue, or a queue-policy timeout. Exact messages only: an ensemble prefixes its steps'
 /// errors (an earlier step may have run), and other RESOURCE_EXHAUSTED answers (an oversized

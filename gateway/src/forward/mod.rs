@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use nereid_common::Code;
-use nereid_common::status::{QUEUE_TIMEOUT_MESSAGE, is_queue_refusal};
+use nereid_common::status::{is_ensemble_step_failure, is_queue_refusal};
 use nereid_worker::grpc::convert::deadline_margin;
 use prometheus::{IntCounter, IntCounterVec};
 use tower::Service;
@@ -87,9 +87,10 @@ impl FailureKind {
             tonic::Code::ResourceExhausted if is_queue_refusal(Code::ResourceExhausted, status.message()) => {
                 FailureKind::Refused
             }
-            // An ensemble step's queue timeout: the worker is overloaded, not unhealthy, and
-            // its earlier steps ran — answered as it is.
-            tonic::Code::Unavailable if status.message().ends_with(QUEUE_TIMEOUT_MESSAGE) => FailureKind::Answered,
+            // An ensemble's failure in a step (a queue timeout, a composing model not ready):
+            // earlier steps, and the step's siblings in its wave, may have run — answered as
+            // it is, never run again elsewhere.
+            tonic::Code::Unavailable if is_ensemble_step_failure(status.message()) => FailureKind::Answered,
             tonic::Code::Unavailable => FailureKind::Unavailable,
             _ => FailureKind::Answered,
         }
@@ -313,15 +314,21 @@ mod tests {
         assert_eq!(FailureKind::classify(&tonic::Status::invalid_argument("bad")), FailureKind::Answered);
         let full = tonic::Status::resource_exhausted("the model's request queue is full");
         assert_eq!(FailureKind::classify(&full), FailureKind::Refused);
-        let timed_out = tonic::Status::unavailable(QUEUE_TIMEOUT_MESSAGE);
+        let timed_out = tonic::Status::unavailable(nereid_common::status::QUEUE_TIMEOUT_MESSAGE);
         assert_eq!(FailureKind::classify(&timed_out), FailureKind::Refused);
         assert_eq!(UpstreamError::new("w:1".into(), timed_out).code(), tonic::Code::Unavailable);
         // Not the scheduler's refusals: an ensemble step's (earlier steps ran) and an
         // oversized message (every worker would refuse it).
-        let step = format!("ensemble 'e' step 1 (model 'm'): {QUEUE_TIMEOUT_MESSAGE}");
+        let step = format!("ensemble 'e' step 1 (model 'm'): {}", nereid_common::status::QUEUE_TIMEOUT_MESSAGE);
         assert_eq!(FailureKind::classify(&tonic::Status::unavailable(step)), FailureKind::Answered);
         let step_full = tonic::Status::resource_exhausted("ensemble 'e' step 1 (model 'm'): the model's request queue");
         assert_eq!(FailureKind::classify(&step_full), FailureKind::Answered);
+        // A step whose composing model is not ready: the steps before it ran; not run again.
+        let step_unready = nereid_common::status::ensemble_step_message("e", 1, "m", "model 'm' is not ready");
+        assert_eq!(FailureKind::classify(&tonic::Status::unavailable(step_unready)), FailureKind::Answered);
+        // The ensemble itself not ready: nothing ran.
+        let unready = tonic::Status::unavailable("model 'e' is not ready (UNAVAILABLE)");
+        assert_eq!(FailureKind::classify(&unready), FailureKind::Unavailable);
         let too_large = tonic::Status::resource_exhausted("decoded message length too large");
         assert_eq!(FailureKind::classify(&too_large), FailureKind::Answered);
         // Only the model's own "no such version", not an ensemble step's.

@@ -658,7 +658,7 @@ impl Repository {
                     let answer = Box::pin(self.infer_at(sub, depth + 1)).await.map_err(|e| {
                         Status::new(
                             e.code,
-                            format!("ensemble '{}' step {i} (model '{}'): {}", model.name, step.model, e.message),
+                            nereid_common::status::ensemble_step_message(&model.name, i, &step.model, &e.message),
                         )
                     })?;
                     Ok::<_, Status>((i, answer))
