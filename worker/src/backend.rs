@@ -526,6 +526,7 @@ fn split_output(
             let (shape, strings) = value.try_extract_strings().map_err(internal)?;
             // Serialize per job below; keep the element list.
             let shape: Vec<i64> = client_shape(shape.iter().copied().collect());
+            check_output_shape(spec, &shape, strings.len(), batching, total_rows)?;
             let per_row = row_elements(&shape, batching, total_rows);
             let mut at = 0;
             for (j, job) in jobs.iter().enumerate() {
@@ -559,6 +560,8 @@ fn split_output(
             (client_shape(shape), Bytes::copy_from_slice(data))
         }
     };
+    let width = spec.datatype.element_size().unwrap_or(1).max(1);
+    check_output_shape(spec, &shape, bytes.len() / width, batching, total_rows)?;
     if jobs.len() == 1 {
         if wanted(0, output_index) {
             per_job[0].push(OutputTensor { name: spec.name.clone(), datatype: spec.datatype, shape, data: bytes });
@@ -582,6 +585,33 @@ fn split_output(
             });
         }
         at += n;
+    }
+    Ok(())
+}
+
+/// An output is split between a batch's requests by rows: its shape must hold exactly the
+/// elements the model answered and, for a batching model, start with the batch's row count —
+/// otherwise one request's slice would hold another's data (Triton fails such a batch too).
+fn check_output_shape(
+    spec: &TensorSpec,
+    shape: &[i64],
+    elements: usize,
+    batching: bool,
+    total_rows: usize,
+) -> Result<(), Status> {
+    let counted = shape.iter().try_fold(1usize, |n, &d| usize::try_from(d).ok().and_then(|d| n.checked_mul(d)));
+    if counted != Some(elements) {
+        return Err(Status::internal(format!(
+            "output '{}': the model answered {elements} elements, which do not fill its shape {shape:?}",
+            spec.name
+        )));
+    }
+    if batching && shape.first().and_then(|&d| usize::try_from(d).ok()) != Some(total_rows) {
+        return Err(Status::internal(format!(
+            "output '{}': the model answered shape {shape:?} for a batch of {total_rows} rows (the first dimension \
+             must be the batch)",
+            spec.name
+        )));
     }
     Ok(())
 }
@@ -617,7 +647,27 @@ fn extract_bytes(value: &DynValue, dtype: DataType) -> ort::Result<(Vec<i64>, &[
 
 #[cfg(test)]
 mod tests {
-    use super::reshaped;
+    use super::{TensorSpec, check_output_shape, reshaped};
+    use nereid_common::{Code, DataType};
+
+    /// What a model answered is split between a batch's requests only when its shape holds
+    /// exactly its elements and starts with the batch's rows.
+    #[test]
+    fn outputs_that_cannot_be_split_by_rows_fail_the_batch() {
+        let spec =
+            TensorSpec { name: "Y".into(), datatype: DataType::Fp32, dims: vec![4], reshape: None, optional: false };
+        check_output_shape(&spec, &[3, 4], 12, true, 3).unwrap();
+        check_output_shape(&spec, &[2, 3], 6, false, 1).unwrap();
+        // A batch of 3 answered with one row: slicing by rows would hand out another's data.
+        let e = check_output_shape(&spec, &[1, 12], 12, true, 3).unwrap_err();
+        assert_eq!(e.code, Code::Internal);
+        assert!(e.message.contains("output 'Y'") && e.message.contains("batch of 3 rows"), "{}", e.message);
+        // A shape (after a config reshape) that does not hold what the model answered.
+        let e = check_output_shape(&spec, &[3, 2], 5, true, 3).unwrap_err();
+        assert!(e.message.contains("5 elements"), "{}", e.message);
+        assert!(check_output_shape(&spec, &[3, -1], 6, true, 3).is_err());
+        assert!(check_output_shape(&spec, &[i64::MAX, 4], 8, true, 2).is_err(), "no overflow");
+    }
 
     #[test]
     fn reshape_keeps_rows_and_elements() {

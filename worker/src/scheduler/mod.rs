@@ -260,6 +260,13 @@ impl Scheduler {
     pub fn submit(&self, mut job: Job) -> Result<(), Status> {
         let (wake, wake_timer) = {
             let mut state = self.shared.lock();
+            // Requests whose callers went away hold their places until an idle instance or the
+            // timer looks; a full queue looks now, before refusing anyone.
+            let full = |q: &policy::BatchQueue<Job>| q.len() >= MAX_QUEUED || q.is_full_for(job.priority);
+            if full(&state.queue) {
+                let dropped = state.queue.expire(Instant::now());
+                answer_dropped(&self.shared, dropped);
+            }
             if state.queue.len() >= MAX_QUEUED {
                 return Err(Status::exhausted(format!(
                     "{} ({MAX_QUEUED} requests), retry later",
@@ -277,6 +284,9 @@ impl Scheduler {
                 }
             };
             state.next_seq += 1;
+            // Counted before the lock goes: an instance may take the job (and count it out)
+            // the moment it does.
+            self.shared.stats.pending_add(1);
             // The timer must look by this entry's queue timeout.
             let wake_timer = due.is_some_and(|due| state.timer_at.is_none_or(|planned| due < planned));
             if wake_timer {
@@ -286,7 +296,6 @@ impl Scheduler {
             }
             (was_empty || state.queue.rows() >= state.queue.wake_threshold(), wake_timer)
         };
-        self.shared.stats.pending_add(1);
         if wake {
             self.shared.wake.notify_one();
         }
@@ -411,7 +420,19 @@ fn run_batch<I: Instance>(session: &mut I, batch: Vec<Job>, dispatched: Instant,
     shared.stats.pending_add(-(batch.len() as i64));
     let inputs: Vec<JobInputs<'_>> = batch.iter().map(|j| JobInputs { rows: j.rows, inputs: &j.inputs }).collect();
     let wanted = |j: usize, o: usize| batch[j].wanted.get(o).copied().unwrap_or(false);
-    let result = session.run(&inputs, &wanted);
+    // A panic while running (a bug, or a model answering what nothing expected) fails this
+    // batch only: unwound past here it would end the instance thread, and with it every later
+    // batch (and, under preserve_ordering, every later answer).
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session.run(&inputs, &wanted)))
+        .unwrap_or_else(|panic| {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".into());
+            tracing::error!(error = %what, "an instance panicked running a batch; the batch fails, the instance goes on");
+            Err(Status::internal(format!("the model's run failed unexpectedly: {what}")))
+        });
     drop(inputs);
     let rows: usize = batch.iter().map(|j| j.rows).sum();
     match result {
@@ -509,6 +530,73 @@ mod tests {
             max_queue_size: 0,
         };
         p
+    }
+
+    /// An instance that panics on its first batch and answers the ones after.
+    struct PanicsOnce {
+        panicked: bool,
+    }
+
+    impl Instance for PanicsOnce {
+        fn run(
+            &mut self,
+            jobs: &[JobInputs<'_>],
+            _wanted: &dyn Fn(usize, usize) -> bool,
+        ) -> Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status> {
+            if !std::mem::replace(&mut self.panicked, true) {
+                panic!("index out of bounds");
+            }
+            Ok((jobs.iter().map(|_| vec![]).collect(), PhaseTimes::default()))
+        }
+    }
+
+    /// A panic while running a batch fails that batch with INTERNAL; the instance thread lives
+    /// on and serves the next one (with preserve_ordering, whose answers would otherwise wait
+    /// for ever behind the lost one).
+    #[test]
+    fn a_panicking_batch_fails_alone_and_the_instance_goes_on() {
+        let stats = crate::metrics::Metrics::new().version("m", 1);
+        let scheduler =
+            Scheduler::start("test", BatchPolicy::direct(), true, vec![PanicsOnce { panicked: false }], stats)
+                .expect("threads start");
+        let (first, first_rx) = job(0);
+        scheduler.submit(first).expect("queued");
+        let status = first_rx.blocking_recv().expect("answered").expect_err("failed");
+        assert_eq!(status.code, nereid_common::Code::Internal);
+        assert!(status.message.contains("index out of bounds"), "{}", status.message);
+        let (second, second_rx) = job(0);
+        scheduler.submit(second).expect("queued");
+        assert!(second_rx.blocking_recv().expect("answered").is_ok());
+    }
+
+    /// Callers that went away while every instance is busy do not keep a full queue full: the
+    /// next request looks for them before it is refused.
+    #[test]
+    fn a_full_queue_of_requests_whose_callers_left_takes_a_new_one() {
+        let mut policy = timeout_policy(policy::TimeoutAction::Reject, 60_000);
+        policy.levels[0].max_queue_size = 2;
+        let h = harness(policy);
+        let (running, running_rx) = job(0);
+        h.scheduler.submit(running).expect("queued");
+        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "the instance is busy");
+        for _ in 0..2 {
+            let (queued, rx) = job(0);
+            h.scheduler.submit(queued).expect("queued");
+            drop(rx); // the caller goes away
+        }
+        let (next, next_rx) = job(0);
+        h.scheduler.submit(next).expect("room made by the callers that left");
+        let (second, _second_rx) = job(0);
+        h.scheduler.submit(second).expect("queued");
+        let (over, _over_rx) = job(0);
+        let refused = h.scheduler.submit(over).expect_err("the level is full of live requests");
+        assert_eq!(refused.code, nereid_common::Code::ResourceExhausted);
+        assert_eq!(h.stats.pending(), 2, "the two live queued ones");
+        for _ in 0..3 {
+            h.gate.send(()).expect("instance waits");
+        }
+        assert!(running_rx.blocking_recv().expect("answered").is_ok());
+        assert!(next_rx.blocking_recv().expect("answered").is_ok());
     }
 
     /// The audit's case: the only instance is busy; a request queued behind it with a 100 ms
