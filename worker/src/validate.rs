@@ -92,9 +92,14 @@ pub fn validate(spec: &ModelSpec, request: &mut InferRequest) -> Result<Validate
                 fmt_dims(&expected.dims)
             )));
         }
+        // Sizes first: the element count below cannot overflow once the byte size is known.
+        check_byte_size(&input.name, input.datatype, &input.shape, &input.data)?;
         if let Some(model_dims) = &expected.reshape {
             // A -1 in the reshape takes what is left: the rest must divide evenly.
-            let elements: i64 = dims.iter().product();
+            // (An empty batch passes the byte-size check with any other dims: count checked.)
+            let elements = dims.iter().try_fold(1i64, |n, &d| n.checked_mul(d)).ok_or_else(|| {
+                Status::invalid(format!("input '{}': shape {} overflows", input.name, fmt_shape(&input.shape)))
+            })?;
             let known: i64 = model_dims.iter().filter(|&&d| d > 0).product();
             if known > 0 && elements % known != 0 {
                 return Err(Status::invalid(format!(
@@ -105,7 +110,6 @@ pub fn validate(spec: &ModelSpec, request: &mut InferRequest) -> Result<Validate
                 )));
             }
         }
-        check_byte_size(&input.name, input.datatype, &input.shape, &input.data)?;
         slots[index] = Some((input.shape, input.data));
     }
     let missing: Vec<&str> = spec
@@ -291,6 +295,13 @@ mod tests {
         assert!(validate(&s, &mut request(vec![2, 6, 4], 192, 2)).is_ok(), "24 elements: [8, 3]");
         let e = validate(&s, &mut request(vec![2, 3, 4], 96, 2)).unwrap_err();
         assert!(e.message.contains("12 elements per row cannot take model 'm''s reshape [8, -1]"), "{}", e.message);
+        // An empty tensor with huge other dims: no bytes to check them against, and no
+        // overflow either (a model that does not batch: its dims are the whole shape).
+        s.max_batch_size = 0;
+        s.inputs[0].dims = vec![-1, 4, -1];
+        s.inputs[0].reshape = Some(vec![-1]);
+        let e = validate(&s, &mut request(vec![1 << 62, 4, 0], 0, 2)).unwrap_err();
+        assert!(e.message.contains("'A'") && e.message.contains("overflows"), "{}", e.message);
     }
 
     #[test]

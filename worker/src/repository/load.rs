@@ -860,7 +860,13 @@ pub fn batch_policy(config: &ModelConfig) -> BatchPolicy {
         preferred_batch_sizes: preferred,
         max_queue_delay: Duration::from_micros(db.max_queue_delay_microseconds),
         levels,
-        default_level: if db.default_priority_level == 0 { 1 } else { db.default_priority_level as usize },
+        // Without priority levels there is one level, whatever default_priority_level says
+        // (Triton ignores it then).
+        default_level: if db.priority_levels == 0 || db.default_priority_level == 0 {
+            1
+        } else {
+            db.default_priority_level as usize
+        },
     }
 }
 
@@ -990,6 +996,23 @@ mod tests {
             datatype: Some(DataType::Fp32),
             type_name: "float".into(),
             dims: dims.to_vec(),
+        }
+    }
+
+    /// default_priority_level without priority_levels: one level, and every request lands in
+    /// it (a level 2 that does not exist made every request panic).
+    #[test]
+    fn a_default_priority_level_without_levels_means_the_one_level() {
+        let c = config(
+            "max_batch_size: 4\ndynamic_batching { default_priority_level: 2 }\n\
+             input [ { name: \"A\" data_type: TYPE_FP32 dims: [ 8 ] } ]\n\
+             output [ { name: \"S\" data_type: TYPE_FP32 dims: [ 8 ] } ]",
+        );
+        validate_model_config(&c).unwrap();
+        let policy = batch_policy(&c);
+        assert_eq!(policy.levels.len(), 1);
+        for priority in [0, 1, 2, 7] {
+            assert_eq!(policy.level_for(priority), 1, "priority {priority}");
         }
     }
 

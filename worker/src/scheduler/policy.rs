@@ -105,7 +105,10 @@ impl BatchPolicy {
 
     /// The 1-based level a request with `priority` lands in.
     pub fn level_for(&self, priority: u64) -> usize {
-        if priority == 0 || priority as usize > self.levels.len() { self.default_level } else { priority as usize }
+        let level =
+            if priority == 0 || priority as usize > self.levels.len() { self.default_level } else { priority as usize };
+        // A level that does not exist would index past the queues.
+        level.clamp(1, self.levels.len().max(1))
     }
 
     /// The queue timeout for a request at `level` that asked for `requested_us` (0 = none).
@@ -239,6 +242,14 @@ impl<T: Pending> BatchQueue<T> {
     /// the instant its queue timeout fires, if it has one, so a timer sleeping past that
     /// instant can be woken. (A caller's deadline is not reported: the caller's own wait ends
     /// at it, and the entry is dropped at the next expiry.)
+    /// Whether a request with `priority` would be refused now: its level's `max_queue_size`
+    /// is reached.
+    pub fn is_full_for(&self, priority: u64) -> bool {
+        let level = self.policy.level_for(priority);
+        let max = self.policy.levels[level - 1].max_queue_size;
+        max > 0 && self.levels[level - 1].len() >= max
+    }
+
     pub fn push(
         &mut self,
         item: T,
@@ -246,11 +257,10 @@ impl<T: Pending> BatchQueue<T> {
         timeout_us: u64,
         now: Instant,
     ) -> Result<Option<Instant>, QueueFull<T>> {
-        let level = self.policy.level_for(priority);
-        let policy = &self.policy.levels[level - 1];
-        if policy.max_queue_size > 0 && self.levels[level - 1].len() >= policy.max_queue_size {
+        if self.is_full_for(priority) {
             return Err(QueueFull(item));
         }
+        let level = self.policy.level_for(priority);
         // A timeout too large for `Instant` never fires.
         let timeout_at = self.policy.timeout_for(level, timeout_us).and_then(|t| now.checked_add(t));
         self.rows += item.rows();
@@ -313,12 +323,12 @@ impl<T: Pending> BatchQueue<T> {
             return Decision::Idle;
         };
         let key = head.item.shape_key().to_vec();
-        // A delay too large for `Instant` never passes; wait a day at a time.
-        let deadline = head.arrived.checked_add(self.policy.max_queue_delay).unwrap_or(now + FAR);
-        let delay_passed = deadline <= now;
         // Walk the candidate batch without removing anything yet.
         let mut rows = 0usize;
         let mut count = 0usize;
+        // The delay runs from the oldest request in the batch (as Triton's does), not from the
+        // head: a higher-priority request that just arrived does not restart a lower one's wait.
+        let mut oldest = head.arrived;
         // Requests in the batch at the largest preferred size reached so far (sizes only grow
         // along the walk, so the last one reached is the largest).
         let mut preferred_count = None;
@@ -331,6 +341,7 @@ impl<T: Pending> BatchQueue<T> {
             }
             rows += r;
             count += 1;
+            oldest = oldest.min(entry.arrived);
             if self.policy.preferred_batch_sizes.binary_search(&rows).is_ok() {
                 preferred_count = Some(count);
             }
@@ -343,6 +354,9 @@ impl<T: Pending> BatchQueue<T> {
             // The head alone exceeds max_batch_size (validation prevents this): run it alone.
             return Decision::Dispatch(self.take_front(1));
         }
+        // A delay too large for `Instant` never passes; wait a day at a time.
+        let deadline = oldest.checked_add(self.policy.max_queue_delay).unwrap_or(now + FAR);
+        let delay_passed = deadline <= now;
         if !delay_passed && let Some(n) = preferred_count {
             return Decision::Dispatch(self.take_front(n));
         }
@@ -428,6 +442,22 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(q.next_batch(t0), Decision::Idle);
+    }
+
+    /// The delay runs from the oldest request in the batch: a high-priority request arriving
+    /// late goes with the low-priority one that has waited the delay already.
+    #[test]
+    fn the_delay_runs_from_the_oldest_request_in_the_batch() {
+        let t0 = Instant::now();
+        let mut q = BatchQueue::new(policy(8, vec![], 100, 2));
+        q.push(req(0, 1), 2, 0, t0).unwrap();
+        let t90 = t0 + Duration::from_micros(90);
+        q.push(req(1, 1), 1, 0, t90).unwrap();
+        assert_eq!(q.next_batch(t90), Decision::WaitUntil(t0 + Duration::from_micros(100)));
+        match q.next_batch(t0 + Duration::from_micros(100)) {
+            Decision::Dispatch(b) => assert_eq!(b.iter().map(|r| r.id).collect::<Vec<_>>(), vec![1, 0]),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
