@@ -275,6 +275,8 @@ impl Scheduler {
             }
             job.seq = state.next_seq;
             let was_empty = state.queue.is_empty();
+            // Another shape behind the head's closes the head's batch: it may go now.
+            let other_shape = state.queue.head_shape_key().is_some_and(|key| key != job.shape_key.as_slice());
             let (priority, timeout_us) = (job.priority, job.timeout_us);
             let now = Instant::now();
             let due = match state.queue.push(job, priority, timeout_us, now) {
@@ -294,7 +296,7 @@ impl Scheduler {
                 // not wake it again.
                 state.timer_at = Some(now);
             }
-            (was_empty || state.queue.rows() >= state.queue.wake_threshold(), wake_timer)
+            (was_empty || other_shape || state.queue.rows() >= state.queue.wake_threshold(), wake_timer)
         };
         if wake {
             self.shared.wake.notify_one();

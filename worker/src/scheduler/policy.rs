@@ -231,17 +231,18 @@ impl<T: Pending> BatchQueue<T> {
     /// Rows from which an early dispatch may have become possible: the smallest preferred
     /// size (any preferred size the queue reaches dispatches at once), else the maximum batch
     /// size. A batcher that sleeps until the delay ends needs waking on an arrival only once
-    /// the queue holds this many rows (or when it was empty). Rows of every shape count, so
-    /// this can only wake too often, never too rarely.
+    /// the queue holds this many rows, when it was empty, or when the arrival's shape differs
+    /// from the head's (which may close the head's batch). Rows of every shape count, so this
+    /// can only wake too often, never too rarely.
     pub fn wake_threshold(&self) -> usize {
         self.policy.preferred_batch_sizes.first().copied().unwrap_or(self.policy.max_batch_size)
     }
 
-    /// Queues `item` at the level for `priority`, with its timeout. Fails at once if the
-    /// level's `max_queue_size` is reached (its delayed requests count). On success, returns
-    /// the instant its queue timeout fires, if it has one, so a timer sleeping past that
-    /// instant can be woken. (A caller's deadline is not reported: the caller's own wait ends
-    /// at it, and the entry is dropped at the next expiry.)
+    /// The shape key of the request that would head the next batch.
+    pub fn head_shape_key(&self) -> Option<&[i64]> {
+        self.ordered().next().map(|e| e.item.shape_key())
+    }
+
     /// Whether a request with `priority` would be refused now: its level's `max_queue_size`
     /// is reached.
     pub fn is_full_for(&self, priority: u64) -> bool {
@@ -250,6 +251,11 @@ impl<T: Pending> BatchQueue<T> {
         max > 0 && self.levels[level - 1].len() >= max
     }
 
+    /// Queues `item` at the level for `priority`, with its timeout. Fails at once if the
+    /// level's `max_queue_size` is reached (its delayed requests count). On success, returns
+    /// the instant its queue timeout fires, if it has one, so a timer sleeping past that
+    /// instant can be woken. (A caller's deadline is not reported: the caller's own wait ends
+    /// at it, and the entry is dropped at the next expiry.)
     pub fn push(
         &mut self,
         item: T,
