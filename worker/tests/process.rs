@@ -427,7 +427,17 @@ fn responses_report_the_queue_in_band() {
     // One request held in m's queue: every response now reports it.
     let held = rt.spawn(queue_header(url.clone(), request("m")));
     wait_for("the request to queue", &worker, |w| w.metric(PENDING) == Some(1.0));
-    assert_eq!(rt.block_on(queue_header(url, request("fast"))).as_deref(), Some("1"));
+    assert_eq!(rt.block_on(queue_header(url.clone(), request("fast"))).as_deref(), Some("1"));
+    // An error answer reports it too (a worker answering mostly errors must not look idle).
+    let error_queue = rt.block_on(async {
+        let mut client = GrpcInferenceServiceClient::connect(url).await.unwrap();
+        let mut bad = request("fast");
+        bad.inputs[0].shape = vec![1, 15];
+        let status = client.model_infer(bad).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        status.metadata().get("nereid-queue").map(|v| v.to_str().unwrap().to_string())
+    });
+    assert_eq!(error_queue.as_deref(), Some("1"));
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", worker.http)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();

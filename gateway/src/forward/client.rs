@@ -609,7 +609,8 @@ mod tests {
     #[derive(Clone, Copy, PartialEq)]
     enum Behaviour {
         /// Echoes the message reversed, with a `nereid-queue: 7` header; a message "fail" gets
-        /// a trailers-only INVALID_ARGUMENT; "bye" closes the connection without answering.
+        /// a trailers-only INVALID_ARGUMENT with `nereid-queue: 9`; "bye" closes the connection
+        /// without answering.
         Serve,
         /// Completes the handshake, then never reads again (a hung peer).
         Hang,
@@ -667,7 +668,8 @@ mod tests {
         }
         let response = http::Response::builder().status(200).header("content-type", "application/grpc");
         if &message[..] == b"fail" {
-            let response = response.header("grpc-status", "3").header("grpc-message", "bad%20input");
+            let response =
+                response.header("grpc-status", "3").header("grpc-message", "bad%20input").header("nereid-queue", "9");
             let _ = respond.send_response(response.body(()).unwrap(), true);
             return;
         }
@@ -712,6 +714,27 @@ mod tests {
             channel.unary("/s/m", Bytes::from_static(b"xy"), Duration::from_secs(5), &|_| {}).await.unwrap();
         assert_eq!(message, Bytes::from_static(b"yx"));
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
+
+        // The worker's queue report is taken from its answers, errors included.
+        let upstream = crate::upstream::Upstream::new(&address, Default::default()).unwrap();
+        let call = crate::forward::unary_bytes(
+            &upstream,
+            "/s/m",
+            [Bytes::from_static(b"abc"), Bytes::new()],
+            Duration::from_secs(5),
+            &|_| {},
+        );
+        assert_eq!(call.await.unwrap(), Bytes::from_static(b"cba"));
+        assert_eq!(upstream.reported_queue(std::time::Instant::now()), 7);
+        let call = crate::forward::unary_bytes(
+            &upstream,
+            "/s/m",
+            [Bytes::from_static(b"fail"), Bytes::new()],
+            Duration::from_secs(5),
+            &|_| {},
+        );
+        assert_eq!(call.await.unwrap_err().code(), tonic::Code::InvalidArgument);
+        assert_eq!(upstream.reported_queue(std::time::Instant::now()), 9, "an error's report counts too");
     }
 
     #[tokio::test]

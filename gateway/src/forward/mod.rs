@@ -289,18 +289,27 @@ pub async fn unary_bytes(
     on_connect: &(dyn Fn(bool) + Sync),
 ) -> Result<bytes::Bytes, UpstreamError> {
     let err = |status| UpstreamError::new(worker.id.clone(), status);
+    let report = |headers: &http::HeaderMap| {
+        if let Some(queue) = headers
+            .get(nereid_common::fleet::QUEUE_REPORT_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            worker.report_queue(queue);
+        }
+    };
     let call = worker.infer_channel().unary_parts(path, message, timeout, on_connect);
     let (headers, response) = match tokio::time::timeout(timeout, call).await {
-        Ok(result) => result.map_err(|e| err(e.into_status()))?,
+        Ok(Ok(answer)) => answer,
+        // A worker's error answer carries its queue report too.
+        Ok(Err(e)) => {
+            let status = e.into_status();
+            report(status.metadata().as_ref());
+            return Err(err(status));
+        }
         Err(_) => return Err(err(tonic::Status::from_error(Box::new(tonic::TimeoutExpired(()))))),
     };
-    if let Some(queue) = headers
-        .get(nereid_common::fleet::QUEUE_REPORT_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-    {
-        worker.report_queue(queue);
-    }
+    report(&headers);
     Ok(response)
 }
 

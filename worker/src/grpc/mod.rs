@@ -255,10 +255,21 @@ impl GrpcInferenceService for GrpcFrontend {
     async fn model_infer(&self, request: Request<ModelInferRequest>) -> TonicResult<ModelInferResponse> {
         let deadline = grpc_deadline(request.metadata(), Instant::now());
         // Awaited in place: if the client goes away tonic drops this future, cancelling it.
-        let resp = infer_one(&self.server, request.into_inner(), deadline).await?;
-        let mut response = Response::new(resp);
-        response.metadata_mut().insert(QUEUE_REPORT_HEADER, self.server.metrics.pending_total().into());
-        Ok(response)
+        // The queue report rides on refusals and errors too: a worker answering mostly those
+        // must not look idle to the gateways' balancers once its last success is old.
+        let queue = || self.server.metrics.pending_total();
+        match infer_one(&self.server, request.into_inner(), deadline).await {
+            Ok(resp) => {
+                let mut response = Response::new(resp);
+                response.metadata_mut().insert(QUEUE_REPORT_HEADER, queue().into());
+                Ok(response)
+            }
+            Err(status) => {
+                let mut status = tonic::Status::from(status);
+                status.metadata_mut().insert(QUEUE_REPORT_HEADER, queue().into());
+                Err(status)
+            }
+        }
     }
 
     async fn model_stream_infer(
