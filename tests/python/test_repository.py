@@ -169,6 +169,48 @@ def test_load_with_bad_config_override_keeps_serving(clients, proto):
     _infer_identity(g, grpcclient)
 
 
+_IDENTITY_OVERRIDE = {
+    "max_batch_size": 8,
+    "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [16]}],
+    "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [16]}],
+}
+
+
+def _warmup(value, **sample):
+    return {"model_warmup": [{"name": "w", "batch_size": 1, "inputs": {"INPUT0": value}, **sample}]}
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        # Files outside the model's directory: a device that never ends, or any host file.
+        (_warmup({"data_type": "TYPE_FP32", "dims": [16], "input_data_file": "/dev/zero"}),
+         "input_data_file '/dev/zero': must name a file inside the model's directory"),
+        (_warmup({"data_type": "TYPE_FP32", "dims": [16], "input_data_file": "../../../../../dev/zero"}),
+         "must name a file inside the model's directory"),
+        ({"default_model_filename": "../mlp_fp32/1/model.onnx"},
+         "default_model_filename '../mlp_fp32/1/model.onnx': must name a file inside"),
+        # Work that would run before anything checks it (warm-up sizes: a unit test of
+        # check_warmup; this model's dims are fixed).
+        (_warmup({"data_type": "TYPE_FP32", "dims": [16], "zero_data": True}, count=100000), "count 100000 is over"),
+        ({"instance_group": [{"kind": "KIND_CPU", "count": 100000}]}, "instance_group[0].count must be in 0..=1024"),
+    ],
+    ids=["dev-zero", "dot-dot", "model-file", "warmup-count", "instances"],
+)
+def test_load_overrides_cannot_reach_outside_or_exhaust_the_worker(clients, extra, needle):
+    """A load request's config override is a client's input: files it names stay inside the
+    model's directory and what it makes the worker allocate or run is bounded — each refused
+    with a reason naming the field, the model that was serving keeps serving."""
+    h, g = clients
+    h.load_model("identity_fp32")
+    with pytest.raises(InferenceServerException) as ei:
+        h.load_model("identity_fp32", config=json.dumps({**_IDENTITY_OVERRIDE, **extra}))
+    assert needle in str(ei.value)
+    assert h.is_model_ready("identity_fp32")
+    _infer_identity(h, httpclient)
+    _infer_identity(g, grpcclient)
+
+
 def test_load_with_files_is_refused_clearly(clients):
     h, _ = clients
     with pytest.raises(InferenceServerException) as ei:

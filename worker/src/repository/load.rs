@@ -191,12 +191,20 @@ pub fn load_model(
     let filename = if config.default_model_filename.is_empty() {
         DEFAULT_MODEL_FILENAME.to_string()
     } else {
+        inside(&config.default_model_filename)
+            .map_err(|e| fail(format!("config: default_model_filename '{}': {e}", config.default_model_filename)))?;
         config.default_model_filename.clone()
     };
 
     // Instances (devices) from the instance groups, resolved in the served config.
     normalize_instance_groups(&mut config, backend::gpu_count())?;
     let devices = instance_devices(&config);
+    if devices.len() > MAX_INSTANCES {
+        return Err(fail(format!(
+            "config: the instance groups ask for {} instances, more than {MAX_INSTANCES}",
+            devices.len()
+        )));
+    }
 
     // Probe the first version's model for auto-complete; validate every version against it.
     let mut sessions_by_version = BTreeMap::new();
@@ -364,6 +372,23 @@ fn load_ensemble(
     })
 }
 
+/// A path a config names relative to a model's directory (`label_filename`,
+/// `default_model_filename`, a warm-up `input_data_file`): plain names only, no absolute path
+/// and no `..` — a load request's config override must not reach files elsewhere on the host.
+fn inside(relative: &str) -> Result<&Path, String> {
+    let path = Path::new(relative);
+    if relative.is_empty() || !path.components().all(|c| matches!(c, std::path::Component::Normal(_))) {
+        return Err("must name a file inside the model's directory (no absolute path, no '..')".into());
+    }
+    Ok(path)
+}
+
+/// Most instances one model may ask for, all groups together.
+const MAX_INSTANCES: usize = 1024;
+/// Largest warm-up sample input (bytes), and most runs of one sample.
+const MAX_WARMUP_INPUT_BYTES: u64 = 1 << 30;
+const MAX_WARMUP_COUNT: u32 = 10_000;
+
 /// Largest `label_filename` file read.
 const MAX_LABEL_FILE_BYTES: u64 = 16 << 20;
 
@@ -373,12 +398,8 @@ fn read_labels(config: &ModelConfig, dir: &Path) -> Result<HashMap<String, Arc<[
     let mut labels = HashMap::new();
     for output in config.output.iter().filter(|o| !o.label_filename.is_empty()) {
         let at = format!("output '{}': label_filename '{}'", output.name, output.label_filename);
-        let relative = Path::new(&output.label_filename);
         // Labels come back to clients: only files of the model's own directory are read.
-        if !relative.components().all(|c| matches!(c, std::path::Component::Normal(_))) {
-            return Err(fail(format!("{at}: must name a file inside the model directory")));
-        }
-        let path = dir.join(relative);
+        let path = dir.join(inside(&output.label_filename).map_err(|e| fail(format!("{at}: {e}")))?);
         let size =
             std::fs::metadata(&path).map_err(|e| fail(format!("{at}: cannot read {}: {e}", path.display())))?.len();
         if size > MAX_LABEL_FILE_BYTES {
@@ -568,8 +589,11 @@ fn normalize_instance_groups(config: &mut ModelConfig, gpus: usize) -> Result<()
     }
     let model = config.name.clone();
     for (i, g) in config.instance_group.iter_mut().enumerate() {
-        if g.count < 0 {
-            return Err(fail(format!("config: instance_group[{i}].count must be >= 0, got {}", g.count)));
+        if g.count < 0 || g.count as usize > MAX_INSTANCES {
+            return Err(fail(format!(
+                "config: instance_group[{i}].count must be in 0..={MAX_INSTANCES}, got {}",
+                g.count
+            )));
         }
         if g.name.is_empty() {
             g.name = format!("{model}_{i}");
@@ -881,6 +905,9 @@ fn check_warmup(config: &ModelConfig, spec: &ModelSpec) -> Result<(), String> {
         if spec.max_batch_size > 0 && sample.batch_size as usize > spec.max_batch_size {
             return Err(at(format!("batch_size {} exceeds max_batch_size {}", sample.batch_size, spec.max_batch_size)));
         }
+        if sample.count > MAX_WARMUP_COUNT {
+            return Err(at(format!("count {} is over {MAX_WARMUP_COUNT}", sample.count)));
+        }
         let mut names: Vec<&String> = sample.inputs.keys().collect();
         names.sort();
         for name in names {
@@ -910,6 +937,20 @@ fn check_warmup(config: &ModelConfig, spec: &ModelSpec) -> Result<(), String> {
                     if spec.max_batch_size > 0 { " (without the batch dimension: batch_size sets it)" } else { "" }
                 )));
             }
+            // Allocated before the sample runs: bounded (a BYTES element takes at least 5 bytes).
+            let rows = if spec.max_batch_size > 0 { i64::from(sample.batch_size.max(1)) } else { 1 };
+            let bytes = nereid_common::dtype::element_count(&w.dims)
+                .and_then(|n| n.checked_mul(rows as u64))
+                .and_then(|n| n.checked_mul(input.datatype.element_size().unwrap_or(5) as u64));
+            if bytes.is_none_or(|b| b > MAX_WARMUP_INPUT_BYTES) {
+                return Err(at(format!(
+                    "inputs['{name}'] takes more than {MAX_WARMUP_INPUT_BYTES} bytes (dims {:?}, batch_size {})",
+                    w.dims, sample.batch_size
+                )));
+            }
+            if let Some(InputDataType::InputDataFile(file)) = &w.input_data_type {
+                inside(file).map_err(|e| at(format!("inputs['{name}'].input_data_file '{file}': {e}")))?;
+            }
         }
     }
     Ok(())
@@ -934,9 +975,11 @@ fn warmup(config: &ModelConfig, dir: &Path, spec: &ModelSpec, instances: &mut [I
                 .ok_or_else(|| format!("sample '{}': input '{}' has an invalid shape", sample.name, input.name))?
                 as usize;
             let data = match (&w.input_data_type, input.datatype) {
-                (Some(InputDataType::InputDataFile(file)), _) => {
-                    let path = dir.join("warmup").join(file);
-                    std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?
+                (Some(InputDataType::InputDataFile(file)), dt) => {
+                    let path = dir.join("warmup").join(inside(file)?);
+                    // Never more than the tensor takes (checked again below).
+                    let limit = dt.element_size().map_or(MAX_WARMUP_INPUT_BYTES, |size| (elements * size) as u64);
+                    read_bounded(&path, limit)?
                 }
                 (_, DataType::Bytes) => crate::tensor::serialize_bytes_elements(vec![b"0"; elements]),
                 (Some(InputDataType::RandomData(true)), dt) => {
@@ -956,6 +999,19 @@ fn warmup(config: &ModelConfig, dir: &Path, spec: &ModelSpec, instances: &mut [I
         }
     }
     Ok(())
+}
+
+/// A warm-up data file, read whole but never more than `limit` bytes (a device or a huge file
+/// linked by mistake is refused, not read until memory runs out).
+fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mut data = Vec::new();
+    file.take(limit + 1).read_to_end(&mut data).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if data.len() as u64 > limit {
+        return Err(format!("{} holds more than the {limit} bytes the input takes", path.display()));
+    }
+    Ok(data)
 }
 
 /// Deterministic filler for `random_data`: small finite values for floats, bytes otherwise.
@@ -1170,6 +1226,20 @@ mod tests {
             (
                 "\"B\" value: { data_type: TYPE_FP32 dims: [ 3, 8 ] zero_data: true }",
                 ["'w'", "inputs['B']", "not a model input"],
+            ),
+            // Allocated before running: bounded.
+            (
+                "\"A\" value: { data_type: TYPE_FP32 dims: [ 1099511627776, 8 ] zero_data: true }",
+                ["'w'", "inputs['A']", "takes more than 1073741824 bytes"],
+            ),
+            (
+                "\"A\" value: { data_type: TYPE_FP32 dims: [ 4611686018427387904, 8 ] zero_data: true }",
+                ["'w'", "inputs['A']", "takes more than"],
+            ),
+            // Read from the model's own warmup folder only.
+            (
+                "\"A\" value: { data_type: TYPE_FP32 dims: [ 3, 8 ] input_data_file: \"../../x\" }",
+                ["'w'", "input_data_file '../../x'", "inside the model's directory"],
             ),
         ] {
             let e = check_warmup(&sample(input), &spec).expect_err(input);
