@@ -8,7 +8,7 @@
 //! DEADLINE_EXCEEDED before tonic's own timer cancels the RPC) or `x-nereid-deadline-ms`,
 //! capped by `--request-timeout-ms`. `ModelStreamInfer` forwards each request of a stream on
 //! its own, at most [`MAX_STREAM_IN_FLIGHT`] at once per stream (then the stream stops reading,
-//! and HTTP/2 flow control pushes back on the client).
+//! and HTTP/2 flow control pushes back on the client), and answers in request order.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -16,7 +16,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
-use futures::stream::{FuturesUnordered, Stream, StreamExt};
+use futures::stream::{FuturesOrdered, Stream, StreamExt};
 use nereid_common::Status;
 use nereid_proto::inference::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use nereid_proto::inference::*;
@@ -427,7 +427,8 @@ fn stream_error(e: Status, id: String, model_name: String, model_version: String
 }
 
 /// The response side of `ModelStreamInfer`: reads requests from `incoming`, runs up to `limit`
-/// of them concurrently through `run`, and yields their responses in completion order.
+/// of them concurrently through `run`, and yields their responses in request order (as Triton
+/// answers a stream to a model that is not decoupled: clients may match answers by position).
 ///
 /// Each request runs as its own task, so it progresses (and its deadline, its admission permit
 /// and the upstream flow-control window it holds are released) even while the client reads no
@@ -439,7 +440,7 @@ fn stream_error(e: Status, id: String, model_name: String, model_version: String
 pub struct InferStream<S, F, R = ModelStreamInferResponse> {
     incoming: Option<S>,
     run: F,
-    in_flight: FuturesUnordered<AbortOnDrop<R>>,
+    in_flight: FuturesOrdered<AbortOnDrop<R>>,
     limit: usize,
     /// Set when the request stream failed; reported once the in-flight requests drained.
     error: Option<tonic::Status>,
@@ -456,7 +457,7 @@ where
         InferStream {
             incoming: Some(incoming),
             run,
-            in_flight: FuturesUnordered::new(),
+            in_flight: FuturesOrdered::new(),
             limit: limit.max(1),
             error: None,
             stop: None,
@@ -520,7 +521,7 @@ where
             match incoming.poll_next_unpin(cx) {
                 Poll::Ready(Some(Ok(req))) => {
                     let fut = (this.run)(req);
-                    this.in_flight.push(AbortOnDrop(tokio::spawn(fut)));
+                    this.in_flight.push_back(AbortOnDrop(tokio::spawn(fut)));
                 }
                 Poll::Ready(Some(Err(status))) => {
                     this.incoming = None;
@@ -604,15 +605,15 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn stream_runs_concurrently_out_of_order_and_survives_errors() {
+    async fn stream_runs_concurrently_answers_in_order_and_survives_errors() {
         let (active, peak) = counters();
         let incoming =
             futures::stream::iter(vec![Ok(req("sleep-200")), Ok(req("fail")), Ok(req("sleep-20")), Ok(req("now"))]);
         let out: Vec<_> = InferStream::new(incoming, runner(active, peak.clone()), 16).collect().await;
         let ids: Vec<String> =
             out.iter().map(|r| r.as_ref().unwrap().infer_response.as_ref().unwrap().id.clone()).collect();
-        assert_eq!(ids.len(), 4);
-        assert_eq!(ids.last().unwrap(), "sleep-200", "slow request completes last: {ids:?}");
+        // The slow first request finishes last, yet its answer comes first: request order.
+        assert_eq!(ids, ["sleep-200", "fail", "sleep-20", "now"]);
         let fail = out.iter().map(|r| r.as_ref().unwrap()).find(|r| !r.error_message.is_empty()).unwrap();
         assert_eq!(fail.error_message, "input 'x': bad");
         assert_eq!(fail.infer_response.as_ref().unwrap().id, "fail");
