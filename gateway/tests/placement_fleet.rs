@@ -375,3 +375,33 @@ model_warmup [ { name: "gate" batch_size: 1 inputs { key: "INPUT0" value {
     })
     .await;
 }
+
+/// A placement key whose value is invalid (a hand edit, another schema) is invisible to the
+/// plan, yet a worker may obey it: the controller deletes one it does not want instead of
+/// leaving it for ever. A valid placement the plan wants beside it stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_placement_with_an_invalid_value_the_plan_does_not_want_is_deleted() {
+    let etcd = Etcd::start().await;
+    let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    wait_registered(&etcd, &["w1"]).await;
+    wait_until("g1 to lead the placement controller", WAIT, || async {
+        gateway.metric("nereid_gateway_placement_leader").await == Some(1.0)
+    })
+    .await;
+    let mut client = etcd.client().await;
+    put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
+    wait_until("identity_fp32 READY on w1", WAIT, || async {
+        ready_on(&mut etcd.client().await, "identity_fp32", 1).await == ["w1"]
+    })
+    .await;
+    put(&mut client, "placement/w1/mlp_fp32/1", "{}").await;
+    wait_until("the invalid placement to be deleted", WAIT, || async {
+        !keys_under(&mut etcd.client().await, "placement/w1/").await.iter().any(|k| k.contains("mlp_fp32"))
+    })
+    .await;
+    assert!(
+        keys_under(&mut client, "placement/w1/").await.iter().any(|k| k.contains("identity_fp32")),
+        "the wanted placement stays"
+    );
+}

@@ -48,8 +48,11 @@ const MAX_TXN_OPS: usize = 128;
 pub struct PlacementController {
     config: EtcdConfig,
     metrics: GatewayMetrics,
-    /// The fleet as last read, across terms: a value rejected as invalid keeps its last good
-    /// value here, so a bad write to `models/<m>` never un-places the model.
+    /// The fleet as last read in this term: a value rejected as invalid keeps its last good
+    /// value here, so a bad write to `models/<m>` never un-places the model. Emptied when a term
+    /// begins: another leader may have changed the fleet meanwhile, and a value from an earlier
+    /// term would roll its changes back (a rejected value with no good one in this term
+    /// freezes what it governs instead: see [`frozen`]).
     last: FleetState,
     /// Load failures and waits, across terms (see [`LoadWatch::begin_term`]).
     loads: LoadWatch,
@@ -123,6 +126,7 @@ impl PlacementController {
         // Through fleet::watch: its responses may exceed tonic's default 4 MiB limit.
         let mut watch = bounded("watch", fleet::watch(&client, keys.all(), WatchOptions::new().with_prefix())).await?;
         self.loads.begin_term();
+        self.last = FleetState::default();
         let mut schedule = Schedule::new();
         let result = loop {
             tokio::select! {
@@ -173,10 +177,11 @@ impl PlacementController {
         // value of such a key is used.
         let (state, rejected) = self.last.reread(&keys, read.kvs.iter().map(|kv| (kv.key(), kv.value())));
         self.last = state.clone();
-        // A declaration rejected with no last good value to fall back on (a leader that never
-        // saw it valid): the model is neither re-planned nor undeclared — its placements stay
-        // as they are until a valid value is written or the key is deleted.
-        let frozen = frozen_models(&keys, &rejected, &state);
+        // A declaration or a worker record rejected with no last good value to fall back on (a
+        // leader that never saw it valid): the model is neither re-planned nor undeclared, the
+        // worker neither used nor emptied — their placements stay as they are until a valid
+        // value is written or the key is deleted.
+        let (frozen_models, frozen_workers) = frozen(&keys, &rejected, &state);
         let now = Instant::now();
         for f in self.loads.observe(&state, now) {
             tracing::warn!(
@@ -190,7 +195,13 @@ impl PlacementController {
         }
         let excluded = self.loads.excluded();
         let mut planned = plan::plan(&state, &excluded);
-        planned.assignments.extend(state.placements.iter().filter(|(_, m, _)| frozen.contains(m)).cloned());
+        planned.assignments.extend(
+            state
+                .placements
+                .iter()
+                .filter(|(w, m, _)| frozen_models.contains(m) || frozen_workers.contains(w))
+                .cloned(),
+        );
         self.metrics.placement_plans.inc();
         self.metrics.placement_unplaced.set(planned.unplaced_replicas() as i64);
         for r in self.loads.unplaced_reports(&state, &planned.unplaced, &excluded, now) {
@@ -209,6 +220,19 @@ impl PlacementController {
         for (w, m, v) in planned.assignments.difference(&state.placements) {
             tracing::info!(worker = %w, model = %m, version = v, "placing");
             ops.push(TxnOp::put(keys.placement(w, m, *v), value.clone(), None));
+        }
+        // A placement key whose value was rejected is not in `state` (a hand edit, a newer
+        // schema): workers may still obey it, so one the plan does not want is deleted, not left
+        // for ever (one it wants was rewritten above, being missing from `state`).
+        for r in &rejected {
+            if let Some(fleet::Key::Placement { worker, model, version }) = keys.parse(r.key.as_bytes())
+                && let assignment = (worker.clone(), model.clone(), version)
+                && !planned.assignments.contains(&assignment)
+                && !state.placements.contains(&assignment)
+            {
+                tracing::info!(%worker, %model, version, "removing a placement whose value was rejected");
+                ops.push(TxnOp::delete(r.key.clone(), None));
+            }
         }
         for (w, m, v) in state.placements.difference(&planned.assignments) {
             // On a draining or drained worker: handed over (its replacement is READY), or with
@@ -474,14 +498,21 @@ fn is_placement(keys: &Keys, key: &[u8]) -> bool {
     matches!(keys.parse(key), Some(fleet::Key::Placement { .. }))
 }
 /// Models whose `models/<m>` value was rejected and has no last good value in `state`.
-fn frozen_models(keys: &Keys, rejected: &[fleet::Rejected], state: &FleetState) -> BTreeSet<String> {
-    rejected
-        .iter()
-        .filter_map(|r| match keys.parse(r.key.as_bytes()) {
-            Some(fleet::Key::Model(m)) if !state.models.contains_key(&m) => Some(m),
-            _ => None,
-        })
-        .collect()
+/// The models and the workers whose value was rejected with no good one to fall back on.
+fn frozen(keys: &Keys, rejected: &[fleet::Rejected], state: &FleetState) -> (BTreeSet<String>, BTreeSet<String>) {
+    let (mut models, mut workers) = (BTreeSet::new(), BTreeSet::new());
+    for r in rejected {
+        match keys.parse(r.key.as_bytes()) {
+            Some(fleet::Key::Model(m)) if !state.models.contains_key(&m) => {
+                models.insert(m);
+            }
+            Some(fleet::Key::Worker(w)) if !state.workers.contains_key(&w) => {
+                workers.insert(w);
+            }
+            _ => {}
+        }
+    }
+    (models, workers)
 }
 
 #[cfg(test)]
@@ -490,6 +521,27 @@ mod tests {
 
     use super::plan::fixtures::{a, model, status, worker};
     use super::*;
+
+    /// A rejected value freezes what it governs only where no good value stands in for it: a
+    /// model or a worker the controller never saw valid (this term) keeps its placements.
+    #[test]
+    fn rejected_values_without_a_fallback_freeze_their_model_or_worker() {
+        let keys = Keys::new("/nereid").unwrap();
+        let mut state = FleetState::default();
+        worker(&mut state, "w1", 1000, 10);
+        model(&mut state, "m", &[1], 1, 10);
+        let rejected = |key: String| fleet::Rejected { kind: "x", key, reason: "bad".into() };
+        let found = [
+            rejected(keys.worker("w1")), // has its last good value: used
+            rejected(keys.worker("w2")), // none: frozen
+            rejected(keys.model("m")),
+            rejected(keys.model("n")),
+            rejected(keys.placement("w1", "m", 1)),
+        ];
+        let (models, workers) = frozen(&keys, &found, &state);
+        assert_eq!(models, BTreeSet::from(["n".to_string()]));
+        assert_eq!(workers, BTreeSet::from(["w2".to_string()]));
+    }
 
     /// A change every 20 ms, for a second: a plan still runs at most DEBOUNCE after the first
     /// change since the previous plan (virtual time, so exact), instead of waiting for the
