@@ -405,3 +405,26 @@ async fn a_placement_with_an_invalid_value_the_plan_does_not_want_is_deleted() {
         "the wanted placement stays"
     );
 }
+
+/// A worker process starting with the id of one that died (its lease, and the statuses under
+/// it, still alive) deletes the statuses it did not write: gateways would otherwise route to
+/// models it does not serve until that lease ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_worker_deletes_the_statuses_of_the_process_before_it() {
+    use nereid_common::fleet::records::{self, ModelState, StatusRecord};
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    // What a killed process left behind, under a lease that outlives the test's wait.
+    let lease = client.lease_grant(300, None).await.unwrap().id();
+    let ready = records::encode(&StatusRecord { schema: 1, state: ModelState::Ready, reason: String::new() }).unwrap();
+    client
+        .put(format!("{PREFIX}/status/w1/mlp_fp32/1"), ready, Some(PutOptions::new().with_lease(lease)))
+        .await
+        .unwrap();
+    let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    wait_registered(&etcd, &["w1"]).await;
+    wait_until("the stale status to be deleted", WAIT, || async {
+        !keys_under(&mut etcd.client().await, "status/w1/").await.iter().any(|k| k.contains("mlp_fp32"))
+    })
+    .await;
+}

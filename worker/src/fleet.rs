@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nereid_common::fleet::etcd_client::{
-    Client, Compare, CompareOp, DeleteOptions, EventType, PutOptions, Txn, TxnOp, WatchOptions, WatchStream,
+    Client, Compare, CompareOp, DeleteOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions, WatchStream,
 };
 use nereid_common::fleet::records::{self, ModelState, PlacementRecord, StatusRecord, WorkerRecord, WorkerState};
 use nereid_common::fleet::{
@@ -244,6 +244,7 @@ impl Session<'_> {
         let (mut keeper, mut keepalives) = bounded("keep-alive", client.lease_keep_alive(lease)).await?;
         self.put_record(&mut client, *phase.borrow()).await?;
         self.publish_statuses(&mut client).await?;
+        self.clear_stale_statuses(&mut client).await?;
         if !previous_leases.is_empty() {
             self.carry_drain(&mut client, previous_leases, lease).await?;
             // Only now: the registration and statuses were re-put under the new lease, so this
@@ -464,6 +465,27 @@ impl Session<'_> {
                 }
             }
         }
+    }
+
+    /// Deletes this worker's statuses that this session did not write: those of an earlier
+    /// process with the same id (a crash, a kill) live on under its lease until the lease's TTL,
+    /// and gateways would route to models this process does not serve meanwhile.
+    async fn clear_stale_statuses(&self, client: &mut Client) -> SessionResult {
+        let keys = &self.options.keys;
+        let prefix = format!("{}{}/", keys.statuses(), self.options.record.id);
+        let options = GetOptions::new().with_prefix().with_keys_only();
+        let found = bounded("read statuses", client.get(prefix.as_str(), Some(options))).await?;
+        for kv in found.kvs() {
+            let stale = match keys.parse(kv.key()) {
+                Some(Key::Status { model, version, .. }) => !self.published.contains_key(&(model, version)),
+                _ => false,
+            };
+            if stale {
+                tracing::info!(key = %String::from_utf8_lossy(kv.key()), "deleting a status this process did not write");
+                bounded("delete status", client.delete(kv.key(), None::<DeleteOptions>)).await?;
+            }
+        }
+        Ok(())
     }
 
     /// Writes the statuses that changed since the last call (and deletes the ones gone).
