@@ -595,7 +595,8 @@ where
     let mut config = None;
     for (key, value) in parameters {
         if key.starts_with("file:") {
-            return Err(Status::invalid(format!(
+            // UNIMPLEMENTED, as over HTTP (501): a valid request this worker does not serve.
+            return Err(Status::unimplemented(format!(
                 "parameter '{key}': loading model files sent with the request is not supported"
             )));
         }
@@ -1142,7 +1143,7 @@ mod tests {
         assert_eq!(load_config_parameter(&params).unwrap().as_deref(), Some("{\"max_batch_size\":4}"));
         params.insert("file:1/model.onnx".to_string(), p(RepoParameterChoice::BytesParam(vec![1])));
         let e = load_config_parameter(&params).unwrap_err();
-        assert_eq!(e.code, Code::InvalidArgument);
+        assert_eq!(e.code, Code::Unimplemented);
         assert!(e.message.contains("file:1/model.onnx") && e.message.contains("not supported"));
         let mut params = HashMap::new();
         params.insert("config".to_string(), p(RepoParameterChoice::Int64Param(1)));
