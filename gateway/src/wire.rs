@@ -305,6 +305,12 @@ pub enum StreamReply {
     Err(nereid_proto::inference::ModelStreamInferResponse),
 }
 
+impl From<nereid_worker::grpc::StreamPanic> for StreamReply {
+    fn from(p: nereid_worker::grpc::StreamPanic) -> Self {
+        StreamReply::Err(p.into())
+    }
+}
+
 /// `ModelStreamInferResponse.infer_response`: field 2, length-delimited.
 const INFER_RESPONSE_KEY: u8 = (2 << 3) | 2;
 

@@ -437,7 +437,7 @@ fn stream_error(e: Status, id: String, model_name: String, model_version: String
 /// requests. A failed request yields an error *message*; only a broken request stream (e.g. an
 /// undecodable or oversized message) ends the RPC, with that status, after the requests already
 /// read finish.
-pub struct InferStream<S, F, R = ModelStreamInferResponse> {
+pub struct InferStream<S, F, R: From<StreamPanic> = ModelStreamInferResponse> {
     incoming: Option<S>,
     run: F,
     in_flight: FuturesOrdered<AbortOnDrop<R>>,
@@ -452,6 +452,7 @@ impl<S, F, Q, R> InferStream<S, F, R>
 where
     S: Stream<Item = Result<Q, tonic::Status>> + Unpin + Send,
     F: FnMut(Q) -> BoxFuture<'static, R> + Unpin + Send,
+    R: From<StreamPanic>,
 {
     pub fn new(incoming: S, run: F, limit: usize) -> Self {
         InferStream {
@@ -472,17 +473,40 @@ where
     }
 }
 
-/// A spawned request of an [`InferStream`]: aborted when dropped; yields its reply (a panic in
-/// it is resumed in the stream's task, as it was when the request ran inline).
+/// A request of an [`InferStream`] that panicked: what went wrong, for the error message that
+/// answers it in its place (the stream and its other requests go on, as Triton's do when one
+/// request fails).
+pub struct StreamPanic(pub String);
+
+impl From<StreamPanic> for ModelStreamInferResponse {
+    fn from(p: StreamPanic) -> Self {
+        ModelStreamInferResponse {
+            error_message: format!("the request failed unexpectedly: {}", p.0),
+            infer_response: Some(ModelInferResponse::default()),
+        }
+    }
+}
+
+/// A spawned request of an [`InferStream`]: aborted when dropped; yields its reply, or one
+/// made from its panic.
 struct AbortOnDrop<R>(tokio::task::JoinHandle<R>);
 
-impl<R> std::future::Future for AbortOnDrop<R> {
+impl<R: From<StreamPanic>> std::future::Future for AbortOnDrop<R> {
     type Output = R;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<R> {
         match Pin::new(&mut self.0).poll(cx) {
             Poll::Ready(Ok(reply)) => Poll::Ready(reply),
-            Poll::Ready(Err(e)) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Poll::Ready(Err(e)) if e.is_panic() => {
+                let panic = e.into_panic();
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".into());
+                tracing::error!(error = %what, "a stream request panicked; answered with an error message");
+                Poll::Ready(R::from(StreamPanic(what)))
+            }
             // Only `drop` aborts the task, and nothing polls it after that.
             Poll::Ready(Err(_)) => Poll::Pending,
             Poll::Pending => Poll::Pending,
@@ -500,7 +524,7 @@ impl<S, F, Q, R> Stream for InferStream<S, F, R>
 where
     S: Stream<Item = Result<Q, tonic::Status>> + Unpin + Send,
     F: FnMut(Q) -> BoxFuture<'static, R> + Unpin + Send,
-    R: Send + 'static,
+    R: From<StreamPanic> + Send + 'static,
 {
     type Item = Result<R, tonic::Status>;
 
@@ -576,6 +600,8 @@ mod tests {
                     ok(&r.id)
                 } else if r.id == "fail" {
                     stream_error(Status::invalid("input 'x': bad"), r.id, r.model_name, r.model_version)
+                } else if r.id == "panic" {
+                    panic!("index out of bounds")
                 } else {
                     ok(&r.id)
                 }
@@ -618,6 +644,20 @@ mod tests {
         assert_eq!(fail.error_message, "input 'x': bad");
         assert_eq!(fail.infer_response.as_ref().unwrap().id, "fail");
         assert!(peak.load(Ordering::SeqCst) >= 2, "requests ran concurrently");
+    }
+
+    /// A request that panics is answered with an error message in its place; the stream and
+    /// the requests around it go on.
+    #[tokio::test]
+    async fn a_panicking_request_is_answered_with_an_error_and_the_stream_goes_on() {
+        let (active, peak) = counters();
+        let incoming = futures::stream::iter(vec![Ok(req("now")), Ok(req("panic")), Ok(req("sleep-10"))]);
+        let out: Vec<_> = InferStream::new(incoming, runner(active, peak), 8).collect().await;
+        assert_eq!(out.len(), 3);
+        let out: Vec<_> = out.into_iter().map(Result::unwrap).collect();
+        assert_eq!(out[0].infer_response.as_ref().unwrap().id, "now");
+        assert!(out[1].error_message.contains("index out of bounds"), "{:?}", out[1]);
+        assert_eq!(out[2].infer_response.as_ref().unwrap().id, "sleep-10");
     }
 
     /// A client that stops reading replies does not stop its requests: they run to the end
