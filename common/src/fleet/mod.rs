@@ -112,6 +112,34 @@ pub fn check_keepalive(
     }
 }
 
+/// Keeps a lease alive every `interval` on a task of its own, so that nothing its holder
+/// awaits meanwhile (a paged read of a large fleet, a burst of writes to a slow etcd) can make
+/// it miss a keep-alive. The task ends only when the lease is lost, with why; the holder aborts
+/// it when done with the lease.
+pub fn spawn_keepalive(
+    mut keeper: etcd_client::LeaseKeeper,
+    mut responses: etcd_client::LeaseKeepAliveStream,
+    interval: Duration,
+) -> tokio::task::JoinHandle<String> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    if let Err(e) = bounded("keep-alive", keeper.keep_alive()).await {
+                        return e;
+                    }
+                }
+                msg = responses.message() => {
+                    if let Err(e) = check_keepalive(msg) {
+                        return e;
+                    }
+                }
+            }
+        }
+    })
+}
+
 /// This host's name (for default worker and gateway ids), `fallback` when unknown.
 pub fn hostname(fallback: &str) -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")

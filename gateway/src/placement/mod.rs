@@ -123,19 +123,27 @@ impl PlacementController {
         self.metrics.placement_leader.set(1);
         tracing::info!(gateway = %id, revision = leader.rev(), "leading the placement controller");
 
+        // While leading, the lease is kept alive on its own task: a reconcile (a paged read and
+        // fenced writes, each bounded but together possibly longer than the lease's TTL on a
+        // slow etcd) must not let the lease lapse and the leadership flip back and forth.
+        let mut keepalive = fleet::spawn_keepalive(keeper, keepalives, self.config.election_ttl / 3);
         // Through fleet::watch: its responses may exceed tonic's default 4 MiB limit.
-        let mut watch = bounded("watch", fleet::watch(&client, keys.all(), WatchOptions::new().with_prefix())).await?;
+        let watch = bounded("watch", fleet::watch(&client, keys.all(), WatchOptions::new().with_prefix())).await;
+        let mut watch = match watch {
+            Ok(watch) => watch,
+            Err(e) => {
+                keepalive.abort();
+                return Err(e);
+            }
+        };
         self.loads.begin_term();
         self.last = FleetState::default();
         let mut schedule = Schedule::new();
         let result = loop {
             tokio::select! {
                 _ = shutdown.cancelled() => break Ok(()),
-                _ = keepalive_tick.tick() => {
-                    if let Err(e) = bounded("keep-alive", keeper.keep_alive()).await { break Err(e) }
-                }
-                msg = keepalives.message() => {
-                    if let Err(e) = check_keepalive(msg) { break Err(e) }
+                stopped = &mut keepalive => {
+                    break Err(stopped.unwrap_or_else(|e| format!("the keep-alive task failed: {e}")));
                 }
                 msg = watch.message() => match msg {
                     // Its own placement writes are no news to the controller.
@@ -156,6 +164,7 @@ impl PlacementController {
                 }
             }
         };
+        keepalive.abort();
         // Step down: resign (others may lead at once) and drop the lease.
         let _ = tokio::time::timeout(
             CALL_TIMEOUT,
