@@ -524,10 +524,11 @@ async fn infer(
     Ok(response)
 }
 
-/// Whether a (small) infer request's JSON names a shared-memory region.
+/// Whether a (small) infer request's JSON may name a shared-memory region: it has the key, or
+/// a `\u` escape, which could spell the key without its letters (JSON decodes escapes in keys).
 fn mentions_shared_memory(json: &[u8]) -> bool {
     const KEY: &[u8] = b"shared_memory_region";
-    json.windows(KEY.len()).any(|w| w == KEY)
+    json.windows(KEY.len()).any(|w| w == KEY) || json.windows(2).any(|w| w == b"\\u")
 }
 
 /// [`infer_response`] compressed as one `coding` stream (`Content-Encoding`);
@@ -935,6 +936,15 @@ impl hyper::body::Body for ChunkedBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Requests that may read shared memory (copied during the parse) are parsed off the async
+    /// threads: those naming the key, and those whose escapes could spell it.
+    #[test]
+    fn a_shared_memory_key_is_found_even_when_escaped() {
+        assert!(mentions_shared_memory(br#"{"parameters":{"shared_memory_region":"r"}}"#));
+        assert!(mentions_shared_memory(br#"{"parameters":{"shared\u005fmemory_region":"r"}}"#));
+        assert!(!mentions_shared_memory(br#"{"inputs":[{"name":"x","data":[1,2]}]}"#));
+    }
     use crate::server::{BatchStats, Duration, EXTENSIONS, TensorMetadata};
     use crate::tensor::{InferResponse, OutputTensor};
     use nereid_common::{Code, DataType};
