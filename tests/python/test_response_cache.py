@@ -41,6 +41,9 @@ def test_a_repeated_request_is_answered_from_the_cache(cached_worker):
             assert int(inf["cache_miss"]["count"]) == 2, s
             assert int(s["execution_count"]) == 2, s
             assert int(inf["success"]["count"]) == 4, s
+            # As Triton's: queue figures include cache hits, compute figures do not.
+            assert int(inf["queue"]["count"]) == 4, s
+            assert int(inf["compute_infer"]["count"]) == 2, s
     finally:
         h.close()
         g.close()

@@ -101,6 +101,7 @@ pub struct VersionStats {
     execution_count: AtomicU64,
     last_inference_ms: AtomicU64,
     pending: AtomicI64,
+    dispatched: AtomicU64,
     /// The worker-wide pending count this version's changes also go to.
     worker_pending: Arc<AtomicI64>,
     failures: [AtomicU64; 4],
@@ -128,6 +129,7 @@ impl VersionStats {
             execution_count: AtomicU64::new(0),
             last_inference_ms: AtomicU64::new(0),
             pending: AtomicI64::new(0),
+            dispatched: AtomicU64::new(0),
             failures: Default::default(),
             batches: Mutex::new(BTreeMap::new()),
             request_latency: Histogram::new(&LATENCY_BUCKETS_US),
@@ -145,11 +147,23 @@ impl VersionStats {
     }
 
     /// A request answered from the response cache: `lookup` is the time the lookup took. It
-    /// counts as a success of `total`; not as inferences or executions (Triton's
-    /// `inference_count` leaves cache hits out).
+    /// counts as a success of `total`, and in the queue figures (Triton's queue statistics
+    /// include cache hits; it waited in no queue here); not as inferences or executions
+    /// (Triton's `inference_count` leaves cache hits out).
     pub fn record_cache_hit(&self, lookup: StdDuration, total: StdDuration) {
         self.cache_hit.add(lookup);
+        self.queue.add(StdDuration::ZERO);
         self.record_success(total);
+    }
+
+    /// Requests handed to an instance (whatever becomes of them): for diagnostics and tests,
+    /// not a Triton statistic.
+    pub fn record_dispatch(&self, requests: usize) {
+        self.dispatched.fetch_add(requests as u64, Relaxed);
+    }
+
+    pub fn dispatched(&self) -> u64 {
+        self.dispatched.load(Relaxed)
     }
 
     /// A cacheable request that was not in the response cache: `lookup` is the time spent
@@ -165,7 +179,7 @@ impl VersionStats {
         self.failures[i].fetch_add(1, Relaxed);
     }
 
-    /// A request left the queue for an instance after waiting `waited`.
+    /// A request that succeeds left the queue for an instance after waiting `waited`.
     pub fn record_queue(&self, waited: StdDuration) {
         self.queue.add(waited);
         self.queue_latency.observe(waited.as_micros() as u64);

@@ -345,8 +345,7 @@ dynamic_batching { max_queue_delay_microseconds: 0 default_queue_policy { timeou
         let repo = repo.clone();
         tokio::spawn(async move { repo.infer(wide_request(0.5, 512, 512, 0, 0)).await })
     };
-    // It has left the queue for the instance once its queue time is recorded.
-    eventually("the long request is running", || stats(&repo).queue.count == 1).await;
+    eventually("the long request is running", || repo.metrics().version("m", 1).dispatched() == 1).await;
     let e = infer(&repo, wide_request(0.5, 512, 1, 0, 0)).await.expect_err("the queued request times out");
     // The instance counts a batch before answering it, and only then would it look at the
     // queue again: an execution already counted means the timeout waited for the instance.

@@ -416,9 +416,7 @@ fn instance_thread<I: Instance>(mut session: I, shared: Arc<Shared>) {
 }
 
 fn run_batch<I: Instance>(session: &mut I, batch: Vec<Job>, dispatched: Instant, shared: &Shared) {
-    for job in &batch {
-        shared.stats.record_queue(dispatched.saturating_duration_since(job.arrived));
-    }
+    shared.stats.record_dispatch(batch.len());
     shared.stats.pending_add(-(batch.len() as i64));
     let inputs: Vec<JobInputs<'_>> = batch.iter().map(|j| JobInputs { rows: j.rows, inputs: &j.inputs }).collect();
     let wanted = |j: usize, o: usize| batch[j].wanted.get(o).copied().unwrap_or(false);
@@ -439,10 +437,15 @@ fn run_batch<I: Instance>(session: &mut I, batch: Vec<Job>, dispatched: Instant,
     let rows: usize = batch.iter().map(|j| j.rows).sum();
     match result {
         Ok((outputs, times)) => {
-            // Count before answering, so a caller that reads statistics sees its batch; rows
-            // whose callers already left are no inferences.
-            let answered = batch.iter().filter(|j| !j.reply.is_closed()).map(|j| j.rows).sum();
-            shared.stats.record_execution(rows, batch.len(), answered, times.input, times.infer, times.output);
+            // Count before answering, so a caller that reads statistics sees its batch. As in
+            // Triton, queue and compute figures are those of the requests that succeed: not of
+            // those whose callers already left (no inferences either), nor of a failed batch.
+            let live = || batch.iter().filter(|j| !j.reply.is_closed());
+            for job in live() {
+                shared.stats.record_queue(dispatched.saturating_duration_since(job.arrived));
+            }
+            let answered = live().map(|j| j.rows).sum();
+            shared.stats.record_execution(rows, live().count(), answered, times.input, times.infer, times.output);
             for (job, out) in batch.into_iter().zip(outputs) {
                 shared.delivery.send(job.seq, job.reply, Ok(out));
             }
@@ -558,17 +561,21 @@ mod tests {
     #[test]
     fn a_panicking_batch_fails_alone_and_the_instance_goes_on() {
         let stats = crate::metrics::Metrics::new().version("m", 1);
-        let scheduler =
-            Scheduler::start("test", BatchPolicy::direct(), true, vec![PanicsOnce { panicked: false }], stats)
-                .expect("threads start");
+        let instance = PanicsOnce { panicked: false };
+        let scheduler = Scheduler::start("test", BatchPolicy::direct(), true, vec![instance], stats.clone())
+            .expect("threads start");
         let (first, first_rx) = job(0);
         scheduler.submit(first).expect("queued");
         let status = first_rx.blocking_recv().expect("answered").expect_err("failed");
         assert_eq!(status.code, nereid_common::Code::Internal);
         assert!(status.message.contains("index out of bounds"), "{}", status.message);
+        // A failed batch adds to no queue or compute figure (Triton counts those for
+        // successes only).
+        assert_eq!((stats.snapshot().queue.count, stats.snapshot().compute_infer.count), (0, 0));
         let (second, second_rx) = job(0);
         scheduler.submit(second).expect("queued");
         assert!(second_rx.blocking_recv().expect("answered").is_ok());
+        assert_eq!((stats.snapshot().queue.count, stats.snapshot().compute_infer.count), (1, 1));
     }
 
     /// Callers that went away while every instance is busy do not keep a full queue full: the
