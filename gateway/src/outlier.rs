@@ -6,8 +6,8 @@
 //! `base_ejection × 2^k` (capped at `max_ejection`), `k` being the ejections in a row before
 //! this one. When the period ends the worker is on *probation*: it takes traffic again; its
 //! first success re-admits it fully (and resets `k`), its first failure ejects it again for
-//! twice as long. Outcomes reported while it is ejected (stragglers that were already in
-//! flight) change nothing. Any answer other than UNAVAILABLE — even an error such as
+//! twice as long. Outcomes reported while it is ejected, and failures on probation of requests
+//! sent before it (stragglers that were already in flight), change nothing. Any answer other than UNAVAILABLE — even an error such as
 //! INVALID_ARGUMENT — shows the worker is up and counts as a success.
 //!
 //! The balancer ignores ejections when every worker holding a model is ejected (better to try a
@@ -48,12 +48,19 @@ impl OutlierDetector {
         self.ejected_until.is_some_and(|until| now < until)
     }
 
-    /// Records a finished request; returns `true` when this outcome ejected the worker.
-    pub fn record(&mut self, outcome: Outcome, now: Instant) -> bool {
+    /// Records a request sent at `started` that finished at `now`; returns `true` when this
+    /// outcome ejected the worker.
+    pub fn record(&mut self, outcome: Outcome, started: Instant, now: Instant) -> bool {
         if self.is_ejected(now) {
             return false;
         }
         let on_probation = self.ejected_until.is_some();
+        // On probation, only requests sent since it began say how the worker does now: one
+        // sent before the ejection (a straggler, up to the request timeout late) would renew
+        // it, and ever longer, for a failure that was already counted.
+        if on_probation && outcome == Outcome::Failure && self.ejected_until.is_some_and(|until| started < until) {
+            return false;
+        }
         match outcome {
             Outcome::Neutral => false,
             Outcome::Success => {
@@ -106,31 +113,51 @@ mod tests {
     fn ejects_after_consecutive_failures_and_readmits_after_the_period() {
         let t0 = Instant::now();
         let mut d = OutlierDetector::new(config());
-        assert!(!d.record(Outcome::Failure, t0));
-        assert!(!d.record(Outcome::Failure, t0));
+        assert!(!d.record(Outcome::Failure, t0, t0));
+        assert!(!d.record(Outcome::Failure, t0, t0));
         // A success in between resets the count.
-        assert!(!d.record(Outcome::Success, t0));
-        assert!(!d.record(Outcome::Failure, t0));
-        assert!(!d.record(Outcome::Failure, t0));
+        assert!(!d.record(Outcome::Success, t0, t0));
+        assert!(!d.record(Outcome::Failure, t0, t0));
+        assert!(!d.record(Outcome::Failure, t0, t0));
         assert!(!d.is_ejected(t0));
-        assert!(d.record(Outcome::Failure, t0), "third failure in a row ejects");
+        assert!(d.record(Outcome::Failure, t0, t0), "third failure in a row ejects");
         assert!(d.is_ejected(t0));
         assert!(d.is_ejected(t0 + Duration::from_millis(999)));
         // Stragglers while ejected change nothing.
-        assert!(!d.record(Outcome::Failure, t0 + Duration::from_millis(500)));
-        assert!(!d.record(Outcome::Success, t0 + Duration::from_millis(500)));
+        assert!(!d.record(Outcome::Failure, t0, t0 + Duration::from_millis(500)));
+        assert!(!d.record(Outcome::Success, t0, t0 + Duration::from_millis(500)));
         // Re-admitted (on probation) once the period is over.
         let t1 = t0 + Duration::from_secs(1);
         assert!(!d.is_ejected(t1));
         // A failure on probation ejects again at once, for twice as long.
-        assert!(d.record(Outcome::Failure, t1));
+        assert!(d.record(Outcome::Failure, t1, t1));
         assert!(d.is_ejected(t1 + Duration::from_millis(1999)));
         let t2 = t1 + Duration::from_secs(2);
         assert!(!d.is_ejected(t2));
         // A success on probation re-admits fully: the backoff starts over.
-        assert!(!d.record(Outcome::Success, t2));
+        assert!(!d.record(Outcome::Success, t2, t2));
         assert_eq!(d.next_ejection(), Duration::from_secs(1));
-        assert!(!d.record(Outcome::Failure, t2), "no longer on probation: one failure is not enough");
+        assert!(!d.record(Outcome::Failure, t2, t2), "no longer on probation: one failure is not enough");
+    }
+
+    /// On probation, a failure of a request sent before the ejection ended (a straggler: up to
+    /// the request timeout late) neither renews nor doubles it; one sent since does.
+    #[test]
+    fn stragglers_failing_on_probation_do_not_renew_the_ejection() {
+        let t0 = Instant::now();
+        let mut d = OutlierDetector::new(config());
+        for _ in 0..3 {
+            d.record(Outcome::Failure, t0, t0);
+        }
+        let t1 = t0 + Duration::from_secs(1);
+        assert!(!d.is_ejected(t1), "on probation");
+        // Sent at t0, failing only now.
+        assert!(!d.record(Outcome::Failure, t0, t1 + Duration::from_secs(30)));
+        assert!(!d.is_ejected(t1 + Duration::from_secs(30)));
+        // Sent on probation, failing: ejected again, for twice as long.
+        let t2 = t1 + Duration::from_secs(31);
+        assert!(d.record(Outcome::Failure, t1 + Duration::from_secs(30), t2));
+        assert!(d.is_ejected(t2 + Duration::from_millis(1999)));
     }
 
     #[test]
@@ -138,7 +165,7 @@ mod tests {
         let mut now = Instant::now();
         let mut d = OutlierDetector::new(config());
         for _ in 0..3 {
-            d.record(Outcome::Failure, now);
+            d.record(Outcome::Failure, now, now);
         }
         let mut periods = vec![];
         for _ in 0..6 {
@@ -147,7 +174,7 @@ mod tests {
                 now += Duration::from_millis(100);
             }
             periods.push((now - start).as_millis());
-            assert!(d.record(Outcome::Failure, now));
+            assert!(d.record(Outcome::Failure, now, now));
         }
         assert_eq!(periods, vec![1000, 2000, 4000, 5000, 5000, 5000]);
     }
@@ -156,10 +183,10 @@ mod tests {
     fn neutral_outcomes_count_for_nothing() {
         let t0 = Instant::now();
         let mut d = OutlierDetector::new(config());
-        d.record(Outcome::Failure, t0);
-        d.record(Outcome::Failure, t0);
-        d.record(Outcome::Neutral, t0);
-        assert!(d.record(Outcome::Failure, t0));
+        d.record(Outcome::Failure, t0, t0);
+        d.record(Outcome::Failure, t0, t0);
+        d.record(Outcome::Neutral, t0, t0);
+        assert!(d.record(Outcome::Failure, t0, t0));
     }
 
     proptest! {
@@ -184,7 +211,7 @@ mod tests {
                         Outcome::Neutral => {}
                     }
                 }
-                let ejected = d.record(outcome, now);
+                let ejected = d.record(outcome, now, now);
                 if ejected {
                     prop_assert!(!was_ejected);
                     prop_assert!(run >= cfg.consecutive_failures || on_probation);

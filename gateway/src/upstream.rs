@@ -131,8 +131,8 @@ impl Upstream {
     }
 
     /// Feeds a request's outcome to outlier detection; `true` when it ejected the worker.
-    pub fn record(&self, outcome: Outcome, now: Instant) -> bool {
-        let ejected = self.outlier.lock().unwrap_or_else(|e| e.into_inner()).record(outcome, now);
+    pub fn record(&self, outcome: Outcome, started: Instant, now: Instant) -> bool {
+        let ejected = self.outlier.lock().unwrap_or_else(|e| e.into_inner()).record(outcome, started, now);
         if ejected {
             tracing::warn!(worker = %self.id, "worker ejected after consecutive failures");
         }

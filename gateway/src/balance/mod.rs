@@ -136,7 +136,7 @@ mod tests {
 
         // Eject b: everything goes to a.
         for _ in 0..5 {
-            t.upstream(1).record(Outcome::Failure, now);
+            t.upstream(1).record(Outcome::Failure, now, now);
         }
         assert!(t.upstream(1).is_ejected(now));
         for _ in 0..20 {
@@ -184,7 +184,7 @@ mod tests {
             (0..20).map(|i| UpstreamId::from(format!("w{i}:1"))).filter(|id| &**id != "w7:1").collect();
         for i in 20..40 {
             for _ in 0..5 {
-                t.upstream(i).record(Outcome::Failure, now);
+                t.upstream(i).record(Outcome::Failure, now, now);
             }
         }
         let mut rng = StdRng::seed_from_u64(9);

@@ -185,13 +185,14 @@ pub fn record_outcome(
     worker: &Upstream,
     result: Result<(), &UpstreamError>,
     deadline_is_gateways: bool,
+    started: Instant,
     ejections: &IntCounter,
 ) {
     let outcome = match result {
         Ok(()) => Outcome::Success,
         Err(e) => e.kind.outcome(e.status.code(), deadline_is_gateways),
     };
-    if worker.record(outcome, Instant::now()) {
+    if worker.record(outcome, started, Instant::now()) {
         ejections.inc();
     }
 }
@@ -225,7 +226,8 @@ impl Service<InferCall> for Forward {
         Box::pin(async move {
             let worker = call.target.clone().expect("the balancer sets the target before forwarding");
             let _outstanding = worker.start_request();
-            let timeout = outgoing_timeout(call.deadline, Instant::now());
+            let started = Instant::now();
+            let timeout = outgoing_timeout(call.deadline, started);
             let on_connect = |ok: bool| connects.with_label_values(&[if ok { "ok" } else { "failed" }]).inc();
             // A call naming no version goes to the version the balancer resolved (and chose the
             // worker for), not to whatever the worker takes as its latest: they differ while a
@@ -248,7 +250,7 @@ impl Service<InferCall> for Forward {
                 result =
                     unary_bytes(&worker, MODEL_INFER_PATH, [body, bytes::Bytes::new()], timeout, &on_connect).await;
             }
-            record_outcome(&worker, result.as_ref().map(|_| ()), call.deadline_is_gateways, &ejections);
+            record_outcome(&worker, result.as_ref().map(|_| ()), call.deadline_is_gateways, started, &ejections);
             let bytes = result?;
             // A worker's answer is well-formed; one that is not is the worker's failure.
             InferResponse::from_bytes(bytes).map_err(|e| {
