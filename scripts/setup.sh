@@ -27,10 +27,31 @@ apt_install() {
     log "apt-get install ${missing[*]}"
     as_root apt-get update -qq
     DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${missing[@]}" >/dev/null
+    # Debian's etcd-server starts a system etcd on 127.0.0.1:2379 where systemd runs; Nereid
+    # starts its own etcd (the tests on free ports, deploy/local/up.sh on 2379), so the one
+    # installed here is stopped and kept from starting at boot. An etcd that was already
+    # installed is left alone.
+    if [[ " ${missing[*]} " == *" etcd-server "* ]] && [ -d /run/systemd/system ]; then
+      log "stopping and disabling the system etcd service the etcd-server package started"
+      as_root systemctl disable --now etcd >/dev/null 2>&1 || true
+    fi
   fi
 }
 
-apt_install protobuf-compiler etcd-server etcd-client ${NEREID_EXTRA_APT:-}
+# Rust: the workspace's rust-version (Debian's own rustc is older).
+need_rust="$(sed -n 's/^rust-version = "\(.*\)"/\1/p' Cargo.toml)"
+have_rust="$(cargo --version 2>/dev/null | awk '{print $2}')"
+if [ -z "$have_rust" ] || [ "$(printf '%s\n%s\n' "$need_rust" "$have_rust" | sort -V | head -1)" != "$need_rust" ]; then
+  echo "setup: Rust >= $need_rust is needed (found: ${have_rust:-no cargo}); install it with rustup: https://rustup.rs" >&2
+  exit 1
+fi
+
+# python3-venv / pip for the project's venv, curl for deploy/local/up.sh.
+apt_install protobuf-compiler etcd-server etcd-client python3-venv python3-pip curl ca-certificates ${NEREID_EXTRA_APT:-}
+
+# The project's venv exists before anything is fetched with its pip.
+venv="$root/.venv"
+[ -x "$venv/bin/python" ] || { log "python venv at .venv"; "$PY" -m venv "$venv"; }
 
 # ONNX Runtime: the shared library out of the official wheel (no unversioned .so inside).
 ort_dir="$root/.deps/onnxruntime"
@@ -38,7 +59,7 @@ ort_lib="$ort_dir/libonnxruntime.so.$ORT_VERSION"
 if [ ! -f "$ort_lib" ]; then
   log "fetching onnxruntime==$ORT_VERSION wheel"
   tmp="$(mktemp -d)"
-  "$PY" -m pip download -q --no-deps --only-binary=:all: "onnxruntime==$ORT_VERSION" -d "$tmp"
+  "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: "onnxruntime==$ORT_VERSION" -d "$tmp"
   (cd "$tmp" && "$PY" -m zipfile -e ./*.whl x)
   mkdir -p "$ort_dir"
   cp "$tmp/x/onnxruntime/capi/libonnxruntime.so.$ORT_VERSION" "$ort_lib.part"
@@ -47,13 +68,11 @@ if [ ! -f "$ort_lib" ]; then
 fi
 ln -sf "libonnxruntime.so.$ORT_VERSION" "$ort_dir/libonnxruntime.so"
 
-# Python venv with the real clients used by the compatibility tests.
-venv="$root/.venv"
+# The venv's packages: the real clients used by the compatibility tests.
 stamp="$venv/.nereid-requirements"
 req="$root/scripts/requirements.txt"
 if [ ! -f "$stamp" ] || ! cmp -s "$req" "$stamp"; then
-  log "python venv at .venv"
-  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+  log "python packages in .venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
   "$venv/bin/python" -m pip install -q -r "$req"
   cp "$req" "$stamp"

@@ -5,17 +5,27 @@ set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 state="${NEREID_LOCAL_DIR:-$root/target/local-fleet}"
 [ -d "$state" ] || { echo "no fleet state in $state"; exit 0; }
-stop() { # name
+# Whether process `pid` still runs the program `program` (a pid file that outlived its process —
+# a reboot, a crash — may name an unrelated process by now).
+runs() { # pid program
+  local exe; exe="$(readlink "/proc/$1/exe" 2>/dev/null)" || return 1
+  [ "$(basename "${exe% (deleted)}")" = "$2" ]
+}
+stop() { # name program
   local f="$state/$1.pid"
   [ -f "$f" ] || return 0
   local pid; pid="$(cat "$f")"
+  if ! runs "$pid" "$2"; then
+    rm -f "$f"
+    return 0
+  fi
   if kill -TERM "$pid" 2>/dev/null; then
     for _ in $(seq 1 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -KILL "$pid" 2>/dev/null || true
   fi
   rm -f "$f"
 }
-stop gateway
-for f in "$state"/worker-*.pid; do [ -e "$f" ] && stop "$(basename "$f" .pid)"; done
-stop etcd
+stop gateway nereid-gateway
+for f in "$state"/worker-*.pid; do [ -e "$f" ] && stop "$(basename "$f" .pid)" nereid-worker; done
+stop etcd etcd
 echo "fleet stopped (logs in $state)"

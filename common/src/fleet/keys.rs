@@ -43,10 +43,14 @@ impl Key {
 }
 
 /// Checks a worker id or model name used as one key segment: non-empty, at most 256 bytes, no
-/// `/`, no whitespace or control characters.
+/// `/`, no whitespace or control characters, not starting with `.` (`.` and `..`, and the hidden
+/// folders a worker's repository scan skips: such a model could never load).
 pub fn check_name(what: &str, name: &str) -> Result<(), String> {
     if name.is_empty() {
         return Err(format!("{what} is empty"));
+    }
+    if name.starts_with('.') {
+        return Err(format!("{what} '{name}' starts with '.' (hidden in a model repository, or a path step)"));
     }
     if name.len() > 256 {
         // Cut on a character boundary: the name may hold multi-byte characters.
@@ -243,6 +247,9 @@ mod tests {
         assert!(check_name("model", "").is_err());
         assert!(check_name("model", "a/b").unwrap_err().contains("'/'"));
         assert!(check_name("model", "a b").is_err());
+        for hidden in [".", "..", ".cache"] {
+            assert!(check_name("model", hidden).unwrap_err().contains("starts with '.'"), "{hidden}");
+        }
         assert!(check_name("model", &"x".repeat(300)).is_err());
         // Over-long names with multi-byte characters (byte 32 falls inside '€') are refused, not
         // a panic: every etcd key read goes through here.

@@ -189,6 +189,10 @@ fn reason(value: &str) -> Result<String, String> {
     if value.len() > MAX_REASON_BYTES {
         return Err(format!("longer than {MAX_REASON_BYTES} bytes"));
     }
+    // Printed as it is by `nereidctl workers`: no line breaks or terminal escapes.
+    if let Some(c) = value.chars().find(|c| c.is_control()) {
+        return Err(format!("contains the control character {c:?}"));
+    }
     Ok(value.to_string())
 }
 
@@ -378,6 +382,8 @@ mod tests {
         assert_eq!(kind, ErrorKind::InvalidSubcommand);
         let (_, msg) = err(&["drain", "w1", "--reason", &"x".repeat(5000)]);
         assert!(msg.contains("--reason"), "{msg}");
+        let (_, msg) = err(&["drain", "w1", "--reason", "line\n\u{1b}[31mred"]);
+        assert!(msg.contains("--reason") && msg.contains("control character"), "{msg}");
         let (_, msg) =
             err(&["model", "declare", "m", "--versions", "1", "--replicas", "1", "--memory-mb", "99999999999"]);
         assert!(msg.contains("--memory-mb"), "{msg}");

@@ -149,6 +149,10 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
                      run the command again"
                 )));
             }
+            eprintln!(
+                "nereidctl: note: the weights are stored for the canary split; this gateway does not apply \
+                 them yet (requests go to the latest READY version, or the version they name)"
+            );
             Ok(written(output, &format!("set routes of model {model}"), &key, Some(&value), None))
         }
         Command::Routes(RoutesCommand::Show { model }) => {
