@@ -27,6 +27,19 @@ async fn wait_registered(etcd: &Etcd, workers: &[&str]) {
 }
 
 /// Waits (bounded) until the gateway's log has `needle`.
+/// etcd, worker `w1` registered, and gateway `g1` leading the placement controller.
+async fn one_worker_and_a_leading_gateway() -> (Etcd, Proc, Proc) {
+    let etcd = Etcd::start().await;
+    let w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    wait_registered(&etcd, &["w1"]).await;
+    wait_until("g1 to lead the placement controller", WAIT, || async {
+        gateway.metric("nereid_gateway_placement_leader").await == Some(1.0)
+    })
+    .await;
+    (etcd, w1, gateway)
+}
+
 async fn wait_log(gateway: &Proc, what: &str, needle: &str) {
     gateway.wait_log(what, needle, WAIT).await;
 }
@@ -84,14 +97,7 @@ impl Churn {
 /// writes stopped (or, on a busy machine, until the writes happened to pause for 50 ms).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_is_placed_while_an_unrelated_key_churns() {
-    let etcd = Etcd::start().await;
-    let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
-    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
-    wait_registered(&etcd, &["w1"]).await;
-    wait_until("g1 to lead the placement controller", WAIT, || async {
-        gateway.metric("nereid_gateway_placement_leader").await == Some(1.0)
-    })
-    .await;
+    let (etcd, _w1, _gateway) = one_worker_and_a_leading_gateway().await;
 
     let churn = Churn::start(&etcd).await;
     wait_until("the churn to start", WAIT, || async { churn.writes() >= 10 }).await;
@@ -381,14 +387,7 @@ model_warmup [ { name: "gate" batch_size: 1 inputs { key: "INPUT0" value {
 /// leaving it for ever. A valid placement the plan wants beside it stays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_placement_with_an_invalid_value_the_plan_does_not_want_is_deleted() {
-    let etcd = Etcd::start().await;
-    let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
-    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
-    wait_registered(&etcd, &["w1"]).await;
-    wait_until("g1 to lead the placement controller", WAIT, || async {
-        gateway.metric("nereid_gateway_placement_leader").await == Some(1.0)
-    })
-    .await;
+    let (etcd, _w1, _gateway) = one_worker_and_a_leading_gateway().await;
     let mut client = etcd.client().await;
     put(&mut client, "models/identity_fp32", r#"{"schema":1,"versions":[1],"replicas":1}"#).await;
     wait_until("identity_fp32 READY on w1", WAIT, || async {

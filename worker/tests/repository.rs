@@ -662,6 +662,19 @@ ensemble_scheduling { step [
     std::fs::write(dir.join("ens/config.pbtxt"), config).unwrap();
 }
 
+/// Starts loading `ens`; returns once its load is building `a_gated` (held at the gate).
+async fn start_gated_ensemble_load(
+    repo: &Arc<Repository>,
+) -> tokio::task::JoinHandle<Result<(), nereid_common::Status>> {
+    let load = tokio::spawn({
+        let repo = repo.clone();
+        async move { repo.load("ens", None).await }
+    });
+    common::eventually("a_gated LOADING for the ensemble", || state(repo, "a_gated").as_deref() == Some("LOADING"))
+        .await;
+    load
+}
+
 fn ensemble_request() -> InferRequest {
     let mut request = identity_request("ens", None);
     request.inputs[0].name = "IN".into();
@@ -679,12 +692,7 @@ async fn placement_keeps_a_model_an_ensemble_finishing_its_load_composes() {
     let repo = repository(dir.path(), ControlMode::Explicit, false);
     repo.load("b_free", None).await.unwrap();
     // The ensemble's load builds `a_gated` (which it composes) and waits at the gate.
-    let load = tokio::spawn({
-        let repo = repo.clone();
-        async move { repo.load("ens", None).await }
-    });
-    common::eventually("a_gated LOADING for the ensemble", || state(&repo, "a_gated").as_deref() == Some("LOADING"))
-        .await;
+    let load = start_gated_ensemble_load(&repo).await;
     let unload = tokio::spawn({
         let repo = repo.clone();
         async move { repo.unload_placed("b_free").await }
@@ -705,12 +713,7 @@ async fn unloading_dependents_of_an_ensemble_still_loading_takes_its_composing_m
     let (dir, mut gate) = gated_repo();
     add_gated_ensemble(dir.path());
     let repo = repository(dir.path(), ControlMode::Explicit, false);
-    let load = tokio::spawn({
-        let repo = repo.clone();
-        async move { repo.load("ens", None).await }
-    });
-    common::eventually("a_gated LOADING for the ensemble", || state(&repo, "a_gated").as_deref() == Some("LOADING"))
-        .await;
+    let load = start_gated_ensemble_load(&repo).await;
     let unload = tokio::spawn({
         let repo = repo.clone();
         async move { repo.unload_with("ens", true).await }

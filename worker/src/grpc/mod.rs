@@ -498,12 +498,7 @@ impl<R: From<StreamPanic>> std::future::Future for AbortOnDrop<R> {
         match Pin::new(&mut self.0).poll(cx) {
             Poll::Ready(Ok(reply)) => Poll::Ready(reply),
             Poll::Ready(Err(e)) if e.is_panic() => {
-                let panic = e.into_panic();
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a panic".into());
+                let what = crate::scheduler::panic_text(e.into_panic().as_ref());
                 tracing::error!(error = %what, "a stream request panicked; answered with an error message");
                 Poll::Ready(R::from(StreamPanic(what)))
             }

@@ -210,10 +210,7 @@ impl Drop for Turn<'_> {
 /// What a failed load task said: its panic's message, or why it did not finish.
 fn panic_message(e: tokio::task::JoinError) -> String {
     match e.try_into_panic() {
-        Ok(payload) => match payload.downcast::<String>() {
-            Ok(s) => *s,
-            Err(payload) => payload.downcast_ref::<&str>().map_or_else(|| "(no message)".into(), |s| s.to_string()),
-        },
+        Ok(payload) => crate::scheduler::panic_text(payload.as_ref()),
         Err(e) => e.to_string(),
     }
 }

@@ -415,6 +415,15 @@ fn instance_thread<I: Instance>(mut session: I, shared: Arc<Shared>) {
     }
 }
 
+/// What a panic said (its message, when it has one).
+pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
+}
+
 fn run_batch<I: Instance>(session: &mut I, batch: Vec<Job>, dispatched: Instant, shared: &Shared) {
     shared.stats.record_dispatch(batch.len());
     shared.stats.pending_add(-(batch.len() as i64));
@@ -425,11 +434,7 @@ fn run_batch<I: Instance>(session: &mut I, batch: Vec<Job>, dispatched: Instant,
     // batch (and, under preserve_ordering, every later answer).
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session.run(&inputs, &wanted)))
         .unwrap_or_else(|panic| {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".into());
+            let what = panic_text(panic.as_ref());
             tracing::error!(error = %what, "an instance panicked running a batch; the batch fails, the instance goes on");
             Err(Status::internal(format!("the model's run failed unexpectedly: {what}")))
         });
