@@ -3,12 +3,16 @@
 //! version, the request's inputs (name, datatype, shape, bytes) and the outputs it asked for,
 //! and an identical request is answered from it without running the model.
 //!
-//! The key is a 128-bit digest (two independently keyed SipHash-1-3 passes over the same
-//! bytes), so a false hit needs a 128-bit collision. Entries are bounded by their tensor bytes
-//! and evicted least recently used first; a response larger than the whole cache is not kept.
+//! The key is a 128-bit digest: two SipHash-1-3 passes over the same bytes, each under its own
+//! random key drawn when the cache is made, so a false hit needs a 128-bit collision that no
+//! client can aim at (SipHash resists crafted collisions only while its key is secret; a fixed
+//! key would let one tenant's request be built to hit another's answer). Entries are bounded by
+//! their tensor bytes (each holds a copy of its own, not a slice of a batch's buffer) and
+//! evicted least recently used first; a response larger than the whole cache is not kept.
 
+use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashMap};
-use std::hash::{Hash, Hasher};
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::{Arc, Mutex};
 
 use crate::tensor::{InferRequest, OutputTensor};
@@ -16,13 +20,10 @@ use crate::tensor::{InferRequest, OutputTensor};
 /// Bytes an entry is charged beyond its tensors (names, shapes, bookkeeping).
 const ENTRY_OVERHEAD: usize = 128;
 
-/// The cache key of a request to `model` version `version`; `generations` identify what the
-/// answer was computed with (the load of the model, and for an ensemble the repository's
-/// epoch), so new weights never answer from old responses.
-pub fn key(request: &InferRequest, model: &str, version: i64, generations: [u64; 2]) -> u128 {
-    let digest = |seed: u64| {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        seed.hash(&mut h);
+/// [`ResponseCache::key`] under `keys`.
+fn key(keys: &[RandomState; 2], request: &InferRequest, model: &str, version: i64, generations: [u64; 2]) -> u128 {
+    let digest = |state: &RandomState| {
+        let mut h = state.build_hasher();
         model.hash(&mut h);
         version.hash(&mut h);
         generations.hash(&mut h);
@@ -42,7 +43,7 @@ pub fn key(request: &InferRequest, model: &str, version: i64, generations: [u64;
         outputs.hash(&mut h);
         h.finish()
     };
-    (u128::from(digest(0x6e65_7265_6964_0001)) << 64) | u128::from(digest(0x6e65_7265_6964_0002))
+    (u128::from(digest(&keys[0])) << 64) | u128::from(digest(&keys[1]))
 }
 
 struct Entry {
@@ -64,11 +65,24 @@ struct Lru {
 pub struct ResponseCache {
     capacity: usize,
     inner: Mutex<Lru>,
+    /// The digest's two secret keys.
+    keys: [RandomState; 2],
 }
 
 impl ResponseCache {
     pub fn new(capacity_bytes: usize) -> Self {
-        ResponseCache { capacity: capacity_bytes, inner: Mutex::new(Lru::default()) }
+        ResponseCache {
+            capacity: capacity_bytes,
+            inner: Mutex::new(Lru::default()),
+            keys: [RandomState::new(), RandomState::new()],
+        }
+    }
+
+    /// The cache key of a request to `model` version `version`; `generations` identify what
+    /// the answer was computed with (the load of the model, and for an ensemble the
+    /// repository's epoch), so new weights never answer from old responses.
+    pub fn key(&self, request: &InferRequest, model: &str, version: i64, generations: [u64; 2]) -> u128 {
+        key(&self.keys, request, model, version, generations)
     }
 
     pub fn capacity(&self) -> usize {
@@ -105,9 +119,17 @@ impl ResponseCache {
         Some(outputs)
     }
 
-    /// Keeps `outputs` under `key`, evicting the least recently used entries to make room.
-    /// Returns false when the response alone is larger than the cache.
-    pub fn insert(&self, key: u128, outputs: Arc<Vec<OutputTensor>>) -> bool {
+    /// Keeps a copy of `outputs` under `key`, evicting the least recently used entries to make
+    /// room. Returns false when the response alone is larger than the cache. Copied: a batched
+    /// request's outputs are slices of the whole batch's buffers, which an entry charged only
+    /// for its slice would keep alive.
+    pub fn insert(&self, key: u128, outputs: &[OutputTensor]) -> bool {
+        let outputs: Arc<Vec<OutputTensor>> = Arc::new(
+            outputs
+                .iter()
+                .map(|o| OutputTensor { data: bytes::Bytes::copy_from_slice(&o.data), ..o.clone() })
+                .collect(),
+        );
         let bytes =
             ENTRY_OVERHEAD + outputs.iter().map(|o| o.data.len() + o.name.len() + 8 * o.shape.len()).sum::<usize>();
         if bytes > self.capacity {
@@ -187,6 +209,8 @@ mod tests {
 
     #[test]
     fn keys_depend_on_everything_that_changes_the_answer_and_nothing_else() {
+        let cache = ResponseCache::new(1 << 20);
+        let key = |r: &InferRequest, m: &str, v: i64, g: [u64; 2]| cache.key(r, m, v, g);
         let base = key(&request(&[("a", b"xy"), ("b", b"z")], &["o"]), "m", 1, [1, 0]);
         assert_eq!(base, key(&request(&[("b", b"z"), ("a", b"xy")], &["o"]), "m", 1, [1, 0]), "input order");
         let mut with_id = request(&[("a", b"xy"), ("b", b"z")], &["o"]);
@@ -210,13 +234,38 @@ mod tests {
         );
     }
 
-    fn outputs(bytes: usize) -> Arc<Vec<OutputTensor>> {
-        Arc::new(vec![OutputTensor {
+    /// Each cache draws its own keys: the same request has another key elsewhere, so no
+    /// client can compute (and aim a collision at) the keys of a running worker.
+    #[test]
+    fn keys_are_secret_per_cache() {
+        let r = request(&[("a", b"xy")], &["o"]);
+        let (one, two) = (ResponseCache::new(1024), ResponseCache::new(1024));
+        assert_eq!(one.key(&r, "m", 1, [1, 0]), one.key(&r, "m", 1, [1, 0]));
+        assert_ne!(one.key(&r, "m", 1, [1, 0]), two.key(&r, "m", 1, [1, 0]));
+    }
+
+    /// An entry holds its own bytes: a slice of a larger (batch) buffer is copied out, so the
+    /// cache's size bounds what it keeps alive.
+    #[test]
+    fn entries_copy_slices_of_larger_buffers() {
+        let batch = Bytes::from(vec![1u8; 1 << 20]);
+        let slice =
+            OutputTensor { name: "o".into(), datatype: DataType::Uint8, shape: vec![16], data: batch.slice(0..16) };
+        let cache = ResponseCache::new(4096);
+        assert!(cache.insert(1, &[slice]));
+        let kept = cache.get(1).unwrap();
+        assert_eq!(&kept[0].data[..], &[1u8; 16]);
+        assert!(!kept[0].data.as_ptr_range().contains(&batch.as_ptr()), "a copy, not the batch's buffer");
+        drop(batch);
+    }
+
+    fn outputs(bytes: usize) -> Vec<OutputTensor> {
+        vec![OutputTensor {
             name: "o".into(),
             datatype: DataType::Uint8,
             shape: vec![bytes as i64],
             data: Bytes::from(vec![7u8; bytes]),
-        }])
+        }]
     }
 
     #[test]
@@ -224,18 +273,18 @@ mod tests {
         let entry = ENTRY_OVERHEAD + 1000 + 1 + 8;
         let cache = ResponseCache::new(3 * entry);
         for k in 1..=3 {
-            assert!(cache.insert(k, outputs(1000)));
+            assert!(cache.insert(k, &outputs(1000)));
         }
         assert_eq!(cache.len(), 3);
         assert!(cache.get(1).is_some(), "1 is now the most recently used");
-        assert!(cache.insert(4, outputs(1000)));
+        assert!(cache.insert(4, &outputs(1000)));
         assert!(cache.get(2).is_none(), "2 was the least recently used");
         assert!(cache.get(1).is_some() && cache.get(3).is_some() && cache.get(4).is_some());
         assert!(cache.used() <= cache.capacity());
-        assert!(!cache.insert(5, outputs(4 * entry)), "larger than the whole cache: not kept");
+        assert!(!cache.insert(5, &outputs(4 * entry)), "larger than the whole cache: not kept");
         assert_eq!(cache.len(), 3);
         // Replacing a key keeps one entry.
-        assert!(cache.insert(4, outputs(10)));
+        assert!(cache.insert(4, &outputs(10)));
         assert_eq!(cache.len(), 3);
         assert_eq!(cache.get(4).unwrap()[0].data.len(), 10);
     }

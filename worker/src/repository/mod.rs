@@ -24,7 +24,7 @@ use nereid_proto::inference::ModelConfig;
 use tokio::sync::oneshot;
 
 use crate::backend::SessionOptions;
-use crate::cache::{self, ResponseCache};
+use crate::cache::ResponseCache;
 use crate::ensemble::{self, Plan};
 use crate::metrics::{Metrics, VersionStats};
 use crate::scheduler::{Job, Scheduler};
@@ -539,7 +539,7 @@ impl Repository {
             // An ensemble's answer also depends on its composing models: any load or unload
             // since (the repository's epoch) makes its old responses unusable.
             let epoch = if model.ensemble.is_some() { self.epoch.load(Ordering::SeqCst) } else { 0 };
-            let key = cache::key(&request, &model.name, version.version, [model.generation, epoch]);
+            let key = cache.key(&request, &model.name, version.version, [model.generation, epoch]);
             (cache, key, cache.get(key), lookup.elapsed())
         });
         if let Some((_, _, Some(outputs), lookup)) = &cached {
@@ -570,7 +570,7 @@ impl Repository {
         let elapsed = started.elapsed();
         if let (Some((cache, key, None, lookup)), Ok(outputs)) = (&cached, &outcome) {
             let insert = Instant::now();
-            cache.insert(*key, Arc::new(outputs.clone()));
+            cache.insert(*key, outputs);
             stats.record_cache_miss(*lookup + insert.elapsed());
         }
         // The classification extension reshapes what the model answered (the cache keeps the
