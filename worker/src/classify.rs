@@ -9,7 +9,7 @@ use std::cmp::Ordering;
 
 use nereid_common::{DataType, Status};
 
-use crate::tensor::{OutputTensor, serialize_bytes_elements};
+use crate::tensor::OutputTensor;
 
 /// One score, in a form that orders and prints as Triton's (C++ `std::to_string`) do: integers
 /// exactly, floating point with six decimals.
@@ -90,29 +90,36 @@ pub fn classify(
     };
     let per_row = scores.len().checked_div(rows).unwrap_or(0);
     let k = per_row.min(count as usize);
-    let mut classes = Vec::with_capacity(rows * k);
+    // Serialized as it goes (BYTES: a 4-byte length, then the text), one buffer for all.
+    let mut data: Vec<u8> = Vec::with_capacity(rows * k * 16);
+    let mut class = String::new();
     let mut order: Vec<usize> = Vec::with_capacity(per_row);
     for row in scores.chunks(per_row.max(1)).take(rows) {
         order.clear();
         order.extend(0..row.len());
-        // Stable: equal scores keep index order.
-        order.sort_by(|&a, &b| Score::rank(&row[a], &row[b]));
-        for &index in order.iter().take(k) {
-            let mut class = format!("{}:{index}", row[index].text());
-            if let Some(label) = labels.and_then(|l| l.get(index)) {
+        // Highest first, equal scores in index order: a total order, so selecting the top k
+        // (linear) and sorting only those gives what sorting the whole row would.
+        let by_rank = |a: &usize, b: &usize| Score::rank(&row[*a], &row[*b]).then(a.cmp(b));
+        if k > 0 && k < order.len() {
+            order.select_nth_unstable_by(k - 1, by_rank);
+        }
+        order.truncate(k);
+        order.sort_unstable_by(by_rank);
+        for &index in &order {
+            use std::fmt::Write;
+            class.clear();
+            let _ = write!(class, "{}:{index}", row[index].text());
+            // An empty label line gives no label part.
+            if let Some(label) = labels.and_then(|l| l.get(index)).filter(|l| !l.is_empty()) {
                 class.push(':');
                 class.push_str(label);
             }
-            classes.push(class);
+            data.extend_from_slice(&(class.len() as u32).to_le_bytes());
+            data.extend_from_slice(class.as_bytes());
         }
     }
     let shape = if batching { vec![rows as i64, k as i64] } else { vec![k as i64] };
-    Ok(OutputTensor {
-        name: output.name.clone(),
-        datatype: DataType::Bytes,
-        shape,
-        data: serialize_bytes_elements(classes).into(),
-    })
+    Ok(OutputTensor { name: output.name.clone(), datatype: DataType::Bytes, shape, data: data.into() })
 }
 
 /// Labels from a `label_filename` file: one per line, line N naming class N.
@@ -194,6 +201,25 @@ mod tests {
     fn an_empty_batch_gives_no_classes() {
         let c = classify(&fp32(&[0, 4], &[]), 2, true, None).unwrap();
         assert_eq!((c.shape.clone(), c.data.len()), (vec![0, 0], 0));
+    }
+
+    /// The top k of a long row come out as sorting the whole row would give them (ties by
+    /// index), and an empty label line adds no label part.
+    #[test]
+    fn top_k_of_a_long_row_with_ties_and_an_empty_label() {
+        let values: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 100) as f32).collect();
+        let labels: Vec<String> = (0..1000).map(|i| if i % 2 == 0 { String::new() } else { format!("c{i}") }).collect();
+        let c = classify(&fp32(&[1, 1000], &values), 25, true, Some(&labels)).unwrap();
+        let mut expected: Vec<usize> = (0..1000).collect();
+        expected.sort_by(|&a, &b| values[b].partial_cmp(&values[a]).unwrap().then(a.cmp(&b)));
+        let want: Vec<String> = expected[..25]
+            .iter()
+            .map(|&i| {
+                let text = format!("{:.6}:{i}", values[i]);
+                if i % 2 == 0 { text } else { format!("{text}:c{i}") }
+            })
+            .collect();
+        assert_eq!(strings(&c), want);
     }
 
     #[test]
