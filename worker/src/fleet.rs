@@ -621,7 +621,11 @@ async fn reconcile(
             }
             _ = tokio::time::sleep_until(next_unload.unwrap_or_else(tokio::time::Instant::now)), if next_unload.is_some() => {
                 let now = tokio::time::Instant::now();
-                let due: Vec<String> = retired.iter().filter(|(_, (at, _))| *at <= now).map(|(m, _)| m.clone()).collect();
+                let mut due: Vec<String> = retired.iter().filter(|(_, (at, _))| *at <= now).map(|(m, _)| m.clone()).collect();
+                // Ensembles first: a composing model unloaded while its ensemble is still loaded
+                // is kept (and would then stay after the ensemble goes).
+                let ensembles = repository.ensembles_among(due.iter());
+                due.sort_by_key(|m| !ensembles.contains(m));
                 for model in due {
                     retired.remove(&model);
                     set_retiring(&retired);
@@ -830,6 +834,63 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert_eq!(repository.builds_started(), 2, "one build per model");
+        reconciler.abort();
+    }
+
+    /// Both taken away at once, an ensemble and its composing model are both unloaded after the
+    /// grace, whatever their names' order: the ensemble goes first (a composing model unloaded
+    /// while its ensemble is loaded is kept, and would have stayed for good).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_ensemble_and_its_composing_model_removed_together_both_unload() {
+        crate::backend::init_runtime(&crate::backend::default_runtime_path()).expect("ONNX Runtime (scripts/setup.sh)");
+        let dir = tempfile::tempdir().unwrap();
+        for model in ["versioned_scale", "scale_ensemble"] {
+            copy_example(dir.path(), model);
+        }
+        // The composing model renamed to sort before the ensemble.
+        std::fs::rename(dir.path().join("versioned_scale"), dir.path().join("a_scale")).unwrap();
+        for config in ["a_scale/config.pbtxt", "scale_ensemble/config.pbtxt"] {
+            let path = dir.path().join(config);
+            let text = std::fs::read_to_string(&path).unwrap().replace("versioned_scale", "a_scale");
+            std::fs::write(&path, text).unwrap();
+        }
+        let options = crate::repository::RepositoryOptions {
+            paths: vec![dir.path().to_path_buf()],
+            mode: crate::repository::ControlMode::Explicit,
+            strict_config: false,
+            startup_models: vec![],
+            session_defaults: Default::default(),
+            load_threads: 4,
+            default_max_batch_size: crate::repository::AUTOCOMPLETE_MAX_BATCH_SIZE,
+            config_name: None,
+        };
+        let repository = Arc::new(Repository::new(options, Arc::new(crate::metrics::Metrics::new())));
+        let (desired, placements) = watch::channel(None::<Placement>);
+        let reconciler = tokio::spawn(reconcile(
+            repository.clone(),
+            placements,
+            Default::default(),
+            Default::default(),
+            Default::default(),
+            Duration::from_millis(10),
+        ));
+        let ready = |repository: &Repository| -> BTreeSet<String> {
+            repository.held_index().into_iter().filter(|e| e.state == "READY").map(|e| e.name).collect()
+        };
+        let placement: Placement =
+            [("scale_ensemble".to_string(), BTreeSet::from([1])), ("a_scale".to_string(), BTreeSet::from([1, 2]))]
+                .into();
+        desired.send(Some(placement)).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while ready(&repository).len() < 2 {
+            assert!(std::time::Instant::now() < deadline, "not READY: {:?}", repository.held_index());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        desired.send(Some(Placement::new())).unwrap();
+        while !ready(&repository).is_empty() {
+            assert!(std::time::Instant::now() < deadline, "still loaded: {:?}", repository.held_index());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         reconciler.abort();
     }
 }
