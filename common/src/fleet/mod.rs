@@ -112,16 +112,36 @@ pub fn check_keepalive(
     }
 }
 
+/// A lease kept alive on a task of its own ([`spawn_keepalive`]): resolves, with why, only when
+/// the lease is lost; dropping it stops the keep-alives.
+pub struct KeepAliveTask(tokio::task::JoinHandle<String>);
+
+impl std::future::Future for KeepAliveTask {
+    type Output = String;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<String> {
+        std::pin::Pin::new(&mut self.0)
+            .poll(cx)
+            .map(|ended| ended.unwrap_or_else(|e| format!("the keep-alive task failed: {e}")))
+    }
+}
+
+impl Drop for KeepAliveTask {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Keeps a lease alive every `interval` on a task of its own, so that nothing its holder
 /// awaits meanwhile (a paged read of a large fleet, a burst of writes to a slow etcd) can make
-/// it miss a keep-alive. The task ends only when the lease is lost, with why; the holder aborts
-/// it when done with the lease.
+/// it miss a keep-alive. The task ends only when the lease is lost, with why, or when the
+/// returned handle is dropped.
 pub fn spawn_keepalive(
     mut keeper: etcd_client::LeaseKeeper,
     mut responses: etcd_client::LeaseKeepAliveStream,
     interval: Duration,
-) -> tokio::task::JoinHandle<String> {
-    tokio::spawn(async move {
+) -> KeepAliveTask {
+    KeepAliveTask(tokio::spawn(async move {
         let mut tick = tokio::time::interval(interval);
         loop {
             tokio::select! {
@@ -137,7 +157,7 @@ pub fn spawn_keepalive(
                 }
             }
         }
-    })
+    }))
 }
 
 /// This host's name (for default worker and gateway ids), `fallback` when unknown.

@@ -126,25 +126,17 @@ impl PlacementController {
         // While leading, the lease is kept alive on its own task: a reconcile (a paged read and
         // fenced writes, each bounded but together possibly longer than the lease's TTL on a
         // slow etcd) must not let the lease lapse and the leadership flip back and forth.
+        // (Dropped with this term, however it ends.)
         let mut keepalive = fleet::spawn_keepalive(keeper, keepalives, self.config.election_ttl / 3);
         // Through fleet::watch: its responses may exceed tonic's default 4 MiB limit.
-        let watch = bounded("watch", fleet::watch(&client, keys.all(), WatchOptions::new().with_prefix())).await;
-        let mut watch = match watch {
-            Ok(watch) => watch,
-            Err(e) => {
-                keepalive.abort();
-                return Err(e);
-            }
-        };
+        let mut watch = bounded("watch", fleet::watch(&client, keys.all(), WatchOptions::new().with_prefix())).await?;
         self.loads.begin_term();
         self.last = FleetState::default();
         let mut schedule = Schedule::new();
         let result = loop {
             tokio::select! {
                 _ = shutdown.cancelled() => break Ok(()),
-                stopped = &mut keepalive => {
-                    break Err(stopped.unwrap_or_else(|e| format!("the keep-alive task failed: {e}")));
-                }
+                stopped = &mut keepalive => break Err(stopped),
                 msg = watch.message() => match msg {
                     // Its own placement writes are no news to the controller.
                     Ok(Some(r)) if !r.canceled() => {
@@ -164,7 +156,7 @@ impl PlacementController {
                 }
             }
         };
-        keepalive.abort();
+        drop(keepalive);
         // Step down: resign (others may lead at once) and drop the lease.
         let _ = tokio::time::timeout(
             CALL_TIMEOUT,
@@ -232,9 +224,12 @@ impl PlacementController {
         }
         // A placement key whose value was rejected is not in `state` (a hand edit, a newer
         // schema): workers may still obey it, so one the plan does not want is deleted, not left
-        // for ever (one it wants was rewritten above, being missing from `state`).
+        // for ever (one it wants was rewritten above, being missing from `state`) — unless its
+        // worker or model is frozen: those keep their placements as they are.
         for r in &rejected {
             if let Some(fleet::Key::Placement { worker, model, version }) = keys.parse(r.key.as_bytes())
+                && !frozen_workers.contains(&worker)
+                && !frozen_models.contains(&model)
                 && let assignment = (worker.clone(), model.clone(), version)
                 && !planned.assignments.contains(&assignment)
                 && !state.placements.contains(&assignment)

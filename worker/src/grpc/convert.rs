@@ -152,8 +152,6 @@ pub fn shm_input_bytes(req: &ModelInferRequest) -> u64 {
         .fold(0, u64::saturating_add)
 }
 
-/// A tensor's shared-memory parameters (`None` when it has none): the region as a
-/// `string_param`, offset and byte size as `int64_param` (or `uint64_param`).
 /// A requested output's `classification` class count (0: not requested).
 pub fn classification_count(ctx: impl Fn() -> String, n: i64) -> Result<u32, Status> {
     u32::try_from(n).map_err(|_| {
@@ -161,6 +159,8 @@ pub fn classification_count(ctx: impl Fn() -> String, n: i64) -> Result<u32, Sta
     })
 }
 
+/// A tensor's shared-memory parameters (`None` when it has none): the region as a
+/// `string_param`, offset and byte size as `int64_param` (or `uint64_param`).
 fn shm_parameters(
     ctx: impl Fn() -> String,
     parameters: &std::collections::HashMap<String, InferParameter>,
