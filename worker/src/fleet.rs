@@ -771,6 +771,23 @@ mod tests {
         assert!(s.contains_key(&("e".to_string(), 1)));
     }
 
+    /// A repository over `dir` in EXPLICIT mode (what fleet placement drives), ONNX Runtime
+    /// loaded.
+    fn explicit_repository(dir: &std::path::Path) -> Arc<Repository> {
+        crate::backend::init_runtime(&crate::backend::default_runtime_path()).expect("ONNX Runtime (scripts/setup.sh)");
+        let options = crate::repository::RepositoryOptions {
+            paths: vec![dir.to_path_buf()],
+            mode: crate::repository::ControlMode::Explicit,
+            strict_config: false,
+            startup_models: vec![],
+            session_defaults: Default::default(),
+            load_threads: 4,
+            default_max_batch_size: crate::repository::AUTOCOMPLETE_MAX_BATCH_SIZE,
+            config_name: None,
+        };
+        Arc::new(Repository::new(options, Arc::new(crate::metrics::Metrics::new())))
+    }
+
     /// Copies an example model (its config, version folders and files) into `repo`.
     fn copy_example(repo: &std::path::Path, name: &str) {
         let from = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/models").join(name);
@@ -783,23 +800,12 @@ mod tests {
     /// model's own load would build it again — four builds instead of two.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_ensemble_placed_with_its_composing_model_loads_after_it() {
-        crate::backend::init_runtime(&crate::backend::default_runtime_path()).expect("ONNX Runtime (scripts/setup.sh)");
         let dir = tempfile::tempdir().unwrap();
         for model in ["versioned_scale", "scale_ensemble"] {
             copy_example(dir.path(), model);
         }
         assert!(dir.path().join("versioned_scale/2/model.onnx").is_file(), "run scripts/setup.sh (example models)");
-        let options = crate::repository::RepositoryOptions {
-            paths: vec![dir.path().to_path_buf()],
-            mode: crate::repository::ControlMode::Explicit,
-            strict_config: false,
-            startup_models: vec![],
-            session_defaults: Default::default(),
-            load_threads: 4,
-            default_max_batch_size: crate::repository::AUTOCOMPLETE_MAX_BATCH_SIZE,
-            config_name: None,
-        };
-        let repository = Arc::new(Repository::new(options, Arc::new(crate::metrics::Metrics::new())));
+        let repository = explicit_repository(dir.path());
         let (desired, placements) = watch::channel(None::<Placement>);
         let loading: Loading = Default::default();
         let reconciler = tokio::spawn(reconcile(
@@ -842,7 +848,6 @@ mod tests {
     /// while its ensemble is loaded is kept, and would have stayed for good).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_ensemble_and_its_composing_model_removed_together_both_unload() {
-        crate::backend::init_runtime(&crate::backend::default_runtime_path()).expect("ONNX Runtime (scripts/setup.sh)");
         let dir = tempfile::tempdir().unwrap();
         for model in ["versioned_scale", "scale_ensemble"] {
             copy_example(dir.path(), model);
@@ -854,17 +859,7 @@ mod tests {
             let text = std::fs::read_to_string(&path).unwrap().replace("versioned_scale", "a_scale");
             std::fs::write(&path, text).unwrap();
         }
-        let options = crate::repository::RepositoryOptions {
-            paths: vec![dir.path().to_path_buf()],
-            mode: crate::repository::ControlMode::Explicit,
-            strict_config: false,
-            startup_models: vec![],
-            session_defaults: Default::default(),
-            load_threads: 4,
-            default_max_batch_size: crate::repository::AUTOCOMPLETE_MAX_BATCH_SIZE,
-            config_name: None,
-        };
-        let repository = Arc::new(Repository::new(options, Arc::new(crate::metrics::Metrics::new())));
+        let repository = explicit_repository(dir.path());
         let (desired, placements) = watch::channel(None::<Placement>);
         let reconciler = tokio::spawn(reconcile(
             repository.clone(),
