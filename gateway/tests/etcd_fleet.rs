@@ -727,7 +727,29 @@ struct Member {
     child: Option<Child>,
 }
 
+/// A free port for an extra member, picked below the kernel's ephemeral range where it can:
+/// the port is released before etcd binds it (and a member cannot simply be started again on
+/// other ports: its peer URL is registered first, and changing it needs a quorum the cluster
+/// may not have yet), so it must not be one that any process's connect or bind(0) — the
+/// other tests' loopback traffic — can take meanwhile.
 fn free_port() -> u16 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    if ephemeral_start > 12000 {
+        // Spread over [10000, start): the process id and a counter keep parallel tests apart.
+        let span = ephemeral_start - 10000;
+        let seed = std::process::id().wrapping_mul(2654435761);
+        for _ in 0..200 {
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let port = 10000 + (seed.wrapping_add(n.wrapping_mul(7919)) % span);
+            if std::net::TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+                return port as u16;
+            }
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
