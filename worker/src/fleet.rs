@@ -771,6 +771,20 @@ mod tests {
         assert!(s.contains_key(&("e".to_string(), 1)));
     }
 
+    /// Polls (bounded: 30 s) until `cond` holds of `repository`; panics naming `what` and the
+    /// repository's state otherwise.
+    async fn until(repository: &Repository, what: &str, cond: impl Fn(&Repository) -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !cond(repository) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "timed out waiting for {what}: {:?}",
+                repository.held_index()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// A repository over `dir` in EXPLICIT mode (what fleet placement drives), ONNX Runtime
     /// loaded.
     fn explicit_repository(dir: &std::path::Path) -> Arc<Repository> {
@@ -822,23 +836,14 @@ mod tests {
         ]
         .into();
         desired.send(Some(placement)).unwrap();
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let ready: BTreeSet<(String, String)> = repository
-                .held_index()
-                .into_iter()
-                .filter(|e| e.state == "READY")
-                .map(|e| (e.name, e.version))
-                .collect();
+        until(&repository, "all READY, no load running", |r| {
+            let ready: BTreeSet<(String, String)> =
+                r.held_index().into_iter().filter(|e| e.state == "READY").map(|e| (e.name, e.version)).collect();
             let all = [("scale_ensemble", "1"), ("versioned_scale", "1"), ("versioned_scale", "2")];
-            if all.iter().all(|(m, v)| ready.contains(&(m.to_string(), v.to_string())))
+            all.iter().all(|(m, v)| ready.contains(&(m.to_string(), v.to_string())))
                 && loading.lock().unwrap().is_empty()
-            {
-                break;
-            }
-            assert!(std::time::Instant::now() < deadline, "not all READY: {:?}", repository.held_index());
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        })
+        .await;
         assert_eq!(repository.builds_started(), 2, "one build per model");
         reconciler.abort();
     }
@@ -876,16 +881,9 @@ mod tests {
             [("scale_ensemble".to_string(), BTreeSet::from([1])), ("a_scale".to_string(), BTreeSet::from([1, 2]))]
                 .into();
         desired.send(Some(placement)).unwrap();
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while ready(&repository).len() < 2 {
-            assert!(std::time::Instant::now() < deadline, "not READY: {:?}", repository.held_index());
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        until(&repository, "both READY", |r| ready(r).len() == 2).await;
         desired.send(Some(Placement::new())).unwrap();
-        while !ready(&repository).is_empty() {
-            assert!(std::time::Instant::now() < deadline, "still loaded: {:?}", repository.held_index());
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        until(&repository, "both unloaded", |r| ready(r).is_empty()).await;
         reconciler.abort();
     }
 }
