@@ -17,6 +17,11 @@ use crate::routing::Routes;
 use crate::stack::InferService;
 use crate::wire::{InferRequest, InferResponse};
 
+/// Room left under --max-request-bytes for what the forward path appends to a request (a
+/// version pin, a retry's remaining timeout), so that a worker with the same limit never
+/// refuses, as too large, a request this gateway let through.
+pub const FORWARD_APPEND_BYTES: usize = 64;
+
 /// What both ingresses share. Cheap to clone.
 #[derive(Clone)]
 pub struct Ingress {

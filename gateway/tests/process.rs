@@ -128,7 +128,8 @@ async fn a_json_request_that_outgrows_the_limit_once_converted_is_refused() {
 /// A JSON request that fits --max-request-bytes once converted, but not with the version pin
 /// forwarding appends to it, is refused by the gateway with a 400 naming the limit — a worker
 /// with the same limit would refuse it as too large, which reached the client as a 429 to
-/// retry. One with room for the pin is served.
+/// retry. One with room for the pin is served. The same holds for a gRPC request, forwarded
+/// as the client encoded it (INVALID_ARGUMENT naming the limit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_without_room_for_what_forwarding_appends_is_refused_at_the_gateway() {
     use nereid_proto::inference::ModelInferRequest;
@@ -186,6 +187,28 @@ async fn a_request_without_room_for_what_forwarding_appends_is_refused_at_the_ga
     // With room for what forwarding adds: served.
     let r = send(id_for(MAX - 64)).await.unwrap();
     assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+
+    // The same over gRPC, where the client's message is forwarded as it is.
+    let grpc = |id: String| {
+        let request = ModelInferRequest {
+            model_name: "big".into(),
+            id,
+            inputs: vec![InferInputTensor {
+                name: "INPUT0".into(),
+                datatype: "FP32".into(),
+                shape: vec![ROWS as i64, 16],
+                ..Default::default()
+            }],
+            raw_input_contents: vec![vec![0u8; ROWS * 64].into()],
+            ..Default::default()
+        };
+        async { gateway.client().await.max_encoding_message_size(usize::MAX).model_infer(request).await }
+    };
+    let status = grpc(id_for(MAX - 1)).await.expect_err("no room for the version pin");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("over the limit of 1048576 bytes"), "{status:?}");
+    let served = grpc(id_for(MAX - 64)).await.expect("room for what forwarding adds");
+    assert_eq!(served.into_inner().raw_output_contents[0].len(), ROWS * 64);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -31,7 +31,7 @@ use tonic::{Request, Response};
 use crate::admission::Permit;
 use crate::call::{CallDeadline, DEADLINE_HEADER, parse_deadline_ms};
 use crate::error::GatewayError;
-use crate::ingress::Ingress;
+use crate::ingress::{FORWARD_APPEND_BYTES, Ingress};
 use crate::upstream::{HTTP2_CONNECTION_WINDOW, HTTP2_STREAM_WINDOW};
 use crate::wire::{BytesCodec, InferRequest, StreamReply, WireEncode};
 
@@ -264,8 +264,17 @@ struct InferHandler {
 
 /// A request whose top-level framing is broken is refused here, naming the field; so is one
 /// naming a shared-memory region: regions are registered with one worker, on its host, and the
-/// gateway neither registers them nor knows which worker has them.
-fn decode_request(bytes: Bytes) -> Result<InferRequest, tonic::Status> {
+/// gateway neither registers them nor knows which worker has them. So is one without room
+/// under `max` (--max-request-bytes) for what forwarding appends: a worker with the same limit
+/// would refuse it as too large, which a client reads as overload and retries.
+fn decode_request(bytes: Bytes, max: usize) -> Result<InferRequest, tonic::Status> {
+    if bytes.len().saturating_add(FORWARD_APPEND_BYTES) > max {
+        return Err(tonic::Status::invalid_argument(format!(
+            "the request takes {} bytes, which with the {FORWARD_APPEND_BYTES} bytes forwarding \
+             may add is over the limit of {max} bytes (--max-request-bytes): send fewer or smaller tensors",
+            bytes.len()
+        )));
+    }
     let uses_shm = crate::wire::uses_shared_memory(&bytes)
         .map_err(|reason| tonic::Status::invalid_argument(format!("malformed ModelInferRequest: {reason}")))?;
     if uses_shm {
@@ -295,7 +304,7 @@ impl tonic::server::UnaryService<Bytes> for InferHandler {
                     (None, ingress.call_deadline(client_deadline(request.metadata(), now), now))
                 }
             };
-            let request = decode_request(request.into_inner())?;
+            let request = decode_request(request.into_inner(), ingress.max_request_bytes)?;
             // Awaited in place: if the client goes away, tonic drops this future and with it the
             // forwarded call (the worker sees a cancelled RPC).
             let response = ingress.infer(request, deadline, permit).await.map_err(|e| e.to_grpc())?;
@@ -317,7 +326,7 @@ impl tonic::server::StreamingService<Bytes> for InferHandler {
         let run = move |bytes: Bytes| -> BoxFuture<'static, StreamReply> {
             let ingress = ingress.clone();
             Box::pin(async move {
-                let result = match decode_request(bytes) {
+                let result = match decode_request(bytes, ingress.max_request_bytes) {
                     Ok(request) => {
                         let deadline = ingress.call_deadline(stream_deadline, Instant::now());
                         let header = request.header.clone();

@@ -35,6 +35,7 @@ use self::convert::{
 use crate::call::{CallDeadline, DEADLINE_HEADER, parse_deadline_ms};
 use crate::error::GatewayError;
 use crate::grpc::{EXTENSIONS, SERVER_NAME, SERVER_VERSION};
+use crate::ingress::FORWARD_APPEND_BYTES;
 use crate::ingress::Ingress;
 use crate::metrics::GatewayMetrics;
 use crate::routing::Routes;
@@ -45,10 +46,6 @@ const OFFLOAD_JSON_BYTES: usize = 256 << 10;
 /// Requests larger than this are converted on the blocking pool even when their JSON part is
 /// small: encoding copies the binary section once.
 const OFFLOAD_COPY_BYTES: usize = 4 << 20;
-/// Room left under --max-request-bytes for what the forward path appends to a converted
-/// request (a version pin, a retry's remaining timeout), so that a worker with the same limit
-/// never refuses, as too large, a request this gateway let through.
-const FORWARD_APPEND_BYTES: usize = 64;
 
 /// The `{model}` / `{version}` path segments. A path that does not decode (not UTF-8) is
 /// answered in JSON, as every other error is.
