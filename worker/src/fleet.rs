@@ -32,9 +32,7 @@ use nereid_common::fleet::etcd_client::{
     Client, Compare, CompareOp, DeleteOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions, WatchStream,
 };
 use nereid_common::fleet::records::{self, ModelState, PlacementRecord, StatusRecord, WorkerRecord, WorkerState};
-use nereid_common::fleet::{
-    self as fleet, Backoff, CALL_TIMEOUT, ClusterMark, Key, Keys, bounded, check_keepalive, history_reset,
-};
+use nereid_common::fleet::{self as fleet, Backoff, CALL_TIMEOUT, ClusterMark, Key, Keys, bounded, history_reset};
 use tokio::sync::watch;
 
 use crate::metrics::FleetCounters;
@@ -241,7 +239,10 @@ impl Session<'_> {
         let ttl = self.options.lease_ttl.as_secs().max(1) as i64;
         let lease = bounded("lease grant", client.lease_grant(ttl, None)).await?.id();
         self.lease = Some(lease);
-        let (mut keeper, mut keepalives) = bounded("keep-alive", client.lease_keep_alive(lease)).await?;
+        let (keeper, keepalives) = bounded("keep-alive", client.lease_keep_alive(lease)).await?;
+        // On a task of its own: a burst of status writes to a slow etcd, or the reads below,
+        // cannot make the lease miss a keep-alive.
+        let mut keepalive = fleet::spawn_keepalive(keeper, keepalives, self.options.lease_ttl / 3);
         self.put_record(&mut client, *phase.borrow()).await?;
         self.publish_statuses(&mut client).await?;
         self.clear_stale_statuses(&mut client).await?;
@@ -263,17 +264,10 @@ impl Session<'_> {
             self.drained.send_replace(true);
         }
 
-        let mut keepalive_tick = tokio::time::interval(self.options.lease_ttl / 3);
         let mut status_tick = tokio::time::interval(STATUS_INTERVAL);
         loop {
             tokio::select! {
-                _ = keepalive_tick.tick() => bounded("keep-alive", keeper.keep_alive()).await?,
-                msg = keepalives.message() => {
-                    if let Ok(Some(r)) = &msg {
-                        self.view.seen.observe(r.header());
-                    }
-                    check_keepalive(msg)?
-                }
+                lost = &mut keepalive => return Err(lost),
                 msg = watch.message() => {
                     let resp = msg.map_err(|e| format!("placement watch: {e}"))?.ok_or("the placement watch closed")?;
                     self.view.seen.observe(resp.header());
