@@ -855,3 +855,41 @@ async fn a_gateway_on_a_member_without_quorum_reports_its_watch_down() {
     put(&mut client, "drain/w9", r#"{"schema":1}"#).await;
     drop(m3);
 }
+
+/// The keep-alive task the worker agent and the placement controller hold their leases with:
+/// it keeps the lease alive past its TTL, resolves naming why once the lease is gone, and
+/// stops refreshing when dropped (the lease then expires and its keys go).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_lease_outlives_its_ttl_its_loss_is_reported_and_dropping_the_task_lets_it_expire() {
+    use nereid_common::fleet::{etcd_client::PutOptions, spawn_keepalive};
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+
+    let lease = client.lease_grant(2, None).await.unwrap().id();
+    let (keeper, responses) = client.lease_keep_alive(lease).await.unwrap();
+    let mut task = spawn_keepalive(keeper, responses, Duration::from_millis(200));
+    // Kept: alive at every look for well past twice its TTL (the property is one over time).
+    let granted = std::time::Instant::now();
+    wait_until("the kept lease to outlive twice its TTL", WAIT, || {
+        let mut client = client.clone();
+        async move {
+            let ttl = client.lease_time_to_live(lease, None).await.map(|r| r.ttl()).unwrap_or(-1);
+            assert!(ttl > 0, "the kept lease expired after {:?}", granted.elapsed());
+            granted.elapsed() > Duration::from_secs(5)
+        }
+    })
+    .await;
+    client.lease_revoke(lease).await.unwrap();
+    let why = tokio::time::timeout(WAIT, &mut task).await.expect("the task reports the lost lease");
+    assert!(why.contains("lease expired") || why.contains("keep-alive"), "{why}");
+
+    let lease = client.lease_grant(2, None).await.unwrap().id();
+    client.put("held", "x", Some(PutOptions::new().with_lease(lease))).await.unwrap();
+    let (keeper, responses) = client.lease_keep_alive(lease).await.unwrap();
+    drop(spawn_keepalive(keeper, responses, Duration::from_millis(200)));
+    wait_until("the lease of a dropped task to expire", WAIT, || {
+        let mut client = client.clone();
+        async move { client.get("held", None).await.unwrap().kvs().is_empty() }
+    })
+    .await;
+}
