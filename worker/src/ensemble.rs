@@ -189,10 +189,15 @@ pub fn check_composing(
     spec_of: impl Fn(&Step) -> Result<std::sync::Arc<ModelSpec>, String>,
 ) -> Result<(), String> {
     let mut dtype: BTreeMap<String, DataType> = BTreeMap::new();
+    // Each ensemble tensor's full shape (batch dimension included, as -1, where its producer
+    // batches), as its producer declares it.
+    let mut shape: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    let ensemble_batches = config.max_batch_size > 0;
     for input in &config.input {
         if let Some(dt) = DataType::from_config_value(input.data_type) {
             dtype.insert(input.name.clone(), dt);
         }
+        shape.insert(input.name.clone(), full_shape(ensemble_batches, &input.dims));
     }
     let specs: Vec<std::sync::Arc<ModelSpec>> = plan
         .steps
@@ -230,6 +235,18 @@ pub fn check_composing(
                         step.model, t.datatype
                     ));
                 }
+                let want = full_shape(spec.max_batch_size > 0, &t.dims);
+                if let Some(have) = shape.get(tensor)
+                    && !compatible(have, &want)
+                {
+                    return Err(format!(
+                        "{at}.input_map: tensor '{tensor}' has shape {}, but input '{name}' of '{}' expects {} \
+                         (-1: any size; the first dimension is the batch where the model batches)",
+                        dims_text(have),
+                        step.model,
+                        dims_text(&want)
+                    ));
+                }
                 // A request may leave an optional ensemble input out; the step it feeds then
                 // goes without it, which only an optional input of the composing model allows.
                 if !t.optional && config.input.iter().any(|i| &i.name == tensor && i.optional) {
@@ -250,6 +267,7 @@ pub fn check_composing(
                     ));
                 };
                 dtype.insert(tensor.clone(), t.datatype);
+                shape.insert(tensor.clone(), full_shape(spec.max_batch_size > 0, &t.dims));
             }
         }
     }
@@ -259,8 +277,35 @@ pub fn check_composing(
         {
             return Err(format!("output '{}': declared {want}, but the step producing it gives {have}", output.name));
         }
+        let want = full_shape(ensemble_batches, &output.dims);
+        if let Some(have) = shape.get(&output.name)
+            && !compatible(have, &want)
+        {
+            return Err(format!(
+                "output '{}': declared shape {}, but the step producing it gives {} (-1: any size; the first \
+                 dimension is the batch where the model batches)",
+                output.name,
+                dims_text(&want),
+                dims_text(have)
+            ));
+        }
     }
     Ok(())
+}
+
+/// A tensor's shape with the batch dimension (any size) in front when `batching`.
+fn full_shape(batching: bool, dims: &[i64]) -> Vec<i64> {
+    batching.then_some(-1).into_iter().chain(dims.iter().copied()).collect()
+}
+
+/// Whether two declared shapes can describe the same tensor: same rank, and each dimension
+/// equal or -1 (any) on either side.
+fn compatible(a: &[i64], b: &[i64]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(&x, &y)| x == y || x == -1 || y == -1)
+}
+
+fn dims_text(dims: &[i64]) -> String {
+    format!("[{}]", dims.iter().map(i64::to_string).collect::<Vec<_>>().join(", "))
 }
 
 fn list<'a>(names: impl Iterator<Item = &'a str>) -> String {
@@ -389,6 +434,37 @@ ensemble_scheduling {
         assert!(e.contains("step[2] ('c'): max_batch_size 4 of 'c' is below the ensemble's 8"), "{e}");
         let e = check_composing(&config, &p, |s| Err(format!("model '{}' is not loaded", s.model))).unwrap_err();
         assert!(e.contains("step[0] ('b'): model 'b' is not loaded"), "{e}");
+
+        // Shapes: a step's input must accept what feeds it, an output what its step gives.
+        let dims = |model: &'static str, output_dims: Vec<i64>| {
+            let fp32 = fp32.clone();
+            move |s: &Step| {
+                let mut m = (*fp32).clone();
+                if s.model == model {
+                    m.outputs[0].dims = output_dims.clone();
+                }
+                Ok(std::sync::Arc::new(m))
+            }
+        };
+        let e = check_composing(&config, &p, dims("a", vec![5])).unwrap_err();
+        assert!(
+            e.contains("step[0] ('b').input_map: tensor 't' has shape [-1, 5], but input 'IN' of 'b' expects [-1, 4]"),
+            "{e}"
+        );
+        let e = check_composing(&config, &p, dims("c", vec![2, 2])).unwrap_err();
+        assert!(e.contains("output 'Z': declared shape [-1, 4], but the step producing it gives [-1, 2, 2]"), "{e}");
+        assert_eq!(check_composing(&config, &p, dims("a", vec![-1])), Ok(()), "-1 fits any size");
+        // An ensemble that does not batch, over models that do: its dims carry the batch.
+        let unbatched = parse_model_config(&CHAIN.replace("max_batch_size: 8", "max_batch_size: 0")).unwrap();
+        let p = plan(&unbatched).unwrap();
+        let e = check_composing(&unbatched, &p, |_| Ok(fp32.clone())).unwrap_err();
+        assert!(e.contains("tensor 'X' has shape [4], but input 'IN' of 'a' expects [-1, 4]"), "{e}");
+        let unbatched =
+            parse_model_config(&CHAIN.replace("max_batch_size: 8", "").replace("dims: [ 4 ]", "dims: [ 2, 4 ]"))
+                .unwrap();
+        let p = plan(&unbatched).unwrap();
+        assert_eq!(check_composing(&unbatched, &p, |_| Ok(fp32.clone())), Ok(()));
+        let p = plan(&config).unwrap();
 
         // An optional ensemble input may only feed optional inputs of its steps.
         let optional =
