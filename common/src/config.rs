@@ -224,10 +224,14 @@ fn is_default(value: &Value) -> bool {
 }
 
 /// Renders a config as Triton does on `GET .../config`: protobuf JSON with the proto field
-/// names and default values included.
+/// names and default values included, and 64-bit integers (dims, delays, versions) as JSON
+/// numbers, not the strings of proto3's JSON mapping (clients do arithmetic on `dims`).
 pub fn config_to_json(config: &ModelConfig) -> serde_json::Value {
     let dynamic = config.transcode_to_dynamic();
-    let options = prost_reflect::SerializeOptions::new().use_proto_field_name(true).skip_default_fields(false);
+    let options = prost_reflect::SerializeOptions::new()
+        .use_proto_field_name(true)
+        .skip_default_fields(false)
+        .stringify_64_bit_integers(false);
     let mut serializer = serde_json::Serializer::new(Vec::new());
     match dynamic.serialize_with_options(&mut serializer, &options) {
         Ok(()) => serde_json::from_slice(&serializer.into_inner()).unwrap_or_default(),
@@ -513,7 +517,8 @@ version_policy: { latest: { num_versions: 2 } }
         let j = config_to_json(&c);
         assert_eq!(j["max_batch_size"], 64);
         assert_eq!(j["input"][0]["data_type"], "TYPE_FP32");
-        assert_eq!(j["dynamic_batching"]["max_queue_delay_microseconds"], "500");
+        assert_eq!(j["dynamic_batching"]["max_queue_delay_microseconds"], 500);
+        assert_eq!(j["input"][0]["dims"], serde_json::json!([256]));
         let back = parse_model_config_json(&j.to_string()).unwrap();
         assert_eq!(back, c);
         assert!(parse_model_config_json("{\"max_batch_size\": \"x\"}").is_err());

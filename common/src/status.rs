@@ -62,10 +62,13 @@ impl Code {
         }
     }
 
-    /// A closed label for metrics (`nv_inference_request_failure{reason=...}`).
+    /// A closed label for metrics (`nv_inference_request_failure{reason=...}`), Triton's:
+    /// REJECTED for what the scheduler turned away (a full queue, a queue timeout, a model
+    /// not ready to take it), OTHER for a request that was wrong in itself (so an alert on
+    /// REJECTED means overload, not a client's bug).
     pub fn reason(self) -> &'static str {
         match self {
-            Code::InvalidArgument | Code::NotFound | Code::AlreadyExists => "REJECTED",
+            Code::InvalidArgument | Code::NotFound | Code::AlreadyExists => "OTHER",
             Code::ResourceExhausted => "REJECTED",
             Code::Unavailable | Code::FailedPrecondition => "REJECTED",
             // The caller gave up (its deadline or a disconnect), as Triton counts cancellations.
@@ -191,5 +194,7 @@ mod tests {
             (http::StatusCode::GATEWAY_TIMEOUT, tonic::Code::DeadlineExceeded, "CANCELED")
         );
         assert_eq!(Code::Cancelled.reason(), "CANCELED");
+        assert_eq!(Code::InvalidArgument.reason(), "OTHER", "a bad request is no overload");
+        assert_eq!(Code::ResourceExhausted.reason(), "REJECTED");
     }
 }

@@ -196,7 +196,7 @@ async fn unknown_models_are_not_found_and_metrics_are_bounded() {
     }
     // The worker that ran the INVALID_ARGUMENT request counted it against the same version; no
     // worker labels a failure with an empty version.
-    let failed = "nv_inference_request_failure{model=\"identity_fp32\",version=\"1\",reason=\"REJECTED\"}";
+    let failed = "nv_inference_request_failure{model=\"identity_fp32\",version=\"1\",reason=\"OTHER\"}";
     assert_eq!(a.metric(failed).await.unwrap() + b.metric(failed).await.unwrap(), 1.0);
     for w in [&a, &b] {
         let text = w.metrics_text().await;

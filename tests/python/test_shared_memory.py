@@ -146,9 +146,17 @@ def test_shared_memory_errors_are_clear_and_the_worker_keeps_serving(shm_worker,
         refused(lambda: infer_with(name, 64, offset=224), f"does not fit in region '{name}' of 256 bytes")
         refused(lambda: infer_with(name, 60), "needs 64 bytes")
 
+        def counts():
+            stats = c.get_inference_statistics("identity_fp32", **({"as_json": True} if protocol == "grpc" else {}))
+            figures = stats["model_stats"][0]["inference_stats"]
+            return int(figures["success"].get("count", 0)), int(figures["fail"].get("count", 0))
+
         small = mod.InferRequestedOutput("OUTPUT0")
         small.set_shared_memory(name, 32, offset=128)
+        before = counts()
         refused(lambda: infer_with(name, 64, out=[small]), "output 'OUTPUT0': 64 bytes do not fit")
+        # The model ran, but the client got an error: a failure in the statistics, as in Triton.
+        assert counts() == (before[0], before[1] + 1)
 
         # After all of that, the same region serves a good request.
         ok = mod.InferRequestedOutput("OUTPUT0")

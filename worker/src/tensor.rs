@@ -56,7 +56,10 @@ pub struct InferResponse {
     pub model_name: String,
     pub model_version: i64,
     pub id: String,
+    /// What is not written into shared memory (the request's `shm_outputs`).
     pub outputs: Vec<OutputTensor>,
+    /// The outputs written into shared-memory regions instead.
+    pub shm_written: Vec<crate::shm::ShmWritten>,
 }
 
 #[derive(Clone, Debug)]

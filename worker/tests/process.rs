@@ -524,10 +524,7 @@ fn failures_count_against_the_resolved_version_only() {
 
     let text = worker.metrics_text();
     let series: Vec<&str> = text.lines().filter(|l| l.starts_with("nv_inference_request_")).collect();
-    assert!(
-        series.contains(&"nv_inference_request_failure{model=\"m\",version=\"1\",reason=\"REJECTED\"} 2"),
-        "{text}"
-    );
+    assert!(series.contains(&"nv_inference_request_failure{model=\"m\",version=\"1\",reason=\"OTHER\"} 2"), "{text}");
     assert!(series.contains(&"nv_inference_request_success{model=\"m\",version=\"1\"} 1"), "{text}");
     assert!(
         series

@@ -93,6 +93,7 @@ pub fn infer_response_from_proto(r: ModelInferResponse) -> Result<InferResponse,
         model_version: r.model_version.parse().unwrap_or_default(),
         model_name: r.model_name,
         id: r.id,
+        shm_written: Vec::new(),
         outputs,
     })
 }

@@ -710,6 +710,7 @@ mod tests {
             model_name: "m".into(),
             model_version: 1,
             id: String::new(),
+            shm_written: Vec::new(),
             outputs,
         });
         mark_shm_outputs(&mut proto, &written);
@@ -1041,6 +1042,7 @@ mod tests {
             model_name: "m".into(),
             model_version: 7,
             id: "abc".into(),
+            shm_written: Vec::new(),
             outputs: vec![
                 OutputTensor { name: "Y".into(), datatype: DataType::Fp32, shape: vec![1, 2], data: y_data },
                 OutputTensor {

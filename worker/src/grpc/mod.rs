@@ -396,10 +396,8 @@ async fn infer_one(
         infer_request_from_proto(req, &server.shm)?
     };
     request.deadline = deadline;
-    let targets = std::mem::take(&mut request.shm_outputs);
     let mut response = server.infer(request).await?;
-    let (outputs, written) = shm::write_outputs_offloaded(std::mem::take(&mut response.outputs), targets).await?;
-    response.outputs = outputs;
+    let written = std::mem::take(&mut response.shm_written);
     let mut proto = infer_response_to_proto(response);
     mark_shm_outputs(&mut proto, &written);
     Ok(proto)

@@ -1729,6 +1729,7 @@ mod tests {
             model_name: "m".into(),
             model_version: 1,
             id: String::new(),
+            shm_written: Vec::new(),
             outputs: vec![
                 output("Y", DataType::Fp32, vec![2], le(&[3.0f32, 4.0], f32::to_le_bytes)),
                 output("Z", DataType::Fp32, vec![1], le(&[5.0f32], f32::to_le_bytes)),
@@ -1790,6 +1791,7 @@ mod tests {
             model_name: "m".into(),
             model_version: 1,
             id: "req-7".into(),
+            shm_written: Vec::new(),
             outputs: vec![
                 output("F", DataType::Fp32, vec![1, 2], le(&[1.5f32, -2.0], f32::to_le_bytes)),
                 output("B", DataType::Bool, vec![2], vec![1, 0]),
@@ -1882,6 +1884,7 @@ mod tests {
             model_name: "m".into(),
             model_version: 1,
             id: String::new(),
+            shm_written: Vec::new(),
             outputs: vec![
                 output("F32", DataType::Fp32, vec![5], le(&f32s, f32::to_le_bytes)),
                 output("F64", DataType::Fp64, vec![5], le(&f64s, f64::to_le_bytes)),

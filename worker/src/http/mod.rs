@@ -496,16 +496,13 @@ async fn infer(
     let shm = server.shm.clone();
     // Inputs read from shared memory are copied during the parse: off the async threads too.
     let heavy = json_len > OFFLOAD_JSON_BYTES || (shm.enabled() && mentions_shared_memory(&body[..json_len]));
-    let ParsedInfer { mut request, mut format } =
+    let ParsedInfer { request, mut format } =
         maybe_offload(heavy, move || parse_infer_request(&name, version, body, header_length, max, Some(&shm))).await?;
 
     // Awaited here, not spawned: if the client goes away this future is dropped and the core
     // takes the request out of its queue.
-    let targets = std::mem::take(&mut request.shm_outputs);
     let mut response = server.infer(request).await?;
-    let (outputs, written) =
-        crate::shm::write_outputs_offloaded(std::mem::take(&mut response.outputs), targets).await?;
-    (response.outputs, format.shm) = (outputs, written);
+    format.shm = std::mem::take(&mut response.shm_written);
 
     let json_bytes: usize = response.outputs.iter().filter(|o| !format.is_binary(&o.name)).map(|o| o.data.len()).sum();
     let rendered =
@@ -1133,6 +1130,7 @@ mod tests {
             model_name: "m".into(),
             model_version: 2,
             id: String::new(),
+            shm_written: Vec::new(),
             outputs: vec![
                 OutputTensor { name: "A".into(), datatype: DataType::Fp32, shape: vec![3], data: Bytes::from(data) },
                 OutputTensor {
@@ -1338,6 +1336,7 @@ mod tests {
             model_name: "m".into(),
             model_version: 1,
             id: String::new(),
+            shm_written: Vec::new(),
             outputs: vec![OutputTensor {
                 name: "A".into(),
                 datatype: DataType::Fp32,

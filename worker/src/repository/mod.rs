@@ -543,14 +543,25 @@ impl Repository {
             (cache, key, cache.get(key), lookup.elapsed())
         });
         if let Some((_, _, Some(outputs), lookup)) = &cached {
+            let outcome = classified(&model, &request.outputs, outputs.as_ref().clone());
+            let outcome = write_shm_outputs(outcome, std::mem::take(&mut request.shm_outputs)).await;
             counted.armed = false;
-            stats.record_cache_hit(*lookup, started.elapsed());
-            return Ok(InferResponse {
-                model_name: request.model_name,
-                model_version: version.version,
-                id: request.id,
-                outputs: classified(&model, &request.outputs, outputs.as_ref().clone())?,
-            });
+            return match outcome {
+                Ok((outputs, shm_written)) => {
+                    stats.record_cache_hit(*lookup, started.elapsed());
+                    Ok(InferResponse {
+                        model_name: request.model_name,
+                        model_version: version.version,
+                        id: request.id,
+                        outputs,
+                        shm_written,
+                    })
+                }
+                Err(status) => {
+                    stats.record_failure(started.elapsed(), status.code.reason());
+                    Err(status)
+                }
+            };
         }
         let outcome = match &version.executor {
             Executor::Scheduler(scheduler) => run(&model.spec, scheduler, &mut request).await,
@@ -566,8 +577,6 @@ impl Repository {
                 }
             }
         };
-        counted.armed = false;
-        let elapsed = started.elapsed();
         if let (Some((cache, key, None, lookup)), Ok(outputs)) = (&cached, &outcome) {
             let insert = Instant::now();
             cache.insert(*key, outputs);
@@ -576,14 +585,20 @@ impl Repository {
         // The classification extension reshapes what the model answered (the cache keeps the
         // answer itself).
         let outcome = outcome.and_then(|outputs| classified(&model, &request.outputs, outputs));
+        let outcome = write_shm_outputs(outcome, std::mem::take(&mut request.shm_outputs)).await;
+        counted.armed = false;
+        // The request's time includes the cache insert and the shared-memory writes, as
+        // Triton's does.
+        let elapsed = started.elapsed();
         match outcome {
-            Ok(outputs) => {
+            Ok((outputs, shm_written)) => {
                 stats.record_success(elapsed);
                 Ok(InferResponse {
                     model_name: request.model_name,
                     model_version: version.version,
                     id: request.id,
                     outputs,
+                    shm_written,
                 })
             }
             Err(status) => {
@@ -1292,6 +1307,16 @@ fn classified(
         }
     }
     Ok(outputs)
+}
+
+/// Writes the outputs a request asked for in shared memory into their regions, before the
+/// request counts as a success: an output that does not fit its region fails the request (as
+/// in Triton, where the backend writes it), in the statistics too.
+async fn write_shm_outputs(
+    outcome: Result<Vec<crate::tensor::OutputTensor>, Status>,
+    targets: Vec<(String, crate::shm::ShmTarget)>,
+) -> Result<(Vec<crate::tensor::OutputTensor>, Vec<crate::shm::ShmWritten>), Status> {
+    crate::shm::write_outputs_offloaded(outcome?, targets).await
 }
 
 /// The latest a request may wait for its turn: its deadline, or its `timeout` from now,
