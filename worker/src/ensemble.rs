@@ -464,7 +464,6 @@ ensemble_scheduling {
                 .unwrap();
         let p = plan(&unbatched).unwrap();
         assert_eq!(check_composing(&unbatched, &p, |_| Ok(fp32.clone())), Ok(()));
-        let p = plan(&config).unwrap();
 
         // An optional ensemble input may only feed optional inputs of its steps.
         let optional =
