@@ -152,11 +152,14 @@ async fn agent(
     ));
     let mut backoff = Backoff::new();
     // Leases of earlier sessions not yet revoked (a session can fail between its grant and
-    // revoking its predecessor's).
-    let mut previous_leases: Vec<i64> = Vec::new();
+    // revoking its predecessor's), with when their session ended: one unrefreshed for a TTL
+    // has expired by itself and is forgotten.
+    let mut previous: Vec<(i64, std::time::Instant)> = Vec::new();
     let mut view = PlacementView::default();
     loop {
         counters.sessions.fetch_add(1, Ordering::Relaxed);
+        previous.retain(|(_, ended)| ended.elapsed() < options.lease_ttl);
+        let mut previous_leases: Vec<i64> = previous.iter().map(|(lease, _)| *lease).collect();
         let mut session = Session {
             options: &options,
             repository: &repository,
@@ -173,11 +176,13 @@ async fn agent(
         };
         let result = session.run(&mut phase, &mut previous_leases).await;
         counters.connected.store(0, Ordering::Relaxed);
-        // This session's lease is the next one's to carry from and revoke.
+        // Those the session revoked are gone; its own lease is the next one's to carry from
+        // and revoke.
+        previous.retain(|(lease, _)| previous_leases.contains(lease));
         if let Some(lease) = session.lease
-            && !previous_leases.contains(&lease)
+            && !previous.iter().any(|(l, _)| *l == lease)
         {
-            previous_leases.push(lease);
+            previous.push((lease, std::time::Instant::now()));
         }
         match result {
             Ok(()) => break,
@@ -199,6 +204,16 @@ async fn agent(
         }
     }
     reconciler.abort();
+    // Stopped between sessions (or a revoke failed): the registration would outlive this
+    // process by up to a TTL, gateways still counting on it. A last, bounded try.
+    previous.retain(|(_, ended)| ended.elapsed() < options.lease_ttl);
+    if !previous.is_empty()
+        && let Ok(mut client) = bounded("connect", nereid_common::fleet::connect(&options.endpoints)).await
+    {
+        for (lease, _) in previous {
+            let _ = tokio::time::timeout(CALL_TIMEOUT, client.lease_revoke(lease)).await;
+        }
+    }
 }
 
 type Failures = Arc<Mutex<HashMap<String, String>>>;
@@ -494,7 +509,15 @@ impl Session<'_> {
         let lease = self.lease.unwrap_or(0);
         for ((model, version), status) in &current {
             if self.published.get(&(model.clone(), *version)) != Some(status) {
-                let value = records::encode(status).map_err(|e| format!("status record: {e}"))?;
+                // One record that cannot be written must not stop every other status (nor,
+                // failing the session each time, the agent itself).
+                let value = match records::encode(status) {
+                    Ok(value) => value,
+                    Err(e) => {
+                        tracing::error!(%model, version, "status record not written: {e}");
+                        continue;
+                    }
+                };
                 bounded(
                     "put status",
                     client.put(keys.status(id, model, *version), value, Some(PutOptions::new().with_lease(lease))),
@@ -522,8 +545,7 @@ fn model_statuses(
     retiring: &BTreeSet<String>,
     loading: &BTreeMap<String, BTreeSet<i64>>,
 ) -> BTreeMap<(String, i64), StatusRecord> {
-    let status =
-        |state, reason: &str| StatusRecord { schema: records::SCHEMA_VERSION, state, reason: reason.to_string() };
+    let status = StatusRecord::new;
     let mut out = BTreeMap::new();
     for e in index {
         if retiring.contains(&e.name) && !placement.contains_key(&e.name) {
@@ -711,6 +733,22 @@ mod tests {
 
     fn entry(name: &str, version: &str, state: &str, reason: &str) -> IndexEntry {
         IndexEntry { name: name.into(), version: version.into(), state: state.into(), reason: reason.into() }
+    }
+
+    /// A load error longer than a status record may carry (a config naming tensors of a model
+    /// with hundreds) is cut, not refused: refused, it failed every session of the agent.
+    #[test]
+    fn a_long_load_error_is_cut_to_what_a_status_record_carries() {
+        let index = vec![];
+        let mut placement = Placement::new();
+        placement.insert("m".to_string(), BTreeSet::from([1]));
+        let failures = HashMap::from([("m".to_string(), "é".repeat(5000))]);
+        let s = model_statuses(&index, &placement, &failures, &BTreeSet::new(), &BTreeMap::new());
+        let status = &s[&("m".to_string(), 1)];
+        assert_eq!(status.state, ModelState::Failed);
+        assert!(status.reason.len() <= records::MAX_REASON_BYTES && status.reason.ends_with('…'));
+        assert!(status.reason.starts_with("éé"));
+        records::encode(status).expect("writable");
     }
 
     #[test]

@@ -180,10 +180,32 @@ impl ModelState {
     }
 }
 
+/// The longest `reason` a status record carries.
+pub const MAX_REASON_BYTES: usize = 4096;
+
+impl StatusRecord {
+    /// A status with `reason` cut to [`MAX_REASON_BYTES`] (on a character boundary, marked
+    /// with "…"): a load error can list every tensor of a model, and a record too long to
+    /// write would keep the worker from publishing any status at all.
+    pub fn new(state: ModelState, reason: &str) -> StatusRecord {
+        const MARK: &str = "…";
+        let reason = if reason.len() <= MAX_REASON_BYTES {
+            reason.to_string()
+        } else {
+            let mut end = MAX_REASON_BYTES - MARK.len();
+            while !reason.is_char_boundary(end) {
+                end -= 1;
+            }
+            format!("{}{MARK}", &reason[..end])
+        };
+        StatusRecord { schema: SCHEMA_VERSION, state, reason }
+    }
+}
+
 impl Record for StatusRecord {
     fn validate(&self) -> Result<(), String> {
-        if self.reason.len() > 4096 {
-            return Err("reason is longer than 4096 bytes".into());
+        if self.reason.len() > MAX_REASON_BYTES {
+            return Err(format!("reason is longer than {MAX_REASON_BYTES} bytes"));
         }
         Ok(())
     }
