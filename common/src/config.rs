@@ -267,6 +267,9 @@ pub fn dynamic_batching(config: &ModelConfig) -> Option<&ModelDynamicBatching> {
 }
 
 /// Checks the config's own consistency (not against a model file). Messages name the field.
+/// Most `dynamic_batching.priority_levels` a config may ask for.
+pub const MAX_PRIORITY_LEVELS: u64 = 1024;
+
 pub fn validate_model_config(config: &ModelConfig) -> Result<(), ConfigError> {
     let err = |m: String| Err(ConfigError::new(m));
     if config.max_batch_size < 0 {
@@ -292,10 +295,9 @@ pub fn validate_model_config(config: &ModelConfig) -> Result<(), ConfigError> {
             }
         }
     }
+    // With max_batch_size 0 the batcher is still the model's scheduler (its queue policies
+    // apply) but batches nothing, as in Triton; a preferred size then fails below.
     if let Some(db) = dynamic_batching(config) {
-        if config.max_batch_size == 0 {
-            return err("dynamic_batching requires max_batch_size > 0".to_string());
-        }
         for &p in &db.preferred_batch_size {
             if p <= 0 || p > config.max_batch_size {
                 return err(format!(
@@ -304,6 +306,14 @@ pub fn validate_model_config(config: &ModelConfig) -> Result<(), ConfigError> {
                 ));
             }
         }
+        // Every level has its queues, walked as batches form: a level count is no free
+        // number (4e9 of them would allocate ~128 GB).
+        if db.priority_levels > MAX_PRIORITY_LEVELS {
+            return err(format!(
+                "dynamic_batching.priority_levels must be at most {MAX_PRIORITY_LEVELS}, got {}",
+                db.priority_levels
+            ));
+        }
         if db.priority_levels > 0 && (db.default_priority_level == 0 || db.default_priority_level > db.priority_levels)
         {
             return err(format!(
@@ -311,8 +321,9 @@ pub fn validate_model_config(config: &ModelConfig) -> Result<(), ConfigError> {
                 db.priority_levels, db.default_priority_level
             ));
         }
+        // Without priority levels Triton ignores the per-level policies.
         for &level in db.priority_queue_policy.keys() {
-            if level == 0 || level > db.priority_levels {
+            if db.priority_levels > 0 && (level == 0 || level > db.priority_levels) {
                 return err(format!(
                     "dynamic_batching.priority_queue_policy key {level} must be in 1..={}",
                     db.priority_levels
@@ -326,6 +337,9 @@ pub fn validate_model_config(config: &ModelConfig) -> Result<(), ConfigError> {
         }
         if group.gpus.iter().any(|&g| g < 0) {
             return err(format!("instance_group[{i}].gpus must be >= 0"));
+        }
+        if group.kind == nereid_proto::inference::model_instance_group::Kind::Cpu as i32 && !group.gpus.is_empty() {
+            return err(format!("instance_group[{i}] has kind KIND_CPU but names gpus {:?}", group.gpus));
         }
     }
     Ok(())
@@ -509,6 +523,25 @@ version_policy: { latest: { num_versions: 2 } }
         assert!(e.message.contains("preferred_batch_size"), "{e}");
         let c = parse_model_config("name: \"v\"\ninput [ { name: \"x\" dims: [ 0 ] data_type: TYPE_FP32 } ]").unwrap();
         assert!(validate_model_config(&c).unwrap_err().message.contains("dims"));
+        let check = |text: &str| validate_model_config(&parse_model_config(text).unwrap());
+        // A level count allocates queues: bounded.
+        let e = check("name: \"v\"\nmax_batch_size: 4\ndynamic_batching { priority_levels: 4000000000 default_priority_level: 1 }")
+            .unwrap_err();
+        assert!(e.message.contains("priority_levels must be at most 1024, got 4000000000"), "{e}");
+        assert!(
+            check(
+                "name: \"v\"\nmax_batch_size: 4\ndynamic_batching { priority_levels: 1024 default_priority_level: 1 }"
+            )
+            .is_ok()
+        );
+        // What Triton accepts: a batcher on a model that does not batch, per-level policies
+        // without levels (ignored).
+        assert!(check("name: \"v\"\ndynamic_batching { }").is_ok());
+        assert!(check("name: \"v\"\nmax_batch_size: 4\ndynamic_batching { priority_queue_policy { key: 3 value { max_queue_size: 2 } } }").is_ok());
+        assert!(check("name: \"v\"\ndynamic_batching { preferred_batch_size: [ 1 ] }").is_err());
+        // And what it refuses: CPU instances on GPUs.
+        let e = check("name: \"v\"\ninstance_group [ { kind: KIND_CPU gpus: [ 0 ] } ]").unwrap_err();
+        assert!(e.message.contains("instance_group[0] has kind KIND_CPU but names gpus [0]"), "{e}");
     }
 
     #[test]

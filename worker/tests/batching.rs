@@ -237,6 +237,30 @@ async fn without_dynamic_batching_requests_run_one_at_a_time() {
     assert_eq!((s.execution_count, s.inference_count), (8, 8));
 }
 
+/// `dynamic_batching` on a model that does not batch (max_batch_size 0), as Triton accepts it:
+/// the model loads, its queue policy applies, and requests run one at a time without waiting
+/// for the queue delay (no batch could grow).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamic_batching_without_batching_runs_requests_alone() {
+    let config = identity_config_max(0, "dynamic_batching { max_queue_delay_microseconds: 10000000 }")
+        .replace("dims: [ 16 ]", "dims: [ -1, 16 ]");
+    let dir = repo(&[TestModel { name: "m", source: "identity_fp32", config: Some(&config) }]);
+    let repo = start(dir.path(), ControlMode::None).await;
+    let started = Instant::now();
+    let calls = (0..4).map(|i| {
+        let repo = repo.clone();
+        tokio::spawn(async move { repo.infer(request_rows(i as f32, 2, 0, 0)).await })
+    });
+    for (i, r) in futures::future::join_all(calls).await.into_iter().enumerate() {
+        let r = r.unwrap().unwrap();
+        assert_eq!(first_value(&r), i as f32);
+        assert_eq!(r.outputs[0].shape, vec![2, 16]);
+    }
+    assert!(started.elapsed() < Duration::from_secs(5), "no batch to wait for");
+    let s = stats(&repo);
+    assert_eq!((s.execution_count, s.success.count), (4, 4));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn priority_levels_serve_the_higher_level_first() {
     // max_batch_size 4. Queue A (level 2, 2 rows) and B (level 2, 1 row): 3 rows, waiting for

@@ -880,7 +880,8 @@ pub fn batch_policy(config: &ModelConfig) -> BatchPolicy {
     preferred.dedup();
     BatchPolicy {
         max_batch_size: config.max_batch_size.max(1) as usize,
-        max_requests: usize::MAX,
+        // A model that does not batch runs one request at a time, queue policies and all.
+        max_requests: if config.max_batch_size > 0 { usize::MAX } else { 1 },
         preferred_batch_sizes: preferred,
         max_queue_delay: Duration::from_micros(db.max_queue_delay_microseconds),
         levels,
