@@ -645,6 +645,41 @@ async fn identical_queued_loads_share_one_build() {
     assert_eq!(repo.model_config("a_gated", None).unwrap().max_batch_size, 4, "the other config, last");
 }
 
+/// A load queued behind an unload runs after it: it does not join an identical load queued
+/// before the unload (which would answer it, and the unload then leave the model unloaded
+/// although the last request was a successful load).
+#[tokio::test(flavor = "current_thread")]
+async fn a_load_after_a_queued_unload_does_not_join_the_load_before_it() {
+    let (dir, mut gate) = gated_repo();
+    let repo = repository(dir.path(), ControlMode::Explicit, false);
+    let settle = || async {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    };
+    let load = || {
+        let repo = repo.clone();
+        tokio::spawn(async move { repo.load("a_gated", None).await })
+    };
+    let first = load();
+    common::eventually("a_gated LOADING", || state(&repo, "a_gated").as_deref() == Some("LOADING")).await;
+    let queued = load();
+    settle().await;
+    let unload = tokio::spawn({
+        let repo = repo.clone();
+        async move { repo.unload("a_gated").await }
+    });
+    settle().await;
+    let last = load();
+    settle().await;
+    gate.open();
+    first.await.unwrap().unwrap();
+    queued.await.unwrap().unwrap();
+    unload.await.unwrap().unwrap();
+    last.await.unwrap().unwrap();
+    assert_eq!(state(&repo, "a_gated").as_deref(), Some("READY"), "the last request was a load");
+}
+
 /// An ensemble over `a_gated` and `b_free` (the models of [`gated_repo`]), named `ens`.
 fn add_gated_ensemble(dir: &std::path::Path) {
     let config = r#"

@@ -1081,6 +1081,9 @@ impl Repository {
     /// those listed) has a step on it, checked under the change lock, where ensembles are
     /// installed — not before waiting for the turn, when one still loading would be missed.
     async fn unload_inner(&self, name: &str, keep_if_composed: Option<&[String]>) -> Result<Unloaded, Status> {
+        // A load queued before this unload no longer answers for loads arriving after it:
+        // those must run after the unload, not share a result that the unload then undoes.
+        self.queued.lock().unwrap_or_else(|e| e.into_inner()).remove(name);
         let _turn = self.turn(name).await;
         let _serial = self.changes.lock().await;
         if let Some(except) = keep_if_composed
