@@ -57,6 +57,7 @@ BROKEN = {
     "unsupported_sequence_batching": ("string_len", dict(edit=lambda t: t + "sequence_batching { }\n"), ["sequence_batching"], None),
     "reshape_element_count": ("identity_fp32", dict(edit=_sub_first("dims: [ 16 ]", "dims: [ 16 ]\n    reshape: { shape: [ 4, 5 ] }")), ["INPUT0", "reshape", "20"], None),
     "reshape_not_the_model": ("identity_fp32", dict(edit=_sub_first("dims: [ 16 ]", "dims: [ 16 ]\n    reshape: { shape: [ 4, 4 ] }")), ["INPUT0", "reshape [4, 4]"], None),
+    "reshape_dims_overflow": ("identity_fp32", dict(edit=_sub_first("dims: [ 16 ]", "dims: [ 4294967296, 4294967296 ]\n    reshape: { shape: [ 1 ] }")), ["INPUT0", "more elements than can be counted"], None),
 }
 
 

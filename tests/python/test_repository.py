@@ -194,8 +194,10 @@ def _warmup(value, **sample):
         # check_warmup; this model's dims are fixed).
         (_warmup({"data_type": "TYPE_FP32", "dims": [16], "zero_data": True}, count=100000), "count 100000 is over"),
         ({"instance_group": [{"kind": "KIND_CPU", "count": 100000}]}, "instance_group[0].count must be in 0..=1024"),
+        # Counted over all groups before any is built.
+        ({"instance_group": [{"kind": "KIND_CPU", "count": 1024}] * 3}, "ask for 3072 instances, more than 1024 instances"),
     ],
-    ids=["dev-zero", "dot-dot", "model-file", "warmup-count", "instances"],
+    ids=["dev-zero", "dot-dot", "model-file", "warmup-count", "instances", "instance-groups"],
 )
 def test_load_overrides_cannot_reach_outside_or_exhaust_the_worker(clients, extra, needle):
     """A load request's config override is a client's input: files it names stay inside the

@@ -760,3 +760,57 @@ async fn unloading_dependents_of_an_ensemble_still_loading_takes_its_composing_m
         assert_ne!(state(&repo, model).as_deref(), Some("READY"), "{model}: {:?}", repo.index(false));
     }
 }
+
+/// Warm-up data from `input_data_file`, as Triton reads it: the file holds one row (a longer
+/// file gives its first bytes), repeated for each of `batch_size` rows; a file shorter than a
+/// row fails the load naming both sizes; a sample of batch size 0 is skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warmup_data_files_hold_one_row() {
+    let config = |name: &str, file: &str, batch: u32| {
+        format!(
+            r#"name: "{name}"
+backend: "onnxruntime"
+max_batch_size: 8
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] }} ]
+model_warmup [
+  {{ name: "skipped" batch_size: 0 inputs {{ key: "INPUT0" value: {{ data_type: TYPE_FP32 dims: [ 16 ] input_data_file: "missing" }} }} }},
+  {{ name: "w" batch_size: {batch} inputs {{ key: "INPUT0" value: {{ data_type: TYPE_FP32 dims: [ 16 ] input_data_file: "{file}" }} }} }}
+]
+"#
+        )
+    };
+    let (one_row, long, short) = (config("one_row", "row", 4), config("long", "long", 8), config("short", "short", 1));
+    let dir = repo(&[
+        TestModel { name: "one_row", source: "identity_fp32", config: Some(&one_row) },
+        TestModel { name: "long", source: "identity_fp32", config: Some(&long) },
+        TestModel { name: "short", source: "identity_fp32", config: Some(&short) },
+    ]);
+    for (model, file, bytes) in [("one_row", "row", 64), ("long", "long", 1000), ("short", "short", 60)] {
+        let warmup = dir.path().join(model).join("warmup");
+        std::fs::create_dir_all(&warmup).unwrap();
+        std::fs::write(warmup.join(file), vec![0u8; bytes]).unwrap();
+    }
+    let repo = repository(dir.path(), ControlMode::Explicit, false);
+    repo.load("one_row", None).await.expect("one row, repeated for the batch");
+    repo.load("long", None).await.expect("a longer file gives its first row");
+    let e = repo.load("short", None).await.unwrap_err();
+    assert!(e.message.contains("holds 60 bytes, but one row of the input takes 64"), "{}", e.message);
+    assert_eq!(state(&repo, "one_row").as_deref(), Some("READY"));
+}
+
+/// Triton's onnxruntime layout for a model whose weights live in files beside it: the model
+/// file is a directory, and its `model.onnx` is the model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_file_that_is_a_directory_holds_model_onnx() {
+    let dir = repo(&[TestModel { name: "identity_fp32", source: "identity_fp32", config: None }]);
+    let version = dir.path().join("identity_fp32").join("1");
+    std::fs::rename(version.join("model.onnx"), version.join("weights.onnx")).unwrap();
+    std::fs::create_dir(version.join("model.onnx")).unwrap();
+    std::fs::rename(version.join("weights.onnx"), version.join("model.onnx").join("model.onnx")).unwrap();
+    let repo = repository(dir.path(), ControlMode::Explicit, false);
+    repo.load("identity_fp32", None).await.expect("model.onnx/model.onnx loads");
+    std::fs::remove_file(version.join("model.onnx").join("model.onnx")).unwrap();
+    let e = repo.load("identity_fp32", None).await.unwrap_err();
+    assert!(e.message.contains("model.onnx/model.onnx' is missing"), "{}", e.message);
+}

@@ -198,31 +198,23 @@ pub fn load_model(
 
     // Instances (devices) from the instance groups, resolved in the served config.
     normalize_instance_groups(&mut config, backend::gpu_count())?;
-    let devices = instance_devices(&config);
-    if devices.len() > MAX_INSTANCES {
-        return Err(fail(format!(
-            "config: the instance groups ask for {} instances, more than {MAX_INSTANCES}",
-            devices.len()
-        )));
-    }
+    let devices = instance_devices(&config)?;
 
     // Probe the first version's model for auto-complete; validate every version against it.
+    // One session per version is built before the checks (auto-complete needs the model's
+    // tensors), the other instances' only once they pass: a config found wrong costs one.
     let mut sessions_by_version = BTreeMap::new();
     let mut spec: Option<ModelSpec> = None;
+    let mut labels = HashMap::new();
     for &version in &versions {
-        let path = dir.join(version.to_string()).join(&filename);
-        if !path.is_file() {
-            return Err(fail(format!("version {version}: model file '{}' is missing", path.display())));
-        }
-        let mut sessions = Vec::with_capacity(devices.len());
-        for device in &devices {
-            let opts = SessionOptions { device: *device, ..session_options.clone() };
-            let session = backend::create_session(&path, &opts).map_err(|e| {
-                fail(format!("version {version}: cannot load '{}' as an ONNX model: {e}", path.display()))
-            })?;
-            sessions.push(session);
-        }
-        let io = backend::model_io(&sessions[0]);
+        let path = model_file(dir, version, &filename)?;
+        let create = |device: Device| {
+            let opts = SessionOptions { device, ..session_options.clone() };
+            backend::create_session(&path, &opts)
+                .map_err(|e| fail(format!("version {version}: cannot load '{}' as an ONNX model: {e}", path.display())))
+        };
+        let probe = create(devices[0])?;
+        let io = backend::model_io(&probe);
         if spec.is_none() {
             if options.strict_config {
                 // Triton's --strict-model-config=true: the config must be complete as written.
@@ -248,6 +240,8 @@ pub fn load_model(
                     ));
                 }
             }
+            check_warmup(&config, &s).map_err(|e| fail(format!("config: {e}")))?;
+            labels = read_labels(&config, dir)?;
             spec = Some(s);
         }
         check_against_model(&config, &io).map_err(|e| fail(format!("version {version}: {e}")))?;
@@ -259,10 +253,14 @@ pub fn load_model(
                 input.name
             )));
         }
+        let mut sessions = Vec::with_capacity(devices.len());
+        sessions.push(probe);
+        for device in &devices[1..] {
+            sessions.push(create(*device)?);
+        }
         sessions_by_version.insert(version, sessions);
     }
     let spec = spec.ok_or_else(|| fail("no version to load"))?;
-    check_warmup(&config, &spec).map_err(|e| fail(format!("config: {e}")))?;
 
     // Warm up, then start the schedulers.
     let batching = spec.max_batch_size > 0;
@@ -291,7 +289,6 @@ pub fn load_model(
             .insert(version, Arc::new(ModelVersion { version, executor: Executor::Scheduler(scheduler), stats }));
     }
     let cache_enabled = config.response_cache.is_some_and(|c| c.enable);
-    let labels = read_labels(&config, dir)?;
     Ok(LoadedModel {
         name: name.to_string(),
         labels,
@@ -372,6 +369,20 @@ fn load_ensemble(
     })
 }
 
+/// The model file of `version`: `<version>/<filename>`, or — Triton's onnxruntime layout for
+/// a model whose weights live in files beside it — `<version>/<filename>/model.onnx` when that
+/// is a directory.
+fn model_file(dir: &Path, version: i64, filename: &str) -> Result<PathBuf, Status> {
+    let mut path = dir.join(version.to_string()).join(filename);
+    if path.is_dir() {
+        path = path.join(DEFAULT_MODEL_FILENAME);
+    }
+    if !path.is_file() {
+        return Err(fail(format!("version {version}: model file '{}' is missing", path.display())));
+    }
+    Ok(path)
+}
+
 /// A path a config names relative to a model's directory (`label_filename`,
 /// `default_model_filename`, a warm-up `input_data_file`): plain names only, no absolute path
 /// and no `..` — a load request's config override must not reach files elsewhere on the host.
@@ -400,16 +411,10 @@ fn read_labels(config: &ModelConfig, dir: &Path) -> Result<HashMap<String, Arc<[
         let at = format!("output '{}': label_filename '{}'", output.name, output.label_filename);
         // Labels come back to clients: only files of the model's own directory are read.
         let path = dir.join(inside(&output.label_filename).map_err(|e| fail(format!("{at}: {e}")))?);
-        let size =
-            std::fs::metadata(&path).map_err(|e| fail(format!("{at}: cannot read {}: {e}", path.display())))?.len();
-        if size > MAX_LABEL_FILE_BYTES {
-            return Err(fail(format!(
-                "{at}: {} is {size} bytes, over the {MAX_LABEL_FILE_BYTES}-byte limit",
-                path.display()
-            )));
-        }
-        let text =
-            std::fs::read_to_string(&path).map_err(|e| fail(format!("{at}: cannot read {}: {e}", path.display())))?;
+        // Read no further than the limit, whatever the file's reported size (a device, a
+        // link to a huge file).
+        let data = read_bounded(&path, MAX_LABEL_FILE_BYTES).map_err(|e| fail(format!("{at}: {e}")))?;
+        let text = String::from_utf8(data).map_err(|_| fail(format!("{at}: {} is not UTF-8 text", path.display())))?;
         labels.insert(output.name.clone(), Arc::from(crate::classify::parse_labels(&text)));
     }
     Ok(labels)
@@ -627,7 +632,19 @@ fn normalize_instance_groups(config: &mut ModelConfig, gpus: usize) -> Result<()
 
 /// One device per instance of the (normalized) instance groups: `count` per group on CPU,
 /// `count` per listed GPU.
-fn instance_devices(config: &ModelConfig) -> Vec<Device> {
+fn instance_devices(config: &ModelConfig) -> Result<Vec<Device>, Status> {
+    // Counted before anything is built: a config may ask for billions.
+    let wanted = config.instance_group.iter().try_fold(0usize, |sum, g| {
+        let per_device = g.count.max(1) as usize;
+        let devices = if matches!(Kind::try_from(g.kind), Ok(Kind::Gpu)) { g.gpus.len() } else { 1 };
+        sum.checked_add(per_device.checked_mul(devices)?)
+    });
+    if wanted.is_none_or(|n| n > MAX_INSTANCES) {
+        return Err(fail(format!(
+            "config: the instance groups ask for {}, more than {MAX_INSTANCES} instances",
+            wanted.map_or_else(|| "more instances than can be counted".to_string(), |n| format!("{n} instances"))
+        )));
+    }
     let mut devices = Vec::new();
     for g in &config.instance_group {
         let count = g.count.max(1) as usize;
@@ -639,7 +656,10 @@ fn instance_devices(config: &ModelConfig) -> Vec<Device> {
             devices.extend(std::iter::repeat_n(Device::Cpu, count));
         }
     }
-    devices
+    if devices.is_empty() {
+        return Err(fail("config: the instance groups ask for no instance"));
+    }
+    Ok(devices)
 }
 
 fn config_type(dt: DataType) -> i32 {
@@ -780,6 +800,12 @@ fn check_against_model(config: &ModelConfig, io: &ModelIo) -> Result<(), String>
         }
         if dims.iter().filter(|&&d| d == -1).count() > 1 {
             return Err(format!("{kind} '{name}': with a reshape, dims {dims:?} may hold one -1 only"));
+        }
+        // Element counts are computed from these dims at run time: they must not overflow.
+        for (what, d) in [("dims", dims), ("reshape", &r.shape[..])] {
+            if d.iter().filter(|&&x| x > 0).try_fold(1i64, |n, &x| n.checked_mul(x)).is_none() {
+                return Err(format!("{kind} '{name}': {what} {d:?} hold more elements than can be counted"));
+            }
         }
         let count = |d: &[i64]| d.iter().all(|&x| x > 0).then(|| d.iter().product::<i64>());
         if let (Some(a), Some(b)) = (count(dims), count(&r.shape))
@@ -957,10 +983,18 @@ fn check_warmup(config: &ModelConfig, spec: &ModelSpec) -> Result<(), String> {
     Ok(())
 }
 
-/// Runs each `model_warmup` sample on every instance before the model reports READY.
+/// Runs each `model_warmup` sample on every instance before the model reports READY. As in
+/// Triton: a sample is `batch_size` requests of one row each (here run as one batch of that
+/// many rows, each row the same data), its `input_data_file` holds one row's data (a longer
+/// file gives its first bytes), and a sample of batch size 0 is skipped.
 fn warmup(config: &ModelConfig, dir: &Path, spec: &ModelSpec, instances: &mut [InstanceSession]) -> Result<(), String> {
     for sample in &config.model_warmup {
-        let batch = sample.batch_size.max(1) as i64;
+        if sample.batch_size == 0 {
+            tracing::debug!(sample = %sample.name, "skipping a warm-up sample of batch size 0");
+            continue;
+        }
+        let batching = spec.max_batch_size > 0;
+        let batch = if batching { sample.batch_size as usize } else { 1 };
         let mut inputs = Vec::with_capacity(spec.inputs.len());
         for input in &spec.inputs {
             let Some(w) = sample.inputs.get(&input.name) else {
@@ -970,17 +1004,18 @@ fn warmup(config: &ModelConfig, dir: &Path, spec: &ModelSpec, instances: &mut [I
                 }
                 return Err(format!("sample '{}' lacks input '{}'", sample.name, input.name));
             };
-            let mut shape: Vec<i64> = if spec.max_batch_size > 0 { vec![batch] } else { vec![] };
-            shape.extend(w.dims.iter().copied());
-            let elements = nereid_common::dtype::element_count(&shape)
+            let row_shape: Vec<i64> = batching.then_some(1).into_iter().chain(w.dims.iter().copied()).collect();
+            let elements = nereid_common::dtype::element_count(&row_shape)
                 .ok_or_else(|| format!("sample '{}': input '{}' has an invalid shape", sample.name, input.name))?
                 as usize;
-            let data = match (&w.input_data_type, input.datatype) {
+            let row = match (&w.input_data_type, input.datatype) {
                 (Some(InputDataType::InputDataFile(file)), dt) => {
                     let path = dir.join("warmup").join(inside(file)?);
-                    // Never more than the tensor takes (checked again below).
-                    let limit = dt.element_size().map_or(MAX_WARMUP_INPUT_BYTES, |size| (elements * size) as u64);
-                    read_bounded(&path, limit)?
+                    match dt.element_size() {
+                        // BYTES: the whole file is the row's serialized elements.
+                        None => read_bounded(&path, MAX_WARMUP_INPUT_BYTES)?,
+                        Some(size) => read_prefix(&path, (elements * size) as u64)?,
+                    }
                 }
                 (_, DataType::Bytes) => crate::tensor::serialize_bytes_elements(vec![b"0"; elements]),
                 (Some(InputDataType::RandomData(true)), dt) => {
@@ -989,10 +1024,14 @@ fn warmup(config: &ModelConfig, dir: &Path, spec: &ModelSpec, instances: &mut [I
                 }
                 (_, dt) => vec![0u8; elements * dt.element_size().unwrap_or(1)],
             };
-            crate::validate::check_byte_size(&input.name, input.datatype, &shape, &data).map_err(|e| e.message)?;
-            inputs.push(Some((shape, bytes::Bytes::from(data))));
+            crate::validate::check_byte_size(&input.name, input.datatype, &row_shape, &row).map_err(|e| e.message)?;
+            let mut shape = row_shape;
+            if batching {
+                shape[0] = batch as i64;
+            }
+            inputs.push(Some((shape, bytes::Bytes::from(row.repeat(batch)))));
         }
-        let jobs = [JobInputs { rows: batch as usize, inputs: &inputs }];
+        let jobs = [JobInputs { rows: batch, inputs: &inputs }];
         for instance in instances.iter_mut() {
             for _ in 0..sample.count.max(1) {
                 instance.run(&jobs, &|_, _| true).map_err(|e| e.message)?;
@@ -1010,7 +1049,19 @@ fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, String> {
     let mut data = Vec::new();
     file.take(limit + 1).read_to_end(&mut data).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     if data.len() as u64 > limit {
-        return Err(format!("{} holds more than the {limit} bytes the input takes", path.display()));
+        return Err(format!("{} is larger than {limit} bytes", path.display()));
+    }
+    Ok(data)
+}
+
+/// The first `len` bytes of a warm-up data file; a shorter file is refused, naming both sizes.
+fn read_prefix(path: &Path, len: u64) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mut data = Vec::new();
+    file.take(len).read_to_end(&mut data).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if (data.len() as u64) < len {
+        return Err(format!("{} holds {} bytes, but one row of the input takes {len}", path.display(), data.len()));
     }
     Ok(data)
 }
@@ -1114,7 +1165,7 @@ mod tests {
         let g = &c.instance_group;
         assert_eq!((g[0].name.as_str(), g[0].count, g[0].kind), ("m_0", 2, Kind::Cpu as i32));
         assert_eq!((g[1].name.as_str(), g[1].count, g[1].kind), ("x", 3, Kind::Cpu as i32));
-        assert_eq!(instance_devices(&c).len(), 5);
+        assert_eq!(instance_devices(&c).unwrap().len(), 5);
 
         let mut none = config("name: \"n\"");
         normalize_instance_groups(&mut none, 0).expect("default group");
@@ -1125,7 +1176,7 @@ mod tests {
         normalize_instance_groups(&mut gpu, 2).expect("two GPUs");
         let g = &gpu.instance_group[0];
         assert_eq!((g.count, g.kind, g.gpus.clone()), (1, Kind::Gpu as i32, vec![0, 1]));
-        assert_eq!(instance_devices(&gpu), vec![Device::Gpu(0), Device::Gpu(1)]);
+        assert_eq!(instance_devices(&gpu).unwrap(), vec![Device::Gpu(0), Device::Gpu(1)]);
 
         let mut no_gpu = config("name: \"g\"\ninstance_group [ { kind: KIND_GPU } ]");
         assert!(normalize_instance_groups(&mut no_gpu, 0).expect_err("no GPU").message.contains("KIND_GPU"));
