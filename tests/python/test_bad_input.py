@@ -287,6 +287,19 @@ def test_http_compressed_body_over_limit_after_decompression(bw, encoding):
     _assert_http_error(bw, status, headers, data, elapsed, (400, 413), [])
 
 
+@pytest.mark.parametrize("path", [
+    "/v2/repository/models/%FF/load",
+    "/v2/repository/models/%FF/unload",
+    "/v2/systemsharedmemory/region/%FF/register",
+    "/v2/systemsharedmemory/region/%FF/unregister",
+    "/v2/models/%FF/infer",
+])
+def test_http_path_segment_not_utf8_is_a_json_error(bw, path):
+    status, _, data, _ = _post(bw, path, b"{}", {"Content-Type": "application/json"})
+    assert status == 400, data
+    assert "error" in json.loads(data), data
+
+
 def test_http_wrong_method_and_path(bw):
     c = http.client.HTTPConnection("127.0.0.1", bw.http_port, timeout=10)
     try:

@@ -69,12 +69,19 @@ pub struct ResponseCache {
     keys: [RandomState; 2],
 }
 
+/// A SipHash key drawn apart from this thread's: std seeds each thread's keys once from the
+/// OS and derives every later `RandomState` of that thread from them by a counter, so two made
+/// here would differ in one bit of one half. A new thread gets fresh keys.
+fn independent_key() -> RandomState {
+    std::thread::spawn(RandomState::new).join().unwrap_or_default()
+}
+
 impl ResponseCache {
     pub fn new(capacity_bytes: usize) -> Self {
         ResponseCache {
             capacity: capacity_bytes,
             inner: Mutex::new(Lru::default()),
-            keys: [RandomState::new(), RandomState::new()],
+            keys: [RandomState::new(), independent_key()],
         }
     }
 
@@ -124,17 +131,18 @@ impl ResponseCache {
     /// request's outputs are slices of the whole batch's buffers, which an entry charged only
     /// for its slice would keep alive.
     pub fn insert(&self, key: u128, outputs: &[OutputTensor]) -> bool {
+        // Sized before anything is copied: a response too large to keep costs no copy.
+        let bytes =
+            ENTRY_OVERHEAD + outputs.iter().map(|o| o.data.len() + o.name.len() + 8 * o.shape.len()).sum::<usize>();
+        if bytes > self.capacity {
+            return false;
+        }
         let outputs: Arc<Vec<OutputTensor>> = Arc::new(
             outputs
                 .iter()
                 .map(|o| OutputTensor { data: bytes::Bytes::copy_from_slice(&o.data), ..o.clone() })
                 .collect(),
         );
-        let bytes =
-            ENTRY_OVERHEAD + outputs.iter().map(|o| o.data.len() + o.name.len() + 8 * o.shape.len()).sum::<usize>();
-        if bytes > self.capacity {
-            return false;
-        }
         let mut lru = self.lock();
         if let Some(old) = lru.entries.remove(&key) {
             lru.order.remove(&old.used);

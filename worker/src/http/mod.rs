@@ -190,6 +190,22 @@ impl<S: Send + Sync> FromRequestParts<S> for ModelRef {
     }
 }
 
+/// The one path segment a route names (a model to load, a shared-memory region). One that
+/// does not decode (not UTF-8) is answered in JSON, as every other error is: tritonclient
+/// reads the error from the body.
+struct Segment(String);
+
+impl<S: Send + Sync> FromRequestParts<S> for Segment {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let Path(value) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(|e| ApiError(Status::invalid(e.body_text())))?;
+        Ok(Segment(value))
+    }
+}
+
 /// A `Content-Encoding` the HTTP front end reads (request bodies) and writes (infer responses
 /// to clients that send `Accept-Encoding`), as tritonserver does. `deflate` is the zlib format
 /// (RFC 9110 §8.4.1.2), which is what tritonclient's `"deflate"` sends (`zlib.compress`) and
@@ -579,7 +595,7 @@ async fn repository_index(
 
 async fn load_model(
     State(server): State<Server>,
-    Path(model): Path<String>,
+    Segment(model): Segment,
     headers: HeaderMap,
     body: Body,
 ) -> Result<StatusCode, ApiError> {
@@ -591,7 +607,7 @@ async fn load_model(
 
 async fn unload_model(
     State(server): State<Server>,
-    Path(model): Path<String>,
+    Segment(model): Segment,
     headers: HeaderMap,
     body: Body,
 ) -> Result<StatusCode, ApiError> {
@@ -605,13 +621,13 @@ async fn shm_status_all(State(server): State<Server>) -> Result<Json<Value>, Api
     Ok(Json(shm_status_json(&server.shm.status(None)?)))
 }
 
-async fn shm_status_one(State(server): State<Server>, Path(region): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn shm_status_one(State(server): State<Server>, Segment(region): Segment) -> Result<Json<Value>, ApiError> {
     Ok(Json(shm_status_json(&server.shm.status(Some(&region))?)))
 }
 
 async fn shm_register(
     State(server): State<Server>,
-    Path(region): Path<String>,
+    Segment(region): Segment,
     headers: HeaderMap,
     body: Body,
 ) -> Result<StatusCode, ApiError> {
@@ -640,7 +656,7 @@ async fn shm_unregister_all(State(server): State<Server>) -> Result<StatusCode, 
     Ok(StatusCode::OK)
 }
 
-async fn shm_unregister_one(State(server): State<Server>, Path(region): Path<String>) -> Result<StatusCode, ApiError> {
+async fn shm_unregister_one(State(server): State<Server>, Segment(region): Segment) -> Result<StatusCode, ApiError> {
     server.shm.unregister(Some(&region))?;
     Ok(StatusCode::OK)
 }
