@@ -533,7 +533,7 @@ enum RequestField {
     Other,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Clone, Copy, PartialEq, Eq)]
 #[serde(field_identifier, rename_all = "snake_case")]
 enum InputField {
     Name,
@@ -637,7 +637,23 @@ impl<'de> Visitor<'de> for InputSeed<'_> {
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawInput, A::Error> {
         let mut input = RawInput::default();
+        let mut seen: Vec<InputField> = Vec::with_capacity(5);
         while let Some(key) = map.next_key::<InputField>()? {
+            // A field given twice is refused: which one counts is a guess (the data may have
+            // been read under a datatype a later "datatype" then relabels).
+            if key != InputField::Other {
+                if seen.contains(&key) {
+                    let field = match key {
+                        InputField::Name => "name",
+                        InputField::Shape => "shape",
+                        InputField::Datatype => "datatype",
+                        InputField::Parameters => "parameters",
+                        InputField::Data | InputField::Other => "data",
+                    };
+                    return Err(serde::de::Error::custom(format!("an input object gives '{field}' twice")));
+                }
+                seen.push(key);
+            }
             match key {
                 InputField::Name => input.name = Some(map.next_value()?),
                 InputField::Datatype => input.datatype = Some(map.next_value()?),
@@ -1450,6 +1466,20 @@ mod tests {
         assert_eq!(&p.request.inputs[0].data[..], le(&[-1.5f32, 2.0], f32::to_le_bytes).as_slice());
         let e = parse(r#"{"inputs":[{"data":[1, 300],"shape":[2],"datatype":"INT8","name":"i"}]}"#).unwrap_err();
         assert!(e.message.contains("inputs[0] ('i')") && e.message.contains("300 is out of range"), "{}", e.message);
+    }
+
+    /// A field given twice in an input object is refused: a later "datatype" would relabel
+    /// data already read under the first (FP32 1.5 read back as INT32 1069547520).
+    #[test]
+    fn an_input_field_given_twice_is_refused() {
+        let e = parse(r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1.5],"datatype":"INT32"}]}"#)
+            .unwrap_err();
+        assert!(e.message.contains("gives 'datatype' twice"), "{}", e.message);
+        let e = parse(r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1.5],"data":[2.5]}]}"#)
+            .unwrap_err();
+        assert!(e.message.contains("gives 'data' twice"), "{}", e.message);
+        // Fields Nereid does not read may repeat.
+        parse(r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1.5],"extra":1,"extra":2}]}"#).unwrap();
     }
 
     /// Whether "data" comes before "datatype" changes nothing: the same bytes, values kept
