@@ -1116,7 +1116,11 @@ impl RenderedResponse {
 /// Renders a response: `{"model_name","model_version","id"?,"outputs":[...]}` with each output's
 /// `data` (flat, row-major) or, for binary outputs, `parameters.binary_data_size`.
 pub fn render_infer_response(response: &InferResponse, format: &OutputFormat) -> Result<RenderedResponse, Status> {
-    let binary_flags: Vec<bool> = response.outputs.iter().map(|o| format.is_binary(&o.name)).collect();
+    // A BYTES output that is not UTF-8 text cannot go in JSON as it is: it goes in the binary
+    // section (its `binary_data_size` says so; tritonclient reads either form), rather than
+    // reaching the client altered.
+    let binary_flags: Vec<bool> =
+        response.outputs.iter().map(|o| format.is_binary(&o.name) || !is_json_text(o)).collect();
     let mut binary = Vec::new();
     let mut estimate = 256usize;
     for (o, &is_binary) in response.outputs.iter().zip(&binary_flags) {
@@ -1135,6 +1139,13 @@ pub fn render_infer_response(response: &InferResponse, format: &OutputFormat) ->
         .serialize(&mut serde_json::Serializer::with_formatter(&mut json, NonFiniteFormatter))
         .map_err(|e| Status::internal(format!("failed to render the inference response: {e}")))?;
     Ok(RenderedResponse { json, binary, has_binary: binary_flags.contains(&true) })
+}
+
+/// Whether every element of a BYTES output is UTF-8 text (other types always render).
+fn is_json_text(output: &OutputTensor) -> bool {
+    output.datatype != DataType::Bytes
+        || split_bytes_elements(&output.name, &output.data)
+            .is_ok_and(|elements| elements.iter().all(|e| std::str::from_utf8(e).is_ok()))
 }
 
 struct ResponseJson<'a> {
@@ -1324,10 +1335,11 @@ impl Serialize for DataJson<'_> {
                 let elements = split_bytes_elements(self.name, self.data).map_err(|e| ser::Error::custom(e.message))?;
                 let mut q = s.serialize_seq(Some(elements.len()))?;
                 for e in elements {
-                    match std::str::from_utf8(e) {
-                        Ok(t) => q.serialize_element(t)?,
-                        Err(_) => q.serialize_element(&*String::from_utf8_lossy(e))?,
-                    }
+                    // Outputs holding other bytes go in the binary section instead.
+                    let text = std::str::from_utf8(e).map_err(|_| {
+                        ser::Error::custom(format!("output '{}' holds bytes that are not UTF-8 text", self.name))
+                    })?;
+                    q.serialize_element(text)?;
                 }
                 q.end()
             }
@@ -1475,8 +1487,8 @@ mod tests {
         let e = parse(r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1.5],"datatype":"INT32"}]}"#)
             .unwrap_err();
         assert!(e.message.contains("gives 'datatype' twice"), "{}", e.message);
-        let e = parse(r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1.5],"data":[2.5]}]}"#)
-            .unwrap_err();
+        let e =
+            parse(r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1.5],"data":[2.5]}]}"#).unwrap_err();
         assert!(e.message.contains("gives 'data' twice"), "{}", e.message);
         // Fields Nereid does not read may repeat.
         parse(r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1.5],"extra":1,"extra":2}]}"#).unwrap();
@@ -1857,6 +1869,23 @@ mod tests {
         let r = render_infer_response(&resp, &OutputFormat::default()).unwrap();
         let v: Value = serde_json::from_slice(&r.json).unwrap();
         assert!(v.get("id").is_none());
+    }
+
+    /// A BYTES output that is not UTF-8 cannot be a JSON string as it is: it comes in the
+    /// binary section, byte for byte, instead of altered.
+    #[test]
+    fn a_bytes_output_that_is_not_text_goes_in_the_binary_section() {
+        let mut resp = sample_response();
+        let raw = serialize_bytes_elements([&b"ok"[..], &[0xff, 0xfe][..]]);
+        resp.outputs[2] = output("S", DataType::Bytes, vec![2], raw.clone());
+        let r = render_infer_response(&resp, &OutputFormat::default()).unwrap();
+        assert_eq!(r.header_length(), Some(r.json.len()));
+        let v: Value = serde_json::from_slice(&r.json).unwrap();
+        assert_eq!(v["outputs"][2]["parameters"]["binary_data_size"], raw.len());
+        assert!(v["outputs"][2].get("data").is_none());
+        assert_eq!(v["outputs"][0]["data"], serde_json::json!([1.5, -2.0]), "the others stay JSON");
+        let binary: Vec<u8> = r.binary.iter().flat_map(|b| b.iter().copied()).collect();
+        assert_eq!(binary, raw);
     }
 
     #[test]
