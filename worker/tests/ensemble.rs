@@ -141,10 +141,16 @@ async fn explicit_loading_brings_composing_models_and_unload_dependents_takes_th
     assert!(e.message.contains("ensemble 'outer' step 0 (model 'inner')"), "{e}");
     assert!(e.message.contains("ensemble 'inner' step 0 (model 'versioned_scale')"), "{e}");
     assert!(e.message.contains("model 'versioned_scale' is not ready"), "{e}");
+    // Nor is it ready, or READY in the index (as in Triton), naming what is missing.
+    for (m, step) in [("outer", "inner"), ("inner", "versioned_scale")] {
+        assert!(!repo.model_ready(m, None), "{m} is not ready without '{step}'");
+        assert!(reason(&repo, m).contains(&format!("composing model '{step}'")), "{}", reason(&repo, m));
+    }
 
     // Reloading the outer one loads what is missing again; unload_dependents takes all three.
     repo.load("outer", None).await.unwrap();
     assert!(repo.model_ready("versioned_scale", None));
+    assert!(repo.model_ready("outer", None) && repo.model_ready("inner", None));
     repo.unload_with("outer", true).await.unwrap();
     for m in ["outer", "inner", "versioned_scale"] {
         assert!(!repo.model_ready(m, None), "{m} unloaded");

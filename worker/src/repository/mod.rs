@@ -450,7 +450,31 @@ impl Repository {
     }
 
     pub fn model_ready(&self, name: &str, version: Option<i64>) -> bool {
-        self.model(name).and_then(|m| self.version(&m, version)).is_ok()
+        self.model(name)
+            .and_then(|m| self.version(&m, version).map(|_| m))
+            .is_ok_and(|m| self.missing_step(&m).is_none())
+    }
+
+    /// For an ensemble, why one of its steps cannot run now (a composing model unloaded or
+    /// failed since the ensemble loaded, nested ensembles included), else `None`: such an
+    /// ensemble is not ready (it answers every request with the step's error), as in Triton.
+    fn missing_step(&self, model: &LoadedModel) -> Option<String> {
+        self.missing_step_at(model, 0)
+    }
+
+    fn missing_step_at(&self, model: &LoadedModel, depth: usize) -> Option<String> {
+        let plan = model.ensemble.as_ref()?;
+        if depth >= ensemble::MAX_DEPTH {
+            return Some(format!("ensembles nested more than {} deep", ensemble::MAX_DEPTH));
+        }
+        plan.steps.iter().find_map(|step| {
+            let composing = match self.model(&step.model).and_then(|m| self.version(&m, step.version).map(|_| m)) {
+                Ok(composing) => composing,
+                Err(e) => return Some(format!("composing model '{}': {}", step.model, e.message)),
+            };
+            let why = self.missing_step_at(&composing, depth + 1)?;
+            Some(format!("composing model '{}': {why}", step.model))
+        })
     }
 
     pub fn model_metadata(&self, name: &str, version: Option<i64>) -> Result<ModelMetadata, Status> {
@@ -1136,6 +1160,16 @@ impl Repository {
         let mut out = Vec::new();
         for name in &names {
             match slots.get(name) {
+                Some(Slot { model: Some(m), .. }) if let Some(why) = self.missing_step(m) => {
+                    for v in m.versions.keys() {
+                        out.push(IndexEntry {
+                            name: name.clone(),
+                            version: v.to_string(),
+                            state: "UNAVAILABLE".to_string(),
+                            reason: why.clone(),
+                        });
+                    }
+                }
                 Some(Slot { model: Some(m), state, reload_error }) => {
                     for v in m.versions.keys() {
                         out.push(IndexEntry {
