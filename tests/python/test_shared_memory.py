@@ -244,3 +244,26 @@ def test_large_shared_memory_inputs(shm_worker, regions, protocol):
     finally:
         c.unregister_system_shared_memory()
         c.close()
+
+
+def test_http_body_limit_does_not_bound_shared_memory_inputs(repo_copy, make_worker, regions):
+    # --http-max-input-size bounds what the body carries; a tensor in shared memory is not in
+    # the body (the request budget, --max-request-bytes, bounds what the worker copies).
+    w = make_worker(repo_copy("identity_fp32"), "--allow-client-shm=true", "--http-max-input-size", "2048")
+    c = httpclient.InferenceServerClient(w.http_url)
+    try:
+        x = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+        key, handle = regions("over_body", x.nbytes)
+        shm.set_shared_memory_region(handle, [x])
+        c.register_system_shared_memory("over_body", key, x.nbytes)
+        inp = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+        inp.set_shared_memory("over_body", x.nbytes)
+        assert_fp32_close(c.infer("identity_fp32", [inp]).as_numpy("OUTPUT0"), x)
+        # The same tensor in the body is over the body limit.
+        plain = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+        plain.set_data_from_numpy(x, binary_data=True)
+        with pytest.raises(InferenceServerException):
+            c.infer("identity_fp32", [plain])
+    finally:
+        c.unregister_system_shared_memory()
+        c.close()

@@ -290,7 +290,15 @@ fn finish_input(i: usize, input: RawInput, sections: Sections<'_>, max_bytes: us
         Some(Err(m)) => return Err(err(m)),
         Some(Ok(shape)) => shape,
     };
-    let count = check_shape(dtype, &shape, max_bytes).map_err(err)?;
+    let shm_region = shm_parameters(&|| ctx.clone(), input.parameters.as_ref())?;
+    // A tensor in shared memory is not in the body: what bounds it is the shared-memory
+    // budget of a request (what the worker copies), not the body limit
+    // (--http-max-input-size), which may be smaller.
+    let limit = match (&shm_region, shm) {
+        (Some(_), Some(shm)) if shm.enabled() => usize::try_from(shm.request_budget()).unwrap_or(usize::MAX),
+        _ => max_bytes,
+    };
+    let count = check_shape(dtype, &shape, limit).map_err(err)?;
 
     let binary_size = match input.parameters.as_ref().and_then(|p| p.get("binary_data_size")) {
         None => None,
@@ -301,7 +309,7 @@ fn finish_input(i: usize, input: RawInput, sections: Sections<'_>, max_bytes: us
         ),
     };
 
-    if let Some(r) = shm_parameters(&|| ctx.clone(), input.parameters.as_ref())? {
+    if let Some(r) = shm_region {
         let shm = shm.ok_or_else(|| shm_unsupported(&ctx))?;
         if input.data.is_some() || binary_size.is_some() {
             return Err(err(
