@@ -454,6 +454,14 @@ def test_grpc_malformed_protobuf(bw, stub, garbage):
     _assert_grpc_error(bw, lambda: raw(garbage, timeout=10), INV, [])
 
 
+def test_grpc_stream_malformed_message_is_invalid_argument(bw, stub):
+    """Undecodable bytes on ModelStreamInfer end the stream with the code a unary call gets
+    (INVALID_ARGUMENT), not INTERNAL."""
+    ch, _ = stub
+    raw = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    _assert_grpc_error(bw, lambda: list(raw(iter([b"\xff\xff\xff\xff\x0f garbage"]), timeout=10)), INV, [])
+
+
 def test_grpc_message_over_limit(bw, stub):
     """A message over --max-request-bytes is refused (its length prefix is checked before the
     message is buffered) with RESOURCE_EXHAUSTED -- gRPC's code for an oversized message -- or

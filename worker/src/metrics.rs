@@ -71,7 +71,9 @@ impl Histogram {
             cumulative += bucket.load(Relaxed);
             let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}");
         }
-        let count = self.count.load(Relaxed);
+        // An observation lands in its bucket before the count: a scrape in between must not
+        // show a bucket above +Inf (buckets only grow, or histogram_quantile misreads them).
+        let count = self.count.load(Relaxed).max(cumulative);
         let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
         let _ = writeln!(out, "{name}_sum{{{labels}}} {}", self.sum.load(Relaxed));
         let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
@@ -143,7 +145,8 @@ impl VersionStats {
         self.success.add(total);
         self.request_latency.observe(total.as_micros() as u64);
         let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
-        self.last_inference_ms.store(now_ms, Relaxed);
+        // Two requests finishing together must not move it back.
+        self.last_inference_ms.fetch_max(now_ms, Relaxed);
     }
 
     /// A request answered from the response cache: `lookup` is the time the lookup took. It

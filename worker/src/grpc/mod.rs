@@ -189,15 +189,36 @@ fn remap_transport_errors<B>(mut response: http::Response<B>) -> http::Response<
         return response;
     };
     let message = message.to_str().unwrap_or("").replace("%20", " ");
-    let code = match (status.as_bytes(), message.as_str()) {
-        (b"13", m) if m.contains("failed to decode Protobuf message") => tonic::Code::InvalidArgument,
-        // A compressed message that does not inflate (corrupt gzip/deflate data).
-        (b"13", m) if m.starts_with("Error decompressing") => tonic::Code::InvalidArgument,
-        (b"11", m) if m.contains("decoded message length too large") => tonic::Code::ResourceExhausted,
-        _ => return response,
+    let Some(code) = transport_code(tonic::Code::from_bytes(status.as_bytes()), &message) else {
+        return response;
     };
     headers.insert("grpc-status", http::HeaderValue::from(code as i32));
     response
+}
+
+/// The code a client should see for tonic's own decoding failure `code` (see
+/// [`remap_transport_errors`]), if it is one.
+fn transport_code(code: tonic::Code, message: &str) -> Option<tonic::Code> {
+    match code {
+        tonic::Code::Internal if message.contains("failed to decode Protobuf message") => {
+            Some(tonic::Code::InvalidArgument)
+        }
+        // A compressed message that does not inflate (corrupt gzip/deflate data).
+        tonic::Code::Internal if message.starts_with("Error decompressing") => Some(tonic::Code::InvalidArgument),
+        tonic::Code::OutOfRange if message.contains("decoded message length too large") => {
+            Some(tonic::Code::ResourceExhausted)
+        }
+        _ => None,
+    }
+}
+
+/// [`transport_code`] for a message of a stream, whose error ends the stream in its trailers
+/// (where [`remap_transport_errors`] does not look): the same code as a unary call gets.
+fn stream_transport_error(status: tonic::Status) -> tonic::Status {
+    match transport_code(status.code(), status.message()) {
+        Some(code) => tonic::Status::new(code, status.message().to_string()),
+        None => status,
+    }
 }
 
 /// Accepted connections with `TCP_NODELAY` set (small responses must not wait on Nagle), and a
@@ -542,7 +563,7 @@ where
                 }
                 Poll::Ready(Some(Err(status))) => {
                     this.incoming = None;
-                    this.error = Some(status);
+                    this.error = Some(stream_transport_error(status));
                 }
                 Poll::Ready(None) => this.incoming = None,
                 Poll::Pending => break,
