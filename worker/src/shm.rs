@@ -12,9 +12,10 @@
 //! (Triton's flag and default): a registered key opens any shared-memory object the worker's
 //! user can open, so only deployments whose clients share the host's trust should allow it.
 //!
-//! Limitation, shared with tritonserver: a client that shrinks a registered object (ftruncate)
-//! while a request is being copied can make that access fault. Every access re-checks the
-//! object's size first, so a region shrunk before the request arrives gets a clear error.
+//! Tensors move with `pread`/`pwrite`, never through a mapping, so a client that shrinks a
+//! registered object (ftruncate) cannot make the worker fault: every access re-checks the
+//! object's size, and a read racing the shrink comes up short and fails that request. A write
+//! racing it grows the object back (by at most the region's size).
 
 use std::collections::BTreeMap;
 use std::ffi::CString;

@@ -661,7 +661,17 @@ impl Repository {
                 crate::tensor::InputTensor { name: spec.name.clone(), datatype: spec.datatype, shape, data },
             );
         }
-        for wave in &plan.waves {
+        // The last wave reading each tensor: an intermediate is dropped after it (a long
+        // pipeline holds no more than what is still to be read).
+        let mut last_read: HashMap<&str, usize> = HashMap::new();
+        for (w, wave) in plan.waves.iter().enumerate() {
+            for &i in wave {
+                for (_, tensor) in &plan.steps[i].inputs {
+                    last_read.insert(tensor.as_str(), w);
+                }
+            }
+        }
+        for (w, wave) in plan.waves.iter().enumerate() {
             let calls = wave.iter().map(|&i| {
                 let step = &plan.steps[i];
                 let sub = InferRequest {
@@ -700,7 +710,12 @@ impl Repository {
                     Ok::<_, Status>((i, answer))
                 }
             });
-            for (i, answer) in futures::future::try_join_all(calls).await? {
+            let answers = futures::future::try_join_all(calls).await?;
+            tensors.retain(|name, _| {
+                last_read.get(name.as_str()).is_some_and(|&last| last > w)
+                    || model.spec.outputs.iter().any(|o| &o.name == name)
+            });
+            for (i, answer) in answers {
                 for out in answer.outputs {
                     let Some((_, tensor)) = plan.steps[i].outputs.iter().find(|(o, _)| *o == out.name) else {
                         continue;
