@@ -17,6 +17,12 @@
 //! re-placed elsewhere instead of bouncing back to it ([`LoadWatch`]). The failure is logged
 //! once, with the worker's reason, and remembered per version: a version left unplaced is then
 //! reported with that reason, not only as a lack of room.
+//!
+//! A worker whose registration disappears (its lease expired: a GC pause, a network blip longer
+//! than its TTL) usually re-registers a moment later with its models still loaded. For
+//! [`VANISHED_GRACE`] after the leader last saw it registered, its placements are not deleted
+//! (see the plan's vanished workers; [`Sightings`]): deleting them would make it unload a model
+//! that a `replicas: 1` declaration then lacks for a whole cold load elsewhere.
 
 pub mod plan;
 
@@ -26,7 +32,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use nereid_common::fleet::etcd_client::{Client, Compare, CompareOp, LeaderKey, Txn, TxnOp, WatchOptions};
-use nereid_common::fleet::records::{self, ModelState, PENDING_REASON, PlacementRecord};
+use nereid_common::fleet::records::{self, ModelState, PENDING_REASON, PlacementRecord, WorkerState};
 use nereid_common::fleet::{self, Assignment, Backoff, CALL_TIMEOUT, FleetState, Keys, bounded, check_keepalive};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
@@ -44,6 +50,11 @@ const DEBOUNCE: Duration = Duration::from_millis(50);
 const UNPLACED_REPORT_INTERVAL: Duration = Duration::from_secs(60);
 /// etcd's default limit on operations per transaction.
 const MAX_TXN_OPS: usize = 128;
+/// How long the placements of a worker that vanished are kept after it was last seen: the
+/// workers' default lease TTL (`--etcd-lease-ttl-secs`), the gateway does not know theirs. A
+/// worker that lost its lease re-registers as soon as it notices, well within this; a longer
+/// wait only delays removing keys nothing routes to (replacements are placed at once).
+const VANISHED_GRACE: Duration = Duration::from_secs(10);
 
 pub struct PlacementController {
     config: EtcdConfig,
@@ -56,12 +67,15 @@ pub struct PlacementController {
     last: FleetState,
     /// Load failures and waits, across terms (see [`LoadWatch::begin_term`]).
     loads: LoadWatch,
+    /// When each worker was last seen registered, across terms.
+    sightings: Sightings,
 }
 
 impl PlacementController {
     pub fn new(config: EtcdConfig, metrics: GatewayMetrics) -> Self {
         let loads = LoadWatch::new(config.placement_load_timeout);
-        PlacementController { config, metrics, last: FleetState::default(), loads }
+        let sightings = Sightings::new(VANISHED_GRACE);
+        PlacementController { config, metrics, last: FleetState::default(), loads, sightings }
     }
 
     /// Campaigns and leads, term after term, until `shutdown`.
@@ -195,7 +209,8 @@ impl PlacementController {
             );
         }
         let excluded = self.loads.excluded();
-        let mut planned = plan::plan(&state, &excluded);
+        let vanished = self.sightings.observe(&state, now);
+        let mut planned = plan::plan(&state, &excluded, &vanished);
         planned.assignments.extend(
             state
                 .placements
@@ -240,9 +255,11 @@ impl PlacementController {
         }
         for (w, m, v) in state.placements.difference(&planned.assignments) {
             // On a draining or drained worker: handed over (its replacement is READY), or with
-            // nothing to hand over (not READY there, or no replacement could be placed).
+            // nothing to hand over (not READY there, or no replacement could be placed). On an
+            // unregistered one: vanished longer than the grace ago, or its replacement is READY.
             let worker_active = state.is_active(w);
-            tracing::info!(worker = %w, model = %m, version = v, worker_active, "removing placement");
+            let worker_registered = state.workers.contains_key(w);
+            tracing::info!(worker = %w, model = %m, version = v, worker_active, worker_registered, "removing placement");
             ops.push(TxnOp::delete(keys.placement(w, m, *v), None));
         }
         for chunk in ops.chunks(MAX_TXN_OPS) {
@@ -498,6 +515,40 @@ impl LoadWatch {
     }
 }
 
+/// When each worker was last seen registered, so that one whose registration vanished is given
+/// a grace before its placements are deleted.
+///
+/// Kept across terms: a worker this gateway saw registered a moment ago is evidence whoever led
+/// meanwhile, and the plan only keeps placement keys that still exist. A new leader that never
+/// saw a worker gives it no grace.
+struct Sightings {
+    grace: Duration,
+    last_seen: BTreeMap<String, Instant>,
+}
+
+impl Sightings {
+    fn new(grace: Duration) -> Self {
+        Sightings { grace, last_seen: BTreeMap::new() }
+    }
+
+    /// Takes in a fresh read of the fleet at `now`; returns the workers not registered in it
+    /// that were last seen less than the grace ago.
+    fn observe(&mut self, state: &FleetState, now: Instant) -> BTreeSet<String> {
+        for (id, record) in &state.workers {
+            if record.state == WorkerState::Draining {
+                // Exiting: its registration goes when it stops (lease revoked), for good. Its
+                // placements must go then too, not be found by a process restarted under the
+                // same id moments later while replacements load elsewhere.
+                self.last_seen.remove(id);
+            } else {
+                self.last_seen.insert(id.clone(), now);
+            }
+        }
+        self.last_seen.retain(|_, seen| now.saturating_duration_since(*seen) < self.grace);
+        self.last_seen.keys().filter(|w| !state.workers.contains_key(*w)).cloned().collect()
+    }
+}
+
 fn is_placement(keys: &Keys, key: &[u8]) -> bool {
     matches!(keys.parse(key), Some(fleet::Key::Placement { .. }))
 }
@@ -606,6 +657,46 @@ mod tests {
         s
     }
 
+    /// A worker whose lease expired keeps its placement for the grace after it was last seen
+    /// registered (its replacement placed at once); then, or when it exits on purpose, the
+    /// placement goes.
+    #[test]
+    fn a_vanished_worker_keeps_its_placements_for_the_grace() {
+        let t0 = Instant::now();
+        let mut sightings = Sightings::new(VANISHED_GRACE);
+        let mut s = fleet();
+        s.placements.insert(a("w1", "m", 1));
+        status(&mut s, "w1", "m", 1, Some((ModelState::Ready, "")));
+        assert!(sightings.observe(&s, t0).is_empty());
+
+        let mut gone = s.clone();
+        gone.workers.remove("w1");
+        gone.statuses.remove("w1");
+        let vanished = sightings.observe(&gone, t0 + Duration::from_secs(1));
+        assert_eq!(vanished, BTreeSet::from(["w1".to_string()]));
+        let p = plan::plan(&gone, &BTreeSet::new(), &vanished);
+        assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 1), a("w2", "m", 1)]));
+        // Counted from when it was last seen, not from when it was found gone.
+        let almost = t0 + VANISHED_GRACE - Duration::from_millis(1);
+        assert_eq!(sightings.observe(&gone, almost), vanished);
+        let vanished = sightings.observe(&gone, t0 + VANISHED_GRACE);
+        assert!(vanished.is_empty());
+        assert_eq!(plan::plan(&gone, &BTreeSet::new(), &vanished).assignments, BTreeSet::from([a("w2", "m", 1)]));
+
+        // Back: seen again, and a later loss gets a grace of its own.
+        let later = t0 + VANISHED_GRACE * 2;
+        assert!(sightings.observe(&s, later).is_empty());
+        assert_eq!(sightings.observe(&gone, later + Duration::from_secs(1)).len(), 1);
+
+        // A worker never seen registered (by this leader) gets none; one draining itself (exiting)
+        // neither, when its registration goes.
+        let mut fresh = Sightings::new(VANISHED_GRACE);
+        assert!(fresh.observe(&gone, t0).is_empty());
+        s.workers.get_mut("w1").unwrap().state = WorkerState::Draining;
+        assert!(fresh.observe(&s, t0).is_empty());
+        assert!(fresh.observe(&gone, t0 + Duration::from_secs(1)).is_empty());
+    }
+
     #[test]
     fn a_failed_load_is_reported_once_and_remembered_after_its_status_is_gone() {
         let t0 = Instant::now();
@@ -660,14 +751,14 @@ mod tests {
         status(&mut s, "w1", "m", 1, Some((ModelState::Loading, "")));
         assert!(loads.observe(&s, t0).is_empty());
         assert!(loads.observe(&s, t0 + timeout - Duration::from_secs(1)).is_empty());
-        assert_eq!(plan::plan(&s, &loads.excluded()).assignments, BTreeSet::from([a("w1", "m", 1)]));
+        assert_eq!(plan::plan(&s, &loads.excluded(), &BTreeSet::new()).assignments, BTreeSet::from([a("w1", "m", 1)]));
 
         let new = loads.observe(&s, t0 + timeout);
         assert_eq!(new.len(), 1, "{new:?}");
         assert_eq!((new[0].worker.as_str(), new[0].model.as_str(), new[0].version), ("w1", "m", 1));
         assert!(new[0].reason.contains("not READY within 600s"), "{}", new[0].reason);
         assert!(new[0].reason.contains("still LOADING"), "{}", new[0].reason);
-        let p = plan::plan(&s, &loads.excluded());
+        let p = plan::plan(&s, &loads.excluded(), &BTreeSet::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w2", "m", 1)]), "moved to w2");
         assert!(loads.observe(&s, t0 + timeout + Duration::from_secs(1)).is_empty(), "logged once");
 
@@ -756,7 +847,7 @@ mod tests {
         status(&mut s, "w2", "m", 1, Some((ModelState::Ready, "")));
         loads.observe(&s, t0);
         let excluded = loads.excluded();
-        let p = plan::plan(&s, &excluded);
+        let p = plan::plan(&s, &excluded, &BTreeSet::new());
         assert_eq!(p.unplaced, vec![("m".to_string(), 1, 1)]);
 
         let reports = loads.unplaced_reports(&s, &p.unplaced, &excluded, t0);
