@@ -552,7 +552,7 @@ impl Sightings {
 fn is_placement(keys: &Keys, key: &[u8]) -> bool {
     matches!(keys.parse(key), Some(fleet::Key::Placement { .. }))
 }
-/// Models whose `models/<m>` value was rejected and has no last good value in `state`.
+
 /// The models and the workers whose value was rejected with no good one to fall back on.
 fn frozen(keys: &Keys, rejected: &[fleet::Rejected], state: &FleetState) -> (BTreeSet<String>, BTreeSet<String>) {
     let (mut models, mut workers) = (BTreeSet::new(), BTreeSet::new());
