@@ -455,6 +455,13 @@ async fn two_gateways_elect_one_placement_leader_and_fail_over() {
     let placed = keys_under(&mut client, "placement/").await;
     assert!(placed.contains(&"/placement/w1/identity_fp32/1".to_string()), "{placed:?}");
     assert!(infer_ok(&other, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await);
+
+    // Its election key deleted by hand: the leader steps down at once (and, alone, leads again
+    // in a new term), not only when it next writes.
+    let election = format!("{PREFIX}/leader/placement");
+    client.delete(election, Some(nereid_common::fleet::etcd_client::DeleteOptions::new().with_prefix())).await.unwrap();
+    other.wait_log("the leader to step down", "its election key was deleted", WAIT).await;
+    wait_metric(&other, "nereid_gateway_placement_leader", "a new term", |v| v == 1.0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -154,6 +154,16 @@ impl PlacementController {
                 msg = watch.message() => match msg {
                     // Its own placement writes are no news to the controller.
                     Ok(Some(r)) if !r.canceled() => {
+                        // Its election key deleted (an operator's `etcdctl del`, a resign from
+                        // elsewhere): no longer the leader, whatever its lease says. Its writes
+                        // are fenced anyway; this stops it planning and claiming to lead.
+                        let lost = r.events().iter().any(|e| {
+                            e.event_type() == fleet::etcd_client::EventType::Delete
+                                && e.kv().is_some_and(|kv| kv.key() == leader.key())
+                        });
+                        if lost {
+                            break Err("its election key was deleted".into());
+                        }
                         if r.events().iter().any(|e| e.kv().is_some_and(|kv| !is_placement(keys, kv.key()))) {
                             schedule.changed();
                         }
