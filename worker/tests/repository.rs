@@ -814,3 +814,27 @@ async fn a_model_file_that_is_a_directory_holds_model_onnx() {
     let e = repo.load("identity_fp32", None).await.unwrap_err();
     assert!(e.message.contains("model.onnx/model.onnx' is missing"), "{}", e.message);
 }
+
+/// POLL follows symbolic links, as Triton does: a version folder linked to a model store is
+/// reloaded when the model file behind the link changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poll_sees_changes_behind_a_linked_version_folder() {
+    let dir = repo(&[TestModel { name: "identity_fp32", source: "identity_fp32", config: None }]);
+    let store = tempfile::tempdir().unwrap();
+    let version = dir.path().join("identity_fp32").join("1");
+    std::fs::rename(&version, store.path().join("v1")).unwrap();
+    std::os::unix::fs::symlink(store.path().join("v1"), &version).unwrap();
+    let repo = repository(dir.path(), ControlMode::Poll, false);
+    assert!(repo.load_startup_models().await.is_empty());
+    assert_eq!(state(&repo, "identity_fp32").as_deref(), Some("READY"));
+    let before = repo.builds_started();
+    repo.poll_once().await;
+    assert_eq!(repo.builds_started(), before, "nothing changed");
+    // A new model file behind the link (one byte more: its size changes whatever the clock).
+    let model = store.path().join("v1").join("model.onnx");
+    let mut bytes = std::fs::read(&model).unwrap();
+    bytes.push(0);
+    std::fs::write(&model, &bytes).unwrap();
+    repo.poll_once().await;
+    assert_eq!(repo.builds_started(), before + 1, "a reload was tried");
+}

@@ -80,14 +80,25 @@ impl Stamp {
     }
 }
 
+/// How deep and how many entries a stamp looks at: enough for any Triton layout (a version's
+/// model directory with its external weights), bounded for a repository polled every few
+/// seconds (and a symbolic link that loops).
+const STAMP_DEPTH: usize = 6;
+const STAMP_ENTRIES: usize = 10_000;
+
 fn collect(dir: &Path, depth: usize, out: &mut Vec<(PathBuf, u64, Option<SystemTime>)>) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
+        if out.len() >= STAMP_ENTRIES {
+            return;
+        }
         let path = entry.path();
-        let Ok(meta) = entry.metadata() else { continue };
+        // Through symbolic links (a version folder linked to a model store, as Triton follows
+        // them): a change behind the link is a change of the model.
+        let Ok(meta) = std::fs::metadata(&path) else { continue };
         if meta.is_dir() {
             out.push((path.clone(), 0, None));
-            if depth < 2 {
+            if depth < STAMP_DEPTH {
                 collect(&path, depth + 1, out);
             }
         } else {
