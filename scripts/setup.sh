@@ -47,7 +47,7 @@ if [ -z "$have_rust" ] || [ "$(printf '%s\n%s\n' "$need_rust" "$have_rust" | sor
 fi
 
 # python3-venv / pip for the project's venv, curl for deploy/local/up.sh.
-apt_install protobuf-compiler etcd-server etcd-client python3-venv python3-pip curl ca-certificates ${NEREID_EXTRA_APT:-}
+apt_install build-essential protobuf-compiler etcd-server etcd-client python3-venv python3-pip curl ca-certificates ${NEREID_EXTRA_APT:-}
 
 # The project's venv exists before anything is fetched with its pip.
 venv="$root/.venv"

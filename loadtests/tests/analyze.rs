@@ -455,8 +455,8 @@ fn a_priority_sweep_with_a_workload_sheds_only_the_lower_level() {
         assert_eq!(series, ["gold", "bronze"], "{r}");
     }
     let db = |i: usize| &rs[i]["config"]["dynamic_batching"];
-    assert_eq!(db(1)["priority_levels"], "2", "{}", db(1));
-    assert_eq!(db(1)["default_priority_level"], "2");
+    assert_eq!(db(1)["priority_levels"], 2, "{}", db(1));
+    assert_eq!(db(1)["default_priority_level"], 2);
     assert!(db(3)["default_queue_policy"].is_null(), "the top level keeps no policy: {}", db(3));
     assert_eq!(db(3)["priority_queue_policy"]["2"]["max_queue_size"], 1, "{}", db(3));
     assert!(db(3)["priority_queue_policy"].get("1").is_none());
