@@ -32,6 +32,9 @@ pub struct InferCall {
     pub permit: Option<Permit>,
     /// When the call entered the stack.
     pub arrived: Instant,
+    /// The request as the client sent it, with its KServe `timeout` (µs), once a retry has
+    /// rewritten that parameter: each later retry counts from the client's own figure.
+    pub client_timeout: Option<(InferRequest, u64)>,
 }
 
 impl InferCall {
@@ -46,6 +49,7 @@ impl InferCall {
             resolved_version: None,
             permit: None,
             arrived: Instant::now(),
+            client_timeout: None,
         }
     }
 

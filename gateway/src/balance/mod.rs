@@ -82,7 +82,7 @@ pub fn pick(routes: &Routes, call: &InferCall, now: Instant) -> Result<(Arc<Upst
     let table = routes.snapshot();
     let route = table.resolve(call.model(), call.version)?;
     choose_route(&table, &route, &call.excluded, now, &mut rand::rng())
-        .map(|u| (u.clone(), route.version))
+        .map(|u| (u.clone(), route.version_on(u)))
         .ok_or_else(|| RouteError::NoReadyWorker { model: call.model().to_string(), version: call.version })
 }
 

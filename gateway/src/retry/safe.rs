@@ -43,14 +43,20 @@ impl Policy<InferCall, GatewayError> for SafeRetry {
         // counts the time already spent: past it, nothing is retried — the client waited what
         // it allowed; before it, the retry carries what is left (an appended map entry: the
         // last one wins), so that all attempts together wait no longer than that.
-        if let Some(us) = crate::wire::request_parameter_u64(&call.request.bytes, "timeout")
-            && us > 0
-        {
+        // Always from the client's own request and figure: an earlier retry's rewritten value
+        // already had the time spent taken off (taking it off again would give up early), and
+        // appending to it would grow the request with every retry.
+        let client = call.client_timeout.clone().or_else(|| {
+            let us = crate::wire::request_parameter_u64(&call.request.bytes, "timeout")?;
+            (us > 0).then(|| (call.request.clone(), us))
+        });
+        if let Some((original, us)) = client {
             let spent = u64::try_from(call.arrived.elapsed().as_micros()).unwrap_or(u64::MAX);
             if spent >= us {
                 return None;
             }
-            next.request = call.request.with_parameter_u64("timeout", us - spent);
+            next.request = original.with_parameter_u64("timeout", us - spent);
+            next.client_timeout = Some((original, us));
         }
         if !next.excluded.contains(&e.worker) {
             next.excluded.push(e.worker.clone());
@@ -116,5 +122,22 @@ mod tests {
         assert_eq!(next.request.header.model_name, "m", "the request is otherwise the same");
         // 500 ms allowed, 1 s spent: not retried.
         assert!(policy.retry(&call_with_timeout(500_000, Duration::from_secs(1)), &timed_out).is_none());
+
+        // A second retry counts from the client's 10 s, not from the first retry's figure
+        // (which already had the first second taken off), and rewrites the client's request,
+        // not the first retry's (no growing chain of appended entries).
+        let three = ["a:1", "b:1", "c:1"].map(|w| view(w, WorkerState::Ready, vec![row("m", "1", "READY")]));
+        publisher.publish(RoutingTable::build(three.to_vec(), Instant::now()));
+        let mut first = policy.retry(&call_with_timeout(10_000_000, Duration::from_secs(1)), &timed_out).unwrap();
+        first.arrived -= Duration::from_secs(2); // 3 s spent in all by the second refusal
+        let by_b = GatewayError::from(UpstreamError::new(
+            "b:1".into(),
+            tonic::Status::unavailable(nereid_common::status::QUEUE_TIMEOUT_MESSAGE),
+        ));
+        let second = policy.retry(&first, &by_b).expect("7 s are left");
+        let left = request_parameter_u64(&second.request.bytes, "timeout").unwrap();
+        // 10 s - 3 s; taking the first second off twice would leave 6 s.
+        assert!((6_500_000..=7_000_000).contains(&left), "{left}: counted from the client's 10 s");
+        assert_eq!(second.request.bytes.len(), first.request.bytes.len(), "one appended entry, not two");
     }
 }
