@@ -84,7 +84,8 @@ pub const QUEUE_TIMEOUT_MESSAGE: &str = "Request timeout expired";
 
 /// The message of the RESOURCE_EXHAUSTED a priority level's full queue (`max_queue_size`)
 /// answers at once.
-pub const LEVEL_QUEUE_FULL_MESSAGE: &str = "the queue of this priority level is full (max_queue_size), retry later";
+pub const LEVEL_QUEUE_FULL_MESSAGE: &str =
+    "Exceeds maximum queue size: the queue of this priority level is full (max_queue_size), retry later";
 
 /// How the message of the RESOURCE_EXHAUSTED a model's full request queue answers begins.
 pub const QUEUE_FULL_MESSAGE_PREFIX: &str = "the model's request queue is full";

@@ -190,7 +190,10 @@ pub fn parse_version(model: &str, version: &str) -> Result<Option<i64>, Status> 
         return Ok(None);
     }
     version.parse::<i64>().ok().filter(|v| *v >= 0).map(Some).ok_or_else(|| {
-        Status::not_found(format!("model '{model}' has no version '{version}' (versions are non-negative integers)"))
+        // A malformed version is a malformed request (Triton: INVALID_ARGUMENT), not a missing one.
+        Status::invalid(format!(
+            "model '{model}': version '{version}' is not a version (versions are non-negative integers)"
+        ))
     })
 }
 

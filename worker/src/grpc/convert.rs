@@ -1003,7 +1003,7 @@ mod tests {
 
         let mut req = request(vec![], vec![]);
         req.model_version = "abc".into();
-        assert_eq!(err(req).code, Code::NotFound);
+        assert_eq!(err(req).code, Code::InvalidArgument, "a malformed version is a malformed request");
     }
 
     #[test]

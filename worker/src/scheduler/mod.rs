@@ -341,8 +341,18 @@ fn answer_dropped(shared: &Shared, dropped: Vec<(Job, DropReason)>) {
                 Status::new(Code::DeadlineExceeded, "the request's deadline passed while it was queued")
             }
         };
-        shared.delivery.skip(job.seq);
-        let _ = job.reply.send(Err(status));
+        match why {
+            // Nobody reads it: its place in the answer order is given up.
+            DropReason::Cancelled => {
+                shared.delivery.skip(job.seq);
+                let _ = job.reply.send(Err(status));
+            }
+            // Under preserve_ordering a refusal is an answer like any other: it waits for the
+            // answers to the requests before it (Triton's ordered completion).
+            DropReason::Rejected | DropReason::DeadlineExceeded => {
+                shared.delivery.send(job.seq, job.reply, Err(status))
+            }
+        }
     }
 }
 
@@ -515,12 +525,17 @@ mod tests {
     }
 
     fn harness(policy: BatchPolicy) -> Harness {
+        harness_with(policy, false)
+    }
+
+    fn harness_with(policy: BatchPolicy, preserve: bool) -> Harness {
         let (started_tx, started) = std::sync::mpsc::channel();
         let (gate, gate_rx) = std::sync::mpsc::channel();
         let gave_up = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let instance = GatedInstance { started: started_tx, gate: gate_rx, gave_up: gave_up.clone() };
         let stats = crate::metrics::Metrics::new().version("m", 1);
-        let scheduler = Scheduler::start("test", policy, false, vec![instance], stats.clone()).expect("threads start");
+        let scheduler =
+            Scheduler::start("test", policy, preserve, vec![instance], stats.clone()).expect("threads start");
         Harness { scheduler, started, gate, gave_up, stats }
     }
 
@@ -632,6 +647,28 @@ mod tests {
         h.gate.send(()).expect("instance waits");
         assert!(long_rx.blocking_recv().expect("answered").is_ok());
         assert_eq!(h.scheduler.shared.lock().queue.len(), 0);
+    }
+
+    /// Under preserve_ordering a request refused by its queue timeout is answered in its
+    /// turn: after the request before it, still running when the timeout fired.
+    #[test]
+    fn with_preserve_ordering_a_queue_timeout_waits_for_the_answers_before_it() {
+        let h = harness_with(timeout_policy(policy::TimeoutAction::Reject, 100), true);
+        let (first, first_rx) = job(0);
+        h.scheduler.submit(first).expect("queued");
+        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "the first request runs");
+        let (second, mut second_rx) = job(0);
+        h.scheduler.submit(second).expect("queued");
+        // Bounded wait for the timer to take it out of the queue.
+        let expired = (0..6000).any(|_| {
+            std::thread::sleep(Duration::from_millis(10));
+            h.scheduler.shared.lock().queue.len() == 0
+        });
+        assert!(expired, "the queue timeout never fired");
+        assert!(second_rx.try_recv().is_err(), "answered before the request ahead of it");
+        h.gate.send(()).expect("instance waits");
+        assert!(first_rx.blocking_recv().expect("answered").is_ok());
+        assert_eq!(second_rx.blocking_recv().expect("answered").unwrap_err(), Status::queue_timeout());
     }
 
     /// Under `DELAY` a timed-out request is not answered by the timer: it still runs once the

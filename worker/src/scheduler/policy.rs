@@ -114,17 +114,17 @@ impl BatchPolicy {
     /// The queue timeout for a request at `level` that asked for `requested_us` (0 = none).
     ///
     /// Triton's rule: the level's `default_timeout_microseconds` applies, except that with
-    /// `allow_timeout_override` a non-zero request timeout replaces it when it is *shorter*
-    /// (or when there is no default, i.e. the default is "never"). A request can therefore
-    /// never extend the operator's bound, and without `allow_timeout_override` its `timeout`
-    /// parameter has no effect on the queue at all.
+    /// `allow_timeout_override` a non-zero request timeout replaces it when it is *shorter*.
+    /// Without a default (0: never) there is nothing shorter than: the request's timeout does
+    /// not apply either (Triton's `PolicyQueue`). A request can therefore never extend the
+    /// operator's bound, and without `allow_timeout_override` its `timeout` parameter has no
+    /// effect on the queue at all.
     pub fn timeout_for(&self, level: usize, requested_us: u64) -> Option<Duration> {
         let policy = &self.levels[level - 1];
         let requested =
             (requested_us > 0 && policy.allow_timeout_override).then(|| Duration::from_micros(requested_us));
         match (requested, policy.default_timeout) {
             (Some(r), Some(d)) if r < d => Some(r),
-            (Some(r), None) => Some(r),
             (_, default) => default,
         }
     }
@@ -531,6 +531,7 @@ mod tests {
         };
         p.levels[0].timeout_action = TimeoutAction::Delay;
         p.levels[0].allow_timeout_override = true;
+        p.levels[0].default_timeout = Some(Duration::from_secs(3600));
         let mut q = BatchQueue::new(p);
         q.push(req(0, 1), 2, 0, t0).unwrap();
         assert!(q.push(req(1, 1), 2, 0, t0).is_err(), "level 2 holds one");
@@ -594,7 +595,7 @@ mod tests {
         assert_eq!(p.timeout_for(1, 60_000_000), Some(ms(100)), "longer: the default stands");
         assert_eq!(p.timeout_for(1, 0), Some(ms(100)), "none asked: the default");
         set(&mut p, true, None);
-        assert_eq!(p.timeout_for(1, 10_000), Some(ms(10)), "no default (never): any timeout is shorter");
+        assert_eq!(p.timeout_for(1, 10_000), None, "no default (never): Triton applies no request timeout either");
         assert_eq!(p.timeout_for(1, 0), None);
         set(&mut p, false, Some(ms(100)));
         assert_eq!(p.timeout_for(1, 10_000), Some(ms(100)), "override not allowed: ignored");
@@ -609,6 +610,7 @@ mod tests {
         for level in &mut p.levels {
             level.timeout_action = TimeoutAction::Delay;
             level.allow_timeout_override = true;
+            level.default_timeout = Some(Duration::from_secs(3600));
         }
         let mut q = BatchQueue::new(p);
         q.push(req(0, 1), 1, 10, t0).unwrap(); // level 1, times out → level 1 delayed
@@ -825,6 +827,8 @@ mod tests {
             for level in &mut p.levels {
                 level.timeout_action = TimeoutAction::Delay;
                 level.allow_timeout_override = true;
+                // A request's timeout applies only below a default (Triton's rule).
+                level.default_timeout = Some(Duration::from_secs(3600));
             }
             let mut q = BatchQueue::new(p);
             let mut expected: Vec<(usize, bool, usize)> = vec![];
@@ -862,7 +866,8 @@ mod tests {
                 prop_assert_eq!(got, default);
             } else {
                 let r = Duration::from_micros(requested_us);
-                prop_assert_eq!(got, Some(default.map_or(r, |d| d.min(r))));
+                // Only shorter than a default; without one, none applies (Triton's rule).
+                prop_assert_eq!(got, default.map(|d| d.min(r)));
             }
         }
 
