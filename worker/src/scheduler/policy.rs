@@ -5,15 +5,17 @@
 //! - Requests wait in one FIFO queue per priority level (1 = highest), each followed by that
 //!   level's *delayed* queue (see `DELAY` below). A batch takes requests in that order — level 1,
 //!   level 1 delayed, level 2, level 2 delayed, … — and stops at the first request whose
-//!   non-batch shapes differ from the head's or whose rows would exceed `max_batch_size` (so
-//!   nobody is overtaken by a later request of the same level, and `preserve_ordering` holds).
+//!   non-batch shapes differ from the head's or whose rows would exceed `max_batch_size` — or,
+//!   with preferred sizes, the largest `preferred_batch_size` (so nobody is overtaken by a later
+//!   request of the same level, and `preserve_ordering` holds).
 //! - While walking that order the policy remembers the largest `preferred_batch_size` the rows
-//!   reach. Before the oldest request's `max_queue_delay` has passed, a batch is dispatched at
-//!   once with exactly that many requests when one was reached (the largest *reachable* one,
-//!   not only the largest configured one, as Triton does); otherwise at once when it is full
-//!   (`max_batch_size` rows or the request limit) or nothing more can join it. Once the delay
-//!   has passed (or when it is zero), whatever can form is dispatched. Otherwise the batcher
-//!   waits until the oldest request's delay runs out.
+//!   reach. Before the oldest request's `max_queue_delay` has passed (and always when the
+//!   delay is zero, which Triton never counts as passed), a batch is dispatched at once with
+//!   exactly that many requests when one was reached (the largest *reachable* one, not only the
+//!   largest configured one, as Triton does); otherwise at once when it is full
+//!   (`max_batch_size` rows, the request limit, or the largest preferred size) or nothing more
+//!   can join it. Once the delay has passed (or when it is zero), whatever can form is
+//!   dispatched. Otherwise the batcher waits until the oldest request's delay runs out.
 //! - Queue policy per level: `max_queue_size` rejects at once when the level (its queue and its
 //!   delayed queue) is full. A request's queue timeout is the level's
 //!   `default_timeout_microseconds`, which the request's own `timeout` may only *shorten*, and
@@ -339,9 +341,15 @@ impl<T: Pending> BatchQueue<T> {
         // along the walk, so the last one reached is the largest).
         let mut preferred_count = None;
         let mut closed = false; // waiting cannot make this batch bigger
+        // As Triton's batcher: a batch never grows past the largest preferred size (when there
+        // are preferred sizes) — the request that would take it past closes it.
+        let max_preferred = self.policy.preferred_batch_sizes.last().copied();
         for entry in self.ordered() {
             let r = entry.item.rows();
-            if entry.item.shape_key() != key.as_slice() || rows + r > self.policy.max_batch_size {
+            if entry.item.shape_key() != key.as_slice()
+                || rows + r > self.policy.max_batch_size
+                || (count > 0 && max_preferred.is_some_and(|largest| rows + r > largest))
+            {
                 closed = true;
                 break;
             }
@@ -362,11 +370,14 @@ impl<T: Pending> BatchQueue<T> {
         }
         // A delay too large for `Instant` never passes; wait a day at a time.
         let deadline = oldest.checked_add(self.policy.max_queue_delay).unwrap_or(now + FAR);
-        let delay_passed = deadline <= now;
+        // A zero delay sends at once, but — as in Triton, where a zero delay is never
+        // "exceeded" — still at the largest preferred size formed, if any.
+        let no_delay = self.policy.max_queue_delay.is_zero();
+        let delay_passed = !no_delay && deadline <= now;
         if !delay_passed && let Some(n) = preferred_count {
             return Decision::Dispatch(self.take_front(n));
         }
-        if closed || delay_passed {
+        if closed || delay_passed || no_delay {
             return Decision::Dispatch(self.take_front(count));
         }
         Decision::WaitUntil(deadline)
@@ -572,14 +583,30 @@ mod tests {
         assert_eq!(ids(q.next_batch(t0 + Duration::from_secs(2))), vec![4]);
     }
 
+    /// As Triton's batcher: with preferred sizes, a batch never grows past the largest one —
+    /// the request that would take it past closes it, so it goes at once, before the delay
+    /// (a batch of 5-row requests with preferred [8, 16] and max 32: 15 rows go now, not 20
+    /// after the delay). After the delay too, and with no delay at all.
     #[test]
-    fn after_the_delay_everything_that_fits_goes_not_just_the_preferred_size() {
+    fn a_batch_stops_at_the_largest_preferred_size() {
         let t0 = Instant::now();
+        let mut q = BatchQueue::new(policy(32, vec![8, 16], 100_000, 1));
+        for i in 0..4 {
+            q.push(req(i, 5), 0, 0, t0).unwrap();
+        }
+        assert_eq!(ids(q.next_batch(t0)), vec![0, 1, 2], "closed by the 4th, before the delay");
         let mut q = BatchQueue::new(policy(8, vec![2], 1000, 1));
         for i in 0..3 {
             q.push(req(i, 1), 0, 0, t0).unwrap();
         }
-        assert_eq!(ids(q.next_batch(t0 + Duration::from_micros(1000))), vec![0, 1, 2]);
+        assert_eq!(ids(q.next_batch(t0 + Duration::from_micros(1000))), vec![0, 1]);
+        // No delay: the largest preferred size formed goes (6 queued, preferred [4], max 8).
+        let mut q = BatchQueue::new(policy(8, vec![4], 0, 1));
+        for i in 0..6 {
+            q.push(req(i, 1), 0, 0, t0).unwrap();
+        }
+        assert_eq!(ids(q.next_batch(t0)), vec![0, 1, 2, 3]);
+        assert_eq!(ids(q.next_batch(t0)), vec![4, 5], "then what is left, at once");
     }
 
     #[test]
@@ -768,8 +795,8 @@ mod tests {
 
         /// Before the delay passes, the batch is exactly the longest prefix of the walk whose
         /// rows equal a preferred size (the largest reachable one); without one, a batch goes
-        /// only when full or closed by a different shape; after the delay, the whole prefix
-        /// that fits goes.
+        /// only when full or closed (a different shape, or the next request would take it past
+        /// the largest preferred size); after the delay, the whole prefix that fits goes.
         #[test]
         fn largest_reachable_preferred_size_goes_at_once(
             max in 1usize..16,
@@ -788,9 +815,11 @@ mod tests {
             }
             // The oracle: walk the arrival order as the rules say.
             let (mut rows, mut count, mut best, mut closed) = (0, 0, None, false);
+            let largest = preferred.last().copied();
             for &(r, key) in &reqs {
                 let r = r.min(max);
                 if key != reqs[0].1 || rows + r > max { closed = true; break; }
+                if count > 0 && largest.is_some_and(|l| rows + r > l) { closed = true; break; }
                 rows += r;
                 count += 1;
                 if preferred.contains(&rows) { best = Some(count); }
