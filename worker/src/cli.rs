@@ -88,7 +88,7 @@ pub struct Args {
     pub allow_metrics: bool,
 
     /// Model control mode: none, poll or explicit.
-    #[arg(long, value_enum, default_value = "none")]
+    #[arg(long, value_enum, default_value = "none", ignore_case = true)]
     pub model_control_mode: ControlModeArg,
 
     /// With --model-control-mode=explicit: a model to load at start; repeat; `*` loads all.
@@ -239,7 +239,7 @@ pub struct Args {
 
     /// gRPC response compression, by tritonserver's levels: `none`, or `low`/`medium`/`high` —
     /// responses gzipped (at one level) for clients that accept gzip.
-    #[arg(long, default_value = "none", value_parser = ["none", "low", "medium", "high"])]
+    #[arg(long, default_value = "none", value_parser = ["none", "low", "medium", "high"], ignore_case = true)]
     pub grpc_infer_response_compression_level: String,
 
     /// Largest accepted HTTP request body in bytes (tritonserver's flag; default: the
@@ -451,7 +451,7 @@ pub struct TritonFlags {
     #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool(), ignore_case = true)]
     pub model_namespacing: Option<bool>,
     /// Accepted only as `off`: instances run as soon as they have work (no rate limiter).
-    #[arg(long, value_name = "MODE", value_parser = ["off", "execution_count"])]
+    #[arg(long, value_name = "MODE", value_parser = ["off", "execution_count"], ignore_case = true)]
     pub rate_limit: Option<String>,
     /// Accepted (repeatable); there is no rate limiter to give resources to.
     #[arg(long, value_name = "NAME:COUNT:DEVICE")]
@@ -493,6 +493,33 @@ pub struct TritonFlags {
     /// Accepted; the response cache (--cache-config local,...) is built in.
     #[arg(long, value_name = "DIR")]
     pub cache_directory: Option<PathBuf>,
+    /// Accepted (repeatable); /metrics always has Triton's counters, summaries are not
+    /// kept.
+    #[arg(long, value_name = "SETTING=VALUE")]
+    pub metrics_config: Vec<String>,
+    /// Accepted; a failed load is not retried (another load request or a repository change
+    /// loads it again).
+    #[arg(long, value_name = "N")]
+    pub model_load_retry_count: Option<u64>,
+    /// Accepted; gRPC requests run on the server's async threads.
+    #[arg(long, value_name = "N")]
+    pub grpc_infer_thread_count: Option<u64>,
+    /// Accepted; responses are not pooled.
+    #[arg(long, value_name = "N")]
+    pub grpc_max_response_pool_size: Option<u64>,
+    /// tritonserver's older spelling of `--cache-config local,size=BYTES`: sizes the response
+    /// cache when --cache-config is not given.
+    #[arg(long, value_name = "BYTES")]
+    pub response_cache_byte_size: Option<u64>,
+    /// Accepted; ONNX Runtime's CUDA provider manages its own address space.
+    #[arg(long, value_name = "GPU:BYTES")]
+    pub cuda_virtual_address_size: Vec<String>,
+    /// Accepted; GPU memory is not limited per load.
+    #[arg(long, value_name = "GPU:FRACTION")]
+    pub model_load_gpu_limit: Vec<String>,
+    /// Accepted; peer access between GPUs is left as the driver sets it.
+    #[arg(long, value_name = "BOOL", action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_parser = triton_bool(), ignore_case = true)]
+    pub enable_peer_access: Option<bool>,
 }
 
 impl TritonFlags {
@@ -522,7 +549,7 @@ impl TritonFlags {
         let refused_values: [(&str, Option<&String>, &str); 3] = [
             (
                 "--rate-limit",
-                self.rate_limit.as_ref().filter(|m| *m != "off"),
+                self.rate_limit.as_ref().filter(|m| !m.eq_ignore_ascii_case("off")),
                 "there is no rate limiter: instances run as soon as they have work",
             ),
             (
@@ -532,7 +559,8 @@ impl TritonFlags {
             ),
             (
                 "--trace-level",
-                self.trace_level.iter().find(|l| !l.eq_ignore_ascii_case("off")),
+                // tritonserver takes OFF, or false, as no tracing.
+                self.trace_level.iter().find(|l| !l.eq_ignore_ascii_case("off") && !l.eq_ignore_ascii_case("false")),
                 "Triton's trace extension is not implemented",
             ),
         ];
@@ -618,6 +646,29 @@ impl TritonFlags {
                 "--cache-directory",
                 self.cache_directory.is_some(),
                 "the response cache (--cache-config local,size=BYTES) is built in",
+            ),
+            ("--metrics-config", !self.metrics_config.is_empty(), "/metrics has Triton's counters; no summaries"),
+            (
+                "--model-load-retry-count",
+                self.model_load_retry_count.is_some_and(|n| n > 0),
+                "a failed load is not retried by itself",
+            ),
+            (
+                "--grpc-infer-thread-count",
+                self.grpc_infer_thread_count.is_some(),
+                "gRPC requests run on the server's async threads",
+            ),
+            ("--grpc-max-response-pool-size", self.grpc_max_response_pool_size.is_some(), "responses are not pooled"),
+            (
+                "--cuda-virtual-address-size",
+                !self.cuda_virtual_address_size.is_empty(),
+                "ONNX Runtime's CUDA provider manages its own address space",
+            ),
+            ("--model-load-gpu-limit", !self.model_load_gpu_limit.is_empty(), "GPU memory is not limited per load"),
+            (
+                "--enable-peer-access",
+                self.enable_peer_access.is_some(),
+                "peer access between GPUs is left as the driver sets it",
             ),
         ];
         Ok(ignored

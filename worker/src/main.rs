@@ -137,6 +137,8 @@ async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
         anyhow::bail!("--etcd-endpoints requires --model-control-mode=explicit (placement decides what is loaded)");
     }
     let cache_bytes = nereid_worker::cache::parse_cache_config(&args.cache_config).map_err(anyhow::Error::msg)?;
+    // tritonserver's older flag, where --cache-config does not say otherwise.
+    let cache_bytes = cache_bytes.or(args.triton.response_cache_byte_size.filter(|&n| n > 0).map(|n| n as usize));
     let repository = Arc::new(
         Repository::new(options, metrics.clone())
             .with_response_cache(cache_bytes)
@@ -186,7 +188,7 @@ async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
                 timeout: Duration::from_millis(args.grpc_keepalive_timeout),
             },
             restrictions: grpc_rules,
-            compress_responses: args.grpc_infer_response_compression_level != "none",
+            compress_responses: !args.grpc_infer_response_compression_level.eq_ignore_ascii_case("none"),
         };
         servers.spawn(async move { grpc::serve(listener, server, options, token).await.context("gRPC server") });
     }

@@ -156,7 +156,8 @@ fn a_tritonserver_command_line_starts_the_worker() {
     let worker = WorkerProcess::start(
         &repo,
         &[
-            "--model-control-mode=explicit",
+            // tritonserver lowercases these values: scripts write them either way.
+            "--model-control-mode=EXPLICIT",
             "--load-model=identity_fp32",
             "--strict-model-config=false",
             "--strict-readiness=false",
@@ -180,10 +181,14 @@ fn a_tritonserver_command_line_starts_the_worker() {
             "--backend-config=python,shm-default-byte-size=1048576",
             "--model-config-name=h100",
             "--http-max-input-size=1048576",
-            "--rate-limit=off",
+            "--rate-limit=OFF",
             "--buffer-manager-thread-count=2",
             "--trace-config=rate=100",
-            "--grpc-infer-response-compression-level=none",
+            "--trace-level=false",
+            "--grpc-infer-response-compression-level=NONE",
+            "--metrics-config=summary_latencies=true",
+            "--model-load-retry-count=2",
+            "--response-cache-byte-size=1048576",
         ],
     );
     let (status, body) = worker.http_get("/v2");
@@ -218,6 +223,8 @@ fn a_tritonserver_command_line_starts_the_worker() {
         "--backend-config python,shm-default-byte-size=1048576",
         "--buffer-manager-thread-count",
         "--trace-*",
+        "--metrics-config",
+        "--model-load-retry-count",
     ] {
         assert!(text.contains(&format!("{flag} has no effect")), "no warning for {flag}:\n{text}");
     }
