@@ -91,6 +91,10 @@ impl FailureKind {
             // earlier steps, and the step's siblings in its wave, may have run — answered as
             // it is, never run again elsewhere.
             tonic::Code::Unavailable if is_ensemble_step_failure(status.message()) => FailureKind::Answered,
+            // The model not ready there (being unloaded, moved, or its load failed), the
+            // worker itself healthy: retried elsewhere, no mark against the worker — whose
+            // other models an ejection would take out of routing too.
+            tonic::Code::Unavailable if is_model_not_ready(status.message()) => FailureKind::Refused,
             tonic::Code::Unavailable => FailureKind::Unavailable,
             _ => FailureKind::Answered,
         }
@@ -115,6 +119,12 @@ impl FailureKind {
             FailureKind::Answered | FailureKind::Refused => Outcome::Success,
         }
     }
+}
+
+/// A worker's answer that the model a request names is not ready there (the repository's own
+/// words, never an ensemble step's, which come prefixed).
+fn is_model_not_ready(message: &str) -> bool {
+    message.starts_with("model '") && (message.contains("' is not ready") || message.contains("' has no ready version"))
 }
 
 /// Whether HTTP/2 guarantees the peer did not process the stream (RFC 9113 §8.7): it refused it
@@ -338,8 +348,13 @@ mod tests {
         let step_unready = nereid_common::status::ensemble_step_message("e", 1, "m", "model 'm' is not ready");
         assert_eq!(FailureKind::classify(&tonic::Status::unavailable(step_unready)), FailureKind::Answered);
         // The ensemble itself not ready: nothing ran.
+        // The model not ready on that worker (being moved off it): nothing ran, retried
+        // elsewhere, and no mark against the worker's health (its other models serve on).
         let unready = tonic::Status::unavailable("model 'e' is not ready (UNAVAILABLE)");
-        assert_eq!(FailureKind::classify(&unready), FailureKind::Unavailable);
+        assert_eq!(FailureKind::classify(&unready), FailureKind::Refused);
+        assert_eq!(FailureKind::Refused.outcome(tonic::Code::Unavailable, true), Outcome::Success);
+        let no_version = tonic::Status::unavailable("model 'e' has no ready version");
+        assert_eq!(FailureKind::classify(&no_version), FailureKind::Refused);
         let too_large = tonic::Status::resource_exhausted("decoded message length too large");
         assert_eq!(FailureKind::classify(&too_large), FailureKind::Answered);
         // Only the model's own "no such version", not an ensemble step's.

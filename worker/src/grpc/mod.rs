@@ -485,7 +485,8 @@ where
     }
 
     /// When `stop` completes, the stream reads no more requests, answers those in flight and
-    /// ends with OK (used for graceful shutdown).
+    /// ends — with UNAVAILABLE when the client had not finished sending (used for graceful
+    /// shutdown).
     pub fn stop_on(mut self, stop: impl std::future::Future<Output = ()> + Send + 'static) -> Self {
         self.stop = Some(Box::pin(stop));
         self
@@ -549,7 +550,13 @@ where
             && stop.as_mut().poll(cx).is_ready()
         {
             this.stop = None;
-            this.incoming = None;
+            // The client had not finished sending: whatever it sends next is never read, so
+            // the RPC must not end OK (a client counting its answers would wait for ever).
+            if this.incoming.take().is_some() && this.error.is_none() {
+                this.error = Some(tonic::Status::unavailable(
+                    "the server is shutting down: the stream's requests after those answered were not read",
+                ));
+            }
         }
 
         // Admit new requests while there is room. When full, the in-flight set (non-empty)
@@ -750,10 +757,25 @@ mod tests {
         assert!(tokio::time::timeout(Duration::from_millis(5), s.next()).await.is_err());
         token.cancel();
         tx.send(Ok(req("late"))).unwrap();
-        // The in-flight request is still answered, then the stream ends (OK), with `tx` open.
+        // The in-flight request is still answered, then the stream ends — UNAVAILABLE, not
+        // OK: the client had not finished sending, and "late" was never read.
         assert_eq!(s.next().await.unwrap().unwrap().infer_response.unwrap().id, "sleep-30");
+        assert_eq!(s.next().await.unwrap().unwrap_err().code(), tonic::Code::Unavailable);
         assert!(s.next().await.is_none());
         drop(tx);
+    }
+
+    /// A client that had finished sending when shutdown began gets every answer and OK.
+    #[tokio::test]
+    async fn a_finished_stream_ends_ok_on_shutdown() {
+        let (active, peak) = counters();
+        let token = CancellationToken::new();
+        let incoming = futures::stream::iter(vec![Ok(req("sleep-30"))]);
+        let mut s = InferStream::new(incoming, runner(active, peak), 8).stop_on(token.clone().cancelled_owned());
+        assert!(tokio::time::timeout(Duration::from_millis(5), s.next()).await.is_err());
+        token.cancel();
+        assert_eq!(s.next().await.unwrap().unwrap().infer_response.unwrap().id, "sleep-30");
+        assert!(s.next().await.is_none());
     }
 
     #[tokio::test]
