@@ -170,6 +170,10 @@ def write_markdown(path: Path, report: dict) -> None:
         f"{report['interval_ms']} ms windows; client, gateway and worker share the cores. "
         "Produced by `bench/gateway_bench.py`.",
         "",
+    ]
+    if report.get("incomplete"):
+        lines += ["**Incomplete:** the run's time budget ran out; the points below are those measured.", ""]
+    lines += [
         "| model | protocol | concurrency | direct infer/s | gateway infer/s | ratio | direct p50 µs | gateway p50 µs | added p50 µs | direct p99 µs | gateway p99 µs |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -305,6 +309,7 @@ def main() -> int:
     gateway = Gateway(ROOT / "target/release/nereid-gateway", worker, workdir)
     relay = Relay(relay_bin, worker, workdir)
     points = []
+    budget_spent = False
     try:
         worker.start()
         gateway.start(models)
@@ -321,7 +326,7 @@ def main() -> int:
                     for name, target in order:
                         left = t_end - time.monotonic()
                         if left < 30:
-                            raise TimeoutError("time budget spent")
+                            raise BudgetSpent()
                         log(f"{model} {protocol} c={c} {name}")
                         # The relays' CPU: the one on this protocol's port does the work.
                         relay_pid = relay.procs[0 if protocol == "http" else 1].pid if name == "relay" else None
@@ -345,6 +350,10 @@ def main() -> int:
                         point["relay_added_p50_us"] = r["p50_us"] - d["p50_us"]
                     log(f"  -> ratio {point.get('ratio')}, added p50 {point.get('added_p50_us')} us")
                     points.append(point)
+    except BudgetSpent:
+        # What was measured is still reported (marked incomplete), not thrown away.
+        budget_spent = True
+        log("time budget spent: writing the points measured so far")
     finally:
         relay.stop()
         gateway.stop()
@@ -355,10 +364,14 @@ def main() -> int:
     report = {
         "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine, "pa_mode": args.pa_mode, "interval_ms": args.interval_ms,
-        "points": points, "routing": routing,
+        "points": points, "routing": routing, "incomplete": budget_spent,
     }
     write_report(Path(args.out_dir), report)
     return 0
+
+
+class BudgetSpent(Exception):
+    """The run's time budget ran out before every point was measured."""
 
 
 def run_routing_bench(workdir: Path, timeout: float) -> dict | None:

@@ -17,7 +17,7 @@ goes first per point, sharing the machine's cores with the worker: a client that
 per request (perf_analyzer does) takes more cycles from the worker it measures, so each
 client's CPU use is recorded next to its numbers. `--pin` puts the worker on CPU 0 and the
 clients on CPU 1 instead (then a tiny model makes the client itself the bottleneck). Results:
-bench/results/crosscheck.json and crosscheck.md.
+bench/results/crosscheck.json and crosscheck.md (with `--pin`: crosscheck-pinned.json and .md).
 """
 
 from __future__ import annotations
@@ -141,8 +141,10 @@ def main() -> int:
     report = {"finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine,
               "interval_ms": interval, "tolerance": TOLERANCE, "pinned": args.pin, "points": points}
     out = Path(args.out_dir)
+    # Pinned and shared-core runs answer different questions: each keeps its own files.
+    stem = "crosscheck-pinned" if args.pin else "crosscheck"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "crosscheck.json").write_text(json.dumps(report, indent=2))
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     f = lambda v, s=",.0f": "–" if v is None else format(v, s)  # noqa: E731
 
     def per_req(rec: dict) -> float | None:
@@ -157,7 +159,7 @@ def main() -> int:
         f"{interval} ms windows; produced by `bench/perf_crosscheck.py`. Agreement: throughput and p50 within "
         f"{TOLERANCE:.0%}. "
         + ("Worker pinned to CPU 0, clients to CPU 1 (a client's own cost does not take cycles from the worker)."
-           if args.pin else "Worker and clients share every core (`--no-pin`)."),
+           if args.pin else "Worker and clients share every core (run with `--pin` to separate them)."),
         "",
         "*client CPU µs/req* is each tool's own CPU time per completed request (CPU % of one core × 10 000 ÷ "
         "infer/s): on shared cores, every µs a client spends is taken from the worker it measures, so "
@@ -183,7 +185,7 @@ def main() -> int:
                          "perf_analyzer: " + a['output_tail'].splitlines()[-1].replace('|', '\\|') if a.get("output_tail") else "",
                      ] if n)
                      + " |")
-    (out / "crosscheck.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

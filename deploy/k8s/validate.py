@@ -85,7 +85,9 @@ BUILTIN_FLAGS = {
         "trace-rate": V, "trace-count": V, "trace-log-frequency": V, "host-policy": V,
         "min-supported-compute-capability": V, "http-header-forward-pattern": V,
         "grpc-header-forward-pattern": V, "http-restricted-api": V, "grpc-restricted-protocol": V,
-        "cache-directory": V,
+        "cache-directory": V, "metrics-config": V, "model-load-retry-count": V,
+        "grpc-infer-thread-count": V, "grpc-max-response-pool-size": V, "response-cache-byte-size": V,
+        "cuda-virtual-address-size": V, "model-load-gpu-limit": V, "enable-peer-access": (OPT, BOOL),
         "grpc-infer-response-compression-level": (V, ("none", "low", "medium", "high")),
         "help": NONE, "version": NONE,
     },
@@ -466,13 +468,17 @@ def prestop_drain(c: dict) -> dict | None:
         cmd = cmd[1:]
     if not cmd or PurePosixPath(cmd[0]).name != "nereidctl" or "drain" not in cmd:
         return None
-    out = {"endpoints": None, "target": None, "until_exit": "--until-exit" in cmd, "wait": 0}
+    out = {"endpoints": None, "prefix": "/nereid/v1", "target": None, "until_exit": "--until-exit" in cmd, "wait": 0}
     i = cmd.index("drain")
     for j, tok in enumerate(cmd):
         if tok.startswith("--etcd-endpoints="):
             out["endpoints"] = tok.split("=", 1)[1]
         elif tok == "--etcd-endpoints" and j + 1 < len(cmd):
             out["endpoints"] = cmd[j + 1]
+        elif tok.startswith("--etcd-prefix="):
+            out["prefix"] = tok.split("=", 1)[1]
+        elif tok == "--etcd-prefix" and j + 1 < len(cmd):
+            out["prefix"] = cmd[j + 1]
         elif tok.startswith("--wait-secs="):
             out["wait"] = int(tok.split("=", 1)[1]) if tok.split("=", 1)[1].isdigit() else 0
         elif tok == "--wait-secs" and j + 1 < len(cmd) and cmd[j + 1].isdigit():
@@ -798,7 +804,7 @@ class Validator:
                     rep.error(where, f"--{flag}={v} is the same for every pod of the {w.kind}: "
                                      f"use $(POD_NAME)/$(POD_IP) from the downward API")
             if binary == "nereid-worker":
-                self.worker_prestop_drain(where, c, endpoints, last("worker-id"))
+                self.worker_prestop_drain(where, c, endpoints, last("worker-id"), last("etcd-prefix", "/nereid/v1"))
         for label in args.get("label", []):
             if not re.fullmatch(r"[A-Za-z0-9_.\-/]+=[^=]*", label):
                 rep.error(where, f"--label {label!r} is not key=value")
@@ -913,7 +919,8 @@ class Validator:
             rep.error(where, f"--initial-advertise-peer-urls {adv!r} must be "
                              f"http://$(POD_NAME).{svc_name}...:<peer port>")
 
-    def worker_prestop_drain(self, where: str, c: dict, endpoints: str, worker_id: str | None) -> None:
+    def worker_prestop_drain(self, where: str, c: dict, endpoints: str, worker_id: str | None,
+                             prefix: str) -> None:
         """A fleet worker drains in preStop through nereidctl, against its own etcd and id, bound
         to its registration: otherwise a rollout takes its models away before they load
         elsewhere, or leaves a drain behind that a later pod of the same id would inherit."""
@@ -926,6 +933,9 @@ class Validator:
         if drain["endpoints"] != endpoints:
             self.rep.error(where, f"preStop drain --etcd-endpoints {drain['endpoints']!r} is not the "
                                   f"worker's {endpoints!r}")
+        if drain["prefix"] != prefix:
+            self.rep.error(where, f"preStop drain --etcd-prefix {drain['prefix']!r} is not the "
+                                  f"worker's {prefix!r}: it would find no such worker and drain nothing")
         want = re.fullmatch(r"\$\((\w+)\)", worker_id or "")
         target = drain["target"] or ""
         if not want or target not in (f"${want.group(1)}", f"${{{want.group(1)}}}"):

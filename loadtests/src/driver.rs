@@ -637,9 +637,10 @@ pub fn verdict(levels: &[LevelResult], has_slo: bool, server_lost: Option<String
             raise(exit::UNTRUSTWORTHY, &mut exit_code);
         }
     }
+    // A level cut short (Ctrl-C, the time bound) proves nothing about the SLO.
     let best = levels
         .iter()
-        .filter(|l| l.slo_met == Some(true))
+        .filter(|l| l.complete && l.slo_met == Some(true))
         .max_by(|a, b| a.level.value().total_cmp(&b.level.value()))
         .map(|l| l.level.clone());
     if has_slo && best.is_none() && !levels.is_empty() {

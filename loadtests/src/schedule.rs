@@ -129,6 +129,9 @@ pub fn rate_levels(value: &str) -> Result<Vec<f64>, RangeError> {
     Ok((0..count as usize).map(|i| start + step * i as f64).collect())
 }
 
+/// The lowest request rate accepted (requests per second).
+pub const MIN_RATE: f64 = 0.001;
+
 /// `--request-rate-range start[:end[:step]]` as `(start, end, step)`, validated but not expanded.
 pub fn rate_bounds(value: &str) -> Result<(f64, f64, f64), RangeError> {
     let err = |reason: String| RangeError { flag: "--request-rate-range", value: value.to_string(), reason };
@@ -140,8 +143,9 @@ pub fn rate_bounds(value: &str) -> Result<(f64, f64, f64), RangeError> {
     let start = parse(parts[0])?;
     let end = parts.get(1).map(|s| parse(s)).transpose()?.unwrap_or(start);
     let step = parts.get(2).map(|s| parse(s)).transpose()?.unwrap_or(1.0);
-    if start <= 0.0 {
-        return Err(err("rate must be above 0".into()));
+    // Below one request per 1000 s, arrival offsets leave what a Duration holds.
+    if start < MIN_RATE {
+        return Err(err(format!("rate must be at least {MIN_RATE} requests/s")));
     }
     if end < start {
         return Err(err(format!("end {end} is below start {start}")));
@@ -194,7 +198,8 @@ impl Iterator for Arrivals {
             }
         };
         self.index += 1;
-        Some(Duration::from_secs_f64(at))
+        // Past what a Duration holds (a rate far below any validated one): no more arrivals.
+        Duration::try_from_secs_f64(at).ok()
     }
 }
 
@@ -247,7 +252,9 @@ pub fn parse_trace(text: &str) -> Result<Vec<Duration>, TraceError> {
         if out.len() == MAX_TRACE_ARRIVALS {
             return Err(TraceError::TooLong);
         }
-        out.push(Duration::from_secs_f64(ms / 1000.0));
+        let offset = Duration::try_from_secs_f64(ms / 1000.0)
+            .map_err(|_| err(format!("offset {line} ms is beyond any run's length")))?;
+        out.push(offset);
     }
     if out.is_empty() {
         return Err(TraceError::Empty);
@@ -348,6 +355,10 @@ mod tests {
         );
         assert!(matches!(parse_trace("0\nabc\n").unwrap_err(), TraceError::Line { line: 2, .. }));
         assert!(matches!(parse_trace("-1\n").unwrap_err(), TraceError::Line { line: 1, .. }));
+        // Beyond what a Duration holds: an error, not a panic.
+        assert!(matches!(parse_trace("0\n1e23\n").unwrap_err(), TraceError::Line { line: 2, .. }));
+        assert!(rate_bounds("1e-20").unwrap_err().reason.contains("at least 0.001"));
+        assert_eq!(rate_levels("0.001").unwrap(), vec![0.001]);
         assert_eq!(parse_trace("# nothing\n").unwrap_err(), TraceError::Empty);
     }
 

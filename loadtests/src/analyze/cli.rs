@@ -437,6 +437,7 @@ impl AnalyzeArgs {
                 max_memory_mb: self.max_memory_mb,
                 max_gpu_memory_mb: self.max_gpu_memory_mb,
                 max_error_percent: self.max_error_percent,
+                slo_is_max_p99: self.max_p99_ms.is_some() && slo_p99_ms == self.max_p99_ms,
             },
             objective: self.objective,
             load: LoadSettings {

@@ -87,6 +87,11 @@ pub struct Constraints {
     /// the completed ones: a variant must not look good by refusing work.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_error_percent: Option<f64>,
+    /// Whether the measured SLO verdict (`slo_met`: at least 99% of requests succeeded within
+    /// the SLO, failures counted as misses) is the p99 constraint's own — the SLO is
+    /// `max_p99_ms`. A p99 over the successes alone cannot see the requests that failed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub slo_is_max_p99: bool,
 }
 
 /// Failed requests as a percentage of the completed ones (0 when none completed).
@@ -102,6 +107,14 @@ impl Constraints {
             && m.p99_ms > max
         {
             why.push(format!("p99 {:.3} ms > {max} ms", m.p99_ms));
+        } else if let Some(max) = self.max_p99_ms
+            && self.slo_is_max_p99
+            && m.slo_met == Some(false)
+        {
+            why.push(format!(
+                "fewer than 99% of requests succeeded within {max} ms (failed ones count as over; {:.2}% failed)",
+                error_percent(m)
+            ));
         }
         if let Some(max) = self.max_memory_mb {
             match m.memory_mb {
@@ -129,7 +142,12 @@ impl Constraints {
     /// them): what the quick search climbs down while nothing is feasible.
     pub fn excess(&self, m: &Measured) -> f64 {
         let over = |v: f64, max: f64| if max > 0.0 { (v / max - 1.0).max(0.0) } else { 0.0 };
-        let p99 = self.max_p99_ms.map(|max| over(m.p99_ms, max)).unwrap_or(0.0);
+        let mut p99 = self.max_p99_ms.map(|max| over(m.p99_ms, max)).unwrap_or(0.0);
+        if p99 == 0.0 && self.max_p99_ms.is_some() && self.slo_is_max_p99 && m.slo_met == Some(false) {
+            // Under the limit for the successes, over it counting the failures: as far off as
+            // the share of requests that failed (at least a little).
+            p99 = (error_percent(m) / 100.0).max(0.01);
+        }
         let mem = match (self.max_memory_mb, m.memory_mb) {
             (Some(max), Some(v)) => over(v, max),
             (Some(_), None) => 1.0,
@@ -275,6 +293,22 @@ pub(crate) mod tests {
         assert_eq!(best_level(&levels, &tight, Objective::Throughput), Some(0));
         assert_eq!(best_level(&[failed.clone(), failed], &c, Objective::Goodput), None);
         assert_eq!(best_level(&[], &c, Objective::Goodput), None);
+
+        // The p99 of the successes under the limit, but 2% of requests failed (queue timeouts):
+        // with the SLO being the limit, the level misses it — its own verdict says so.
+        let c = Constraints { max_p99_ms: Some(10.0), slo_is_max_p99: true, ..Constraints::default() };
+        let mut shedding = measured(400.0, 392.0, 9.0, None);
+        shedding.errors = shedding.requests / 50;
+        shedding.slo_met = Some(false);
+        let mut fine = measured(300.0, 300.0, 8.0, None);
+        fine.slo_met = Some(true);
+        let why = c.violation(&shedding).expect("a violation");
+        assert!(why.contains("fewer than 99% of requests succeeded within 10 ms"), "{why}");
+        assert_eq!(best_level(&[fine.clone(), shedding.clone()], &c, Objective::Throughput), Some(0));
+        assert!(c.excess(&shedding) > 0.0);
+        // A separate, tighter SLO's verdict is not the constraint's.
+        let separate = Constraints { slo_is_max_p99: false, ..c };
+        assert!(separate.violation(&shedding).is_none());
     }
 
     #[test]
