@@ -82,6 +82,9 @@ impl Code {
 /// The message of [`Status::queue_timeout`], Triton's own wording.
 pub const QUEUE_TIMEOUT_MESSAGE: &str = "Request timeout expired";
 
+/// [`LEVEL_QUEUE_FULL_MESSAGE`] as earlier releases wrote it.
+const LEVEL_QUEUE_FULL_MESSAGE_BEFORE: &str = "the queue of this priority level is full (max_queue_size), retry later";
+
 /// The message of the RESOURCE_EXHAUSTED a priority level's full queue (`max_queue_size`)
 /// answers at once.
 pub const LEVEL_QUEUE_FULL_MESSAGE: &str =
@@ -109,7 +112,11 @@ pub fn is_queue_refusal(code: Code, message: &str) -> bool {
     match code {
         Code::Unavailable => message == QUEUE_TIMEOUT_MESSAGE,
         Code::ResourceExhausted => {
-            message == LEVEL_QUEUE_FULL_MESSAGE || message.starts_with(QUEUE_FULL_MESSAGE_PREFIX)
+            // The level's message before it took Triton's wording too: workers of an earlier
+            // release answer it during a rolling upgrade.
+            message == LEVEL_QUEUE_FULL_MESSAGE
+                || message == LEVEL_QUEUE_FULL_MESSAGE_BEFORE
+                || message.starts_with(QUEUE_FULL_MESSAGE_PREFIX)
         }
         _ => false,
     }
@@ -197,5 +204,8 @@ mod tests {
         assert_eq!(Code::Cancelled.reason(), "CANCELED");
         assert_eq!(Code::InvalidArgument.reason(), "OTHER", "a bad request is no overload");
         assert_eq!(Code::ResourceExhausted.reason(), "REJECTED");
+        // Both wordings of a full level are refusals (workers of mixed releases).
+        assert!(is_queue_refusal(Code::ResourceExhausted, LEVEL_QUEUE_FULL_MESSAGE));
+        assert!(is_queue_refusal(Code::ResourceExhausted, LEVEL_QUEUE_FULL_MESSAGE_BEFORE));
     }
 }

@@ -157,6 +157,18 @@ def test_bad_value_of_a_closed_flag(tmp_path):
                       "--model-control-mode=lazy", "not one of none, poll, explicit")
 
 
+def test_closed_flag_values_in_any_case(tmp_path):
+    # The worker takes tritonserver's values in any case; so does the check.
+    d = copy_manifests(tmp_path)
+
+    def change(docs):
+        args = container(docs)["args"]
+        args[args.index("--model-control-mode=explicit")] = "--model-control-mode=EXPLICIT"
+    edit(d, "worker-cpu.yaml", change)
+    result = validate(d, "--flags-from", "builtin")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_probe_on_undeclared_port(tmp_path):
     d = copy_manifests(tmp_path)
     edit(d, "worker-cpu.yaml",
@@ -244,11 +256,11 @@ def test_worker_prestop_drain_of_another_worker_or_etcd(tmp_path):
     def retarget(docs):
         cmd = worker_container(docs)["lifecycle"]["preStop"]["exec"]["command"]
         cmd[2] = cmd[2].replace('"$POD_NAME"', "worker-0").replace("--until-exit ", "").replace(
-            "http://etcd-0.etcd:2379,", "")
+            "http://etcd-0.etcd:2379,", "").replace("--etcd-prefix=/nereid/v1", "--etcd-prefix=/other")
     edit(d, "worker-cpu.yaml", retarget)
     result = validate(d, "--flags-from", "builtin")
     for needle in ("preStop drain names 'worker-0'", "without --until-exit",
-                   "preStop drain --etcd-endpoints"):
+                   "preStop drain --etcd-endpoints", "preStop drain --etcd-prefix '/other'"):
         assert_fails_with(result, "Deployment/nereid-worker-cpu", needle)
 
 

@@ -423,7 +423,10 @@ def parse_args(tokens: list[str], fs: FlagSet, where: str, rep: Report) -> dict[
                 continue
             else:
                 value = "true"
-        if choices and not VAR_REF.search(value) and value not in choices:
+        # The binaries take these values in any case (as tritonserver does), --log-format's
+        # excepted.
+        folded = (lambda v: v) if name == "log-format" else str.lower
+        if choices and not VAR_REF.search(value) and folded(value) not in {folded(c) for c in choices}:
             rep.error(where, f"--{name}={value}: not one of {', '.join(choices)} "
                              f"(flags from {fs.source})")
         if name in INTEGER_FLAGS and not VAR_REF.search(value) and not re.fullmatch(r"\d+", value):
@@ -787,7 +790,7 @@ class Validator:
                              f"SIGTERM would race the endpoints update and refuse connections")
         # etcd membership.
         if endpoints:
-            if binary == "nereid-worker" and last("model-control-mode", "none") != "explicit":
+            if binary == "nereid-worker" and last("model-control-mode", "none").lower() != "explicit":
                 rep.error(where, "--etcd-endpoints needs --model-control-mode=explicit (placement "
                                  "decides what the worker loads)")
             for ep in endpoints.split(","):

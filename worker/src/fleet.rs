@@ -204,8 +204,10 @@ async fn agent(
         }
     }
     reconciler.abort();
-    // Stopped between sessions (or a revoke failed): the registration would outlive this
-    // process by up to a TTL, gateways still counting on it. A last, bounded try.
+    // Stopped between sessions (or while revoking its own lease failed): the registration
+    // would outlive this process by up to a TTL, gateways still counting on it. A last,
+    // bounded try. (A revoke of an earlier session's lease that failed inside a session is
+    // not retried: that lease expires by itself within its TTL.)
     previous.retain(|(_, ended)| ended.elapsed() < options.lease_ttl);
     if !previous.is_empty()
         && let Ok(mut client) = bounded("connect", nereid_common::fleet::connect(&options.endpoints)).await
@@ -551,8 +553,16 @@ fn model_statuses(
         if retiring.contains(&e.name) && !placement.contains_key(&e.name) {
             continue; // Serving out its unload grace: no new traffic.
         }
-        if let (Ok(v), "READY") = (e.version.parse::<i64>(), e.state.as_str()) {
-            out.insert((e.name.clone(), v), status(ModelState::Ready, ""));
+        match (e.version.parse::<i64>(), e.state.as_str()) {
+            (Ok(v), "READY") => {
+                out.insert((e.name.clone(), v), status(ModelState::Ready, ""));
+            }
+            // Loaded but serving nothing (an ensemble whose composing model is gone): FAILED,
+            // saying why, so that placement moves it rather than wait for it as still loading.
+            (Ok(v), "UNAVAILABLE") => {
+                out.insert((e.name.clone(), v), status(ModelState::Failed, &e.reason));
+            }
+            _ => {}
         }
     }
     for (model, versions) in placement {
@@ -759,6 +769,7 @@ mod tests {
             entry("c", "", "UNAVAILABLE", "bad model"),
             entry("d", "", "", ""),
             entry("e", "1", "READY", "reload failed: x"),
+            entry("f", "1", "UNAVAILABLE", "composing model 'g': model 'g' is not ready"),
         ];
         let placement: Placement = [
             ("a".to_string(), BTreeSet::from([1, 2])),
@@ -766,6 +777,7 @@ mod tests {
             ("c".to_string(), BTreeSet::from([3])),
             ("d".to_string(), BTreeSet::from([1])),
             ("e".to_string(), BTreeSet::from([1, 2])),
+            ("f".to_string(), BTreeSet::from([1])),
         ]
         .into();
         let failures = HashMap::from([("e".to_string(), "failed to load 'e': boom".to_string())]);
@@ -786,6 +798,8 @@ mod tests {
                 &pending,       // not yet attempted: waits its turn
                 "e/1=READY:",
                 "e/2=FAILED:failed to load 'e': boom",
+                // Loaded, serving nothing (its composing model is gone): FAILED, saying why.
+                "f/1=FAILED:composing model 'g': model 'g' is not ready",
             ]
         );
         // Nothing loading now: `a`'s version 2 waits its turn too.

@@ -146,11 +146,14 @@ async fn explicit_loading_brings_composing_models_and_unload_dependents_takes_th
         assert!(!repo.model_ready(m, None), "{m} is not ready without '{step}'");
         assert!(reason(&repo, m).contains(&format!("composing model '{step}'")), "{}", reason(&repo, m));
     }
+    // Under strict readiness they hold the server not ready.
+    assert_eq!(repo.not_ready_models(), ["inner", "outer"]);
 
     // Reloading the outer one loads what is missing again; unload_dependents takes all three.
     repo.load("outer", None).await.unwrap();
     assert!(repo.model_ready("versioned_scale", None));
     assert!(repo.model_ready("outer", None) && repo.model_ready("inner", None));
+    assert!(repo.not_ready_models().is_empty());
     repo.unload_with("outer", true).await.unwrap();
     for m in ["outer", "inner", "versioned_scale"] {
         assert!(!repo.model_ready(m, None), "{m} unloaded");

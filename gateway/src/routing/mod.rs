@@ -214,11 +214,12 @@ impl RoutingTable {
     }
 
     /// The bounded metrics label for the version of `model` a request for `version` goes to:
-    /// the version named when the table knows it for that model; with none named, the version
-    /// it resolves to (the latest READY one) — so a request that fails is counted against the
-    /// version it would have been served by, as the worker counts it. Empty only when no version
-    /// can be resolved (the model is unknown or READY nowhere, or the version named is one
-    /// nobody has).
+    /// the version named when the table knows it for that model; with none named, the latest
+    /// READY one anywhere. (Such a request is served by whichever holder takes it at that
+    /// holder's own latest — during a rollout an older one on some workers — so the gateway's
+    /// label is the model's newest version, where the worker counts the version it ran.) Empty
+    /// only when no version can be resolved (the model is unknown or READY nowhere, or the
+    /// version named is one nobody has).
     pub fn version_label(&self, model: &str, version: Option<i64>) -> String {
         match (self.models.get(model), version) {
             (Some(routes), Some(v)) if routes.known_versions.contains(&v) => v.to_string(),

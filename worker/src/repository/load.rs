@@ -909,9 +909,10 @@ pub fn batch_policy(config: &ModelConfig) -> BatchPolicy {
             max_queue_size: q.max_queue_size as usize,
         },
     };
-    let levels = (1..=level_count as u64)
-        .map(|l| from_policy(db.priority_queue_policy.get(&l).or(db.default_queue_policy.as_ref())))
-        .collect();
+    // Per-level policies count only with priority levels (Triton ignores them otherwise).
+    let per_level = |l: u64| (db.priority_levels > 0).then(|| db.priority_queue_policy.get(&l)).flatten();
+    let levels =
+        (1..=level_count as u64).map(|l| from_policy(per_level(l).or(db.default_queue_policy.as_ref()))).collect();
     let mut preferred: Vec<usize> = db.preferred_batch_size.iter().map(|&p| p.max(1) as usize).collect();
     preferred.sort();
     preferred.dedup();
@@ -1040,6 +1041,13 @@ fn warmup(config: &ModelConfig, dir: &Path, spec: &ModelSpec, instances: &mut [I
             if batching {
                 shape[0] = batch as i64;
             }
+            // A BYTES row is as long as its file: the batch of it is bounded here, not above.
+            if row.len().checked_mul(batch).is_none_or(|n| n as u64 > MAX_WARMUP_INPUT_BYTES) {
+                return Err(format!(
+                    "sample '{}': input '{}' takes more than {MAX_WARMUP_INPUT_BYTES} bytes for {batch} rows",
+                    sample.name, input.name
+                ));
+            }
             inputs.push(Some((shape, bytes::Bytes::from(row.repeat(batch)))));
         }
         let jobs = [JobInputs { rows: batch, inputs: &inputs }];
@@ -1133,6 +1141,22 @@ mod tests {
         for priority in [0, 1, 2, 7] {
             assert_eq!(policy.level_for(priority), 1, "priority {priority}");
         }
+    }
+
+    /// Per-level queue policies without priority levels are ignored, as in Triton: the one
+    /// level follows default_queue_policy (a key 1 used to replace it).
+    #[test]
+    fn per_level_policies_without_levels_are_ignored() {
+        let c = config(
+            "max_batch_size: 4\ndynamic_batching { priority_queue_policy { key: 1 value { max_queue_size: 1 } } \
+             default_queue_policy { max_queue_size: 5 } }\n\
+             input [ { name: \"A\" data_type: TYPE_FP32 dims: [ 8 ] } ]\n\
+             output [ { name: \"S\" data_type: TYPE_FP32 dims: [ 8 ] } ]",
+        );
+        validate_model_config(&c).unwrap();
+        let policy = batch_policy(&c);
+        assert_eq!(policy.levels.len(), 1);
+        assert_eq!(policy.levels[0].max_queue_size, 5);
     }
 
     fn batching_io() -> ModelIo {

@@ -392,10 +392,13 @@ impl Repository {
     /// reload failed or is under way while its previous version keeps serving. With nothing
     /// tried (EXPLICIT mode, no --load-model) the list is empty. Sorted.
     pub fn not_ready_models(&self) -> Vec<String> {
-        let slots = self.slots.read().unwrap_or_else(|e| e.into_inner());
+        // A copy: an ensemble's check below reads the slots again.
+        let slots = self.slots.read().unwrap_or_else(|e| e.into_inner()).clone();
         let mut out: Vec<String> = slots
             .iter()
             .filter(|(_, slot)| match &slot.state {
+                // Loaded, but an ensemble whose composing model is gone serves nothing.
+                _ if slot.model.as_ref().is_some_and(|m| self.missing_step(m).is_some()) => true,
                 _ if slot.model.is_some() => false,
                 State::Ready | State::Unloading => false,
                 State::Unavailable(reason) => reason != UNLOADED,
@@ -1174,17 +1177,23 @@ impl Repository {
         names.dedup();
         let mut out = Vec::new();
         for name in &names {
-            match slots.get(name) {
-                Some(Slot { model: Some(m), .. }) if let Some(why) = self.missing_step(m) => {
-                    for v in m.versions.keys() {
-                        out.push(IndexEntry {
-                            name: name.clone(),
-                            version: v.to_string(),
-                            state: "UNAVAILABLE".to_string(),
-                            reason: why.clone(),
-                        });
-                    }
+            // An ensemble missing a composing model serves nothing: UNAVAILABLE, saying why.
+            let missing = match slots.get(name) {
+                Some(Slot { model: Some(m), .. }) => self.missing_step(m).map(|why| (m, why)),
+                _ => None,
+            };
+            if let Some((m, why)) = missing {
+                for v in m.versions.keys() {
+                    out.push(IndexEntry {
+                        name: name.clone(),
+                        version: v.to_string(),
+                        state: "UNAVAILABLE".to_string(),
+                        reason: why.clone(),
+                    });
                 }
+                continue;
+            }
+            match slots.get(name) {
                 Some(Slot { model: Some(m), state, reload_error }) => {
                     for v in m.versions.keys() {
                         out.push(IndexEntry {
