@@ -662,7 +662,7 @@ mod tests {
         // Bounded wait for the timer to take it out of the queue.
         let expired = (0..6000).any(|_| {
             std::thread::sleep(Duration::from_millis(10));
-            h.scheduler.shared.lock().queue.len() == 0
+            h.scheduler.shared.lock().queue.is_empty()
         });
         assert!(expired, "the queue timeout never fired");
         assert!(second_rx.try_recv().is_err(), "answered before the request ahead of it");
