@@ -73,7 +73,9 @@ impl Ingress {
         deadline: CallDeadline,
         permit: Option<Permit>,
     ) -> Result<InferResponse, GatewayError> {
-        let version = parse_version(&request.header.model_name, &request.header.model_version)?;
+        let version = parse_version(&request.header.model_name, &request.header.model_version).inspect_err(|e| {
+            self.refusals.count(Some((&request.header.model_name, None)), e.code.grpc_code(), Instant::now());
+        })?;
         let deadline = after_upload(deadline, self.request_timeout, Instant::now());
         self.infer.clone().oneshot(InferCall::new(request, version, deadline).admitted(permit)).await
     }

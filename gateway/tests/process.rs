@@ -120,6 +120,12 @@ async fn a_json_request_that_outgrows_the_limit_once_converted_is_refused() {
     assert_eq!(r.status(), 400);
     let text = r.text().await.unwrap();
     assert!(text.contains("over the limit of 1048576 bytes"), "{text}");
+    // Refused before the stack, yet counted like what the stack refuses.
+    let metrics = gateway.metrics_text().await;
+    assert!(
+        metrics.contains(r#"nereid_gateway_requests_total{code="INVALID_ARGUMENT",model="stuck",version="1"} 1"#),
+        "{metrics}"
+    );
     // A full batch (max_batch_size 4) runs at once despite the model's long queue delay.
     let out = gateway.client().await.model_infer(fp32_request("stuck", "", &[4, 16], |i| i as f32)).await;
     assert_eq!(out.expect("served").into_inner().raw_output_contents[0].len(), 256);

@@ -304,7 +304,10 @@ impl tonic::server::UnaryService<Bytes> for InferHandler {
                     (None, ingress.call_deadline(client_deadline(request.metadata(), now), now))
                 }
             };
-            let request = decode_request(request.into_inner(), ingress.max_request_bytes)?;
+            let request = decode_request(request.into_inner(), ingress.max_request_bytes).inspect_err(|status| {
+                // Refused before the stack: counted as the stack counts its refusals.
+                ingress.refusals.count(None, status.code(), Instant::now());
+            })?;
             // Awaited in place: if the client goes away, tonic drops this future and with it the
             // forwarded call (the worker sees a cancelled RPC).
             let response = ingress.infer(request, deadline, permit).await.map_err(|e| e.to_grpc())?;
@@ -332,7 +335,10 @@ impl tonic::server::StreamingService<Bytes> for InferHandler {
                         let header = request.header.clone();
                         ingress.infer(request, deadline, None).await.map_err(|e| (e.to_grpc(), header))
                     }
-                    Err(status) => Err((status, Default::default())),
+                    Err(status) => {
+                        ingress.refusals.count(None, status.code(), Instant::now());
+                        Err((status, Default::default()))
+                    }
                 };
                 match result {
                     Ok(response) => StreamReply::Ok(response.bytes),

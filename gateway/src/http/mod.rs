@@ -293,46 +293,59 @@ async fn infer(
     let (name, version) = model_ref(&params)?;
     // Admitted before the body is read: an overloaded gateway buffers nothing.
     let permit = ingress.admit(Some((&name, version)), now)?;
-    let header_length = match headers.get(HEADER_CONTENT_LENGTH) {
-        None => None,
-        Some(v) => Some(v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok()).ok_or_else(|| {
-            Status::invalid(format!("Inference-Header-Content-Length must be a non-negative integer, got {v:?}"))
-        })?),
-    };
-    let max = ingress.max_request_bytes;
-    // A body trickled in slowly holds its buffer: the request's deadline bounds the upload too.
-    let body = match tokio::time::timeout_at(deadline.at.into(), read_body(&headers, body, max)).await {
-        Ok(body) => body?,
-        Err(_) => {
-            ingress.refusals.count(Some((&name, version)), tonic::Code::DeadlineExceeded, now);
-            return Err(Status::new(
-                nereid_common::Code::DeadlineExceeded,
-                "the request's deadline passed before its body was received",
-            )
-            .into());
-        }
-    };
+    // Refused once admitted (a malformed header or body, a stalled upload, a request too large
+    // once converted): counted in the request metrics, as the stack counts what it refuses.
+    let prepared = async {
+        let header_length = match headers.get(HEADER_CONTENT_LENGTH) {
+            None => None,
+            Some(v) => Some(v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok()).ok_or_else(|| {
+                Status::invalid(format!("Inference-Header-Content-Length must be a non-negative integer, got {v:?}"))
+            })?),
+        };
+        let max = ingress.max_request_bytes;
+        // A body trickled in slowly holds its buffer: the request's deadline bounds the upload too.
+        let body = match tokio::time::timeout_at(deadline.at.into(), read_body(&headers, body, max)).await {
+            Ok(body) => body?,
+            Err(_) => {
+                return Err(Status::new(
+                    nereid_common::Code::DeadlineExceeded,
+                    "the request's deadline passed before its body was received",
+                )
+                .into());
+            }
+        };
 
-    let heavy =
-        header_length.unwrap_or(body.len()).min(body.len()) > OFFLOAD_JSON_BYTES || body.len() > OFFLOAD_COPY_BYTES;
-    // Converted once, to the encoded gRPC request the stack forwards as it is.
-    let (request, format) = maybe_offload(heavy, move || {
-        let ParsedInfer { request, format } = parse_infer_request(&name, version, body, header_length, max, None)?;
-        let proto = infer_request_to_proto(request);
-        // The limit holds per tensor while parsing; the message as a whole can still outgrow it
-        // (JSON "0," is 2 bytes, an INT64 element 8), and the worker would refuse it with a
-        // size the client never sent.
-        let encoded = prost::Message::encoded_len(&proto);
-        if encoded.saturating_add(FORWARD_APPEND_BYTES) > max {
-            return Err(Status::invalid(format!(
-                "the request's tensors take {encoded} bytes once converted, which with the \
-                 {FORWARD_APPEND_BYTES} bytes forwarding may add is over the limit of {max} bytes \
-                 (--max-request-bytes): send fewer or smaller tensors, or binary data"
-            )));
+        let heavy =
+            header_length.unwrap_or(body.len()).min(body.len()) > OFFLOAD_JSON_BYTES || body.len() > OFFLOAD_COPY_BYTES;
+        // Converted once, to the encoded gRPC request the stack forwards as it is.
+        let model = name.clone();
+        let (request, format) = maybe_offload(heavy, move || {
+            let ParsedInfer { request, format } = parse_infer_request(&model, version, body, header_length, max, None)?;
+            let proto = infer_request_to_proto(request);
+            // The limit holds per tensor while parsing; the message as a whole can still outgrow it
+            // (JSON "0," is 2 bytes, an INT64 element 8), and the worker would refuse it with a
+            // size the client never sent.
+            let encoded = prost::Message::encoded_len(&proto);
+            if encoded.saturating_add(FORWARD_APPEND_BYTES) > max {
+                return Err(Status::invalid(format!(
+                    "the request's tensors take {encoded} bytes once converted, which with the \
+                     {FORWARD_APPEND_BYTES} bytes forwarding may add is over the limit of {max} bytes \
+                     (--max-request-bytes): send fewer or smaller tensors, or binary data"
+                )));
+            }
+            Ok((InferRequest::encode(&proto), format))
+        })
+        .await?;
+        Ok::<_, GatewayError>((request, format))
+    }
+    .await;
+    let (request, format) = match prepared {
+        Ok(prepared) => prepared,
+        Err(e) => {
+            ingress.refusals.count(Some((&name, version)), e.grpc_code(), now);
+            return Err(e);
         }
-        Ok((InferRequest::encode(&proto), format))
-    })
-    .await?;
+    };
 
     // Awaited here: if the client goes away, this future and the forwarded call are dropped.
     let response = ingress.infer(request, deadline, Some(permit)).await?;
