@@ -398,12 +398,13 @@ fn a_concurrency_range_credits_each_variant_with_its_best_level() {
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();
     assert!(html.contains("across load levels") && html.contains("<th>best level</th>"), "levels chart and column");
 
-    // A resume under another load warns that the reused results are not comparable.
+    // A resume under another load reuses nothing: its variants are measured again.
     let args =
         identity_sweep(&worker, &out, &[&space[..], &["--max-p99-ms", "5000", "--concurrency", "2", "--resume"]]);
     let run = analyze(&strs(&args));
     assert_eq!(run.code, 0, "{run}");
-    assert!(run.stdout.contains("not comparable"), "{run}");
+    assert!(run.stdout.contains("nothing reused, every variant measured again"), "{run}");
+    assert_eq!(read_json(&out.join("results.json"))["reused"], 0);
 }
 
 #[test]

@@ -20,6 +20,11 @@ pub struct Checkpoint {
     /// The load each variant was measured with (`concurrency 4`), to warn on a resume that
     /// measures differently.
     pub load: String,
+    /// Everything the numbers depend on besides the variant (protocol, load, SLO, measurement,
+    /// seed, the base config), as written: a resume under other settings reuses nothing.
+    /// Empty in checkpoints written before it was kept.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub settings: String,
     pub results: Vec<VariantResult>,
 }
 
@@ -40,7 +45,13 @@ pub enum CheckpointError {
 
 impl Checkpoint {
     pub fn new(model: &str, load: &str) -> Checkpoint {
-        Checkpoint { format: CHECKPOINT_FORMAT, model: model.into(), load: load.into(), results: Vec::new() }
+        Checkpoint {
+            format: CHECKPOINT_FORMAT,
+            model: model.into(),
+            load: load.into(),
+            settings: String::new(),
+            results: Vec::new(),
+        }
     }
 
     /// Reads `path`; `Ok(None)` when it does not exist. A checkpoint for another model or

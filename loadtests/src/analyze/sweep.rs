@@ -198,6 +198,14 @@ pub struct Sweep {
     pub resume_from: Option<Checkpoint>,
 }
 
+impl Sweep {
+    /// What the measurements depend on besides the variant: the load settings and the base
+    /// config, as JSON ([`Checkpoint::settings`]).
+    pub fn settings(&self) -> String {
+        serde_json::json!({ "load": &self.load, "base": config_to_json(&self.base) }).to_string()
+    }
+}
+
 /// The server the sweep talks to.
 pub struct ServerHandle {
     /// Inference endpoint (`host:port`) of the measurement protocol.
@@ -280,16 +288,30 @@ pub async fn run(
     interrupt: &CancellationToken,
 ) -> SweepOutcome {
     let mut checkpoint = Checkpoint::new(&sweep.model, &sweep.load.describe());
+    checkpoint.settings = sweep.settings();
     let mut warnings = Vec::new();
+    // The checkpoint whose results are reused, if its settings allow.
+    let mut reusable_from = sweep.resume_from.as_ref();
     if let Some(previous) = &sweep.resume_from {
-        if previous.load != checkpoint.load {
-            warnings.push(format!(
-                "the checkpoint's variants were measured under '{}', this sweep uses '{}'; reused results are not comparable",
-                previous.load, checkpoint.load
-            ));
+        if !previous.settings.is_empty() && previous.settings != checkpoint.settings {
+            reusable_from = None;
+            // Numbers measured another way (another protocol, SLO, load, window, base config)
+            // cannot be ranked with these: nothing is reused, and the checkpoint starts anew.
+            warnings.push(
+                "the checkpoint's variants were measured with other settings (protocol, load, SLO, \
+                 measurement, seed or base config): nothing reused, every variant measured again"
+                    .to_string(),
+            );
+        } else {
+            if previous.load != checkpoint.load {
+                warnings.push(format!(
+                    "the checkpoint's variants were measured under '{}', this sweep uses '{}'; reused results are not comparable",
+                    previous.load, checkpoint.load
+                ));
+            }
+            // Keep everything the earlier run recorded, even variants this search may not visit.
+            checkpoint.results = previous.results.clone();
         }
-        // Keep everything the earlier run recorded, even variants this search may not visit.
-        checkpoint.results = previous.results.clone();
     }
     let mut out = SweepOutcome { results: Vec::new(), reused: 0, stop: None, search_end: String::new(), warnings };
     let total = match sweep.strategy {
@@ -301,7 +323,7 @@ pub async fn run(
     while let Some(point) = search.next() {
         n += 1;
         let variant = sweep.space.variant(point);
-        let reused = sweep.resume_from.as_ref().and_then(|c| c.reusable(&variant.key())).cloned();
+        let reused = reusable_from.and_then(|c| c.reusable(&variant.key())).cloned();
         let (result, stop) = match reused {
             Some(r) => {
                 progress.note(&format!("[{n}/{total}] {}: {} (from the checkpoint)", r.key, r.status.label()));
