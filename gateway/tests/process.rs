@@ -152,22 +152,22 @@ async fn a_request_without_room_for_what_forwarding_appends_is_refused_at_the_ga
     let limit = ["--max-request-bytes", "1048576"];
     let worker = start_worker_with(repo.path(), &[], &limit).await;
     let gateway = start_gateway(&[&worker], &limit).await;
-    // The gRPC message the gateway makes of the JSON request below, with an id of `n` bytes.
-    let encoded = |n: usize| {
-        ModelInferRequest {
-            model_name: "big".into(),
-            id: "x".repeat(n),
-            inputs: vec![InferInputTensor {
-                name: "INPUT0".into(),
-                datatype: "FP32".into(),
-                shape: vec![ROWS as i64, 16],
-                ..Default::default()
-            }],
-            raw_input_contents: vec![vec![0u8; ROWS * 64].into()],
+    // The gRPC message the gateway makes of the JSON request below (and a gRPC client sends),
+    // with `id`.
+    let big = |id: String| ModelInferRequest {
+        model_name: "big".into(),
+        id,
+        inputs: vec![InferInputTensor {
+            name: "INPUT0".into(),
+            datatype: "FP32".into(),
+            shape: vec![ROWS as i64, 16],
             ..Default::default()
-        }
-        .encoded_len()
+        }],
+        raw_input_contents: vec![vec![0u8; ROWS * 64].into()],
+        ..Default::default()
     };
+    // Its size with an id of `n` bytes.
+    let encoded = |n: usize| big("x".repeat(n)).encoded_len();
     // An id costs its length plus its tag and length prefix (a few bytes).
     let id_for = |size: usize| {
         let mut n = size - encoded(0);
@@ -196,18 +196,7 @@ async fn a_request_without_room_for_what_forwarding_appends_is_refused_at_the_ga
 
     // The same over gRPC, where the client's message is forwarded as it is.
     let grpc = |id: String| {
-        let request = ModelInferRequest {
-            model_name: "big".into(),
-            id,
-            inputs: vec![InferInputTensor {
-                name: "INPUT0".into(),
-                datatype: "FP32".into(),
-                shape: vec![ROWS as i64, 16],
-                ..Default::default()
-            }],
-            raw_input_contents: vec![vec![0u8; ROWS * 64].into()],
-            ..Default::default()
-        };
+        let request = big(id);
         async { gateway.client().await.max_encoding_message_size(usize::MAX).model_infer(request).await }
     };
     let status = grpc(id_for(MAX - 1)).await.expect_err("no room for the version pin");

@@ -573,22 +573,10 @@ impl Repository {
             let outcome = classified(&model, &request.outputs, outputs.as_ref().clone());
             let outcome = write_shm_outputs(outcome, std::mem::take(&mut request.shm_outputs)).await;
             counted.armed = false;
-            return match outcome {
-                Ok((outputs, shm_written)) => {
-                    stats.record_cache_hit(*lookup, started.elapsed());
-                    Ok(InferResponse {
-                        model_name: request.model_name,
-                        model_version: version.version,
-                        id: request.id,
-                        outputs,
-                        shm_written,
-                    })
-                }
-                Err(status) => {
-                    stats.record_failure(started.elapsed(), status.code.reason());
-                    Err(status)
-                }
-            };
+            let elapsed = started.elapsed();
+            return answered(request, version.version, outcome, stats, elapsed, || {
+                stats.record_cache_hit(*lookup, elapsed)
+            });
         }
         let outcome = match &version.executor {
             Executor::Scheduler(scheduler) => run(&model.spec, scheduler, &mut request).await,
@@ -617,22 +605,7 @@ impl Repository {
         // The request's time includes the cache insert and the shared-memory writes, as
         // Triton's does.
         let elapsed = started.elapsed();
-        match outcome {
-            Ok((outputs, shm_written)) => {
-                stats.record_success(elapsed);
-                Ok(InferResponse {
-                    model_name: request.model_name,
-                    model_version: version.version,
-                    id: request.id,
-                    outputs,
-                    shm_written,
-                })
-            }
-            Err(status) => {
-                stats.record_failure(elapsed, status.code.reason());
-                Err(status)
-            }
-        }
+        answered(request, version.version, outcome, stats, elapsed, || stats.record_success(elapsed))
     }
 
     /// Runs an ensemble's steps, wave by wave (the steps of a wave concurrently), each as a
@@ -1368,6 +1341,34 @@ fn classified(
         }
     }
     Ok(outputs)
+}
+
+/// The answer to `request` (served by `version`) from its outcome, counted in `stats`:
+/// `success` records a success; a failure is recorded with its reason after `elapsed`.
+fn answered(
+    request: InferRequest,
+    version: i64,
+    outcome: Result<(Vec<crate::tensor::OutputTensor>, Vec<crate::shm::ShmWritten>), Status>,
+    stats: &crate::metrics::VersionStats,
+    elapsed: Duration,
+    success: impl FnOnce(),
+) -> Result<InferResponse, Status> {
+    match outcome {
+        Ok((outputs, shm_written)) => {
+            success();
+            Ok(InferResponse {
+                model_name: request.model_name,
+                model_version: version,
+                id: request.id,
+                outputs,
+                shm_written,
+            })
+        }
+        Err(status) => {
+            stats.record_failure(elapsed, status.code.reason());
+            Err(status)
+        }
+    }
 }
 
 /// Writes the outputs a request asked for in shared memory into their regions, before the
