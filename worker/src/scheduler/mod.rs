@@ -268,10 +268,19 @@ impl Scheduler {
                 answer_dropped(&self.shared, dropped);
             }
             if state.queue.len() >= MAX_QUEUED {
-                return Err(Status::exhausted(format!(
-                    "{} ({MAX_QUEUED} requests), retry later",
-                    nereid_common::status::QUEUE_FULL_MESSAGE_PREFIX
-                )));
+                let full = || {
+                    Status::exhausted(format!(
+                        "{} ({MAX_QUEUED} requests), retry later",
+                        nereid_common::status::QUEUE_FULL_MESSAGE_PREFIX
+                    ))
+                };
+                // A lower-priority request gives up its place (it never ran: a client or the
+                // gateway may retry it) rather than lock out a higher priority.
+                let Some(victim) = state.queue.make_room_for(job.priority) else {
+                    return Err(full());
+                };
+                self.shared.stats.pending_add(-1);
+                self.shared.delivery.send(victim.seq, victim.reply, Err(full()));
             }
             job.seq = state.next_seq;
             let was_empty = state.queue.is_empty();
@@ -647,6 +656,41 @@ mod tests {
         h.gate.send(()).expect("instance waits");
         assert!(long_rx.blocking_recv().expect("answered").is_ok());
         assert_eq!(h.scheduler.shared.lock().queue.len(), 0);
+    }
+
+    /// The model's queue full of low-priority requests does not lock out a higher priority:
+    /// the newest low-priority one gives up its place (RESOURCE_EXHAUSTED, never run); a
+    /// request of the lowest priority present is still refused.
+    #[test]
+    fn a_full_queue_makes_room_for_a_higher_priority() {
+        let mut policy = BatchPolicy::direct();
+        policy.levels = vec![policy::LevelPolicy::default(); 2];
+        let h = harness(policy);
+        let submit = |priority: u64| {
+            let (tx, rx) = oneshot::channel();
+            (h.scheduler.submit(Job::new(1, vec![], vec![], vec![], priority, 0, tx)), rx)
+        };
+        let (running, _running_rx) = submit(2);
+        running.expect("queued");
+        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "the instance is busy");
+        let mut low: Vec<oneshot::Receiver<JobResult>> = Vec::new();
+        for _ in 0..MAX_QUEUED {
+            let (queued, rx) = submit(2);
+            queued.expect("room");
+            low.push(rx);
+        }
+        let (refused, _) = submit(2);
+        assert_eq!(refused.expect_err("full").code, Code::ResourceExhausted);
+        let (high, _high_rx) = submit(1);
+        high.expect("a higher priority takes the newest low one's place");
+        let newest = low.pop().unwrap().try_recv().expect("answered at once").expect_err("refused");
+        assert_eq!(newest.code, Code::ResourceExhausted);
+        assert!(newest.message.starts_with(nereid_common::status::QUEUE_FULL_MESSAGE_PREFIX), "{}", newest.message);
+        assert!(low.iter_mut().all(|rx| rx.try_recv().is_err()), "the older ones keep their places");
+        assert_eq!(h.stats.pending(), MAX_QUEUED as i64);
+        assert_eq!(h.scheduler.shared.lock().queue.len(), MAX_QUEUED);
+        drop(low);
+        h.gate.send(()).expect("instance waits");
     }
 
     /// Under preserve_ordering a request refused by its queue timeout is answered in its

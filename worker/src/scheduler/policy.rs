@@ -253,6 +253,25 @@ impl<T: Pending> BatchQueue<T> {
         max > 0 && self.levels[level - 1].len() >= max
     }
 
+    /// Makes room for a request with `priority` in a queue that is full as a whole (the
+    /// worker's own bound, beyond Triton's per-level `max_queue_size`): takes out the newest
+    /// request of the lowest-priority level holding any, when that level is below the new
+    /// request's — a flood of low-priority traffic must not lock out higher priorities. The
+    /// newest, so nobody older is overtaken; its delayed queue first (it would run last).
+    /// `None` when every queued request has the new one's priority or a higher one.
+    pub fn make_room_for(&mut self, priority: u64) -> Option<T> {
+        let level = self.policy.level_for(priority);
+        let lowest = self.levels.iter().rposition(|l| l.len() > 0)?;
+        if lowest < level {
+            return None; // index `lowest` is level `lowest + 1`: not below `level`
+        }
+        let victim = &mut self.levels[lowest];
+        let entry = victim.delayed.pop_back().or_else(|| victim.queue.pop_back())?;
+        self.len -= 1;
+        self.rows -= entry.item.rows();
+        Some(entry.item)
+    }
+
     /// Queues `item` at the level for `priority`, with its timeout. Fails at once if the
     /// level's `max_queue_size` is reached (its delayed requests count). On success, returns
     /// the instant its queue timeout fires, if it has one, so a timer sleeping past that
