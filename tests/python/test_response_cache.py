@@ -12,12 +12,14 @@ import tritonclient.http as httpclient
 from nereid_harness import assert_fp32_close
 
 
-@pytest.fixture
-def cached_worker(repo_copy, make_worker):
+@pytest.fixture(params=[["--cache-config", "local,size=1048576"], ["--response-cache-byte-size=1048576"]],
+                ids=["cache-config", "response-cache-byte-size"])
+def cached_worker(request, repo_copy, make_worker):
+    # Both spellings size the cache: tritonserver's current flag and its older one.
     repo = repo_copy("identity_fp32")
     config = repo / "identity_fp32" / "config.pbtxt"
     config.write_text(config.read_text() + "\nresponse_cache { enable: true }\n")
-    return make_worker(repo, "--cache-config", "local,size=1048576")
+    return make_worker(repo, *request.param)
 
 
 def test_a_repeated_request_is_answered_from_the_cache(cached_worker):
