@@ -1,6 +1,6 @@
 //! The gateway process: bind the listeners, start membership, assemble the stack, serve, and
 //! on shutdown stop intake → finish in-flight requests within the grace period → stop
-//! membership → return.
+//! membership and the metrics endpoint → return.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -92,9 +92,14 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
         servers.spawn(async move { http::serve(http_listener, router, token).await.context("HTTP server") });
         let (ingress, token) = (ingress.clone(), intake.clone());
         servers.spawn(async move { grpc::serve(grpc_listener, ingress, token).await.context("gRPC server") });
-        let (router, token) = (http::metrics_router(metrics.clone(), routes.clone()), intake.clone());
-        servers.spawn(async move { http::serve(metrics_listener, router, token).await.context("metrics server") });
     }
+    // The metrics endpoint outlives intake: Prometheus scrapes the drain (in-flight requests
+    // finishing, their latencies) as Envoy's admin endpoint lets it. It stops with membership.
+    let metrics_stop = CancellationToken::new();
+    let mut metrics_server = {
+        let (router, token) = (http::metrics_router(metrics.clone(), routes.clone()), metrics_stop.clone());
+        tokio::spawn(async move { http::serve(metrics_listener, router, token).await.context("metrics server") })
+    };
     if let Some(path) = &listen.port_file {
         let tmp = path.with_extension("tmp");
         std::fs::write(&tmp, ports.to_string()).with_context(|| format!("--port-file {}", path.display()))?;
@@ -112,6 +117,13 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
                 Ok(Err(e)) => Err(e),
                 Err(e) => Err(anyhow::Error::from(e).context("server task")),
                 Ok(Ok(())) => Err(anyhow::anyhow!("a server stopped unexpectedly")),
+            }
+        }
+        ended = &mut metrics_server => {
+            match ended {
+                Ok(Err(e)) => Err(e),
+                Err(e) => Err(anyhow::Error::from(e).context("metrics server task")),
+                Ok(Ok(())) => Err(anyhow::anyhow!("the metrics server stopped unexpectedly")),
             }
         }
         Some(ended) = background_tasks.join_next() => {
@@ -132,5 +144,9 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
     }
     background.cancel();
     while background_tasks.join_next().await.is_some() {}
+    metrics_stop.cancel();
+    if !metrics_server.is_finished() {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(1), &mut metrics_server).await;
+    }
     result
 }

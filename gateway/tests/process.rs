@@ -380,7 +380,10 @@ async fn sigterm_finishes_the_request_in_flight_then_exits() {
         reqwest::get(&url).await.is_err()
     })
     .await;
-    // ...but the request in flight is answered, and then the gateway exits cleanly.
+    // Prometheus can still scrape the drain...
+    let text = gateway.metrics_text().await;
+    assert!(text.contains("nereid_gateway_routing_table_age_seconds"), "metrics during the drain: {text:?}");
+    // ...and the request in flight is answered, and then the gateway exits cleanly.
     let out = held.await.unwrap().expect("the in-flight request must complete").into_inner();
     assert_eq!(out.raw_output_contents[0].len(), 64);
     assert_eq!(gateway.wait_exit(Duration::from_secs(15)), Some(0), "{}", gateway.log());
