@@ -858,8 +858,8 @@ async fn a_gateway_on_a_member_without_quorum_reports_its_watch_down() {
     // The quorum back (two of three): the watch resumes.
     m2.start().await;
     wait_metric(&gateway, WATCH_CONNECTED, "the watch to resume", |v| v == 1.0).await;
-    let mut client = etcd.client().await;
-    put(&mut client, "drain/w9", r#"{"schema":1}"#).await;
+    // ...and the gateway, alone, campaigns again and leads placement.
+    wait_metric(&gateway, "nereid_gateway_placement_leader", "the gateway leading again", |v| v == 1.0).await;
     drop(m3);
 }
 

@@ -207,7 +207,8 @@ async fn unknown_models_are_not_found_and_metrics_are_bounded() {
     assert!((1.0..=2.0).contains(&connects), "{connects}");
     assert!(!text.contains("nereid_gateway_upstream_connects_total{result=\"failed\"}"), "{text}");
     let age = gateway.metric("nereid_gateway_routing_table_age_seconds").await.unwrap();
-    assert!((0.0..5.0).contains(&age), "{age}");
+    // A live age (seconds since the table was last confirmed), not a timestamp or a constant.
+    assert!((0.0..60.0).contains(&age), "{age}");
     assert!(!text.contains("no_such_model"), "unknown model names must not become labels");
     assert!(!text.contains("nereid_gateway_retries_total{"), "nothing was retried:\n{text}");
 }

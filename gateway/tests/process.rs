@@ -8,7 +8,7 @@
 mod common;
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{Proc, fp32_request, identity_repo, start_gateway, start_worker, start_worker_with, wait_until};
 use serde_json::json;
@@ -30,6 +30,15 @@ input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
 output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
 dynamic_batching { max_queue_delay_microseconds: 60000000 }
 "#;
+
+/// Awaits an answer that must come before `stuck`'s 60 s hold ends (a bound, not a timing
+/// assertion: a call that waited for the hold fails here).
+async fn before_the_hold<T>(answer: impl std::future::Future<Output = T>) -> T {
+    const BOUND: Duration = Duration::from_secs(30);
+    tokio::time::timeout(BOUND, answer)
+        .await
+        .unwrap_or_else(|_| panic!("no answer within {BOUND:?}: it waited for the hold"))
+}
 
 const PENDING: &str = "nv_inference_pending_request_count{model=\"held\",version=\"1\"}";
 const STUCK_PENDING: &str = "nv_inference_pending_request_count{model=\"stuck\",version=\"1\"}";
@@ -217,12 +226,11 @@ async fn admission_sheds_at_once_beyond_the_limit() {
     })
     .await;
 
-    // gRPC: RESOURCE_EXHAUSTED, at once.
-    let start = Instant::now();
-    let e = gateway.client().await.model_infer(fp32_request("held", "", &[1, 16], |_| 0.0)).await.unwrap_err();
+    // gRPC: RESOURCE_EXHAUSTED, at once: not after the held request's 60 s.
+    let e = before_the_hold(gateway.client().await.model_infer(fp32_request("held", "", &[1, 16], |_| 0.0)))
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
-    // "At once": it does not wait for the held request.
-    assert!(start.elapsed() < Duration::from_secs(5));
     // HTTP: 429 with Retry-After.
     let r = gateway.json_infer("held", None).await;
     assert_eq!(r.status(), 429);
@@ -324,15 +332,13 @@ async fn deadlines_propagate_to_the_worker() {
     // the worker sees the forwarded call cancelled (its request leaves the queue).
     let mut req = tonic::Request::new(fp32_request("stuck", "", &[1, 16], |_| 0.0));
     req.set_timeout(Duration::from_secs(1));
-    let start = Instant::now();
-    let e = gateway.client().await.model_infer(req).await.unwrap_err();
+    let e = before_the_hold(gateway.client().await.model_infer(req)).await.unwrap_err();
     // The gateway answers DEADLINE_EXCEEDED a few milliseconds before the client's own timer
     // (set from the same grpc-timeout) fires; on a loaded machine that timer can win the race,
     // and tonic reports it as CANCELLED "Timeout expired". Either way the call ended at the
     // deadline, not at the batcher's 60 s, and the worker must see it cancelled (below).
     let client_timer_won = e.code() == tonic::Code::Cancelled && e.message().contains("Timeout expired");
     assert!(e.code() == tonic::Code::DeadlineExceeded || client_timer_won, "{e:?}");
-    assert!(start.elapsed() < Duration::from_secs(10), "{:?}", start.elapsed());
     // (The worker counts such a request as CANCELED — unless its own deadline and the
     // cancellation race, which its statistics can then miss: only the queue is checked.)
     wait_until("the request to leave the worker's queue", Duration::from_secs(20), || async {
@@ -341,10 +347,8 @@ async fn deadlines_propagate_to_the_worker() {
     .await;
 
     // x-nereid-deadline-ms over HTTP: 504.
-    let start = Instant::now();
-    let r = gateway.json_infer("stuck", Some(1000)).await;
+    let r = before_the_hold(gateway.json_infer("stuck", Some(1000))).await;
     assert_eq!(r.status(), 504);
-    assert!(start.elapsed() < Duration::from_secs(10));
     wait_until("the second request to leave the worker's queue", Duration::from_secs(20), || async {
         worker.metric(STUCK_PENDING).await == Some(0.0)
     })

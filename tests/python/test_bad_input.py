@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import time
 import http.client
 
 import grpc
@@ -20,10 +19,9 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pbg
 
-from nereid_harness import EXAMPLE_MODELS, assert_fp32_close
+from nereid_harness import EXAMPLE_MODELS, assert_fp32_close, http_request
 
 MAX_REQUEST_BYTES = 1 << 20  # the bad-input worker's --max-request-bytes
-FAST_S = 5.0  # a refused request must be answered well within this
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +39,10 @@ def bw(start_worker):
 def _post(w, path, body: bytes, headers=None, timeout=10.0):
     c = http.client.HTTPConnection("127.0.0.1", w.http_port, timeout=timeout)
     try:
-        t0 = time.monotonic()
         c.request("POST", path, body=body, headers=headers or {})
         r = c.getresponse()
         data = r.read()
-        return r.status, dict(r.getheaders()), data, time.monotonic() - t0
+        return r.status, dict(r.getheaders()), data
     finally:
         c.close()
 
@@ -61,7 +58,7 @@ def _binary(header: dict, *chunks: bytes):
 
 def _good_http(w):
     x = np.arange(16, dtype=np.float32)
-    status, _, body, _ = _post(w, "/v2/models/identity_fp32/infer", _json({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": x.tolist()}]}))
+    status, _, body = _post(w, "/v2/models/identity_fp32/infer", _json({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": x.tolist()}]}))
     assert status == 200, body
     out = json.loads(body)["outputs"][0]
     assert_fp32_close(np.array(out["data"], dtype=np.float32), x)
@@ -76,14 +73,13 @@ def _good_grpc(w):
         assert_fp32_close(np.frombuffer(resp.raw_output_contents[0], dtype=np.float32), x.flatten())
 
 
-def _assert_http_error(w, status, headers, body, elapsed, expected_status, needles):
+def _assert_http_error(w, status, headers, body, expected_status, needles):
     assert status in (expected_status if isinstance(expected_status, tuple) else (expected_status,)), (status, body)
     assert headers.get("content-type", headers.get("Content-Type", "")).startswith("application/json"), headers
     err = json.loads(body)
     assert isinstance(err, dict) and isinstance(err.get("error"), str) and err["error"], body
     for n in needles:
         assert n in err["error"], f"{n!r} not in error {err['error']!r}"
-    assert elapsed < FAST_S, f"took {elapsed:.2f}s"
     assert w.proc.poll() is None, "worker died"
     _good_http(w)
     _good_grpc(w)
@@ -160,8 +156,8 @@ HTTP_CASES += [
 
 @pytest.mark.parametrize("path,body,headers,expected,needles", [c[1:] for c in HTTP_CASES], ids=[c[0] for c in HTTP_CASES])
 def test_http_bad_request(bw, path, body, headers, expected, needles):
-    status, rheaders, rbody, elapsed = _post(bw, path, body, headers)
-    _assert_http_error(bw, status, rheaders, rbody, elapsed, expected, needles)
+    status, rheaders, rbody = _post(bw, path, body, headers)
+    _assert_http_error(bw, status, rheaders, rbody, expected, needles)
 
 
 def test_http_bad_requests_counted_as_failures(bw):
@@ -181,7 +177,7 @@ def test_http_bad_requests_counted_as_failures(bw):
         return int(total)
 
     before = fails()
-    status, _, _, _ = _post(bw, "/v2/models/identity_fp32/infer", _json({"inputs": [_inp(dt="INT32", data=[0] * 16)]}))
+    status, _, _ = _post(bw, "/v2/models/identity_fp32/infer", _json({"inputs": [_inp(dt="INT32", data=[0] * 16)]}))
     assert status == 400
     assert fails() == before + 1
     # /metrics counts the same failures (summed over its `reason` label)
@@ -193,7 +189,6 @@ def _raw_http(w, head: bytes, tail: bytes = b"", read_timeout=10.0):
     without sending the rest of the body."""
     s = socket.create_connection(("127.0.0.1", w.http_port), timeout=read_timeout)
     try:
-        t0 = time.monotonic()
         s.sendall(head + tail)
         data = b""
         while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + _content_length(data):
@@ -201,7 +196,7 @@ def _raw_http(w, head: bytes, tail: bytes = b"", read_timeout=10.0):
             if not chunk:
                 break
             data += chunk
-        return data, time.monotonic() - t0
+        return data
     finally:
         s.close()
 
@@ -227,11 +222,10 @@ def test_http_content_length_over_limit_refused_before_reading(bw, length):
     head = (
         f"POST /v2/models/identity_fp32/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
     ).encode()
-    data, elapsed = _raw_http(bw, head, b'{"inputs": [')
+    data = _raw_http(bw, head, b'{"inputs": [')
     status, body = _parse_raw_response(data)
     assert status in (400, 413), data
     assert "error" in json.loads(body)
-    assert elapsed < FAST_S
     _good_http(bw)
 
 
@@ -242,7 +236,6 @@ def test_http_chunked_body_over_limit(bw):
     import threading
 
     s = socket.create_connection(("127.0.0.1", bw.http_port), timeout=10)
-    t0 = time.monotonic()
 
     def send():
         try:
@@ -268,7 +261,6 @@ def test_http_chunked_body_over_limit(bw):
         s.close()
     status, _ = _parse_raw_response(data)
     assert status in (400, 413), data
-    assert time.monotonic() - t0 < FAST_S
     _good_http(bw)
 
 
@@ -283,8 +275,10 @@ def test_http_compressed_body_over_limit_after_decompression(bw, encoding):
     inflated = b'{"inputs": [], "pad": "' + b" " * (8 * MAX_REQUEST_BYTES) + b'"}'
     body = gzip.compress(inflated) if encoding == "gzip" else zlib.compress(inflated)
     assert len(body) < MAX_REQUEST_BYTES // 4
-    status, headers, data, elapsed = _post(bw, "/v2/models/identity_fp32/infer", body, {"Content-Encoding": encoding, "Content-Type": "application/json"})
-    _assert_http_error(bw, status, headers, data, elapsed, (400, 413), [])
+    status, headers, data = _post(bw, "/v2/models/identity_fp32/infer", body, {"Content-Encoding": encoding, "Content-Type": "application/json"})
+    # Refused for its inflated size (reading stops one byte past the limit), not for what the
+    # JSON would have said once inflated.
+    _assert_http_error(bw, status, headers, data, (400, 413), ["exceeds the limit"])
 
 
 @pytest.mark.parametrize("path", [
@@ -295,7 +289,7 @@ def test_http_compressed_body_over_limit_after_decompression(bw, encoding):
     "/v2/models/%FF/infer",
 ])
 def test_http_path_segment_not_utf8_is_a_json_error(bw, path):
-    status, _, data, _ = _post(bw, path, b"{}", {"Content-Type": "application/json"})
+    status, _, data = _post(bw, path, b"{}", {"Content-Type": "application/json"})
     assert status == 400, data
     assert "error" in json.loads(data), data
 
@@ -416,16 +410,13 @@ def stub(bw):
 
 
 def _assert_grpc_error(w, call, expected, needles):
-    t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as ei:
         call()
-    elapsed = time.monotonic() - t0
     err = ei.value
     codes = expected if isinstance(expected, tuple) else (expected,)
     assert err.code() in codes, (err.code(), err.details())
     for n in needles:
         assert n in (err.details() or ""), f"{n!r} not in {err.details()!r}"
-    assert elapsed < FAST_S
     assert w.proc.poll() is None, "worker died"
     _good_grpc(w)
     _good_http(w)
@@ -548,9 +539,11 @@ def test_a_bad_string_does_not_fail_the_requests_batched_with_it(tmp_path, start
 
     repo = tmp_path / "repo"
     repo.mkdir()
-    # A long queue delay and one instance: requests sent together form one batch.
+    # One instance and a queue delay far past the calls' timeouts: the five good requests leave
+    # together (the preferred size) or not before the calls time out. A bad string that reached
+    # the queue would be batched with good ones and fail them, or leave fewer than five behind.
     copy_model(repo, "strings_batched", base="string_len",
-               edit=lambda t: t + "dynamic_batching { max_queue_delay_microseconds: 300000 }\n"
+               edit=lambda t: t + "dynamic_batching { preferred_batch_size: [ 5 ] max_queue_delay_microseconds: 600000000 }\n"
                "instance_group [ { count: 1 kind: KIND_CPU } ]\n")
     w = start_worker(repo)
     ch = grpc.insecure_channel(w.grpc_url)
@@ -573,6 +566,11 @@ def test_a_bad_string_does_not_fail_the_requests_batched_with_it(tmp_path, start
                     call.result()
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kind
                 assert "TEXT" in e.value.details() and ("UTF-8" in e.value.details() or "NUL" in e.value.details()), e.value.details()
+        status, _, body = http_request(f"{w.base}/v2/models/strings_batched/stats")
+        assert status == 200, body
+        stats = json.loads(body)["model_stats"][0]
+        assert int(stats["execution_count"]) == 1 and int(stats["inference_count"]) == 5, stats
+        assert [int(b["batch_size"]) for b in stats["batch_stats"]] == [5], stats
     finally:
         ch.close()
         w.stop()

@@ -4,7 +4,6 @@ mix or reorder rows), and the dynamic batcher really forms batches."""
 from __future__ import annotations
 
 import queue
-import time
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -87,14 +86,15 @@ def test_grpc_async_burst_rows_not_mixed(worker):
 
 
 def test_full_batch_forms_one_execution(repo_copy, make_worker):
-    """Deterministic batching: a queue delay of 20 s means nothing runs until max_batch_size
-    (64) rows are queued; 16 concurrent requests of 4 rows fill exactly one batch, which must run
-    at once as a single execution (not wait for the delay)."""
+    """Deterministic batching: a queue delay of 10 minutes means nothing runs until
+    max_batch_size (64) rows are queued; 16 concurrent requests of 4 rows fill exactly one batch,
+    which must run at once as a single execution (a batch that waited for the delay would fail
+    the calls' 60 s timeouts)."""
     repo = repo_copy("mlp_fp32")
     cfg = repo / "mlp_fp32" / "config.pbtxt"
     text = cfg.read_text()
-    text = text.replace("preferred_batch_size: [ 16, 32 ]", "").replace("max_queue_delay_microseconds: 500", "max_queue_delay_microseconds: 20000000")
-    assert "20000000" in text
+    text = text.replace("preferred_batch_size: [ 16, 32 ]", "").replace("max_queue_delay_microseconds: 500", "max_queue_delay_microseconds: 600000000")
+    assert "600000000" in text
     cfg.write_text(text)
     w = make_worker(repo)
     n = 16
@@ -102,7 +102,6 @@ def test_full_batch_forms_one_execution(repo_copy, make_worker):
     xs = [rng.standard_normal((ROWS, 256)).astype(np.float32) for _ in range(n)]
     c = grpcclient.InferenceServerClient(w.grpc_url)
     results: queue.Queue = queue.Queue()
-    t0 = time.monotonic()
     try:
         for k, x in enumerate(xs):
             inp = grpcclient.InferInput("INPUT0", list(x.shape), "FP32")
@@ -115,10 +114,8 @@ def test_full_batch_forms_one_execution(repo_copy, make_worker):
             got[k] = result.as_numpy("OUTPUT0")
     finally:
         c.close()
-    elapsed = time.monotonic() - t0
     for k, x in enumerate(xs):
         assert_fp32_close(got[k], ort_run("mlp_fp32", {"INPUT0": x})["OUTPUT0"])
     s, i, e, entry = _http_stats(w, "mlp_fp32")
     assert (s, i, e) == (n, n * ROWS, 1), entry
     assert {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in entry["batch_stats"]} == {n * ROWS: 1}
-    assert elapsed < 15, f"a full batch waited for the queue delay ({elapsed:.1f}s)"

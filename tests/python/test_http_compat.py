@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 
 import numpy as np
 import pytest
@@ -330,9 +331,13 @@ def test_metrics_match_statistics(client, worker):
 # -- compression (tritonclient's request_compression_algorithm / response_compression_algorithm) --
 
 
+# 64×16 FP32: a 4 KiB answer, well over the size below which answers go back uncompressed.
+COMPRESSIBLE_SHAPE = (64, 16)
+
+
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
 def test_infer_compressed_response(client, algorithm):
-    x = np.random.default_rng(60).standard_normal((4, 16)).astype(np.float32)
+    x = np.random.default_rng(60).standard_normal(COMPRESSIBLE_SHAPE).astype(np.float32)
     res = client.infer("identity_fp32", [_input("INPUT0", x, "FP32", True)], response_compression_algorithm=algorithm)
     assert_fp32_close(res.as_numpy("OUTPUT0"), x)
 
@@ -341,9 +346,27 @@ def test_infer_compressed_response(client, algorithm):
 def test_infer_compressed_request(client, algorithm):
     """tritonserver's HTTP endpoint accepts `Content-Encoding: gzip|deflate` request bodies,
     which tritonclient sends with request_compression_algorithm."""
-    x = np.random.default_rng(61).standard_normal((4, 16)).astype(np.float32)
+    x = np.random.default_rng(61).standard_normal(COMPRESSIBLE_SHAPE).astype(np.float32)
     res = client.infer("identity_fp32", [_input("INPUT0", x, "FP32", True)], request_compression_algorithm=algorithm, response_compression_algorithm=algorithm)
     assert_fp32_close(res.as_numpy("OUTPUT0"), x)
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_answer_is_compressed_on_the_wire(worker, algorithm):
+    """What tritonclient relies on above, seen on the wire: a large answer comes back with
+    `Content-Encoding` and a body that inflates to the JSON answer; a small one goes back plain."""
+    x = np.arange(64 * 16, dtype=np.float32).reshape(COMPRESSIBLE_SHAPE)
+    body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": list(x.shape), "data": x.flatten().tolist()}]}).encode()
+    status, headers, data = http_request(worker.base + "/v2/models/identity_fp32/infer", "POST", body, {"Accept-Encoding": algorithm})
+    assert status == 200, data
+    headers = {k.lower(): v for k, v in headers.items()}
+    assert headers.get("content-encoding") == algorithm, headers
+    answer = json.loads(zlib.decompress(data, wbits=31 if algorithm == "gzip" else 15))
+    assert answer["outputs"][0]["data"] == x.flatten().tolist()
+    small = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": [0.0] * 16}]}).encode()
+    status, headers, data = http_request(worker.base + "/v2/models/identity_fp32/infer", "POST", small, {"Accept-Encoding": algorithm})
+    assert status == 200 and "content-encoding" not in {k.lower() for k in headers}, headers
+    assert json.loads(data)["outputs"][0]["data"] == [0.0] * 16
 
 
 def test_request_level_binary_data_output(worker):

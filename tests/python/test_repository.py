@@ -364,10 +364,10 @@ def test_load_unload_refused_outside_explicit_mode(repo_copy, make_worker, mode)
     g = grpcclient.InferenceServerClient(w.grpc_url)
     try:
         for c in (h, g):
-            with pytest.raises(InferenceServerException):
-                c.unload_model("identity_fp32")
-            with pytest.raises(InferenceServerException):
-                c.load_model("identity_fp32")
+            for call in (c.unload_model, c.load_model):
+                with pytest.raises(InferenceServerException) as e:
+                    call("identity_fp32")
+                assert "only allowed with --model-control-mode=explicit" in str(e.value), str(e.value)
             assert c.is_model_ready("identity_fp32")
         _infer_identity(h, httpclient)
     finally:

@@ -15,6 +15,7 @@ import os
 import queue
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -178,6 +179,15 @@ def test_compressed_http_through_the_gateway(fleet, algorithm):
     out = client.infer("mlp_fp32", [inp], outputs=[httpclient.InferRequestedOutput("OUTPUT0", binary_data=False)],
                        request_compression_algorithm=algorithm, response_compression_algorithm=algorithm)
     assert_fp32_close(out.as_numpy("OUTPUT0"), ort_run("mlp_fp32", {"INPUT0": x})["OUTPUT0"])
+    # On the wire: a 4 KiB answer comes back compressed, as a worker sends it.
+    x = np.arange(64 * 16, dtype=np.float32)
+    body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [64, 16], "data": x.tolist()}]}).encode()
+    status, headers, data = http_request(f"http://{gateway.http_url}/v2/models/identity_fp32/infer", "POST", body,
+                                         {"Accept-Encoding": algorithm})
+    assert status == 200, data
+    assert {k.lower(): v for k, v in headers.items()}.get("content-encoding") == algorithm, headers
+    answer = json.loads(zlib.decompress(data, wbits=31 if algorithm == "gzip" else 15))
+    assert answer["outputs"][0]["data"] == x.tolist()
 
 
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
@@ -250,15 +260,23 @@ def test_streaming_through_the_gateway(fleet):
 def test_load_reaches_both_workers(fleet):
     gateway, workers = fleet
     client = grpcclient.InferenceServerClient(gateway.grpc_url)
+
+    def served():
+        counts = []
+        for w in workers:
+            stats = grpcclient.InferenceServerClient(w.grpc_url).get_inference_statistics("identity_fp32", as_json=True)
+            counts.append(sum(int(s.get("inference_count", 0)) for s in stats["model_stats"]))
+        return counts
+
+    # The fleet is shared with earlier tests: count this test's requests only.
+    before = served()
     for i in range(30):
         inp = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
         inp.set_data_from_numpy(_x((1, 16), seed=i))
         client.infer("identity_fp32", [inp])
-    counts = []
-    for w in workers:
-        stats = grpcclient.InferenceServerClient(w.grpc_url).get_inference_statistics("identity_fp32", as_json=True)
-        counts.append(sum(int(s.get("inference_count", 0)) for s in stats["model_stats"]))
-    assert all(c > 0 for c in counts), counts
+    counts = served()
+    added = [after - b for after, b in zip(counts, before)]
+    assert sum(added) == 30 and all(a > 0 for a in added), added
     total = client.get_inference_statistics("identity_fp32", as_json=True)
     assert sum(int(s.get("inference_count", 0)) for s in total["model_stats"]) == sum(counts)
 
@@ -288,8 +306,9 @@ def test_shared_memory_is_refused_by_the_gateway(fleet):
             out.set_shared_memory("r", 64)
             plain = mod.InferInput("INPUT0", [1, 16], "FP32")
             plain.set_data_from_numpy(_x((1, 16)))
-            with pytest.raises(InferenceServerException):
+            with pytest.raises(InferenceServerException) as e:
                 c.infer("identity_fp32", [plain], outputs=[out])
+            assert "not supported" in str(e.value) and "--allow-client-shm" not in str(e.value), str(e.value)
             assert_fp32_close(c.infer("identity_fp32", [plain]).as_numpy("OUTPUT0"), _x((1, 16)))
     finally:
         h.close()
