@@ -364,6 +364,15 @@ async fn poll_mode_reloads_changes_without_dropping_in_flight_requests() {
     repo.poll_once().await;
     assert!(repo.model_ready("fresh", None));
     assert!(repo.server_ready());
+    // Moved out of the repository, it is unloaded; moved back unchanged (a rename keeps the
+    // files' mtimes), it loads again.
+    let aside = dir.path().with_extension("aside");
+    std::fs::rename(dir.path().join("fresh"), &aside).unwrap();
+    repo.poll_once().await;
+    assert!(!repo.model_ready("fresh", None));
+    std::fs::rename(&aside, dir.path().join("fresh")).unwrap();
+    repo.poll_once().await;
+    assert!(repo.model_ready("fresh", None), "{:?}", repo.index(false));
 
     // A model that fails to load makes the server not ready (strict readiness) until it is
     // fixed or, as here, removed from the repository.

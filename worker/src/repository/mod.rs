@@ -1220,23 +1220,48 @@ impl Repository {
 
     /// One POLL pass (also used by tests).
     pub async fn poll_once(&self) {
-        let on_disk = scan_models(&self.options.paths);
+        // The file-system walk (every model's files, through symbolic links: slow on a network
+        // mount) runs off the async threads that serve requests.
+        let paths = self.options.paths.clone();
+        let Ok(on_disk) = tokio::task::spawn_blocking(move || {
+            scan_models(&paths)
+                .into_iter()
+                .map(|(name, dir)| (name, (Stamp::of(&dir), dir)))
+                .collect::<BTreeMap<_, _>>()
+        })
+        .await
+        else {
+            return;
+        };
         let loaded: HashMap<String, Slot> = self.slots.read().unwrap_or_else(|e| e.into_inner()).clone();
         // Load what is new or changed, but retry a failed (re)load only once its files change
         // again.
         let mut changed = Vec::new();
-        for (name, dir) in &on_disk {
-            let stamp = Stamp::of(dir);
+        for (name, (stamp, dir)) in &on_disk {
             let needs_load = match self.slot(name).as_ref() {
-                Some(Slot { model: Some(m), .. }) => m.stamp != stamp && self.not_attempted(name, &stamp),
-                Some(Slot { state: State::Unavailable(_), .. }) => self.not_attempted(name, &stamp),
+                Some(Slot { model: Some(m), .. }) => m.stamp != *stamp && self.not_attempted(name, stamp),
+                Some(Slot { state: State::Unavailable(_), .. }) => self.not_attempted(name, stamp),
                 Some(_) => false,
                 None => true,
             };
             if needs_load {
-                changed.push((name.clone(), stamp, load::declares_ensemble(dir, self.options.config_name.as_deref())));
+                changed.push((name.clone(), stamp.clone(), dir.clone()));
             }
         }
+        let config_name = self.options.config_name.clone();
+        let Ok(changed) = tokio::task::spawn_blocking(move || {
+            changed
+                .into_iter()
+                .map(|(name, stamp, dir)| {
+                    let ensemble = load::declares_ensemble(&dir, config_name.as_deref());
+                    (name, stamp, ensemble)
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        else {
+            return;
+        };
         // The changed models load side by side (their builds bounded by `load_threads`), the
         // ensembles after them: an ensemble then finds the models it composes in place
         // instead of building them itself while their own loads do too.
@@ -1258,6 +1283,8 @@ impl Repository {
             if slot.model.is_some() {
                 tracing::info!(model = %name, "model removed from the repository; unloading");
                 let _ = self.unload_inner(&name, None).await;
+                // Put back unchanged (`mv`, `cp -a` keep the mtimes), it is loaded again.
+                self.attempted.lock().unwrap_or_else(|e| e.into_inner()).remove(&name);
             } else if matches!(&slot.state, State::Unavailable(reason) if reason != UNLOADED) {
                 // A model that failed to load and is gone from disk no longer counts against
                 // strict readiness: nothing is left to fix or to serve. Decided again under the
