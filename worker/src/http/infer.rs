@@ -125,10 +125,24 @@ pub fn parse_infer_request(
     let inputs = raw.inputs.ok_or_else(|| Status::invalid("inference request has no 'inputs'"))?;
     let mut binary_offset = 0usize;
     let mut shm_budget = shm.map_or(0, SharedMemory::request_budget);
+    // The tensors sent in the body (JSON or binary), all together, stay within the limit, as
+    // in a gRPC request (one message): the same request is accepted over either protocol,
+    // and through a gateway that forwards it as one message.
+    let mut in_body = 0usize;
     request.inputs.reserve_exact(inputs.len());
     for (i, input) in inputs.into_iter().enumerate() {
         let source = Sections { binary: &binary, binary_offset: &mut binary_offset, shm, shm_budget: &mut shm_budget };
-        request.inputs.push(finish_input(i, input, source, max_bytes)?);
+        let (tensor, from_body) = finish_input(i, input, source, max_bytes)?;
+        if from_body {
+            in_body = in_body.saturating_add(tensor.data.len());
+            if in_body > max_bytes {
+                return Err(Status::invalid(format!(
+                    "inputs[{i}] ('{}'): the inputs up to this one take {in_body} bytes, more than the request limit of {max_bytes} bytes",
+                    tensor.name
+                )));
+            }
+        }
+        request.inputs.push(tensor);
     }
     if binary_offset != binary.len() {
         return Err(Status::invalid(format!(
@@ -195,8 +209,8 @@ fn parse_json_with(json: &[u8], max_bytes: usize, non_finite: bool) -> Result<Ra
     let mut de = serde_json::Deserializer::from_slice(json);
     // What the inputs' buffers may reserve in advance, all together: a claimed shape is only a
     // claim until its elements arrive.
-    let reserve = Cell::new(max_bytes);
-    let raw = RequestSeed { max_bytes, non_finite, reserve: &reserve }.deserialize(&mut de)?;
+    let budget = Budget { reserve: Cell::new(max_bytes), spent: Cell::new(0) };
+    let raw = RequestSeed { max_bytes, non_finite, budget: &budget }.deserialize(&mut de)?;
     de.end()?;
     Ok(raw)
 }
@@ -277,7 +291,13 @@ struct Sections<'a> {
     shm_budget: &'a mut u64,
 }
 
-fn finish_input(i: usize, input: RawInput, sections: Sections<'_>, max_bytes: usize) -> Result<InputTensor, Status> {
+/// One input tensor, and whether its data came in the body (not from shared memory).
+fn finish_input(
+    i: usize,
+    input: RawInput,
+    sections: Sections<'_>,
+    max_bytes: usize,
+) -> Result<(InputTensor, bool), Status> {
     let Sections { binary, binary_offset, shm, shm_budget } = sections;
     let name = input.name.ok_or_else(|| Status::invalid(format!("inputs[{i}]: missing 'name'")))?;
     let ctx = format!("inputs[{i}] ('{name}')");
@@ -336,7 +356,7 @@ fn finish_input(i: usize, input: RawInput, sections: Sections<'_>, max_bytes: us
                 )));
             }
         }
-        return Ok(InputTensor { name, datatype: dtype, shape, data });
+        return Ok((InputTensor { name, datatype: dtype, shape, data }, false));
     }
 
     let data = match (binary_size, input.data) {
@@ -398,7 +418,7 @@ fn finish_input(i: usize, input: RawInput, sections: Sections<'_>, max_bytes: us
         }
     };
 
-    Ok(InputTensor { name, datatype: dtype, shape, data })
+    Ok((InputTensor { name, datatype: dtype, shape, data }, true))
 }
 
 /// A tensor's shared-memory parameters (`None` when it has none): the region a string, offset
@@ -556,7 +576,7 @@ enum InputField {
 struct RequestSeed<'r> {
     max_bytes: usize,
     non_finite: bool,
-    reserve: &'r Cell<usize>,
+    budget: &'r Budget,
 }
 
 impl<'de> DeserializeSeed<'de> for RequestSeed<'_> {
@@ -581,7 +601,7 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
                     r.inputs = Some(map.next_value_seed(InputsSeed {
                         max_bytes: self.max_bytes,
                         non_finite: self.non_finite,
-                        reserve: self.reserve,
+                        budget: self.budget,
                     })?)
                 }
                 RequestField::Outputs => r.outputs = map.next_value()?,
@@ -597,7 +617,7 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
 struct InputsSeed<'r> {
     max_bytes: usize,
     non_finite: bool,
-    reserve: &'r Cell<usize>,
+    budget: &'r Budget,
 }
 
 impl<'de> DeserializeSeed<'de> for InputsSeed<'_> {
@@ -617,7 +637,7 @@ impl<'de> Visitor<'de> for InputsSeed<'_> {
         while let Some(input) = seq.next_element_seed(InputSeed {
             max_bytes: self.max_bytes,
             non_finite: self.non_finite,
-            reserve: self.reserve,
+            budget: self.budget,
         })? {
             inputs.push(input);
         }
@@ -628,7 +648,7 @@ impl<'de> Visitor<'de> for InputsSeed<'_> {
 struct InputSeed<'r> {
     max_bytes: usize,
     non_finite: bool,
-    reserve: &'r Cell<usize>,
+    budget: &'r Budget,
 }
 
 impl<'de> DeserializeSeed<'de> for InputSeed<'_> {
@@ -676,13 +696,22 @@ impl<'de> Visitor<'de> for InputSeed<'_> {
                     );
                 }
                 InputField::Data => {
-                    let plan =
-                        DataPlan::new(input.datatype.as_deref(), input.shape.as_ref(), self.max_bytes, self.reserve);
-                    input.data = Some(map.next_value_seed(DataSeed {
+                    let plan = DataPlan::new(
+                        input.datatype.as_deref(),
+                        input.shape.as_ref(),
+                        self.max_bytes,
+                        &self.budget.reserve,
+                    );
+                    let data = map.next_value_seed(DataSeed {
                         plan,
                         max_bytes: self.max_bytes,
+                        left: self.max_bytes.saturating_sub(self.budget.spent.get()),
                         non_finite: self.non_finite,
-                    })?);
+                    })?;
+                    if let RawData::Buf(buf) = &data {
+                        self.budget.spent.set(self.budget.spent.get().saturating_add(buf.typed_len()));
+                    }
+                    input.data = Some(data);
                 }
                 InputField::Other => {
                     map.next_value::<IgnoredAny>()?;
@@ -735,9 +764,20 @@ impl DataPlan {
     }
 }
 
+/// What a request's `data` arrays may take, all together, while the JSON is read.
+struct Budget {
+    /// What the inputs' buffers may still reserve in advance (a claimed shape is only a claim
+    /// until its elements arrive).
+    reserve: Cell<usize>,
+    /// What the arrays read so far hold (typed size).
+    spent: Cell<usize>,
+}
+
 struct DataSeed {
     plan: DataPlan,
+    /// The request limit, and what is left of it after the arrays before this one.
     max_bytes: usize,
+    left: usize,
     non_finite: bool,
 }
 
@@ -749,13 +789,18 @@ impl<'de> DeserializeSeed<'de> for DataSeed {
                 IgnoredAny::deserialize(d)?;
                 return Ok(RawData::Skipped);
             }
-            DataPlan::Typed { dtype, capacity } => DataBuf::typed(dtype, capacity, self.max_bytes),
+            DataPlan::Typed { dtype, capacity } => {
+                let mut buf = DataBuf::typed(dtype, capacity.min(self.left), self.max_bytes);
+                buf.left = self.left;
+                buf
+            }
             // The tagged form takes at most twice the typed size (see TAG_FALSE).
             DataPlan::Deferred => DataBuf {
                 mode: Mode::Deferred,
                 out: Vec::new(),
                 count: 0,
                 max_bytes: self.max_bytes.saturating_mul(2),
+                left: self.left.saturating_mul(2),
                 error: None,
             },
         };
@@ -813,6 +858,9 @@ struct DataBuf {
     out: Vec<u8>,
     count: u64,
     max_bytes: usize,
+    /// What is left of `max_bytes` after the arrays read before this one: all of a request's
+    /// tensors together stay within the limit.
+    left: usize,
     /// The first problem found; later elements are then only skipped.
     error: Option<String>,
 }
@@ -843,7 +891,14 @@ const TAG_F32: u8 = 14;
 
 impl DataBuf {
     fn typed(dtype: DataType, capacity: usize, max_bytes: usize) -> DataBuf {
-        DataBuf { mode: Mode::Typed(dtype), out: Vec::with_capacity(capacity), count: 0, max_bytes, error: None }
+        DataBuf {
+            mode: Mode::Typed(dtype),
+            out: Vec::with_capacity(capacity),
+            count: 0,
+            max_bytes,
+            left: max_bytes,
+            error: None,
+        }
     }
 
     #[inline]
@@ -861,9 +916,25 @@ impl DataBuf {
             Mode::Deferred => encode_tagged(s, &mut self.out),
         }
         self.count += 1;
-        if self.out.len() > self.max_bytes {
-            self.error = Some(format!("'data' is larger than the request limit of {} bytes", self.max_bytes));
+        if self.out.len() > self.left {
+            self.error = Some(if self.left == self.max_bytes {
+                format!("'data' is larger than the request limit of {} bytes", self.max_bytes)
+            } else {
+                format!(
+                    "'data' is larger than the {} bytes the inputs before it leave of the request limit of {} bytes",
+                    self.left, self.max_bytes
+                )
+            });
             self.out = Vec::new();
+        }
+    }
+
+    /// The bytes the elements take in their tensor's layout: the tagged form (at most twice
+    /// as large, see [`TAG_FALSE`]) counts half.
+    fn typed_len(&self) -> usize {
+        match self.mode {
+            Mode::Typed(_) => self.out.len(),
+            Mode::Deferred => self.out.len() / 2,
         }
     }
 
@@ -1400,6 +1471,39 @@ mod tests {
             Some(RawData::Buf(b)) => assert_eq!((b.out.len(), b.out.capacity()), (16, 16)),
             _ => panic!("typed data expected"),
         }
+    }
+
+    /// All of a request's tensors together stay within the limit, each checked as its
+    /// elements arrive (JSON `0,` takes 2 bytes of body and 8 of INT64), so a body under the
+    /// limit cannot make the parser hold several times the limit.
+    #[test]
+    fn the_inputs_together_stay_within_the_request_limit() {
+        const LIMIT: usize = 64;
+        let parse_with = |json: String, header: Option<usize>, binary: &[u8]| {
+            let body = [json.as_bytes(), binary].concat();
+            parse_infer_request("m", None, Bytes::from(body), header, LIMIT, None)
+        };
+        let input = |name: &str, n: usize| {
+            format!(r#"{{"name":"{name}","datatype":"INT64","shape":[{n}],"data":{:?}}}"#, vec![0; n])
+        };
+        // 5 + 3 INT64 = 64 bytes: at the limit, accepted.
+        let ok = parse_with(format!(r#"{{"inputs":[{},{}]}}"#, input("a", 5), input("b", 3)), None, &[]);
+        assert_eq!(ok.unwrap().request.inputs.len(), 2);
+        // 5 + 4: each alone fits, together 72 bytes do not; the second array stops growing at
+        // what the first left.
+        let e = parse_with(format!(r#"{{"inputs":[{},{}]}}"#, input("a", 5), input("b", 4)), None, &[]).unwrap_err();
+        assert!(e.message.contains("24 bytes the inputs before it leave of the request limit of 64"), "{}", e.message);
+        // "data" before "datatype" (the tagged form) counts too.
+        let late = r#"{"name":"b","data":[0,0,0,0],"datatype":"INT64","shape":[4]}"#;
+        let e = parse_with(format!(r#"{{"inputs":[{},{late}]}}"#, input("a", 5)), None, &[]).unwrap_err();
+        assert!(e.message.contains("more than the request limit of 64 bytes"), "{}", e.message);
+        // A binary tensor after a JSON one: 40 + 32 bytes.
+        let json = format!(
+            r#"{{"inputs":[{},{{"name":"b","datatype":"INT64","shape":[4],"parameters":{{"binary_data_size":32}}}}]}}"#,
+            input("a", 5)
+        );
+        let e = parse_with(json.clone(), Some(json.len()), &[0; 32]).unwrap_err();
+        assert!(e.message.contains("inputs[1] ('b'): the inputs up to this one take 72 bytes"), "{}", e.message);
     }
 
     #[test]
