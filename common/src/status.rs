@@ -122,6 +122,12 @@ pub fn is_queue_refusal(code: Code, message: &str) -> bool {
     }
 }
 
+/// Longest status message, in bytes. Messages quote what clients sent (a tensor's name, a
+/// model name); a megabytes-long name would otherwise come back in a gRPC trailer larger than
+/// HTTP/2 peers accept (tonic percent-encodes it, tripling non-ASCII bytes), failing the call
+/// or, past h2's limits, the whole connection a gateway multiplexes other clients' calls on.
+pub const MAX_STATUS_MESSAGE_BYTES: usize = 4096;
+
 /// An error with a code and a message that names the offending field.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Status {
@@ -130,8 +136,20 @@ pub struct Status {
 }
 
 impl Status {
+    /// A message longer than [`MAX_STATUS_MESSAGE_BYTES`] is cut (at a character boundary)
+    /// and says so.
     pub fn new(code: Code, message: impl Into<String>) -> Self {
-        Status { code, message: message.into() }
+        let mut message = message.into();
+        if message.len() > MAX_STATUS_MESSAGE_BYTES {
+            let mut cut = MAX_STATUS_MESSAGE_BYTES;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            let total = message.len();
+            message.truncate(cut);
+            message.push_str(&format!("... (message cut: {total} bytes)"));
+        }
+        Status { code, message }
     }
     pub fn invalid(message: impl Into<String>) -> Self {
         Status::new(Code::InvalidArgument, message)
@@ -186,6 +204,17 @@ impl From<Status> for tonic::Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn long_messages_are_cut_at_a_character_boundary() {
+        let name = "é".repeat(10_000_000);
+        let s = Status::invalid(format!("unexpected inference input '{name}'"));
+        assert!(s.message.len() <= MAX_STATUS_MESSAGE_BYTES + 64, "{}", s.message.len());
+        assert!(s.message.starts_with("unexpected inference input 'éé"));
+        assert!(s.message.ends_with("... (message cut: 20000029 bytes)"), "{}", &s.message[4000..]);
+        let short = Status::invalid("x".repeat(MAX_STATUS_MESSAGE_BYTES));
+        assert_eq!(short.message.len(), MAX_STATUS_MESSAGE_BYTES);
+    }
 
     #[test]
     fn queue_timeouts_are_rejections_and_deadlines_are_cancellations() {

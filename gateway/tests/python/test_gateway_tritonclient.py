@@ -223,6 +223,24 @@ def test_compressed_body_over_the_limit_once_inflated_is_refused(fleet):
     httpclient.InferenceServerClient(gateway.http_url).infer("identity_fp32", [inp])
 
 
+def test_a_huge_name_in_an_error_comes_back_cut_as_a_400(fleet):
+    """A worker's error quotes the client's input name; a name of megabytes must not turn into
+    a gRPC trailer no HTTP/2 peer accepts (the gateway would answer 503 and count a failure
+    against a healthy worker, or lose the connection other clients' calls share)."""
+    gateway, _ = fleet
+    name = "\u00e9" * 3_000_000  # 6 MB of UTF-8, 18 MB percent-encoded in a trailer
+    body = json.dumps({"inputs": [{"name": name, "datatype": "FP32", "shape": [1, 16], "data": [0.0] * 16}]},
+                      ensure_ascii=False).encode()
+    url = f"http://{gateway.http_url}/v2/models/identity_fp32/infer"
+    status, _, data = http_request(url, "POST", body, {"Content-Type": "application/json"}, timeout=60)
+    assert status == 400, data[:300]
+    message = json.loads(data)["error"]
+    assert len(message) < 8192 and "message cut" in message, message[:300]
+    inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+    inp.set_data_from_numpy(_x((1, 16)))
+    httpclient.InferenceServerClient(gateway.http_url).infer("identity_fp32", [inp])
+
+
 def test_unknown_model_is_not_found(fleet):
     gateway, _ = fleet
     inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
