@@ -121,8 +121,9 @@ pub struct Args {
     #[arg(long, default_value_t = DEFAULT_DISCOVERY_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(1..))]
     pub discovery_timeout_ms: u64,
 
-    /// Largest accepted request (HTTP body or gRPC message) in bytes.
-    #[arg(long, default_value_t = DEFAULT_MAX_REQUEST_BYTES, value_parser = clap::value_parser!(u64).range(1024..=(1 << 32)))]
+    /// Largest accepted request (HTTP body or gRPC message) in bytes, at most 2 GiB - 1: the
+    /// largest message the gateway forwards (an HTTP/2 frame payload's limit).
+    #[arg(long, default_value_t = DEFAULT_MAX_REQUEST_BYTES, value_parser = clap::value_parser!(u64).range(1024..=i32::MAX as u64))]
     pub max_request_bytes: u64,
 
     /// Seconds to finish in-flight requests after SIGTERM/SIGINT before exiting.

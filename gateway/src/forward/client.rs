@@ -438,7 +438,8 @@ fn grpc_prefix(len: usize) -> Result<Bytes, tonic::Status> {
     let len = u32::try_from(len)
         .ok()
         .filter(|&l| l <= i32::MAX as u32)
-        .ok_or_else(|| tonic::Status::resource_exhausted("a request message over 2 GiB cannot be forwarded"))?;
+        // Not RESOURCE_EXHAUSTED: that reads as overload, which clients retry.
+        .ok_or_else(|| tonic::Status::invalid_argument("a request message over 2 GiB cannot be forwarded"))?;
     let mut prefix = BytesMut::with_capacity(5);
     prefix.extend_from_slice(&[0]);
     prefix.extend_from_slice(&len.to_be_bytes());
