@@ -75,7 +75,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(args, parsed)) {
+    let result = runtime.block_on(run(args, parsed));
+    // A model build still running on a blocking thread (session creation, warm-up) cannot be
+    // interrupted; dropping the runtime would wait for it, past --exit-timeout-secs.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e:#}");
@@ -210,37 +214,36 @@ async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
         None => None,
     };
 
-    let failed = tokio::select! {
-        failed = repository.load_startup_models() => failed,
+    let started = tokio::select! {
+        failed = repository.load_startup_models() => Some(failed),
+        // The servers already answer (models loaded so far serve): drain them as below.
         _ = &mut shutdown_requested => {
-            tracing::info!("shutdown requested during start-up");
-            shutdown.cancel();
-            if let Some(fleet) = fleet {
-                fleet.stop(Duration::from_secs(5)).await;
-            }
-            return Ok(());
+            tracing::info!("shutdown requested during start-up: draining");
+            None
         }
     };
-    if !failed.is_empty() && args.exit_on_error {
-        shutdown.cancel();
-        anyhow::bail!(
-            "models failed to load (--exit-on-error=true): {}",
-            failed.iter().map(|(m, e)| format!("{m}: {e}")).collect::<Vec<_>>().join("; ")
-        );
-    }
-    tracing::info!(ready = repository.server_ready(), "model repository loaded");
-    if repository.options().mode == ControlMode::Poll {
-        let interval = Duration::from_secs(args.repository_poll_secs);
-        tokio::spawn(repository.clone().poll_task(interval, shutdown.child_token()));
-    }
-
-    tokio::select! {
-        _ = &mut shutdown_requested => tracing::info!("shutdown requested: draining"),
-        Some(result) = servers.join_next() => {
-            // A server stopped on its own: that is an error worth exiting for.
+    if let Some(failed) = started {
+        if !failed.is_empty() && args.exit_on_error {
             shutdown.cancel();
-            result.context("server task")??;
-            anyhow::bail!("a server stopped unexpectedly");
+            anyhow::bail!(
+                "models failed to load (--exit-on-error=true): {}",
+                failed.iter().map(|(m, e)| format!("{m}: {e}")).collect::<Vec<_>>().join("; ")
+            );
+        }
+        tracing::info!(ready = repository.server_ready(), "model repository loaded");
+        if repository.options().mode == ControlMode::Poll {
+            let interval = Duration::from_secs(args.repository_poll_secs);
+            tokio::spawn(repository.clone().poll_task(interval, shutdown.child_token()));
+        }
+
+        tokio::select! {
+            _ = &mut shutdown_requested => tracing::info!("shutdown requested: draining"),
+            Some(result) = servers.join_next() => {
+                // A server stopped on its own: that is an error worth exiting for.
+                shutdown.cancel();
+                result.context("server task")??;
+                anyhow::bail!("a server stopped unexpectedly");
+            }
         }
     }
     // Not ready any more; in the fleet, tell the gateways first and give them --drain-delay-ms

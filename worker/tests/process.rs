@@ -378,6 +378,82 @@ fn sigterm_drains_in_flight_requests_then_exits() {
     }
 }
 
+/// SIGTERM while a model is still being built (its warm-up here takes minutes): the worker
+/// exits within its exit timeout instead of waiting for the build, which cannot be interrupted.
+#[test]
+fn sigterm_during_a_long_start_up_build_exits_without_waiting_for_it() {
+    let warmup = "model_warmup [ { name: \"slow\" batch_size: 32 count: 10000 inputs { key: \"INPUT0\" \
+                  value: { data_type: TYPE_FP32 dims: [ 3, 64, 64 ] zero_data: true } } } ]";
+    let config = format!(
+        "name: \"slow\"\nmax_batch_size: 32\n\
+         input [ {{ name: \"INPUT0\" data_type: TYPE_FP32 dims: [ 3, 64, 64 ] }} ]\n\
+         output [ {{ name: \"OUTPUT0\" data_type: TYPE_FP32 dims: [ 10 ] }} ]\n\
+         instance_group [ {{ count: 1 kind: KIND_CPU }} ]\n{}\n",
+        [warmup; 3].join("\n")
+    );
+    let dir = repo(&[TestModel { name: "slow", source: "convnet_fp32", config: Some(&config) }]);
+    let work = tempfile::tempdir().unwrap();
+    let port_file = work.path().join("ports.json");
+    let log = work.path().join("worker.log");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_nereid-worker"))
+        .arg("--model-repository")
+        .arg(dir.path())
+        .args(["--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
+        .args(["--exit-timeout-secs", "2"])
+        .arg("--port-file")
+        .arg(&port_file)
+        .env("NEREID_ORT_LIB", nereid_worker::backend::default_runtime_path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let log = || std::fs::read_to_string(&log).unwrap_or_default();
+    // The ports are written before the models load; the build is under way once the index
+    // says the model is loading.
+    let loading = || {
+        let Ok(text) = std::fs::read_to_string(&port_file) else { return false };
+        let Ok(ports) = serde_json::from_str::<serde_json::Value>(&text) else { return false };
+        let Some(port) = ports["http"].as_u64() else { return false };
+        let (status, body) = http_post(port as u16, "/v2/repository/index");
+        status == 200 && body.contains("LOADING")
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !loading() {
+        assert!(child.try_wait().unwrap().is_none(), "worker exited: {}", log());
+        assert!(Instant::now() < deadline, "worker never started loading: {}", log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    // Far below the warm-up's minutes (30,000 runs of a batch of 32 convolutions).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(exit) = child.try_wait().unwrap() {
+            assert!(exit.success(), "worker exit status {exit}: {}", log());
+            assert!(!log().contains("model repository loaded"), "the warm-up finished first: {}", log());
+            break;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            panic!("worker did not exit after SIGTERM while building: {}", log());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A POST without a body on a fresh connection: (status, body).
+fn http_post(port: u16, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return (0, String::new()) };
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let head = format!("POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+    let _ = s.write_all(head.as_bytes());
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let status = out.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+}
+
 /// Sends one request on its own connection (used from another thread).
 struct WorkerProcessProbe {
     port: u16,
