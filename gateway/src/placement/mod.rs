@@ -145,6 +145,7 @@ impl PlacementController {
         // Through fleet::watch: its responses may exceed tonic's default 4 MiB limit.
         let mut watch = bounded("watch", fleet::watch(&client, keys.all(), WatchOptions::new().with_prefix())).await?;
         self.loads.begin_term();
+        self.sightings.begin_term();
         self.last = FleetState::default();
         let mut schedule = Schedule::new();
         let result = loop {
@@ -529,21 +530,42 @@ impl LoadWatch {
 /// a grace before its placements are deleted.
 ///
 /// Kept across terms: a worker this gateway saw registered a moment ago is evidence whoever led
-/// meanwhile, and the plan only keeps placement keys that still exist. A new leader that never
-/// saw a worker gives it no grace.
+/// meanwhile, and the plan only keeps placement keys that still exist.
+///
+/// A term's first read also counts as a sighting of every unregistered worker that still holds
+/// placements: what happened before it, the leader could not see. After a partition between
+/// etcd and the fleet (every worker's lease expired meanwhile, the placements stayed), the new
+/// leader would otherwise find every worker gone for longer than the grace and delete every
+/// placement while the workers, still serving, are re-registering: a fleet-wide cold reload.
+/// (A worker that drained and exited meanwhile keeps its placements for one grace more; its
+/// replacements are placed at once.)
 struct Sightings {
     grace: Duration,
     last_seen: BTreeMap<String, Instant>,
+    /// The next read is a term's first.
+    term_begins: bool,
 }
 
 impl Sightings {
     fn new(grace: Duration) -> Self {
-        Sightings { grace, last_seen: BTreeMap::new() }
+        Sightings { grace, last_seen: BTreeMap::new(), term_begins: false }
+    }
+
+    /// A new term of leadership: its first read sees the placed workers afresh.
+    fn begin_term(&mut self) {
+        self.term_begins = true;
     }
 
     /// Takes in a fresh read of the fleet at `now`; returns the workers not registered in it
     /// that were last seen less than the grace ago.
     fn observe(&mut self, state: &FleetState, now: Instant) -> BTreeSet<String> {
+        if std::mem::take(&mut self.term_begins) {
+            for (worker, _, _) in &state.placements {
+                if !state.workers.contains_key(worker) {
+                    self.last_seen.insert(worker.clone(), now);
+                }
+            }
+        }
         for (id, record) in &state.workers {
             if record.state == WorkerState::Draining {
                 // Exiting: its registration goes when it stops (lease revoked), for good. Its
@@ -698,13 +720,46 @@ mod tests {
         assert!(sightings.observe(&s, later).is_empty());
         assert_eq!(sightings.observe(&gone, later + Duration::from_secs(1)).len(), 1);
 
-        // A worker never seen registered (by this leader) gets none; one draining itself (exiting)
-        // neither, when its registration goes.
+        // A worker never seen registered (by this leader) gets none within a term; one draining
+        // itself (exiting) neither, when its registration goes.
         let mut fresh = Sightings::new(VANISHED_GRACE);
         assert!(fresh.observe(&gone, t0).is_empty());
         s.workers.get_mut("w1").unwrap().state = WorkerState::Draining;
         assert!(fresh.observe(&s, t0).is_empty());
         assert!(fresh.observe(&gone, t0 + Duration::from_secs(1)).is_empty());
+    }
+
+    /// A new term cannot tell how long a placed worker has been unregistered (etcd out of reach
+    /// meanwhile, a partition longer than the workers' leases): its first read gives every
+    /// placed, unregistered worker the grace — whether this gateway never saw it, or saw it
+    /// last long ago — so re-registering workers keep their models.
+    #[test]
+    fn a_new_term_gives_placed_workers_the_grace_from_its_first_read() {
+        let t0 = Instant::now();
+        let mut s = fleet();
+        s.placements.insert(a("w1", "m", 1));
+        let mut gone = s.clone();
+        gone.workers.remove("w1");
+        let after_outage = t0 + VANISHED_GRACE * 6;
+        for seen_before in [false, true] {
+            let mut sightings = Sightings::new(VANISHED_GRACE);
+            if seen_before {
+                assert!(sightings.observe(&s, t0).is_empty());
+            }
+            sightings.begin_term();
+            let vanished = sightings.observe(&gone, after_outage);
+            assert_eq!(vanished, BTreeSet::from(["w1".to_string()]), "seen before: {seen_before}");
+            assert!(plan::plan(&gone, &BTreeSet::new(), &vanished).assignments.contains(&a("w1", "m", 1)));
+            // Only the term's first read: the grace then runs out as usual.
+            assert_eq!(sightings.observe(&gone, after_outage + Duration::from_secs(1)).len(), 1);
+            assert!(sightings.observe(&gone, after_outage + VANISHED_GRACE).is_empty());
+        }
+        // A worker without placements is not remembered.
+        let mut empty = fleet();
+        empty.workers.remove("w1");
+        let mut sightings = Sightings::new(VANISHED_GRACE);
+        sightings.begin_term();
+        assert!(sightings.observe(&empty, t0).is_empty());
     }
 
     #[test]
