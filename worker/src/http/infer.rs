@@ -311,6 +311,10 @@ fn finish_input(
         Some(Ok(shape)) => shape,
     };
     let shm_region = shm_parameters(&|| ctx.clone(), input.parameters.as_ref())?;
+    // Where no regions can be named (the gateway), that is the error, whatever the shape.
+    if shm_region.is_some() && shm.is_none() {
+        return Err(shm_unsupported(&ctx));
+    }
     // A tensor in shared memory is not in the body: what bounds it is the shared-memory
     // budget of a request (what the worker copies), not the body limit
     // (--http-max-input-size), which may be smaller.
@@ -1471,6 +1475,16 @@ mod tests {
             Some(RawData::Buf(b)) => assert_eq!((b.out.len(), b.out.capacity()), (16, 16)),
             _ => panic!("typed data expected"),
         }
+    }
+
+    /// Without regions to name (the gateway), an input naming one is refused for that, before
+    /// its shape is checked against the body limit (which it would not be sent in).
+    #[test]
+    fn shared_memory_where_none_can_be_named_is_the_error_whatever_the_shape() {
+        let json = r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[100000000],
+            "parameters":{"shared_memory_region":"r","shared_memory_byte_size":400000000}}]}"#;
+        let e = parse(json).unwrap_err();
+        assert!(e.message.contains("system shared memory is not supported here"), "{}", e.message);
     }
 
     /// All of a request's tensors together stay within the limit, each checked as its
