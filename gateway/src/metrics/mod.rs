@@ -27,6 +27,7 @@ pub const ETCD_INVALID_VALUES_TOTAL: &str = "nereid_gateway_etcd_invalid_values_
 pub const ETCD_RESYNCS_TOTAL: &str = "nereid_gateway_etcd_resyncs_total";
 pub const PLACEMENT_LEADER: &str = "nereid_gateway_placement_leader";
 pub const PLACEMENT_UNPLACED: &str = "nereid_gateway_placement_unplaced_replicas";
+pub const PLACEMENT_OVERCOMMITTED: &str = "nereid_gateway_placement_overcommitted_workers";
 pub const PLACEMENT_WRITES_TOTAL: &str = "nereid_gateway_placement_writes_total";
 pub const PLACEMENT_PLANS_TOTAL: &str = "nereid_gateway_placement_plans_total";
 
@@ -77,6 +78,8 @@ pub struct GatewayMetrics {
     pub placement_leader: IntGauge,
     /// Replicas declared but not placed (no worker with room), as of the last plan.
     pub placement_unplaced: IntGauge,
+    /// Workers whose placements exceed their declared capacity (it shrank under them).
+    pub placement_overcommitted: IntGauge,
     /// Placement transactions committed by this gateway as leader.
     pub placement_writes: IntCounter,
     /// Placement plans computed as leader (whether or not they changed anything).
@@ -132,6 +135,11 @@ impl GatewayMetrics {
             .expect("valid metric");
         let placement_unplaced =
             IntGauge::new(PLACEMENT_UNPLACED, "Declared model replicas no worker has room for").expect("valid metric");
+        let placement_overcommitted = IntGauge::new(
+            PLACEMENT_OVERCOMMITTED,
+            "Workers whose placements exceed their declared capacity (kept, nothing new placed there)",
+        )
+        .expect("valid metric");
         let placement_writes = IntCounter::new(PLACEMENT_WRITES_TOTAL, "Placement transactions committed as leader")
             .expect("valid metric");
         let placement_plans =
@@ -144,6 +152,7 @@ impl GatewayMetrics {
             Box::new(etcd_resyncs.clone()),
             Box::new(placement_leader.clone()),
             Box::new(placement_unplaced.clone()),
+            Box::new(placement_overcommitted.clone()),
             Box::new(placement_writes.clone()),
             Box::new(duration_us.clone()),
             Box::new(retries.clone()),
@@ -168,6 +177,7 @@ impl GatewayMetrics {
             etcd_resyncs,
             placement_leader,
             placement_unplaced,
+            placement_overcommitted,
             placement_writes,
             placement_plans,
         }

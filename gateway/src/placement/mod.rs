@@ -69,13 +69,23 @@ pub struct PlacementController {
     loads: LoadWatch,
     /// When each worker was last seen registered, across terms.
     sightings: Sightings,
+    /// The workers last reported over their declared capacity (warned about once each time
+    /// they become so).
+    overcommitted: BTreeSet<String>,
 }
 
 impl PlacementController {
     pub fn new(config: EtcdConfig, metrics: GatewayMetrics) -> Self {
         let loads = LoadWatch::new(config.placement_load_timeout);
         let sightings = Sightings::new(VANISHED_GRACE);
-        PlacementController { config, metrics, last: FleetState::default(), loads, sightings }
+        PlacementController {
+            config,
+            metrics,
+            last: FleetState::default(),
+            loads,
+            sightings,
+            overcommitted: BTreeSet::new(),
+        }
     }
 
     /// Campaigns and leads, term after term, until `shutdown`.
@@ -240,6 +250,23 @@ impl PlacementController {
                 "{r}"
             );
         }
+        let over = plan::overcommitted(&state, &planned.assignments);
+        self.metrics.placement_overcommitted.set(over.len() as i64);
+        for o in &over {
+            if !self.overcommitted.contains(&o.worker) {
+                tracing::warn!(
+                    worker = %o.worker,
+                    memory_mb = o.memory_mb,
+                    capacity_mb = o.capacity_mb,
+                    models = o.models,
+                    max_models = o.max_models,
+                    "the worker's placements exceed its declared capacity (it shrank, or a model's memory_mb grew): \
+                     they stay (nothing is unloaded for a declaration) and nothing new goes to it; \
+                     drain it or remove models to bring it back within capacity"
+                );
+            }
+        }
+        self.overcommitted = over.into_iter().map(|o| o.worker).collect();
         let value =
             records::encode(&PlacementRecord { schema: records::SCHEMA_VERSION, leader_revision: leader.rev() })
                 .map_err(|e| e.to_string())?;

@@ -6,7 +6,11 @@
 //! - Capacity: a worker's `memory_mb` (when non-zero) bounds the sum of its assignments'
 //!   `resources.memory_mb`; `max_models` (when non-zero) bounds their count.
 //! - Stability: an existing assignment stays while it is valid (its worker active, the version
-//!   still declared, its load not FAILED), so a re-plan moves nothing that works.
+//!   still declared, its load not FAILED), so a re-plan moves nothing that works — even where a
+//!   worker's declared capacity shrank (or a model's `memory_mb` grew) under it: as a
+//!   Kubernetes node's allocatable shrinking evicts no running pod, nothing is unloaded for a
+//!   declaration; [`overcommitted`] reports such workers (a metric and a warning), and nothing
+//!   new goes to them.
 //! - Hand-over, make before break: a READY replica on a worker that is draining or drained (still
 //!   registered), or on an active worker that no longer matches the model's `selector`, is
 //!   replaced on an active matching worker, but its own assignment stays until the replacement is
@@ -257,6 +261,44 @@ pub fn plan(state: &FleetState, excluded: &BTreeSet<Assignment>, vanished: &BTre
     assignments.extend(handing_over.iter().cloned());
     assignments.extend(kept_vanished.iter().cloned());
     Plan { assignments, unplaced, handing_over, vanished: kept_vanished }
+}
+
+/// A worker whose assignments exceed its declared capacity.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Overcommit {
+    pub worker: String,
+    /// What its assignments need, and its capacity (0: unbounded).
+    pub memory_mb: u64,
+    pub capacity_mb: u64,
+    pub models: u32,
+    pub max_models: u32,
+}
+
+/// The registered workers that `assignments` (a plan's) put over their declared capacity:
+/// only assignments that existed before a capacity change can (new ones never do).
+pub fn overcommitted(state: &FleetState, assignments: &BTreeSet<Assignment>) -> Vec<Overcommit> {
+    let mut per_worker: BTreeMap<&str, (u64, u32)> = BTreeMap::new();
+    for (w, m, _) in assignments {
+        let memory = state.models.get(m).map_or(0, |d| d.resources.memory_mb);
+        let entry = per_worker.entry(w.as_str()).or_default();
+        entry.0 = entry.0.saturating_add(memory);
+        entry.1 += 1;
+    }
+    per_worker
+        .into_iter()
+        .filter_map(|(w, (memory_mb, models))| {
+            let cap = state.workers.get(w)?.capacity;
+            let over =
+                (cap.memory_mb > 0 && memory_mb > cap.memory_mb) || (cap.max_models > 0 && models > cap.max_models);
+            over.then(|| Overcommit {
+                worker: w.to_string(),
+                memory_mb,
+                capacity_mb: cap.memory_mb,
+                models,
+                max_models: cap.max_models,
+            })
+        })
+        .collect()
 }
 
 /// Fleet states built by hand, for this module's tests and the controller's.
@@ -749,6 +791,30 @@ mod tests {
         let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
         assert_eq!(p.assignments, BTreeSet::from([a("cpu1", "other", 1), a("gpu1", "big", 1)]));
         assert!(p.unplaced.is_empty());
+    }
+
+    /// A worker whose capacity shrank under its placements keeps them (nothing is unloaded for
+    /// a declaration) and is reported; nothing new goes to it.
+    #[test]
+    fn a_shrunk_capacity_keeps_what_is_placed_and_is_reported() {
+        let mut s = FleetState::default();
+        worker(&mut s, "w1", 1000, 0);
+        worker(&mut s, "w2", 1000, 0);
+        model(&mut s, "a", &[1], 1, 600);
+        model(&mut s, "b", &[1], 1, 600);
+        ready_on(&mut s, &["w1"], "a", 1);
+        ready_on(&mut s, &["w2"], "b", 1);
+        assert!(overcommitted(&s, &plan(&s, &BTreeSet::new(), &BTreeSet::new()).assignments).is_empty());
+        // w1 restarts declaring 500 MB; a new model is declared.
+        s.workers.get_mut("w1").unwrap().capacity.memory_mb = 500;
+        model(&mut s, "c", &[1], 1, 100);
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        assert!(p.assignments.contains(&a("w1", "a", 1)), "{p:?}");
+        assert!(p.assignments.contains(&a("w2", "c", 1)), "the new model goes where there is room: {p:?}");
+        assert_eq!(
+            overcommitted(&s, &p.assignments),
+            vec![Overcommit { worker: "w1".into(), memory_mb: 600, capacity_mb: 500, models: 1, max_models: 0 }]
+        );
     }
 
     proptest! {
