@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import queue
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pbg
 from tritonclient.utils import InferenceServerException
 
 from nereid_harness import assert_fp32_close, ort_run
@@ -50,6 +53,9 @@ def test_server_metadata(client):
     assert md.version
     for ext in ("binary_tensor_data", "model_repository", "statistics", "model_configuration"):
         assert ext in md.extensions, md
+    # Triton reports the unload parameter it takes as an extension of its own, right after.
+    ext = list(md.extensions)
+    assert ext.index("model_repository(unload_dependents)") == ext.index("model_repository") + 1, ext
     as_json = client.get_server_metadata(as_json=True)
     assert as_json["name"] == md.name
 
@@ -268,6 +274,76 @@ def test_stream_error_then_success(worker):
     finally:
         c.stop_stream()
         c.close()
+
+
+def test_stream_responses_are_marked_final(worker):
+    """Triton sets triton_final_response=true on every successful stream response, decoupled model
+    or not (clients written for decoupled models wait for it); error responses are unchanged."""
+    c = grpcclient.InferenceServerClient(worker.grpc_url)
+    results: queue.Queue = queue.Queue()
+    c.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        x = np.arange(16, dtype=np.float32).reshape(1, 16)
+        for rid in ("a", "b"):
+            c.async_stream_infer("identity_fp32", [_input("INPUT0", x, "FP32")], request_id=rid)
+            result, error = results.get(timeout=30)
+            assert error is None, error
+            resp = result.get_response()
+            assert resp.id == rid
+            assert resp.parameters["triton_final_response"].WhichOneof("parameter_choice") == "bool_param"
+            assert resp.parameters["triton_final_response"].bool_param is True
+            assert result.get_response(as_json=True)["parameters"]["triton_final_response"] == {"bool_param": True}
+        c.async_stream_infer("identity_fp32", [_input("INPUT0", np.ones((1, 4), dtype=np.float32), "FP32")], request_id="bad")
+        result, error = results.get(timeout=30)
+        assert result is None and "INPUT0" in str(error), (result, error)
+    finally:
+        c.stop_stream()
+        c.close()
+
+
+# -- what this worker does not support, answered as Triton answers it ----------------------------
+
+
+@pytest.fixture(scope="module")
+def stub(worker):
+    ch = grpc.insecure_channel(worker.grpc_url)
+    yield pbg.GRPCInferenceServiceStub(ch)
+    ch.close()
+
+
+def _rpc_error(call):
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code(), e.value.details()
+
+
+def test_trace_setting_is_unavailable(client, stub):
+    """Triton built without tracing answers UNAVAILABLE, not UNIMPLEMENTED."""
+    for call in (lambda: client.get_trace_settings(), lambda: client.update_trace_settings(settings={"trace_rate": "10"})):
+        with pytest.raises(InferenceServerException) as e:
+            call()
+        assert e.value.status() == "StatusCode.UNAVAILABLE", (e.value.status(), str(e.value))
+        assert "the server does not support trace" in str(e.value)
+    code, details = _rpc_error(lambda: stub.TraceSetting(pb.TraceSettingRequest(model_name="identity_fp32")))
+    assert (code, details) == (grpc.StatusCode.UNAVAILABLE, "the server does not support trace")
+
+
+def test_repository_name_is_not_supported(stub):
+    """A named repository is UNIMPLEMENTED, before the model or the worker's mode is looked at
+    (this worker does not allow loads at all: the name is refused first, as in Triton)."""
+    refused = (grpc.StatusCode.UNIMPLEMENTED, "'repository_name' specification is not supported")
+    assert _rpc_error(lambda: stub.RepositoryIndex(pb.RepositoryIndexRequest(repository_name="models"))) == refused
+    assert _rpc_error(lambda: stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(repository_name="models", model_name="no_such_model"))) == refused
+    assert _rpc_error(lambda: stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(repository_name="models", model_name="no_such_model"))) == refused
+    # Without a name, the index is served.
+    assert "identity_fp32" in {m.name for m in stub.RepositoryIndex(pb.RepositoryIndexRequest()).models}
+
+
+def test_unrecognized_load_parameter_is_invalid(stub):
+    req = pb.RepositoryModelLoadRequest(model_name="no_such_model")
+    req.parameters["config"].string_param = "{}"
+    req.parameters["poll"].bool_param = True
+    assert _rpc_error(lambda: stub.RepositoryModelLoad(req)) == (grpc.StatusCode.INVALID_ARGUMENT, "unrecognized load parameter 'poll'.")
 
 
 # -- statistics ---------------------------------------------------------------------------------

@@ -1,22 +1,36 @@
 """Triton's system shared-memory extension through tritonclient: regions created with
 `tritonclient.utils.shared_memory`, registered over HTTP and gRPC, inputs read from them and
 outputs written into them, compared with onnxruntime; status and unregister; the errors a
-client can cause; and a worker without `--allow-client-shm` refusing it with the reason."""
+client can cause; and a worker without `--allow-client-shm` refusing it with the reason. CUDA
+shared memory is answered as a CPU-only tritonserver answers it."""
 
 from __future__ import annotations
 
 import os
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pbg
 from tritonclient.utils import InferenceServerException
 
 from nereid_harness import EXAMPLE_MODELS, assert_fp32_close, check_example_models, ort_run
 
 CLIENTS = {"http": httpclient, "grpc": grpcclient}
+# What each protocol's client reports as the status of an error.
+NOT_FOUND = {"http": "404", "grpc": "StatusCode.NOT_FOUND"}
+UNIMPLEMENTED = {"http": "501", "grpc": "StatusCode.UNIMPLEMENTED"}
+
+
+def refusal(call):
+    """The InferenceServerException `call` raises."""
+    with pytest.raises(InferenceServerException) as e:
+        call()
+    return e.value
 
 
 @pytest.fixture(scope="module")
@@ -135,14 +149,17 @@ def test_shared_memory_errors_are_clear_and_the_worker_keeps_serving(shm_worker,
         refused(lambda: c.register_system_shared_memory(name, key, 512), "exceeds the object's size of 256 bytes")
         c.register_system_shared_memory(name, key, 256)
         refused(lambda: c.register_system_shared_memory(name, key, 64), "already registered")
-        refused(lambda: c.get_system_shared_memory_status(f"{name}_nope"), f"no system shared memory region named '{name}_nope'")
+        refused(lambda: c.get_system_shared_memory_status(f"{name}_nope"), f"Unable to find system shared memory region: '{name}_nope'")
+        assert refusal(lambda: c.get_system_shared_memory_status(f"{name}_nope")).status() == NOT_FOUND[protocol]
 
         def infer_with(region, byte_size, offset=0, out=None):
             inp = mod.InferInput("INPUT0", [1, 16], "FP32")
             inp.set_shared_memory(region, byte_size, offset=offset)
             return c.infer("identity_fp32", [inp], outputs=out)
 
-        refused(lambda: infer_with(f"{name}_nope", 64), f"no system shared memory region named '{name}_nope'")
+        # Triton's answer: NOT_FOUND (HTTP 404), in its words.
+        e = refusal(lambda: infer_with(f"{name}_nope", 64))
+        assert f"Unable to find shared memory region: '{name}_nope'" in str(e) and e.status() == NOT_FOUND[protocol], (e.status(), str(e))
         refused(lambda: infer_with(name, 64, offset=224), f"does not fit in region '{name}' of 256 bytes")
         refused(lambda: infer_with(name, 60), "needs 64 bytes")
 
@@ -179,24 +196,89 @@ def test_a_worker_without_allow_client_shm_refuses_it(worker, regions, protocol)
         md = c.get_server_metadata()
         assert "system_shared_memory" not in (md["extensions"] if protocol == "http" else md.extensions)
         key, _ = regions(f"off_{protocol}", 64)
-        with pytest.raises(InferenceServerException) as e:
-            c.register_system_shared_memory(f"off_{protocol}", key, 64)
-        assert "--allow-client-shm=true" in str(e.value)
+        # Register and unregister: UNIMPLEMENTED (Triton's UNSUPPORTED; HTTP 501), with the reason.
+        for call in (
+            lambda: c.register_system_shared_memory(f"off_{protocol}", key, 64),
+            lambda: c.unregister_system_shared_memory(),
+            lambda: c.unregister_system_shared_memory(f"off_{protocol}"),
+        ):
+            e = refusal(call)
+            assert "--allow-client-shm=true" in str(e) and e.status() == UNIMPLEMENTED[protocol], (e.status(), str(e))
+        # Status answers as for no regions: there are none.
+        status = c.get_system_shared_memory_status()
+        assert (len(status) if protocol == "http" else len(status.regions)) == 0
+        assert refusal(lambda: c.get_system_shared_memory_status(f"off_{protocol}")).status() == NOT_FOUND[protocol]
         inp = mod.InferInput("INPUT0", [1, 16], "FP32")
         inp.set_shared_memory(f"off_{protocol}", 64)
-        with pytest.raises(InferenceServerException) as e:
-            c.infer("identity_fp32", [inp])
-        assert "--allow-client-shm=true" in str(e.value)
-        # CUDA shared memory is not implemented, and says so (HTTP: 501 with the reason; gRPC:
-        # UNIMPLEMENTED).
-        with pytest.raises(InferenceServerException) as e:
-            c.get_cuda_shared_memory_status()
+        e = refusal(lambda: c.infer("identity_fp32", [inp]))
+        assert "--allow-client-shm=true" in str(e) and f"Unable to find shared memory region: 'off_{protocol}'" in str(e), str(e)
+        assert e.status() == NOT_FOUND[protocol], e.status()
         if protocol == "http":
-            assert "CUDA shared memory is not supported by nereid-worker" in str(e.value), str(e.value)
+            # Over HTTP, every CUDA shared-memory endpoint answers 501 with the reason.
+            e = refusal(lambda: c.get_cuda_shared_memory_status())
+            assert "CUDA shared memory is not supported by nereid-worker" in str(e), str(e)
         else:
-            assert e.value.status() == "StatusCode.UNIMPLEMENTED", (e.value.status(), str(e.value))
+            # gRPC answers as a CPU-only tritonserver: no regions; register and unregister are
+            # refused as the system ones are here.
+            assert len(c.get_cuda_shared_memory_status().regions) == 0
+            for call in (lambda: c.unregister_cuda_shared_memory(), lambda: c.register_cuda_shared_memory("cuda", b"", 0, 64)):
+                e = refusal(call)
+                assert "--allow-client-shm=true" in str(e) and e.status() == "StatusCode.UNIMPLEMENTED", (e.status(), str(e))
     finally:
         c.close()
+
+
+def test_grpc_cuda_shared_memory_answers_as_a_cpu_only_triton(shm_worker):
+    c = grpcclient.InferenceServerClient(shm_worker.grpc_url)
+    try:
+        # What tritonclient's shared-memory examples and perf_analyzer do first (and last).
+        c.unregister_system_shared_memory()
+        c.unregister_cuda_shared_memory()
+        c.unregister_cuda_shared_memory("never_registered")
+        status = c.get_cuda_shared_memory_status()
+        assert len(status.regions) == 0
+        assert c.get_cuda_shared_memory_status(as_json=True) == {}
+        e = refusal(lambda: c.get_cuda_shared_memory_status("cuda0"))
+        assert e.status() == "StatusCode.NOT_FOUND" and "Unable to find cuda shared memory region: 'cuda0'" in str(e), (e.status(), str(e))
+        e = refusal(lambda: c.register_cuda_shared_memory("cuda0", b"AAAA", 0, 64))
+        assert e.status() == "StatusCode.INVALID_ARGUMENT", (e.status(), str(e))
+        assert "failed to register CUDA shared memory region: 'cuda0', GPUs not supported" in str(e), str(e)
+        assert len(c.get_cuda_shared_memory_status().regions) == 0
+    finally:
+        c.close()
+
+
+def test_grpc_output_cannot_be_both_in_shared_memory_and_a_classification(shm_worker, regions):
+    # tritonclient refuses to build such an output, so the request is built by hand.
+    key, handle = regions("cls_grpc", 256)
+    x = np.arange(16, dtype=np.float32).reshape(1, 16)
+    shm.set_shared_memory_region(handle, [x])
+    c = grpcclient.InferenceServerClient(shm_worker.grpc_url)
+    ch = grpc.insecure_channel(shm_worker.grpc_url)
+    try:
+        c.register_system_shared_memory("cls_grpc", key, 256)
+        stub = pbg.GRPCInferenceServiceStub(ch)
+        req = pb.ModelInferRequest(model_name="identity_fp32")
+        inp = req.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+        inp.parameters["shared_memory_region"].string_param = "cls_grpc"
+        inp.parameters["shared_memory_byte_size"].int64_param = 64
+        out = req.outputs.add(name="OUTPUT0")
+        out.parameters["shared_memory_region"].string_param = "cls_grpc"
+        out.parameters["shared_memory_byte_size"].int64_param = 128
+        out.parameters["shared_memory_offset"].int64_param = 128
+        out.parameters["classification"].int64_param = 2
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(req)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert "output can't set both 'shared_memory_region' and 'classification'" in e.value.details(), e.value.details()
+        # Without the classification, the same request writes the output into the region.
+        del out.parameters["classification"]
+        stub.ModelInfer(req)
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(handle, np.float32, [1, 16], offset=128), x)
+    finally:
+        c.unregister_system_shared_memory()
+        c.close()
+        ch.close()
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

@@ -19,6 +19,7 @@ pub const EXTENSIONS: &[&str] = &[
     "binary_tensor_data",
     "classification",
     "model_repository",
+    "model_repository(unload_dependents)",
     "model_configuration",
     "schedule_policy",
     "parameters",

@@ -11,6 +11,12 @@
 //! Registration is refused unless the worker was started with `--allow-client-shm=true`
 //! (Triton's flag and default): a registered key opens any shared-memory object the worker's
 //! user can open, so only deployments whose clients share the host's trust should allow it.
+//! When refused, register and unregister answer UNIMPLEMENTED (Triton's UNSUPPORTED) with the
+//! reason; status answers as for a worker with no regions (there are none).
+//!
+//! CUDA shared memory is answered as a CPU-only Triton answers it (see
+//! [`SharedMemory::cuda_register`]): there are never any CUDA regions, so status is empty and
+//! unregistering always succeeds (clients' clean-up code calls it unconditionally).
 //!
 //! Tensors move with `pread`/`pwrite`, never through a mapping, so a client that shrinks a
 //! registered object (ftruncate) cannot make the worker fault: every access re-checks the
@@ -110,7 +116,7 @@ impl std::fmt::Debug for SharedMemory {
 pub const MAX_REGIONS: usize = 1024;
 
 const DISABLED: &str =
-    "system shared memory is disabled on this worker; start nereid-worker with --allow-client-shm=true to allow it";
+    "client shared memory is disabled on this worker; start nereid-worker with --allow-client-shm=true to allow it";
 
 impl SharedMemory {
     /// Regions allowed (`--allow-client-shm=true`); tensors up to `max_tensor_bytes` each.
@@ -132,11 +138,20 @@ impl SharedMemory {
         self.disabled.is_none()
     }
 
+    /// Register and unregister on a worker refusing regions: UNIMPLEMENTED (what Triton
+    /// answers for an unsupported API), with the reason.
     fn check_enabled(&self) -> Result<(), Status> {
         match self.disabled {
-            Some(reason) => Err(Status::new(Code::FailedPrecondition, reason)),
+            Some(reason) => Err(Status::unimplemented(reason)),
             None => Ok(()),
         }
+    }
+
+    /// The NOT_FOUND for a region a tensor names that is not registered (Triton's wording
+    /// first); on a worker refusing regions, with the reason.
+    fn not_registered(&self, ctx: &str, name: &str) -> Status {
+        let reason = self.disabled.map(|r| format!("; {r}")).unwrap_or_default();
+        Status::not_found(format!("Unable to find shared memory region: '{name}' ({ctx}){reason}"))
     }
 
     /// Opens `key` (a POSIX shared-memory object name) and maps `byte_size` bytes from
@@ -195,24 +210,45 @@ impl SharedMemory {
         Ok(())
     }
 
-    /// Status of `name`, or of every region when `None`.
+    /// Status of `name`, or of every region when `None`. A worker refusing regions answers as
+    /// one with none registered (as Triton's status does), naming the reason for a named one.
     pub fn status(&self, name: Option<&str>) -> Result<Vec<RegionStatus>, Status> {
-        self.check_enabled()?;
         let regions = self.regions.read().unwrap_or_else(|e| e.into_inner());
         match name {
             Some(name) => regions.get(name).map(|r| vec![r.status()]).ok_or_else(|| {
-                Status::not_found(format!("no system shared memory region named '{name}' is registered"))
+                let reason = self.disabled.map(|r| format!("; {r}")).unwrap_or_default();
+                Status::not_found(format!("Unable to find system shared memory region: '{name}'{reason}"))
             }),
             None => Ok(regions.values().map(|r| r.status()).collect()),
         }
     }
 
-    fn lookup(&self, ctx: &str, r: &ShmRef) -> Result<Arc<Region>, Status> {
+    /// CUDA shared-memory status: there are never any CUDA regions, so `Ok` (an empty status)
+    /// for all of them, NOT_FOUND for a named one, as a Triton built without GPUs answers.
+    pub fn cuda_status(&self, name: Option<&str>) -> Result<(), Status> {
+        match name {
+            Some(name) => Err(Status::not_found(format!("Unable to find cuda shared memory region: '{name}'"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Registering a CUDA shared-memory region: refused with INVALID_ARGUMENT, Triton's answer
+    /// without GPUs (UNIMPLEMENTED, like the system regions, on a worker refusing regions).
+    pub fn cuda_register(&self, name: &str) -> Result<(), Status> {
         self.check_enabled()?;
+        Err(Status::invalid(format!("failed to register CUDA shared memory region: '{name}', GPUs not supported")))
+    }
+
+    /// Unregistering CUDA shared-memory regions (`name`, or all when `None`): there are none,
+    /// so it always succeeds, as in Triton — clients call it at start-up and clean-up whether
+    /// they used CUDA regions or not (UNIMPLEMENTED on a worker refusing regions).
+    pub fn cuda_unregister(&self, _name: Option<&str>) -> Result<(), Status> {
+        self.check_enabled()
+    }
+
+    fn lookup(&self, ctx: &str, r: &ShmRef) -> Result<Arc<Region>, Status> {
         let region = self.regions.read().unwrap_or_else(|e| e.into_inner()).get(&r.region).cloned();
-        let region = region.ok_or_else(|| {
-            Status::invalid(format!("{ctx}: no system shared memory region named '{}' is registered", r.region))
-        })?;
+        let region = region.ok_or_else(|| self.not_registered(ctx, &r.region))?;
         let end = r.offset.checked_add(r.byte_size);
         if end.is_none_or(|end| end > region.byte_size) {
             return Err(Status::invalid(format!(
@@ -234,7 +270,9 @@ impl SharedMemory {
     /// allocated: however many inputs name a large region, a request copies no more than a
     /// request body may hold.
     pub fn read(&self, ctx: &str, r: &ShmRef, budget: &mut u64) -> Result<Bytes, Status> {
-        self.check_enabled()?;
+        if !self.enabled() {
+            return Err(self.not_registered(ctx, &r.region));
+        }
         if r.byte_size > *budget {
             return Err(Status::invalid(format!(
                 "{ctx}: {BYTE_SIZE} {} with the request's other shared memory inputs exceeds the request size \
@@ -549,8 +587,18 @@ mod tests {
         let e = shm.read("input 'X'", &r("in", u64::MAX, 2), &mut { u64::MAX }).unwrap_err();
         assert!(e.message.contains("does not fit"), "{}", e.message);
         let e = shm.read("input 'X'", &r("nope", 0, 2), &mut { u64::MAX }).unwrap_err();
-        assert!(e.message.contains("no system shared memory region named 'nope'"), "{}", e.message);
-        assert_eq!(shm.status(Some("nope")).unwrap_err().code, Code::NotFound);
+        assert_eq!(e.code, Code::NotFound);
+        assert_eq!(e.message, "Unable to find shared memory region: 'nope' (input 'X')");
+        let e = shm.target("output 'Y'", &r("nope", 0, 2)).unwrap_err();
+        assert_eq!(
+            (e.code, e.message.as_str()),
+            (Code::NotFound, "Unable to find shared memory region: 'nope' (output 'Y')")
+        );
+        let e = shm.status(Some("nope")).unwrap_err();
+        assert_eq!(
+            (e.code, e.message.as_str()),
+            (Code::NotFound, "Unable to find system shared memory region: 'nope'")
+        );
 
         // A second registration of the name is refused; the first stays.
         let e = shm.register("in", &obj.key, 0, 10).unwrap_err();
@@ -647,14 +695,43 @@ mod tests {
         assert!(e.message.contains("with the request's other shared memory inputs exceeds"), "{}", e.message);
         assert_eq!(budget, 24);
 
+        // Refused: register and unregister are UNIMPLEMENTED (Triton's UNSUPPORTED); status
+        // answers as for no regions; a tensor naming a region finds none. All give the reason.
         let off = SharedMemory::disabled();
-        for e in [
-            off.register("r", &obj.key, 0, 8).unwrap_err(),
-            off.status(None).unwrap_err(),
-            off.unregister(None).unwrap_err(),
-            off.read("input 'X'", &r("r", 0, 8), &mut { u64::MAX }).unwrap_err(),
+        for (e, code) in [
+            (off.register("r", &obj.key, 0, 8).unwrap_err(), Code::Unimplemented),
+            (off.unregister(None).unwrap_err(), Code::Unimplemented),
+            (off.unregister(Some("r")).unwrap_err(), Code::Unimplemented),
+            (off.status(Some("r")).unwrap_err(), Code::NotFound),
+            (off.read("input 'X'", &r("r", 0, 8), &mut { u64::MAX }).unwrap_err(), Code::NotFound),
+            (off.target("output 'Y'", &r("r", 0, 8)).unwrap_err(), Code::NotFound),
         ] {
-            assert_eq!(e.code, Code::FailedPrecondition);
+            assert_eq!(e.code, code, "{}", e.message);
+            assert!(e.message.contains("--allow-client-shm=true"), "{}", e.message);
+        }
+        assert_eq!(off.status(None).unwrap(), vec![]);
+        let e = off.read("input 'X'", &r("r", 0, 8), &mut { u64::MAX }).unwrap_err();
+        assert!(e.message.starts_with("Unable to find shared memory region: 'r' (input 'X')"), "{}", e.message);
+    }
+
+    #[test]
+    fn cuda_shared_memory_is_answered_as_a_triton_without_gpus_answers() {
+        for shm in [SharedMemory::allowed(1 << 20), SharedMemory::disabled()] {
+            // Status does not depend on whether regions are allowed: there are never any.
+            shm.cuda_status(None).unwrap();
+            let e = shm.cuda_status(Some("c")).unwrap_err();
+            assert_eq!((e.code, e.message.as_str()), (Code::NotFound, "Unable to find cuda shared memory region: 'c'"));
+        }
+        let on = SharedMemory::allowed(1 << 20);
+        on.cuda_unregister(None).unwrap();
+        on.cuda_unregister(Some("c")).unwrap();
+        let e = on.cuda_register("c").unwrap_err();
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert_eq!(e.message, "failed to register CUDA shared memory region: 'c', GPUs not supported");
+
+        let off = SharedMemory::disabled();
+        for e in [off.cuda_register("c").unwrap_err(), off.cuda_unregister(None).unwrap_err()] {
+            assert_eq!(e.code, Code::Unimplemented);
             assert!(e.message.contains("--allow-client-shm=true"), "{}", e.message);
         }
     }

@@ -88,6 +88,15 @@ pub fn infer_request_from_proto(mut req: ModelInferRequest, shm: &SharedMemory) 
             }
         };
         if let Some(r) = shm_parameters(ctx, &output.parameters)? {
+            // Triton's check, before the region is looked up: a classification's strings have
+            // no agreed layout in a region.
+            if classification != 0 {
+                return Err(Status::invalid(format!(
+                    "output can't set both '{}' and 'classification' ({})",
+                    shm::REGION,
+                    ctx()
+                )));
+            }
             shm_outputs.push((output.name.clone(), shm.target(&ctx(), &r)?));
         }
         outputs.push(RequestedOutput { name: output.name, binary_data: None, classification });
@@ -587,11 +596,18 @@ pub fn model_stats_to_proto(s: ModelStats) -> ModelStatistics {
 }
 
 /// The config override of a `RepositoryModelLoad` request: parameter `config` (a string of JSON
-/// `ModelConfig`). `file:` parameters (uploaded model files) are rejected; others are ignored.
+/// `ModelConfig`). `file:` parameters (uploaded model files) are UNIMPLEMENTED; any other key is
+/// INVALID_ARGUMENT, as in Triton. Keys are looked at in order, so the answer to a request with
+/// several bad ones does not depend on the map's order.
 pub fn load_config_parameter<'a, I>(parameters: I) -> Result<Option<String>, Status>
 where
     I: IntoIterator<Item = (&'a String, &'a ModelRepositoryParameter)>,
 {
+    let mut parameters: Vec<_> = parameters.into_iter().collect();
+    parameters.sort_unstable_by_key(|(key, _)| *key);
+    if let Some((key, _)) = parameters.iter().find(|(key, _)| *key != "config" && !key.starts_with("file:")) {
+        return Err(Status::invalid(format!("unrecognized load parameter '{key}'.")));
+    }
     let mut config = None;
     for (key, value) in parameters {
         if key.starts_with("file:") {
@@ -751,7 +767,9 @@ mod tests {
         // Unknown region, out-of-bounds offset, wrong parameter type.
         let mut unknown = a.clone();
         unknown.parameters = shm_params("nope", None, 16);
-        check(request(vec![unknown], vec![]), "no system shared memory region named 'nope'");
+        let e = infer_request_from_proto(request(vec![unknown], vec![]), &shm).unwrap_err();
+        assert_eq!(e.code, Code::NotFound, "{}", e.message);
+        assert!(e.message.starts_with("Unable to find shared memory region: 'nope'"), "{}", e.message);
         let mut outside = a.clone();
         outside.parameters = shm_params("in", Some(4090), 16);
         check(request(vec![outside], vec![]), "does not fit in region 'in' of 4096 bytes");
@@ -764,7 +782,25 @@ mod tests {
         let mut out_req = request(vec![b.clone()], vec![f32_bytes(&[9.0])]);
         out_req.outputs =
             vec![InferRequestedOutputTensor { name: "Y".into(), parameters: shm_params("gone", None, 8) }];
-        check(out_req, "output 'Y': no system shared memory region named 'gone'");
+        let e = infer_request_from_proto(out_req.clone(), &shm).unwrap_err();
+        assert_eq!(e.code, Code::NotFound, "{}", e.message);
+        assert_eq!(e.message, "Unable to find shared memory region: 'gone' (output 'Y')");
+        // An output in shared memory cannot be a classification (checked before the region).
+        for region in ["in", "gone"] {
+            let mut params = shm_params(region, None, 64);
+            params.insert(
+                "classification".into(),
+                InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(2)) },
+            );
+            out_req.outputs = vec![InferRequestedOutputTensor { name: "Y".into(), parameters: params }];
+            check(out_req.clone(), "output can't set both 'shared_memory_region' and 'classification' (output 'Y')");
+        }
+        // A class count of 0 is no classification.
+        let mut params = shm_params("in", None, 64);
+        params
+            .insert("classification".into(), InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(0)) });
+        out_req.outputs = vec![InferRequestedOutputTensor { name: "Y".into(), parameters: params }];
+        assert_eq!(infer_request_from_proto(out_req, &shm).unwrap().shm_outputs.len(), 1);
 
         // A worker that does not allow client shared memory says how to allow it.
         let e = infer_request_from_proto(request(vec![a], vec![]), &SharedMemory::disabled()).unwrap_err();
@@ -1141,12 +1177,16 @@ mod tests {
         let mut params = HashMap::new();
         assert_eq!(load_config_parameter(&params).unwrap(), None);
         params.insert("config".to_string(), p(RepoParameterChoice::StringParam("{\"max_batch_size\":4}".into())));
-        params.insert("other".to_string(), p(RepoParameterChoice::BoolParam(true)));
         assert_eq!(load_config_parameter(&params).unwrap().as_deref(), Some("{\"max_batch_size\":4}"));
         params.insert("file:1/model.onnx".to_string(), p(RepoParameterChoice::BytesParam(vec![1])));
         let e = load_config_parameter(&params).unwrap_err();
         assert_eq!(e.code, Code::Unimplemented);
         assert!(e.message.contains("file:1/model.onnx") && e.message.contains("not supported"));
+        // Any other key is refused, as Triton refuses it (before the files are looked at).
+        params.insert("other".to_string(), p(RepoParameterChoice::BoolParam(true)));
+        params.insert("zzz".to_string(), p(RepoParameterChoice::BoolParam(true)));
+        let e = load_config_parameter(&params).unwrap_err();
+        assert_eq!((e.code, e.message.as_str()), (Code::InvalidArgument, "unrecognized load parameter 'other'."));
         let mut params = HashMap::new();
         params.insert("config".to_string(), p(RepoParameterChoice::Int64Param(1)));
         assert!(load_config_parameter(&params).unwrap_err().message.contains("config"));

@@ -1,6 +1,7 @@
 //! The KServe v2 gRPC front end (`inference.GRPCInferenceService`): translates the protocol
-//! into [`Server`] calls and renders their results. RPCs not implemented here (shared memory,
-//! trace and log settings) answer UNIMPLEMENTED through the generated default stubs.
+//! into [`Server`] calls and renders their results. Where this worker lacks a feature, it
+//! answers as a Triton built without it does: CUDA shared memory as a CPU-only build (no
+//! regions, registration refused), `TraceSetting` as a build without tracing (UNAVAILABLE).
 //!
 //! Unary `ModelInfer` runs inside the handler future, never on a detached task: when the client
 //! cancels (or its `grpc-timeout` passes) tonic drops that future and the core takes the request
@@ -330,6 +331,7 @@ impl GrpcInferenceService for GrpcFrontend {
 
     async fn repository_index(&self, request: Request<RepositoryIndexRequest>) -> TonicResult<RepositoryIndexResponse> {
         let r = request.into_inner();
+        check_repository_name(&r.repository_name)?;
         let models = self.server.repository_index(r.ready).into_iter().map(index_entry_to_proto).collect();
         Ok(Response::new(RepositoryIndexResponse { models }))
     }
@@ -339,6 +341,7 @@ impl GrpcInferenceService for GrpcFrontend {
         request: Request<RepositoryModelLoadRequest>,
     ) -> TonicResult<RepositoryModelLoadResponse> {
         let r = request.into_inner();
+        check_repository_name(&r.repository_name)?;
         let config = load_config_parameter(&r.parameters)?;
         self.server.load_model(&r.model_name, config).await?;
         Ok(Response::new(RepositoryModelLoadResponse {}))
@@ -349,6 +352,7 @@ impl GrpcInferenceService for GrpcFrontend {
         request: Request<RepositoryModelUnloadRequest>,
     ) -> TonicResult<RepositoryModelUnloadResponse> {
         let r = request.into_inner();
+        check_repository_name(&r.repository_name)?;
         let dependents = unload_dependents_parameter(&r.parameters)?;
         self.server.unload_model(&r.model_name, dependents).await?;
         Ok(Response::new(RepositoryModelUnloadResponse {}))
@@ -356,6 +360,38 @@ impl GrpcInferenceService for GrpcFrontend {
 
     async fn log_settings(&self, request: Request<LogSettingsRequest>) -> TonicResult<LogSettingsResponse> {
         Ok(Response::new(convert::log_settings(request.into_inner())?))
+    }
+
+    /// What Triton built without tracing answers: tritonclient reports it as a server error
+    /// rather than as a missing RPC.
+    async fn trace_setting(&self, _request: Request<TraceSettingRequest>) -> TonicResult<TraceSettingResponse> {
+        Err(tonic::Status::unavailable(TRACE_UNSUPPORTED))
+    }
+
+    async fn cuda_shared_memory_status(
+        &self,
+        request: Request<CudaSharedMemoryStatusRequest>,
+    ) -> TonicResult<CudaSharedMemoryStatusResponse> {
+        let r = request.into_inner();
+        self.server.shm.cuda_status((!r.name.is_empty()).then_some(r.name.as_str()))?;
+        Ok(Response::new(CudaSharedMemoryStatusResponse { regions: Default::default() }))
+    }
+
+    async fn cuda_shared_memory_register(
+        &self,
+        request: Request<CudaSharedMemoryRegisterRequest>,
+    ) -> TonicResult<CudaSharedMemoryRegisterResponse> {
+        self.server.shm.cuda_register(&request.into_inner().name)?;
+        Ok(Response::new(CudaSharedMemoryRegisterResponse {}))
+    }
+
+    async fn cuda_shared_memory_unregister(
+        &self,
+        request: Request<CudaSharedMemoryUnregisterRequest>,
+    ) -> TonicResult<CudaSharedMemoryUnregisterResponse> {
+        let r = request.into_inner();
+        self.server.shm.cuda_unregister((!r.name.is_empty()).then_some(r.name.as_str()))?;
+        Ok(Response::new(CudaSharedMemoryUnregisterResponse {}))
     }
 
     async fn system_shared_memory_status(
@@ -400,6 +436,21 @@ impl GrpcInferenceService for GrpcFrontend {
     }
 }
 
+/// The message of `TraceSetting`, Triton's when built without tracing.
+pub const TRACE_UNSUPPORTED: &str = "the server does not support trace";
+
+/// Refuses a named repository (the worker serves its one repository set), as Triton does.
+fn check_repository_name(name: &str) -> Result<(), Status> {
+    if name.is_empty() {
+        return Ok(());
+    }
+    Err(Status::unimplemented("'repository_name' specification is not supported"))
+}
+
+/// The parameter Triton sets on every stream response: true on the last (here the only)
+/// response to a request.
+pub const FINAL_RESPONSE_PARAMETER: &str = "triton_final_response";
+
 /// Decodes, runs and encodes one request; outputs the client asked for in shared memory are
 /// written there, and the response names their regions.
 async fn infer_one(
@@ -433,9 +484,20 @@ async fn stream_infer_one(
 ) -> ModelStreamInferResponse {
     let (id, model_name, model_version) = (req.id.clone(), req.model_name.clone(), req.model_version.clone());
     match infer_one(server, req, deadline).await {
-        Ok(resp) => ModelStreamInferResponse { error_message: String::new(), infer_response: Some(resp) },
+        Ok(resp) => {
+            ModelStreamInferResponse { error_message: String::new(), infer_response: Some(final_response(resp)) }
+        }
         Err(e) => stream_error(e, id, model_name, model_version),
     }
+}
+
+/// Marks a stream's response as the last one to its request (`triton_final_response`), as
+/// Triton marks every response on a stream, decoupled model or not: clients written for
+/// decoupled models wait for it.
+fn final_response(mut resp: ModelInferResponse) -> ModelInferResponse {
+    let flag = InferParameter { parameter_choice: Some(infer_parameter::ParameterChoice::BoolParam(true)) };
+    resp.parameters.insert(FINAL_RESPONSE_PARAMETER.to_string(), flag);
+    resp
 }
 
 fn stream_error(e: Status, id: String, model_name: String, model_version: String) -> ModelStreamInferResponse {
@@ -701,6 +763,20 @@ mod tests {
         // Gone: the long request is cancelled, not left running.
         drop(s);
         wait_active_at_most(&active, 0, "the dropped stream's request kept running").await;
+    }
+
+    #[test]
+    fn stream_responses_are_final_and_repository_names_refused() {
+        let resp = final_response(ModelInferResponse { id: "r".into(), ..Default::default() });
+        assert_eq!(
+            resp.parameters[FINAL_RESPONSE_PARAMETER].parameter_choice,
+            Some(infer_parameter::ParameterChoice::BoolParam(true))
+        );
+        assert_eq!(resp.id, "r");
+        check_repository_name("").unwrap();
+        let e = check_repository_name("models").unwrap_err();
+        assert_eq!(e.code, nereid_common::Code::Unimplemented);
+        assert_eq!(e.message, "'repository_name' specification is not supported");
     }
 
     #[test]
