@@ -314,6 +314,18 @@ impl From<nereid_worker::grpc::StreamPanic> for StreamReply {
 /// `ModelStreamInferResponse.infer_response`: field 2, length-delimited.
 const INFER_RESPONSE_KEY: u8 = (2 << 3) | 2;
 
+/// `parameters["triton_final_response"] = bool_param true`, encoded as a `ModelInferResponse`
+/// field: appended to a worker's unary answer (fields may come in any order, a map entry is a
+/// repeated field), it marks a stream response as its request's last, as Triton (and a worker's
+/// own stream) marks every one.
+static FINAL_RESPONSE_FIELD: std::sync::LazyLock<Bytes> = std::sync::LazyLock::new(|| {
+    use nereid_proto::inference::{InferParameter, infer_parameter::ParameterChoice};
+    let mut marker = nereid_proto::inference::ModelInferResponse::default();
+    let flag = InferParameter { parameter_choice: Some(ParameterChoice::BoolParam(true)) };
+    marker.parameters.insert(nereid_worker::grpc::FINAL_RESPONSE_PARAMETER.to_string(), flag);
+    Bytes::from(marker.encode_to_vec())
+});
+
 /// A codec that decodes a message to its bytes (zero-copy: a slice of the receive buffer) and
 /// encodes `E` by [`WireEncode`].
 pub struct BytesCodec<E>(std::marker::PhantomData<E>);
@@ -341,9 +353,11 @@ impl WireEncode for StreamReply {
     fn encode_to(self, buf: &mut impl BufMut) {
         match self {
             StreamReply::Ok(bytes) => {
+                let marker = &*FINAL_RESPONSE_FIELD;
                 buf.put_u8(INFER_RESPONSE_KEY);
-                prost::encoding::encode_varint(bytes.len() as u64, buf);
+                prost::encoding::encode_varint((bytes.len() + marker.len()) as u64, buf);
                 buf.put(bytes);
+                buf.put_slice(marker);
             }
             StreamReply::Err(message) => message.encode_raw(buf),
         }
@@ -522,7 +536,7 @@ mod tests {
     }
 
     #[test]
-    fn a_stream_reply_wraps_the_workers_bytes_unchanged() {
+    fn a_stream_reply_wraps_the_workers_bytes_unchanged_and_marks_them_final() {
         let response = ModelInferResponse {
             model_name: "m".into(),
             raw_output_contents: vec![vec![1; 300].into()],
@@ -533,7 +547,15 @@ mod tests {
         StreamReply::Ok(bytes).encode_to(&mut out);
         let decoded = ModelStreamInferResponse::decode(out.freeze()).unwrap();
         assert_eq!(decoded.error_message, "");
-        assert_eq!(decoded.infer_response, Some(response));
+        // ...marked as the request's final response, as a worker's own stream marks it.
+        let mut marked = response.clone();
+        marked.parameters.insert(
+            "triton_final_response".into(),
+            nereid_proto::inference::InferParameter {
+                parameter_choice: Some(nereid_proto::inference::infer_parameter::ParameterChoice::BoolParam(true)),
+            },
+        );
+        assert_eq!(decoded.infer_response, Some(marked));
 
         let err = ModelStreamInferResponse { error_message: "bad".into(), infer_response: None };
         let mut out = bytes::BytesMut::new();

@@ -269,7 +269,10 @@ def test_streaming_through_the_gateway(fleet):
     for _ in xs:
         result, error = results.get(timeout=30)
         assert error is None, error
-        got[result.get_response().id] = result.as_numpy("OUTPUT0")
+        response = result.get_response()
+        # Each answer is its request's last, marked so as Triton (and a worker's own stream) marks it.
+        assert response.parameters["triton_final_response"].bool_param, response.parameters
+        got[response.id] = result.as_numpy("OUTPUT0")
     client.stop_stream()
     for i, x in enumerate(xs):
         np.testing.assert_array_equal(got[str(i)], x)
