@@ -69,13 +69,19 @@ impl GatewayError {
 
     pub fn to_grpc(&self) -> tonic::Status {
         self.log();
-        tonic::Status::new(self.grpc_code(), self.to_string())
+        tonic::Status::new(self.grpc_code(), self.message())
     }
 
     /// The KServe v2 HTTP error body, `{"error": "..."}`.
     pub fn json_body(&self) -> String {
         self.log();
-        serde_json::json!({ "error": self.to_string() }).to_string()
+        serde_json::json!({ "error": self.message() }).to_string()
+    }
+
+    /// The message, cut as a worker cuts its own (it may quote a client's model name of any
+    /// length, which a gRPC trailer must not carry whole).
+    fn message(&self) -> String {
+        nereid_common::Status::new(nereid_common::Code::Internal, self.to_string()).message
     }
 
     /// Server-side failures are logged at WARN, at most one line a second (with how many were
@@ -170,6 +176,19 @@ pub fn code_label(code: tonic::Code) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A model name of any length (the gRPC ingress takes one up to the request limit) comes
+    /// back cut, as the workers cut theirs: whole, it would not fit a gRPC trailer.
+    #[test]
+    fn messages_quoting_a_huge_model_name_are_cut() {
+        let e = GatewayError::Route(RouteError::ModelNotFound { model: "m".repeat(100_000) });
+        let status = e.to_grpc();
+        assert_eq!(status.code(), tonic::Code::NotFound);
+        assert!(status.message().len() < nereid_common::status::MAX_STATUS_MESSAGE_BYTES + 64);
+        assert!(status.message().starts_with("model 'mmm") && status.message().contains("message cut"));
+        let body: serde_json::Value = serde_json::from_str(&e.json_body()).unwrap();
+        assert!(body["error"].as_str().unwrap().len() < nereid_common::status::MAX_STATUS_MESSAGE_BYTES + 64);
+    }
 
     #[test]
     fn server_error_lines_are_limited_to_one_a_second() {

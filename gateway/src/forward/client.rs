@@ -355,9 +355,11 @@ impl H2Channel {
             .header("grpc-timeout", grpc_timeout(timeout))
             .body(())
             .expect("static header names and values");
+        // Before the stream opens: a message h2 cannot carry is refused without the worker seeing
+        // a stream opened and cancelled.
+        let prefix = grpc_prefix(parts.iter().map(Bytes::len).sum()).map_err(CallError::Status)?;
         let (response, mut body) = send.send_request(request, false).map_err(|e| broken(e, true, &wire))?;
         // Queued behind the HEADERS: all leave in the connection's next write.
-        let prefix = grpc_prefix(parts.iter().map(Bytes::len).sum()).map_err(CallError::Status)?;
         body.send_data(prefix, false).map_err(|e| broken(e, true, &wire))?;
         let [first, second] = parts;
         if second.is_empty() {
@@ -509,7 +511,8 @@ mod tests {
         assert_eq!(&grpc_prefix(5).unwrap()[..], &[0, 0, 0, 0, 5]);
         assert!(grpc_prefix(i32::MAX as usize).is_ok());
         let e = grpc_prefix(i32::MAX as usize + 1).unwrap_err();
-        assert_eq!(e.code(), tonic::Code::ResourceExhausted);
+        // Not RESOURCE_EXHAUSTED, which clients read as overload and retry.
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
     }
 
     #[test]
