@@ -398,3 +398,11 @@ def test_json_output_non_finite(client):
 def test_json_input_non_finite(client):
     res = client.infer("identity_fp32", [_input("INPUT0", NON_FINITE, "FP32", False)], outputs=_outputs(["OUTPUT0"], True))
     np.testing.assert_array_equal(res.as_numpy("OUTPUT0"), NON_FINITE)
+
+
+def test_unrecognized_load_parameter_is_invalid(worker):
+    """As Triton: a load parameter other than `config` (and `file:...`) is refused, not ignored."""
+    body = json.dumps({"parameters": {"config": "{}", "poll": True}}).encode()
+    status, _, data = http_request(worker.base + "/v2/repository/models/no_such_model/load", "POST", body)
+    assert status == 400, data
+    assert json.loads(data)["error"] == "unrecognized load parameter 'poll'.", data

@@ -6,6 +6,7 @@ shared memory is answered as a CPU-only tritonserver answers it."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import grpc
@@ -18,12 +19,13 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pbg
 from tritonclient.utils import InferenceServerException
 
-from nereid_harness import EXAMPLE_MODELS, assert_fp32_close, check_example_models, ort_run
+from nereid_harness import EXAMPLE_MODELS, assert_fp32_close, check_example_models, http_request, ort_run
 
 CLIENTS = {"http": httpclient, "grpc": grpcclient}
 # What each protocol's client reports as the status of an error.
 NOT_FOUND = {"http": "404", "grpc": "StatusCode.NOT_FOUND"}
 UNIMPLEMENTED = {"http": "501", "grpc": "StatusCode.UNIMPLEMENTED"}
+INVALID = {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}
 
 
 def refusal(call):
@@ -213,37 +215,35 @@ def test_a_worker_without_allow_client_shm_refuses_it(worker, regions, protocol)
         e = refusal(lambda: c.infer("identity_fp32", [inp]))
         assert "--allow-client-shm=true" in str(e) and f"Unable to find shared memory region: 'off_{protocol}'" in str(e), str(e)
         assert e.status() == NOT_FOUND[protocol], e.status()
-        if protocol == "http":
-            # Over HTTP, every CUDA shared-memory endpoint answers 501 with the reason.
-            e = refusal(lambda: c.get_cuda_shared_memory_status())
-            assert "CUDA shared memory is not supported by nereid-worker" in str(e), str(e)
-        else:
-            # gRPC answers as a CPU-only tritonserver: no regions; register and unregister are
-            # refused as the system ones are here.
-            assert len(c.get_cuda_shared_memory_status().regions) == 0
-            for call in (lambda: c.unregister_cuda_shared_memory(), lambda: c.register_cuda_shared_memory("cuda", b"", 0, 64)):
-                e = refusal(call)
-                assert "--allow-client-shm=true" in str(e) and e.status() == "StatusCode.UNIMPLEMENTED", (e.status(), str(e))
+        # CUDA regions, as a CPU-only tritonserver answers: none; register and unregister are
+        # refused as the system ones are here.
+        status = c.get_cuda_shared_memory_status()
+        assert (len(status) if protocol == "http" else len(status.regions)) == 0
+        for call in (lambda: c.unregister_cuda_shared_memory(), lambda: c.register_cuda_shared_memory("cuda", b"", 0, 64)):
+            e = refusal(call)
+            assert "--allow-client-shm=true" in str(e) and e.status() == UNIMPLEMENTED[protocol], (e.status(), str(e))
     finally:
         c.close()
 
 
-def test_grpc_cuda_shared_memory_answers_as_a_cpu_only_triton(shm_worker):
-    c = grpcclient.InferenceServerClient(shm_worker.grpc_url)
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_cuda_shared_memory_answers_as_a_cpu_only_triton(shm_worker, protocol):
+    c = client_for(shm_worker, protocol)
+    count = (lambda s: len(s)) if protocol == "http" else (lambda s: len(s.regions))
     try:
         # What tritonclient's shared-memory examples and perf_analyzer do first (and last).
         c.unregister_system_shared_memory()
         c.unregister_cuda_shared_memory()
         c.unregister_cuda_shared_memory("never_registered")
-        status = c.get_cuda_shared_memory_status()
-        assert len(status.regions) == 0
-        assert c.get_cuda_shared_memory_status(as_json=True) == {}
+        assert count(c.get_cuda_shared_memory_status()) == 0
+        if protocol == "grpc":
+            assert c.get_cuda_shared_memory_status(as_json=True) == {}
         e = refusal(lambda: c.get_cuda_shared_memory_status("cuda0"))
-        assert e.status() == "StatusCode.NOT_FOUND" and "Unable to find cuda shared memory region: 'cuda0'" in str(e), (e.status(), str(e))
+        assert e.status() == NOT_FOUND[protocol] and "Unable to find cuda shared memory region: 'cuda0'" in str(e), (e.status(), str(e))
         e = refusal(lambda: c.register_cuda_shared_memory("cuda0", b"AAAA", 0, 64))
-        assert e.status() == "StatusCode.INVALID_ARGUMENT", (e.status(), str(e))
+        assert e.status() == INVALID[protocol], (e.status(), str(e))
         assert "failed to register CUDA shared memory region: 'cuda0', GPUs not supported" in str(e), str(e)
-        assert len(c.get_cuda_shared_memory_status().regions) == 0
+        assert count(c.get_cuda_shared_memory_status()) == 0
     finally:
         c.close()
 
@@ -279,6 +279,38 @@ def test_grpc_output_cannot_be_both_in_shared_memory_and_a_classification(shm_wo
         c.unregister_system_shared_memory()
         c.close()
         ch.close()
+
+
+def test_http_output_in_shared_memory_is_neither_a_classification_nor_binary(shm_worker, regions):
+    """Triton's HTTP refusals: an output written into a region is not reshaped into classes,
+    nor rendered as binary data."""
+    key, handle = regions("cls_http", 256)
+    x = np.arange(16, dtype=np.float32).reshape(1, 16)
+    shm.set_shared_memory_region(handle, [x])
+    c = httpclient.InferenceServerClient(shm_worker.http_url)
+    url = f"http://{shm_worker.http_url}/v2/models/identity_fp32/infer"
+    try:
+        c.register_system_shared_memory("cls_http", key, 256)
+
+        def body(**extra):
+            out = {"shared_memory_region": "cls_http", "shared_memory_byte_size": 128, "shared_memory_offset": 128}
+            out.update(extra)
+            return json.dumps({
+                "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16],
+                            "parameters": {"shared_memory_region": "cls_http", "shared_memory_byte_size": 64}}],
+                "outputs": [{"name": "OUTPUT0", "parameters": out}],
+            }).encode()
+
+        for extra, word in (({"classification": 2}, "classification"), ({"binary_data": True}, "binary_data")):
+            status, _, data = http_request(url, "POST", body(**extra), {"Content-Type": "application/json"})
+            assert status == 400, data
+            assert f"output can't set both 'shared_memory_region' and '{word}'" in json.loads(data)["error"], data
+        status, _, data = http_request(url, "POST", body(binary_data=False), {"Content-Type": "application/json"})
+        assert status == 200, data
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(handle, np.float32, [1, 16], offset=128), x)
+    finally:
+        c.unregister_system_shared_memory()
+        c.close()
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

@@ -153,10 +153,7 @@ pub fn parse_infer_request(
 
     for (j, output) in raw.outputs.into_iter().flatten().enumerate() {
         let ctx = || format!("outputs[{j}] ('{}')", output.name);
-        if let Some(r) = shm_parameters(&ctx, output.parameters.as_ref())? {
-            let shm = shm.ok_or_else(|| shm_unsupported(&ctx()))?;
-            request.shm_outputs.push((output.name.clone(), shm.target(&ctx(), &r)?));
-        }
+        let shm_region = shm_parameters(&ctx, output.parameters.as_ref())?;
         let mut binary_data = None;
         let mut classification = 0;
         for (key, value) in output.parameters.iter().flatten() {
@@ -179,6 +176,23 @@ pub fn parse_infer_request(
                 }
                 _ => {}
             }
+        }
+        if let Some(r) = shm_region {
+            // Triton's refusals: an output in shared memory is neither rendered nor reshaped.
+            if classification > 0 {
+                return Err(Status::invalid(format!(
+                    "{}: output can't set both 'shared_memory_region' and 'classification'",
+                    ctx()
+                )));
+            }
+            if binary_data == Some(true) {
+                return Err(Status::invalid(format!(
+                    "{}: output can't set both 'shared_memory_region' and 'binary_data'",
+                    ctx()
+                )));
+            }
+            let shm = shm.ok_or_else(|| shm_unsupported(&ctx()))?;
+            request.shm_outputs.push((output.name.clone(), shm.target(&ctx(), &r)?));
         }
         if let Some(b) = binary_data {
             format.explicit.push((output.name.clone(), b));
@@ -1885,8 +1899,9 @@ mod tests {
             {"name":"A","datatype":"FP32","shape":[2],"parameters":{"shared_memory_region":"r","shared_memory_offset":8,"shared_memory_byte_size":8}},
             {"name":"S","datatype":"BYTES","shape":[2],"parameters":{"shared_memory_region":"r","shared_memory_offset":100,"shared_memory_byte_size":11}},
             {"name":"B","datatype":"INT32","shape":[1],"data":[7]}],
-          "outputs":[{"name":"Y","parameters":{"shared_memory_region":"r","shared_memory_offset":512,"shared_memory_byte_size":64,"binary_data":true}},
-                     {"name":"Z"}]}"#;
+          "outputs":[{"name":"Y","parameters":{"shared_memory_region":"r","shared_memory_offset":512,"shared_memory_byte_size":64}},
+                     {"name":"Z","parameters":{"binary_data":false}}],
+          "parameters":{"binary_data_output":true}}"#;
         let ParsedInfer { request, mut format } = with(json, Some(&shm)).unwrap();
         assert_eq!(&request.inputs[0].data[..], &le(&[1.0f32, 2.0], f32::to_le_bytes)[..]);
         assert_eq!(&request.inputs[1].data[..], &serialize_bytes_elements(["ab", "c"])[..]);
@@ -1919,6 +1934,14 @@ mod tests {
             (
                 r#"{"inputs":[{"name":"A","datatype":"FP32","shape":[2],"data":[1,2],"parameters":{"shared_memory_region":"r","shared_memory_byte_size":8}}]}"#,
                 "also 'data'",
+            ),
+            (
+                r#"{"inputs":[],"outputs":[{"name":"Y","parameters":{"shared_memory_region":"r","shared_memory_byte_size":8,"binary_data":true}}]}"#,
+                "output can't set both 'shared_memory_region' and 'binary_data'",
+            ),
+            (
+                r#"{"inputs":[],"outputs":[{"name":"Y","parameters":{"shared_memory_region":"r","shared_memory_byte_size":8,"classification":2}}]}"#,
+                "output can't set both 'shared_memory_region' and 'classification'",
             ),
             (
                 r#"{"inputs":[{"name":"A","datatype":"FP32","shape":[2],"parameters":{"shared_memory_region":"r","shared_memory_byte_size":4}}]}"#,

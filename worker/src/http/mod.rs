@@ -68,6 +68,11 @@ pub fn router(server: Server) -> Router {
         .route("/v2/systemsharedmemory/region/{region}/register", post(shm_register))
         .route("/v2/systemsharedmemory/unregister", post(shm_unregister_all))
         .route("/v2/systemsharedmemory/region/{region}/unregister", post(shm_unregister_one))
+        .route("/v2/cudasharedmemory/status", get(cuda_shm_status_all))
+        .route("/v2/cudasharedmemory/region/{region}/status", get(cuda_shm_status_one))
+        .route("/v2/cudasharedmemory/region/{region}/register", post(cuda_shm_register))
+        .route("/v2/cudasharedmemory/unregister", post(cuda_shm_unregister))
+        .route("/v2/cudasharedmemory/region/{region}/unregister", post(cuda_shm_unregister))
         .route("/v2/cudasharedmemory/{*rest}", any(cuda_shm))
         .route("/v2/logging", get(get_logging).post(post_logging))
         .fallback(not_found)
@@ -647,8 +652,31 @@ async fn post_logging(State(server): State<Server>, headers: HeaderMap, body: Bo
     Ok(Json(log_settings_json()))
 }
 
+// CUDA shared memory, answered as a Triton built without GPUs answers it (see
+// `SharedMemory::cuda_register`): no regions, registration refused, unregistering succeeds.
+
+async fn cuda_shm_status_all(State(server): State<Server>) -> Result<Json<Value>, ApiError> {
+    server.shm.cuda_status(None)?;
+    Ok(Json(json!([])))
+}
+
+async fn cuda_shm_status_one(State(server): State<Server>, Segment(region): Segment) -> Result<Json<Value>, ApiError> {
+    server.shm.cuda_status(Some(&region))?;
+    Ok(Json(json!([])))
+}
+
+async fn cuda_shm_register(State(server): State<Server>, Segment(region): Segment) -> Result<StatusCode, ApiError> {
+    server.shm.cuda_register(&region)?;
+    Ok(StatusCode::OK)
+}
+
+async fn cuda_shm_unregister(State(server): State<Server>) -> Result<StatusCode, ApiError> {
+    server.shm.cuda_unregister(None)?;
+    Ok(StatusCode::OK)
+}
+
 async fn cuda_shm() -> ApiError {
-    ApiError(Status::unimplemented("CUDA shared memory is not supported by nereid-worker; use system shared memory"))
+    ApiError(Status::not_found("unknown CUDA shared memory endpoint"))
 }
 
 async fn shm_unregister_all(State(server): State<Server>) -> Result<StatusCode, ApiError> {
@@ -886,6 +914,8 @@ pub fn parse_load_request(body: &[u8]) -> Result<Option<String>, Status> {
             return Err(Status::unimplemented(format!(
                 "{what}: parameters.{key}: supplying model files in the load request is not supported"
             )));
+        } else {
+            return Err(Status::invalid(format!("unrecognized load parameter '{key}'.")));
         }
     }
     Ok(config)
