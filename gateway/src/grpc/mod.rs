@@ -128,8 +128,16 @@ impl GrpcInferenceService for GatewayGrpc {
     }
 
     async fn repository_index(&self, request: Request<RepositoryIndexRequest>) -> TonicResult<RepositoryIndexResponse> {
-        let models = self.ingress.control.repository_index(request.into_inner().ready);
+        let r = request.into_inner();
+        // As a worker (and Triton) answers a named repository.
+        nereid_worker::grpc::check_repository_name(&r.repository_name)?;
+        let models = self.ingress.control.repository_index(r.ready);
         Ok(Response::new(RepositoryIndexResponse { models }))
+    }
+
+    /// As a worker (a Triton built without tracing) answers.
+    async fn trace_setting(&self, _: Request<TraceSettingRequest>) -> TonicResult<TraceSettingResponse> {
+        Err(tonic::Status::unavailable(nereid_worker::grpc::TRACE_UNSUPPORTED))
     }
 }
 

@@ -365,3 +365,20 @@ def test_the_gateways_own_log_settings_are_on_its_operator_port(fleet):
         assert json.loads(body)["log_verbose_level"] == 2, "the ingress attempts changed nothing"
     finally:
         http_request(admin, "POST", json.dumps({"log_verbose_level": 0}).encode())
+
+
+def test_trace_and_named_repositories_are_answered_as_a_worker_answers(fleet):
+    gateway, workers = fleet
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pbg
+
+    for url in (gateway.grpc_url, workers[0].grpc_url):
+        with pytest.raises(InferenceServerException) as e:
+            grpcclient.InferenceServerClient(url).get_trace_settings()
+        assert e.value.status() == "StatusCode.UNAVAILABLE" and "does not support trace" in str(e.value), (url, str(e.value))
+        with grpc.insecure_channel(url) as channel:
+            with pytest.raises(grpc.RpcError) as e:
+                pbg.GRPCInferenceServiceStub(channel).RepositoryIndex(pb.RepositoryIndexRequest(repository_name="models"), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, (url, e.value)
+            assert "'repository_name' specification is not supported" in e.value.details(), (url, e.value.details())

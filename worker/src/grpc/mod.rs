@@ -440,7 +440,7 @@ impl GrpcInferenceService for GrpcFrontend {
 pub const TRACE_UNSUPPORTED: &str = "the server does not support trace";
 
 /// Refuses a named repository (the worker serves its one repository set), as Triton does.
-fn check_repository_name(name: &str) -> Result<(), Status> {
+pub fn check_repository_name(name: &str) -> Result<(), Status> {
     if name.is_empty() {
         return Ok(());
     }
