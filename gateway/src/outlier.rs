@@ -10,6 +10,12 @@
 //! sent before it (stragglers that were already in flight), change nothing. Any answer other than UNAVAILABLE — even an error such as
 //! INVALID_ARGUMENT — shows the worker is up and counts as a success.
 //!
+//! A timeout a client's own, tighter deadline set is no failure by itself (the client may ask
+//! for less than the model takes under load), but a worker that lets
+//! [`CLIENT_TIMEOUT_FACTOR`] × `consecutive_failures` of them pass in a row with no answer in
+//! between is hung (a stuck model still answers PINGs and readiness polls): ejected the same
+//! way. On probation, one such timeout of a request sent since it began ejects it again.
+//!
 //! The balancer ignores ejections when every worker holding a model is ejected (better to try a
 //! suspect worker than to fail the request outright), as Envoy's panic threshold does.
 
@@ -24,14 +30,21 @@ pub enum Outcome {
     Success,
     /// Connection failure, UNAVAILABLE, or the gateway's own timeout.
     Failure,
+    /// The client's own deadline passed while the worker held the request.
+    ClientTimeout,
     /// Says nothing about the worker (e.g. the client cancelled or its deadline passed).
     Neutral,
 }
+
+/// How many more client timeouts than failures in a row eject a worker.
+pub const CLIENT_TIMEOUT_FACTOR: u32 = 4;
 
 #[derive(Clone, Debug)]
 pub struct OutlierDetector {
     config: OutlierConfig,
     consecutive_failures: u32,
+    /// Client timeouts since the last answer.
+    consecutive_client_timeouts: u32,
     /// Ejections in a row without a success in between (drives the backoff).
     ejections_in_a_row: u32,
     /// Set while ejected; kept once the period is over (probation) until the next outcome.
@@ -40,7 +53,13 @@ pub struct OutlierDetector {
 
 impl OutlierDetector {
     pub fn new(config: OutlierConfig) -> Self {
-        OutlierDetector { config, consecutive_failures: 0, ejections_in_a_row: 0, ejected_until: None }
+        OutlierDetector {
+            config,
+            consecutive_failures: 0,
+            consecutive_client_timeouts: 0,
+            ejections_in_a_row: 0,
+            ejected_until: None,
+        }
     }
 
     /// Whether the balancer should skip this worker at `now`.
@@ -58,13 +77,25 @@ impl OutlierDetector {
         // On probation, only requests sent since it began say how the worker does now: one
         // sent before the ejection (a straggler, up to the request timeout late) would renew
         // it, and ever longer, for a failure that was already counted.
-        if on_probation && outcome == Outcome::Failure && self.ejected_until.is_some_and(|until| started < until) {
+        let failing = matches!(outcome, Outcome::Failure | Outcome::ClientTimeout);
+        if on_probation && failing && self.ejected_until.is_some_and(|until| started < until) {
             return false;
         }
         match outcome {
             Outcome::Neutral => false,
+            Outcome::ClientTimeout => {
+                self.consecutive_client_timeouts += 1;
+                let limit = self.config.consecutive_failures.saturating_mul(CLIENT_TIMEOUT_FACTOR);
+                if on_probation || self.consecutive_client_timeouts >= limit {
+                    self.eject(now);
+                    true
+                } else {
+                    false
+                }
+            }
             Outcome::Success => {
                 self.consecutive_failures = 0;
+                self.consecutive_client_timeouts = 0;
                 if on_probation {
                     self.ejected_until = None;
                     self.ejections_in_a_row = 0;
@@ -93,6 +124,7 @@ impl OutlierDetector {
         self.ejected_until = Some(now + self.next_ejection());
         self.ejections_in_a_row = self.ejections_in_a_row.saturating_add(1);
         self.consecutive_failures = 0;
+        self.consecutive_client_timeouts = 0;
     }
 }
 
@@ -189,33 +221,62 @@ mod tests {
         assert!(d.record(Outcome::Failure, t0, t0));
     }
 
+    /// A hung worker (every request runs into the client's own deadline) is ejected after
+    /// CLIENT_TIMEOUT_FACTOR times as many as failures would take; any answer in between resets
+    /// the count, so a worker that is merely slower than some clients ask for stays.
+    #[test]
+    fn client_timeouts_in_a_row_eject_a_hung_worker() {
+        let t0 = Instant::now();
+        let limit = config().consecutive_failures * CLIENT_TIMEOUT_FACTOR;
+        let mut d = OutlierDetector::new(config());
+        for _ in 0..limit - 1 {
+            assert!(!d.record(Outcome::ClientTimeout, t0, t0));
+        }
+        assert!(!d.record(Outcome::Success, t0, t0), "an answer resets the count");
+        for _ in 0..limit - 1 {
+            assert!(!d.record(Outcome::ClientTimeout, t0, t0));
+        }
+        assert!(!d.is_ejected(t0));
+        assert!(d.record(Outcome::ClientTimeout, t0, t0));
+        assert!(d.is_ejected(t0));
+        // On probation: a straggler's timeout changes nothing, one sent since ejects again.
+        let t1 = t0 + Duration::from_secs(1);
+        assert!(!d.record(Outcome::ClientTimeout, t0, t1));
+        assert!(d.record(Outcome::ClientTimeout, t1, t1 + Duration::from_millis(10)));
+    }
+
     proptest! {
         /// Whatever the outcomes: an ejection lasts between the base and the max period, and a
-        /// worker is never ejected without `consecutive_failures` failures in a row (or one on
-        /// probation) right before.
+        /// worker is never ejected without `consecutive_failures` failures in a row (or
+        /// CLIENT_TIMEOUT_FACTOR times as many client timeouts, or one on probation) right before.
         #[test]
-        fn ejections_are_bounded(steps in proptest::collection::vec((0u8..3, 0u64..3000), 1..200)) {
+        fn ejections_are_bounded(steps in proptest::collection::vec((0u8..4, 0u64..3000), 1..300)) {
             let cfg = config();
             let mut now = Instant::now();
             let mut d = OutlierDetector::new(cfg);
-            let mut run = 0u32;
+            let (mut run, mut timeouts) = (0u32, 0u32);
             for (o, dt) in steps {
                 now += Duration::from_millis(dt);
-                let outcome = [Outcome::Success, Outcome::Failure, Outcome::Neutral][o as usize];
+                let outcome = [Outcome::Success, Outcome::Failure, Outcome::Neutral, Outcome::ClientTimeout][o as usize];
                 let was_ejected = d.is_ejected(now);
                 let on_probation = d.ejected_until.is_some() && !was_ejected;
                 if !was_ejected {
                     match outcome {
                         Outcome::Failure => run += 1,
-                        Outcome::Success => run = 0,
+                        Outcome::ClientTimeout => timeouts += 1,
+                        Outcome::Success => (run, timeouts) = (0, 0),
                         Outcome::Neutral => {}
                     }
                 }
                 let ejected = d.record(outcome, now, now);
                 if ejected {
                     prop_assert!(!was_ejected);
-                    prop_assert!(run >= cfg.consecutive_failures || on_probation);
-                    run = 0;
+                    prop_assert!(
+                        run >= cfg.consecutive_failures
+                            || timeouts >= cfg.consecutive_failures * CLIENT_TIMEOUT_FACTOR
+                            || on_probation
+                    );
+                    (run, timeouts) = (0, 0);
                     let until = d.ejected_until.unwrap();
                     prop_assert!(until - now >= cfg.base_ejection && until - now <= cfg.max_ejection);
                     prop_assert!(d.is_ejected(now));

@@ -341,8 +341,8 @@ async fn timeouts_eject_a_worker_only_when_the_gateways_own_limit_set_the_deadli
     let mut client = gateway.client().await;
     let ejected = || gateway.metric("nereid_gateway_workers{state=\"ejected\"}");
 
-    // Clients' own deadlines, tighter than the gateway's limit: the timeouts are theirs, not
-    // the worker's fault — no ejection, however many.
+    // Clients' own deadlines, tighter than the gateway's limit: a timeout may be theirs, not
+    // the worker's fault — no ejection for 6 in a row (it takes 4 × 2, below).
     for _ in 0..3 {
         // Sent as the header, not `grpc-timeout`: tonic's client enforces a `grpc-timeout`
         // itself, and on a slow machine its own timer (CANCELLED) may beat the gateway's answer.
@@ -364,6 +364,32 @@ async fn timeouts_eject_a_worker_only_when_the_gateways_own_limit_set_the_deadli
     }
     wait_until("the stalled worker to be ejected", Duration::from_secs(5), || async {
         gateway.metric("nereid_gateway_ejections_total").await == Some(1.0) && ejected().await == Some(1.0)
+    })
+    .await;
+}
+
+/// A hung worker (a stuck model still answers PINGs and readiness polls) whose every request
+/// runs into its client's own deadline is ejected once that happened 4 × the failure threshold
+/// in a row with no answer in between.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_every_client_deadline_runs_out_on_is_ejected() {
+    let repo = common::identity_repo(&[("identity_fp32", STALLED_IDENTITY)]);
+    let stalled = start_worker(repo.path(), &[]).await;
+    let gateway = start_gateway(
+        &[&stalled],
+        &["--ejection-consecutive-failures", "2", "--ejection-base-ms", "60000", "--ejection-max-ms", "60000"],
+    )
+    .await;
+    let mut client = gateway.client().await;
+    for i in 0..8 {
+        assert_eq!(gateway.metric("nereid_gateway_ejections_total").await, Some(0.0), "after {i}");
+        let mut req = tonic::Request::new(fp32_request("identity_fp32", "", &[1, 16], |_| 1.0));
+        req.metadata_mut().insert("x-nereid-deadline-ms", "100".parse().unwrap());
+        let e = client.model_infer(req).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+    }
+    wait_until("the hung worker to be ejected", Duration::from_secs(5), || async {
+        gateway.metric("nereid_gateway_ejections_total").await == Some(1.0)
     })
     .await;
 }

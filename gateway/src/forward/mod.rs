@@ -108,9 +108,10 @@ impl FailureKind {
     /// What the failure says about the worker's health. A timeout — the gateway's, or the
     /// worker's DEADLINE_EXCEEDED — is the worker's failure when the gateway's own limit set the
     /// deadline (`deadline_is_gateways`: `--request-timeout-ms`, which no healthy worker should
-    /// reach), and says nothing when a client's tighter deadline did.
+    /// reach); when a client's tighter deadline did, a client timeout, which only many in a row
+    /// turn into an ejection (see [`crate::outlier`]).
     pub fn outcome(self, code: tonic::Code, deadline_is_gateways: bool) -> Outcome {
-        let timeout = if deadline_is_gateways { Outcome::Failure } else { Outcome::Neutral };
+        let timeout = if deadline_is_gateways { Outcome::Failure } else { Outcome::ClientTimeout };
         match self {
             FailureKind::NotSent | FailureKind::Unavailable | FailureKind::Broken => Outcome::Failure,
             FailureKind::TimedOut => timeout,
@@ -378,8 +379,8 @@ mod tests {
             assert_eq!(FailureKind::NotSent.outcome(tonic::Code::Unavailable, own), Outcome::Failure);
         }
         // Timeouts count against the worker only when the gateway's own limit set the deadline.
-        assert_eq!(FailureKind::Answered.outcome(tonic::Code::DeadlineExceeded, false), Outcome::Neutral);
-        assert_eq!(FailureKind::TimedOut.outcome(tonic::Code::DeadlineExceeded, false), Outcome::Neutral);
+        assert_eq!(FailureKind::Answered.outcome(tonic::Code::DeadlineExceeded, false), Outcome::ClientTimeout);
+        assert_eq!(FailureKind::TimedOut.outcome(tonic::Code::DeadlineExceeded, false), Outcome::ClientTimeout);
         assert_eq!(FailureKind::Answered.outcome(tonic::Code::DeadlineExceeded, true), Outcome::Failure);
         assert_eq!(FailureKind::TimedOut.outcome(tonic::Code::DeadlineExceeded, true), Outcome::Failure);
     }
