@@ -337,7 +337,7 @@ impl tonic::server::StreamingService<Bytes> for InferHandler {
         let run = move |bytes: Bytes| -> BoxFuture<'static, StreamReply> {
             let ingress = ingress.clone();
             Box::pin(async move {
-                let result = match decode_request(bytes, ingress.max_request_bytes) {
+                let result = match decode_request(bytes.clone(), ingress.max_request_bytes) {
                     Ok(request) => {
                         let deadline = ingress.call_deadline(stream_deadline, Instant::now());
                         let header = request.header.clone();
@@ -345,7 +345,10 @@ impl tonic::server::StreamingService<Bytes> for InferHandler {
                     }
                     Err(status) => {
                         ingress.refusals.count(None, status.code(), Instant::now());
-                        Err((status, Default::default()))
+                        // The refusal names the request it answers where its header can be read
+                        // (refused for shared memory or its size), as a worker's does.
+                        let header = InferRequest::from_bytes(bytes).map(|r| r.header).unwrap_or_default();
+                        Err((status, header))
                     }
                 };
                 match result {

@@ -382,3 +382,26 @@ def test_trace_and_named_repositories_are_answered_as_a_worker_answers(fleet):
                 pbg.GRPCInferenceServiceStub(channel).RepositoryIndex(pb.RepositoryIndexRequest(repository_name="models"), timeout=10)
             assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, (url, e.value)
             assert "'repository_name' specification is not supported" in e.value.details(), (url, e.value.details())
+
+
+def test_a_stream_refusal_names_the_request_it_answers(fleet):
+    """A request the gateway refuses on a stream (shared memory, here) is answered in the
+    stream with its id, as a worker answers its own refusals."""
+    gateway, _ = fleet
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pbg
+
+    bad = pb.ModelInferRequest(model_name="identity_fp32", id="shm-1")
+    inp = bad.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+    inp.parameters["shared_memory_region"].string_param = "r"
+    inp.parameters["shared_memory_byte_size"].int64_param = 64
+    good = pb.ModelInferRequest(model_name="identity_fp32", id="plain-2")
+    good.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+    good.raw_input_contents.append(_x((1, 16)).tobytes())
+    with grpc.insecure_channel(gateway.grpc_url) as channel:
+        responses = list(pbg.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([bad, good]), timeout=30))
+    assert len(responses) == 2, responses
+    assert "not supported" in responses[0].error_message, responses[0]
+    assert responses[0].infer_response.id == "shm-1", responses[0]
+    assert responses[1].error_message == "" and responses[1].infer_response.id == "plain-2", responses[1]
