@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const PROTOS: &[&str] = &["src/grpc_service.proto", "src/model_config.proto"];
+const PROTOS: &[&str] = &["src/grpc_service.proto", "src/model_config.proto", "src/health.proto"];
 
 fn protoc_available() -> bool {
     let protoc = std::env::var_os("PROTOC").unwrap_or_else(|| "protoc".into());

@@ -5,6 +5,11 @@ pub mod inference {
     tonic::include_proto!("inference");
 }
 
-/// Encoded `google.protobuf.FileDescriptorSet` covering both `.proto` files, e.g. for
+/// The standard gRPC health-checking protocol (`grpc.health.v1.Health`).
+pub mod health {
+    tonic::include_proto!("grpc.health.v1");
+}
+
+/// Encoded `google.protobuf.FileDescriptorSet` covering the `.proto` files, e.g. for
 /// `prost_reflect::DescriptorPool::decode` to parse `config.pbtxt` text format.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/nereid_descriptor.bin"));

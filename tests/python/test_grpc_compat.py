@@ -17,7 +17,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pbg
 from tritonclient.utils import InferenceServerException
 
-from nereid_harness import assert_fp32_close, ort_run
+from nereid_harness import assert_fp32_close, ort_run, wait_until
 
 MODELS = ["identity_fp32", "mlp_fp32", "convnet_fp32", "mixed_types", "string_len", "autocomplete_add", "versioned_scale", "nobatch_add"]
 
@@ -406,3 +406,40 @@ def test_infer_compressed(client, algorithm):
     x = np.random.default_rng(62).standard_normal((4, 16)).astype(np.float32)
     res = client.infer("identity_fp32", [_input("INPUT0", x, "FP32")], compression_algorithm=algorithm)
     assert_fp32_close(res.as_numpy("OUTPUT0"), x)
+
+
+# -- grpc.health.v1 (Kubernetes gRPC probes, grpc_health_probe) -------------------------------
+
+
+def _health_check(url, service):
+    """grpc.health.v1.Health/Check by hand (HealthCheckRequest{service}; the answer's field 1
+    is the status: 1 SERVING, 2 NOT_SERVING)."""
+    encoded = service.encode()
+    request = (b"\x0a" + bytes([len(encoded)]) + encoded) if encoded else b""
+    with grpc.insecure_channel(url) as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None, response_deserializer=None)
+        answer = check(request, timeout=10)
+    return {b"": 0, b"\x08\x01": 1, b"\x08\x02": 2}[answer]
+
+
+def test_grpc_health_check_follows_readiness(worker, repo_copy, make_worker):
+    assert _health_check(worker.grpc_url, "") == 1
+    assert _health_check(worker.grpc_url, "inference.GRPCInferenceService") == 1
+    with pytest.raises(grpc.RpcError) as e:
+        _health_check(worker.grpc_url, "no.such.Service")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value
+    # A model that failed to load keeps the worker not ready (strict readiness): NOT_SERVING.
+    repo = repo_copy("identity_fp32")
+    cfg = repo / "identity_fp32" / "config.pbtxt"
+    cfg.write_text(cfg.read_text() + "bogus_field: 1\n")
+    broken = make_worker(repo, wait_ready=False)
+    c = grpcclient.InferenceServerClient(broken.grpc_url)
+    try:
+        def failed():
+            return any(m.name == "identity_fp32" and m.state == "UNAVAILABLE" for m in c.get_model_repository_index().models)
+
+        wait_until(failed, 30, interval=0.05, what="the broken model's load to fail")
+        assert not c.is_server_ready()
+        assert _health_check(broken.grpc_url, "") == 2
+    finally:
+        c.close()

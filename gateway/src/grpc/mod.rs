@@ -155,6 +155,13 @@ pub async fn serve(
         .max_encoding_message_size(usize::MAX)
         .accept_compressed(CompressionEncoding::Gzip)
         .accept_compressed(CompressionEncoding::Deflate);
+    // grpc.health.v1 as a worker serves it: SERVING while the gateway is ready (not draining).
+    let health = {
+        let ingress = ingress.clone();
+        nereid_proto::health::health_server::HealthServer::new(nereid_worker::grpc::Health::new(std::sync::Arc::new(
+            move || ingress.ready(),
+        )))
+    };
     let service = InferenceService { generated, infer: InferHandler { ingress, shutdown: shutdown.clone() } };
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(60)))
@@ -164,6 +171,7 @@ pub async fn serve(
         .initial_connection_window_size(Some(HTTP2_CONNECTION_WINDOW))
         .initial_stream_window_size(Some(HTTP2_STREAM_WINDOW))
         .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
+        .add_service(health)
         .add_service(service)
         .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())
         .await

@@ -405,3 +405,16 @@ def test_a_stream_refusal_names_the_request_it_answers(fleet):
     assert "not supported" in responses[0].error_message, responses[0]
     assert responses[0].infer_response.id == "shm-1", responses[0]
     assert responses[1].error_message == "" and responses[1].infer_response.id == "plain-2", responses[1]
+
+
+def test_grpc_health_check_on_the_gateway(fleet):
+    """grpc.health.v1 (Kubernetes gRPC probes): SERVING while the gateway is ready."""
+    gateway, _ = fleet
+    import grpc
+
+    with grpc.insecure_channel(gateway.grpc_url) as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None, response_deserializer=None)
+        assert check(b"", timeout=10) == b"\x08\x01"
+        with pytest.raises(grpc.RpcError) as e:
+            check(b"\x0a\x03xyz", timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value

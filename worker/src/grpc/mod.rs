@@ -19,6 +19,9 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use futures::stream::{FuturesOrdered, Stream, StreamExt};
 use nereid_common::Status;
+use nereid_proto::health::health_check_response::ServingStatus;
+use nereid_proto::health::health_server::HealthServer;
+use nereid_proto::health::{HealthCheckRequest, HealthCheckResponse};
 use nereid_proto::inference::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use nereid_proto::inference::*;
 use tokio::net::TcpListener;
@@ -123,6 +126,7 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let ServeOptions { keepalive, restrictions, compress_responses } = options;
+    let server_for_health = server.clone();
     let mut service = service_with_shutdown(server, shutdown.clone());
     if compress_responses {
         service = service.send_compressed(CompressionEncoding::Gzip);
@@ -139,6 +143,7 @@ pub async fn serve(
         .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
         .layer(tower::util::MapResponseLayer::new(remap_transport_errors))
         .layer(tower::layer::layer_fn(move |inner| Restricted { inner, rules: restrictions.clone() }))
+        .add_service(HealthServer::new(Health::new(Arc::new(move || server_for_health.ready()))))
         .add_service(service)
         .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())
         .await
@@ -434,6 +439,39 @@ impl GrpcInferenceService for GrpcFrontend {
         self.server.shm.unregister((!r.name.is_empty()).then_some(r.name.as_str()))?;
         Ok(Response::new(SystemSharedMemoryUnregisterResponse {}))
     }
+}
+
+/// `grpc.health.v1.Health`, the standard gRPC health check (Kubernetes' `grpc` probes,
+/// grpc_health_probe), as Triton serves it: `Check` answers SERVING while `ready` says so
+/// (the server's readiness, as `ServerReady`), NOT_SERVING otherwise; for the whole server
+/// (`service` empty) or the inference service by name, NOT_FOUND for any other service (the
+/// protocol's rule). `Watch` is not implemented (UNIMPLEMENTED), as in Triton.
+#[derive(Clone)]
+pub struct Health {
+    ready: Arc<dyn Fn() -> bool + Send + Sync>,
+}
+
+impl Health {
+    pub fn new(ready: Arc<dyn Fn() -> bool + Send + Sync>) -> Self {
+        Health { ready }
+    }
+}
+
+/// The service names [`Health`] answers for.
+pub const HEALTH_SERVICES: [&str; 2] = ["", "inference.GRPCInferenceService"];
+
+#[tonic::async_trait]
+impl nereid_proto::health::health_server::Health for Health {
+    async fn check(&self, request: Request<HealthCheckRequest>) -> TonicResult<HealthCheckResponse> {
+        let service = request.into_inner().service;
+        if !HEALTH_SERVICES.contains(&service.as_str()) {
+            return Err(tonic::Status::not_found(format!("unknown service '{service}'")));
+        }
+        let status = if (self.ready)() { ServingStatus::Serving } else { ServingStatus::NotServing };
+        Ok(Response::new(HealthCheckResponse { status: status as i32 }))
+    }
+
+    // `Watch`: the generated default (UNIMPLEMENTED).
 }
 
 /// The message of `TraceSetting`, Triton's when built without tracing.
