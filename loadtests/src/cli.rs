@@ -11,7 +11,7 @@ use crate::driver::{Load, Measurement, RunConfig, WindowMode};
 use crate::error::PerfError;
 use crate::schedule::{Distribution, concurrency_bounds, concurrency_levels, parse_trace, rate_bounds, rate_levels};
 use crate::search::{SearchAxis, SearchSpace};
-use crate::workload::{Entry, InputSource, Origin, Workload};
+use crate::workload::{Entry, InputSource, MAX_SLO_MS, Origin, Workload};
 
 pub const DEFAULT_GRPC_URL: &str = "localhost:8001";
 pub const DEFAULT_HTTP_URL: &str = "localhost:8000";
@@ -26,6 +26,25 @@ pub const OPEN_LOOP_GRPC_CHANNELS: usize = 4;
 /// Open-loop HTTP/1.1 connections when `--connections` is not given (all opened before the
 /// load; about 25k req/s at 10 ms latency, beyond which requests queue for one, in latency).
 pub const OPEN_LOOP_HTTP_CONNECTIONS: usize = 256;
+/// Most `--connections` (each one opened before the load, with an open file of its own).
+pub const MAX_CONNECTIONS: usize = 1_000_000;
+/// Most `--max-inflight` (open-loop requests outstanding at once).
+pub const MAX_INFLIGHT: usize = 1_000_000;
+
+/// The gRPC channels or HTTP/1.1 connections a run opens when `--connections` is not given,
+/// for `outstanding` requests at most (closed loop: the highest concurrency; open loop:
+/// `--max-inflight`). nereid-perf and nereid-analyze share it, so a sweep's variant sees the
+/// server load nereid-perf would offer: over HTTP, a closed loop opens one connection per
+/// concurrent request (no client-side queue); an open loop at most
+/// [`OPEN_LOOP_HTTP_CONNECTIONS`].
+pub fn default_connections(protocol: Protocol, closed_loop: bool, outstanding: usize) -> usize {
+    match (protocol, closed_loop) {
+        (Protocol::Grpc, true) => outstanding.div_ceil(REQUESTS_PER_GRPC_CHANNEL).clamp(1, MAX_GRPC_CHANNELS),
+        (Protocol::Grpc, false) => OPEN_LOOP_GRPC_CHANNELS,
+        (Protocol::Http { .. }, true) => outstanding.max(1),
+        (Protocol::Http { .. }, false) => outstanding.clamp(1, OPEN_LOOP_HTTP_CONNECTIONS),
+    }
+}
 
 const EXIT_CODES: &str = "\
 Exit codes:
@@ -38,7 +57,8 @@ Exit codes:
   4  results printed, but no load level met the SLO (\"no load level met the SLO\"; with
      --binary-search: the range's lower bound misses it)
   5  results printed, but untrustworthy: no stable measurement within --max-trials, more than
-     1% of open-loop sends started over 1 ms late, or no request succeeded at a level
+     1% of open-loop sends started over 1 ms late, no request succeeded at a level, or a
+     workload class with an SLO completed no request at a level (no SLO verdict)
   6  the server's outputs differ from the input data file's validation_data (checked once per
      distinct request before any load); nothing was measured
   130 interrupted (Ctrl-C); results so far are printed and written
@@ -47,7 +67,7 @@ Open loop: each request has a scheduled send time; latency runs from that time, 
 or generator that falls behind shows in the latencies (no coordinated omission). A send that
 starts more than 1 ms late counts as late. A level meets the SLO when at least 99% of its
 completed requests succeeded within it (failures count as misses); a sweep stops at the first
-level that misses.
+level that misses. SLOs are at most 3600000 ms (1 hour).
 
 Binary search (--binary-search, needs an SLO): probes the range's lower bound, then its upper
 bound, then bisects between the highest load that met the SLO and the lowest that missed it
@@ -71,8 +91,9 @@ request, cycled in order (with -b B, a request's rows are B consecutive entries)
   b64 is raw little-endian bytes; BYTES inputs take strings. Every value is checked against
   the model before the run (exit 2 naming data[i] and the input).
 
-Trace file (--trace-file): one arrival offset per line, in milliseconds from the start,
-non-decreasing; '#' comments. The whole trace is measured as one window, from its first
+Trace file (--trace-file): one arrival offset per line, in milliseconds, non-decreasing;
+'#' comments. Offsets are replayed relative to the first (a trace starting at 60000 ms sends
+its first request at once). The whole trace is measured as one window, from its first
 arrival (no warm-up).";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -290,9 +311,11 @@ impl Args {
             if self.no_server_stats { None } else { Some(metrics_uri(self.metrics_url.as_deref(), &url)?) };
 
         if let Some(s) = self.slo_p99_ms
-            && !(s.is_finite() && s > 0.0)
+            && !(s.is_finite() && s > 0.0 && s <= MAX_SLO_MS)
         {
-            return Err(usage(format!("--slo-p99-ms {s}: must be a positive number of milliseconds")));
+            return Err(usage(format!(
+                "--slo-p99-ms {s}: must be a positive number of milliseconds, at most {MAX_SLO_MS} (1 hour)"
+            )));
         }
         let mut workload = match (&self.model, &self.workload) {
             (Some(model), None) => {
@@ -372,14 +395,16 @@ impl Args {
         if self.request_timeout_ms == 0 {
             return Err(usage("--request-timeout-ms: must be at least 1".into()));
         }
-        if self.max_inflight == 0 {
-            return Err(usage("--max-inflight: must be at least 1".into()));
+        if !(1..=MAX_INFLIGHT).contains(&self.max_inflight) {
+            return Err(usage(format!("--max-inflight {}: must be between 1 and {MAX_INFLIGHT}", self.max_inflight)));
         }
         if self.threads == 0 {
             return Err(usage("--threads: must be at least 1".into()));
         }
-        if self.connections == Some(0) {
-            return Err(usage("--connections: must be at least 1".into()));
+        if let Some(n) = self.connections
+            && !(1..=MAX_CONNECTIONS).contains(&n)
+        {
+            return Err(usage(format!("--connections {n}: must be between 1 and {MAX_CONNECTIONS}")));
         }
 
         let outstanding = match &load {
@@ -389,12 +414,14 @@ impl Args {
         };
         let closed_loop =
             matches!(load, Load::Concurrency(_) | Load::BinarySearch { axis: SearchAxis::Concurrency, .. });
-        let connections = self.connections.unwrap_or(match (protocol, closed_loop) {
-            (Protocol::Grpc, true) => outstanding.div_ceil(REQUESTS_PER_GRPC_CHANNEL).clamp(1, MAX_GRPC_CHANNELS),
-            (Protocol::Grpc, false) => OPEN_LOOP_GRPC_CHANNELS,
-            (Protocol::Http { .. }, true) => outstanding,
-            (Protocol::Http { .. }, false) => outstanding.min(OPEN_LOOP_HTTP_CONNECTIONS),
-        });
+        let connections = self.connections.unwrap_or_else(|| default_connections(protocol, closed_loop, outstanding));
+        if connections > MAX_CONNECTIONS {
+            // Only the default gets here: over HTTP, one connection per concurrent request.
+            return Err(usage(format!(
+                "--concurrency-range: {outstanding} concurrent requests over HTTP would open as many connections, \
+                 at most {MAX_CONNECTIONS}; give --connections to share fewer"
+            )));
+        }
 
         let window = match self.measurement_request_count {
             Some(n) => WindowMode::Count { requests: n },
@@ -416,6 +443,7 @@ impl Args {
             },
             seed: self.seed,
             shared_memory: (self.shared_memory == SharedMemoryArg::System).then_some(self.output_shared_memory_size),
+            latency_limit: None,
         })
     }
 }
@@ -651,5 +679,40 @@ mod tests {
         assert_eq!(c.target.connections, OPEN_LOOP_HTTP_CONNECTIONS);
         let c = args(&["-m", "m", "-i", "http", "--request-rate-range", "100", "--max-inflight", "8"]).unwrap();
         assert_eq!(c.target.connections, 8, "never more connections than requests in flight");
+        // What nereid-analyze opens too (one rule): over HTTP a closed loop of 512 gets 512.
+        let c = args(&["-m", "m", "-i", "http", "--concurrency-range", "512"]).unwrap();
+        assert_eq!(c.target.connections, 512);
+        assert_eq!(default_connections(Protocol::Http { binary: false }, true, 512), 512);
+    }
+
+    #[test]
+    fn values_that_would_not_fit_are_refused_naming_the_flag() {
+        let e = |a: &[&str]| args(a).unwrap_err().to_string();
+        // An SLO beyond what a Duration (and the histograms) hold.
+        for slo in ["1e30", "3600000.5"] {
+            let msg = e(&["-m", "m", "--slo-p99-ms", slo]);
+            assert!(msg.contains(&format!("--slo-p99-ms {}", slo.parse::<f64>().unwrap())), "{msg}");
+            assert!(msg.contains("at most 3600000"), "{msg}");
+        }
+        assert_eq!(args(&["-m", "m", "--slo-p99-ms", "3600000"]).unwrap().workload.series[0].slo_ms, Some(3.6e6));
+        let dir = tempfile::tempdir().unwrap();
+        let w = dir.path().join("w.json");
+        std::fs::write(&w, r#"{"entries": [{"model": "m", "slo_ms": 1e30}]}"#).unwrap();
+        let msg = e(&["--workload", w.to_str().unwrap()]);
+        assert!(msg.contains("entries[0].slo_ms") && msg.contains("at most 3600000"), "{msg}");
+        // More open-loop slots than a semaphore holds; more connections than could be opened.
+        let huge = (usize::MAX >> 2).to_string();
+        let msg = e(&["-m", "m", "--request-rate-range", "10", "--max-inflight", &huge]);
+        assert!(msg.contains("--max-inflight") && msg.contains("between 1 and 1000000"), "{msg}");
+        assert!(e(&["-m", "m", "--max-inflight", "0"]).contains("--max-inflight"));
+        let msg = e(&["-m", "m", "-i", "http", "--connections", &huge]);
+        assert!(msg.contains("--connections") && msg.contains("between 1 and 1000000"), "{msg}");
+        assert!(e(&["-m", "m", "--connections", "0"]).contains("--connections"));
+        assert_eq!(args(&["-m", "m", "--connections", "1000000"]).unwrap().target.connections, MAX_CONNECTIONS);
+        // The default over HTTP: a connection per concurrent request.
+        let msg = e(&["-m", "m", "-i", "http", "--concurrency-range", "2000000"]);
+        assert!(msg.contains("--concurrency-range") && msg.contains("--connections"), "{msg}");
+        let c = args(&["-m", "m", "-i", "http", "--concurrency-range", "2000000", "--connections", "64"]).unwrap();
+        assert_eq!(c.target.connections, 64);
     }
 }

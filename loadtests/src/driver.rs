@@ -134,6 +134,9 @@ pub struct RunConfig {
     /// `--shared-memory system`: tensors through registered POSIX shared memory, with this
     /// many bytes for each model output (`--output-shared-memory-size`); `None`: in the requests.
     pub shared_memory: Option<u64>,
+    /// Also count the successes within this latency, whatever each entry's SLO
+    /// ([`LevelResult::ok_within_limit`]): nereid-analyze's `--max-p99-ms`. `None` for nereid-perf.
+    pub latency_limit: Option<Duration>,
 }
 
 /// One series at one level.
@@ -141,6 +144,8 @@ pub struct RunConfig {
 pub struct SeriesResult {
     pub name: String,
     pub slo_ms: Option<f64>,
+    /// `None` without an SLO, and also when no request of the series completed: no data, no
+    /// verdict (the level is then untrustworthy rather than a miss).
     pub slo_met: Option<bool>,
     pub summary: Summary,
 }
@@ -167,8 +172,16 @@ pub struct LevelResult {
     pub by_tenant: Vec<SeriesResult>,
     /// Server-side averages per model over the merged windows.
     pub server: BTreeMap<String, Breakdown>,
-    /// `None` without an SLO.
+    /// `Some(false)` when a series missed its SLO; else `Some(true)` when every series with
+    /// an SLO met it; `None` without an SLO, or when a series with an SLO completed no request
+    /// (no verdict: the level is untrustworthy, see [`LevelResult::no_data_series`]).
     pub slo_met: Option<bool>,
+    /// With [`RunConfig::latency_limit`]: the successes of the merged windows within it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ok_within_limit: Option<u64>,
+    /// What the level's numbers leave out (a server-side window dropped over a counter reset).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
     /// Most GPU memory the server reported in use (`nv_gpu_memory_used_bytes`, summed over its
     /// GPUs) at the level's scrapes, in MiB; `None` without GPU series or scrapes.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -185,6 +198,24 @@ impl LevelResult {
             .filter(|(_, rs)| rs.len() > 1 && names(rs) != names(&self.series))
             .collect()
     }
+
+    /// The series with an SLO that completed no request in the merged windows: their SLO
+    /// cannot be judged.
+    pub fn no_data_series(&self) -> Vec<&str> {
+        self.series.iter().filter(|s| s.slo_ms.is_some() && s.summary.requests == 0).map(|s| s.name.as_str()).collect()
+    }
+}
+
+/// A level's SLO verdict from its series' (see [`LevelResult::slo_met`]): a miss if any
+/// missed; no verdict if a series with an SLO has no data; else whether every one met it.
+pub fn level_slo_met(series: &[SeriesResult]) -> Option<bool> {
+    if series.iter().any(|s| s.slo_met == Some(false)) {
+        return Some(false);
+    }
+    if series.iter().any(|s| s.slo_ms.is_some() && s.summary.requests == 0) {
+        return None;
+    }
+    series.iter().filter_map(|s| s.slo_met).reduce(|a, b| a && b)
 }
 
 /// The run's answer and why it may not be trustworthy.
@@ -238,6 +269,8 @@ struct Context {
     picker: Picker,
     /// Per workload entry (the recorder's slots).
     slos: Vec<Option<Duration>>,
+    /// [`RunConfig::latency_limit`].
+    latency_limit: Option<Duration>,
     /// Entries grouped as the report shows them: by series, by model, by tenant.
     series: Vec<Group>,
     by_model: Vec<Group>,
@@ -298,9 +331,16 @@ pub async fn run(config: RunConfig, progress: &Progress, interrupt: Cancellation
         client,
         requests: requests.into(),
         picker: Picker::new(config.workload.entries.iter().map(|e| e.weight)),
+        // SLOs are validated to at most an hour; saturate anyway rather than panic.
         slos: (0..config.workload.entries.len())
-            .map(|i| config.workload.entry_slo_ms(i).map(|ms| Duration::from_secs_f64(ms / 1000.0)))
+            .map(|i| {
+                config
+                    .workload
+                    .entry_slo_ms(i)
+                    .map(|ms| Duration::try_from_secs_f64(ms / 1000.0).unwrap_or(Duration::MAX))
+            })
             .collect(),
+        latency_limit: config.latency_limit,
         series: config.workload.series_groups(),
         by_model: config.workload.model_groups(),
         by_tenant: config.workload.tenant_groups(),
@@ -335,6 +375,7 @@ pub async fn run(config: RunConfig, progress: &Progress, interrupt: Cancellation
             run_level(&ctx, &level, level_seed(config.seed, 1_000 + index), trace.clone(), progress).await;
         let missed = result.slo_met == Some(false);
         progress.level_done(&result);
+        warnings.extend(result.warnings.iter().map(|w| format!("{level}: {w}")));
         let complete = stop.is_none();
         plan.record(&result, complete, progress);
         results.push(result);
@@ -558,7 +599,18 @@ impl Plan {
                 *stopped = true;
                 return;
             }
-            let met = result.slo_met == Some(true);
+            // No verdict (a class with an SLO completed nothing): neither a hit nor a miss, so
+            // the search cannot go on from it; the verdict calls the level untrustworthy.
+            let Some(met) = result.slo_met else {
+                *stopped = true;
+                progress.note(&format!(
+                    "binary search probe {}: {} has no SLO verdict (no request of {} completed); the search stops",
+                    search.probes().len() + 1,
+                    result.level,
+                    result.no_data_series().join(", ")
+                ));
+                return;
+            };
             search.record(result.level.value(), met);
             let space = search.space();
             let bracket = match search.outcome() {
@@ -627,6 +679,16 @@ pub fn verdict(levels: &[LevelResult], has_slo: bool, server_lost: Option<String
             ));
             raise(exit::UNTRUSTWORTHY, &mut exit_code);
         }
+        let no_data = l.no_data_series();
+        if l.complete && l.total.requests > 0 && !no_data.is_empty() {
+            problems.push(format!(
+                "{}: no request of {} completed in the measured windows, so its SLO cannot be judged at this level; \
+                 try longer windows or a larger weight",
+                l.level,
+                no_data.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
+            ));
+            raise(exit::UNTRUSTWORTHY, &mut exit_code);
+        }
         if l.complete && l.total.ok == 0 {
             let errors: Vec<String> = l.total.errors_by_status.iter().map(|(k, v)| format!("{k} ×{v}")).collect();
             problems.push(format!(
@@ -671,7 +733,7 @@ async fn run_level(
 ) -> (LevelResult, Option<Stop>) {
     let m = &ctx.measurement;
     let timeout = Duration::from_millis(m.request_timeout_ms);
-    let recorder = Arc::new(Recorder::new(ctx.slos.clone()));
+    let recorder = Arc::new(Recorder::with_limit(ctx.slos.clone(), ctx.latency_limit));
     let stop = CancellationToken::new();
     let tracker = TaskTracker::new();
 
@@ -792,14 +854,17 @@ async fn run_level(
     let merged_windows = if stable { stability_windows.min(windows.len()) } else { windows.len() };
     let from = windows.len() - merged_windows;
     let merged = Window::merge(&windows[from..]);
-    let total = Summary::of(&merged.total(), merged.duration);
+    let merged_total = merged.total();
+    let total = Summary::of(&merged_total, merged.duration);
     let results = |groups: &[Group]| -> Vec<SeriesResult> {
         groups
             .iter()
             .map(|g| {
                 let stats = merged.merged(g.entries.iter().copied());
                 let summary = Summary::of(&stats, merged.duration);
-                let slo_met = g.has_slo.then(|| meets_slo(stats.ok_within_slo, summary.requests));
+                // Nothing completed: no data, no verdict (not a miss).
+                let slo_met =
+                    (g.has_slo && summary.requests > 0).then(|| meets_slo(stats.ok_within_slo, summary.requests));
                 SeriesResult { name: g.name.clone(), slo_ms: g.slo_ms, slo_met, summary }
             })
             .collect()
@@ -807,13 +872,22 @@ async fn run_level(
     let series = results(&ctx.series);
     let by_model = results(&ctx.by_model);
     let by_tenant = results(&ctx.by_tenant);
-    let slo_met = series.iter().filter_map(|s| s.slo_met).reduce(|a, b| a && b);
+    let slo_met = level_slo_met(&series);
+    // The scrapes around the merged windows (before the first, after each).
+    let merged_snapshots = snapshots.get(from..).unwrap_or_default();
     let mut server = BTreeMap::new();
-    if let (Some(Some(before)), Some(Some(after))) = (snapshots.get(from), snapshots.last()) {
-        for (label, model, version) in &ctx.models {
-            if let Some(b) = server_stats::breakdown(before, after, model, version.as_deref()) {
-                server.insert(label.clone(), b);
-            }
+    let mut warnings = Vec::new();
+    for (label, model, version) in &ctx.models {
+        let (breakdown, resets) = server_stats::breakdown_over(merged_snapshots, model, version.as_deref());
+        if let Some(b) = breakdown {
+            server.insert(label.clone(), b);
+        }
+        if resets > 0 {
+            warnings.push(format!(
+                "server-side breakdown of {label}: {resets} window{} left out, its counters were reset in it \
+                 (a model reload or server restart)",
+                if resets == 1 { "" } else { "s" }
+            ));
         }
     }
     let gpu_memory_mib = snapshots.iter().flatten().filter_map(Snapshot::gpu_memory_used_mib).reduce(f64::max);
@@ -829,6 +903,8 @@ async fn run_level(
         by_tenant,
         server,
         slo_met,
+        ok_within_limit: ctx.latency_limit.map(|_| merged_total.ok_within_limit),
+        warnings,
         gpu_memory_mib,
     };
     (result, stop_reason)
@@ -947,7 +1023,10 @@ impl Dispatcher {
             // one, unseen by the lateness count: bound the sends by the connections instead, so
             // a generator held back by them is reported as late.
             inflight: Arc::new(Semaphore::new(
-                ctx.measurement.max_inflight.min(ctx.client.max_in_flight().unwrap_or(usize::MAX)).max(1),
+                ctx.measurement
+                    .max_inflight
+                    .min(ctx.client.max_in_flight().unwrap_or(usize::MAX))
+                    .clamp(1, Semaphore::MAX_PERMITS),
             )),
             timeout,
         }
@@ -1032,6 +1111,8 @@ mod tests {
             by_tenant: vec![],
             server: BTreeMap::new(),
             slo_met,
+            ok_within_limit: None,
+            warnings: Vec::new(),
             gpu_memory_mib: None,
         }
     }
@@ -1065,6 +1146,44 @@ mod tests {
         let v = verdict(&[l], false, None);
         assert_eq!(v.exit_code, exit::UNTRUSTWORTHY);
         assert!(v.problems[0].contains("could not keep the schedule"), "{:?}", v.problems);
+    }
+
+    fn series(name: &str, slo_ms: Option<f64>, ok: u64, slo_met: Option<bool>) -> SeriesResult {
+        let summary = level(LoadLevel::Concurrency(1), ok, true, None).total;
+        SeriesResult { name: name.into(), slo_ms, slo_met, summary }
+    }
+
+    #[test]
+    fn a_class_with_no_requests_has_no_verdict_and_makes_the_level_untrustworthy() {
+        // Two classes with an SLO; "rare" completed nothing in the merged windows.
+        let both = |rare_met: Option<bool>| {
+            vec![series("common", Some(5.0), 100, Some(true)), series("rare", Some(5.0), 0, rare_met)]
+        };
+        assert_eq!(level_slo_met(&both(None)), None, "no data: no verdict, not a miss");
+        let mut l = level(LoadLevel::Concurrency(4), 100, true, level_slo_met(&both(None)));
+        l.series = both(None);
+        assert_eq!(l.no_data_series(), vec!["rare"]);
+        let v = verdict(std::slice::from_ref(&l), true, None);
+        assert_eq!(v.exit_code, exit::UNTRUSTWORTHY, "{:?}", v.problems);
+        assert!(v.problems[0].contains("no request of 'rare' completed"), "{:?}", v.problems);
+        // A miss elsewhere is still a miss; classes that all met, met.
+        let missed = vec![series("common", Some(5.0), 100, Some(false)), series("rare", Some(5.0), 0, None)];
+        assert_eq!(level_slo_met(&missed), Some(false));
+        let met = vec![series("common", Some(5.0), 100, Some(true)), series("free", None, 0, None)];
+        assert_eq!(level_slo_met(&met), Some(true), "a class without an SLO needs no data");
+        assert_eq!(level_slo_met(&[series("free", None, 10, None)]), None, "no SLO at all");
+
+        // A binary-search probe without a verdict ends the search (inconclusive), recording
+        // neither a hit nor a miss.
+        let space = SearchSpace::new(1.0, 8.0, 1.0, true).unwrap();
+        let mut plan = Plan::new(&Load::BinarySearch { axis: SearchAxis::Concurrency, space });
+        let first = plan.next_level().unwrap();
+        let mut probe = level(first, 100, true, None);
+        probe.series = both(None);
+        plan.record(&probe, true, &Progress::new(false));
+        assert_eq!(plan.next_level(), None);
+        assert_eq!(plan.search_report().unwrap().outcome, SearchStatus::Unfinished);
+        assert!(plan.search_report().unwrap().probes.is_empty());
     }
 
     #[test]

@@ -512,6 +512,8 @@ mod tests {
             total,
             server,
             slo_met: Some(slo_met),
+            ok_within_limit: None,
+            warnings: Vec::new(),
             gpu_memory_mib: None,
         }
     }

@@ -87,6 +87,9 @@ pub struct SeriesStats {
     pub inferences: u64,
     /// Rows of requests counted in `ok_within_slo`.
     pub good_inferences: u64,
+    /// Successful requests within the recorder's latency limit ([`Recorder::with_limit`]:
+    /// nereid-analyze's `--max-p99-ms`, whatever each entry's SLO); 0 without a limit.
+    pub ok_within_limit: u64,
     pub errors: BTreeMap<Failure, u64>,
     /// Open loop: requests sent, and those sent more than the lateness bound after schedule.
     pub sends: u64,
@@ -102,6 +105,7 @@ impl Default for SeriesStats {
             ok_within_slo: 0,
             inferences: 0,
             good_inferences: 0,
+            ok_within_limit: 0,
             errors: BTreeMap::new(),
             sends: 0,
             late_sends: 0,
@@ -145,6 +149,7 @@ impl SeriesStats {
         self.ok_within_slo += other.ok_within_slo;
         self.inferences += other.inferences;
         self.good_inferences += other.good_inferences;
+        self.ok_within_limit += other.ok_within_limit;
         for (f, n) in &other.errors {
             *self.errors.entry(*f).or_default() += n;
         }
@@ -209,6 +214,14 @@ pub fn quantile(h: &Histogram<u64>, q: f64) -> u64 {
     if h.is_empty() { 0 } else { h.value_at_quantile(q) }
 }
 
+/// The lowest latency (µs) the histograms cannot tell apart from `us`: the bottom of its
+/// bucket. A percentile is reported as the top of its bucket (up to 0.1% above the recorded
+/// values), so a percentile compared against a limit should compare this.
+pub fn lowest_equivalent_us(us: u64) -> u64 {
+    static SHAPE: std::sync::LazyLock<Histogram<u64>> = std::sync::LazyLock::new(new_histogram);
+    SHAPE.lowest_equivalent(us)
+}
+
 impl Latency {
     pub fn of(s: &SeriesStats) -> Latency {
         let h = &s.latency_us;
@@ -237,6 +250,8 @@ pub struct Summary {
     pub ok: u64,
     pub errors: u64,
     pub errors_by_status: BTreeMap<String, u64>,
+    /// *Successful* requests per second (`ok` over the duration; failures are not counted,
+    /// as in `infer_per_sec`, while `requests` counts both).
     pub requests_per_sec: f64,
     /// Successful rows per second (perf_analyzer's "Inferences/Second").
     pub infer_per_sec: f64,
@@ -298,6 +313,7 @@ fn within(values: impl Iterator<Item = f64> + Clone, percentage: f64) -> bool {
 /// a load level; the lock is held for a histogram increment only.
 pub struct Recorder {
     slos: Vec<Option<Duration>>,
+    limit: Option<Duration>,
     open: Mutex<Option<Vec<SeriesStats>>>,
     completed: AtomicU64,
 }
@@ -305,7 +321,13 @@ pub struct Recorder {
 impl Recorder {
     /// One slot per workload entry; `slos[i]` is slot `i`'s latency SLO.
     pub fn new(slos: Vec<Option<Duration>>) -> Self {
-        Recorder { slos, open: Mutex::new(None), completed: AtomicU64::new(0) }
+        Recorder::with_limit(slos, None)
+    }
+
+    /// As [`Recorder::new`], also counting every slot's successes within `limit`
+    /// ([`SeriesStats::ok_within_limit`]), exactly rather than from a histogram bucket.
+    pub fn with_limit(slos: Vec<Option<Duration>>, limit: Option<Duration>) -> Self {
+        Recorder { slos, limit, open: Mutex::new(None), completed: AtomicU64::new(0) }
     }
 
     /// Opens a fresh window; until then (warm-up) completions are dropped.
@@ -334,6 +356,9 @@ impl Recorder {
         let mut open = self.lock();
         if let Some(s) = open.as_mut().and_then(|w| w.get_mut(slot)) {
             s.record(latency, outcome, batch_size, slo);
+            if outcome.is_ok() && self.limit.is_some_and(|limit| latency <= limit) {
+                s.ok_within_limit += 1;
+            }
             self.completed.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -425,7 +450,7 @@ mod tests {
         let sum = Summary::of(&s, Duration::from_secs(2));
         assert_eq!(sum.requests, 8);
         assert_eq!(sum.errors, 3);
-        assert_eq!(sum.requests_per_sec, 2.5);
+        assert_eq!(sum.requests_per_sec, 2.5, "5 successes in 2 s: the 3 failures are not counted");
         assert_eq!(sum.infer_per_sec, 10.0);
         assert_eq!(sum.goodput_requests_per_sec, 1.5);
         assert_eq!(sum.goodput_infer_per_sec, 6.0);
@@ -475,6 +500,29 @@ mod tests {
         assert_eq!((w1.slots[1].sends, w1.slots[1].late_sends), (2, 1));
         assert_eq!(w2.total().errors.get(&Failure::Timeout), Some(&1));
         assert_eq!(Summary::of(&w1.total(), w1.duration).late_fraction(), 0.5);
+    }
+
+    #[test]
+    fn the_recorder_counts_successes_within_its_limit_exactly() {
+        // Entry SLOs of 5 ms and none; a limit of 10 ms counts across both, exactly (10 ms
+        // and 10.007 ms share a histogram bucket).
+        let r = Recorder::with_limit(vec![Some(Duration::from_millis(5)), None], Some(Duration::from_millis(10)));
+        r.open_window();
+        for (slot, us) in [(0, 4_000), (0, 10_000), (1, 10_000), (1, 10_007), (1, 20_000)] {
+            r.record(slot, Duration::from_micros(us), Ok(()), 1);
+        }
+        r.record(0, Duration::from_micros(1), Err(Failure::Timeout), 1);
+        let w = r.close_window(Duration::from_secs(1), false);
+        assert_eq!((w.slots[0].ok_within_limit, w.slots[1].ok_within_limit), (2, 1));
+        assert_eq!(w.slots[0].ok_within_slo, 1);
+        assert_eq!(Window::merge(&[w.clone(), w]).total().ok_within_limit, 6);
+        // Without a limit nothing is counted.
+        let r = Recorder::new(vec![None]);
+        r.open_window();
+        r.record(0, Duration::from_micros(1), Ok(()), 1);
+        assert_eq!(r.close_window(Duration::from_secs(1), false).slots[0].ok_within_limit, 0);
+        assert_eq!(lowest_equivalent_us(10_007), 10_000);
+        assert_eq!(lowest_equivalent_us(1_500), 1_500, "exact below 2048 µs");
     }
 
     #[test]

@@ -228,8 +228,11 @@ pub enum TraceError {
     TooLong,
 }
 
-/// Parses a trace: one arrival offset per line in milliseconds from the start (fractions
-/// allowed), non-decreasing. Blank lines and lines starting with `#` are skipped.
+/// Parses a trace: one arrival offset per line in milliseconds (fractions allowed),
+/// non-decreasing. Blank lines and lines starting with `#` are skipped. The offsets come back
+/// rebased to the first arrival (which is at 0), so a trace cut from a longer log — its first
+/// offset 60000 ms — is replayed from its first arrival, not after a minute of idle time that
+/// would count in the measured window.
 pub fn parse_trace(text: &str) -> Result<Vec<Duration>, TraceError> {
     let mut out = Vec::new();
     let mut last = 0.0f64;
@@ -256,8 +259,11 @@ pub fn parse_trace(text: &str) -> Result<Vec<Duration>, TraceError> {
             .map_err(|_| err(format!("offset {line} ms is beyond any run's length")))?;
         out.push(offset);
     }
-    if out.is_empty() {
+    let Some(&first) = out.first() else {
         return Err(TraceError::Empty);
+    };
+    for offset in &mut out {
+        *offset -= first;
     }
     Ok(out)
 }
@@ -360,6 +366,15 @@ mod tests {
         assert!(rate_bounds("1e-20").unwrap_err().reason.contains("at least 0.001"));
         assert_eq!(rate_levels("0.001").unwrap(), vec![0.001]);
         assert_eq!(parse_trace("# nothing\n").unwrap_err(), TraceError::Empty);
+    }
+
+    #[test]
+    fn traces_are_replayed_from_their_first_arrival() {
+        // Cut from a longer log: a minute in before its first arrival.
+        let t = parse_trace("60000\n60000.5\n60010\n").unwrap();
+        assert_eq!(t, vec![Duration::ZERO, Duration::from_micros(500), Duration::from_millis(10)]);
+        assert!((trace_rate(&t) - 200.0).abs() < 1e-6, "the rate over its span, as before");
+        assert_eq!(parse_trace("5\n").unwrap(), vec![Duration::ZERO]);
     }
 
     proptest! {

@@ -6,7 +6,9 @@
 //! `nv_inference_exec_count`, `nv_inference_count`) are differenced across a window and divided
 //! by the requests served in it: average queue and compute time per request, and the average
 //! batch size the scheduler formed. A scrape that fails leaves the breakdown out; it never
-//! fails the run. An `https://` metrics URL is scraped over TLS, trusting what the run's
+//! fails the run. Counters are differenced window by window: a window in which a version's
+//! counters were reset (one went down, or its series vanished — a model reload or a server
+//! restart) is left out rather than counted wrong. An `https://` metrics URL is scraped over TLS, trusting what the run's
 //! `--ssl*` flags trust (else the system's CA bundle).
 
 use std::collections::BTreeMap;
@@ -46,6 +48,46 @@ pub struct Counters {
     pub compute_output_us: f64,
 }
 
+impl Counters {
+    fn values(&self) -> [f64; 7] {
+        [
+            self.request_success,
+            self.inference_count,
+            self.exec_count,
+            self.queue_us,
+            self.compute_input_us,
+            self.compute_infer_us,
+            self.compute_output_us,
+        ]
+    }
+
+    /// `self - before`, or `None` when a counter went down (it was reset in between).
+    fn since(&self, before: &Counters) -> Option<Counters> {
+        if self.values().iter().zip(before.values()).any(|(a, b)| *a < b) {
+            return None;
+        }
+        Some(Counters {
+            request_success: self.request_success - before.request_success,
+            inference_count: self.inference_count - before.inference_count,
+            exec_count: self.exec_count - before.exec_count,
+            queue_us: self.queue_us - before.queue_us,
+            compute_input_us: self.compute_input_us - before.compute_input_us,
+            compute_infer_us: self.compute_infer_us - before.compute_infer_us,
+            compute_output_us: self.compute_output_us - before.compute_output_us,
+        })
+    }
+
+    fn add(&mut self, other: &Counters) {
+        self.request_success += other.request_success;
+        self.inference_count += other.inference_count;
+        self.exec_count += other.exec_count;
+        self.queue_us += other.queue_us;
+        self.compute_input_us += other.compute_input_us;
+        self.compute_infer_us += other.compute_infer_us;
+        self.compute_output_us += other.compute_output_us;
+    }
+}
+
 /// Used GPU memory per device (`gpu_uuid`), where the server has GPUs.
 pub const GPU_MEMORY_USED: &str = "nv_gpu_memory_used_bytes";
 
@@ -64,23 +106,34 @@ impl Snapshot {
             .then(|| self.gpu_memory_used_bytes.values().sum::<f64>() / (1024.0 * 1024.0))
     }
 
-    /// Sum of the counters of `model`, over one version or all of them.
-    fn model(&self, model: &str, version: Option<&str>) -> Option<Counters> {
-        let mut found = None::<Counters>;
-        for ((m, v), c) in &self.models {
-            if m == model && version.is_none_or(|want| want == v) {
-                let acc = found.get_or_insert_with(Counters::default);
-                acc.request_success += c.request_success;
-                acc.inference_count += c.inference_count;
-                acc.exec_count += c.exec_count;
-                acc.queue_us += c.queue_us;
-                acc.compute_input_us += c.compute_input_us;
-                acc.compute_infer_us += c.compute_infer_us;
-                acc.compute_output_us += c.compute_output_us;
-            }
-        }
-        found
+    /// The counters of `model`'s versions (one version, or all of them).
+    fn versions<'a>(
+        &'a self,
+        model: &'a str,
+        version: Option<&'a str>,
+    ) -> impl Iterator<Item = (&'a str, &'a Counters)> + 'a {
+        self.models
+            .iter()
+            .filter(move |((m, v), _)| m == model && version.is_none_or(|want| want == v))
+            .map(|((_, v), c)| (v.as_str(), c))
     }
+}
+
+/// What `model` (one version, or all) did between two scrapes, summed over its versions;
+/// `None` when a version's counters were reset in between: one went down, or the version was
+/// in `before` and is gone from `after` (unloaded, maybe loaded again since). A version absent
+/// from `before` counts from 0: its counters were created in between.
+fn window_delta(before: &Snapshot, after: &Snapshot, model: &str, version: Option<&str>) -> Option<Counters> {
+    let key = |v: &str| (model.to_string(), v.to_string());
+    if before.versions(model, version).any(|(v, _)| !after.models.contains_key(&key(v))) {
+        return None;
+    }
+    let mut sum = Counters::default();
+    for (v, b) in after.versions(model, version) {
+        let a = before.models.get(&key(v)).copied().unwrap_or_default();
+        sum.add(&b.since(&a)?);
+    }
+    Some(sum)
 }
 
 /// Parses the Prometheus text exposition format, keeping the counters above. Lines it does not
@@ -183,26 +236,51 @@ impl Breakdown {
     }
 }
 
-/// The breakdown of `model` (one version, or all) between two scrapes. `None` when the model
-/// is absent from either scrape or served nothing in between (or its counters went backwards,
-/// as after a server restart).
-pub fn breakdown(before: &Snapshot, after: &Snapshot, model: &str, version: Option<&str>) -> Option<Breakdown> {
-    let a = before.model(model, version).unwrap_or_default();
-    let b = after.model(model, version)?;
-    let requests = b.request_success - a.request_success;
-    if requests < 1.0 {
-        return None;
+impl Breakdown {
+    /// Averages of what the counters grew by; `None` when no request succeeded.
+    fn of(d: &Counters) -> Option<Breakdown> {
+        let requests = d.request_success;
+        if requests < 1.0 {
+            return None;
+        }
+        Some(Breakdown {
+            requests: requests as u64,
+            avg_queue_us: d.queue_us / requests,
+            avg_compute_input_us: d.compute_input_us / requests,
+            avg_compute_infer_us: d.compute_infer_us / requests,
+            avg_compute_output_us: d.compute_output_us / requests,
+            avg_batch_size: (d.exec_count >= 1.0).then(|| d.inference_count / d.exec_count),
+        })
     }
-    let per_request = |x: f64, y: f64| ((y - x) / requests).max(0.0);
-    let execs = b.exec_count - a.exec_count;
-    Some(Breakdown {
-        requests: requests as u64,
-        avg_queue_us: per_request(a.queue_us, b.queue_us),
-        avg_compute_input_us: per_request(a.compute_input_us, b.compute_input_us),
-        avg_compute_infer_us: per_request(a.compute_infer_us, b.compute_infer_us),
-        avg_compute_output_us: per_request(a.compute_output_us, b.compute_output_us),
-        avg_batch_size: (execs >= 1.0).then(|| (b.inference_count - a.inference_count) / execs),
-    })
+}
+
+/// The breakdown of `model` (one version, or all) between two scrapes. `None` when it served
+/// nothing in between (absent from `after` included; absent from `before` counts from 0), or
+/// when its counters were reset in between (see [`breakdown_over`]).
+pub fn breakdown(before: &Snapshot, after: &Snapshot, model: &str, version: Option<&str>) -> Option<Breakdown> {
+    Breakdown::of(&window_delta(before, after, model, version)?)
+}
+
+/// The breakdown of `model` (one version, or all) over consecutive scrapes — the windows
+/// between each scrape and the next; a failed scrape (`None`) joins its neighbours' windows —
+/// and how many windows were left out because a counter was reset in them (a counter that
+/// went down, or a version's series that vanished: a model reload or a server restart).
+/// The breakdown sums the other windows; `None` when no request succeeded in them.
+pub fn breakdown_over(
+    snapshots: &[Option<Snapshot>],
+    model: &str,
+    version: Option<&str>,
+) -> (Option<Breakdown>, usize) {
+    let scraped: Vec<&Snapshot> = snapshots.iter().flatten().collect();
+    let mut sum = Counters::default();
+    let mut resets = 0;
+    for pair in scraped.windows(2) {
+        match window_delta(pair[0], pair[1], model, version) {
+            Some(d) => sum.add(&d),
+            None => resets += 1,
+        }
+    }
+    (Breakdown::of(&sum), resets)
 }
 
 /// Fetches `/metrics` over HTTP/1.1 (or HTTPS) on a reused connection.
@@ -334,6 +412,63 @@ nv_inference_compute_output_duration_us{model="mlp",version="1"} 550 17000000000
         assert_eq!(breakdown(&a, &b, "other", None), None, "absent after");
         assert_eq!(breakdown(&a, &a, "mlp", None), None, "nothing served");
         assert_eq!(breakdown(&b, &a, "mlp", None), None, "counters went backwards");
+    }
+
+    /// One scrape of `mlp` version 1 (absent when `None`) and version 2.
+    fn scrape(v1: Option<[f64; 4]>, v2: [f64; 4]) -> Option<Snapshot> {
+        let lines = |v: &str, [success, count, execs, queue]: [f64; 4]| {
+            format!(
+                "nv_inference_request_success{{model=\"mlp\",version=\"{v}\"}} {success}\n\
+                 nv_inference_count{{model=\"mlp\",version=\"{v}\"}} {count}\n\
+                 nv_inference_exec_count{{model=\"mlp\",version=\"{v}\"}} {execs}\n\
+                 nv_inference_queue_duration_us{{model=\"mlp\",version=\"{v}\"}} {queue}\n"
+            )
+        };
+        Some(parse(&(v1.map(|c| lines("1", c)).unwrap_or_default() + &lines("2", v2))))
+    }
+
+    #[test]
+    fn a_window_with_a_counter_reset_is_left_out() {
+        let idle = [0.0, 0.0, 0.0, 0.0];
+        // Three windows; version 1 is reloaded (its counters start again) during the second.
+        let snaps = [
+            scrape(Some([100.0, 100.0, 100.0, 1000.0]), idle),
+            scrape(Some([200.0, 200.0, 150.0, 2000.0]), idle), // +100 requests, 10 µs queued each
+            scrape(Some([50.0, 50.0, 50.0, 5000.0]), idle),    // reset: left out
+            scrape(Some([150.0, 150.0, 100.0, 6000.0]), idle), // +100 requests, 10 µs each
+        ];
+        let (b, resets) = breakdown_over(&snaps, "mlp", Some("1"));
+        let b = b.unwrap();
+        assert_eq!(resets, 1);
+        assert_eq!(b.requests, 200, "both windows without a reset, not 150 - 100");
+        assert_eq!(b.avg_queue_us, 10.0);
+        assert_eq!(b.avg_batch_size, Some(2.0), "200 rows in 100 executions");
+        // All versions: the same (version 2 served nothing), the reset seen through the sum.
+        assert_eq!(breakdown_over(&snaps, "mlp", None), (Some(b), 1));
+
+        // Only a time counter went down (requests still grew): a reset all the same.
+        let snaps =
+            [scrape(Some([100.0, 100.0, 100.0, 9000.0]), idle), scrape(Some([150.0, 150.0, 150.0, 100.0]), idle)];
+        assert_eq!(breakdown_over(&snaps, "mlp", Some("1")), (None, 1));
+
+        // Version 1 vanishes (unloaded) and comes back: the window it vanished in is left out,
+        // the one it came back in counts from 0; version 2 is counted throughout.
+        let snaps = [
+            scrape(Some([100.0, 100.0, 100.0, 0.0]), [10.0, 10.0, 10.0, 0.0]),
+            scrape(None, [20.0, 20.0, 20.0, 0.0]),
+            scrape(Some([30.0, 30.0, 30.0, 0.0]), [40.0, 40.0, 40.0, 0.0]),
+        ];
+        assert_eq!(breakdown_over(&snaps, "mlp", Some("1")).0.unwrap().requests, 30);
+        assert_eq!(breakdown_over(&snaps, "mlp", Some("1")).1, 1);
+        let (v2, resets) = breakdown_over(&snaps, "mlp", Some("2"));
+        assert_eq!((v2.unwrap().requests, resets), (30, 0));
+        let (all, resets) = breakdown_over(&snaps, "mlp", None);
+        assert_eq!((all.unwrap().requests, resets), (30 + 20, 1), "the second window: 30 of version 1, 20 of 2");
+        // A failed scrape joins its neighbours' windows.
+        let joined = [snaps[0].clone(), None, snaps[2].clone()];
+        assert_eq!(breakdown_over(&joined, "mlp", Some("2")), (v2, 0));
+        assert_eq!(breakdown_over(&joined, "mlp", Some("1")), (None, 1), "100 down to 30: a reset");
+        assert_eq!(breakdown_over(&[snaps[0].clone()], "mlp", None), (None, 0), "one scrape: no window");
     }
 
     #[test]

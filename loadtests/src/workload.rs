@@ -53,6 +53,9 @@ pub const MAX_MIX_ITEMS: usize = 256;
 pub const MAX_EXPANDED_ENTRIES: usize = 10_000;
 /// Largest request body the generator will build for one entry (all inputs together).
 pub const MAX_INPUT_BYTES: u64 = 256 << 20;
+/// Largest latency SLO accepted, in milliseconds (1 hour: the longest latency the histograms
+/// hold); `--slo-p99-ms`, `slo_ms` and nereid-analyze's `--max-p99-ms` alike.
+pub const MAX_SLO_MS: f64 = 3_600_000.0;
 
 /// Input tensor contents.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
@@ -556,9 +559,12 @@ fn validate_entry(e: &Entry) -> Result<(), (String, String)> {
         return bad("timeout_us", "must be at least 1 (omit it for the model's default)".into());
     }
     if let Some(s) = e.slo_ms
-        && !(s.is_finite() && s > 0.0)
+        && !(s.is_finite() && s > 0.0 && s <= MAX_SLO_MS)
     {
-        return bad("slo_ms", format!("must be a positive number of milliseconds, got {s}"));
+        return bad(
+            "slo_ms",
+            format!("must be a positive number of milliseconds, at most {MAX_SLO_MS} (1 hour), got {s}"),
+        );
     }
     if let Some(c) = &e.class
         && c.is_empty()

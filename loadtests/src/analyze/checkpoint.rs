@@ -126,6 +126,7 @@ mod tests {
             sends: 5000,
             late_sends: 60,
             slo_met: Some(true),
+            within_limit: None,
             memory_mb: Some(87.5),
             gpu_memory_mb: None,
             server_avg_batch_size: Some(3.25),

@@ -17,7 +17,7 @@ use crate::cli::{DistributionArg, ProtocolArg, TlsArgs};
 use crate::client::{Protocol, Tls, split_url};
 use crate::driver::{Measurement, WindowMode};
 use crate::schedule::{Distribution, concurrency_levels, rate_levels};
-use crate::workload::{Entry, InputSource, ModelInfo, TensorSpec, Workload};
+use crate::workload::{Entry, InputSource, MAX_SLO_MS, ModelInfo, TensorSpec, Workload};
 
 /// Workers tried by default, in order, when neither --worker-bin nor --url is given.
 pub const DEFAULT_WORKER_BINS: [&str; 2] = ["target/release/nereid-worker", "target/debug/nereid-worker"];
@@ -154,8 +154,9 @@ pub struct AnalyzeArgs {
     #[arg(long, value_name = "FILE", conflicts_with = "batch_size")]
     pub workload: Option<PathBuf>,
 
-    /// Constraint: p99 latency at most this many milliseconds (also goodput's SLO unless
-    /// --slo-p99-ms is given).
+    /// Constraint: at least 99% of completed requests succeeded within this many
+    /// milliseconds, failed ones counting as over (also goodput's SLO unless --slo-p99-ms is
+    /// given; at most 3600000).
     #[arg(long)]
     pub max_p99_ms: Option<f64>,
     /// Constraint: the worker's peak RSS at most this many MiB (needs a known PID).
@@ -304,7 +305,13 @@ impl AnalyzeArgs {
             Some(x) if !(x.is_finite() && x > 0.0) => Err(format!("{flag} {x}: must be a positive number")),
             _ => Ok(()),
         };
+        // An SLO (the p99 limit is goodput's by default) becomes a Duration: at most an hour.
+        let latency = |flag: &str, v: Option<f64>| match v {
+            Some(x) if x > MAX_SLO_MS => Err(format!("{flag} {x}: must be at most {MAX_SLO_MS} ms (1 hour)")),
+            _ => Ok(()),
+        };
         positive("--max-p99-ms", self.max_p99_ms)?;
+        latency("--max-p99-ms", self.max_p99_ms)?;
         positive("--max-memory-mb", self.max_memory_mb)?;
         positive("--max-gpu-memory-mb", self.max_gpu_memory_mb)?;
         if let Some(e) = self.max_error_percent
@@ -313,6 +320,7 @@ impl AnalyzeArgs {
             return Err(format!("--max-error-percent {e}: must be between 0 and 100"));
         }
         positive("--slo-p99-ms", self.slo_p99_ms)?;
+        latency("--slo-p99-ms", self.slo_p99_ms)?;
         positive("--request-rate", self.request_rate)?;
 
         let base = read_base(&self.model_repository, &self.model)?;
@@ -337,6 +345,14 @@ impl AnalyzeArgs {
         };
         let input_data = InputSource::from_arg(&self.input_data).map_err(|e| format!("--input-data: {e}"))?;
         check_input_data(&input_data, &base, &self.model, &space.max_batch_sizes, workload.as_ref(), self.batch_size)?;
+        let input_digests = input_digests(self.workload.as_deref(), workload.as_ref(), &input_data)?;
+        // The measured SLO verdict is the p99 constraint's only when every class's SLO is its
+        // limit (a workload class's own slo_ms overrides the default SLO).
+        let slo_is_max_p99 = match (self.max_p99_ms, &workload) {
+            (None, _) => false,
+            (Some(max), Some(w)) => w.series.iter().all(|s| s.slo_ms == Some(max)),
+            (Some(max), None) => slo_p99_ms == Some(max),
+        };
         if let Some(key) = &self.api_key
             && (key.is_empty() || !key.chars().all(|c| c.is_ascii_graphic()))
         {
@@ -423,6 +439,16 @@ impl AnalyzeArgs {
                 _ => LoadSpec::Concurrency(vec![4]),
             }
         };
+        // nereid-perf's connections: over HTTP, one per concurrent request.
+        if let (Protocol::Http { .. }, LoadSpec::Concurrency(levels)) = (protocol, &load)
+            && let Some(&c) = levels.iter().find(|&&c| c as usize > crate::cli::MAX_CONNECTIONS)
+        {
+            let flag = if self.concurrency_range.is_some() { "--concurrency-range" } else { "--concurrency" };
+            return Err(format!(
+                "{flag}: {c} concurrent requests over HTTP would open as many connections, at most {}",
+                crate::cli::MAX_CONNECTIONS
+            ));
+        }
         let checkpoint = self.checkpoint.clone().unwrap_or_else(|| self.output_dir.join(CHECKPOINT_JSON));
         Ok(AnalyzeConfig {
             model: self.model.clone(),
@@ -437,7 +463,7 @@ impl AnalyzeArgs {
                 max_memory_mb: self.max_memory_mb,
                 max_gpu_memory_mb: self.max_gpu_memory_mb,
                 max_error_percent: self.max_error_percent,
-                slo_is_max_p99: self.max_p99_ms.is_some() && slo_p99_ms == self.max_p99_ms,
+                slo_is_max_p99,
             },
             objective: self.objective,
             load: LoadSettings {
@@ -450,6 +476,8 @@ impl AnalyzeArgs {
                 slo_p99_ms,
                 workload_file: self.workload.as_ref().map(|p| p.display().to_string()),
                 workload,
+                input_digests,
+                latency_limit_ms: self.max_p99_ms,
                 measurement: Measurement {
                     window: WindowMode::Time { ms: self.measurement_interval },
                     warmup_ms: self.warmup_ms,
@@ -468,6 +496,36 @@ impl AnalyzeArgs {
             quiet: self.quiet,
         })
     }
+}
+
+/// A digest of the contents of every file the measured requests come from — the `--workload`
+/// file, the input data files its entries name, the `--input-data` file — by path, so that a
+/// resume after one of them was edited reuses nothing (the checkpoint's settings differ).
+fn input_digests(
+    workload_path: Option<&Path>,
+    workload: Option<&Workload>,
+    input_data: &InputSource,
+) -> Result<std::collections::BTreeMap<String, String>, String> {
+    let mut paths: Vec<(String, PathBuf)> = Vec::new();
+    if let Some(p) = workload_path {
+        paths.push(("--workload".into(), p.to_path_buf()));
+    }
+    let data_files = workload.into_iter().flat_map(|w| w.data.iter().flatten()).chain(std::iter::once(input_data));
+    for source in data_files {
+        if let InputSource::File(f) = source {
+            paths.push(("input data".into(), PathBuf::from(&f.path)));
+        }
+    }
+    let mut digests = std::collections::BTreeMap::new();
+    for (what, path) in paths {
+        let shown = path.display().to_string();
+        if digests.contains_key(&shown) {
+            continue;
+        }
+        let bytes = std::fs::read(&path).map_err(|e| format!("{what} {shown}: cannot read it: {e}"))?;
+        digests.insert(shown, super::sweep::content_digest(&bytes));
+    }
+    Ok(digests)
 }
 
 /// Reads and checks a `--workload` file: valid for nereid-perf, and every entry for `model`
@@ -772,6 +830,85 @@ mod tests {
         assert!(e(&["--api-key", "a b"]).contains("--api-key"));
         assert!(e(&["--api-key", ""]).contains("--api-key"));
         assert!(e(&["--api-key", "clé"]).contains("--api-key"), "it must fit a header");
+    }
+
+    #[test]
+    fn the_slo_verdict_is_the_p99_constraints_only_when_every_class_has_its_limit() {
+        let (dir, worker) = repo();
+        let w = worker.to_str().unwrap();
+        let c = parse(dir.path(), &["--worker-bin", w, "--max-p99-ms", "100"]).unwrap();
+        assert!(c.constraints.slo_is_max_p99, "the default SLO is the limit");
+        let c = parse(dir.path(), &["--worker-bin", w, "--max-p99-ms", "100", "--slo-p99-ms", "20"]).unwrap();
+        assert!(!c.constraints.slo_is_max_p99);
+        // A class with its own slo_ms overrides the default SLO: its verdict is not the limit's.
+        let file = dir.path().join("classes.json");
+        std::fs::write(
+            &file,
+            r#"{"entries": [{"model": "m", "class": "fast", "slo_ms": 5}, {"model": "m", "class": "bulk"}]}"#,
+        )
+        .unwrap();
+        let f = file.to_str().unwrap();
+        let c = parse(dir.path(), &["--worker-bin", w, "--max-p99-ms", "100", "--workload", f]).unwrap();
+        assert!(!c.constraints.slo_is_max_p99);
+        assert_eq!(c.load.latency_limit_ms, Some(100.0), "successes within 100 ms are counted instead");
+        std::fs::write(
+            &file,
+            r#"{"entries": [{"model": "m", "class": "a"}, {"model": "m", "class": "b", "slo_ms": 100}]}"#,
+        )
+        .unwrap();
+        let c = parse(dir.path(), &["--worker-bin", w, "--max-p99-ms", "100", "--workload", f]).unwrap();
+        assert!(c.constraints.slo_is_max_p99, "every class's SLO is 100 ms");
+    }
+
+    #[test]
+    fn an_edited_workload_or_data_file_changes_the_settings() {
+        let (dir, worker) = repo();
+        let w = worker.to_str().unwrap();
+        let file = dir.path().join("w.json");
+        let data = dir.path().join("d.json");
+        std::fs::write(&data, r#"{"data": [{"I": [1, 2, 3, 4]}]}"#).unwrap();
+        let settings = |workload: &str| {
+            std::fs::write(&file, workload).unwrap();
+            let c = parse(dir.path(), &["--worker-bin", w, "--workload", file.to_str().unwrap()]).unwrap();
+            serde_json::to_string(&c.load).unwrap()
+        };
+        let before = settings(r#"{"entries": [{"model": "m", "slo_ms": 5, "data": "d.json"}]}"#);
+        assert_eq!(settings(r#"{"entries": [{"model": "m", "slo_ms": 5, "data": "d.json"}]}"#), before);
+        assert_ne!(settings(r#"{"entries": [{"model": "m", "slo_ms": 6, "data": "d.json"}]}"#), before);
+        // The data file a workload entry names, and --input-data's.
+        std::fs::write(&data, r#"{"data": [{"I": [5, 6, 7, 8]}]}"#).unwrap();
+        assert_ne!(settings(r#"{"entries": [{"model": "m", "slo_ms": 5, "data": "d.json"}]}"#), before);
+        let d = data.to_str().unwrap();
+        let with_data = || {
+            let c = parse(dir.path(), &["--worker-bin", w, "--input-data", d]).unwrap();
+            serde_json::to_string(&c.load).unwrap()
+        };
+        let first = with_data();
+        std::fs::write(&data, r#"{"data": [{"I": [0, 6, 7, 8]}]}"#).unwrap();
+        assert_ne!(with_data(), first);
+        // Generated data and no workload: no digest at all (older checkpoints still match).
+        let c = parse(dir.path(), &["--worker-bin", w]).unwrap();
+        assert!(!serde_json::to_string(&c.load).unwrap().contains("digests"));
+    }
+
+    #[test]
+    fn latency_limits_beyond_an_hour_are_refused() {
+        let (dir, worker) = repo();
+        let w = worker.to_str().unwrap();
+        let e = |extra: &[&str]| parse(dir.path(), &[&["--worker-bin", w][..], extra].concat()).unwrap_err();
+        let msg = e(&["--max-p99-ms", "1e30"]);
+        assert!(msg.contains("--max-p99-ms") && msg.contains("at most 3600000"), "{msg}");
+        let msg = e(&["--max-p99-ms", "10", "--slo-p99-ms", "1e30"]);
+        assert!(msg.contains("--slo-p99-ms") && msg.contains("at most 3600000"), "{msg}");
+        let file = dir.path().join("w.json");
+        std::fs::write(&file, r#"{"entries": [{"model": "m", "slo_ms": 1e30}]}"#).unwrap();
+        let msg = e(&["--workload", file.to_str().unwrap()]);
+        assert!(msg.contains("entries[0].slo_ms") && msg.contains("at most 3600000"), "{msg}");
+        assert!(parse(dir.path(), &["--worker-bin", w, "--max-p99-ms", "3600000"]).is_ok());
+        // Over HTTP each concurrent request has a connection, as in nereid-perf.
+        let msg = e(&["-i", "http", "--concurrency", "2000000"]);
+        assert!(msg.contains("--concurrency: 2000000") && msg.contains("at most 1000000"), "{msg}");
+        assert!(parse(dir.path(), &["--worker-bin", w, "--concurrency", "2000000"]).is_ok(), "gRPC shares channels");
     }
 
     #[test]

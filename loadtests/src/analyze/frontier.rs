@@ -10,6 +10,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::result::{Measured, VariantResult};
+use crate::driver::{SLO_QUANTILE, meets_slo};
+use crate::measure::lowest_equivalent_us;
 
 /// The three things the frontier trades off.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -88,10 +90,23 @@ pub struct Constraints {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_error_percent: Option<f64>,
     /// Whether the measured SLO verdict (`slo_met`: at least 99% of requests succeeded within
-    /// the SLO, failures counted as misses) is the p99 constraint's own — the SLO is
-    /// `max_p99_ms`. A p99 over the successes alone cannot see the requests that failed.
+    /// the SLO, failures counted as misses, each class against its own) is the p99
+    /// constraint's own — every class's SLO is `max_p99_ms`. Otherwise (a workload class with
+    /// its own `slo_ms`, or another `--slo-p99-ms`) the constraint is judged from the requests
+    /// that succeeded within `max_p99_ms` ([`Measured::within_limit`]). Either way a p99 over
+    /// the successes alone is not enough: it cannot see the requests that failed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub slo_is_max_p99: bool,
+}
+
+/// How a measurement misses the p99 constraint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum P99Miss {
+    /// The p99 of the successes is over the limit.
+    Percentile,
+    /// The successes are within it, but with the failures counted as over, fewer than 99% of
+    /// the requests are.
+    Failures,
 }
 
 /// Failed requests as a percentage of the completed ones (0 when none completed).
@@ -100,21 +115,39 @@ pub fn error_percent(m: &Measured) -> f64 {
 }
 
 impl Constraints {
+    /// Whether `m` misses the p99 constraint, and how. From the exact count of successes within
+    /// the limit when the level kept one for this limit; else (a checkpoint from before, or a
+    /// resume under another `--max-p99-ms`) from the p99's histogram bucket — its lowest
+    /// equivalent, as the reported p99 is the bucket's top, up to 0.1% above the latencies
+    /// recorded — and, for the failures, from the SLO verdict when the SLO is the limit, else
+    /// from the failures alone (more than 1% failed is a miss whatever the latencies).
+    fn p99_miss(&self, m: &Measured) -> Option<P99Miss> {
+        let max = self.max_p99_ms?;
+        let exact = m.within_limit.filter(|w| w.limit_ms == max).map(|w| w.ok);
+        let ok = m.requests.saturating_sub(m.errors);
+        let over = ok > 0
+            && match exact {
+                Some(within) => (within as f64) < SLO_QUANTILE * ok as f64,
+                None => lowest_equivalent_us((m.p99_ms * 1000.0).round() as u64) as f64 > max * 1000.0,
+            };
+        if over {
+            return Some(P99Miss::Percentile);
+        }
+        let failures = (self.slo_is_max_p99 && m.slo_met == Some(false))
+            || (m.requests > 0 && !meets_slo(exact.unwrap_or(ok), m.requests));
+        failures.then_some(P99Miss::Failures)
+    }
+
     /// `None` if `m` meets every constraint, else why not (one sentence).
     pub fn violation(&self, m: &Measured) -> Option<String> {
         let mut why = Vec::new();
-        if let Some(max) = self.max_p99_ms
-            && m.p99_ms > max
-        {
-            why.push(format!("p99 {:.3} ms > {max} ms", m.p99_ms));
-        } else if let Some(max) = self.max_p99_ms
-            && self.slo_is_max_p99
-            && m.slo_met == Some(false)
-        {
-            why.push(format!(
+        match (self.max_p99_ms, self.p99_miss(m)) {
+            (Some(max), Some(P99Miss::Percentile)) => why.push(format!("p99 {:.3} ms > {max} ms", m.p99_ms)),
+            (Some(max), Some(P99Miss::Failures)) => why.push(format!(
                 "fewer than 99% of requests succeeded within {max} ms (failed ones count as over; {:.2}% failed)",
                 error_percent(m)
-            ));
+            )),
+            _ => {}
         }
         if let Some(max) = self.max_memory_mb {
             match m.memory_mb {
@@ -142,12 +175,13 @@ impl Constraints {
     /// them): what the quick search climbs down while nothing is feasible.
     pub fn excess(&self, m: &Measured) -> f64 {
         let over = |v: f64, max: f64| if max > 0.0 { (v / max - 1.0).max(0.0) } else { 0.0 };
-        let mut p99 = self.max_p99_ms.map(|max| over(m.p99_ms, max)).unwrap_or(0.0);
-        if p99 == 0.0 && self.max_p99_ms.is_some() && self.slo_is_max_p99 && m.slo_met == Some(false) {
+        let p99 = match (self.max_p99_ms, self.p99_miss(m)) {
+            (Some(max), Some(P99Miss::Percentile)) => over(m.p99_ms, max).max(0.001),
             // Under the limit for the successes, over it counting the failures: as far off as
             // the share of requests that failed (at least a little).
-            p99 = (error_percent(m) / 100.0).max(0.01);
-        }
+            (Some(_), Some(P99Miss::Failures)) => (error_percent(m) / 100.0).max(0.01),
+            _ => 0.0,
+        };
         let mem = match (self.max_memory_mb, m.memory_mb) {
             (Some(max), Some(v)) => over(v, max),
             (Some(_), None) => 1.0,
@@ -232,7 +266,7 @@ pub fn best_level(levels: &[Measured], constraints: &Constraints, objective: Obj
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::analyze::result::VariantStatus;
+    use crate::analyze::result::{VariantStatus, WithinLimit};
     use crate::analyze::space::Variant;
     use proptest::prelude::*;
 
@@ -256,6 +290,7 @@ pub(crate) mod tests {
             sends: 0,
             late_sends: 0,
             slo_met: None,
+            within_limit: None,
             memory_mb,
             gpu_memory_mb: None,
             server_avg_batch_size: None,
@@ -306,9 +341,60 @@ pub(crate) mod tests {
         assert!(why.contains("fewer than 99% of requests succeeded within 10 ms"), "{why}");
         assert_eq!(best_level(&[fine.clone(), shedding.clone()], &c, Objective::Throughput), Some(0));
         assert!(c.excess(&shedding) > 0.0);
-        // A separate, tighter SLO's verdict is not the constraint's.
+        // A separate, tighter SLO's verdict is not the constraint's, but 2% failed is a miss
+        // whatever the latencies.
         let separate = Constraints { slo_is_max_p99: false, ..c };
-        assert!(separate.violation(&shedding).is_none());
+        assert!(separate.violation(&shedding).unwrap().contains("fewer than 99% of requests succeeded"));
+        let tighter_slo_missed = Measured { errors: 0, ..shedding.clone() };
+        assert!(separate.violation(&tighter_slo_missed).is_none());
+        assert_eq!(separate.excess(&tighter_slo_missed), 0.0);
+    }
+
+    #[test]
+    fn the_p99_constraint_counts_requests_within_its_own_limit() {
+        // `--max-p99-ms 100 --workload classes.json` where a class has slo_ms 5: the level's
+        // SLO verdict is the classes' (missed), not the constraint's.
+        let c = Constraints { max_p99_ms: Some(100.0), slo_is_max_p99: false, ..Constraints::default() };
+        let mut m = measured(400.0, 300.0, 40.0, None);
+        m.slo_met = Some(false);
+        m.within_limit = Some(WithinLimit { limit_ms: 100.0, ok: 100 });
+        assert_eq!(c.violation(&m), None, "every request succeeded within 100 ms");
+        assert_eq!(c.excess(&m), 0.0);
+        // Under the limit for the successes, but 3 of 100 requests failed.
+        let failing = Measured { errors: 3, within_limit: Some(WithinLimit { limit_ms: 100.0, ok: 97 }), ..m.clone() };
+        let why = c.violation(&failing).expect("a violation");
+        assert!(why.contains("fewer than 99% of requests succeeded within 100 ms"), "{why}");
+        assert!(c.excess(&failing) > 0.0);
+        // 5 of 100 successes slower than the limit: the p99 of the successes is over it.
+        let slow = Measured { within_limit: Some(WithinLimit { limit_ms: 100.0, ok: 95 }), p99_ms: 130.0, ..m.clone() };
+        assert!(c.violation(&slow).unwrap().contains("p99 130.000 ms > 100 ms"));
+        // A count kept for another limit (a resume under a new --max-p99-ms) is not used.
+        let other = Measured { within_limit: Some(WithinLimit { limit_ms: 50.0, ok: 0 }), ..m.clone() };
+        assert_eq!(c.violation(&other), None, "judged from the p99 and the failures");
+        // Without the separate SLO, the verdict is the constraint's own.
+        let own = Constraints { slo_is_max_p99: true, ..c };
+        assert!(own.violation(&m).unwrap().contains("fewer than 99%"));
+    }
+
+    #[test]
+    fn a_p99_at_the_limit_is_not_over_it_by_the_histogram_bucket() {
+        // Every latency exactly 10 ms: HDR reports the p99 as the top of 10 ms's bucket.
+        let top = {
+            let mut s = crate::measure::SeriesStats::default();
+            for _ in 0..100 {
+                s.record(std::time::Duration::from_millis(10), Ok(()), 1, None);
+            }
+            crate::measure::Latency::of(&s).p99_us
+        };
+        assert!(top > 10_000, "the bucket's top: {top} µs");
+        let c = Constraints { max_p99_ms: Some(10.0), ..Constraints::default() };
+        let mut m = measured(100.0, 100.0, top as f64 / 1000.0, None);
+        assert_eq!(c.violation(&m), None, "without a count: the bucket's lowest equivalent, 10 ms");
+        m.within_limit = Some(WithinLimit { limit_ms: 10.0, ok: 100 });
+        assert_eq!(c.violation(&m), None, "with the exact count");
+        // Really over: 10.1 ms is in a higher bucket.
+        let over = measured(100.0, 100.0, 10.1, None);
+        assert!(c.violation(&over).unwrap().contains("p99 10.100 ms > 10 ms"));
     }
 
     #[test]

@@ -728,6 +728,8 @@ pub(crate) mod tests {
             slo_p99_ms: Some(10.0),
             workload: None,
             workload_file: None,
+            input_digests: Default::default(),
+            latency_limit_ms: Some(10.0),
             measurement: Measurement {
                 window: WindowMode::Time { ms: 1000 },
                 warmup_ms: 100,
@@ -772,6 +774,7 @@ pub(crate) mod tests {
             sends: 0,
             late_sends: 0,
             slo_met: Some(p99 <= 10.0),
+            within_limit: None,
             memory_mb: Some(mem),
             gpu_memory_mb: None,
             server_avg_batch_size: Some(1.5),

@@ -43,6 +43,7 @@ impl VariantStatus {
 pub struct Measured {
     /// Successful inferences (rows) per second.
     pub throughput_infer_per_sec: f64,
+    /// *Successful* requests per second (failures not counted; `requests` counts both).
     pub requests_per_sec: f64,
     /// Successful inferences within the SLO per second (equal to throughput without an SLO).
     pub goodput_infer_per_sec: f64,
@@ -55,6 +56,7 @@ pub struct Measured {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub p999_ms: Option<f64>,
     pub avg_ms: f64,
+    /// Completed requests: successes plus `errors`.
     pub requests: u64,
     pub errors: u64,
     /// Whether the measurement windows agreed (nereid-perf's stability rule). An unstable
@@ -68,8 +70,14 @@ pub struct Measured {
     pub sends: u64,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub late_sends: u64,
-    /// Whether at least 99% of requests succeeded within the SLO (`None` without an SLO).
+    /// Whether at least 99% of requests succeeded within the SLO — every class within its own
+    /// (`None` without an SLO, or when a class with an SLO completed no request).
     pub slo_met: Option<bool>,
+    /// Successful requests within `--max-p99-ms` (counted exactly, whatever each class's
+    /// SLO), and that limit: what the p99 constraint is judged by. Absent without the
+    /// constraint, and in checkpoints from before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub within_limit: Option<WithinLimit>,
     /// The worker's peak resident set size during the level, in MiB (`None`: unknown).
     pub memory_mb: Option<f64>,
     /// Most GPU memory the server reported in use (`nv_gpu_memory_used_bytes`, summed over
@@ -92,6 +100,14 @@ pub struct Measured {
     /// how a priority or queue policy shares the capacity out.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub series: Vec<SeriesMeasured>,
+}
+
+/// Successes within a latency limit, counted while measuring.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WithinLimit {
+    pub limit_ms: f64,
+    pub ok: u64,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -142,6 +158,18 @@ impl Measured {
         let mut why = Vec::new();
         if !self.stable {
             why.push("no stable measurement within --max-trials windows".to_string());
+        }
+        let no_data: Vec<String> = self
+            .series
+            .iter()
+            .filter(|s| s.slo_ms.is_some() && s.requests == 0)
+            .map(|s| format!("'{}'", s.name))
+            .collect();
+        if !no_data.is_empty() && self.requests > 0 {
+            why.push(format!(
+                "no request of {} completed, so its SLO cannot be judged (longer windows or a larger weight)",
+                no_data.join(", ")
+            ));
         }
         if !self.kept_schedule() {
             why.push(format!(
@@ -266,6 +294,27 @@ mod tests {
         assert!(result(VariantStatus::Measured, failed).numbers().is_none());
         let r = result(VariantStatus::Failed, ok);
         assert!(r.numbers().is_none() && r.usable().is_none() && r.untrusted_reason().is_none());
+    }
+
+    #[test]
+    fn a_class_with_no_requests_makes_the_level_untrusted() {
+        let class = |name: &str, requests: u64, slo_ms: Option<f64>| SeriesMeasured {
+            name: name.into(),
+            throughput_infer_per_sec: requests as f64,
+            goodput_infer_per_sec: requests as f64,
+            p50_ms: 1.0,
+            p99_ms: 1.0,
+            requests,
+            errors: 0,
+            slo_ms,
+        };
+        let mut m = measured(100.0, 100.0, 2.0, None);
+        m.series = vec![class("common", 100, Some(5.0)), class("rare", 0, Some(5.0))];
+        assert!(!m.trusted());
+        assert!(m.distrust().unwrap().contains("no request of 'rare' completed"));
+        // A class without an SLO has nothing to judge.
+        m.series[1].slo_ms = None;
+        assert!(m.trusted());
     }
 
     #[test]

@@ -19,7 +19,7 @@ use super::checkpoint::{Checkpoint, CheckpointError};
 use super::config::variant_config;
 use super::frontier::{Constraints, Objective, best_level, score};
 use super::quick::{Outcome, QuickSearch};
-use super::result::{Measured, SeriesMeasured, ServerTime, VariantResult, VariantStatus};
+use super::result::{Measured, SeriesMeasured, ServerTime, VariantResult, VariantStatus, WithinLimit};
 use super::server::{RepositoryClient, RepositoryError, RssSampler, WorkerProcess};
 use super::space::{Point, SearchSpace, Variant};
 use crate::client::{Protocol, Target, Tls};
@@ -90,8 +90,25 @@ pub struct LoadSettings {
     /// Its path, for reports and the checkpoint's load description.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workload_file: Option<String>,
+    /// [`content_digest`] of every file the requests come from (the workload file, the input
+    /// data files), by path: part of the checkpoint's settings, so that editing one (a class's
+    /// `slo_ms`, the data) makes a resume measure everything again.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub input_digests: std::collections::BTreeMap<String, String>,
+    /// `--max-p99-ms`: the driver also counts the successes within it, exactly, for the p99
+    /// constraint ([`Measured::within_limit`]). Not a setting the numbers depend on: a resume
+    /// under another limit reuses them (judged from their percentiles and failures).
+    #[serde(skip)]
+    pub latency_limit_ms: Option<f64>,
     pub measurement: Measurement,
     pub seed: u64,
+}
+
+/// A digest of a file's contents (64-bit FNV-1a, hex): stable across runs and builds, to tell
+/// whether an input changed between a checkpoint and a resume.
+pub fn content_digest(bytes: &[u8]) -> String {
+    let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x0000_0100_0000_01b3));
+    format!("fnv1a64:{hash:016x}")
 }
 
 /// `zero`, `random`, or the input data file's path: the `--input-data` value.
@@ -153,26 +170,20 @@ impl LoadSettings {
             }
             workload.default_api_key = Some(key.clone());
         }
-        let (load, outstanding, closed) = match &self.load {
-            LoadSpec::Concurrency(c) => {
-                (Load::Concurrency(c.clone()), c.iter().copied().max().unwrap_or(1) as usize, true)
+        let load = match &self.load {
+            LoadSpec::Concurrency(c) => Load::Concurrency(c.clone()),
+            LoadSpec::RequestRate { rates, distribution } => {
+                Load::RequestRate { rates: rates.clone(), distribution: *distribution }
             }
-            LoadSpec::RequestRate { rates, distribution } => (
-                Load::RequestRate { rates: rates.clone(), distribution: *distribution },
-                self.measurement.max_inflight,
-                false,
-            ),
-        };
-        let connections = match (self.protocol, closed) {
-            (Protocol::Grpc, true) => {
-                outstanding.div_ceil(crate::cli::REQUESTS_PER_GRPC_CHANNEL).clamp(1, crate::cli::MAX_GRPC_CHANNELS)
-            }
-            (Protocol::Grpc, false) => crate::cli::OPEN_LOOP_GRPC_CHANNELS,
-            (Protocol::Http { .. }, _) => outstanding.clamp(1, 256),
         };
         Ok(RunConfig {
             // The scraper trusts `tls` too, for an https:// metrics URL.
-            target: Target { protocol: self.protocol, url: server.url.clone(), connections, tls: server.tls.clone() },
+            target: Target {
+                protocol: self.protocol,
+                url: server.url.clone(),
+                connections: self.connections(),
+                tls: server.tls.clone(),
+            },
             metrics_url: server.metrics_url.clone(),
             workload,
             input_data: self.input_data.clone(),
@@ -180,7 +191,18 @@ impl LoadSettings {
             measurement: self.measurement.clone(),
             seed: self.seed,
             shared_memory: self.shared_memory,
+            latency_limit: self.latency_limit_ms.and_then(|ms| Duration::try_from_secs_f64(ms / 1000.0).ok()),
         })
+    }
+
+    /// The gRPC channels or HTTP/1.1 connections each variant's measurement opens: what
+    /// nereid-perf opens for the same load ([`crate::cli::default_connections`]).
+    pub fn connections(&self) -> usize {
+        let (closed_loop, outstanding) = match &self.load {
+            LoadSpec::Concurrency(c) => (true, c.iter().copied().max().unwrap_or(1) as usize),
+            LoadSpec::RequestRate { .. } => (false, self.measurement.max_inflight),
+        };
+        crate::cli::default_connections(self.protocol, closed_loop, outstanding)
     }
 }
 
@@ -199,8 +221,10 @@ pub struct Sweep {
 }
 
 impl Sweep {
-    /// What the measurements depend on besides the variant: the load settings and the base
-    /// config, as JSON ([`Checkpoint::settings`]).
+    /// What the measurements depend on besides the variant: the load settings (with the
+    /// digests of the workload and input data files) and the base config, as JSON
+    /// ([`Checkpoint::settings`]). Not the constraints or the objective: a resume may change
+    /// them, and [`recredit`]s what it reuses.
     pub fn settings(&self) -> String {
         serde_json::json!({ "load": &self.load, "base": config_to_json(&self.base) }).to_string()
     }
@@ -299,7 +323,8 @@ pub async fn run(
             // cannot be ranked with these: nothing is reused, and the checkpoint starts anew.
             warnings.push(
                 "the checkpoint's variants were measured with other settings (protocol, load, SLO, \
-                 measurement, seed or base config): nothing reused, every variant measured again"
+                 measurement, seed, base config, or the contents of the workload or input data files): \
+                 nothing reused, every variant measured again"
                     .to_string(),
             );
         } else {
@@ -323,7 +348,9 @@ pub async fn run(
     while let Some(point) = search.next() {
         n += 1;
         let variant = sweep.space.variant(point);
-        let reused = reusable_from.and_then(|c| c.reusable(&variant.key())).cloned();
+        let reused = reusable_from
+            .and_then(|c| c.reusable(&variant.key()))
+            .map(|r| recredit(r.clone(), &sweep.constraints, sweep.objective));
         let (result, stop) = match reused {
             Some(r) => {
                 progress.note(&format!("[{n}/{total}] {}: {} (from the checkpoint)", r.key, r.status.label()));
@@ -355,6 +382,20 @@ pub async fn run(
     }
     out.search_end = search.end(out.stop.is_some());
     out
+}
+
+/// A reused result credited anew with its best level under this sweep's constraints and
+/// objective (the checkpoint does not record those it was chosen under); a result measured at
+/// one level, or not measured, is unchanged.
+pub fn recredit(mut r: VariantResult, constraints: &Constraints, objective: Objective) -> VariantResult {
+    if r.status != VariantStatus::Measured || r.levels.len() < 2 {
+        return r;
+    }
+    if let Some(i) = best_level(&r.levels, constraints, objective) {
+        r.reason = r.levels[i].distrust().map(|why| format!("not recommended: {why}"));
+        r.measured = Some(r.levels[i].clone());
+    }
+    r
 }
 
 /// One line about a finished variant, for progress.
@@ -506,7 +547,8 @@ async fn measure_variant(
         result.reason = Some("nothing was measured".into());
         return (result, stop.or(interrupt.is_cancelled().then_some(Stop::Interrupted)));
     }
-    let levels: Vec<Measured> = report.levels.iter().map(|level| measured_of(level, memory_mb)).collect();
+    let levels: Vec<Measured> =
+        report.levels.iter().map(|level| measured_of(level, memory_mb, sweep.load.latency_limit_ms)).collect();
     let complete = report.levels.iter().all(|l| l.complete);
     let chosen = best_level(&levels, &sweep.constraints, sweep.objective);
     if stop.is_some() || !complete {
@@ -529,8 +571,9 @@ async fn measure_variant(
     (result, stop)
 }
 
-/// One load level's numbers (`memory_mb`: the peak over the variant's whole measurement).
-fn measured_of(level: &driver::LevelResult, memory_mb: Option<f64>) -> Measured {
+/// One load level's numbers (`memory_mb`: the peak over the variant's whole measurement;
+/// `limit_ms`: the `--max-p99-ms` the driver counted successes within).
+fn measured_of(level: &driver::LevelResult, memory_mb: Option<f64>, limit_ms: Option<f64>) -> Measured {
     let t = &level.total;
     let ms = |us: u64| us as f64 / 1000.0;
     let breakdown = combined_breakdown(level);
@@ -549,6 +592,7 @@ fn measured_of(level: &driver::LevelResult, memory_mb: Option<f64>) -> Measured 
         sends: t.sends,
         late_sends: t.late_sends,
         slo_met: level.slo_met,
+        within_limit: limit_ms.zip(level.ok_within_limit).map(|(limit_ms, ok)| WithinLimit { limit_ms, ok }),
         memory_mb,
         gpu_memory_mb: level.gpu_memory_mib,
         server_avg_batch_size: breakdown.and_then(|b| b.avg_batch_size),
@@ -590,4 +634,61 @@ fn measured_of(level: &driver::LevelResult, memory_mb: Option<f64>) -> Measured 
 /// Reads the checkpoint for `--resume` (absent: start afresh).
 pub fn read_checkpoint(path: &std::path::Path, model: &str) -> Result<Option<Checkpoint>, CheckpointError> {
     Checkpoint::read(path, model)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analyze::frontier::tests::measured;
+    use crate::analyze::report::tests::settings;
+
+    #[test]
+    fn a_reused_variant_is_credited_under_the_resumed_sweeps_constraints() {
+        // Measured at two levels without a p99 limit: credited with the faster, slower one.
+        let levels = vec![measured(1000.0, 1000.0, 4.0, None), measured(1500.0, 1500.0, 30.0, None)];
+        let mut r = VariantResult::new(Variant::batching(1, 8, 0, 0), VariantStatus::Measured);
+        r.measured = Some(levels[1].clone());
+        r.levels = levels.clone();
+        // Resumed with --max-p99-ms 10: the level meeting it.
+        let limit = Constraints { max_p99_ms: Some(10.0), ..Constraints::default() };
+        let again = recredit(r.clone(), &limit, Objective::Goodput);
+        assert_eq!(again.measured.as_ref(), Some(&levels[0]));
+        assert_eq!(again.reason, None);
+        // Resumed with --objective latency and no limit: the lower p99.
+        assert_eq!(
+            recredit(r.clone(), &Constraints::default(), Objective::Latency).measured.as_ref(),
+            Some(&levels[0])
+        );
+        assert_eq!(
+            recredit(r.clone(), &Constraints::default(), Objective::Goodput).measured.as_ref(),
+            Some(&levels[1])
+        );
+        // One level, or not measured: unchanged.
+        let mut single = r.clone();
+        single.levels.clear();
+        assert_eq!(recredit(single.clone(), &limit, Objective::Goodput), single);
+        let failed = VariantResult { status: VariantStatus::Failed, ..r };
+        assert_eq!(recredit(failed.clone(), &limit, Objective::Goodput), failed);
+    }
+
+    #[test]
+    fn connections_are_nereid_perfs() {
+        let mut s = settings();
+        s.protocol = Protocol::Http { binary: false };
+        s.load = LoadSpec::Concurrency(vec![64, 512]);
+        assert_eq!(s.connections(), 512, "one per concurrent request, as nereid-perf opens");
+        s.load = LoadSpec::RequestRate { rates: vec![100.0], distribution: Distribution::Constant };
+        assert_eq!(s.connections(), crate::cli::OPEN_LOOP_HTTP_CONNECTIONS.min(s.measurement.max_inflight));
+        s.protocol = Protocol::Grpc;
+        s.load = LoadSpec::Concurrency(vec![512]);
+        assert_eq!(s.connections(), crate::cli::MAX_GRPC_CHANNELS);
+    }
+
+    #[test]
+    fn content_digests_are_stable_and_tell_contents_apart() {
+        // FNV-1a's published test vectors: the same in every build.
+        assert_eq!(content_digest(b""), "fnv1a64:cbf29ce484222325");
+        assert_eq!(content_digest(b"a"), "fnv1a64:af63dc4c8601ec8c");
+        assert_ne!(content_digest(br#"{"slo_ms": 5}"#), content_digest(br#"{"slo_ms": 6}"#));
+    }
 }
