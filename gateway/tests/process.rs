@@ -115,10 +115,11 @@ async fn a_stalled_http_upload_ends_at_the_deadline() {
     assert!(answer.contains("before its body was received"), "{answer}");
 }
 
-/// Each JSON tensor fits --max-request-bytes, but converted to gRPC the request as a whole does
-/// not: a 400 naming the limit, nothing forwarded, and the gateway keeps serving.
+/// Each JSON tensor fits --max-request-bytes, but the tensors together do not (as a worker
+/// reads them, before anything is converted): a 400 naming the limit, nothing forwarded, and
+/// the gateway keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_json_request_that_outgrows_the_limit_once_converted_is_refused() {
+async fn a_json_request_whose_tensors_together_outgrow_the_limit_is_refused() {
     let (_worker, gateway) = held_fleet(&["--max-request-bytes", "1048576"]).await;
     // 140,000 zeros per input: 280 KB of JSON each, 560 KB as FP32 each, 1.12 MB together.
     let zeros = vec![0; 140_000];
@@ -129,7 +130,7 @@ async fn a_json_request_that_outgrows_the_limit_once_converted_is_refused() {
     let r = reqwest::Client::new().post(gateway.http_url("/v2/models/stuck/infer")).json(&body).send().await.unwrap();
     assert_eq!(r.status(), 400);
     let text = r.text().await.unwrap();
-    assert!(text.contains("over the limit of 1048576 bytes"), "{text}");
+    assert!(text.contains("the request limit of 1048576 bytes"), "{text}");
     // Refused before the stack, yet counted like what the stack refuses.
     let metrics = gateway.metrics_text().await;
     assert!(
