@@ -900,3 +900,247 @@ async fn a_kept_lease_outlives_its_ttl_its_loss_is_reported_and_dropping_the_tas
     })
     .await;
 }
+
+/// The lease `key` is held under, if the key is there.
+async fn lease_of(client: &mut Client, key: &str) -> Option<i64> {
+    client.get(key, None).await.ok()?.kvs().first().map(|kv| kv.lease())
+}
+
+/// An operator's `etcdctl del` of a worker's registration or of one of its statuses, while its
+/// lease lives: the worker notices and writes them again, under the same lease, and the gateway
+/// routes to it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_writes_its_deleted_keys_again_under_the_same_lease() {
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    declare_identity_and_wait(&etcd, &gateway, 1).await;
+    let record = format!("{PREFIX}/workers/w1");
+    let lease = lease_of(&mut client, &record).await.expect("registered");
+
+    client.delete(record.as_str(), None).await.unwrap();
+    wait_until("the record written again under the same lease", WAIT, || async {
+        lease_of(&mut etcd.client().await, &record).await == Some(lease)
+    })
+    .await;
+    wait_metric(&gateway, "nereid_gateway_workers{state=\"ready\"}", "the worker routed again", |v| v == 1.0).await;
+
+    let status = format!("{PREFIX}/status/w1/identity_fp32/1");
+    client.delete(status.as_str(), None).await.unwrap();
+    wait_until("the status written again under the same lease", WAIT, || async {
+        lease_of(&mut etcd.client().await, &status).await == Some(lease)
+    })
+    .await;
+    wait_until("identity_fp32 READY on w1 again", WAIT, || async {
+        ready_on(&mut etcd.client().await, "identity_fp32", 1).await == ["w1"]
+    })
+    .await;
+    wait_until("the gateway to route identity_fp32 again", WAIT, || async {
+        infer_ok(&gateway, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await
+    })
+    .await;
+    assert_eq!(w1.metric("nereid_worker_etcd_leases_granted_total").await, Some(1.0));
+}
+
+/// etcd refusing writes (a NOSPACE alarm, armed here by hand as etcd arms it when its quota
+/// runs out: puts and lease grants are refused, keep-alives still renew): a status the worker
+/// cannot write is retried, the lease is kept, and the registration stays — gateways keep
+/// routing to it — where a worker that gave up its lease could not get another and vanished
+/// after one TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_keeps_its_lease_and_registration_while_etcd_refuses_writes() {
+    use nereid_common::fleet::etcd_client::{AlarmAction, AlarmOptions, AlarmType};
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    declare_identity_and_wait(&etcd, &gateway, 1).await;
+    let record = format!("{PREFIX}/workers/w1");
+    let lease = lease_of(&mut client, &record).await.expect("registered");
+
+    let member = client.status().await.unwrap().header().expect("a header").member_id();
+    let alarm = || {
+        let mut options = AlarmOptions::new();
+        options.with_member(member);
+        Some(options)
+    };
+    client.alarm(AlarmAction::Activate, AlarmType::Nospace, alarm()).await.unwrap();
+    let refused = client.put(format!("{PREFIX}/probe"), "x", None).await.unwrap_err();
+    assert!(refused.to_string().contains("space"), "{refused}");
+    // A status to publish: a model loaded by hand.
+    let loaded =
+        reqwest::Client::new().post(w1.http_url("/v2/repository/models/versioned_scale/load")).send().await.unwrap();
+    assert_eq!(loaded.status(), 200);
+    w1.wait_log("a refused status write", "database space exceeded", WAIT).await;
+
+    // Three TTLs of refused writes: at every look the registration is there, under the same
+    // lease, and the gateway routes to the worker.
+    let since = std::time::Instant::now();
+    wait_until("the registration to outlive three TTLs of refused writes", WAIT, || async {
+        let mut client = etcd.client().await;
+        assert_eq!(lease_of(&mut client, &record).await, Some(lease), "after {:?}\n{}", since.elapsed(), w1.log());
+        let routed = infer_ok(&gateway, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await;
+        assert!(routed, "not routed after {:?}\n{}", since.elapsed(), gateway.log());
+        since.elapsed() > Duration::from_secs(6)
+    })
+    .await;
+
+    // Writes accepted again: the retried status goes in, under the same lease.
+    client.alarm(AlarmAction::Deactivate, AlarmType::Nospace, alarm()).await.unwrap();
+    wait_until("the refused status written once etcd accepts writes", WAIT, || async {
+        let mut client = etcd.client().await;
+        !keys_under(&mut client, "status/w1/versioned_scale/").await.is_empty()
+    })
+    .await;
+    assert_eq!(lease_of(&mut client, &record).await, Some(lease));
+    assert_eq!(w1.metric("nereid_worker_etcd_leases_granted_total").await, Some(1.0));
+}
+
+/// An etcd restart ends the worker's session (its watches and keep-alive stream break), not
+/// its lease: the worker reconnects and registers again under the lease it kept, and routing
+/// never stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_keeps_its_lease_across_an_etcd_restart() {
+    let mut etcd = Etcd::start().await;
+    // A TTL well above how long the restart takes: the lease outlives it in etcd.
+    let w1 = spawn_fleet_worker(&etcd, "w1", &["--etcd-lease-ttl-secs", "10"]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    declare_identity_and_wait(&etcd, &gateway, 1).await;
+    wait_metric(&w1, "nereid_worker_etcd_connected", "the worker's session up", |v| v == 1.0).await;
+    let record = format!("{PREFIX}/workers/w1");
+    let lease = lease_of(&mut etcd.client().await, &record).await.expect("registered");
+    let sessions = w1.metric("nereid_worker_etcd_sessions_total").await.unwrap();
+
+    let load = Load::start(&gateway, 2);
+    load.progress(50).await;
+    etcd.restart().await;
+    wait_until("a new session of the worker", WAIT, || async {
+        w1.metric("nereid_worker_etcd_sessions_total").await.is_some_and(|n| n > sessions)
+            && w1.metric("nereid_worker_etcd_connected").await == Some(1.0)
+    })
+    .await;
+    let mut client = etcd.client().await;
+    assert_eq!(lease_of(&mut client, &record).await, Some(lease), "{}", w1.log());
+    let status = format!("{PREFIX}/status/w1/identity_fp32/1");
+    assert_eq!(lease_of(&mut client, &status).await, Some(lease));
+    assert_eq!(w1.metric("nereid_worker_etcd_leases_granted_total").await, Some(1.0));
+    load.progress(50).await;
+    let (ok, failures) = load.finish().await;
+    assert!(failures.is_empty(), "ok {ok}, failures: {failures:?}");
+}
+
+/// A worker counts the invalid placement values it reads (and, as documented, keeps the
+/// assignment its key names).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_counts_invalid_placement_values_and_keeps_the_assignment() {
+    let etcd = Etcd::start().await;
+    let mut client = etcd.client().await;
+    let w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    declare_identity_and_wait(&etcd, &gateway, 1).await;
+    let series = "nereid_worker_etcd_invalid_values_total{kind=\"placement\"}";
+    assert_eq!(w1.metric(series).await, Some(0.0));
+
+    put(&mut client, "placement/w1/identity_fp32/1", "{not json").await;
+    wait_metric(&w1, series, "a value that is not JSON counted", |v| v >= 1.0).await;
+    put(&mut client, "placement/w1/identity_fp32/1", r#"{"schema":99,"leader_revision":1}"#).await;
+    wait_metric(&w1, series, "a value of an unknown schema counted", |v| v >= 2.0).await;
+    assert!(infer_ok(&w1, fp32_request("identity_fp32", "", &[1, 16], |i| i as f32)).await);
+    assert_eq!(ready_on(&mut client, "identity_fp32", 1).await, ["w1"]);
+}
+
+/// Forwards TCP connections to a port until frozen: then what arrives is held, never forwarded,
+/// and every connection stays open — an etcd that stopped answering without closing anything.
+struct FreezingProxy {
+    port: u16,
+    frozen: tokio::sync::watch::Sender<bool>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl FreezingProxy {
+    async fn start(to: u16) -> FreezingProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (frozen, rx) = tokio::sync::watch::channel(false);
+        let accept = tokio::spawn(async move {
+            for _ in 0..1000 {
+                let Ok((inbound, _)) = listener.accept().await else { return };
+                let Ok(outbound) = tokio::net::TcpStream::connect(("127.0.0.1", to)).await else { continue };
+                let (from_client, to_client) = inbound.into_split();
+                let (from_server, to_server) = outbound.into_split();
+                tokio::spawn(Self::pipe(from_client, to_server, rx.clone()));
+                tokio::spawn(Self::pipe(from_server, to_client, rx.clone()));
+            }
+        });
+        FreezingProxy { port, frozen, accept }
+    }
+
+    async fn pipe(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        mut frozen: tokio::sync::watch::Receiver<bool>,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if frozen.wait_for(|f| !*f).await.is_err() || to.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn freeze(&self) {
+        self.frozen.send_replace(true);
+    }
+}
+
+impl Drop for FreezingProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+/// Keep-alive answers stop while the stream stays open: both ways of keeping a lease report it
+/// lost once its TTL has passed with no answer (clientv3's deadline), rather than believing it
+/// alive until a transport notices — this client has no HTTP/2 keep-alives, so only the
+/// deadline can.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_whose_keep_alives_go_unanswered_is_reported_lost_after_its_ttl() {
+    use nereid_common::fleet::{KeptLease, spawn_keepalive};
+    let etcd = Etcd::start().await;
+    let proxy = FreezingProxy::start(etcd.client_port).await;
+    let client = Client::connect([proxy.endpoint()], None).await.unwrap();
+    let mut granting = client.clone();
+    let lease = granting.lease_grant(2, None).await.unwrap().id();
+    let (keeper, responses) = granting.lease_keep_alive(lease).await.unwrap();
+    let mut task = spawn_keepalive(keeper, responses, Duration::from_millis(600));
+    let kept = KeptLease::grant(&client, Duration::from_secs(2)).await.unwrap();
+    // Kept through the proxy, past their TTL, while etcd answers.
+    let mut direct = etcd.client().await;
+    let since = std::time::Instant::now();
+    wait_until("both leases kept past their TTL", WAIT, || async {
+        assert_eq!(kept.lost(), None);
+        assert!(!task.is_finished(), "the keep-alive task ended after {:?}", since.elapsed());
+        since.elapsed() > Duration::from_secs(3)
+    })
+    .await;
+    for id in [lease, kept.id()] {
+        assert!(direct.lease_time_to_live(id, None).await.unwrap().ttl() > 0);
+    }
+
+    proxy.freeze();
+    let why = tokio::time::timeout(WAIT, &mut task).await.expect("the keep-alive task reports the lease lost");
+    assert!(why.contains("before its TTL ran out"), "{why}");
+    let why = tokio::time::timeout(WAIT, kept.until_lost()).await.expect("the kept lease reported lost");
+    assert!(why.contains("before its TTL ran out"), "{why}");
+    assert!(kept.lost().is_some());
+}

@@ -5,20 +5,34 @@
 //! ([`FleetAgent::start`]), so keep-alives never queue behind request work on the I/O runtime
 //! — request load cannot starve the lease.
 //!
-//! One *session* = connect → grant a lease → put `workers/<id>` and every `status/<id>/…` under
-//! it → watch `placement/<id>/` (after reading it whole, the first time). Inside a session one loop sends
-//! keep-alives (every TTL/3), applies placement events, republishes statuses that changed, and
-//! reacts to drain/stop. Any etcd error ends the session; the next one starts after a bounded
-//! back-off and re-registers (a fresh lease), so a lost lease or an etcd restart heals the same
-//! way. The placement watch resumes from the last revision seen (placement is kept across
-//! sessions); only the first session, a resume whose revision etcd has compacted away, or a
-//! session that finds etcd's history went back (its data wiped or restored from an older
-//! backup, or another cluster: resuming from the old revision would see nothing, forever —
-//! [`nereid_common::fleet::history_reset`]) reads the prefix whole, paged and as of one
-//! revision. While etcd is away the worker keeps serving what it has: placement is only acted
-//! on when it is read, never on a failure. Every etcd request requires a leader, so a member
-//! that lost its quorum ends the session (its keep-alive and watch streams are cancelled)
-//! instead of leaving the worker following a history that no longer advances.
+//! The worker's *lease* lives as long as the process, not as long as a session: it is granted
+//! once and kept alive on a task of its own ([`KeptLease`]: every TTL/3, re-opening its
+//! keep-alive stream when that breaks). A new lease is granted only when that task reports the
+//! lease lost — etcd answered that it is gone (expired, revoked), or no keep-alive answer came
+//! for its TTL (clientv3's deadline) — and the lost one is revoked once the registration is
+//! re-put under the new one. So an etcd that refuses writes for a while (a NOSPACE alarm, "too
+//! many requests") while it still renews leases does not make the worker drop a valid lease
+//! and fail to get another: its registration stays, and gateways keep routing to it.
+//!
+//! One *session* = connect → (grant a lease, if none is held) → put `workers/<id>` and every
+//! `status/<id>/…` under the lease → watch this worker's own keys and `placement/<id>/` (after
+//! reading it whole, the first time). Inside a session one loop applies placement events,
+//! republishes statuses that changed, writes again the record or a status deleted behind the
+//! worker's back (an operator's `etcdctl del`, another process with this id), and reacts to
+//! drain/stop; a write that fails there is retried with back-off without ending the session
+//! (the writes that open a session must all succeed: a failure there ends it, the lease kept).
+//! A watch that fails, or a lost lease, ends the session; the next one starts after a bounded, jittered
+//! back-off (started over only after a session that stayed up [`Backoff::STABLE`]) and
+//! re-registers under the lease it holds, so an etcd restart or a leader change heals without
+//! the registration ever leaving etcd. The placement watch resumes from the last revision seen
+//! (placement is kept across sessions); only the first session, a resume whose revision etcd
+//! has compacted away, or a session that finds etcd's history went back (its data wiped or
+//! restored from an older backup, or another cluster: resuming from the old revision would see
+//! nothing, forever — [`nereid_common::fleet::history_reset`]) reads the prefix whole, paged
+//! and as of one revision. While etcd is away the worker keeps serving what it has: placement
+//! is only acted on when it is read, never on a failure. Every etcd request requires a leader,
+//! so a member that lost its quorum ends the session (its watch streams are cancelled) instead
+//! of leaving the worker following a history that no longer advances.
 //!
 //! Loads and unloads run in a separate task (the *reconciler*) so a slow model load never
 //! delays a keep-alive; up to `--model-load-thread-count` placed models load at once.
@@ -29,10 +43,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nereid_common::fleet::etcd_client::{
-    Client, Compare, CompareOp, DeleteOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions, WatchStream,
+    Client, Compare, CompareOp, DeleteOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchFilterType,
+    WatchOptions, WatchStream,
 };
 use nereid_common::fleet::records::{self, ModelState, PlacementRecord, StatusRecord, WorkerRecord, WorkerState};
-use nereid_common::fleet::{self as fleet, Backoff, CALL_TIMEOUT, ClusterMark, Key, Keys, bounded, history_reset};
+use nereid_common::fleet::{
+    self as fleet, Backoff, CALL_TIMEOUT, ClusterMark, KeptLease, Key, Keys, bounded, history_reset,
+};
 use tokio::sync::watch;
 
 use crate::metrics::FleetCounters;
@@ -151,15 +168,25 @@ async fn agent(
         options.unload_grace,
     ));
     let mut backoff = Backoff::new();
-    // Leases of earlier sessions not yet revoked (a session can fail between its grant and
-    // revoking its predecessor's), with when their session ended: one unrefreshed for a TTL
-    // has expired by itself and is forgotten.
+    // The lease this process is registered under, kept alive from its grant until it is lost
+    // (or revoked at exit), whatever happens to the sessions in between.
+    let mut lease: Option<KeptLease> = None;
+    // Leases this process held before, possibly still alive in etcd (one presumed lost when no
+    // keep-alive answer came for its TTL may live on, still holding a drain record), with when
+    // they were given up: one unrefreshed for a TTL has expired by itself and is forgotten.
     let mut previous: Vec<(i64, std::time::Instant)> = Vec::new();
     let mut view = PlacementView::default();
     loop {
         counters.sessions.fetch_add(1, Ordering::Relaxed);
+        if let Some(why) = lease.as_ref().and_then(KeptLease::lost)
+            && let Some(lost) = lease.take()
+        {
+            tracing::warn!(worker = %options.record.id, lease = lost.id(), "lease lost ({why}): registering under a new one");
+            previous.push((lost.id(), std::time::Instant::now()));
+        }
         previous.retain(|(_, ended)| ended.elapsed() < options.lease_ttl);
         let mut previous_leases: Vec<i64> = previous.iter().map(|(lease, _)| *lease).collect();
+        let started = std::time::Instant::now();
         let mut session = Session {
             options: &options,
             repository: &repository,
@@ -168,30 +195,33 @@ async fn agent(
             loading: &loading,
             desired: &desired_tx,
             drained: &drained,
-            backoff: &mut backoff,
             counters: &counters,
-            lease: None,
+            lease: &mut lease,
             published: HashMap::new(),
+            record: None,
             view: &mut view,
         };
         let result = session.run(&mut phase, &mut previous_leases).await;
         counters.connected.store(0, Ordering::Relaxed);
-        // Those the session revoked are gone; its own lease is the next one's to carry from
-        // and revoke.
+        // Those the session revoked are gone.
         previous.retain(|(lease, _)| previous_leases.contains(lease));
-        if let Some(lease) = session.lease
-            && !previous.iter().any(|(l, _)| *l == lease)
-        {
-            previous.push((lease, std::time::Instant::now()));
-        }
         match result {
             Ok(()) => break,
             Err(e) => {
-                tracing::warn!(worker = %options.record.id, "etcd session ended: {e}; re-registering");
+                if fleet::lease_not_found(&e)
+                    && let Some(gone) = lease.take()
+                {
+                    tracing::warn!(worker = %options.record.id, lease = gone.id(), "etcd no longer holds the lease");
+                }
+                tracing::warn!(worker = %options.record.id, "etcd session ended: {e}; reconnecting");
                 if *phase.borrow() == Phase::Draining {
                     // No etcd to tell: do not hold up the drain.
                     drained.send_replace(true);
                 }
+                // Only a session that stayed up a while starts the back-off over: one that etcd
+                // drops as soon as it is registered (a flapping member) is retried ever more
+                // slowly, not every 100 ms.
+                backoff.reset_if_stable(started.elapsed());
                 let delay = backoff.next_delay();
                 tokio::select! {
                     _ = tokio::time::sleep(delay) => {}
@@ -204,15 +234,17 @@ async fn agent(
         }
     }
     reconciler.abort();
-    // Stopped between sessions (or while revoking its own lease failed): the registration
-    // would outlive this process by up to a TTL, gateways still counting on it. A last,
-    // bounded try. (A revoke of an earlier session's lease that failed inside a session is
-    // not retried: that lease expires by itself within its TTL.)
+    // Stopped between sessions (or while revoking its lease failed): the registration would
+    // outlive this process by up to a TTL, gateways still counting on it. A last, bounded try.
+    // (A revoke of an earlier lease that failed inside a session is not retried: that lease
+    // expires by itself within its TTL.)
     previous.retain(|(_, ended)| ended.elapsed() < options.lease_ttl);
-    if !previous.is_empty()
+    let mut leftover: Vec<i64> = previous.iter().map(|(lease, _)| *lease).collect();
+    leftover.extend(lease.as_ref().map(KeptLease::id));
+    if !leftover.is_empty()
         && let Ok(mut client) = bounded("connect", nereid_common::fleet::connect(&options.endpoints)).await
     {
-        for (lease, _) in previous {
+        for lease in leftover {
             let _ = tokio::time::timeout(CALL_TIMEOUT, client.lease_revoke(lease)).await;
         }
     }
@@ -235,17 +267,25 @@ struct Session<'a> {
     loading: &'a Loading,
     desired: &'a watch::Sender<Option<Placement>>,
     drained: &'a watch::Sender<bool>,
-    backoff: &'a mut Backoff,
     counters: &'a FleetCounters,
-    lease: Option<i64>,
-    /// Statuses as last written in this session.
-    published: HashMap<(String, i64), StatusRecord>,
+    /// The process's lease: granted by this session when there is none (the first session, or
+    /// the last lease was lost), kept from the last session otherwise.
+    lease: &'a mut Option<KeptLease>,
+    /// Statuses as last written in this session, each with the revision of its write.
+    published: HashMap<(String, i64), (StatusRecord, i64)>,
+    /// The phase the worker record was last written with in this session, and the revision
+    /// of that write; `None` when it is to be written (again).
+    record: Option<(Phase, i64)>,
     view: &'a mut PlacementView,
 }
 
 type SessionResult = Result<(), String>;
 
 impl Session<'_> {
+    fn lease_id(&self) -> i64 {
+        self.lease.as_ref().map_or(0, KeptLease::id)
+    }
+
     /// Runs one session; `Ok` only when stopped.
     async fn run(&mut self, phase: &mut watch::Receiver<Phase>, previous_leases: &mut Vec<i64>) -> SessionResult {
         let id = self.options.record.id.clone();
@@ -253,14 +293,21 @@ impl Session<'_> {
         // Before this session writes anything: its own writes would move a wiped etcd's
         // revision toward the old one.
         self.check_history(&mut client).await?;
-        let ttl = self.options.lease_ttl.as_secs().max(1) as i64;
-        let lease = bounded("lease grant", client.lease_grant(ttl, None)).await?.id();
-        self.lease = Some(lease);
-        let (keeper, keepalives) = bounded("keep-alive", client.lease_keep_alive(lease)).await?;
-        // On a task of its own: a burst of status writes to a slow etcd, or the reads below,
-        // cannot make the lease miss a keep-alive.
-        let mut keepalive = fleet::spawn_keepalive(keeper, keepalives, self.options.lease_ttl / 3);
-        self.put_record(&mut client, *phase.borrow()).await?;
+        let granted = self.lease.is_none();
+        if granted {
+            // Kept alive on a task of its own: a burst of status writes to a slow etcd, or the
+            // reads below, cannot make the lease miss a keep-alive; nor does the end of this
+            // session end the lease.
+            *self.lease = Some(KeptLease::grant(&client, self.options.lease_ttl).await?);
+            self.counters.leases.fetch_add(1, Ordering::Relaxed);
+        }
+        let lease = self.lease_id();
+        let lost = self.lease.as_ref().map(KeptLease::until_lost).ok_or("no lease")?;
+        tokio::pin!(lost);
+        // Registered afresh under the lease, new or kept: whatever happened to the keys while
+        // this process was cut off (deleted, or written by another process with this id), they
+        // are this process's again.
+        let registered_at = self.put_record(&mut client, *phase.borrow()).await?;
         self.publish_statuses(&mut client).await?;
         self.clear_stale_statuses(&mut client).await?;
         if !previous_leases.is_empty() {
@@ -272,19 +319,24 @@ impl Session<'_> {
                 let _ = tokio::time::timeout(CALL_TIMEOUT, client.lease_revoke(old)).await;
             }
         }
-
+        // From the registration on: a deletion of this worker's keys since is replayed.
+        let mut own = self.watch_own_keys(&client, registered_at + 1).await?;
         let mut watch = self.watch_placement(&mut client, *phase.borrow()).await?;
-        tracing::info!(worker = %id, lease, models = self.view.placement.len(), "registered in etcd");
+        tracing::info!(worker = %id, lease, granted, models = self.view.placement.len(), "registered in etcd");
         self.counters.connected.store(1, Ordering::Relaxed);
-        self.backoff.reset();
         if *phase.borrow() == Phase::Draining {
             self.drained.send_replace(true);
         }
 
         let mut status_tick = tokio::time::interval(STATUS_INTERVAL);
+        // A failed write (a status, the record) does not end the session: it is retried, with
+        // back-off, while the session's watches and the lease carry on.
+        let mut retry = Backoff::new();
+        let mut retry_at: Option<tokio::time::Instant> = None;
         loop {
+            let mut write_now = false;
             tokio::select! {
-                lost = &mut keepalive => return Err(lost),
+                why = &mut lost => return Err(format!("the lease was lost: {why}")),
                 msg = watch.message() => {
                     let resp = msg.map_err(|e| format!("placement watch: {e}"))?.ok_or("the placement watch closed")?;
                     self.view.seen.observe(resp.header());
@@ -313,32 +365,116 @@ impl Session<'_> {
                         self.desired.send_replace(Some(self.view.placement.clone()));
                     }
                 }
-                _ = status_tick.tick() => self.publish_statuses(&mut client).await?,
+                msg = own.message() => {
+                    let resp = msg.map_err(|e| format!("watch of this worker's keys: {e}"))?
+                        .ok_or("the watch of this worker's keys closed")?;
+                    if resp.canceled() || resp.compact_revision() > 0 {
+                        // The next session writes everything again, under the same lease.
+                        return Err(format!("the watch of this worker's keys was cancelled: {}", resp.cancel_reason()));
+                    }
+                    write_now = self.own_keys_deleted(resp.events());
+                }
+                _ = status_tick.tick() => write_now = true,
                 changed = phase.changed() => {
                     let now = if changed.is_ok() { *phase.borrow_and_update() } else { Phase::Stopped };
                     match now {
                         Phase::Serving => {}
                         Phase::Draining => {
-                            self.put_record(&mut client, now).await?;
-                            self.drained.send_replace(true);
-                            tracing::info!(worker = %id, "marked draining in etcd");
+                            // Written at once, ahead of any back-off: the drain waits on it.
+                            retry_at = None;
+                            write_now = true;
                         }
                         Phase::Stopped => {
                             bounded("lease revoke", client.lease_revoke(lease)).await?;
-                            self.lease = None;
+                            *self.lease = None;
                             tracing::info!(worker = %id, "lease revoked: deregistered from etcd");
                             return Ok(());
                         }
                     }
                 }
             }
+            if !write_now || retry_at.is_some_and(|at| tokio::time::Instant::now() < at) {
+                continue;
+            }
+            match self.write(&mut client, *phase.borrow()).await {
+                Ok(()) => {
+                    retry.reset();
+                    retry_at = None;
+                }
+                // Every write under it would fail alike: the next session registers anew.
+                Err(e) if fleet::lease_not_found(&e) => return Err(e),
+                Err(e) => {
+                    let delay = retry.next_delay();
+                    tracing::warn!(worker = %id, "{e}; retrying in {delay:?}");
+                    retry_at = Some(tokio::time::Instant::now() + delay);
+                    if *phase.borrow() == Phase::Draining {
+                        // etcd will not take it now: do not hold up the drain.
+                        self.drained.send_replace(true);
+                    }
+                }
+            }
         }
     }
 
-    /// Moves a drain bound to an earlier session's lease (`nereidctl drain --until-exit`,
+    /// Writes what is due: the worker record when it is not in etcd as this session last
+    /// wrote it (deleted behind this worker's back, or the phase changed), then the statuses
+    /// that changed or were deleted.
+    async fn write(&mut self, client: &mut Client, phase: Phase) -> SessionResult {
+        if self.record.is_none_or(|(written, _)| written != phase) {
+            self.put_record(client, phase).await?;
+            if phase == Phase::Draining {
+                self.drained.send_replace(true);
+                tracing::info!(worker = %self.options.record.id, "marked draining in etcd");
+            }
+        }
+        self.publish_statuses(client).await
+    }
+
+    /// Notes which of this worker's keys were deleted behind its back (an operator's `etcdctl
+    /// del`, another process with this id revoking its lease, a restore): they are written
+    /// again. A deletion older than this session's own last write of the key is not news.
+    /// Whether any is to be written again (at once).
+    fn own_keys_deleted(&mut self, events: &[nereid_common::fleet::etcd_client::Event]) -> bool {
+        let mut rewrite = false;
+        for event in events.iter().filter(|e| e.event_type() == EventType::Delete) {
+            let Some(kv) = event.kv() else { continue };
+            match self.options.keys.parse(kv.key()) {
+                Some(Key::Worker(_)) if self.record.is_some_and(|(_, at)| at < kv.mod_revision()) => {
+                    tracing::warn!(worker = %self.options.record.id, "the worker record was deleted; registering again");
+                    self.record = None;
+                    rewrite = true;
+                }
+                Some(Key::Status { model, version, .. }) => {
+                    let key = (model, version);
+                    if self.published.get(&key).is_some_and(|(_, at)| *at < kv.mod_revision()) {
+                        tracing::warn!(worker = %self.options.record.id, model = %key.0, version = key.1, "a status was deleted; writing it again");
+                        self.published.remove(&key);
+                        rewrite = true;
+                    }
+                }
+                _ => {}
+            }
+        }
+        rewrite
+    }
+
+    /// Watches, from revision `from`, for deletions of this worker's record and statuses.
+    async fn watch_own_keys(&self, client: &Client, from: i64) -> Result<WatchStream, String> {
+        let keys = &self.options.keys;
+        let id = &self.options.record.id;
+        let deletions = || WatchOptions::new().with_start_revision(from).with_filters([WatchFilterType::NoPut]);
+        let mut watch =
+            bounded("watch this worker's record", fleet::watch(client, keys.worker(id), deletions())).await?;
+        let statuses = format!("{}{}/", keys.statuses(), id);
+        bounded("watch this worker's statuses", watch.watch(statuses, Some(deletions().with_prefix()))).await?;
+        Ok(watch)
+    }
+
+    /// Moves a drain bound to an earlier lease of this process (`nereidctl drain --until-exit`,
     /// meant to last until this worker exits) onto the new one before the old lease goes:
-    /// otherwise a session restart (a lost keep-alive, an etcd leader change) would undrain a
-    /// worker that is still on its way out. Written only if the key is unchanged since read.
+    /// otherwise a lease presumed lost (no keep-alive answer for a TTL) but still alive in etcd
+    /// would undrain, once revoked, a worker that is still on its way out. Written only if the
+    /// key is unchanged since read.
     async fn carry_drain(&self, client: &mut Client, old: &[i64], new: i64) -> SessionResult {
         let key = self.options.keys.drain(&self.options.record.id);
         let resp = bounded("read the drain record", client.get(key.as_str(), None)).await?;
@@ -429,27 +565,29 @@ impl Session<'_> {
         .await
     }
 
-    async fn put_record(&self, client: &mut Client, phase: Phase) -> SessionResult {
+    /// Writes the worker record, as of `phase`, under the lease; the revision of the write.
+    async fn put_record(&mut self, client: &mut Client, phase: Phase) -> Result<i64, String> {
         let mut record = self.options.record.clone();
         record.state = if phase == Phase::Serving { WorkerState::Ready } else { WorkerState::Draining };
         let value = records::encode(&record).map_err(|e| format!("worker record: {e}"))?;
         let key = self.options.keys.worker(&record.id);
-        bounded(
-            "put worker record",
-            client.put(key, value, Some(PutOptions::new().with_lease(self.lease.unwrap_or(0)))),
-        )
-        .await?;
-        Ok(())
+        let put = client.put(key, value, Some(PutOptions::new().with_lease(self.lease_id())));
+        let revision = bounded("put worker record", put).await?.header().map_or(0, |h| h.revision());
+        self.record = Some((phase, revision));
+        Ok(revision)
     }
 
-    /// Updates the local placement from one key (`None`: deleted). Invalid values are logged
-    /// and skipped — the assignment is the key; the value only names the writer.
+    /// Updates the local placement from one key (`None`: deleted). Invalid values are logged,
+    /// counted (`nereid_worker_etcd_invalid_values_total{kind="placement"}`) and otherwise
+    /// ignored — the assignment is the key; the value only names the writer. A malformed key is
+    /// logged, counted and skipped.
     fn apply_placement(&mut self, key: &[u8], value: Option<&[u8]>) {
         let (worker, model, version) = match self.options.keys.classify(key) {
             Some(Ok(Key::Placement { worker, model, version })) => (worker, model, version),
             // Never an alias of a real assignment: `placement/<id>/m/01` is not version 1.
             Some(Err(invalid)) => {
                 tracing::warn!(key = %String::from_utf8_lossy(key), "ignoring a malformed placement key: {}", invalid.reason);
+                self.counters.invalid_placements.fetch_add(1, Ordering::Relaxed);
                 return;
             }
             _ => {
@@ -464,6 +602,7 @@ impl Session<'_> {
             Some(v) => {
                 if let Err(e) = records::decode::<PlacementRecord>(v) {
                     tracing::warn!(%model, version, "placement value rejected ({e}); assignment kept by key");
+                    self.counters.invalid_placements.fetch_add(1, Ordering::Relaxed);
                 }
                 self.view.placement.entry(model).or_default().insert(version);
             }
@@ -508,9 +647,9 @@ impl Session<'_> {
             model_statuses(&self.repository.held_index(), &self.view.placement, &failures, &retiring, &loading);
         let keys = &self.options.keys;
         let id = &self.options.record.id;
-        let lease = self.lease.unwrap_or(0);
+        let lease = self.lease_id();
         for ((model, version), status) in &current {
-            if self.published.get(&(model.clone(), *version)) != Some(status) {
+            if self.published.get(&(model.clone(), *version)).map(|(written, _)| written) != Some(status) {
                 // One record that cannot be written must not stop every other status (nor,
                 // failing the session each time, the agent itself).
                 let value = match records::encode(status) {
@@ -520,12 +659,10 @@ impl Session<'_> {
                         continue;
                     }
                 };
-                bounded(
-                    "put status",
-                    client.put(keys.status(id, model, *version), value, Some(PutOptions::new().with_lease(lease))),
-                )
-                .await?;
-                self.published.insert((model.clone(), *version), status.clone());
+                let put =
+                    client.put(keys.status(id, model, *version), value, Some(PutOptions::new().with_lease(lease)));
+                let revision = bounded("put status", put).await?.header().map_or(0, |h| h.revision());
+                self.published.insert((model.clone(), *version), (status.clone(), revision));
             }
         }
         let gone: Vec<(String, i64)> = self.published.keys().filter(|k| !current.contains_key(*k)).cloned().collect();

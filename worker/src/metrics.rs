@@ -260,14 +260,19 @@ impl VersionStats {
     }
 }
 
-/// What the etcd agent ([`crate::fleet`]) did, for operators: sessions (registrations),
-/// full reads of this worker's placement versus watches resumed from the last seen revision,
-/// and whether a session is up now.
+/// What the etcd agent ([`crate::fleet`]) did, for operators: sessions (registrations) and the
+/// leases granted for them (a session reconnects under the lease it holds; only a lost lease
+/// needs a new one), full reads of this worker's placement versus watches resumed from the
+/// last seen revision, placement values rejected as invalid, and whether a session is up now.
 #[derive(Debug, Default)]
 pub struct FleetCounters {
     pub sessions: AtomicU64,
+    pub leases: AtomicU64,
     pub placement_reads: AtomicU64,
     pub watch_resumes: AtomicU64,
+    /// Placement keys or values read that were invalid (a malformed key, a value that is not
+    /// JSON or of an unknown schema version).
+    pub invalid_placements: AtomicU64,
     pub connected: AtomicI64,
 }
 
@@ -277,8 +282,14 @@ impl FleetCounters {
             (
                 "nereid_worker_etcd_sessions_total",
                 "counter",
-                "etcd sessions started (registrations under a fresh lease)",
+                "etcd sessions started (each registers again, under the lease it holds)",
                 self.sessions.load(Relaxed) as i64,
+            ),
+            (
+                "nereid_worker_etcd_leases_granted_total",
+                "counter",
+                "Leases granted to register under (the first, then one for each lease lost)",
+                self.leases.load(Relaxed) as i64,
             ),
             (
                 "nereid_worker_etcd_placement_reads_total",
@@ -301,6 +312,14 @@ impl FleetCounters {
         ] {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
         }
+        // Named and labelled as the gateway's counter of the same rejections.
+        let name = "nereid_worker_etcd_invalid_values_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Values read from etcd that were rejected (placement: the assignment is kept by its key)\n\
+             # TYPE {name} counter\n{name}{{kind=\"placement\"}} {}",
+            self.invalid_placements.load(Relaxed)
+        );
     }
 }
 
@@ -523,6 +542,18 @@ mod tests {
         assert!(text.contains("nv_inference_request_duration_us{model=\"mlp\",version=\"1\"} 200"), "{text}");
         assert_eq!(snap.success.ns / 1000, 200, "the statistics' success duration is the metric's");
         assert!(text.contains("nereid_inference_batch_size_bucket{model=\"mlp\",version=\"1\",le=\"4\"} 1"));
+    }
+
+    #[test]
+    fn fleet_counters_render_with_the_gateway_s_name_for_invalid_values() {
+        let m = Metrics::new();
+        let fleet = m.fleet();
+        fleet.invalid_placements.fetch_add(2, Relaxed);
+        fleet.leases.fetch_add(1, Relaxed);
+        let text = m.render();
+        assert!(text.contains("# TYPE nereid_worker_etcd_invalid_values_total counter\n"), "{text}");
+        assert!(text.contains("\nnereid_worker_etcd_invalid_values_total{kind=\"placement\"} 2\n"), "{text}");
+        assert!(text.contains("\nnereid_worker_etcd_leases_granted_total 1\n"), "{text}");
     }
 
     /// A cache hit is a success of no inference (Triton leaves cache hits out of the count).

@@ -52,10 +52,12 @@ pub const DEFAULT_PREFIX: &str = "/nereid/v1";
 /// a few election timeouts after losing its leader, so each stream's owner notices:
 /// - watches (gateway membership, the worker's placement agent) end, are reported down, and
 ///   are re-opened with back-off, resuming once a member with a leader answers;
-/// - lease keep-alive streams end too: a worker starts a new session (it re-registers under a
-///   new lease when the quorum is back; a leaderless cluster could not renew the old lease
-///   anyway), and a placement leader steps down instead of planning on a stale view — its
-///   election key, on a lease nobody renews, then expires for the majority side to elect anew;
+/// - lease keep-alive streams end too: a worker's [`KeptLease`] opens another stream for the same
+///   lease, with back-off, and gives the lease up only once etcd says it is gone or its
+///   [`LeaseDeadline`] passes (a leaderless cluster cannot renew it; the worker then registers
+///   under a new lease when the quorum is back), and a placement leader steps down instead of
+///   planning on a stale view — its election key, on a lease nobody renews, then expires for
+///   the majority side to elect anew;
 /// - campaigns and reads fail fast instead of hanging until their time-outs.
 pub fn connect_options() -> etcd_client::ConnectOptions {
     etcd_client::ConnectOptions::new()
@@ -112,6 +114,94 @@ pub fn check_keepalive(
     }
 }
 
+/// Until when a kept lease lives as far as its holder can tell, the way etcd's own client
+/// (clientv3) reckons it: each keep-alive answer moves the deadline to the answer's arrival plus
+/// the TTL the answer granted. Once the deadline passes with no answer, the lease is presumed
+/// lost — etcd expires it on its side all the same — whether or not the stream carrying the
+/// keep-alives is still open: an etcd that stopped answering (a stalled process, a frozen VM,
+/// a partition that keeps the connection up) would otherwise be noticed only when HTTP/2
+/// keep-alives end the connection, long after the lease and everything under it is gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseDeadline(tokio::time::Instant);
+
+impl LeaseDeadline {
+    /// The deadline of a lease granted (or last renewed) for `ttl` at `since`.
+    pub fn new(since: tokio::time::Instant, ttl: Duration) -> LeaseDeadline {
+        LeaseDeadline(since + ttl)
+    }
+
+    /// Notes a keep-alive answer that arrived `at` granting `ttl_secs` more seconds; `Err` (the
+    /// deadline unchanged) when it says the lease is gone (a TTL of 0 or less: expired,
+    /// revoked, or never granted on this cluster).
+    pub fn renew(&mut self, at: tokio::time::Instant, ttl_secs: i64) -> Result<(), String> {
+        if ttl_secs <= 0 {
+            return Err("the lease expired".into());
+        }
+        self.0 = at + Duration::from_secs(ttl_secs as u64);
+        Ok(())
+    }
+
+    /// When the lease is presumed lost unless an answer renews it first.
+    pub fn at(&self) -> tokio::time::Instant {
+        self.0
+    }
+
+    fn passed(&self) -> String {
+        "no keep-alive answer renewed the lease before its TTL ran out".into()
+    }
+}
+
+/// Why keeping a lease alive over one keep-alive stream stopped.
+#[derive(Debug, PartialEq, Eq)]
+enum StreamEnd {
+    /// The lease is gone: etcd said so, or its [`LeaseDeadline`] passed with no answer.
+    Lost(String),
+    /// The stream failed or closed (an etcd restart, a leader change, a member that lost its
+    /// quorum): the lease itself may well live on, and another stream can keep it.
+    Broken(String),
+}
+
+/// Keeps a lease alive over one stream, sending a keep-alive every `interval` and moving
+/// `deadline` with every answer, until the lease is lost or the stream breaks.
+async fn keep_over(
+    keeper: &mut etcd_client::LeaseKeeper,
+    responses: &mut etcd_client::LeaseKeepAliveStream,
+    interval: Duration,
+    deadline: &mut LeaseDeadline,
+) -> StreamEnd {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            _ = tokio::time::sleep_until(deadline.at()) => return StreamEnd::Lost(deadline.passed()),
+            msg = responses.message() => match msg {
+                Ok(Some(r)) => {
+                    if let Err(e) = deadline.renew(tokio::time::Instant::now(), r.ttl()) {
+                        return StreamEnd::Lost(e);
+                    }
+                }
+                Ok(None) => return StreamEnd::Broken("the keep-alive stream closed".into()),
+                Err(e) => return StreamEnd::Broken(format!("keep-alive: {e}")),
+            },
+            _ = tick.tick() => {
+                // Bounded by the deadline too: a send that cannot go out (the stream's buffer
+                // full behind a stalled connection) must not hold the deadline off.
+                let send = tokio::time::timeout(CALL_TIMEOUT, keeper.keep_alive());
+                tokio::select! {
+                    biased;
+                    _ = tokio::time::sleep_until(deadline.at()) => return StreamEnd::Lost(deadline.passed()),
+                    sent = send => match sent {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => return StreamEnd::Broken(format!("keep-alive: {e}")),
+                        Err(_) => return StreamEnd::Broken(format!("keep-alive: not sent within {CALL_TIMEOUT:?}")),
+                    },
+                }
+            }
+        }
+    }
+}
+
 /// A lease kept alive on a task of its own ([`spawn_keepalive`]): resolves, with why, only when
 /// the lease is lost; dropping it stops the keep-alives.
 pub struct KeepAliveTask(tokio::task::JoinHandle<String>);
@@ -126,6 +216,13 @@ impl std::future::Future for KeepAliveTask {
     }
 }
 
+impl KeepAliveTask {
+    /// Whether the task has ended (the lease lost, or the stream broken) without awaiting it.
+    pub fn is_finished(&self) -> bool {
+        self.0.is_finished()
+    }
+}
+
 impl Drop for KeepAliveTask {
     fn drop(&mut self) {
         self.0.abort();
@@ -134,30 +231,133 @@ impl Drop for KeepAliveTask {
 
 /// Keeps a lease alive every `interval` on a task of its own, so that nothing its holder
 /// awaits meanwhile (a paged read of a large fleet, a burst of writes to a slow etcd) can make
-/// it miss a keep-alive. The task ends only when the lease is lost, with why, or when the
-/// returned handle is dropped.
+/// it miss a keep-alive. The task ends, with why, when the lease is lost — etcd answers that it
+/// expired, or no answer renewed it within its TTL (a [`LeaseDeadline`]: the TTL each answer
+/// grants; until the first answer, `3 × interval`, the TTL/3 cadence every holder keeps) — or
+/// when the stream breaks (this task does not open another: for a holder that must give up what
+/// the lease stands for at once, such as a placement leader; see [`KeptLease`] for one that
+/// keeps its lease across broken streams); or when the returned handle is dropped.
 pub fn spawn_keepalive(
     mut keeper: etcd_client::LeaseKeeper,
     mut responses: etcd_client::LeaseKeepAliveStream,
     interval: Duration,
 ) -> KeepAliveTask {
     KeepAliveTask(tokio::spawn(async move {
-        let mut tick = tokio::time::interval(interval);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {
-                    if let Err(e) = bounded("keep-alive", keeper.keep_alive()).await {
-                        return e;
-                    }
-                }
-                msg = responses.message() => {
-                    if let Err(e) = check_keepalive(msg) {
-                        return e;
-                    }
+        let mut deadline = LeaseDeadline::new(tokio::time::Instant::now(), interval * 3);
+        match keep_over(&mut keeper, &mut responses, interval, &mut deadline).await {
+            StreamEnd::Lost(why) | StreamEnd::Broken(why) => why,
+        }
+    }))
+}
+
+/// A lease whose lifetime is its holder's, not one connection's or one stream's: a task of its
+/// own keeps it alive every TTL/3, and when its keep-alive stream breaks (an etcd restart, a
+/// leader change, a member without quorum) opens another, with back-off, for the same lease.
+/// The lease is reported lost ([`KeptLease::lost`], [`KeptLease::until_lost`]) only when etcd
+/// answers that it is gone (expired, revoked) or when its [`LeaseDeadline`] passes with no
+/// answer — then, and only then, does its holder need a new one. Dropping it stops the
+/// keep-alives (the lease then expires within its TTL, unless revoked first).
+pub struct KeptLease {
+    id: i64,
+    lost: tokio::sync::watch::Receiver<Option<String>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl KeptLease {
+    /// Grants a lease of `ttl` (whole seconds, at least 1) and keeps it from then on.
+    pub async fn grant(client: &etcd_client::Client, ttl: Duration) -> Result<KeptLease, String> {
+        let mut grant_client = client.clone();
+        // Its TTL runs from when etcd granted it: at the latest, now.
+        let since = tokio::time::Instant::now();
+        let granted = bounded("lease grant", grant_client.lease_grant(ttl.as_secs().max(1) as i64, None)).await?;
+        Ok(KeptLease::keep(client.clone(), granted.id(), Duration::from_secs(granted.ttl().max(1) as u64), since))
+    }
+
+    /// Keeps lease `id`, of `ttl`, granted or last renewed at `since`.
+    pub fn keep(client: etcd_client::Client, id: i64, ttl: Duration, since: tokio::time::Instant) -> KeptLease {
+        let (tx, lost) = tokio::sync::watch::channel(None);
+        let task = tokio::spawn(async move {
+            let why = keep_lease(client, id, ttl, LeaseDeadline::new(since, ttl)).await;
+            tracing::warn!(lease = id, "lease lost: {why}");
+            tx.send_replace(Some(why));
+        });
+        KeptLease { id, lost, task }
+    }
+
+    pub fn id(&self) -> i64 {
+        self.id
+    }
+
+    /// Why the lease was lost, once it was; `None` while it is kept.
+    pub fn lost(&self) -> Option<String> {
+        if let Some(why) = self.lost.borrow().clone() {
+            return Some(why);
+        }
+        self.task.is_finished().then(|| "the keep-alive task ended".to_string())
+    }
+
+    /// Resolves, with why, once the lease is lost (at once if it already is). Owns what it
+    /// needs: awaiting it borrows nothing of this handle.
+    pub fn until_lost(&self) -> impl Future<Output = String> + Send + 'static {
+        let mut lost = self.lost.clone();
+        async move {
+            match lost.wait_for(Option::is_some).await {
+                Ok(why) => why.clone().unwrap_or_default(),
+                Err(_) => "the keep-alive task ended".to_string(),
+            }
+        }
+    }
+}
+
+impl Drop for KeptLease {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// [`KeptLease`]'s task: keeps lease `id` over one stream after another until it is lost; why.
+async fn keep_lease(mut client: etcd_client::Client, id: i64, ttl: Duration, mut deadline: LeaseDeadline) -> String {
+    let interval = ttl / 3;
+    let mut backoff = Backoff::new();
+    loop {
+        let opened = tokio::select! {
+            biased;
+            _ = tokio::time::sleep_until(deadline.at()) => return deadline.passed(),
+            opened = tokio::time::timeout(CALL_TIMEOUT, client.lease_keep_alive(id)) => opened,
+        };
+        let started = tokio::time::Instant::now();
+        let end = match opened {
+            // Opening sent a keep-alive, and etcd answered it with a TTL above 0.
+            Ok(Ok((mut keeper, mut responses))) => match deadline.renew(started, ttl.as_secs().max(1) as i64) {
+                Ok(()) => keep_over(&mut keeper, &mut responses, interval, &mut deadline).await,
+                Err(e) => StreamEnd::Lost(e),
+            },
+            // etcd-client's words for a first answer with a TTL of 0.
+            Ok(Err(etcd_client::Error::LeaseKeepAliveError(e))) if e == "lease not found" => {
+                StreamEnd::Lost("the lease expired".into())
+            }
+            Ok(Err(e)) => StreamEnd::Broken(format!("opening a keep-alive stream: {e}")),
+            Err(_) => StreamEnd::Broken(format!("opening a keep-alive stream: no answer within {CALL_TIMEOUT:?}")),
+        };
+        match end {
+            StreamEnd::Lost(why) => return why,
+            StreamEnd::Broken(why) => {
+                backoff.reset_if_stable(started.elapsed());
+                let delay = backoff.next_delay();
+                tracing::info!(lease = id, "{why}; keeping the lease over a new stream in {delay:?}");
+                tokio::select! {
+                    biased;
+                    _ = tokio::time::sleep_until(deadline.at()) => return deadline.passed(),
+                    _ = tokio::time::sleep(delay) => {}
                 }
             }
         }
-    }))
+    }
+}
+
+/// Whether an etcd write failed because the lease it named is gone (expired or revoked).
+pub fn lease_not_found(error: &str) -> bool {
+    error.contains("requested lease not found")
 }
 
 /// This host's name (for default worker and gateway ids), `fallback` when unknown.
@@ -169,7 +369,10 @@ pub fn hostname(fallback: &str) -> String {
         .unwrap_or_else(|| fallback.to_string())
 }
 
-/// Bounded exponential back-off for reconnect loops: 100 ms doubling to 2 s.
+/// Bounded exponential back-off for reconnect loops, with jitter: the step doubles from 100 ms
+/// to 2 s, and each delay is drawn uniformly between half the step and the step ("equal
+/// jitter"), so that clients cut off together (an etcd restart, a leader change) do not retry
+/// in lockstep.
 #[derive(Debug)]
 pub struct Backoff {
     next: Duration,
@@ -178,20 +381,33 @@ pub struct Backoff {
 impl Backoff {
     pub const MIN: Duration = Duration::from_millis(100);
     pub const MAX: Duration = Duration::from_secs(2);
+    /// How long an attempt must have stayed up for the back-off to start over after it ends
+    /// ([`Backoff::reset_if_stable`]): a flapping etcd, accepting each attempt only to drop it
+    /// at once, is retried ever more slowly, not every 100 ms.
+    pub const STABLE: Duration = Duration::from_secs(10);
 
     pub fn new() -> Self {
         Backoff { next: Self::MIN }
     }
 
-    /// The delay before the next attempt (and doubles the one after).
+    /// The delay before the next attempt (and doubles the step of the one after).
     pub fn next_delay(&mut self) -> Duration {
-        let d = self.next;
+        let step = self.next;
         self.next = (self.next * 2).min(Self::MAX);
-        d
+        let half = step / 2;
+        half + half.mul_f64(random_unit())
     }
 
     pub fn reset(&mut self) {
         self.next = Self::MIN;
+    }
+
+    /// Starts over when the attempt that just ended had been up for at least
+    /// [`Backoff::STABLE`].
+    pub fn reset_if_stable(&mut self, up_for: Duration) {
+        if up_for >= Self::STABLE {
+            self.reset();
+        }
     }
 }
 
@@ -199,6 +415,14 @@ impl Default for Backoff {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// A number drawn uniformly from [0, 1): SipHash under keys std seeds from the OS once per
+/// thread and changes on every call — random enough to spread retries, with no dependency.
+fn random_unit() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let bits = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    (bits >> 11) as f64 / (1u64 << 53) as f64
 }
 
 #[cfg(test)]
@@ -225,11 +449,62 @@ mod tests {
     }
 
     #[test]
-    fn backoff_doubles_to_a_cap() {
+    fn backoff_doubles_to_a_cap_with_jitter() {
         let mut b = Backoff::new();
-        let delays: Vec<u64> = (0..7).map(|_| b.next_delay().as_millis() as u64).collect();
-        assert_eq!(delays, vec![100, 200, 400, 800, 1600, 2000, 2000]);
+        let steps = [100, 200, 400, 800, 1600, 2000, 2000];
+        for step in steps {
+            let d = b.next_delay();
+            let step = Duration::from_millis(step);
+            assert!(d >= step / 2 && d <= step, "{d:?} outside [{:?}, {step:?}]", step / 2);
+        }
+        // Jittered: many delays at the cap are not all one value (clients do not retry in
+        // lockstep).
+        let at_cap: std::collections::BTreeSet<Duration> = (0..50).map(|_| b.next_delay()).collect();
+        assert!(at_cap.len() > 10, "{at_cap:?}");
+        assert!(at_cap.iter().all(|d| *d >= Backoff::MAX / 2 && *d <= Backoff::MAX));
         b.reset();
-        assert_eq!(b.next_delay(), Backoff::MIN);
+        assert!(b.next_delay() <= Backoff::MIN);
+    }
+
+    #[test]
+    fn backoff_starts_over_only_after_a_stable_attempt() {
+        let mut b = Backoff::new();
+        for _ in 0..6 {
+            b.next_delay();
+        }
+        // Up a moment (a flapping etcd): still at the cap.
+        b.reset_if_stable(Duration::from_millis(50));
+        assert!(b.next_delay() >= Backoff::MAX / 2);
+        b.reset_if_stable(Backoff::STABLE);
+        assert!(b.next_delay() <= Backoff::MIN);
+    }
+
+    #[test]
+    fn random_units_are_in_range_and_vary() {
+        let draws: Vec<f64> = (0..1000).map(|_| random_unit()).collect();
+        assert!(draws.iter().all(|u| (0.0..1.0).contains(u)));
+        // Spread over the range, not stuck in one part of it.
+        assert!(draws.iter().any(|u| *u < 0.25) && draws.iter().any(|u| *u > 0.75));
+    }
+
+    #[test]
+    fn a_lease_deadline_moves_with_each_answer_and_an_expired_answer_is_a_loss() {
+        let t0 = tokio::time::Instant::now();
+        let mut deadline = LeaseDeadline::new(t0, Duration::from_secs(6));
+        assert_eq!(deadline.at(), t0 + Duration::from_secs(6));
+        // An answer 2 s later granting 6 s: the lease lives until 8 s.
+        let t2 = t0 + Duration::from_secs(2);
+        deadline.renew(t2, 6).unwrap();
+        assert_eq!(deadline.at(), t0 + Duration::from_secs(8));
+        // etcd answered the lease is gone: lost, the deadline untouched.
+        assert_eq!(deadline.renew(t0 + Duration::from_secs(3), 0).unwrap_err(), "the lease expired");
+        assert!(deadline.renew(t0 + Duration::from_secs(3), -1).is_err());
+        assert_eq!(deadline.at(), t0 + Duration::from_secs(8));
+    }
+
+    #[test]
+    fn a_write_under_a_lease_that_is_gone_is_told_apart() {
+        assert!(lease_not_found("put status: etcdserver: requested lease not found"));
+        assert!(!lease_not_found("put status: etcdserver: mvcc: database space exceeded"));
     }
 }
