@@ -96,6 +96,7 @@ BUILTIN_FLAGS = {
         "port-file": V, "request-timeout-ms": V, "max-concurrent-requests": V,
         "retry-budget-percent": V, "retry-budget-min-per-sec": V,
         "ejection-consecutive-failures": V, "ejection-base-ms": V, "ejection-max-ms": V,
+        "ejection-hung-after-ms": V,
         "discovery-interval-ms": V, "discovery-timeout-ms": V, "max-request-bytes": V,
         "exit-timeout-secs": V, "log-verbose": V,
         "etcd-endpoints": V, "etcd-prefix": V, "gateway-id": V, "placement": (V, BOOL),

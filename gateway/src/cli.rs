@@ -9,10 +9,11 @@ use clap::Parser;
 
 use crate::config::{
     AdmissionConfig, DEFAULT_DISCOVERY_INTERVAL_MS, DEFAULT_DISCOVERY_TIMEOUT_MS, DEFAULT_EJECTION_BASE_MS,
-    DEFAULT_EJECTION_CONSECUTIVE_FAILURES, DEFAULT_EJECTION_MAX_MS, DEFAULT_EXIT_TIMEOUT_SECS,
-    DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_PLACEMENT_LOAD_TIMEOUT_SECS,
-    DEFAULT_REQUEST_TIMEOUT_MS, DEFAULT_RETRY_BUDGET_MIN_PER_SEC, DEFAULT_RETRY_BUDGET_PERCENT, DiscoveryConfig,
-    EtcdConfig, GatewayConfig, ListenConfig, MAX_PLACEMENT_LOAD_TIMEOUT_SECS, OutlierConfig, RetryConfig,
+    DEFAULT_EJECTION_CONSECUTIVE_FAILURES, DEFAULT_EJECTION_HUNG_AFTER_MS, DEFAULT_EJECTION_MAX_MS,
+    DEFAULT_EXIT_TIMEOUT_SECS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_PLACEMENT_LOAD_TIMEOUT_SECS, DEFAULT_REQUEST_TIMEOUT_MS, DEFAULT_RETRY_BUDGET_MIN_PER_SEC,
+    DEFAULT_RETRY_BUDGET_PERCENT, DiscoveryConfig, EtcdConfig, GatewayConfig, ListenConfig,
+    MAX_PLACEMENT_LOAD_TIMEOUT_SECS, OutlierConfig, RetryConfig,
 };
 
 /// nereid-gateway: one KServe v2 (HTTP + gRPC) endpoint in front of a fleet of nereid-workers.
@@ -112,6 +113,12 @@ pub struct Args {
     #[arg(long, default_value_t = DEFAULT_EJECTION_MAX_MS, value_parser = clap::value_parser!(u64).range(1..))]
     pub ejection_max_ms: u64,
 
+    /// A worker that has answered nothing for this long (milliseconds) while 4 × the
+    /// consecutive-failure count of requests in a row ran into their clients' own deadlines is
+    /// hung (a stuck model still answers pings and readiness polls): ejected like a failing one.
+    #[arg(long, default_value_t = DEFAULT_EJECTION_HUNG_AFTER_MS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub ejection_hung_after_ms: u64,
+
     /// How often each worker's repository index is polled, in milliseconds.
     #[arg(long, default_value_t = DEFAULT_DISCOVERY_INTERVAL_MS, value_parser = clap::value_parser!(u64).range(10..))]
     pub discovery_interval_ms: u64,
@@ -181,6 +188,7 @@ impl Args {
                 consecutive_failures: self.ejection_consecutive_failures,
                 base_ejection: Duration::from_millis(self.ejection_base_ms),
                 max_ejection: Duration::from_millis(self.ejection_max_ms),
+                hung_after: Duration::from_millis(self.ejection_hung_after_ms),
             },
             discovery: DiscoveryConfig {
                 interval: Duration::from_millis(self.discovery_interval_ms),

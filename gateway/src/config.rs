@@ -12,6 +12,8 @@ pub const DEFAULT_RETRY_BUDGET_MIN_PER_SEC: u32 = 10;
 pub const DEFAULT_EJECTION_CONSECUTIVE_FAILURES: u32 = 5;
 pub const DEFAULT_EJECTION_BASE_MS: u64 = 1_000;
 pub const DEFAULT_EJECTION_MAX_MS: u64 = 30_000;
+/// How long a worker must have answered nothing before client timeouts alone eject it.
+pub const DEFAULT_EJECTION_HUNG_AFTER_MS: u64 = 10_000;
 pub const DEFAULT_DISCOVERY_INTERVAL_MS: u64 = 1_000;
 pub const DEFAULT_DISCOVERY_TIMEOUT_MS: u64 = 500;
 pub const DEFAULT_MAX_REQUEST_BYTES: u64 = 64 << 20;
@@ -81,6 +83,8 @@ pub struct OutlierConfig {
     pub consecutive_failures: u32,
     pub base_ejection: Duration,
     pub max_ejection: Duration,
+    /// Client timeouts eject a worker only once it has answered nothing for this long.
+    pub hung_after: Duration,
 }
 
 impl Default for OutlierConfig {
@@ -89,6 +93,7 @@ impl Default for OutlierConfig {
             consecutive_failures: DEFAULT_EJECTION_CONSECUTIVE_FAILURES,
             base_ejection: Duration::from_millis(DEFAULT_EJECTION_BASE_MS),
             max_ejection: Duration::from_millis(DEFAULT_EJECTION_MAX_MS),
+            hung_after: Duration::from_millis(DEFAULT_EJECTION_HUNG_AFTER_MS),
         }
     }
 }

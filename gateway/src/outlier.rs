@@ -11,10 +11,11 @@
 //! INVALID_ARGUMENT — shows the worker is up and counts as a success.
 //!
 //! A timeout a client's own, tighter deadline set is no failure by itself (the client may ask
-//! for less than the model takes under load), but a worker that lets
-//! [`CLIENT_TIMEOUT_FACTOR`] × `consecutive_failures` of them pass in a row with no answer in
-//! between is hung (a stuck model still answers PINGs and readiness polls): ejected the same
-//! way. On probation, one such timeout of a request sent since it began ejects it again.
+//! for less than the model takes under load; a stream's deadline times out all its requests at
+//! once), but a worker that has answered nothing for `hung_after` while
+//! [`CLIENT_TIMEOUT_FACTOR`] × `consecutive_failures` requests in a row ran into such deadlines
+//! is hung (a stuck model still answers PINGs and readiness polls): ejected the same way, and
+//! again, on probation, only by the same rule (never by one client timeout).
 //!
 //! The balancer ignores ejections when every worker holding a model is ejected (better to try a
 //! suspect worker than to fail the request outright), as Envoy's panic threshold does.
@@ -45,6 +46,9 @@ pub struct OutlierDetector {
     consecutive_failures: u32,
     /// Client timeouts since the last answer.
     consecutive_client_timeouts: u32,
+    /// When the worker last answered (or, before any answer, when the first request that
+    /// ran into a client's deadline was sent).
+    quiet_since: Option<Instant>,
     /// Ejections in a row without a success in between (drives the backoff).
     ejections_in_a_row: u32,
     /// Set while ejected; kept once the period is over (probation) until the next outcome.
@@ -57,6 +61,7 @@ impl OutlierDetector {
             config,
             consecutive_failures: 0,
             consecutive_client_timeouts: 0,
+            quiet_since: None,
             ejections_in_a_row: 0,
             ejected_until: None,
         }
@@ -84,9 +89,12 @@ impl OutlierDetector {
         match outcome {
             Outcome::Neutral => false,
             Outcome::ClientTimeout => {
+                let quiet_since = *self.quiet_since.get_or_insert(started);
                 self.consecutive_client_timeouts += 1;
                 let limit = self.config.consecutive_failures.saturating_mul(CLIENT_TIMEOUT_FACTOR);
-                if on_probation || self.consecutive_client_timeouts >= limit {
+                if self.consecutive_client_timeouts >= limit
+                    && now.saturating_duration_since(quiet_since) >= self.config.hung_after
+                {
                     self.eject(now);
                     true
                 } else {
@@ -96,6 +104,7 @@ impl OutlierDetector {
             Outcome::Success => {
                 self.consecutive_failures = 0;
                 self.consecutive_client_timeouts = 0;
+                self.quiet_since = Some(now);
                 if on_probation {
                     self.ejected_until = None;
                     self.ejections_in_a_row = 0;
@@ -138,6 +147,7 @@ mod tests {
             consecutive_failures: 3,
             base_ejection: Duration::from_secs(1),
             max_ejection: Duration::from_secs(5),
+            hung_after: Duration::from_secs(10),
         }
     }
 
@@ -221,28 +231,49 @@ mod tests {
         assert!(d.record(Outcome::Failure, t0, t0));
     }
 
-    /// A hung worker (every request runs into the client's own deadline) is ejected after
-    /// CLIENT_TIMEOUT_FACTOR times as many as failures would take; any answer in between resets
-    /// the count, so a worker that is merely slower than some clients ask for stays.
+    /// A hung worker (every request runs into the client's own deadline, nothing answered for
+    /// `hung_after`) is ejected after CLIENT_TIMEOUT_FACTOR times as many as failures would
+    /// take; any answer resets the count and the quiet time, so a worker merely slower than
+    /// some clients ask for — or one a stream's deadline times out many requests on at once —
+    /// stays.
     #[test]
-    fn client_timeouts_in_a_row_eject_a_hung_worker() {
+    fn client_timeouts_eject_only_a_worker_that_answers_nothing_for_a_while() {
         let t0 = Instant::now();
+        let hung = config().hung_after;
         let limit = config().consecutive_failures * CLIENT_TIMEOUT_FACTOR;
         let mut d = OutlierDetector::new(config());
-        for _ in 0..limit - 1 {
-            assert!(!d.record(Outcome::ClientTimeout, t0, t0));
-        }
-        assert!(!d.record(Outcome::Success, t0, t0), "an answer resets the count");
-        for _ in 0..limit - 1 {
-            assert!(!d.record(Outcome::ClientTimeout, t0, t0));
-        }
-        assert!(!d.is_ejected(t0));
-        assert!(d.record(Outcome::ClientTimeout, t0, t0));
-        assert!(d.is_ejected(t0));
-        // On probation: a straggler's timeout changes nothing, one sent since ejects again.
+        // Many at once (a stream's deadline), answered a moment before: not hung.
+        assert!(!d.record(Outcome::Success, t0, t0));
         let t1 = t0 + Duration::from_secs(1);
-        assert!(!d.record(Outcome::ClientTimeout, t0, t1));
-        assert!(d.record(Outcome::ClientTimeout, t1, t1 + Duration::from_millis(10)));
+        for _ in 0..limit * 10 {
+            assert!(!d.record(Outcome::ClientTimeout, t0, t1));
+        }
+        // An answer resets everything.
+        let t2 = t1 + hung;
+        assert!(!d.record(Outcome::Success, t2, t2));
+        for i in 0..limit - 1 {
+            let at = t2 + hung + Duration::from_millis(i.into());
+            assert!(!d.record(Outcome::ClientTimeout, at, at));
+        }
+        assert!(!d.is_ejected(t2 + hung * 2));
+        // Quiet for `hung_after` and enough in a row: ejected.
+        let t3 = t2 + hung * 2;
+        assert!(d.record(Outcome::ClientTimeout, t3, t3));
+        assert!(d.is_ejected(t3));
+        // On probation, one client timeout is not enough; the rule is the same as before.
+        let t4 = t3 + Duration::from_secs(1);
+        assert!(!d.is_ejected(t4));
+        assert!(!d.record(Outcome::ClientTimeout, t4, t4));
+        for _ in 0..limit - 2 {
+            assert!(!d.record(Outcome::ClientTimeout, t4, t4));
+        }
+        assert!(d.record(Outcome::ClientTimeout, t4, t4), "still quiet since before the ejection");
+        // Never answered at all: quiet since the first request that timed out.
+        let mut fresh = OutlierDetector::new(config());
+        for _ in 0..limit {
+            assert!(!fresh.record(Outcome::ClientTimeout, t0, t0 + Duration::from_millis(1)));
+        }
+        assert!(fresh.record(Outcome::ClientTimeout, t0 + hung, t0 + hung));
     }
 
     proptest! {
@@ -274,7 +305,7 @@ mod tests {
                     prop_assert!(
                         run >= cfg.consecutive_failures
                             || timeouts >= cfg.consecutive_failures * CLIENT_TIMEOUT_FACTOR
-                            || on_probation
+                            || (on_probation && outcome == Outcome::Failure)
                     );
                     (run, timeouts) = (0, 0);
                     let until = d.ejected_until.unwrap();

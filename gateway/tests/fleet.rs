@@ -370,14 +370,24 @@ async fn timeouts_eject_a_worker_only_when_the_gateways_own_limit_set_the_deadli
 
 /// A hung worker (a stuck model still answers PINGs and readiness polls) whose every request
 /// runs into its client's own deadline is ejected once that happened 4 × the failure threshold
-/// in a row with no answer in between.
+/// in a row with no answer for --ejection-hung-after-ms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_every_client_deadline_runs_out_on_is_ejected() {
     let repo = common::identity_repo(&[("identity_fp32", STALLED_IDENTITY)]);
     let stalled = start_worker(repo.path(), &[]).await;
     let gateway = start_gateway(
         &[&stalled],
-        &["--ejection-consecutive-failures", "2", "--ejection-base-ms", "60000", "--ejection-max-ms", "60000"],
+        &[
+            "--ejection-consecutive-failures",
+            "2",
+            "--ejection-base-ms",
+            "60000",
+            "--ejection-max-ms",
+            "60000",
+            // Less than the 8 timeouts below take (100 ms each, one after the other).
+            "--ejection-hung-after-ms",
+            "500",
+        ],
     )
     .await;
     let mut client = gateway.client().await;
