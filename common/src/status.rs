@@ -122,11 +122,18 @@ pub fn is_queue_refusal(code: Code, message: &str) -> bool {
     }
 }
 
-/// Longest status message, in bytes. Messages quote what clients sent (a tensor's name, a
-/// model name); a megabytes-long name would otherwise come back in a gRPC trailer larger than
-/// HTTP/2 peers accept (tonic percent-encodes it, tripling non-ASCII bytes), failing the call
-/// or, past h2's limits, the whole connection a gateway multiplexes other clients' calls on.
+/// Longest status message, in bytes as a gRPC trailer carries it (`grpc-message` is
+/// percent-encoded: every byte outside printable ASCII, and `%`, takes three). Messages quote
+/// what clients sent (a tensor's name, a model name); a megabytes-long name would otherwise
+/// come back in a trailer larger than HTTP/2 peers accept, failing the call or, past h2's
+/// limits, the whole connection a gateway multiplexes other clients' calls on — and grpcio
+/// clients (tritonclient) refuse metadata past 8 KiB.
 pub const MAX_STATUS_MESSAGE_BYTES: usize = 4096;
+
+/// What a byte of a message takes in a `grpc-message` trailer.
+fn encoded_len(c: char) -> usize {
+    if c.is_ascii() && (' '..='~').contains(&c) && c != '%' { 1 } else { 3 * c.len_utf8() }
+}
 
 /// An error with a code and a message that names the offending field.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -136,18 +143,24 @@ pub struct Status {
 }
 
 impl Status {
-    /// A message longer than [`MAX_STATUS_MESSAGE_BYTES`] is cut (at a character boundary)
-    /// and says so.
+    /// A message that would take more than [`MAX_STATUS_MESSAGE_BYTES`] in a trailer is cut
+    /// (at a character boundary) and says so; the result fits, so cutting it again changes
+    /// nothing.
     pub fn new(code: Code, message: impl Into<String>) -> Self {
         let mut message = message.into();
-        if message.len() > MAX_STATUS_MESSAGE_BYTES {
-            let mut cut = MAX_STATUS_MESSAGE_BYTES;
-            while !message.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            let total = message.len();
+        if message.chars().map(encoded_len).sum::<usize>() > MAX_STATUS_MESSAGE_BYTES {
+            let suffix = format!("... (message cut: {} bytes)", message.len());
+            let room = MAX_STATUS_MESSAGE_BYTES - suffix.len();
+            let mut used = 0;
+            let cut = message
+                .char_indices()
+                .find(|&(_, c)| {
+                    used += encoded_len(c);
+                    used > room
+                })
+                .map_or(message.len(), |(i, _)| i);
             message.truncate(cut);
-            message.push_str(&format!("... (message cut: {total} bytes)"));
+            message.push_str(&suffix);
         }
         Status { code, message }
     }
@@ -207,11 +220,20 @@ mod tests {
 
     #[test]
     fn long_messages_are_cut_at_a_character_boundary() {
+        let trailer_len = |m: &str| m.chars().map(encoded_len).sum::<usize>();
         let name = "é".repeat(10_000_000);
         let s = Status::invalid(format!("unexpected inference input '{name}'"));
-        assert!(s.message.len() <= MAX_STATUS_MESSAGE_BYTES + 64, "{}", s.message.len());
+        // Within the limit as a trailer carries it (each é: 2 bytes, 6 percent-encoded).
+        assert!(trailer_len(&s.message) <= MAX_STATUS_MESSAGE_BYTES, "{}", trailer_len(&s.message));
         assert!(s.message.starts_with("unexpected inference input 'éé"));
-        assert!(s.message.ends_with("... (message cut: 20000029 bytes)"), "{}", &s.message[4000..]);
+        assert!(s.message.ends_with("... (message cut: 20000029 bytes)"), "{}", &s.message[s.message.len() - 60..]);
+        // Cutting again (a gateway passing a worker's message on) changes nothing.
+        assert_eq!(Status::invalid(s.message.clone()).message, s.message);
+        let ascii = Status::invalid("x".repeat(10_000));
+        assert!(
+            ascii.message.len() <= MAX_STATUS_MESSAGE_BYTES && ascii.message.ends_with("(message cut: 10000 bytes)")
+        );
+        assert_eq!(Status::invalid(ascii.message.clone()).message, ascii.message);
         let short = Status::invalid("x".repeat(MAX_STATUS_MESSAGE_BYTES));
         assert_eq!(short.message.len(), MAX_STATUS_MESSAGE_BYTES);
     }
