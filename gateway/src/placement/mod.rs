@@ -564,18 +564,30 @@ impl LoadWatch {
 /// etcd and the fleet (every worker's lease expired meanwhile, the placements stayed), the new
 /// leader would otherwise find every worker gone for longer than the grace and delete every
 /// placement while the workers, still serving, are re-registering: a fleet-wide cold reload.
-/// (A worker that drained and exited meanwhile keeps its placements for one grace more; its
-/// replacements are placed at once.)
+/// Once per absence: terms that keep ending (a flapping leadership) do not keep a dead worker's
+/// placements for ever. Not for a worker this gateway saw draining itself (exiting): its
+/// placements go at once, as within a term. (One that drained and exited unseen by this gateway
+/// keeps its placements for one grace more; its replacements are placed at once.)
 struct Sightings {
     grace: Duration,
     last_seen: BTreeMap<String, Instant>,
     /// The next read is a term's first.
     term_begins: bool,
+    /// Workers seen draining themselves, until seen serving again.
+    exiting: BTreeSet<String>,
+    /// Workers given a term's grace, until seen registered again.
+    term_granted: BTreeSet<String>,
 }
 
 impl Sightings {
     fn new(grace: Duration) -> Self {
-        Sightings { grace, last_seen: BTreeMap::new(), term_begins: false }
+        Sightings {
+            grace,
+            last_seen: BTreeMap::new(),
+            term_begins: false,
+            exiting: BTreeSet::new(),
+            term_granted: BTreeSet::new(),
+        }
     }
 
     /// A new term of leadership: its first read sees the placed workers afresh.
@@ -587,20 +599,29 @@ impl Sightings {
     /// that were last seen less than the grace ago.
     fn observe(&mut self, state: &FleetState, now: Instant) -> BTreeSet<String> {
         if std::mem::take(&mut self.term_begins) {
-            for (worker, _, _) in &state.placements {
-                if !state.workers.contains_key(worker) {
+            let placed: BTreeSet<&String> = state.placements.iter().map(|(w, _, _)| w).collect();
+            self.term_granted.retain(|w| placed.contains(w));
+            self.exiting.retain(|w| placed.contains(w) || state.workers.contains_key(w));
+            for worker in placed {
+                if !state.workers.contains_key(worker)
+                    && !self.exiting.contains(worker)
+                    && self.term_granted.insert(worker.clone())
+                {
                     self.last_seen.insert(worker.clone(), now);
                 }
             }
         }
         for (id, record) in &state.workers {
+            self.term_granted.remove(id);
             if record.state == WorkerState::Draining {
                 // Exiting: its registration goes when it stops (lease revoked), for good. Its
                 // placements must go then too, not be found by a process restarted under the
                 // same id moments later while replacements load elsewhere.
                 self.last_seen.remove(id);
+                self.exiting.insert(id.clone());
             } else {
                 self.last_seen.insert(id.clone(), now);
+                self.exiting.remove(id);
             }
         }
         self.last_seen.retain(|_, seen| now.saturating_duration_since(*seen) < self.grace);
@@ -787,6 +808,38 @@ mod tests {
         let mut sightings = Sightings::new(VANISHED_GRACE);
         sightings.begin_term();
         assert!(sightings.observe(&empty, t0).is_empty());
+    }
+
+    /// The term's grace comes once per absence — terms that keep ending do not keep a dead
+    /// worker's placements for ever — and never for a worker this gateway saw exiting.
+    #[test]
+    fn the_terms_grace_comes_once_per_absence_and_not_for_an_exiting_worker() {
+        let t0 = Instant::now();
+        let mut s = fleet();
+        s.placements.insert(a("w1", "m", 1));
+        let mut gone = s.clone();
+        gone.workers.remove("w1");
+        let mut sightings = Sightings::new(VANISHED_GRACE);
+        sightings.begin_term();
+        assert_eq!(sightings.observe(&gone, t0).len(), 1);
+        // Term after term, the grace runs from the first.
+        for k in 1..4 {
+            sightings.begin_term();
+            let vanished = sightings.observe(&gone, t0 + VANISHED_GRACE * k);
+            assert!(vanished.is_empty(), "term {k}: {vanished:?}");
+        }
+        // Back, then gone again: a new absence, a new grace in the next term.
+        assert!(sightings.observe(&s, t0 + VANISHED_GRACE * 5).is_empty());
+        sightings.begin_term();
+        assert_eq!(sightings.observe(&gone, t0 + VANISHED_GRACE * 9).len(), 1);
+
+        // Seen draining itself, then gone: no grace, in this term or the next.
+        let mut draining = s.clone();
+        draining.workers.get_mut("w1").unwrap().state = WorkerState::Draining;
+        let mut sightings = Sightings::new(VANISHED_GRACE);
+        assert!(sightings.observe(&draining, t0).is_empty());
+        sightings.begin_term();
+        assert!(sightings.observe(&gone, t0 + Duration::from_secs(1)).is_empty());
     }
 
     #[test]
