@@ -76,9 +76,10 @@ fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(run(args, parsed));
-    // A model build still running on a blocking thread (session creation, warm-up) cannot be
-    // interrupted; dropping the runtime would wait for it, past --exit-timeout-secs.
-    runtime.shutdown_timeout(Duration::from_secs(1));
+    // A model build still running on a blocking thread cannot be interrupted, only its warm-up
+    // (between runs); dropping the runtime would wait for the rest, past --exit-timeout-secs.
+    nereid_worker::repository::begin_shutdown();
+    runtime.shutdown_timeout(Duration::from_secs(5));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -1053,11 +1053,24 @@ fn warmup(config: &ModelConfig, dir: &Path, spec: &ModelSpec, instances: &mut [I
         let jobs = [JobInputs { rows: batch, inputs: &inputs }];
         for instance in instances.iter_mut() {
             for _ in 0..sample.count.max(1) {
+                if SHUTTING_DOWN.load(std::sync::atomic::Ordering::Relaxed) {
+                    return Err("the worker is shutting down".into());
+                }
                 instance.run(&jobs, &|_, _| true).map_err(|e| e.message)?;
             }
         }
     }
     Ok(())
+}
+
+/// Set once the process is exiting: warm-ups stop between runs (a build on a blocking thread
+/// cannot be interrupted otherwise, and the process should not exit while one is inside ONNX
+/// Runtime).
+static SHUTTING_DOWN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Stops the warm-ups under way and to come (the process is exiting).
+pub fn begin_shutdown() {
+    SHUTTING_DOWN.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// A warm-up data file, read whole but never more than `limit` bytes (a device or a huge file

@@ -11,7 +11,7 @@
 
 mod load;
 
-pub use load::AUTOCOMPLETE_MAX_BATCH_SIZE;
+pub use load::{AUTOCOMPLETE_MAX_BATCH_SIZE, begin_shutdown};
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
