@@ -154,6 +154,12 @@ impl SharedMemory {
         Status::not_found(format!("Unable to find shared memory region: '{name}' ({ctx}){reason}"))
     }
 
+    /// The refusal of a tensor naming `region` on a worker refusing regions (`None` where they
+    /// are allowed): what to answer before looking at anything else about the tensor.
+    pub fn refusal(&self, ctx: &str, region: &str) -> Option<Status> {
+        self.disabled.map(|_| self.not_registered(ctx, region))
+    }
+
     /// Opens `key` (a POSIX shared-memory object name) and maps `byte_size` bytes from
     /// `offset` under `name`. The object must already hold them.
     pub fn register(&self, name: &str, key: &str, offset: u64, byte_size: u64) -> Result<(), Status> {

@@ -322,9 +322,9 @@ async fn infer(
         let (request, format) = maybe_offload(heavy, move || {
             let ParsedInfer { request, format } = parse_infer_request(&model, version, body, header_length, max, None)?;
             let proto = infer_request_to_proto(request);
-            // The limit holds per tensor while parsing; the message as a whole can still outgrow it
-            // (JSON "0," is 2 bytes, an INT64 element 8), and the worker would refuse it with a
-            // size the client never sent.
+            // The parser bounds the tensors together; the message adds names, shapes and what
+            // forwarding appends, which can still take it past the limit — the worker would then
+            // refuse it with a size the client never sent.
             let encoded = prost::Message::encoded_len(&proto);
             if encoded.saturating_add(FORWARD_APPEND_BYTES) > max {
                 return Err(Status::invalid(format!(

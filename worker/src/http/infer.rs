@@ -178,6 +178,11 @@ pub fn parse_infer_request(
             }
         }
         if let Some(r) = shm_region {
+            // Regions cannot be named here (the gateway), or none are allowed: that first.
+            let shm = shm.ok_or_else(|| shm_unsupported(&ctx()))?;
+            if let Some(refused) = shm.refusal(&ctx(), &r.region) {
+                return Err(refused);
+            }
             // Triton's refusals: an output in shared memory is neither rendered nor reshaped.
             if classification > 0 {
                 return Err(Status::invalid(format!(
@@ -191,7 +196,6 @@ pub fn parse_infer_request(
                     ctx()
                 )));
             }
-            let shm = shm.ok_or_else(|| shm_unsupported(&ctx()))?;
             request.shm_outputs.push((output.name.clone(), shm.target(&ctx(), &r)?));
         }
         if let Some(b) = binary_data {
@@ -325,9 +329,13 @@ fn finish_input(
         Some(Ok(shape)) => shape,
     };
     let shm_region = shm_parameters(&|| ctx.clone(), input.parameters.as_ref())?;
-    // Where no regions can be named (the gateway), that is the error, whatever the shape.
-    if shm_region.is_some() && shm.is_none() {
-        return Err(shm_unsupported(&ctx));
+    // Where no regions can be named (the gateway), or none are allowed, that is the error,
+    // whatever the shape.
+    if let Some(r) = &shm_region {
+        let shm = shm.ok_or_else(|| shm_unsupported(&ctx))?;
+        if let Some(refused) = shm.refusal(&ctx, &r.region) {
+            return Err(refused);
+        }
     }
     // A tensor in shared memory is not in the body: what bounds it is the shared-memory
     // budget of a request (what the worker copies), not the body limit
@@ -720,21 +728,35 @@ impl<'de> Visitor<'de> for InputSeed<'_> {
                         self.max_bytes,
                         &self.budget.reserve,
                     );
-                    let data = map.next_value_seed(DataSeed {
+                    input.data = Some(map.next_value_seed(DataSeed {
                         plan,
                         max_bytes: self.max_bytes,
                         left: self.max_bytes.saturating_sub(self.budget.spent.get()),
                         non_finite: self.non_finite,
-                    })?;
-                    if let RawData::Buf(buf) = &data {
-                        self.budget.spent.set(self.budget.spent.get().saturating_add(buf.typed_len()));
-                    }
-                    input.data = Some(data);
+                    })?);
                 }
                 InputField::Other => {
                     map.next_value::<IgnoredAny>()?;
                 }
             }
+        }
+        // What the array holds counts against the next ones, in its tensor's layout: an array
+        // read before its "datatype" is laid out now that the datatype is known (exactly: the
+        // tagged form's size is only a bound).
+        if let Some(RawData::Buf(buf)) = &mut input.data {
+            if let (Mode::Deferred, Some(dtype)) =
+                (buf.mode, input.datatype.as_deref().and_then(DataType::from_wire_name))
+            {
+                let left = self.max_bytes.saturating_sub(self.budget.spent.get());
+                let mut typed =
+                    std::mem::replace(buf, DataBuf::typed(dtype, 0, self.max_bytes)).replay(dtype, self.max_bytes);
+                if typed.error.is_none() && typed.out.len() > left {
+                    typed.error = Some(over_what_is_left(left, self.max_bytes));
+                    typed.out = Vec::new();
+                }
+                *buf = typed;
+            }
+            self.budget.spent.set(self.budget.spent.get().saturating_add(buf.typed_len()));
         }
         Ok(input)
     }
@@ -870,6 +892,15 @@ enum Mode {
     Deferred,
 }
 
+/// The error of a `data` array larger than what is `left` of the request limit `max`.
+fn over_what_is_left(left: usize, max: usize) -> String {
+    if left == max {
+        format!("'data' is larger than the request limit of {max} bytes")
+    } else {
+        format!("'data' is larger than the {left} bytes the inputs before it leave of the request limit of {max} bytes")
+    }
+}
+
 /// Elements of one `data` array as they are read: the tensor's bytes (or the tagged form).
 struct DataBuf {
     mode: Mode,
@@ -935,14 +966,13 @@ impl DataBuf {
         }
         self.count += 1;
         if self.out.len() > self.left {
-            self.error = Some(if self.left == self.max_bytes {
-                format!("'data' is larger than the request limit of {} bytes", self.max_bytes)
-            } else {
-                format!(
-                    "'data' is larger than the {} bytes the inputs before it leave of the request limit of {} bytes",
-                    self.left, self.max_bytes
-                )
-            });
+            // The tagged form is bounded at twice the limits (see TAG_FALSE): said in the
+            // tensor's own terms.
+            let (left, max) = match self.mode {
+                Mode::Typed(_) => (self.left, self.max_bytes),
+                Mode::Deferred => (self.left / 2, self.max_bytes / 2),
+            };
+            self.error = Some(over_what_is_left(left, max));
             self.out = Vec::new();
         }
     }
@@ -1499,6 +1529,11 @@ mod tests {
             "parameters":{"shared_memory_region":"r","shared_memory_byte_size":400000000}}]}"#;
         let e = parse(json).unwrap_err();
         assert!(e.message.contains("system shared memory is not supported here"), "{}", e.message);
+        // An output too, before what else it asks for is looked at.
+        let json = r#"{"inputs":[],"outputs":[{"name":"Y","parameters":{"shared_memory_region":"r",
+            "shared_memory_byte_size":8,"binary_data":true}}]}"#;
+        let e = parse(json).unwrap_err();
+        assert!(e.message.contains("system shared memory is not supported here"), "{}", e.message);
     }
 
     /// All of a request's tensors together stay within the limit, each checked as its
@@ -1524,7 +1559,14 @@ mod tests {
         // "data" before "datatype" (the tagged form) counts too.
         let late = r#"{"name":"b","data":[0,0,0,0],"datatype":"INT64","shape":[4]}"#;
         let e = parse_with(format!(r#"{{"inputs":[{},{late}]}}"#, input("a", 5)), None, &[]).unwrap_err();
-        assert!(e.message.contains("more than the request limit of 64 bytes"), "{}", e.message);
+        assert!(e.message.contains("24 bytes the inputs before it leave of the request limit of 64"), "{}", e.message);
+        // ...exactly: its tagged form (decimals take 9 bytes there, 4 as FP32) counts as FP32.
+        let floats = |name: &str, n: usize| {
+            format!(r#"{{"name":"{name}","data":{:?},"shape":[{n}],"datatype":"FP32"}}"#, vec![0.1; n])
+        };
+        let typed = r#"{"name":"c","datatype":"FP32","shape":[4],"data":[0.1,0.1,0.1,0.1]}"#;
+        let ok = parse_with(format!(r#"{{"inputs":[{},{},{typed}]}}"#, floats("a", 6), floats("b", 6)), None, &[]);
+        assert_eq!(ok.unwrap().request.inputs.len(), 3, "24 + 24 + 16 bytes of FP32: at the limit");
         // A binary tensor after a JSON one: 40 + 32 bytes.
         let json = format!(
             r#"{{"inputs":[{},{{"name":"b","datatype":"INT64","shape":[4],"parameters":{{"binary_data_size":32}}}}]}}"#,
