@@ -406,3 +406,7 @@ def test_unrecognized_load_parameter_is_invalid(worker):
     status, _, data = http_request(worker.base + "/v2/repository/models/no_such_model/load", "POST", body)
     assert status == 400, data
     assert json.loads(data)["error"] == "unrecognized load parameter 'poll'.", data
+    # Before a file parameter is looked at, as over gRPC (whatever the keys' order).
+    body = json.dumps({"parameters": {"file:1/model.onnx": "AAAA", "other": 1}}).encode()
+    status, _, data = http_request(worker.base + "/v2/repository/models/no_such_model/load", "POST", body)
+    assert status == 400 and json.loads(data)["error"] == "unrecognized load parameter 'other'.", data

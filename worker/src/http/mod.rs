@@ -901,6 +901,10 @@ pub fn parse_load_request(body: &[u8]) -> Result<Option<String>, Status> {
     let Some(params) = parameters_of(&obj, what)? else {
         return Ok(None);
     };
+    // An unknown key is refused before anything else, whatever the order (as over gRPC).
+    if let Some(key) = params.keys().find(|k| *k != "config" && !k.starts_with("file:")) {
+        return Err(Status::invalid(format!("unrecognized load parameter '{key}'.")));
+    }
     let mut config = None;
     for (key, value) in params {
         if key == "config" {
@@ -914,8 +918,6 @@ pub fn parse_load_request(body: &[u8]) -> Result<Option<String>, Status> {
             return Err(Status::unimplemented(format!(
                 "{what}: parameters.{key}: supplying model files in the load request is not supported"
             )));
-        } else {
-            return Err(Status::invalid(format!("unrecognized load parameter '{key}'.")));
         }
     }
     Ok(config)
