@@ -92,9 +92,8 @@ impl Api {
     /// The API a gRPC call is for, from its path (`/inference.GRPCInferenceService/ModelInfer`).
     pub fn of_grpc(path: &str) -> Option<Api> {
         let (service, method) = path.strip_prefix('/')?.split_once('/')?;
-        if service == "grpc.health.v1.Health" {
-            return Some(Api::Health);
-        }
+        // The standard `grpc.health.v1.Health` is never restricted: Kubernetes' gRPC probes
+        // (and grpc_health_probe) cannot send a header; it tells no more than `/v2/health`.
         if service != "inference.GRPCInferenceService" {
             return None;
         }
@@ -226,6 +225,8 @@ mod tests {
         assert_eq!(grpc("LogSettings"), Some(Api::Logging));
         assert_eq!(grpc("Unheard"), None);
         assert_eq!(Api::of_grpc("/other.Service/ModelInfer"), None);
+        // Kubernetes' gRPC probes send no header: the standard health check stays open.
+        assert_eq!(Api::of_grpc("/grpc.health.v1.Health/Check"), None);
     }
 
     #[test]
