@@ -46,9 +46,9 @@ pub struct OutlierDetector {
     consecutive_failures: u32,
     /// Client timeouts since the last answer.
     consecutive_client_timeouts: u32,
-    /// When the worker last answered (or, before any answer, when the first request that
-    /// ran into a client's deadline was sent).
-    quiet_since: Option<Instant>,
+    /// When the first request of the current run of client timeouts was sent: the worker has
+    /// answered nothing since.
+    run_started: Option<Instant>,
     /// Ejections in a row without a success in between (drives the backoff).
     ejections_in_a_row: u32,
     /// Set while ejected; kept once the period is over (probation) until the next outcome.
@@ -61,7 +61,7 @@ impl OutlierDetector {
             config,
             consecutive_failures: 0,
             consecutive_client_timeouts: 0,
-            quiet_since: None,
+            run_started: None,
             ejections_in_a_row: 0,
             ejected_until: None,
         }
@@ -89,11 +89,13 @@ impl OutlierDetector {
         match outcome {
             Outcome::Neutral => false,
             Outcome::ClientTimeout => {
-                let quiet_since = *self.quiet_since.get_or_insert(started);
+                // Silent since the run's first request was sent — not since the last answer,
+                // which may be long ago on a lightly loaded worker that a burst now finds.
+                let run_started = *self.run_started.get_or_insert(started);
                 self.consecutive_client_timeouts += 1;
                 let limit = self.config.consecutive_failures.saturating_mul(CLIENT_TIMEOUT_FACTOR);
                 if self.consecutive_client_timeouts >= limit
-                    && now.saturating_duration_since(quiet_since) >= self.config.hung_after
+                    && now.saturating_duration_since(run_started) >= self.config.hung_after
                 {
                     self.eject(now);
                     true
@@ -104,7 +106,7 @@ impl OutlierDetector {
             Outcome::Success => {
                 self.consecutive_failures = 0;
                 self.consecutive_client_timeouts = 0;
-                self.quiet_since = Some(now);
+                self.run_started = None;
                 if on_probation {
                     self.ejected_until = None;
                     self.ejections_in_a_row = 0;
@@ -134,6 +136,7 @@ impl OutlierDetector {
         self.ejections_in_a_row = self.ejections_in_a_row.saturating_add(1);
         self.consecutive_failures = 0;
         self.consecutive_client_timeouts = 0;
+        self.run_started = None;
     }
 }
 
@@ -231,49 +234,48 @@ mod tests {
         assert!(d.record(Outcome::Failure, t0, t0));
     }
 
-    /// A hung worker (every request runs into the client's own deadline, nothing answered for
+    /// A hung worker (every request runs into its client's own deadline, nothing answered for
     /// `hung_after`) is ejected after CLIENT_TIMEOUT_FACTOR times as many as failures would
-    /// take; any answer resets the count and the quiet time, so a worker merely slower than
-    /// some clients ask for — or one a stream's deadline times out many requests on at once —
-    /// stays.
+    /// take. Any answer starts over; a burst of timeouts at once — a stream's deadline, a load
+    /// spike, even on a worker idle for long before — does not span `hung_after` and ejects
+    /// nothing; nor does one client timeout on probation.
     #[test]
     fn client_timeouts_eject_only_a_worker_that_answers_nothing_for_a_while() {
         let t0 = Instant::now();
         let hung = config().hung_after;
         let limit = config().consecutive_failures * CLIENT_TIMEOUT_FACTOR;
+        let second = Duration::from_secs(1);
         let mut d = OutlierDetector::new(config());
-        // Many at once (a stream's deadline), answered a moment before: not hung.
         assert!(!d.record(Outcome::Success, t0, t0));
-        let t1 = t0 + Duration::from_secs(1);
+        // Idle for a minute, then a burst: every request sent within its 1 s deadline.
+        let t1 = t0 + hung * 6;
         for _ in 0..limit * 10 {
-            assert!(!d.record(Outcome::ClientTimeout, t0, t1));
+            assert!(!d.record(Outcome::ClientTimeout, t1 - second, t1));
         }
-        // An answer resets everything.
-        let t2 = t1 + hung;
+        // An answer starts over; then a run of timeouts spanning `hung_after`: ejected once
+        // both hold.
+        let t2 = t1 + second;
         assert!(!d.record(Outcome::Success, t2, t2));
-        for i in 0..limit - 1 {
-            let at = t2 + hung + Duration::from_millis(i.into());
-            assert!(!d.record(Outcome::ClientTimeout, at, at));
+        let sent = |k: u32| t2 + (hung / limit) * k;
+        for k in 0..limit {
+            assert!(!d.record(Outcome::ClientTimeout, sent(k), sent(k) + second / 2), "timeout {k}");
         }
-        assert!(!d.is_ejected(t2 + hung * 2));
-        // Quiet for `hung_after` and enough in a row: ejected.
-        let t3 = t2 + hung * 2;
-        assert!(d.record(Outcome::ClientTimeout, t3, t3));
+        let t3 = sent(0) + hung;
+        assert!(d.record(Outcome::ClientTimeout, t3 - second / 2, t3));
         assert!(d.is_ejected(t3));
-        // On probation, one client timeout is not enough; the rule is the same as before.
-        let t4 = t3 + Duration::from_secs(1);
+        // On probation, one client timeout is not enough: the same rule, from scratch.
+        let t4 = t3 + second;
         assert!(!d.is_ejected(t4));
-        assert!(!d.record(Outcome::ClientTimeout, t4, t4));
-        for _ in 0..limit - 2 {
-            assert!(!d.record(Outcome::ClientTimeout, t4, t4));
+        for k in 0..limit {
+            assert!(!d.record(Outcome::ClientTimeout, t4, t4 + (hung / limit) * k), "probation timeout {k}");
         }
-        assert!(d.record(Outcome::ClientTimeout, t4, t4), "still quiet since before the ejection");
-        // Never answered at all: quiet since the first request that timed out.
+        assert!(d.record(Outcome::ClientTimeout, t4, t4 + hung));
+        // Never answered at all: silent since the first request that timed out was sent.
         let mut fresh = OutlierDetector::new(config());
         for _ in 0..limit {
-            assert!(!fresh.record(Outcome::ClientTimeout, t0, t0 + Duration::from_millis(1)));
+            assert!(!fresh.record(Outcome::ClientTimeout, t0, t0 + second));
         }
-        assert!(fresh.record(Outcome::ClientTimeout, t0 + hung, t0 + hung));
+        assert!(fresh.record(Outcome::ClientTimeout, t0 + second, t0 + hung));
     }
 
     proptest! {
