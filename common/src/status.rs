@@ -123,16 +123,19 @@ pub fn is_queue_refusal(code: Code, message: &str) -> bool {
 }
 
 /// Longest status message, in bytes as a gRPC trailer carries it (`grpc-message` is
-/// percent-encoded: every byte outside printable ASCII, and `%`, takes three). Messages quote
+/// percent-encoded: every byte outside printable ASCII, and the ASCII that tonic encodes, takes
+/// three). Messages quote
 /// what clients sent (a tensor's name, a model name); a megabytes-long name would otherwise
 /// come back in a trailer larger than HTTP/2 peers accept, failing the call or, past h2's
 /// limits, the whole connection a gateway multiplexes other clients' calls on — and grpcio
 /// clients (tritonclient) refuse metadata past 8 KiB.
 pub const MAX_STATUS_MESSAGE_BYTES: usize = 4096;
 
-/// What a byte of a message takes in a `grpc-message` trailer.
+/// What a character of a message takes in a `grpc-message` trailer, as tonic encodes it:
+/// controls, non-ASCII bytes and ` "#%<>`?{}` take three bytes each.
 fn encoded_len(c: char) -> usize {
-    if c.is_ascii() && (' '..='~').contains(&c) && c != '%' { 1 } else { 3 * c.len_utf8() }
+    let plain = c.is_ascii() && !c.is_ascii_control() && !" \"#%<>`?{}".contains(c);
+    if plain { 1 } else { 3 * c.len_utf8() }
 }
 
 /// An error with a code and a message that names the offending field.
@@ -150,7 +153,7 @@ impl Status {
         let mut message = message.into();
         if message.chars().map(encoded_len).sum::<usize>() > MAX_STATUS_MESSAGE_BYTES {
             let suffix = format!("... (message cut: {} bytes)", message.len());
-            let room = MAX_STATUS_MESSAGE_BYTES - suffix.len();
+            let room = MAX_STATUS_MESSAGE_BYTES - suffix.chars().map(encoded_len).sum::<usize>();
             let mut used = 0;
             let cut = message
                 .char_indices()
@@ -236,6 +239,11 @@ mod tests {
         assert_eq!(Status::invalid(ascii.message.clone()).message, ascii.message);
         let short = Status::invalid("x".repeat(MAX_STATUS_MESSAGE_BYTES));
         assert_eq!(short.message.len(), MAX_STATUS_MESSAGE_BYTES);
+        // The ASCII tonic percent-encodes counts three times too (spaces in the suffix included).
+        let spaces = Status::invalid(" {?\"".repeat(5_000));
+        assert!(trailer_len(&spaces.message) <= MAX_STATUS_MESSAGE_BYTES, "{}", trailer_len(&spaces.message));
+        assert_eq!(trailer_len(" {?\"#%<>`}\n"), 33);
+        assert_eq!(trailer_len("ab-_.~"), 6);
     }
 
     #[test]
