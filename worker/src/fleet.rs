@@ -172,9 +172,11 @@ async fn agent(
     // (or revoked at exit), whatever happens to the sessions in between.
     let mut lease: Option<KeptLease> = None;
     // Leases this process held before, possibly still alive in etcd (one presumed lost when no
-    // keep-alive answer came for its TTL may live on, still holding a drain record), with when
-    // they were given up: one unrefreshed for a TTL has expired by itself and is forgotten.
-    let mut previous: Vec<(i64, std::time::Instant)> = Vec::new();
+    // keep-alive answer came for its TTL may live on, still holding a drain record: etcd
+    // extends every lease by a TTL when it restarts or changes leader, however long it was
+    // away), kept until a session carries their drain and revokes them — the most recent
+    // PREVIOUS_LEASES of them.
+    let mut previous: Vec<i64> = Vec::new();
     let mut view = PlacementView::default();
     loop {
         counters.sessions.fetch_add(1, Ordering::Relaxed);
@@ -182,10 +184,11 @@ async fn agent(
             && let Some(lost) = lease.take()
         {
             tracing::warn!(worker = %options.record.id, lease = lost.id(), "lease lost ({why}): registering under a new one");
-            previous.push((lost.id(), std::time::Instant::now()));
+            previous.push(lost.id());
+            let excess = previous.len().saturating_sub(PREVIOUS_LEASES);
+            previous.drain(..excess);
         }
-        previous.retain(|(_, ended)| ended.elapsed() < options.lease_ttl);
-        let mut previous_leases: Vec<i64> = previous.iter().map(|(lease, _)| *lease).collect();
+        let mut previous_leases: Vec<i64> = previous.clone();
         let started = std::time::Instant::now();
         let mut session = Session {
             options: &options,
@@ -204,7 +207,7 @@ async fn agent(
         let result = session.run(&mut phase, &mut previous_leases).await;
         counters.connected.store(0, Ordering::Relaxed);
         // Those the session revoked are gone.
-        previous.retain(|(lease, _)| previous_leases.contains(lease));
+        previous.retain(|lease| previous_leases.contains(lease));
         match result {
             Ok(()) => break,
             Err(e) => {
@@ -238,8 +241,7 @@ async fn agent(
     // outlive this process by up to a TTL, gateways still counting on it. A last, bounded try.
     // (A revoke of an earlier lease that failed inside a session is not retried: that lease
     // expires by itself within its TTL.)
-    previous.retain(|(_, ended)| ended.elapsed() < options.lease_ttl);
-    let mut leftover: Vec<i64> = previous.iter().map(|(lease, _)| *lease).collect();
+    let mut leftover: Vec<i64> = previous;
     leftover.extend(lease.as_ref().map(KeptLease::id));
     if !leftover.is_empty()
         && let Ok(mut client) = bounded("connect", nereid_common::fleet::connect(&options.endpoints)).await
@@ -280,6 +282,9 @@ struct Session<'a> {
 }
 
 type SessionResult = Result<(), String>;
+
+/// Most earlier leases remembered for carrying a drain and revoking (each lost one adds one).
+const PREVIOUS_LEASES: usize = 16;
 
 impl Session<'_> {
     fn lease_id(&self) -> i64 {
