@@ -568,15 +568,18 @@ impl LoadWatch {
 /// placements for ever. Not for a worker this gateway saw draining itself (exiting): its
 /// placements go at once, as within a term. (One that drained and exited unseen by this gateway
 /// keeps its placements for one grace more; its replacements are placed at once.)
+/// How many graces what [`Sightings`] remembers about exits and term graces lasts.
+const TERM_MEMORY_GRACES: u32 = 6;
+
 struct Sightings {
     grace: Duration,
     last_seen: BTreeMap<String, Instant>,
     /// The next read is a term's first.
     term_begins: bool,
-    /// Workers seen draining themselves, until seen serving again.
-    exiting: BTreeSet<String>,
-    /// Workers given a term's grace, until seen registered again.
-    term_granted: BTreeSet<String>,
+    /// Workers seen draining themselves (when last seen so), until seen serving again.
+    exiting: BTreeMap<String, Instant>,
+    /// Workers given a term's grace (when), until seen registered again.
+    term_granted: BTreeMap<String, Instant>,
 }
 
 impl Sightings {
@@ -585,8 +588,8 @@ impl Sightings {
             grace,
             last_seen: BTreeMap::new(),
             term_begins: false,
-            exiting: BTreeSet::new(),
-            term_granted: BTreeSet::new(),
+            exiting: BTreeMap::new(),
+            term_granted: BTreeMap::new(),
         }
     }
 
@@ -600,13 +603,18 @@ impl Sightings {
     fn observe(&mut self, state: &FleetState, now: Instant) -> BTreeSet<String> {
         if std::mem::take(&mut self.term_begins) {
             let placed: BTreeSet<&String> = state.placements.iter().map(|(w, _, _)| w).collect();
-            self.term_granted.retain(|w| placed.contains(w));
-            self.exiting.retain(|w| placed.contains(w) || state.workers.contains_key(w));
+            // What this gateway saw may be old news after a while it did not lead (the
+            // worker restarted, served and vanished again meanwhile): forgotten after
+            // TERM_MEMORY_GRACES graces.
+            let recent = |at: &Instant| now.saturating_duration_since(*at) < self.grace * TERM_MEMORY_GRACES;
+            self.term_granted.retain(|w, at| placed.contains(w) && recent(at));
+            self.exiting.retain(|w, at| (placed.contains(w) || state.workers.contains_key(w)) && recent(at));
             for worker in placed {
                 if !state.workers.contains_key(worker)
-                    && !self.exiting.contains(worker)
-                    && self.term_granted.insert(worker.clone())
+                    && !self.exiting.contains_key(worker)
+                    && !self.term_granted.contains_key(worker)
                 {
+                    self.term_granted.insert(worker.clone(), now);
                     self.last_seen.insert(worker.clone(), now);
                 }
             }
@@ -618,7 +626,7 @@ impl Sightings {
                 // placements must go then too, not be found by a process restarted under the
                 // same id moments later while replacements load elsewhere.
                 self.last_seen.remove(id);
-                self.exiting.insert(id.clone());
+                self.exiting.insert(id.clone(), now);
             } else {
                 self.last_seen.insert(id.clone(), now);
                 self.exiting.remove(id);
@@ -840,6 +848,11 @@ mod tests {
         assert!(sightings.observe(&draining, t0).is_empty());
         sightings.begin_term();
         assert!(sightings.observe(&gone, t0 + Duration::from_secs(1)).is_empty());
+        // What it saw is forgotten after a while (the worker may have come back and gone again
+        // while another gateway led): a term much later gives the grace again.
+        sightings.begin_term();
+        let later = t0 + VANISHED_GRACE * TERM_MEMORY_GRACES;
+        assert_eq!(sightings.observe(&gone, later).len(), 1);
     }
 
     #[test]
