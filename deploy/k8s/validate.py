@@ -113,6 +113,9 @@ DEFAULT_DRAIN_DELAY_MS = 1000
 # In etcd mode the worker's SIGTERM path also waits up to 3 s to publish `draining` and up to
 # 5 s to revoke its lease (worker/src/main.rs), around --drain-delay-ms and the in-flight drain.
 WORKER_FLEET_SHUTDOWN_BOUNDS_SECS = 3 + 5
+# And every worker waits up to 2 s, at the very end, for a model build still under way (its
+# warm-up stops between runs; session creation cannot be interrupted).
+WORKER_RUNTIME_SHUTDOWN_SECS = 2
 INTEGER_FLAGS = {
     "http-port", "grpc-port", "metrics-port", "exit-timeout-secs", "etcd-lease-ttl-secs",
     "memory-capacity-mb", "request-timeout-ms", "max-concurrent-requests", "log-verbose",
@@ -774,6 +777,9 @@ class Validator:
         hook = "preStop drain" if drain else "preStop sleep"
         parts = [f"{hook} {sleep}s", f"--exit-timeout-secs {exit_timeout}s"]
         needed = sleep + exit_timeout
+        if binary == "nereid-worker":
+            needed += WORKER_RUNTIME_SHUTDOWN_SECS
+            parts.append(f"build shutdown {WORKER_RUNTIME_SHUTDOWN_SECS}s")
         if binary == "nereid-worker" and endpoints:
             delay = -(-as_int("drain-delay-ms", DEFAULT_DRAIN_DELAY_MS) // 1000)
             needed += delay + WORKER_FLEET_SHUTDOWN_BOUNDS_SECS

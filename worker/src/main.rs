@@ -79,7 +79,8 @@ fn main() -> ExitCode {
     // A model build still running on a blocking thread cannot be interrupted, only its warm-up
     // (between runs); dropping the runtime would wait for the rest, past --exit-timeout-secs.
     nereid_worker::repository::begin_shutdown();
-    runtime.shutdown_timeout(Duration::from_secs(5));
+    // (deploy/k8s/validate.py counts these 2 s in the pods' termination grace period.)
+    runtime.shutdown_timeout(Duration::from_secs(2));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
