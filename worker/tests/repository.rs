@@ -491,6 +491,36 @@ fn state(repo: &Repository, name: &str) -> Option<String> {
     repo.index(false).into_iter().find(|e| e.name == name).map(|e| e.state)
 }
 
+/// An unload answers at once (as Triton's does); while requests still run on the unloaded
+/// model, the index shows it UNLOADING, then UNAVAILABLE "unloaded" once they are done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unloaded_model_shows_unloading_until_its_last_request_finishes() {
+    let dir = versioned_repo("");
+    let cfg_path = dir.path().join("scale/config.pbtxt");
+    let held =
+        std::fs::read_to_string(&cfg_path).unwrap() + "dynamic_batching { max_queue_delay_microseconds: 500000 }\n";
+    std::fs::write(&cfg_path, held).unwrap();
+    let repo = repository(dir.path(), ControlMode::Explicit, false);
+    repo.load("scale", None).await.unwrap();
+    let in_flight = {
+        let repo = repo.clone();
+        tokio::spawn(async move { scale(&repo, None).await })
+    };
+    common::eventually("request queued", || {
+        repo.metrics().render().contains("nv_inference_pending_request_count{model=\"scale\",version=\"2\"} 1")
+    })
+    .await;
+    repo.unload("scale").await.unwrap();
+    assert!(!repo.model_ready("scale", None));
+    assert_eq!(state(&repo, "scale").as_deref(), Some("UNLOADING"), "{:?}", repo.index(false));
+    assert_eq!(in_flight.await.unwrap().unwrap(), (2, 3.0), "the request in flight finished");
+    common::eventually("UNAVAILABLE once the request is done", || {
+        state(&repo, "scale").as_deref() == Some("UNAVAILABLE")
+    })
+    .await;
+    assert_eq!(repo.index(false)[0].reason, "unloaded");
+}
+
 /// Start-up loads run side by side (`--model-load-thread-count`, 4 here): `b_free`, after the
 /// gated model in name order, is READY while that one still loads only because loads run at
 /// once.

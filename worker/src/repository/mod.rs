@@ -16,7 +16,7 @@ pub use load::{AUTOCOMPLETE_MAX_BATCH_SIZE, begin_shutdown};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use nereid_common::{Code, DataType, Status};
@@ -131,6 +131,9 @@ pub struct Repository {
     options: RepositoryOptions,
     metrics: Arc<Metrics>,
     slots: RwLock<HashMap<String, Slot>>,
+    /// Models unloaded while requests still ran on them: the index shows them UNLOADING (as
+    /// Triton does) until the last of those finishes and the sessions go.
+    unloading: Mutex<HashMap<String, std::sync::Weak<LoadedModel>>>,
     /// Serializes changes to the table (requests never take it). A load builds its model
     /// outside it, taking it to read the model's state before and to put the model in place
     /// after.
@@ -222,6 +225,7 @@ impl Repository {
             options,
             metrics,
             slots: RwLock::new(HashMap::new()),
+            unloading: Mutex::new(HashMap::new()),
             changes: tokio::sync::Mutex::new(()),
             turns: Default::default(),
             builds: tokio::sync::Semaphore::new(builds),
@@ -1120,6 +1124,11 @@ impl Repository {
             // In-flight requests hold their version; its scheduler drains once they finish.
         }
         self.set_slot(name, Slot { state: State::Unavailable(UNLOADED.into()), model: None, reload_error: None });
+        if let Some(model) = &slot.model {
+            let mut unloading = self.unloading.lock().unwrap_or_else(|e| e.into_inner());
+            unloading.retain(|_, m| m.strong_count() > 0);
+            unloading.insert(name.to_string(), Arc::downgrade(model));
+        }
         self.epoch.fetch_add(1, Ordering::SeqCst);
         tracing::info!(model = %name, "model unloaded");
         Ok(Unloaded::Removed(slot.model))
@@ -1183,6 +1192,18 @@ impl Repository {
                         });
                     }
                 }
+                // Unloaded, its last requests still running (the slot holds nothing, they hold
+                // the model): UNLOADING until they finish.
+                Some(Slot { state: State::Unavailable(r), model: None, .. })
+                    if r == UNLOADED && self.still_unloading(name) =>
+                {
+                    out.push(IndexEntry {
+                        name: name.clone(),
+                        version: String::new(),
+                        state: State::Unloading.name().to_string(),
+                        reason: String::new(),
+                    })
+                }
                 Some(Slot { state, model: None, .. }) => out.push(IndexEntry {
                     name: name.clone(),
                     version: String::new(),
@@ -1201,6 +1222,19 @@ impl Repository {
             }
         }
         out
+    }
+
+    /// Whether requests still run on `name`'s unloaded model.
+    fn still_unloading(&self, name: &str) -> bool {
+        let mut unloading = self.unloading.lock().unwrap_or_else(|e| e.into_inner());
+        match unloading.get(name) {
+            Some(model) if model.strong_count() > 0 => true,
+            Some(_) => {
+                unloading.remove(name);
+                false
+            }
+            None => false,
+        }
     }
 
     /// POLL mode: re-scan every `interval`; load new models, reload changed ones, unload
