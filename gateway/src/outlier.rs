@@ -46,9 +46,11 @@ pub struct OutlierDetector {
     consecutive_failures: u32,
     /// Client timeouts since the last answer.
     consecutive_client_timeouts: u32,
-    /// When the first request of the current run of client timeouts was sent: the worker has
-    /// answered nothing since.
+    /// Since when the worker has answered nothing while the current run of client timeouts
+    /// waited: the later of its last answer and the first of those requests' send times.
     run_started: Option<Instant>,
+    /// When the worker last answered.
+    last_answer: Option<Instant>,
     /// Ejections in a row without a success in between (drives the backoff).
     ejections_in_a_row: u32,
     /// Set while ejected; kept once the period is over (probation) until the next outcome.
@@ -62,6 +64,7 @@ impl OutlierDetector {
             consecutive_failures: 0,
             consecutive_client_timeouts: 0,
             run_started: None,
+            last_answer: None,
             ejections_in_a_row: 0,
             ejected_until: None,
         }
@@ -90,8 +93,10 @@ impl OutlierDetector {
             Outcome::Neutral => false,
             Outcome::ClientTimeout => {
                 // Silent since the run's first request was sent — not since the last answer,
-                // which may be long ago on a lightly loaded worker that a burst now finds.
-                let run_started = *self.run_started.get_or_insert(started);
+                // which may be long ago on a lightly loaded worker that a burst now finds —
+                // and, with long client deadlines, not before the last answer either.
+                let since = self.last_answer.map_or(started, |answered| answered.max(started));
+                let run_started = *self.run_started.get_or_insert(since);
                 self.consecutive_client_timeouts += 1;
                 let limit = self.config.consecutive_failures.saturating_mul(CLIENT_TIMEOUT_FACTOR);
                 if self.consecutive_client_timeouts >= limit
@@ -107,6 +112,7 @@ impl OutlierDetector {
                 self.consecutive_failures = 0;
                 self.consecutive_client_timeouts = 0;
                 self.run_started = None;
+                self.last_answer = Some(now);
                 if on_probation {
                     self.ejected_until = None;
                     self.ejections_in_a_row = 0;
@@ -270,6 +276,15 @@ mod tests {
             assert!(!d.record(Outcome::ClientTimeout, t4, t4 + (hung / limit) * k), "probation timeout {k}");
         }
         assert!(d.record(Outcome::ClientTimeout, t4, t4 + hung));
+        // Long client deadlines: requests sent before the last answer time out right after it;
+        // the silence runs from that answer.
+        let t5 = t4 + hung * 3;
+        let mut d = OutlierDetector::new(config());
+        assert!(!d.record(Outcome::Success, t5, t5));
+        for _ in 0..limit * 2 {
+            assert!(!d.record(Outcome::ClientTimeout, t5 - hung * 3, t5 + second));
+        }
+        assert!(d.record(Outcome::ClientTimeout, t5 - hung * 3, t5 + hung));
         // Never answered at all: silent since the first request that timed out was sent.
         let mut fresh = OutlierDetector::new(config());
         for _ in 0..limit {
@@ -280,36 +295,55 @@ mod tests {
 
     proptest! {
         /// Whatever the outcomes: an ejection lasts between the base and the max period, and a
-        /// worker is never ejected without `consecutive_failures` failures in a row (or
-        /// CLIENT_TIMEOUT_FACTOR times as many client timeouts, or one on probation) right before.
+        /// worker is never ejected without `consecutive_failures` failures in a row (or one on
+        /// probation) right before, or CLIENT_TIMEOUT_FACTOR times as many client timeouts over
+        /// at least `hung_after` of silence (from the later of the last answer and the run's
+        /// first send).
         #[test]
-        fn ejections_are_bounded(steps in proptest::collection::vec((0u8..4, 0u64..3000), 1..300)) {
+        fn ejections_are_bounded(steps in proptest::collection::vec((0u8..4, 0u64..3000, 0u64..20_000), 1..300)) {
             let cfg = config();
-            let mut now = Instant::now();
+            let mut now = Instant::now() + Duration::from_secs(60);
             let mut d = OutlierDetector::new(cfg);
             let (mut run, mut timeouts) = (0u32, 0u32);
-            for (o, dt) in steps {
+            // The model's own account of the silence a run of client timeouts spans.
+            let (mut last_success, mut silent_since): (Option<Instant>, Option<Instant>) = (None, None);
+            for (o, dt, back) in steps {
                 now += Duration::from_millis(dt);
+                // Sent up to 20 s before it finished (a client's deadline).
+                let started = now - Duration::from_millis(back);
                 let outcome = [Outcome::Success, Outcome::Failure, Outcome::Neutral, Outcome::ClientTimeout][o as usize];
                 let was_ejected = d.is_ejected(now);
                 let on_probation = d.ejected_until.is_some() && !was_ejected;
-                if !was_ejected {
+                let straggler = on_probation
+                    && matches!(outcome, Outcome::Failure | Outcome::ClientTimeout)
+                    && d.ejected_until.is_some_and(|until| started < until);
+                if !was_ejected && !straggler {
                     match outcome {
                         Outcome::Failure => run += 1,
-                        Outcome::ClientTimeout => timeouts += 1,
-                        Outcome::Success => (run, timeouts) = (0, 0),
+                        Outcome::ClientTimeout => {
+                            timeouts += 1;
+                            silent_since.get_or_insert(last_success.map_or(started, |s| s.max(started)));
+                        }
+                        Outcome::Success => {
+                            (run, timeouts) = (0, 0);
+                            silent_since = None;
+                            last_success = Some(now);
+                        }
                         Outcome::Neutral => {}
                     }
                 }
-                let ejected = d.record(outcome, now, now);
+                let ejected = d.record(outcome, started, now);
                 if ejected {
                     prop_assert!(!was_ejected);
-                    prop_assert!(
-                        run >= cfg.consecutive_failures
-                            || timeouts >= cfg.consecutive_failures * CLIENT_TIMEOUT_FACTOR
-                            || (on_probation && outcome == Outcome::Failure)
-                    );
+                    let by_failures = run >= cfg.consecutive_failures || (on_probation && outcome == Outcome::Failure);
+                    if !by_failures {
+                        // By client timeouts: enough of them, spanning `hung_after` of silence.
+                        prop_assert_eq!(outcome, Outcome::ClientTimeout);
+                        prop_assert!(timeouts >= cfg.consecutive_failures * CLIENT_TIMEOUT_FACTOR);
+                        prop_assert!(silent_since.is_some_and(|since| now.saturating_duration_since(since) >= cfg.hung_after));
+                    }
                     (run, timeouts) = (0, 0);
+                    silent_since = None;
                     let until = d.ejected_until.unwrap();
                     prop_assert!(until - now >= cfg.base_ejection && until - now <= cfg.max_ejection);
                     prop_assert!(d.is_ejected(now));
