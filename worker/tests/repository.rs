@@ -498,7 +498,7 @@ async fn an_unloaded_model_shows_unloading_until_its_last_request_finishes() {
     let dir = versioned_repo("");
     let cfg_path = dir.path().join("scale/config.pbtxt");
     let held =
-        std::fs::read_to_string(&cfg_path).unwrap() + "dynamic_batching { max_queue_delay_microseconds: 500000 }\n";
+        std::fs::read_to_string(&cfg_path).unwrap() + "dynamic_batching { max_queue_delay_microseconds: 3000000 }\n";
     std::fs::write(&cfg_path, held).unwrap();
     let repo = repository(dir.path(), ControlMode::Explicit, false);
     repo.load("scale", None).await.unwrap();

@@ -133,7 +133,7 @@ pub struct Repository {
     slots: RwLock<HashMap<String, Slot>>,
     /// Models unloaded while requests still ran on them: the index shows them UNLOADING (as
     /// Triton does) until the last of those finishes and the sessions go.
-    unloading: Mutex<HashMap<String, std::sync::Weak<LoadedModel>>>,
+    unloading: Mutex<HashMap<String, Vec<std::sync::Weak<LoadedModel>>>>,
     /// Serializes changes to the table (requests never take it). A load builds its model
     /// outside it, taking it to read the model's state before and to put the model in place
     /// after.
@@ -1123,12 +1123,17 @@ impl Repository {
             }
             // In-flight requests hold their version; its scheduler drains once they finish.
         }
-        self.set_slot(name, Slot { state: State::Unavailable(UNLOADED.into()), model: None, reload_error: None });
+        // Noted before the slot says unloaded, so that the index never shows UNAVAILABLE in
+        // between.
         if let Some(model) = &slot.model {
             let mut unloading = self.unloading.lock().unwrap_or_else(|e| e.into_inner());
-            unloading.retain(|_, m| m.strong_count() > 0);
-            unloading.insert(name.to_string(), Arc::downgrade(model));
+            unloading.retain(|_, models| {
+                models.retain(|m| m.strong_count() > 0);
+                !models.is_empty()
+            });
+            unloading.entry(name.to_string()).or_default().push(Arc::downgrade(model));
         }
+        self.set_slot(name, Slot { state: State::Unavailable(UNLOADED.into()), model: None, reload_error: None });
         self.epoch.fetch_add(1, Ordering::SeqCst);
         tracing::info!(model = %name, "model unloaded");
         Ok(Unloaded::Removed(slot.model))
@@ -1227,14 +1232,13 @@ impl Repository {
     /// Whether requests still run on `name`'s unloaded model.
     fn still_unloading(&self, name: &str) -> bool {
         let mut unloading = self.unloading.lock().unwrap_or_else(|e| e.into_inner());
-        match unloading.get(name) {
-            Some(model) if model.strong_count() > 0 => true,
-            Some(_) => {
-                unloading.remove(name);
-                false
-            }
-            None => false,
+        let Some(models) = unloading.get_mut(name) else { return false };
+        models.retain(|m| m.strong_count() > 0);
+        if models.is_empty() {
+            unloading.remove(name);
+            return false;
         }
+        true
     }
 
     /// POLL mode: re-scan every `interval`; load new models, reload changed ones, unload
