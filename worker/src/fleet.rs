@@ -239,8 +239,8 @@ async fn agent(
     reconciler.abort();
     // Stopped between sessions (or while revoking its lease failed): the registration would
     // outlive this process by up to a TTL, gateways still counting on it. A last, bounded try.
-    // (A revoke of an earlier lease that failed inside a session is not retried: that lease
-    // expires by itself within its TTL.)
+    // (A revoke of an earlier lease that failed inside a session is not retried: its drain was
+    // carried already, and the lease expires by itself within a TTL of etcd's last renewal.)
     let mut leftover: Vec<i64> = previous;
     leftover.extend(lease.as_ref().map(KeptLease::id));
     if !leftover.is_empty()

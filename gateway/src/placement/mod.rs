@@ -553,6 +553,9 @@ impl LoadWatch {
     }
 }
 
+/// How many graces what [`Sightings`] remembers about exits and term graces lasts.
+const TERM_MEMORY_GRACES: u32 = 6;
+
 /// When each worker was last seen registered, so that one whose registration vanished is given
 /// a grace before its placements are deleted.
 ///
@@ -564,13 +567,10 @@ impl LoadWatch {
 /// etcd and the fleet (every worker's lease expired meanwhile, the placements stayed), the new
 /// leader would otherwise find every worker gone for longer than the grace and delete every
 /// placement while the workers, still serving, are re-registering: a fleet-wide cold reload.
-/// Once per absence: terms that keep ending (a flapping leadership) do not keep a dead worker's
-/// placements for ever. Not for a worker this gateway saw draining itself (exiting): its
-/// placements go at once, as within a term. (One that drained and exited unseen by this gateway
+/// Once per absence (renewed after [`TERM_MEMORY_GRACES`] graces): terms that keep ending (a
+/// flapping leadership) do not keep a dead worker's placements for ever. Not for a worker this
+/// gateway saw draining itself (exiting) lately: its placements go at once, as within a term. (One that drained and exited unseen by this gateway
 /// keeps its placements for one grace more; its replacements are placed at once.)
-/// How many graces what [`Sightings`] remembers about exits and term graces lasts.
-const TERM_MEMORY_GRACES: u32 = 6;
-
 struct Sightings {
     grace: Duration,
     last_seen: BTreeMap<String, Instant>,
