@@ -135,9 +135,17 @@ dynamic_batching { max_queue_delay_microseconds: 2000 }
 async fn the_response_cache_answers_identical_requests_of_models_that_enable_it() {
     let cached = GOOD.replace("good", "cached") + "response_cache { enable: true }\n";
     let plain = GOOD.replace("good", "plain");
+    // Without batching, any number of rows: requests large enough for the cache to hash (and
+    // copy) them off the I/O threads.
+    let large = GOOD
+        .replace("good", "large")
+        .replace("max_batch_size: 8", "max_batch_size: 0")
+        .replace("dims: [ 16 ]", "dims: [ -1, 16 ]")
+        + "response_cache { enable: true }\n";
     let dir = repo(&[
         TestModel { name: "cached", source: "identity_fp32", config: Some(&cached) },
         TestModel { name: "plain", source: "identity_fp32", config: Some(&plain) },
+        TestModel { name: "large", source: "identity_fp32", config: Some(&large) },
     ]);
     let with = |bytes: Option<usize>| {
         let repo = Arc::try_unwrap(repository(dir.path(), ControlMode::None, false)).ok().unwrap();
@@ -166,6 +174,20 @@ async fn the_response_cache_answers_identical_requests_of_models_that_enable_it(
     }
     let s = stats(&repo, "plain");
     assert_eq!((s.cache_hit.count, s.cache_miss.count, s.execution_count), (0, 0, 2));
+    // A request of 320 KB: keyed and kept the same way.
+    let big = |fill: u8| {
+        let mut r = identity_request("large", None);
+        r.inputs[0].shape = vec![5000, 16];
+        r.inputs[0].data = Bytes::from(vec![fill; 5000 * 64]);
+        r
+    };
+    let first = repo.infer(big(3)).await.unwrap();
+    let again = repo.infer(big(3)).await.unwrap();
+    assert_eq!(first.outputs[0].data, again.outputs[0].data);
+    assert_eq!(again.outputs[0].data.len(), 5000 * 64);
+    repo.infer(big(4)).await.unwrap();
+    let s = stats(&repo, "large");
+    assert_eq!((s.cache_hit.count, s.cache_miss.count, s.execution_count), (1, 2, 2));
     let text = repo.metrics().render();
     assert!(text.contains("nv_cache_num_hits_per_model{model=\"cached\",version=\"1\"} 1"), "{text}");
     assert!(text.contains("nv_cache_num_misses_per_model{model=\"cached\",version=\"1\"} 2"), "{text}");

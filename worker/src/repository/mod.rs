@@ -565,14 +565,32 @@ impl Repository {
         }
         // The response cache, for a model that enables it: an identical earlier request's
         // answer is returned without running anything.
-        let cached = self.cache.as_ref().filter(|_| model.cache_enabled).map(|cache| {
-            let lookup = Instant::now();
-            // An ensemble's answer also depends on its composing models: any load or unload
-            // since (the repository's epoch) makes its old responses unusable.
-            let epoch = if model.ensemble.is_some() { self.epoch.load(Ordering::SeqCst) } else { 0 };
-            let key = cache.key(&request, &model.name, version.version, [model.generation, epoch]);
-            (cache, key, cache.get(key), lookup.elapsed())
-        });
+        let cached = match self.cache.as_ref().filter(|_| model.cache_enabled) {
+            None => None,
+            Some(cache) => {
+                let lookup = Instant::now();
+                // An ensemble's answer also depends on its composing models: any load or unload
+                // since (the repository's epoch) makes its old responses unusable.
+                let epoch = if model.ensemble.is_some() { self.epoch.load(Ordering::SeqCst) } else { 0 };
+                let generations = [model.generation, epoch];
+                let bytes: usize = request.inputs.iter().map(|i| i.data.len()).sum();
+                let key = if bytes <= CACHE_INLINE_BYTES {
+                    Some(cache.key(&request, &model.name, version.version, generations))
+                } else {
+                    // Hashing a large request takes milliseconds: off the I/O threads (the
+                    // tensors are shared, not copied).
+                    let keyed = InferRequest {
+                        inputs: request.inputs.clone(),
+                        outputs: request.outputs.clone(),
+                        ..Default::default()
+                    };
+                    let (cache, name, v) = (cache.clone(), model.name.clone(), version.version);
+                    tokio::task::spawn_blocking(move || cache.key(&keyed, &name, v, generations)).await.ok()
+                };
+                // (A key that could not be computed: served as if the model did not cache.)
+                key.map(|key| (cache, key, cache.get(key), lookup.elapsed()))
+            }
+        };
         if let Some((_, _, Some(outputs), lookup)) = &cached {
             let outcome = classified(&model, &request.outputs, outputs.as_ref().clone());
             let outcome = write_shm_outputs(outcome, std::mem::take(&mut request.shm_outputs)).await;
@@ -598,7 +616,13 @@ impl Repository {
         };
         if let (Some((cache, key, None, lookup)), Ok(outputs)) = (&cached, &outcome) {
             let insert = Instant::now();
-            cache.insert(*key, outputs);
+            if outputs.iter().map(|o| o.data.len()).sum::<usize>() <= CACHE_INLINE_BYTES {
+                cache.insert(*key, outputs);
+            } else {
+                // Its copy of a large response, likewise off the I/O threads.
+                let (cache, key, outputs) = ((*cache).clone(), *key, outputs.clone());
+                let _ = tokio::task::spawn_blocking(move || cache.insert(key, &outputs)).await;
+            }
             stats.record_cache_miss(*lookup + insert.elapsed());
         }
         // The classification extension reshapes what the model answered (the cache keeps the
@@ -1352,6 +1376,10 @@ impl Repository {
         self.attempted.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), stamp);
     }
 }
+
+/// Above this many bytes of tensors, the response cache's hashing of a request (and its copy
+/// of a response) runs on a blocking thread rather than on the I/O thread serving requests.
+const CACHE_INLINE_BYTES: usize = 256 << 10;
 
 /// What an unload did.
 enum Unloaded {
