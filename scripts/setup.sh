@@ -16,7 +16,16 @@ PY="${PYTHON:-python3}"
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
-as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+as_root() {
+  if [ "$(id -u)" = 0 ]; then
+    "$@"
+  elif command -v sudo >/dev/null 2>&1; then
+    sudo "$@"
+  else
+    log "installing system packages needs root: run this as root, or install sudo"
+    exit 1
+  fi
+}
 
 apt_install() {
   local missing=()
@@ -26,14 +35,21 @@ apt_install() {
   if [ "${#missing[@]}" -gt 0 ]; then
     log "apt-get install ${missing[*]}"
     as_root apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${missing[@]}" >/dev/null
+    # Through env: sudo's env_reset would drop a variable set in front of it.
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
     # Debian's etcd-server starts a system etcd on 127.0.0.1:2379 where systemd runs; Nereid
     # starts its own etcd (the tests on free ports, deploy/local/up.sh on 2379), so the one
     # installed here is stopped and kept from starting at boot. An etcd that was already
     # installed is left alone.
-    if [[ " ${missing[*]} " == *" etcd-server "* ]] && [ -d /run/systemd/system ]; then
-      log "stopping and disabling the system etcd service the etcd-server package started"
-      as_root systemctl disable --now etcd >/dev/null 2>&1 || true
+    if [[ " ${missing[*]} " == *" etcd-server "* ]]; then
+      if [ -d /run/systemd/system ]; then
+        log "stopping and disabling the system etcd service the etcd-server package started"
+        as_root systemctl disable --now etcd >/dev/null 2>&1 || true
+      elif [ -x /etc/init.d/etcd ]; then
+        # Without systemd the package's init script may have started it (where no policy-rc.d
+        # forbids it).
+        as_root /etc/init.d/etcd stop >/dev/null 2>&1 || true
+      fi
     fi
   fi
 }

@@ -23,6 +23,17 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def up(env: dict) -> subprocess.CompletedProcess:
+    """Runs up.sh; whatever happens (a timeout kills bash before its EXIT trap runs), what it
+    started is stopped afterwards with down.sh."""
+    try:
+        return subprocess.run(
+            ["bash", str(ROOT / "deploy/local/up.sh")], env=env, capture_output=True, text=True, timeout=600
+        )
+    finally:
+        subprocess.run(["bash", str(ROOT / "deploy/local/down.sh")], env=env, capture_output=True, timeout=120)
+
+
 def fleet_env(tmp_path, http, grpc, metrics, etcd, peer) -> dict:
     return dict(
         os.environ,
@@ -47,13 +58,7 @@ def test_a_port_in_use_is_refused_before_anything_starts(tmp_path):
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", etcd))
         squatter.listen()
-        run = subprocess.run(
-            ["bash", str(ROOT / "deploy/local/up.sh")],
-            env=fleet_env(tmp_path, http, grpc, metrics, etcd, peer),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        run = up(fleet_env(tmp_path, http, grpc, metrics, etcd, peer))
     out = run.stdout + run.stderr
     assert run.returncode != 0, out
     assert f"127.0.0.1:{etcd} is already in use" in out, out
@@ -66,9 +71,7 @@ def test_a_port_in_use_is_refused_before_anything_starts(tmp_path):
 def test_up_serves_every_example_model_through_the_gateway_and_down_stops_it(tmp_path):
     http, grpc, metrics, etcd, peer = free_ports(5)
     env = fleet_env(tmp_path, http, grpc, metrics, etcd, peer)
-    run = subprocess.run(
-        ["bash", str(ROOT / "deploy/local/up.sh")], env=env, capture_output=True, text=True, timeout=600
-    )
+    run = up(env)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     assert "== fleet up" in out, out

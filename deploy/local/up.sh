@@ -23,7 +23,10 @@ PROFILE="${NEREID_BUILD_PROFILE:-release}"
 state="${NEREID_LOCAL_DIR:-$root/target/local-fleet}"
 endpoint="http://127.0.0.1:$ETCD_PORT"
 
-log() { printf '\033[1m[local]\033[0m %s\n' "$*" >&2; }
+# Messages go to the terminal's stderr as it was at start (fd 9), also from inside checks whose
+# own output is silenced.
+exec 9>&2
+log() { printf '\033[1m[local]\033[0m %s\n' "$*" >&9; }
 die() { log "$*"; exit 1; }
 
 bash scripts/setup.sh
@@ -37,8 +40,16 @@ else
 fi
 
 NEREID_LOCAL_DIR="$state" bash "$root/deploy/local/down.sh" >/dev/null 2>&1 || true
-rm -rf "$state"
+# Only a folder this script made is emptied (NEREID_LOCAL_DIR could name any folder).
+marker="$state/.nereid-local-fleet"
+if [ "$state" != "$root/target/local-fleet" ] && [ -d "$state" ] && [ ! -e "$marker" ] \
+  && [ -n "$(ls -A "$state" 2>/dev/null)" ]; then
+  die "$state is not empty and was not made by this script: choose another NEREID_LOCAL_DIR"
+fi
+rm -rf "$state/etcd"
+rm -f "$state"/*.log "$state"/*.pid "$state"/*.ports
 mkdir -p "$state"
+touch "$marker"
 
 # Every port must be free: an etcd already on ETCD_PORT (Debian's etcd-server package starts
 # etcd.service on 2379 where systemd runs) would answer our health check with its own, possibly
@@ -116,7 +127,13 @@ ready_count() {
   curl -sf -X POST "http://127.0.0.1:$HTTP_PORT/v2/repository/index" -d '{"ready":true}' |
     python3 -c 'import json,sys; print(len({(m["name"], m["version"]) for m in json.load(sys.stdin)}))'
 }
-all_ready() { [ "$(ready_count)" = 9 ]; }
+all_ready() {
+  # A process that died fails the wait at once, naming its log, rather than at its end.
+  for f in "$state"/*.pid; do
+    kill -0 "$(cat "$f")" 2>/dev/null || die "$(basename "$f" .pid) exited: see $state/$(basename "$f" .pid).log"
+  done
+  [ "$(ready_count)" = 9 ]
+}
 wait_for "the gateway to route all 9 model versions" 180 all_ready
 for f in "$state"/*.pid; do kill -0 "$(cat "$f")" 2>/dev/null || die "$(basename "$f" .pid) exited: see $state"; done
 
