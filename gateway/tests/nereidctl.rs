@@ -390,3 +390,22 @@ async fn an_until_exit_drain_survives_the_workers_session_restart() {
     assert_eq!(lease_of(&etcd, "workers/w1").await, Some(first), "{}", worker.log());
     assert_eq!(lease_of(&etcd, "drain/w1").await, Some(first));
 }
+
+/// An operator's drain (until `nereidctl undrain`) is left as it is by a pod's preStop
+/// `--until-exit`: bound to the worker's lease it would end with the process, and a pod
+/// restarted under the same name would take traffic again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_until_exit_drain_leaves_an_operators_drain_in_place() {
+    let etcd = Etcd::start().await;
+    let ep = etcd.endpoint();
+    let _worker = spawn_fleet_worker(&etcd, "w1", &[]);
+    wait_until("w1 registered", WAIT, || async { lease_of(&etcd, "workers/w1").await.is_some() }).await;
+    ctl(&ep, &["drain", "w1", "--reason", "bad GPU"]).await.ok();
+    assert_eq!(lease_of(&etcd, "drain/w1").await, Some(0));
+    let out = ctl(&ep, &["drain", "w1", "--until-exit", "--output", "json"]).await.ok();
+    assert_eq!(out.json()["action"], "none", "{out:?}");
+    assert!(out.json()["message"].as_str().unwrap().contains("already drained until `nereidctl undrain`"), "{out:?}");
+    assert_eq!(lease_of(&etcd, "drain/w1").await, Some(0), "still bound to no lease");
+    let shown = ctl(&ep, &["get", "--output", "json"]).await.ok().stdout;
+    assert!(shown.contains("bad GPU"), "the operator's reason stays: {shown}");
+}

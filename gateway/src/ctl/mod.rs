@@ -101,8 +101,9 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
             }
             let key = store.keys.model(&name);
             let previous = store.put(&key, &value).await?;
-            // A route may now weight a version no longer declared: say so (the write stands).
-            if let Some((route, _)) = store.get(&store.keys.route(&name)).await?
+            // A route may now weight a version no longer declared: say so (the write stands; a
+            // failed read of the route only leaves the warning out).
+            if let Some((route, _)) = store.get(&store.keys.route(&name)).await.ok().flatten()
                 && let Ok(route) = records::decode::<RouteRecord>(&route)
             {
                 let stale: Vec<String> =
@@ -123,7 +124,7 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
             let Some(previous) = store.delete(&key).await? else {
                 return Err(CtlError::Invalid(format!("model {name} is not declared (no {key}); nothing removed")));
             };
-            if store.get(&store.keys.route(&name)).await?.is_some() {
+            if store.get(&store.keys.route(&name)).await.ok().flatten().is_some() {
                 warn(&format!("routes/{name} is left in place; remove it with `nereidctl routes clear {name}`"));
             }
             let what = format!("removed model {name}: the placement controller unloads it from every worker");
@@ -186,6 +187,7 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
                      (--force drains it anyway, e.g. before it starts)"
                 ))
             };
+            let mut kept_persistent = false;
             if force {
                 store.put(&key, &value).await?;
             } else if until_exit {
@@ -197,9 +199,26 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
                         "{worker_key} is bound to no lease: --until-exit needs a worker's own registration"
                     )));
                 }
-                let when = vec![Compare::lease(worker_key.as_str(), CompareOp::Equal, lease)];
-                if !store.put_leased_if(when, &key, &value, lease).await? {
-                    return Err(not_registered());
+                // An operator's drain (bound to no lease: until `nereidctl undrain`) stands: bound
+                // to the worker's lease instead, it would end when the worker exits — and a pod
+                // restarted under the same name would take traffic and placements again.
+                match store.lease_of(&key).await? {
+                    Some(0) => kept_persistent = true,
+                    existing => {
+                        // Written only if the drain record is as read (absent, or an earlier
+                        // --until-exit's), besides the registration.
+                        let drain_as_read = match existing {
+                            None => Compare::version(key.as_str(), CompareOp::Equal, 0),
+                            Some(l) => Compare::lease(key.as_str(), CompareOp::Equal, l),
+                        };
+                        let when = vec![Compare::lease(worker_key.as_str(), CompareOp::Equal, lease), drain_as_read];
+                        if !store.put_leased_if(when, &key, &value, lease).await? {
+                            return Err(CtlError::Invalid(format!(
+                                "worker {worker}'s registration ({worker_key}) or drain record ({key}) changed \
+                                 while this was written; nothing written: run it again"
+                            )));
+                        }
+                    }
                 }
             } else {
                 // Written only while the worker is registered (its key exists).
@@ -208,10 +227,20 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
                     return Err(not_registered());
                 }
             }
-            let what = format!(
-                "drained worker {worker}: the gateway stops routing to it and the placement controller moves its models"
-            );
-            let mut out = written(output, &what, &key, Some(&value), None);
+            let mut out = if kept_persistent {
+                kept(
+                    output,
+                    &format!(
+                        "worker {worker} is already drained until `nereidctl undrain`: --until-exit leaves that drain as it is"
+                    ),
+                    &key,
+                )
+            } else {
+                let what = format!(
+                    "drained worker {worker}: the gateway stops routing to it and the placement controller moves its models"
+                );
+                written(output, &what, &key, Some(&value), None)
+            };
             if wait_secs > 0 {
                 let moved = wait_moved(&mut store, &worker, Duration::from_secs(wait_secs)).await?;
                 if output == Output::Table {
@@ -342,6 +371,14 @@ fn pretty(value: &Value) -> String {
 }
 
 /// What a write did: a sentence and the key/value for people, or an object for scripts.
+/// What a command that found its work done already prints: `key` left as it is.
+fn kept(output: Output, what: &str, key: &str) -> String {
+    match output {
+        Output::Table => format!("{what}\n  kept {key}\n"),
+        Output::Json => pretty(&json!({ "action": "none", "key": key, "message": what })),
+    }
+}
+
 fn written(output: Output, what: &str, key: &str, value: Option<&str>, previous: Option<&[u8]>) -> String {
     let as_json = |bytes: &[u8]| {
         serde_json::from_slice::<Value>(bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(bytes).into()))
