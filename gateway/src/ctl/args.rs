@@ -119,7 +119,8 @@ pub enum ModelCommand {
         /// Memory one loaded version needs on a worker, in MiB (0: not counted).
         #[arg(long, default_value_t = 0, value_name = "MIB", value_parser = clap::value_parser!(u64).range(0..=MAX_MEMORY_MB))]
         memory_mb: u64,
-        /// Cost class of the model's requests.
+        /// Cost class of the model's requests (stored for the gateway's cost-class routing;
+        /// not used by the gateway yet).
         #[arg(long, value_name = "CLASS", value_parser = cost_class)]
         cost_class: Option<String>,
         /// Only workers with this label (KEY=VALUE, as given by the worker's --label); repeat

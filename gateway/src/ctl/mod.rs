@@ -273,8 +273,8 @@ async fn wait_moved(store: &mut Store, worker: &str, within: Duration) -> Result
         if start.elapsed() >= within {
             let names: Vec<&str> = left.iter().map(|k| k.strip_prefix(prefix.as_str()).unwrap_or(k)).collect();
             return Err(CtlError::Failed(format!(
-                "after {}s worker {worker} still holds {} (model/version): no other worker has loaded \
-                 them yet — see `nereidctl placement` and the gateway's placement log",
+                "the drain is in place, but after {}s worker {worker} still holds {} (model/version): no \
+                 other worker has loaded them yet — see `nereidctl placement` and the gateway's placement log",
                 within.as_secs(),
                 names.join(", ")
             )));
