@@ -292,7 +292,8 @@ fn fleet_options(args: &Args, grpc_port: Option<u16>, http_port: Option<u16>) ->
     let mut labels = std::collections::BTreeMap::new();
     for l in &args.labels {
         let (k, v) = l.split_once('=').with_context(|| format!("--label '{l}': expected key=value"))?;
-        anyhow::ensure!(!k.is_empty(), "--label '{l}': the key is empty");
+        // As nereidctl checks a model's --selector: every label can be selected.
+        nereid_common::fleet::records::check_label(k, v).map_err(|e| anyhow::anyhow!("--label '{l}': {e}"))?;
         labels.insert(k.to_string(), v.to_string());
     }
     let mut devices = vec!["cpu".to_string()];

@@ -53,6 +53,8 @@ fn invalid_flags_exit_non_zero_naming_the_flag() {
         (fleet(&["127.0.0.1:2379"]), "--etcd-endpoints"),
         (fleet(&["http://127.0.0.1:9", "--etcd-prefix", "nereid"]), "--etcd-prefix"),
         (fleet(&["http://127.0.0.1:9", "--label", "novalue"]), "--label"),
+        // A label no `nereidctl model declare --selector` could name.
+        (fleet(&["http://127.0.0.1:9", "--label", "team=ml infra"]), "--label"),
         (fleet(&["http://127.0.0.1:9", "--worker-id", "a/b"]), "--worker-id"),
     ] {
         let (code, output) = run_cli(&args);

@@ -65,6 +65,25 @@ fn schema() -> u32 {
     SCHEMA_VERSION
 }
 
+/// Checks a label (a worker's `--label`, a model's `--selector`), the same on both sides so
+/// that every selector nereidctl accepts can match a label a worker accepts: a non-empty key,
+/// neither part longer than 63 characters (Kubernetes' limit) nor holding whitespace or control
+/// characters.
+pub fn check_label(key: &str, value: &str) -> Result<(), String> {
+    if key.is_empty() {
+        return Err("the key is empty".into());
+    }
+    for (what, part) in [("key", key), ("value", value)] {
+        if part.chars().count() > 63 {
+            return Err(format!("the {what} is longer than 63 characters"));
+        }
+        if part.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(format!("the {what} holds a space or control character"));
+        }
+    }
+    Ok(())
+}
+
 /// `workers/<id>`: a worker's registration, under its lease.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

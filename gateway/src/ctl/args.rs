@@ -3,7 +3,7 @@
 
 use clap::{Parser, Subcommand, ValueEnum};
 use nereid_common::fleet::keys::check_name;
-use nereid_common::fleet::records::{MAX_MEMORY_MB, MAX_REPLICAS};
+use nereid_common::fleet::records::{self, MAX_MEMORY_MB, MAX_REPLICAS};
 use nereid_common::fleet::{DEFAULT_PREFIX, Keys};
 
 /// Default `--etcd-endpoints`.
@@ -197,20 +197,13 @@ fn reason(value: &str) -> Result<String, String> {
     Ok(value.to_string())
 }
 
-/// Parses one `--selector KEY=VALUE`: a non-empty key, neither part longer than 63 characters
-/// nor holding spaces or control characters (no worker label could match those).
+/// Parses one `--selector KEY=VALUE`, checked as workers check their `--label`s
+/// ([`records::check_label`]): a selector no worker label could match is refused.
 pub fn selector(value: &str) -> Result<(String, String), String> {
     let Some((k, v)) = value.split_once('=').map(|(k, v)| (k.trim(), v.trim())).filter(|(k, _)| !k.is_empty()) else {
         return Err(format!("'{value}': expected KEY=VALUE with a non-empty key"));
     };
-    for (what, part) in [("key", k), ("value", v)] {
-        if part.chars().count() > 63 {
-            return Err(format!("'{value}': the {what} is longer than 63 characters"));
-        }
-        if part.chars().any(|c| c.is_whitespace() || c.is_control()) {
-            return Err(format!("'{value}': the {what} holds a space or control character"));
-        }
-    }
+    records::check_label(k, v).map_err(|e| format!("'{value}': {e}"))?;
     Ok((k.to_string(), v.to_string()))
 }
 
