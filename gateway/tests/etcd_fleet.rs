@@ -901,6 +901,14 @@ async fn a_kept_lease_outlives_its_ttl_its_loss_is_reported_and_dropping_the_tas
     .await;
 }
 
+/// Worker w1 (with `args`) serving identity_fp32, placed by gateway g1 and routed through it.
+async fn identity_on_w1(etcd: &Etcd, args: &[&str]) -> (Proc, Proc) {
+    let w1 = spawn_fleet_worker(etcd, "w1", args);
+    let gateway = spawn_fleet_gateway(etcd, "g1", &[]);
+    declare_identity_and_wait(etcd, &gateway, 1).await;
+    (w1, gateway)
+}
+
 /// The lease `key` is held under, if the key is there.
 async fn lease_of(client: &mut Client, key: &str) -> Option<i64> {
     client.get(key, None).await.ok()?.kvs().first().map(|kv| kv.lease())
@@ -913,9 +921,7 @@ async fn lease_of(client: &mut Client, key: &str) -> Option<i64> {
 async fn a_worker_writes_its_deleted_keys_again_under_the_same_lease() {
     let etcd = Etcd::start().await;
     let mut client = etcd.client().await;
-    let w1 = spawn_fleet_worker(&etcd, "w1", &[]);
-    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
-    declare_identity_and_wait(&etcd, &gateway, 1).await;
+    let (w1, gateway) = identity_on_w1(&etcd, &[]).await;
     let record = format!("{PREFIX}/workers/w1");
     let lease = lease_of(&mut client, &record).await.expect("registered");
 
@@ -953,9 +959,7 @@ async fn a_worker_keeps_its_lease_and_registration_while_etcd_refuses_writes() {
     use nereid_common::fleet::etcd_client::{AlarmAction, AlarmOptions, AlarmType};
     let etcd = Etcd::start().await;
     let mut client = etcd.client().await;
-    let w1 = spawn_fleet_worker(&etcd, "w1", &[]);
-    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
-    declare_identity_and_wait(&etcd, &gateway, 1).await;
+    let (w1, gateway) = identity_on_w1(&etcd, &[]).await;
     let record = format!("{PREFIX}/workers/w1");
     let lease = lease_of(&mut client, &record).await.expect("registered");
 
@@ -1004,9 +1008,7 @@ async fn a_worker_keeps_its_lease_and_registration_while_etcd_refuses_writes() {
 async fn a_worker_keeps_its_lease_across_an_etcd_restart() {
     let mut etcd = Etcd::start().await;
     // A TTL well above how long the restart takes: the lease outlives it in etcd.
-    let w1 = spawn_fleet_worker(&etcd, "w1", &["--etcd-lease-ttl-secs", "10"]);
-    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
-    declare_identity_and_wait(&etcd, &gateway, 1).await;
+    let (w1, gateway) = identity_on_w1(&etcd, &["--etcd-lease-ttl-secs", "10"]).await;
     wait_metric(&w1, "nereid_worker_etcd_connected", "the worker's session up", |v| v == 1.0).await;
     let record = format!("{PREFIX}/workers/w1");
     let lease = lease_of(&mut etcd.client().await, &record).await.expect("registered");
@@ -1036,9 +1038,7 @@ async fn a_worker_keeps_its_lease_across_an_etcd_restart() {
 async fn a_worker_counts_invalid_placement_values_and_keeps_the_assignment() {
     let etcd = Etcd::start().await;
     let mut client = etcd.client().await;
-    let w1 = spawn_fleet_worker(&etcd, "w1", &[]);
-    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
-    declare_identity_and_wait(&etcd, &gateway, 1).await;
+    let (w1, _gateway) = identity_on_w1(&etcd, &[]).await;
     let series = "nereid_worker_etcd_invalid_values_total{kind=\"placement\"}";
     assert_eq!(w1.metric(series).await, Some(0.0));
 

@@ -318,26 +318,19 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
 dynamic_batching { preferred_batch_size: [ 8 ] max_queue_delay_microseconds: 600000000 }
 "#;
 
+/// Ejection after two failures in a row, for a minute (it outlasts each test).
+const EJECT_AFTER_TWO_FOR_A_MINUTE: [&str; 6] =
+    ["--ejection-consecutive-failures", "2", "--ejection-base-ms", "60000", "--ejection-max-ms", "60000"];
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timeouts_eject_a_worker_only_when_the_gateways_own_limit_set_the_deadline() {
     let repo = common::identity_repo(&[("identity_fp32", STALLED_IDENTITY)]);
     let stalled = start_worker(repo.path(), &[]).await;
     // One worker only: its ejection shows in the counter, and (all holders ejected) requests
     // still go to it, so every phase below reaches it.
-    let gateway = start_gateway(
-        &[&stalled],
-        &[
-            "--request-timeout-ms",
-            "800",
-            "--ejection-consecutive-failures",
-            "2",
-            "--ejection-base-ms",
-            "60000",
-            "--ejection-max-ms",
-            "60000",
-        ],
-    )
-    .await;
+    let gateway =
+        start_gateway(&[&stalled], &[&["--request-timeout-ms", "800"][..], &EJECT_AFTER_TWO_FOR_A_MINUTE].concat())
+            .await;
     let mut client = gateway.client().await;
     let ejected = || gateway.metric("nereid_gateway_workers{state=\"ejected\"}");
 
@@ -375,21 +368,9 @@ async fn timeouts_eject_a_worker_only_when_the_gateways_own_limit_set_the_deadli
 async fn a_worker_every_client_deadline_runs_out_on_is_ejected() {
     let repo = common::identity_repo(&[("identity_fp32", STALLED_IDENTITY)]);
     let stalled = start_worker(repo.path(), &[]).await;
-    let gateway = start_gateway(
-        &[&stalled],
-        &[
-            "--ejection-consecutive-failures",
-            "2",
-            "--ejection-base-ms",
-            "60000",
-            "--ejection-max-ms",
-            "60000",
-            // Less than the 8 timeouts below take (100 ms each, one after the other).
-            "--ejection-hung-after-ms",
-            "500",
-        ],
-    )
-    .await;
+    // A hung-after shorter than the 8 timeouts below take (100 ms each, one after the other).
+    let hung = ["--ejection-hung-after-ms", "500"];
+    let gateway = start_gateway(&[&stalled], &[&EJECT_AFTER_TWO_FOR_A_MINUTE[..], &hung].concat()).await;
     let mut client = gateway.client().await;
     for i in 0..8 {
         assert_eq!(gateway.metric("nereid_gateway_ejections_total").await, Some(0.0), "after {i}");

@@ -343,6 +343,22 @@ async fn explicit_mode_loads_only_on_request() {
     assert_eq!(none.load("scale", None).await.unwrap_err().code, Code::FailedPrecondition);
 }
 
+/// A `scale` request sent in the background, once it waits in version 2's queue (held there by
+/// the test's batching delay).
+async fn queued_scale_request(
+    repo: &Arc<Repository>,
+) -> tokio::task::JoinHandle<Result<(i64, f32), nereid_common::Status>> {
+    let in_flight = {
+        let repo = repo.clone();
+        tokio::spawn(async move { scale(&repo, None).await })
+    };
+    common::eventually("request queued", || {
+        repo.metrics().render().contains("nv_inference_pending_request_count{model=\"scale\",version=\"2\"} 1")
+    })
+    .await;
+    in_flight
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poll_mode_reloads_changes_without_dropping_in_flight_requests() {
     let dir = versioned_repo("");
@@ -353,14 +369,7 @@ async fn poll_mode_reloads_changes_without_dropping_in_flight_requests() {
     std::fs::write(&cfg_path, &held_cfg).unwrap();
     let repo = repository(dir.path(), ControlMode::Poll, false);
     assert!(repo.load_startup_models().await.is_empty());
-    let in_flight = {
-        let repo = repo.clone();
-        tokio::spawn(async move { scale(&repo, None).await })
-    };
-    common::eventually("request queued", || {
-        repo.metrics().render().contains("nv_inference_pending_request_count{model=\"scale\",version=\"2\"} 1")
-    })
-    .await;
+    let in_flight = queued_scale_request(&repo).await;
 
     // Change the version policy: both versions should serve after the next poll.
     std::fs::write(&cfg_path, held_cfg.replace("dynamic_batching", "version_policy: { all: { } }\ndynamic_batching"))
@@ -524,14 +533,7 @@ async fn an_unloaded_model_shows_unloading_until_its_last_request_finishes() {
     std::fs::write(&cfg_path, held).unwrap();
     let repo = repository(dir.path(), ControlMode::Explicit, false);
     repo.load("scale", None).await.unwrap();
-    let in_flight = {
-        let repo = repo.clone();
-        tokio::spawn(async move { scale(&repo, None).await })
-    };
-    common::eventually("request queued", || {
-        repo.metrics().render().contains("nv_inference_pending_request_count{model=\"scale\",version=\"2\"} 1")
-    })
-    .await;
+    let in_flight = queued_scale_request(&repo).await;
     repo.unload("scale").await.unwrap();
     assert!(!repo.model_ready("scale", None));
     assert_eq!(state(&repo, "scale").as_deref(), Some("UNLOADING"), "{:?}", repo.index(false));
