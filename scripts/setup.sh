@@ -65,8 +65,14 @@ fi
 # python3-venv / pip for the project's venv, curl for deploy/local/up.sh.
 apt_install build-essential protobuf-compiler etcd-server etcd-client python3-venv python3-pip curl ca-certificates ${NEREID_EXTRA_APT:-}
 
-# The project's venv exists before anything is fetched with its pip.
+# The project's venv exists before anything is fetched with its pip. One whose interpreter no
+# longer runs (the system Python it points at was upgraded or removed, a half-made venv) is
+# made again from scratch, packages included.
 venv="$root/.venv"
+if [ -e "$venv" ] && ! "$venv/bin/python" -c 'import sys' >/dev/null 2>&1; then
+  log "the python venv at .venv is broken (its interpreter does not run): making it again"
+  rm -rf "$venv"
+fi
 [ -x "$venv/bin/python" ] || { log "python venv at .venv"; "$PY" -m venv "$venv"; }
 
 # ONNX Runtime: the shared library out of the official wheel (no unversioned .so inside).
@@ -84,25 +90,26 @@ if [ ! -f "$ort_lib" ]; then
 fi
 ln -sf "libonnxruntime.so.$ORT_VERSION" "$ort_dir/libonnxruntime.so"
 
-# The venv's packages: the real clients used by the compatibility tests.
+# The venv's packages: the real clients used by the compatibility tests. requirements.txt names
+# what the tests use; constraints.txt pins everything those pull in (grpcio, protobuf, ...), so
+# a later release of a dependency cannot change what the tests run against. The stamp holds
+# both files: a change to either reinstalls.
 stamp="$venv/.nereid-requirements"
 req="$root/scripts/requirements.txt"
-if [ ! -f "$stamp" ] || ! cmp -s "$req" "$stamp"; then
+constraints="$root/scripts/constraints.txt"
+if [ ! -f "$stamp" ] || ! cat "$req" "$constraints" | cmp -s - "$stamp"; then
   log "python packages in .venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-  "$venv/bin/python" -m pip install -q -r "$req"
-  cp "$req" "$stamp"
+  "$venv/bin/python" -m pip install -q -r "$req" -c "$constraints"
+  cat "$req" "$constraints" > "$stamp"
 fi
 
-# Example models (deterministic; regenerated only when the generator changes).
+# Example models: deterministic, and the generator rewrites only a file whose bytes differ
+# (well under a second), so it runs every time — a deleted or damaged model comes back.
 gen="$root/examples/generate_models.py"
 if [ -f "$gen" ]; then
-  gstamp="$root/examples/models/.generated"
-  if [ ! -f "$gstamp" ] || ! cmp -s "$gen" "$gstamp"; then
-    log "generating example models"
-    "$venv/bin/python" "$gen" --out "$root/examples/models"
-    cp "$gen" "$gstamp"
-  fi
+  "$venv/bin/python" "$gen" --quiet --out "$root/examples/models"
+  rm -f "$root/examples/models/.generated" # the stamp earlier versions of this script kept
 fi
 
 log "ready: ORT=$ort_lib venv=$venv"

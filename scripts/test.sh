@@ -32,6 +32,8 @@ fi
 
 if [ -d tests/python ] && ls tests/python/test_*.py >/dev/null 2>&1; then
   echo "== python compatibility tests (tritonclient)"
+  # --timeout: a hung test fails on its own after 10 minutes (pytest-timeout) instead of holding
+  # the run until CI's limit kills everything without a report.
   NEREID_WORKER_BIN="$root/target/debug/nereid-worker" \
-    .venv/bin/python -m pytest -q tests/python gateway/tests/python examples/test_generated_models.py deploy
+    .venv/bin/python -m pytest -q --timeout 600 tests/python gateway/tests/python examples/test_generated_models.py deploy
 fi
