@@ -213,7 +213,8 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
                         };
                         let when = vec![Compare::lease(worker_key.as_str(), CompareOp::Equal, lease), drain_as_read];
                         if !store.put_leased_if(when, &key, &value, lease).await? {
-                            return Err(CtlError::Invalid(format!(
+                            // Changed under the conditional write: exit 1, as `routes set`.
+                            return Err(CtlError::Failed(format!(
                                 "worker {worker}'s registration ({worker_key}) or drain record ({key}) changed \
                                  while this was written; nothing written: run it again"
                             )));

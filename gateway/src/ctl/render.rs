@@ -265,11 +265,20 @@ pub fn models_table(rows: &[ModelRow<'_>]) -> String {
                 v.failed.to_string(),
                 if first { memory_text(row.record.resources.memory_mb) } else { String::new() },
                 if first { row.record.cost_class.clone().unwrap_or_else(|| "-".into()) } else { String::new() },
+                if first { selector_text(&row.record.selector) } else { String::new() },
                 weight,
             ]);
         }
     }
-    table(&["MODEL", "VERSION", "READY", "PLACED", "LOADING", "FAILED", "MEMORY", "CLASS", "WEIGHT"], &out)
+    table(&["MODEL", "VERSION", "READY", "PLACED", "LOADING", "FAILED", "MEMORY", "CLASS", "SELECTOR", "WEIGHT"], &out)
+}
+
+/// `k=v,k2=v2` (as `--selector` takes it), `-` for none.
+fn selector_text(selector: &std::collections::BTreeMap<String, String>) -> String {
+    if selector.is_empty() {
+        return "-".into();
+    }
+    selector.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
 }
 
 pub fn models_json(rows: &[ModelRow<'_>]) -> Value {
@@ -282,6 +291,7 @@ pub fn models_json(rows: &[ModelRow<'_>]) -> Value {
                     "replicas": row.record.replicas,
                     "memory_mb": row.record.resources.memory_mb,
                     "cost_class": row.record.cost_class,
+                    "selector": row.record.selector,
                     "route": row.route.map(route_json_value),
                     "status": row.versions.iter().map(|v| json!({
                         "version": v.version,
@@ -500,7 +510,10 @@ mod tests {
             ("/n/drain/w3", r#"{"schema":1,"reason":"kernel upgrade"}"#),
             ("/n/drain/w9", r#"{"schema":1}"#),
             ("/n/models/m", r#"{"schema":1,"versions":[1,2],"replicas":2,"resources":{"memory_mb":64}}"#),
-            ("/n/models/idle", r#"{"schema":1,"versions":[1],"replicas":1,"cost_class":"small"}"#),
+            (
+                "/n/models/idle",
+                r#"{"schema":1,"versions":[1],"replicas":1,"cost_class":"small","selector":{"device":"gpu","zone":"a"}}"#,
+            ),
             ("/n/placement/w1/m/1", r#"{"schema":1,"leader_revision":7}"#),
             ("/n/placement/w1/m/2", r#"{"schema":1,"leader_revision":7}"#),
             ("/n/placement/w2/m/1", r#"{"schema":1,"leader_revision":7}"#),
@@ -574,7 +587,11 @@ mod tests {
         let t = models_table(&rows);
         assert!(t.lines().any(|l| l.starts_with("m ") && l.contains("1/2") && l.contains("90 (90%)")), "{t}");
         assert!(t.lines().any(|l| l.starts_with("idle") && l.contains("0/1") && l.contains("small")), "{t}");
+        assert!(t.lines().any(|l| l.starts_with("idle") && l.contains("device=gpu,zone=a")), "{t}");
+        assert!(t.lines().any(|l| l.starts_with("m ") && l.contains(" - ")), "{t}");
         let j = models_json(&rows);
+        assert_eq!(j[0]["selector"]["zone"], "a");
+        assert_eq!(j[1]["selector"], json!({}));
         assert_eq!(j[1]["status"][0]["ready"], 1);
         assert_eq!(j[1]["status"][0]["wanted"], 2);
         assert_eq!(j[1]["route"]["weights"]["2"], 10);
