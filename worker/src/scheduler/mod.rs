@@ -20,7 +20,11 @@
 //!   that deadline); the entry leaves the queue at the next expiry. Idle instances apply expiry
 //!   before each decision and at least every [`CANCEL_SCAN_INTERVAL`] while they wait, so a
 //!   batch never takes an entry that timed out, whose deadline passed or whose caller has gone.
-//! - With `preserve_ordering`, answers are released in arrival order through a [`Sequencer`].
+//! - With `preserve_ordering`, answers are released in the order their requests were taken into
+//!   batches, through a [`Sequencer`] (as Triton's batcher reserves a response's place when it
+//!   dequeues the request). A request still queued holds back no answer (a low-priority or
+//!   DELAYed one would otherwise hold every later answer, and their memory, for as long as it
+//!   waits); a request refused or dropped from the queue is answered at once.
 
 pub mod policy;
 
@@ -103,7 +107,7 @@ impl Pending for Job {
     }
 }
 
-/// Releases answers in arrival order (`preserve_ordering`).
+/// Releases answers in dispatch order (`preserve_ordering`).
 #[derive(Default)]
 pub struct Sequencer {
     inner: Mutex<SequencerState>,
@@ -119,6 +123,8 @@ impl Sequencer {
     /// Delivers `result` for `seq` once every earlier sequence number has been delivered or
     /// skipped. `reply` None marks a request that left without an answer to hold.
     fn complete(&self, seq: u64, reply: Option<(oneshot::Sender<JobResult>, JobResult)>) {
+        // An answer whose caller has gone is not held (its outputs would wait for nothing).
+        let reply = reply.filter(|(tx, _)| !tx.is_closed());
         let mut state = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         state.held.insert(seq, reply);
         loop {
@@ -150,11 +156,6 @@ impl Delivery {
                 let _ = tx.send(result);
             }
             Delivery::Ordered(seq) => seq.complete(job_seq, Some((tx, result))),
-        }
-    }
-    fn skip(&self, job_seq: u64) {
-        if let Delivery::Ordered(seq) = self {
-            seq.complete(job_seq, None);
         }
     }
 }
@@ -257,7 +258,7 @@ impl Scheduler {
 
     /// Queues a job. Fails at once with `RESOURCE_EXHAUSTED` when the queue (or the job's
     /// priority level, `max_queue_size`) is full.
-    pub fn submit(&self, mut job: Job) -> Result<(), Status> {
+    pub fn submit(&self, job: Job) -> Result<(), Status> {
         let (wake, wake_timer) = {
             let mut state = self.shared.lock();
             // Requests whose callers went away hold their places until an idle instance or the
@@ -266,6 +267,11 @@ impl Scheduler {
             if full(&state.queue) {
                 let dropped = state.queue.expire(Instant::now());
                 answer_dropped(&self.shared, dropped);
+            }
+            // The request's own level being full refuses it before anyone else's place is taken
+            // for it below.
+            if state.queue.is_full_for(job.priority) {
+                return Err(Status::exhausted(nereid_common::status::LEVEL_QUEUE_FULL_MESSAGE));
             }
             if state.queue.len() >= MAX_QUEUED {
                 let full = || {
@@ -280,9 +286,8 @@ impl Scheduler {
                     return Err(full());
                 };
                 self.shared.stats.pending_add(-1);
-                self.shared.delivery.send(victim.seq, victim.reply, Err(full()));
+                let _ = victim.reply.send(Err(full()));
             }
-            job.seq = state.next_seq;
             let was_empty = state.queue.is_empty();
             // Another shape behind the head's closes the head's batch: it may go now.
             let other_shape = state.queue.head_shape_key().is_some_and(|key| key != job.shape_key.as_slice());
@@ -294,7 +299,6 @@ impl Scheduler {
                     return Err(Status::exhausted(nereid_common::status::LEVEL_QUEUE_FULL_MESSAGE));
                 }
             };
-            state.next_seq += 1;
             // Counted before the lock goes: an instance may take the job (and count it out)
             // the moment it does.
             self.shared.stats.pending_add(1);
@@ -350,18 +354,9 @@ fn answer_dropped(shared: &Shared, dropped: Vec<(Job, DropReason)>) {
                 Status::new(Code::DeadlineExceeded, "the request's deadline passed while it was queued")
             }
         };
-        match why {
-            // Nobody reads it: its place in the answer order is given up.
-            DropReason::Cancelled => {
-                shared.delivery.skip(job.seq);
-                let _ = job.reply.send(Err(status));
-            }
-            // Under preserve_ordering a refusal is an answer like any other: it waits for the
-            // answers to the requests before it (Triton's ordered completion).
-            DropReason::Rejected | DropReason::DeadlineExceeded => {
-                shared.delivery.send(job.seq, job.reply, Err(status))
-            }
-        }
+        // Never dispatched, so it holds no place in the answer order (preserve_ordering): as in
+        // Triton, a request leaving the queue without running is answered at once.
+        let _ = job.reply.send(Err(status));
     }
 }
 
@@ -406,7 +401,13 @@ fn instance_thread<I: Instance>(mut session: I, shared: Arc<Shared>) {
         // Once closed, nothing more will join: run what is left without waiting.
         let decide_at = if state.closed { now + Duration::from_secs(86_400) } else { now };
         match state.queue.next_batch(decide_at) {
-            Decision::Dispatch(batch) => {
+            Decision::Dispatch(mut batch) => {
+                // Places in the answer order are taken here, under the lock, so they follow the
+                // order batches leave the queue across instances.
+                for job in &mut batch {
+                    job.seq = state.next_seq;
+                    state.next_seq += 1;
+                }
                 if !state.queue.is_empty() {
                     // More is queued: another idle instance may take it.
                     shared.wake.notify_one();
@@ -470,8 +471,14 @@ fn run_batch<I: Instance>(session: &mut I, batch: Vec<Job>, dispatched: Instant,
             }
             let answered = live().map(|j| j.rows).sum();
             shared.stats.record_execution(rows, live().count(), answered, times.input, times.infer, times.output);
-            for (job, out) in batch.into_iter().zip(outputs) {
-                shared.delivery.send(job.seq, job.reply, Ok(out));
+            // One answer per job whatever the instance returned: under preserve_ordering a job
+            // left unanswered would hold every later answer for ever.
+            let mut outputs = outputs.into_iter();
+            for job in batch {
+                let result = outputs
+                    .next()
+                    .ok_or_else(|| Status::internal("the model's run returned fewer answers than requests"));
+                shared.delivery.send(job.seq, job.reply, result);
             }
         }
         Err(status) => {
@@ -693,26 +700,81 @@ mod tests {
         h.gate.send(()).expect("instance waits");
     }
 
-    /// Under preserve_ordering a request refused by its queue timeout is answered in its
-    /// turn: after the request before it, still running when the timeout fired.
+    /// Under preserve_ordering a request refused by its queue timeout never ran, so it holds
+    /// no place in the answer order: it is answered at its timeout, while the request before
+    /// it still runs (as in Triton, which orders the answers of dispatched requests only).
     #[test]
-    fn with_preserve_ordering_a_queue_timeout_waits_for_the_answers_before_it() {
+    fn with_preserve_ordering_a_queue_timeout_is_answered_at_once() {
         let h = harness_with(timeout_policy(policy::TimeoutAction::Reject, 100), true);
         let (first, first_rx) = job(0);
         h.scheduler.submit(first).expect("queued");
         assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "the first request runs");
-        let (second, mut second_rx) = job(0);
+        let (second, second_rx) = job(0);
         h.scheduler.submit(second).expect("queued");
-        // Bounded wait for the timer to take it out of the queue.
-        let expired = (0..6000).any(|_| {
-            std::thread::sleep(Duration::from_millis(10));
-            h.scheduler.shared.lock().queue.is_empty()
-        });
-        assert!(expired, "the queue timeout never fired");
-        assert!(second_rx.try_recv().is_err(), "answered before the request ahead of it");
+        assert_eq!(second_rx.blocking_recv().expect("answered").unwrap_err(), Status::queue_timeout());
+        assert!(!h.gave_up.load(std::sync::atomic::Ordering::SeqCst), "answered while the first still ran");
         h.gate.send(()).expect("instance waits");
         assert!(first_rx.blocking_recv().expect("answered").is_ok());
-        assert_eq!(second_rx.blocking_recv().expect("answered").unwrap_err(), Status::queue_timeout());
+    }
+
+    /// Under preserve_ordering a low-priority request still queued holds back no answer: a
+    /// higher-priority request that arrived after it, and ran before it, is answered before
+    /// it even starts.
+    #[test]
+    fn with_preserve_ordering_a_queued_low_priority_request_holds_back_nothing() {
+        let mut policy = BatchPolicy::direct();
+        policy.levels = vec![policy::LevelPolicy::default(); 2];
+        let h = harness_with(policy, true);
+        let submit = |priority: u64| {
+            let (tx, rx) = oneshot::channel();
+            h.scheduler.submit(Job::new(1, vec![], vec![], vec![], priority, 0, tx)).expect("queued");
+            rx
+        };
+        let first = submit(1);
+        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "the first request runs");
+        let mut low = submit(2);
+        let mut high = submit(1);
+        h.gate.send(()).expect("instance waits");
+        assert!(first.blocking_recv().expect("answered").is_ok());
+        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "the high-priority request runs next");
+        h.gate.send(()).expect("instance waits");
+        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "then the low-priority one");
+        // The low-priority request is running (its gate shut): the high one's answer is out.
+        assert!(high.try_recv().expect("answered before the low one ran").is_ok());
+        assert!(low.try_recv().is_err());
+        h.gate.send(()).expect("instance waits");
+        assert!(low.blocking_recv().expect("answered").is_ok());
+    }
+
+    /// A request refused because its own priority level is full takes nobody's place: the
+    /// lower-priority requests queued keep theirs even when the whole queue is full.
+    #[test]
+    fn a_request_refused_by_its_own_level_evicts_nobody() {
+        let mut policy = BatchPolicy::direct();
+        policy.levels = vec![policy::LevelPolicy::default(); 2];
+        policy.levels[0].max_queue_size = 1;
+        let h = harness(policy);
+        let submit = |priority: u64| {
+            let (tx, rx) = oneshot::channel();
+            (h.scheduler.submit(Job::new(1, vec![], vec![], vec![], priority, 0, tx)), rx)
+        };
+        let (running, _running_rx) = submit(2);
+        running.expect("queued");
+        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "the instance is busy");
+        let (high, _high_rx) = submit(1);
+        high.expect("room at level 1");
+        let mut low = Vec::new();
+        for _ in 0..MAX_QUEUED - 1 {
+            let (queued, rx) = submit(2);
+            queued.expect("room");
+            low.push(rx);
+        }
+        let (refused, _) = submit(1);
+        assert_eq!(refused.expect_err("level 1 is full").code, Code::ResourceExhausted);
+        assert!(low.iter_mut().all(|rx| rx.try_recv().is_err()), "no low-priority request lost its place");
+        assert_eq!(h.scheduler.shared.lock().queue.len(), MAX_QUEUED);
+        drop(low);
+        h.gate.send(()).expect("instance waits");
     }
 
     /// Under `DELAY` a timed-out request is not answered by the timer: it still runs once the

@@ -5,16 +5,16 @@
 //! - Requests wait in one FIFO queue per priority level (1 = highest), each followed by that
 //!   level's *delayed* queue (see `DELAY` below). A batch takes requests in that order — level 1,
 //!   level 1 delayed, level 2, level 2 delayed, … — and stops at the first request whose
-//!   non-batch shapes differ from the head's or whose rows would exceed `max_batch_size` — or,
-//!   with preferred sizes, the largest `preferred_batch_size` (so nobody is overtaken by a later
-//!   request of the same level, and `preserve_ordering` holds).
+//!   non-batch shapes differ from the head's or whose rows would exceed `max_batch_size` (so
+//!   nobody is overtaken by a later request of the same level, and `preserve_ordering` holds).
 //! - While walking that order the policy remembers the largest `preferred_batch_size` the rows
 //!   reach. Before the oldest request's `max_queue_delay` has passed (and always when the
 //!   delay is zero, which Triton never counts as passed), a batch is dispatched at once with
 //!   exactly that many requests when one was reached (the largest *reachable* one, not only the
-//!   largest configured one, as Triton does); otherwise at once when it is full
-//!   (`max_batch_size` rows, the request limit, or the largest preferred size) or nothing more
-//!   can join it. Once the delay has passed (or when it is zero), whatever can form is
+//!   largest configured one, as Triton does), or up to the request that would take it past the
+//!   largest preferred size; otherwise at once when it is full (`max_batch_size` rows, the
+//!   request limit) or nothing more can join it. Once the delay has passed (or when it is zero
+//!   and no preferred size applies), whatever can form — up to `max_batch_size` — is
 //!   dispatched. Otherwise the batcher waits until the oldest request's delay runs out.
 //! - Queue policy per level: `max_queue_size` rejects at once when the level (its queue and its
 //!   delayed queue) is full. A request's queue timeout is the level's
@@ -356,21 +356,23 @@ impl<T: Pending> BatchQueue<T> {
         // The delay runs from the oldest request in the batch (as Triton's does), not from the
         // head: a higher-priority request that just arrived does not restart a lower one's wait.
         let mut oldest = head.arrived;
-        // Requests in the batch at the largest preferred size reached so far (sizes only grow
-        // along the walk, so the last one reached is the largest).
+        // Where a batch goes before its delay has passed: requests up to the largest preferred
+        // size reached so far (sizes only grow along the walk, so the last one reached is the
+        // largest), or — when none was reached — up to where the next request would take the
+        // batch past the largest preferred size.
         let mut preferred_count = None;
         let mut closed = false; // waiting cannot make this batch bigger
-        // As Triton's batcher: a batch never grows past the largest preferred size (when there
-        // are preferred sizes) — the request that would take it past closes it.
+        // As Triton's batcher: the walk goes on past the largest preferred size (up to
+        // `max_batch_size`), but only a batch whose delay has passed takes more than that.
         let max_preferred = self.policy.preferred_batch_sizes.last().copied();
         for entry in self.ordered() {
             let r = entry.item.rows();
-            if entry.item.shape_key() != key.as_slice()
-                || rows + r > self.policy.max_batch_size
-                || (count > 0 && max_preferred.is_some_and(|largest| rows + r > largest))
-            {
+            if entry.item.shape_key() != key.as_slice() || rows + r > self.policy.max_batch_size {
                 closed = true;
                 break;
+            }
+            if count > 0 && preferred_count.is_none() && max_preferred.is_some_and(|largest| rows + r > largest) {
+                preferred_count = Some(count);
             }
             rows += r;
             count += 1;
@@ -602,12 +604,13 @@ mod tests {
         assert_eq!(ids(q.next_batch(t0 + Duration::from_secs(2))), vec![4]);
     }
 
-    /// As Triton's batcher: with preferred sizes, a batch never grows past the largest one —
-    /// the request that would take it past closes it, so it goes at once, before the delay
-    /// (a batch of 5-row requests with preferred [8, 16] and max 32: 15 rows go now, not 20
-    /// after the delay). After the delay too, and with no delay at all.
+    /// As Triton's batcher: before its delay has passed, a batch does not grow past the
+    /// largest preferred size — the request that would take it past sends it at once (a batch
+    /// of 5-row requests with preferred [8, 16] and max 32: 15 rows go now, not 20 after the
+    /// delay); with no delay at all likewise. Once the delay has passed, everything that fits
+    /// in `max_batch_size` goes (Triton sends the whole pending batch then).
     #[test]
-    fn a_batch_stops_at_the_largest_preferred_size() {
+    fn a_batch_stops_at_the_largest_preferred_size_until_its_delay_passes() {
         let t0 = Instant::now();
         let mut q = BatchQueue::new(policy(32, vec![8, 16], 100_000, 1));
         for i in 0..4 {
@@ -618,7 +621,12 @@ mod tests {
         for i in 0..3 {
             q.push(req(i, 1), 0, 0, t0).unwrap();
         }
-        assert_eq!(ids(q.next_batch(t0 + Duration::from_micros(1000))), vec![0, 1]);
+        assert_eq!(ids(q.next_batch(t0 + Duration::from_micros(999))), vec![0, 1], "before the delay");
+        let mut q = BatchQueue::new(policy(8, vec![2], 1000, 1));
+        for i in 0..3 {
+            q.push(req(i, 1), 0, 0, t0).unwrap();
+        }
+        assert_eq!(ids(q.next_batch(t0 + Duration::from_micros(1000))), vec![0, 1, 2], "after the delay");
         // No delay: the largest preferred size formed goes (6 queued, preferred [4], max 8).
         let mut q = BatchQueue::new(policy(8, vec![4], 0, 1));
         for i in 0..6 {
@@ -813,9 +821,10 @@ mod tests {
         }
 
         /// Before the delay passes, the batch is exactly the longest prefix of the walk whose
-        /// rows equal a preferred size (the largest reachable one); without one, a batch goes
-        /// only when full or closed (a different shape, or the next request would take it past
-        /// the largest preferred size); after the delay, the whole prefix that fits goes.
+        /// rows equal a preferred size (the largest reachable one), or — none reached — the
+        /// prefix before the request that would take it past the largest preferred size;
+        /// without either, a batch goes only when full or closed (a different shape, or
+        /// `max_batch_size`); after the delay, the whole prefix that fits goes.
         #[test]
         fn largest_reachable_preferred_size_goes_at_once(
             max in 1usize..16,
@@ -838,7 +847,7 @@ mod tests {
             for &(r, key) in &reqs {
                 let r = r.min(max);
                 if key != reqs[0].1 || rows + r > max { closed = true; break; }
-                if count > 0 && largest.is_some_and(|l| rows + r > l) { closed = true; break; }
+                if count > 0 && best.is_none() && largest.is_some_and(|l| rows + r > l) { best = Some(count); }
                 rows += r;
                 count += 1;
                 if preferred.contains(&rows) { best = Some(count); }
@@ -855,7 +864,8 @@ mod tests {
                     prop_assert_eq!(b.iter().map(|r| r.id).collect::<Vec<_>>(), (0..n).collect::<Vec<_>>());
                     if !delay_passed && best.is_some() {
                         let total: usize = b.iter().map(|r| r.rows).sum();
-                        prop_assert!(preferred.contains(&total), "{} rows is not a preferred size", total);
+                        // (A first request larger than every preferred size goes alone.)
+                        prop_assert!(largest.is_some_and(|l| total <= l) || b.len() == 1, "{} rows past the largest preferred size", total);
                     }
                 }
                 (Decision::WaitUntil(t), None) => prop_assert_eq!(t, t0 + delay),
