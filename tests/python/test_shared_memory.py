@@ -170,12 +170,21 @@ def test_shared_memory_errors_are_clear_and_the_worker_keeps_serving(shm_worker,
             figures = stats["model_stats"][0]["inference_stats"]
             return int(figures["success"].get("count", 0)), int(figures["fail"].get("count", 0))
 
+        def ran():
+            stats = c.get_inference_statistics("identity_fp32", **({"as_json": True} if protocol == "grpc" else {}))
+            entry = stats["model_stats"][0]
+            figures = entry["inference_stats"]
+            return (int(entry.get("inference_count", 0)), int(figures["queue"].get("count", 0)),
+                    int(figures["compute_infer"].get("count", 0)), int(entry.get("execution_count", 0)))
+
         small = mod.InferRequestedOutput("OUTPUT0")
         small.set_shared_memory(name, 32, offset=128)
-        before = counts()
+        before, ran_before = counts(), ran()
         refused(lambda: infer_with(name, 64, out=[small]), "output 'OUTPUT0': 64 bytes do not fit")
-        # The model ran, but the client got an error: a failure in the statistics, as in Triton.
+        # The model ran, but the client got an error: a failure in the statistics, as in Triton,
+        # and an execution — but no inference, queue or compute figure (those count successes).
         assert counts() == (before[0], before[1] + 1)
+        assert ran() == ran_before[:3] + (ran_before[3] + 1,), (ran_before, ran())
 
         # After all of that, the same region serves a good request.
         ok = mod.InferRequestedOutput("OUTPUT0")

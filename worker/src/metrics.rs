@@ -87,6 +87,17 @@ struct BatchCell {
     output: DurationCell,
 }
 
+/// What running one request took (see [`VersionStats::record_ran`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunFigures {
+    /// Rows of the request: its inferences.
+    pub rows: usize,
+    pub queue: StdDuration,
+    pub input: StdDuration,
+    pub infer: StdDuration,
+    pub output: StdDuration,
+}
+
 /// Counters of one model version. Shared by the request path, the batcher and the instances.
 pub struct VersionStats {
     pub model: String,
@@ -144,9 +155,20 @@ impl VersionStats {
     pub fn record_success(&self, total: StdDuration) {
         self.success.add(total);
         self.request_latency.observe(total.as_micros() as u64);
-        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
-        // Two requests finishing together must not move it back.
-        self.last_inference_ms.fetch_max(now_ms, Relaxed);
+    }
+
+    /// What running a request that succeeded took: its rows (inferences), its wait in the
+    /// queue and its share of compute. Counted when the request succeeds, not when its batch
+    /// ran — as Triton's, these figures are those of successful requests only (a request whose
+    /// output then does not fit its shared-memory region, or whose caller left meanwhile,
+    /// adds none), so the queue count always equals the success count.
+    pub fn record_ran(&self, figures: &RunFigures) {
+        self.record_queue(figures.queue);
+        // Triton accounts compute time per request: each request in a batch sees the batch's.
+        self.compute_input.add(figures.input);
+        self.compute_infer.add(figures.infer);
+        self.compute_output.add(figures.output);
+        self.inference_count.fetch_add(figures.rows as u64, Relaxed);
     }
 
     /// A request answered from the response cache: `lookup` is the time the lookup took. It
@@ -183,43 +205,28 @@ impl VersionStats {
     }
 
     /// A request that succeeds left the queue for an instance after waiting `waited`.
-    pub fn record_queue(&self, waited: StdDuration) {
+    fn record_queue(&self, waited: StdDuration) {
         self.queue.add(waited);
         self.queue_latency.observe(waited.as_micros() as u64);
     }
 
-    /// An instance executed a batch of `rows` rows made of `requests` requests, of which
-    /// `answered` rows belong to requests whose callers were still waiting. Triton's inference
-    /// count leaves out requests cancelled before their answer, so it adds `answered`, not
-    /// `rows`; both counts move together, so a scrape between them never sees an execution
-    /// without its inferences (which would put the average batch size below one).
-    pub fn record_execution(
-        &self,
-        rows: usize,
-        requests: usize,
-        answered: usize,
-        input: StdDuration,
-        infer: StdDuration,
-        output: StdDuration,
-    ) {
+    /// An instance executed a batch of `rows` rows, each phase taking the time given: the
+    /// execution count, the batch statistics and `last_inference` (which, as Triton's, moves
+    /// with executions — not with cache hits). The requests' own figures follow with
+    /// [`record_ran`](Self::record_ran) as each succeeds.
+    pub fn record_execution(&self, rows: usize, input: StdDuration, infer: StdDuration, output: StdDuration) {
         self.batch_size.observe(rows as u64);
-        // Triton accounts compute time per request: each request in the batch sees it.
-        for _ in 0..requests {
-            self.compute_input.add(input);
-            self.compute_infer.add(infer);
-            self.compute_output.add(output);
-        }
         let cell = {
-            // Under the lock [`snapshot`](Self::snapshot) reads them with: a snapshot sees both
-            // counts of a batch or neither.
             let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
-            self.inference_count.fetch_add(answered as u64, Relaxed);
             self.execution_count.fetch_add(1, Relaxed);
             batches.entry(rows as u64).or_default().clone()
         };
         cell.input.add(input);
         cell.infer.add(infer);
         cell.output.add(output);
+        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+        // Two batches finishing together must not move it back.
+        self.last_inference_ms.fetch_max(now_ms, Relaxed);
     }
 
     pub fn pending_add(&self, delta: i64) {
@@ -514,24 +521,21 @@ mod tests {
     fn statistics_and_metrics_agree() {
         let m = Metrics::new();
         let s = m.version("mlp", 1);
-        s.record_queue(StdDuration::from_micros(30));
-        s.record_execution(
-            4,
-            3,
-            3,
-            StdDuration::from_micros(1),
-            StdDuration::from_micros(20),
-            StdDuration::from_micros(2),
-        );
-        s.record_success(StdDuration::from_micros(100));
-        s.record_success(StdDuration::from_micros(100));
+        let (input, infer, output) =
+            (StdDuration::from_micros(1), StdDuration::from_micros(20), StdDuration::from_micros(2));
+        s.record_execution(4, input, infer, output);
+        // Of the batch's requests (2 rows, 1 row, 1 row whose caller left), two succeed.
+        for rows in [2, 1] {
+            s.record_ran(&RunFigures { rows, queue: StdDuration::from_micros(30), input, infer, output });
+            s.record_success(StdDuration::from_micros(100));
+        }
         s.record_failure(StdDuration::from_micros(40), "CANCELED");
         s.record_failure(StdDuration::from_micros(5), "REJECTED");
         let snap = s.snapshot();
         assert_eq!(snap.success.count, 2);
         assert_eq!(snap.inference_count, 3);
         assert_eq!(snap.execution_count, 1);
-        assert_eq!(snap.compute_infer.count, 3);
+        assert_eq!((snap.compute_infer.count, snap.queue.count), (2, 2));
         assert_eq!(snap.batch_stats[0].batch_size, 4);
         let text = m.render();
         assert!(text.contains("nv_inference_request_success{model=\"mlp\",version=\"1\"} 2"), "{text}");
@@ -564,6 +568,7 @@ mod tests {
         s.record_cache_hit(StdDuration::from_micros(3), StdDuration::from_micros(10));
         let snap = s.snapshot();
         assert_eq!((snap.success.count, snap.inference_count, snap.execution_count), (1, 0, 0));
+        assert_eq!(snap.last_inference_ms, 0, "last_inference moves with executions only");
     }
 
     #[test]

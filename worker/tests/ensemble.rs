@@ -72,6 +72,7 @@ async fn the_example_ensemble_chains_and_parallels_its_steps() {
     assert_eq!(stats("scale_ensemble", 1).success.count, 2);
     assert_eq!(stats("scale_ensemble", 1).inference_count, 3, "rows: 2 + 1");
     assert_eq!(stats("scale_ensemble", 1).execution_count, 2);
+    assert_eq!(stats("scale_ensemble", 1).queue.count, 2, "the queue figures count every success");
     assert_eq!(stats("versioned_scale", 1).success.count, 2, "one step on version 1 per request");
     assert_eq!(stats("versioned_scale", 2).success.count, 4, "two steps on version 2 per request");
 

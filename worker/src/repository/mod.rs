@@ -26,8 +26,8 @@ use tokio::sync::oneshot;
 use crate::backend::SessionOptions;
 use crate::cache::ResponseCache;
 use crate::ensemble::{self, Plan};
-use crate::metrics::{Metrics, VersionStats};
-use crate::scheduler::{Job, Scheduler};
+use crate::metrics::{Metrics, RunFigures, VersionStats};
+use crate::scheduler::{Answer, Job, Scheduler};
 use crate::server::{IndexEntry, ModelMetadata, ModelStats, TensorMetadata};
 use crate::tensor::{InferRequest, InferResponse};
 use crate::validate::{ModelSpec, validate};
@@ -608,11 +608,25 @@ impl Repository {
                 self.run_ensemble(&model, &version, plan, &mut request, depth).await
             }
             Executor::Ensemble { plan, inflight: Some(limit) } => {
+                let waited = Instant::now();
                 match acquire_before(limit, wait_limit(&request)).await {
-                    Ok(_permit) => self.run_ensemble(&model, &version, plan, &mut request, depth).await,
+                    Ok(_permit) => {
+                        // The ensemble's queue: the wait for its turn.
+                        let queued = waited.elapsed();
+                        let mut answer = self.run_ensemble(&model, &version, plan, &mut request, depth).await;
+                        if let Ok(a) = &mut answer {
+                            a.figures.queue = queued;
+                        }
+                        answer
+                    }
                     Err(e) => Err(e),
                 }
             }
+        };
+        // Counted only if the request succeeds (below).
+        let (outcome, figures) = match outcome {
+            Ok(answer) => (Ok(answer.outputs), answer.figures),
+            Err(e) => (Err(e), RunFigures::default()),
         };
         if let (Some((cache, key, None, lookup)), Ok(outputs)) = (&cached, &outcome) {
             let insert = Instant::now();
@@ -633,7 +647,10 @@ impl Repository {
         // The request's time includes the cache insert and the shared-memory writes, as
         // Triton's does.
         let elapsed = started.elapsed();
-        answered(request, version.version, outcome, stats, elapsed, || stats.record_success(elapsed))
+        answered(request, version.version, outcome, stats, elapsed, || {
+            stats.record_ran(&figures);
+            stats.record_success(elapsed)
+        })
     }
 
     /// Runs an ensemble's steps, wave by wave (the steps of a wave concurrently), each as a
@@ -648,7 +665,7 @@ impl Repository {
         plan: &Plan,
         request: &mut InferRequest,
         depth: usize,
-    ) -> Result<Vec<crate::tensor::OutputTensor>, Status> {
+    ) -> Result<Answer, Status> {
         if depth >= ensemble::MAX_DEPTH {
             return Err(Status::invalid(format!(
                 "ensemble '{}' is nested more than {} deep (do its steps form a cycle?)",
@@ -714,7 +731,10 @@ impl Repository {
                     Ok::<_, Status>((i, answer))
                 }
             });
-            let answers = futures::future::try_join_all(calls).await?;
+            // Every step of the wave runs to its end even when one fails (as Triton's ensemble
+            // scheduler lets steps in flight finish): dropped, a sibling would count as a
+            // CANCELED failure of its model that no client caused.
+            let answers = futures::future::join_all(calls).await.into_iter().collect::<Result<Vec<_>, Status>>()?;
             tensors.retain(|name, _| {
                 last_read.get(name.as_str()).is_some_and(|&last| last > w)
                     || model.spec.outputs.iter().any(|o| &o.name == name)
@@ -757,8 +777,10 @@ impl Repository {
                 data: t.data,
             });
         }
-        version.stats.record_execution(rows, 1, rows, Duration::ZERO, Duration::ZERO, Duration::ZERO);
-        Ok(outputs)
+        version.stats.record_execution(rows, Duration::ZERO, Duration::ZERO, Duration::ZERO);
+        // Its rows count as inferences (and it counts in the queue figures) once the request
+        // has succeeded; its steps' time is in their own models' figures.
+        Ok(Answer { outputs, figures: RunFigures { rows, ..RunFigures::default() } })
     }
 
     /// Loads or reloads `name`. `config` (JSON) overrides the repository's config.pbtxt.
@@ -1509,11 +1531,7 @@ fn ensemble_named_versions<'a>(plans: impl IntoIterator<Item = &'a Plan>, model:
 }
 
 /// Validates and queues one request on `scheduler`.
-async fn run(
-    spec: &ModelSpec,
-    scheduler: &Scheduler,
-    request: &mut InferRequest,
-) -> Result<Vec<crate::tensor::OutputTensor>, Status> {
+async fn run(spec: &ModelSpec, scheduler: &Scheduler, request: &mut InferRequest) -> Result<Answer, Status> {
     let v = validate(spec, request)?;
     let (tx, rx) = oneshot::channel();
     let mut job = Job::new(v.rows, v.shape_key, v.inputs, v.wanted, request.priority, request.timeout_us, tx);

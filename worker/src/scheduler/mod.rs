@@ -37,7 +37,7 @@ use nereid_common::{Code, Status};
 use tokio::sync::oneshot;
 
 use crate::backend::{InstanceSession, JobInputs, PhaseTimes};
-use crate::metrics::VersionStats;
+use crate::metrics::{RunFigures, VersionStats};
 use crate::tensor::OutputTensor;
 use policy::{BatchPolicy, BatchQueue, Decision, DropReason, Pending, QueueFull};
 
@@ -46,7 +46,15 @@ use policy::{BatchPolicy, BatchQueue, Decision, DropReason, Pending, QueueFull};
 /// forms.
 pub const CANCEL_SCAN_INTERVAL: std::time::Duration = std::time::Duration::from_millis(50);
 
-pub type JobResult = Result<Vec<OutputTensor>, Status>;
+pub type JobResult = Result<Answer, Status>;
+
+/// A job's outputs, and what running it took — counted by the request path once the request
+/// has succeeded (see [`VersionStats::record_ran`]).
+#[derive(Debug)]
+pub struct Answer {
+    pub outputs: Vec<OutputTensor>,
+    pub figures: RunFigures,
+}
 
 /// One validated request on its way to an instance.
 pub struct Job {
@@ -462,21 +470,23 @@ fn run_batch<I: Instance>(session: &mut I, batch: Vec<Job>, dispatched: Instant,
     let rows: usize = batch.iter().map(|j| j.rows).sum();
     match result {
         Ok((outputs, times)) => {
-            // Count before answering, so a caller that reads statistics sees its batch. As in
-            // Triton, queue and compute figures are those of the requests that succeed: not of
-            // those whose callers already left (no inferences either), nor of a failed batch.
-            let live = || batch.iter().filter(|j| !j.reply.is_closed());
-            for job in live() {
-                shared.stats.record_queue(dispatched.saturating_duration_since(job.arrived));
-            }
-            let answered = live().map(|j| j.rows).sum();
-            shared.stats.record_execution(rows, live().count(), answered, times.input, times.infer, times.output);
+            // Counted before answering, so a caller that reads statistics sees its batch. A
+            // failed batch is no execution; each request's own figures go with its answer.
+            shared.stats.record_execution(rows, times.input, times.infer, times.output);
             // One answer per job whatever the instance returned: under preserve_ordering a job
             // left unanswered would hold every later answer for ever.
             let mut outputs = outputs.into_iter();
             for job in batch {
+                let figures = RunFigures {
+                    rows: job.rows,
+                    queue: dispatched.saturating_duration_since(job.arrived),
+                    input: times.input,
+                    infer: times.infer,
+                    output: times.output,
+                };
                 let result = outputs
                     .next()
+                    .map(|outputs| Answer { outputs, figures })
                     .ok_or_else(|| Status::internal("the model's run returned fewer answers than requests"));
                 shared.delivery.send(job.seq, job.reply, result);
             }
@@ -494,16 +504,17 @@ mod tests {
     use super::*;
 
     fn answer(tag: i64) -> JobResult {
-        Ok(vec![OutputTensor {
+        let outputs = vec![OutputTensor {
             name: "x".into(),
             datatype: nereid_common::DataType::Int64,
             shape: vec![tag],
             data: Bytes::new(),
-        }])
+        }];
+        Ok(Answer { outputs, figures: RunFigures::default() })
     }
 
     fn tag(rx: &mut oneshot::Receiver<JobResult>) -> Option<i64> {
-        rx.try_recv().ok().map(|r| r.unwrap()[0].shape[0])
+        rx.try_recv().ok().map(|r| r.unwrap().outputs[0].shape[0])
     }
 
     /// An instance that reports each batch it starts and then stays busy until the test opens
@@ -605,13 +616,12 @@ mod tests {
         let status = first_rx.blocking_recv().expect("answered").expect_err("failed");
         assert_eq!(status.code, nereid_common::Code::Internal);
         assert!(status.message.contains("index out of bounds"), "{}", status.message);
-        // A failed batch adds to no queue or compute figure (Triton counts those for
-        // successes only).
-        assert_eq!((stats.snapshot().queue.count, stats.snapshot().compute_infer.count), (0, 0));
+        // A failed batch is no execution.
+        assert_eq!(stats.snapshot().execution_count, 0);
         let (second, second_rx) = job(0);
         scheduler.submit(second).expect("queued");
-        assert!(second_rx.blocking_recv().expect("answered").is_ok());
-        assert_eq!((stats.snapshot().queue.count, stats.snapshot().compute_infer.count), (1, 1));
+        assert_eq!(second_rx.blocking_recv().expect("answered").expect("ran").figures.rows, 1);
+        assert_eq!(stats.snapshot().execution_count, 1);
     }
 
     /// Callers that went away while every instance is busy do not keep a full queue full: the
@@ -801,10 +811,11 @@ mod tests {
         assert!(short_rx.blocking_recv().expect("answered").is_ok());
     }
 
-    /// A batch whose caller left while it ran is an execution of no inferences; the next one
-    /// counts its row. Both counts move together, so no scrape sees one without the other.
+    /// A batch whose caller left while it ran is an execution all the same; a request's rows,
+    /// queue and compute figures travel with its answer, for the request path to count when
+    /// (and only if) the request succeeds — the scheduler counts no inferences itself.
     #[test]
-    fn rows_of_callers_that_left_are_no_inferences() {
+    fn executions_are_counted_here_and_each_request_s_figures_go_with_its_answer() {
         let h = harness(timeout_policy(policy::TimeoutAction::Reject, 60_000));
         let (left, left_rx) = job(0);
         h.scheduler.submit(left).expect("queued");
@@ -815,9 +826,10 @@ mod tests {
         h.scheduler.submit(stays).expect("queued");
         assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1));
         h.gate.send(()).expect("instance waits");
-        assert!(stays_rx.blocking_recv().expect("answered").is_ok());
+        let answer = stays_rx.blocking_recv().expect("answered").expect("ran");
+        assert_eq!(answer.figures.rows, 1);
         let s = h.stats.snapshot();
-        assert_eq!((s.execution_count, s.inference_count), (2, 1));
+        assert_eq!((s.execution_count, s.inference_count, s.queue.count), (2, 0, 0));
     }
 
     /// A caller's own deadline is DEADLINE_EXCEEDED (counted CANCELED), not a queue
