@@ -3,7 +3,10 @@
 //! placement controller plans from it, `nereidctl` prints it.
 //!
 //! An invalid value never replaces a good one: [`FleetState::apply`] reports the rejection and
-//! the key keeps its last good value (or stays absent).
+//! the key keeps its last good value (or stays absent) — except that an invalid `drain/<w>` with
+//! no good value drains the worker all the same: the key's presence is the operator's intent (a
+//! hand-written `etcdctl put …/drain/w1 ''`), and taking it as absent would send traffic and
+//! placements to a worker being cordoned.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -105,10 +108,14 @@ impl FleetState {
                 self.routes.insert(m.clone(), record.clone()) != Some(record)
             }
             (Key::Route(m), None) => self.routes.remove(m).is_some(),
-            (Key::Drain(w), Some(v)) => {
-                let record: DrainRecord = decoded(v).map_err(reject)?;
-                self.drains.insert(w.clone(), record.clone()) != Some(record)
-            }
+            (Key::Drain(w), Some(v)) => match decoded::<DrainRecord>(v) {
+                Ok(record) => self.drains.insert(w.clone(), record.clone()) != Some(record),
+                Err(e) => {
+                    // Fail safe: drained, though still rejected (logged and counted).
+                    self.drains.entry(w.clone()).or_insert_with(invalid_drain);
+                    return Err(reject(e));
+                }
+            },
             (Key::Drain(w), None) => self.drains.remove(w).is_some(),
             (Key::Other, _) => false,
         })
@@ -181,12 +188,20 @@ impl FleetState {
     }
 
     /// Whether the worker takes traffic and placements: registered, not draining itself, not
-    /// drained by an operator.
+    /// drained by an operator (by a drain key, valid or not).
     pub fn is_active(&self, worker: &str) -> bool {
         self.workers.get(worker).is_some_and(|w| w.state == records::WorkerState::Ready)
             && !self.drains.contains_key(worker)
     }
 }
+
+/// The drain standing for a `drain/<w>` whose value was rejected, with no good one to keep.
+fn invalid_drain() -> DrainRecord {
+    DrainRecord { schema: records::SCHEMA_VERSION, reason: INVALID_DRAIN_REASON.into() }
+}
+
+/// The reason of a drain whose value was rejected (shown by `nereidctl workers`).
+const INVALID_DRAIN_REASON: &str = "invalid drain value: drained while the key exists";
 
 #[cfg(test)]
 mod tests {
@@ -253,6 +268,40 @@ mod tests {
         assert_eq!(rejected.len(), 1);
         assert_eq!(new.models["m"].replicas, 2, "last good value kept");
         assert!(!new.models.contains_key("gone"), "deleted keys are gone");
+    }
+
+    /// A drain key present with an invalid value (`etcdctl put …/drain/w1 ''`) drains the
+    /// worker, from a full read or a watch event, and is still reported; a good value it
+    /// would replace is kept.
+    #[test]
+    fn an_invalid_drain_value_drains_the_worker_and_is_rejected() {
+        let keys = Keys::new("/n").unwrap();
+        let (mut s, rejected) = FleetState::from_kvs(
+            &keys,
+            [
+                (b"/n/workers/w1".as_slice(), worker_json("w1").as_bytes()),
+                (b"/n/workers/w2", worker_json("w2").as_bytes()),
+                (b"/n/drain/w1", b""),
+            ],
+        );
+        assert_eq!(rejected.iter().map(|r| (r.kind, r.key.as_str())).collect::<Vec<_>>(), [("drain", "/n/drain/w1")]);
+        assert!(!s.is_active("w1"));
+        assert!(s.is_active("w2"));
+        assert_eq!(s.drains["w1"].reason, INVALID_DRAIN_REASON);
+
+        // The same through a watch event; its delete un-drains.
+        assert_eq!(s.apply(&keys, b"/n/drain/w2", Some(b"{not json")).unwrap_err().kind, "drain");
+        assert!(!s.is_active("w2"));
+        assert!(s.apply(&keys, b"/n/drain/w2", None).unwrap());
+        assert!(s.is_active("w2"));
+
+        // A good value is not replaced, by an event or a re-read.
+        assert!(s.apply(&keys, b"/n/drain/w2", Some(br#"{"schema":1,"reason":"kernel"}"#)).unwrap());
+        assert!(s.apply(&keys, b"/n/drain/w2", Some(b"")).is_err());
+        assert_eq!(s.drains["w2"].reason, "kernel");
+        let (again, rejected) = s.reread(&keys, [(b"/n/drain/w2".as_slice(), b"".as_slice())]);
+        assert_eq!(rejected.len(), 1);
+        assert_eq!(again.drains["w2"].reason, "kernel");
     }
 
     #[test]

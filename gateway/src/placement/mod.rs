@@ -72,6 +72,9 @@ pub struct PlacementController {
     /// The workers last reported over their declared capacity (warned about once each time
     /// they become so).
     overcommitted: BTreeSet<String>,
+    /// Each model's `memory_mb` as last seen declared, across terms: only to charge a frozen
+    /// model's replicas to their workers (a term's first read may find it frozen).
+    memory_mb: BTreeMap<String, u64>,
 }
 
 impl PlacementController {
@@ -85,6 +88,7 @@ impl PlacementController {
             loads,
             sightings,
             overcommitted: BTreeSet::new(),
+            memory_mb: BTreeMap::new(),
         }
     }
 
@@ -216,7 +220,8 @@ impl PlacementController {
         // A declaration or a worker record rejected with no last good value to fall back on (a
         // leader that never saw it valid): the model is neither re-planned nor undeclared, the
         // worker neither used nor emptied — their placements stay as they are until a valid
-        // value is written or the key is deleted.
+        // value is written or the key is deleted. (A rejected drain needs no freezing: the state
+        // takes it as a drain.)
         let (frozen_models, frozen_workers) = frozen(&keys, &rejected, &state);
         let now = Instant::now();
         for f in self.loads.observe(&state, now) {
@@ -231,14 +236,18 @@ impl PlacementController {
         }
         let excluded = self.loads.excluded();
         let vanished = self.sightings.observe(&state, now);
-        let mut planned = plan::plan(&state, &excluded, &vanished);
-        planned.assignments.extend(
-            state
-                .placements
-                .iter()
-                .filter(|(w, m, _)| frozen_models.contains(m) || frozen_workers.contains(w))
-                .cloned(),
-        );
+        // Frozen placements stay loaded, so they hold their workers' room in the plan: a model
+        // slot each, and the model's memory_mb as last seen valid (0 if never: unknown).
+        let frozen: BTreeMap<Assignment, u64> = state
+            .placements
+            .iter()
+            .filter(|(w, m, _)| frozen_models.contains(m) || frozen_workers.contains(w))
+            .map(|a| (a.clone(), self.memory_mb.get(&a.1).copied().unwrap_or(0)))
+            .collect();
+        self.memory_mb.extend(state.models.iter().map(|(m, d)| (m.clone(), d.resources.memory_mb)));
+        self.memory_mb.retain(|m, _| state.models.contains_key(m) || frozen_models.contains(m));
+        let mut planned = plan::plan(&state, &excluded, &vanished, &frozen);
+        planned.assignments.extend(frozen.into_keys());
         self.metrics.placement_plans.inc();
         self.metrics.placement_unplaced.set(planned.unplaced_replicas() as i64);
         for r in self.loads.unplaced_reports(&state, &planned.unplaced, &excluded, now) {
@@ -762,14 +771,17 @@ mod tests {
         gone.statuses.remove("w1");
         let vanished = sightings.observe(&gone, t0 + Duration::from_secs(1));
         assert_eq!(vanished, BTreeSet::from(["w1".to_string()]));
-        let p = plan::plan(&gone, &BTreeSet::new(), &vanished);
+        let p = plan::plan(&gone, &BTreeSet::new(), &vanished, &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 1), a("w2", "m", 1)]));
         // Counted from when it was last seen, not from when it was found gone.
         let almost = t0 + VANISHED_GRACE - Duration::from_millis(1);
         assert_eq!(sightings.observe(&gone, almost), vanished);
         let vanished = sightings.observe(&gone, t0 + VANISHED_GRACE);
         assert!(vanished.is_empty());
-        assert_eq!(plan::plan(&gone, &BTreeSet::new(), &vanished).assignments, BTreeSet::from([a("w2", "m", 1)]));
+        assert_eq!(
+            plan::plan(&gone, &BTreeSet::new(), &vanished, &BTreeMap::new()).assignments,
+            BTreeSet::from([a("w2", "m", 1)])
+        );
 
         // Back: seen again, and a later loss gets a grace of its own.
         let later = t0 + VANISHED_GRACE * 2;
@@ -805,7 +817,9 @@ mod tests {
             sightings.begin_term();
             let vanished = sightings.observe(&gone, after_outage);
             assert_eq!(vanished, BTreeSet::from(["w1".to_string()]), "seen before: {seen_before}");
-            assert!(plan::plan(&gone, &BTreeSet::new(), &vanished).assignments.contains(&a("w1", "m", 1)));
+            assert!(
+                plan::plan(&gone, &BTreeSet::new(), &vanished, &BTreeMap::new()).assignments.contains(&a("w1", "m", 1))
+            );
             // Only the term's first read: the grace then runs out as usual.
             assert_eq!(sightings.observe(&gone, after_outage + Duration::from_secs(1)).len(), 1);
             assert!(sightings.observe(&gone, after_outage + VANISHED_GRACE).is_empty());
@@ -909,14 +923,17 @@ mod tests {
         status(&mut s, "w1", "m", 1, Some((ModelState::Loading, "")));
         assert!(loads.observe(&s, t0).is_empty());
         assert!(loads.observe(&s, t0 + timeout - Duration::from_secs(1)).is_empty());
-        assert_eq!(plan::plan(&s, &loads.excluded(), &BTreeSet::new()).assignments, BTreeSet::from([a("w1", "m", 1)]));
+        assert_eq!(
+            plan::plan(&s, &loads.excluded(), &BTreeSet::new(), &BTreeMap::new()).assignments,
+            BTreeSet::from([a("w1", "m", 1)])
+        );
 
         let new = loads.observe(&s, t0 + timeout);
         assert_eq!(new.len(), 1, "{new:?}");
         assert_eq!((new[0].worker.as_str(), new[0].model.as_str(), new[0].version), ("w1", "m", 1));
         assert!(new[0].reason.contains("not READY within 600s"), "{}", new[0].reason);
         assert!(new[0].reason.contains("still LOADING"), "{}", new[0].reason);
-        let p = plan::plan(&s, &loads.excluded(), &BTreeSet::new());
+        let p = plan::plan(&s, &loads.excluded(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w2", "m", 1)]), "moved to w2");
         assert!(loads.observe(&s, t0 + timeout + Duration::from_secs(1)).is_empty(), "logged once");
 
@@ -1005,7 +1022,7 @@ mod tests {
         status(&mut s, "w2", "m", 1, Some((ModelState::Ready, "")));
         loads.observe(&s, t0);
         let excluded = loads.excluded();
-        let p = plan::plan(&s, &excluded, &BTreeSet::new());
+        let p = plan::plan(&s, &excluded, &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.unplaced, vec![("m".to_string(), 1, 1)]);
 
         let reports = loads.unplaced_reports(&s, &p.unplaced, &excluded, t0);

@@ -36,6 +36,14 @@
 //!   replica. A worker back within the grace finds its placements and reports them READY again;
 //!   keeping READY replicas first, the next plan drops the surplus replacement still loading.
 //!   Nothing routes to an unregistered worker, so keeping its keys meanwhile is harmless.
+//! - Surplus: where a version has more valid assignments than `replicas`, those kept are the
+//!   READY ones first, then those whose worker has published no status for them, then those
+//!   still loading (see [`plan`]).
+//! - Frozen: placements of a model whose declaration was rejected, with no good one to plan
+//!   from, stay as they are (the caller keeps them) and use their workers' capacity.
+//! - New replicas are placed for the models needing the most memory first (then by name):
+//!   placed first, small models could split the free memory so that a big one fits nowhere
+//!   though there was room for all (first-fit decreasing).
 //! - New replicas go, in order, to the worker with the fewest versions of the same model, then
 //!   the fewest assignments, then the most free memory, then the smallest id — spreading models
 //!   and load, deterministically.
@@ -98,8 +106,15 @@ struct Outgoing<'a> {
 
 /// Plans from `state`; `excluded` lists assignments known to fail (beyond the FAILED statuses
 /// currently in `state`); `vanished` lists workers whose registration disappeared less than a
-/// grace period ago (one registered again in `state` is not vanished).
-pub fn plan(state: &FleetState, excluded: &BTreeSet<Assignment>, vanished: &BTreeSet<String>) -> Plan {
+/// grace period ago (one registered again in `state` is not vanished); `frozen` maps placements
+/// of models `state` does not declare that stay anyway (left out of the plan, the caller keeps
+/// them) to the memory each uses (MiB).
+pub fn plan(
+    state: &FleetState,
+    excluded: &BTreeSet<Assignment>,
+    vanished: &BTreeSet<String>,
+    frozen: &BTreeMap<Assignment, u64>,
+) -> Plan {
     let failed = |w: &str, m: &str, v: i64| {
         excluded.contains(&(w.to_string(), m.to_string(), v))
             || state
@@ -114,20 +129,31 @@ pub fn plan(state: &FleetState, excluded: &BTreeSet<Assignment>, vanished: &BTre
         let (Some(worker), Some(model)) = (state.workers.get(w), state.models.get(m)) else { return false };
         model.selector.iter().all(|(k, v)| worker.labels.get(k) == Some(v))
     };
-    let ready = |w: &str, m: &str, v: i64| {
-        state.statuses.get(w).and_then(|s| s.get(&(m.to_string(), v))).is_some_and(|s| s.state == ModelState::Ready)
-    };
+    let status =
+        |w: &str, m: &str, v: i64| state.statuses.get(w).and_then(|s| s.get(&(m.to_string(), v))).map(|s| s.state);
+    let ready = |w: &str, m: &str, v: i64| status(w, m, v) == Some(ModelState::Ready);
     let active: Vec<&String> = state.workers.keys().filter(|w| state.is_active(w)).collect();
     let mut load: BTreeMap<&str, Load> = active.iter().map(|w| (w.as_str(), Load::default())).collect();
 
-    // Keep what is valid, up to the declared replica count (READY ones first).
+    // Keep what is valid, up to the declared replica count: READY ones first, then those with no
+    // status yet, then those LOADING. A worker that re-registers (a new lease) writes its record
+    // before its statuses, one at a time: until they land, a replica it still has loaded has no
+    // status, and losing it to a replacement known to be still loading would unload the one that
+    // serves. A placement with no status that never gets one (a dead agent) is not kept for
+    // ever: the caller's load timeout excludes it. Deterministic (ties go to the smaller
+    // assignment), and no thrash: the ones dropped are deleted, never compared again.
     let mut kept: BTreeMap<(String, i64), Vec<String>> = BTreeMap::new();
     let mut existing: Vec<&Assignment> = state
         .placements
         .iter()
         .filter(|(w, m, v)| load.contains_key(w.as_str()) && declared(m, *v) && matches(w, m) && !failed(w, m, *v))
         .collect();
-    existing.sort_by_key(|a| (!ready(&a.0, &a.1, a.2), (*a).clone()));
+    let rank = |a: &Assignment| match status(&a.0, &a.1, a.2) {
+        Some(ModelState::Ready) => 0,
+        None => 1,
+        Some(ModelState::Loading | ModelState::Failed) => 2,
+    };
+    existing.sort_by_key(|a| (rank(a), (*a).clone()));
     for (w, m, v) in existing {
         let replicas = state.models[m].replicas as usize;
         let holders = kept.entry((m.clone(), *v)).or_default();
@@ -151,10 +177,22 @@ pub fn plan(state: &FleetState, excluded: &BTreeSet<Assignment>, vanished: &BTre
             l.add(m, memory_of(m));
         }
     }
+    // Frozen placements stay loaded whatever the plan: their room is taken. The memory is the
+    // caller's best knowledge (0 when it never saw the model valid: the worker's memory_mb may
+    // then be overfilled, its max_models never).
+    for ((w, m, _), memory_mb) in frozen {
+        if let Some(l) = load.get_mut(w.as_str())
+            && !state.models.contains_key(m)
+        {
+            l.add(m, *memory_mb);
+        }
+    }
 
-    // Add the missing replicas.
+    // Add the missing replicas, the models needing the most memory first (first-fit decreasing).
     let mut unplaced = Vec::new();
-    for (model, decl) in &state.models {
+    let mut by_size: Vec<_> = state.models.iter().collect();
+    by_size.sort_by_key(|(name, decl)| (std::cmp::Reverse(decl.resources.memory_mb), *name));
+    for (model, decl) in by_size {
         let need = memory_of(model);
         for &version in &decl.versions {
             let holders = kept.entry((model.clone(), version)).or_default();
@@ -188,6 +226,8 @@ pub fn plan(state: &FleetState, excluded: &BTreeSet<Assignment>, vanished: &BTre
             }
         }
     }
+    // Reported in name order, as declared.
+    unplaced.sort_by(|a, b| a.0.cmp(&b.0));
     // READY replicas among a version's holders (on active matching workers), counted after the
     // additions: a new holder that already has the version loaded (READY before it was placed
     // there) counts at once.
@@ -381,7 +421,7 @@ mod tests {
         }
         model(&mut s, "big", &[1], 2, 600);
         model(&mut s, "small", &[1, 2], 2, 100);
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert!(p.unplaced.is_empty(), "{p:?}");
         assert_eq!(p.assignments.len(), 6);
         // No worker holds two replicas of one version, or more than its memory.
@@ -394,10 +434,11 @@ mod tests {
                 .sum();
             assert!(mem <= 1000, "{w} holds {mem} MiB");
         }
-        // Not enough room: reported, not over-committed.
+        // Not enough room: reported, not over-committed (planned from scratch, the biggest
+        // first: huge gets both its replicas, big lacks one).
         model(&mut s, "huge", &[1], 2, 900);
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
-        assert_eq!(p.unplaced, vec![("huge".to_string(), 1, 1)]);
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
+        assert_eq!(p.unplaced, vec![("big".to_string(), 1, 1)]);
         assert_eq!(p.unplaced_replicas(), 1);
     }
 
@@ -409,7 +450,7 @@ mod tests {
         }
         model(&mut s, "m", &[1], 2, 0);
         s.placements.insert(a("w3", "m", 1));
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert!(p.assignments.contains(&a("w3", "m", 1)), "stable: {p:?}");
         assert_eq!(p.assignments.len(), 2);
 
@@ -420,7 +461,7 @@ mod tests {
         worker(&mut s, "w4", 0, 0);
         worker(&mut s, "w5", 0, 0);
         s.drains.insert("w5".into(), DrainRecord { schema: 1, reason: String::new() });
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 1), a("w4", "m", 1)]));
 
         // A failed load moves the replica elsewhere and is not retried there.
@@ -430,16 +471,16 @@ mod tests {
             .entry("w4".into())
             .or_default()
             .insert(("m".into(), 1), StatusRecord { schema: 1, state: ModelState::Failed, reason: "boom".into() });
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 1), a("w2", "m", 1)]));
-        let p = plan(&s, &BTreeSet::from([a("w2", "m", 1)]), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::from([a("w2", "m", 1)]), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 1)]));
         assert_eq!(p.unplaced, vec![("m".to_string(), 1, 1)]);
 
         // Fewer replicas declared: extras are dropped; an undeclared model is removed.
         model(&mut s, "m", &[1], 1, 0);
         s.placements.insert(a("w9", "gone", 1));
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments.len(), 1);
     }
 
@@ -453,7 +494,7 @@ mod tests {
         model(&mut s, "big", &[1], 2, 0);
         s.models.get_mut("big").unwrap().selector.insert("device".into(), "gpu".into());
         s.placements.insert(a("cpu1", "big", 1)); // placed before the selector: moved
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("gpu1", "big", 1)]));
         assert_eq!(p.unplaced, vec![("big".to_string(), 1, 1)]);
     }
@@ -466,7 +507,7 @@ mod tests {
         model(&mut s, "a", &[1], 1, 0);
         model(&mut s, "b", &[1], 1, 0);
         model(&mut s, "c", &[1], 1, 0);
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments.len(), 2);
         assert_eq!(p.unplaced_replicas(), 1);
     }
@@ -482,7 +523,7 @@ mod tests {
             s.placements.insert(a("w1", "m", 1));
             status(&mut s, "w1", "m", 1, Some((ModelState::Ready, "")));
             assert_eq!(
-                plan(&s, &BTreeSet::new(), &BTreeSet::new()).assignments,
+                plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new()).assignments,
                 BTreeSet::from([a("w1", "m", 1)]),
                 "stable"
             );
@@ -493,7 +534,7 @@ mod tests {
                 s.workers.get_mut("w1").unwrap().state = WorkerState::Draining;
             }
             // Make: the replacement is placed, the drained replica stays.
-            let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+            let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
             assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 1), a("w2", "m", 1)]), "{how}");
             assert_eq!(p.handing_over, BTreeSet::from([a("w1", "m", 1)]), "{how}");
             assert!(p.unplaced.is_empty(), "{how}: {p:?}");
@@ -501,11 +542,11 @@ mod tests {
             // Still loading (or FAILED-then-excluded elsewhere): nothing changes.
             s.placements = p.assignments.clone();
             status(&mut s, "w2", "m", 1, Some((ModelState::Loading, "")));
-            assert_eq!(plan(&s, &BTreeSet::new(), &BTreeSet::new()), p, "{how}");
+            assert_eq!(plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new()), p, "{how}");
 
             // Break: the replacement is READY, the drained replica goes.
             status(&mut s, "w2", "m", 1, Some((ModelState::Ready, "")));
-            let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+            let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
             assert_eq!(p.assignments, BTreeSet::from([a("w2", "m", 1)]), "{how}");
             assert!(p.handing_over.is_empty(), "{how}");
         }
@@ -521,12 +562,12 @@ mod tests {
         ready_on(&mut s, &["w1", "w2"], "m", 1);
         // One of two READY holders drained: it stays until its replacement (w3) is READY.
         s.drains.insert("w1".into(), DrainRecord { schema: 1, reason: String::new() });
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 1), a("w2", "m", 1), a("w3", "m", 1)]));
         s.placements = p.assignments.clone();
         status(&mut s, "w3", "m", 1, Some((ModelState::Ready, "")));
         assert_eq!(
-            plan(&s, &BTreeSet::new(), &BTreeSet::new()).assignments,
+            plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new()).assignments,
             BTreeSet::from([a("w2", "m", 1), a("w3", "m", 1)])
         );
 
@@ -537,15 +578,18 @@ mod tests {
         status(&mut s2, "w1", "m", 1, Some((ModelState::Ready, "")));
         status(&mut s2, "w2", "m", 1, Some((ModelState::Loading, "")));
         s2.drains.insert("w2".into(), DrainRecord { schema: 1, reason: String::new() });
-        let p = plan(&s2, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s2, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.handing_over, BTreeSet::from([a("w1", "m", 1)]));
         assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 1), a("w3", "m", 1), a("w4", "m", 1)]));
         // One replacement READY, the other still loading: the drained replica stays for it.
         s2.placements = p.assignments.clone();
         status(&mut s2, "w3", "m", 1, Some((ModelState::Ready, "")));
-        assert_eq!(plan(&s2, &BTreeSet::new(), &BTreeSet::new()).handing_over, BTreeSet::from([a("w1", "m", 1)]));
+        assert_eq!(
+            plan(&s2, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new()).handing_over,
+            BTreeSet::from([a("w1", "m", 1)])
+        );
         status(&mut s2, "w4", "m", 1, Some((ModelState::Ready, "")));
-        assert!(plan(&s2, &BTreeSet::new(), &BTreeSet::new()).handing_over.is_empty());
+        assert!(plan(&s2, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new()).handing_over.is_empty());
         s2.placements = BTreeSet::from([a("w1", "m", 1), a("w2", "m", 1)]);
         status(&mut s2, "w3", "m", 1, None);
         status(&mut s2, "w4", "m", 1, None);
@@ -553,11 +597,13 @@ mod tests {
         // Deregistered (lease gone), undeclared, or FAILED: nothing to hand over.
         let mut s3 = s2.clone();
         s3.workers.remove("w1");
-        assert!(plan(&s3, &BTreeSet::new(), &BTreeSet::new()).handing_over.is_empty());
+        assert!(plan(&s3, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new()).handing_over.is_empty());
         let mut s4 = s2.clone();
         model(&mut s4, "m", &[2], 2, 0);
-        assert!(plan(&s4, &BTreeSet::new(), &BTreeSet::new()).handing_over.is_empty());
-        assert!(plan(&s2, &BTreeSet::from([a("w1", "m", 1)]), &BTreeSet::new()).handing_over.is_empty());
+        assert!(plan(&s4, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new()).handing_over.is_empty());
+        assert!(
+            plan(&s2, &BTreeSet::from([a("w1", "m", 1)]), &BTreeSet::new(), &BTreeMap::new()).handing_over.is_empty()
+        );
     }
 
     /// The replacement needs room on an active worker; the drained holder's memory is not
@@ -574,7 +620,7 @@ mod tests {
             status(&mut s, "w1", m, 1, Some((ModelState::Ready, "")));
         }
         s.drains.insert("w1".into(), DrainRecord { schema: 1, reason: String::new() });
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         // Only one of them fits on w2 (400 of 500 MiB): a is handed over; b, with nowhere to go
         // and no other READY replica, stays on the drained worker as the last resort (and is
         // reported unplaced).
@@ -583,18 +629,18 @@ mod tests {
         assert_eq!(p.handing_over, BTreeSet::from([a("w1", "a", 1), a("w1", "b", 1)]));
         s.placements = p.assignments.clone();
         status(&mut s, "w2", "a", 1, Some((ModelState::Ready, "")));
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w1", "b", 1), a("w2", "a", 1)]));
         assert_eq!(p.unplaced, vec![("b".to_string(), 1, 1)]);
         // Room appears: b is placed there, then leaves w1 once READY.
         s.placements = p.assignments.clone();
         worker(&mut s, "w3", 500, 0);
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w1", "b", 1), a("w2", "a", 1), a("w3", "b", 1)]));
         s.placements = p.assignments.clone();
         status(&mut s, "w3", "b", 1, Some((ModelState::Ready, "")));
         assert_eq!(
-            plan(&s, &BTreeSet::new(), &BTreeSet::new()).assignments,
+            plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new()).assignments,
             BTreeSet::from([a("w2", "a", 1), a("w3", "b", 1)])
         );
     }
@@ -609,13 +655,13 @@ mod tests {
         s.placements.insert(a("w1", "m", 1));
         status(&mut s, "w1", "m", 1, Some((ModelState::Ready, "")));
         s.drains.insert("w1".into(), DrainRecord { schema: 1, reason: String::new() });
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 1)]));
         assert_eq!(p.handing_over, p.assignments);
         assert_eq!(p.unplaced, vec![("m".to_string(), 1, 1)]);
 
         s.workers.get_mut("w1").unwrap().state = WorkerState::Draining;
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert!(p.assignments.is_empty(), "{p:?}");
         assert_eq!(p.unplaced, vec![("m".to_string(), 1, 1)]);
 
@@ -627,7 +673,7 @@ mod tests {
         model(&mut s, "m", &[1], 2, 0);
         ready_on(&mut s, &["w1", "w2"], "m", 1);
         s.drains.insert("w1".into(), DrainRecord { schema: 1, reason: String::new() });
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w2", "m", 1)]));
         assert_eq!(p.unplaced, vec![("m".to_string(), 1, 1)]);
     }
@@ -649,12 +695,15 @@ mod tests {
         let registered = s.clone();
         s.workers.remove("w1");
         s.statuses.remove("w1");
-        let p = plan(&s, &BTreeSet::new(), &vanished);
+        let p = plan(&s, &BTreeSet::new(), &vanished, &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 1), a("w2", "m", 1)]));
         assert_eq!(p.vanished, BTreeSet::from([a("w1", "m", 1)]));
         assert!(p.handing_over.is_empty() && p.unplaced.is_empty(), "{p:?}");
         // Past the grace (the caller no longer lists it): removed, as before.
-        assert_eq!(plan(&s, &BTreeSet::new(), &BTreeSet::new()).assignments, BTreeSet::from([a("w2", "m", 1)]));
+        assert_eq!(
+            plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new()).assignments,
+            BTreeSet::from([a("w2", "m", 1)])
+        );
 
         // Back within the grace, READY again: the replacement still loading is the surplus.
         s.placements = p.assignments.clone();
@@ -662,13 +711,13 @@ mod tests {
         let mut back = s.clone();
         back.workers = registered.workers.clone();
         status(&mut back, "w1", "m", 1, Some((ModelState::Ready, "")));
-        let p = plan(&back, &BTreeSet::new(), &vanished);
+        let p = plan(&back, &BTreeSet::new(), &vanished, &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 1)]), "registered: not vanished any more");
         assert!(p.vanished.is_empty());
 
         // Not back, and the replacement is READY: the vanished worker's key goes.
         status(&mut s, "w2", "m", 1, Some((ModelState::Ready, "")));
-        let p = plan(&s, &BTreeSet::new(), &vanished);
+        let p = plan(&s, &BTreeSet::new(), &vanished, &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w2", "m", 1)]));
         assert!(p.vanished.is_empty());
     }
@@ -690,21 +739,21 @@ mod tests {
             s.placements.insert(a(w, "old", 2));
         }
         let vanished = BTreeSet::from(["w8".to_string(), "w9".to_string()]);
-        let p = plan(&s, &BTreeSet::new(), &vanished);
+        let p = plan(&s, &BTreeSet::new(), &vanished, &BTreeMap::new());
         // m/1 lacks one READY replica (w1 is READY): one of the vanished keys stays, and the
         // replacement goes to w2.
         assert_eq!(p.vanished, BTreeSet::from([a("w8", "m", 1)]));
         assert!(p.assignments.contains(&a("w2", "m", 1)), "{p:?}");
         assert!(!p.assignments.iter().any(|(_, m, v)| m == "old" && *v == 2), "{p:?}");
         // Failed there (excluded by the controller): not kept.
-        let p = plan(&s, &BTreeSet::from([a("w8", "m", 1)]), &vanished);
+        let p = plan(&s, &BTreeSet::from([a("w8", "m", 1)]), &vanished, &BTreeMap::new());
         assert_eq!(p.vanished, BTreeSet::from([a("w9", "m", 1)]));
 
         // No room for a replacement: the vanished key stays (the version is reported unplaced).
         let mut s = FleetState::default();
         model(&mut s, "m", &[1], 1, 0);
         s.placements.insert(a("w1", "m", 1));
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::from(["w1".to_string()]));
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::from(["w1".to_string()]), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 1)]));
         assert_eq!(p.vanished, p.assignments);
         assert_eq!(p.unplaced, vec![("m".to_string(), 1, 1)]);
@@ -726,7 +775,7 @@ mod tests {
         s.models.get_mut("big").unwrap().selector.insert("device".into(), "gpu".into());
 
         let both = [a("cpu1", "big", 1), a("cpu2", "big", 1)];
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.handing_over, BTreeSet::from(both.clone()));
         let replacements = [a("gpu1", "big", 1), a("gpu2", "big", 1)];
         assert_eq!(p.assignments, BTreeSet::from_iter(both.iter().chain(&replacements).cloned()));
@@ -736,12 +785,12 @@ mod tests {
         s.placements = p.assignments.clone();
         status(&mut s, "gpu1", "big", 1, Some((ModelState::Ready, "")));
         status(&mut s, "gpu2", "big", 1, Some((ModelState::Loading, "")));
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.handing_over, BTreeSet::from([a("cpu1", "big", 1)]));
         // Both READY: no CPU replica left.
         s.placements = p.assignments.clone();
         status(&mut s, "gpu2", "big", 1, Some((ModelState::Ready, "")));
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from(replacements));
         assert!(p.handing_over.is_empty());
 
@@ -755,7 +804,7 @@ mod tests {
         s.placements.insert(a("cpu2", "big", 1));
         status(&mut s, "cpu2", "big", 1, Some((ModelState::Loading, "")));
         s.models.get_mut("big").unwrap().selector.insert("device".into(), "gpu".into());
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("cpu1", "big", 1)]));
         assert_eq!(p.handing_over, p.assignments);
         assert_eq!(p.unplaced, vec![("big".to_string(), 1, 2)]);
@@ -777,18 +826,18 @@ mod tests {
         s.workers.get_mut("cpu1").unwrap().labels.insert("device".into(), "cpu".into());
         s.models.get_mut("other").unwrap().selector.insert("device".into(), "cpu".into());
 
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("cpu1", "big", 1), a("gpu1", "big", 1)]));
         assert_eq!(p.unplaced, vec![("other".to_string(), 1, 1)]);
         // The replacement is READY: big leaves cpu1, whose room is still charged in this plan…
         s.placements = p.assignments.clone();
         status(&mut s, "gpu1", "big", 1, Some((ModelState::Ready, "")));
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("gpu1", "big", 1)]));
         assert_eq!(p.unplaced, vec![("other".to_string(), 1, 1)]);
         // …and free for the next one.
         s.placements = p.assignments.clone();
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert_eq!(p.assignments, BTreeSet::from([a("cpu1", "other", 1), a("gpu1", "big", 1)]));
         assert!(p.unplaced.is_empty());
     }
@@ -804,17 +853,92 @@ mod tests {
         model(&mut s, "b", &[1], 1, 600);
         ready_on(&mut s, &["w1"], "a", 1);
         ready_on(&mut s, &["w2"], "b", 1);
-        assert!(overcommitted(&s, &plan(&s, &BTreeSet::new(), &BTreeSet::new()).assignments).is_empty());
+        assert!(
+            overcommitted(&s, &plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new()).assignments).is_empty()
+        );
         // w1 restarts declaring 500 MB; a new model is declared.
         s.workers.get_mut("w1").unwrap().capacity.memory_mb = 500;
         model(&mut s, "c", &[1], 1, 100);
-        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new());
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
         assert!(p.assignments.contains(&a("w1", "a", 1)), "{p:?}");
         assert!(p.assignments.contains(&a("w2", "c", 1)), "the new model goes where there is room: {p:?}");
         assert_eq!(
             overcommitted(&s, &p.assignments),
             vec![Overcommit { worker: "w1".into(), memory_mb: 600, capacity_mb: 500, models: 1, max_models: 0 }]
         );
+    }
+
+    /// A model whose declaration was rejected (never seen valid) keeps its placements, and they
+    /// keep their room: nothing new overfills their workers.
+    #[test]
+    fn a_frozen_models_replicas_hold_their_workers_room() {
+        let mut s = FleetState::default();
+        worker(&mut s, "w1", 0, 1);
+        worker(&mut s, "w2", 1000, 0);
+        model(&mut s, "b", &[1], 2, 600);
+        s.placements.insert(a("w1", "a", 1));
+        s.placements.insert(a("w2", "c", 1));
+        let frozen = BTreeMap::from([(a("w1", "a", 1), 0), (a("w2", "c", 1), 600)]);
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &frozen);
+        assert!(p.assignments.is_empty(), "{p:?}");
+        assert_eq!(p.unplaced, vec![("b".to_string(), 1, 2)]);
+    }
+
+    /// Small models placed first could split the free memory so that a big one fits nowhere;
+    /// the biggest go first.
+    #[test]
+    fn the_models_needing_the_most_memory_are_placed_first() {
+        let mut s = FleetState::default();
+        worker(&mut s, "w1", 1000, 0);
+        worker(&mut s, "w2", 1000, 0);
+        model(&mut s, "a", &[1], 1, 500);
+        model(&mut s, "b", &[1], 1, 500);
+        model(&mut s, "c", &[1], 1, 1000);
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
+        assert!(p.unplaced.is_empty(), "{p:?}");
+        assert_eq!(p.assignments, BTreeSet::from([a("w1", "c", 1), a("w2", "a", 1), a("w2", "b", 1)]));
+    }
+
+    /// A worker that re-registered (a new lease) writes its record before its statuses: until
+    /// they land, its replica is kept over a replacement known to be still loading.
+    #[test]
+    fn a_replica_with_no_status_yet_is_kept_over_one_still_loading() {
+        let mut s = FleetState::default();
+        worker(&mut s, "w1", 0, 0);
+        worker(&mut s, "w2", 0, 0);
+        model(&mut s, "m", &[1], 1, 0);
+        s.placements.insert(a("w1", "m", 1));
+        s.placements.insert(a("w2", "m", 1));
+        status(&mut s, "w1", "m", 1, Some((ModelState::Loading, "")));
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
+        assert_eq!(p.assignments, BTreeSet::from([a("w2", "m", 1)]));
+        // READY still comes first.
+        status(&mut s, "w1", "m", 1, Some((ModelState::Ready, "")));
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
+        assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 1)]));
+    }
+
+    /// A drain key with an invalid value (`etcdctl put …/drain/w1 ''`) still drains: the
+    /// worker gets no placement, and no traffic (the routing table reads the same drains).
+    #[test]
+    fn an_invalid_drain_value_still_drains_the_worker() {
+        let keys = nereid_common::fleet::Keys::new("/n").unwrap();
+        let record = |id: &str| format!(r#"{{"schema":1,"id":"{id}","grpc":"127.0.0.1:9","state":"ready"}}"#);
+        let (w1, w2) = (record("w1"), record("w2"));
+        let (s, rejected) = FleetState::from_kvs(
+            &keys,
+            [
+                (b"/n/workers/w1".as_slice(), w1.as_bytes()),
+                (b"/n/workers/w2", w2.as_bytes()),
+                (b"/n/models/m", br#"{"schema":1,"versions":[1],"replicas":2}"#),
+                (b"/n/drain/w1", b""),
+            ],
+        );
+        assert_eq!(rejected.len(), 1, "still reported: {rejected:?}");
+        assert!(s.drains.contains_key("w1") && !s.is_active("w1"));
+        let p = plan(&s, &BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
+        assert_eq!(p.assignments, BTreeSet::from([a("w2", "m", 1)]));
+        assert_eq!(p.unplaced, vec![("m".to_string(), 1, 1)]);
     }
 
     proptest! {
@@ -871,7 +995,7 @@ mod tests {
             let matches = |w: &str, m: &str| {
                 s.models[m].selector.iter().all(|(k, v)| s.workers[w].labels.get(k) == Some(v))
             };
-            let p = plan(&s, &BTreeSet::new(), &vanished);
+            let p = plan(&s, &BTreeSet::new(), &vanished, &BTreeMap::new());
             let mut per_version: BTreeMap<(String, i64), u32> = BTreeMap::new();
             let mut ready_active: BTreeMap<(String, i64), u32> = BTreeMap::new();
             let mut handing: BTreeMap<(String, i64), u32> = BTreeMap::new();
@@ -952,7 +1076,7 @@ mod tests {
             // its room was still charged to that worker, and the next plan may use it. That
             // happens at most once per such replica (nothing new is placed on an unmatched
             // worker), so re-planning settles.
-            prop_assert_eq!(&plan(&s, &BTreeSet::new(), &vanished), &p);
+            prop_assert_eq!(&plan(&s, &BTreeSet::new(), &vanished, &BTreeMap::new()), &p);
             let (mut current, mut planned) = (s.clone(), p.clone());
             for _ in 0..=s.placements.len() {
                 let freed = current.placements.iter().any(|a @ (w, m, v)| {
@@ -963,14 +1087,14 @@ mod tests {
                         && status_of(w, m, *v) == Some(ModelState::Ready)
                 });
                 current.placements = planned.assignments.clone();
-                let next = plan(&current, &BTreeSet::new(), &vanished);
+                let next = plan(&current, &BTreeSet::new(), &vanished, &BTreeMap::new());
                 if !freed {
                     prop_assert_eq!(&next.assignments, &planned.assignments);
                     break;
                 }
                 planned = next;
             }
-            prop_assert_eq!(plan(&current, &BTreeSet::new(), &vanished).assignments, planned.assignments);
+            prop_assert_eq!(plan(&current, &BTreeSet::new(), &vanished, &BTreeMap::new()).assignments, planned.assignments);
         }
     }
 }
