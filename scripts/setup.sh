@@ -34,9 +34,12 @@ apt_install() {
   done
   if [ "${#missing[@]}" -gt 0 ]; then
     log "apt-get install ${missing[*]}"
-    as_root apt-get update -qq
+    # A freshly booted machine may be running its own apt jobs (unattended-upgrades, cloud-init):
+    # wait for their lock rather than fail at once.
+    local lock=(-o DPkg::Lock::Timeout=600)
+    as_root apt-get "${lock[@]}" update -qq
     # Through env: sudo's env_reset would drop a variable set in front of it.
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get "${lock[@]}" install -y -qq "${missing[@]}" >/dev/null
     # Debian's etcd-server starts a system etcd on 127.0.0.1:2379 where systemd runs; Nereid
     # starts its own etcd (the tests on free ports, deploy/local/up.sh on 2379), so the one
     # installed here is stopped and kept from starting at boot. An etcd that was already
@@ -65,12 +68,13 @@ fi
 # python3-venv / pip for the project's venv, curl for deploy/local/up.sh.
 apt_install build-essential protobuf-compiler etcd-server etcd-client python3-venv python3-pip curl ca-certificates ${NEREID_EXTRA_APT:-}
 
-# The project's venv exists before anything is fetched with its pip. One whose interpreter no
-# longer runs (the system Python it points at was upgraded or removed, a half-made venv) is
-# made again from scratch, packages included.
+# The project's venv exists before anything is fetched with its pip. One whose interpreter or pip
+# does not run (the system Python it points at was upgraded or removed; a venv made before
+# python3-venv was installed, or interrupted, has no pip) is made again from scratch, packages
+# included.
 venv="$root/.venv"
-if [ -e "$venv" ] && ! "$venv/bin/python" -c 'import sys' >/dev/null 2>&1; then
-  log "the python venv at .venv is broken (its interpreter does not run): making it again"
+if [ -e "$venv" ] && ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
+  log "the python venv at .venv is broken (its interpreter or pip does not run): making it again"
   rm -rf "$venv"
 fi
 [ -x "$venv/bin/python" ] || { log "python venv at .venv"; "$PY" -m venv "$venv"; }

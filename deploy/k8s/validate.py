@@ -456,9 +456,10 @@ def prestop_sleep_seconds(c: dict) -> int:
     return 0
 
 
-# nereidctl's etcd calls in `drain --until-exit` (connect, read the lease, write; the wait polls
-# share its --wait-secs), each bounded at 3 s.
-NEREIDCTL_DRAIN_CALLS_SECS = 3 * 3
+# nereidctl's etcd calls in `drain --until-exit`, each bounded at 3 s: connect, read the worker's
+# lease, read the drain key's, write; plus one poll of the wait begun just before --wait-secs ran
+# out.
+NEREIDCTL_DRAIN_CALLS_SECS = 4 * 3 + 3
 
 
 def prestop_drain(c: dict) -> dict | None:

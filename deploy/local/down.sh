@@ -11,8 +11,8 @@ runs() { # pid program
   local exe; exe="$(readlink "/proc/$1/exe" 2>/dev/null)" || return 1
   [ "$(basename "${exe% (deleted)}")" = "$2" ]
 }
-stop() { # name program
-  local f="$state/$1.pid"
+stop() { # name program seconds-before-SIGKILL
+  local f="$state/$1.pid" tenths=$(($3 * 10))
   [ -f "$f" ] || return 0
   local pid; pid="$(cat "$f")"
   if ! runs "$pid" "$2"; then
@@ -20,12 +20,14 @@ stop() { # name program
     return 0
   fi
   if kill -TERM "$pid" 2>/dev/null; then
-    for _ in $(seq 1 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    for _ in $(seq 1 "$tenths"); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -KILL "$pid" 2>/dev/null || true
   fi
   rm -f "$f"
 }
-stop gateway nereid-gateway
-for f in "$state"/worker-*.pid; do [ -e "$f" ] && stop "$(basename "$f" .pid)" nereid-worker; done
-stop etcd etcd
+# Past their own drain bounds (the worker's --exit-timeout-secs is 30 by default), so that a
+# worker with requests in flight finishes them and revokes its lease before any SIGKILL.
+stop gateway nereid-gateway 35
+for f in "$state"/worker-*.pid; do [ -e "$f" ] && stop "$(basename "$f" .pid)" nereid-worker 35; done
+stop etcd etcd 15
 echo "fleet stopped (logs in $state)"

@@ -74,7 +74,10 @@ trap on_exit EXIT
 
 start() { # name, then the command: runs it in the background, remembers its pid
   local name="$1"; shift
-  nohup "$@" >"$state/$name.log" 2>&1 &
+  # Neither the caller's stdin nor its stderr (fd 9) stays open in a process that outlives this
+  # script: `quickstart.sh 2>&1 | tee log`, `$(...)` or ssh would otherwise wait for the fleet
+  # to stop.
+  nohup "$@" >"$state/$name.log" 2>&1 </dev/null 9>&- &
   echo $! >"$state/$name.pid"
 }
 

@@ -262,7 +262,9 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
 }
 
 /// Waits (polling, bounded by `within`) until `worker` holds no placement; how long it took.
-/// What is still placed on it at the end is the error.
+/// What is still placed on it at the end is the error — at once when no other worker could
+/// take any of it (a single GPU worker, the others drained): a preStop hook would otherwise
+/// hold the pod's SIGTERM for the whole wait, for nothing.
 async fn wait_moved(store: &mut Store, worker: &str, within: Duration) -> Result<Duration, CtlError> {
     let start = tokio::time::Instant::now();
     let prefix = store.keys.placement_of(worker);
@@ -270,6 +272,17 @@ async fn wait_moved(store: &mut Store, worker: &str, within: Duration) -> Result
         let left = store.keys_under(&prefix).await?;
         if left.is_empty() {
             return Ok(start.elapsed());
+        }
+        // (Rejected values were warned about by the command itself; not again every poll.)
+        let (state, _) = store.state().await?;
+        let stuck = nowhere_to_go(&state, worker);
+        if !stuck.is_empty() && stuck.len() == state.placements.iter().filter(|(w, _, _)| w == worker).count() {
+            return Err(CtlError::Failed(format!(
+                "the drain is in place, but no other worker can take what worker {worker} holds ({}): \
+                 none is registered, ready and undrained with the labels the models' selectors ask for; \
+                 not waiting",
+                stuck.join(", ")
+            )));
         }
         if start.elapsed() >= within {
             let names: Vec<&str> = left.iter().map(|k| k.strip_prefix(prefix.as_str()).unwrap_or(k)).collect();
@@ -282,6 +295,28 @@ async fn wait_moved(store: &mut Store, worker: &str, within: Duration) -> Result
         }
         tokio::time::sleep(WAIT_POLL.min(within.saturating_sub(start.elapsed()))).await;
     }
+}
+
+/// `model/version`s placed on `worker` that no other worker could take: none other is active
+/// (registered, ready, undrained) with the labels the model's selector asks for. (Room is the
+/// placement controller's to judge: a full worker may have room later.)
+fn nowhere_to_go(state: &FleetState, worker: &str) -> Vec<String> {
+    state
+        .placements
+        .iter()
+        .filter(|(w, m, _)| {
+            w == worker
+                && !state.workers.iter().any(|(other, record)| {
+                    other != worker
+                        && state.is_active(other)
+                        && state
+                            .models
+                            .get(m)
+                            .is_none_or(|d| d.selector.iter().all(|(k, v)| record.labels.get(k) == Some(v)))
+                })
+        })
+        .map(|(_, m, v)| format!("{m}/{v}"))
+        .collect()
 }
 
 /// How often `drain --wait-secs` looks at the worker's placements.
@@ -409,6 +444,35 @@ fn written(output: Output, what: &str, key: &str, value: Option<&str>, previous:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A drained worker's placements can go elsewhere only to an active worker carrying the
+    /// model's selector labels.
+    #[test]
+    fn placements_with_no_other_active_worker_matching_have_nowhere_to_go() {
+        let keys = nereid_common::fleet::Keys::new("/n").unwrap();
+        let worker = |id: &str, state: &str, labels: &str| {
+            format!(r#"{{"schema":1,"id":"{id}","grpc":"127.0.0.1:1","state":"{state}","labels":{labels}}}"#)
+        };
+        let kvs = [
+            ("/n/workers/gpu1", worker("gpu1", "ready", r#"{"device":"gpu"}"#)),
+            ("/n/workers/gpu2", worker("gpu2", "draining", r#"{"device":"gpu"}"#)),
+            ("/n/workers/gpu3", worker("gpu3", "ready", r#"{"device":"gpu"}"#)),
+            ("/n/drain/gpu3", r#"{"schema":1}"#.into()),
+            ("/n/workers/cpu1", worker("cpu1", "ready", "{}")),
+            ("/n/models/big", r#"{"schema":1,"versions":[1],"replicas":1,"selector":{"device":"gpu"}}"#.into()),
+            ("/n/models/small", r#"{"schema":1,"versions":[1],"replicas":1}"#.into()),
+            ("/n/placement/gpu1/big/1", r#"{"schema":1,"leader_revision":7}"#.into()),
+            ("/n/placement/gpu1/small/1", r#"{"schema":1,"leader_revision":7}"#.into()),
+        ];
+        let (mut state, rejected) = FleetState::from_kvs(&keys, kvs.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())));
+        assert!(rejected.is_empty(), "{rejected:?}");
+        // The other GPU workers are draining or drained; small may go to cpu1.
+        assert_eq!(nowhere_to_go(&state, "gpu1"), ["big/1"]);
+        state.drains.remove("gpu3");
+        assert!(nowhere_to_go(&state, "gpu1").is_empty());
+        state.workers.clear();
+        assert_eq!(nowhere_to_go(&state, "gpu1"), ["big/1", "small/1"]);
+    }
 
     fn declared(versions: &[i64]) -> ModelRecord {
         ModelRecord {
