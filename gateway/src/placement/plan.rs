@@ -27,6 +27,12 @@
 //!   draining itself does not: it is exiting, there is nothing to wait for. With another READY
 //!   replica on an active matching worker, such a replica goes even if its replacement cannot be
 //!   placed (reported unplaced).
+//! - Version roll-over, make before break: when a model's declaration drops a version (redeclared
+//!   from `--versions 1` to `--versions 2`), its READY replicas on active workers stay while
+//!   replicas of the declared versions are placed but not yet READY, charged to their workers'
+//!   capacity meanwhile; they go once nothing is loading. (When the new version can be placed
+//!   nowhere, they go at once, freeing their room for it: break before make, as a Deployment's
+//!   maxUnavailable.)
 //! - Vanished workers: a worker whose registration disappeared (its lease expired: a GC pause, a
 //!   network blip longer than its TTL) usually re-registers moments later with its models still
 //!   loaded. For workers that vanished less than a grace period ago (the caller's `vanished`),
@@ -70,6 +76,9 @@ pub struct Plan {
     /// Placements on workers that vanished within the grace, kept (in `assignments`) in case
     /// the worker comes back, until their replacements are READY.
     pub vanished: BTreeSet<Assignment>,
+    /// READY replicas of versions a model's declaration no longer lists, kept (in
+    /// `assignments`) while replicas of its declared versions are still loading.
+    pub retiring: BTreeSet<Assignment>,
 }
 
 impl Plan {
@@ -173,6 +182,18 @@ pub fn plan(
             && !matches(w, m)
             && !failed(w, m, *v)
             && ready(w, m, *v)
+        {
+            l.add(m, memory_of(m));
+        }
+    }
+    // A READY replica of a version no longer declared (a model redeclared from version 1 to 2)
+    // may be kept while the new version loads (below): charged to its worker likewise.
+    let retired = |w: &str, m: &str, v: i64| {
+        state.models.get(m).is_some_and(|d| !d.versions.contains(&v)) && !failed(w, m, v) && ready(w, m, v)
+    };
+    for (w, m, v) in &state.placements {
+        if let Some(l) = load.get_mut(w.as_str())
+            && retired(w, m, *v)
         {
             l.add(m, memory_of(m));
         }
@@ -296,11 +317,30 @@ pub fn plan(
         }
     }
 
+    // Version roll-over, make before break: a model's retired versions keep their READY replicas
+    // on active workers while any replica of its declared versions is placed but not READY yet —
+    // dropping them first would leave the model with nothing to serve for as long as the new
+    // version loads. Once nothing is loading (all READY, or none could be placed: the room they
+    // hold is then freed for the next plan), they go.
+    let mut retiring = BTreeSet::new();
+    for (w, m, v) in &state.placements {
+        if load.contains_key(w.as_str()) && retired(w, m, *v) {
+            let loading = state.models[m].versions.iter().any(|&d| {
+                let (holders, ready) = ready_holders(m, d);
+                holders > ready
+            });
+            if loading {
+                retiring.insert((w.clone(), m.clone(), *v));
+            }
+        }
+    }
+
     let mut assignments: BTreeSet<Assignment> =
         kept.into_iter().flat_map(|((m, v), ws)| ws.into_iter().map(move |w| (w, m.clone(), v))).collect();
     assignments.extend(handing_over.iter().cloned());
     assignments.extend(kept_vanished.iter().cloned());
-    Plan { assignments, unplaced, handing_over, vanished: kept_vanished }
+    assignments.extend(retiring.iter().cloned());
+    Plan { assignments, unplaced, handing_over, vanished: kept_vanished, retiring }
 }
 
 /// A worker whose assignments exceed its declared capacity.
@@ -412,6 +452,42 @@ mod tests {
 
     use super::fixtures::*;
     use super::*;
+
+    /// A model redeclared from version 1 to version 2 keeps serving version 1 until version 2
+    /// is READY (make before break); version 1's replica holds its room meanwhile. When version
+    /// 2 fits nowhere, version 1 goes at once, freeing the room for it.
+    #[test]
+    fn a_version_change_keeps_the_old_version_until_the_new_one_is_ready() {
+        let none = || (BTreeSet::new(), BTreeSet::new(), BTreeMap::new());
+        let (ex, van, fr) = none();
+        let mut s = FleetState::default();
+        worker(&mut s, "w1", 1000, 0);
+        worker(&mut s, "w2", 1000, 0);
+        model(&mut s, "m", &[2], 1, 600);
+        ready_on(&mut s, &["w1"], "m", 1);
+        let p = plan(&s, &ex, &van, &fr);
+        // Version 2 goes where version 1's 600 MiB leave room; version 1 stays while it loads.
+        assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 1), a("w2", "m", 2)]));
+        assert_eq!(p.retiring, BTreeSet::from([a("w1", "m", 1)]));
+        s.placements.insert(a("w2", "m", 2));
+        status(&mut s, "w2", "m", 2, Some((ModelState::Loading, "")));
+        assert!(plan(&s, &ex, &van, &fr).assignments.contains(&a("w1", "m", 1)), "still loading");
+        status(&mut s, "w2", "m", 2, Some((ModelState::Ready, "")));
+        let p = plan(&s, &ex, &van, &fr);
+        assert_eq!(p.assignments, BTreeSet::from([a("w2", "m", 2)]), "version 2 READY: version 1 goes");
+        assert!(p.retiring.is_empty());
+
+        // One worker with room for one copy: version 1 goes now, version 2 is placed next.
+        let mut s = FleetState::default();
+        worker(&mut s, "w1", 1000, 0);
+        model(&mut s, "m", &[2], 1, 600);
+        ready_on(&mut s, &["w1"], "m", 1);
+        let p = plan(&s, &ex, &van, &fr);
+        assert!(p.assignments.is_empty(), "{p:?}");
+        assert_eq!(p.unplaced, vec![("m".to_string(), 2, 1)]);
+        s.placements.clear();
+        assert_eq!(plan(&s, &ex, &van, &fr).assignments, BTreeSet::from([a("w1", "m", 2)]));
+    }
 
     #[test]
     fn spreads_replicas_and_respects_capacity() {
@@ -1002,8 +1078,21 @@ mod tests {
             let mut gone: BTreeMap<(String, i64), u32> = BTreeMap::new();
             prop_assert!(p.handing_over.is_subset(&p.assignments));
             prop_assert!(p.vanished.is_subset(&p.assignments));
+            prop_assert!(p.retiring.is_subset(&p.assignments));
             for (w, m, v) in &p.assignments {
                 let assignment = (w.clone(), m.clone(), *v);
+                if p.retiring.contains(&assignment) {
+                    // Only a READY replica that was already there, of a version no longer
+                    // declared, on an active worker, while a declared version still loads.
+                    prop_assert!(!s.models[m].versions.contains(v));
+                    prop_assert!(s.placements.contains(&assignment) && s.is_active(w));
+                    prop_assert_eq!(status_of(w, m, *v), Some(ModelState::Ready));
+                    let loading = p.assignments.iter().any(|(w2, m2, v2)| {
+                        m2 == m && s.models[m].versions.contains(v2) && status_of(w2, m2, *v2) != Some(ModelState::Ready)
+                    });
+                    prop_assert!(loading, "{m}/{v} kept on {w} with nothing loading");
+                    continue;
+                }
                 prop_assert!(s.models[m].versions.contains(v));
                 prop_assert_ne!(status_of(w, m, *v), Some(ModelState::Failed));
                 if !s.workers.contains_key(w) {
@@ -1079,11 +1168,12 @@ mod tests {
             prop_assert_eq!(&plan(&s, &BTreeSet::new(), &vanished, &BTreeMap::new()), &p);
             let (mut current, mut planned) = (s.clone(), p.clone());
             for _ in 0..=s.placements.len() {
+                // (Likewise a READY replica of a version no longer declared, dropped because
+                // nothing of the declared versions was loading.)
                 let freed = current.placements.iter().any(|a @ (w, m, v)| {
                     !planned.assignments.contains(a)
                         && current.is_active(w)
-                        && current.models.get(m).is_some_and(|d| d.versions.contains(v))
-                        && !matches(w, m)
+                        && current.models.get(m).is_some_and(|d| !d.versions.contains(v) || !matches(w, m))
                         && status_of(w, m, *v) == Some(ModelState::Ready)
                 });
                 current.placements = planned.assignments.clone();
