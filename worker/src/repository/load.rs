@@ -216,6 +216,8 @@ pub fn load_model(
     // tensors), the other instances' only once they pass: a config found wrong costs one.
     let mut sessions_by_version = BTreeMap::new();
     let mut spec: Option<ModelSpec> = None;
+    // The first version checked, and which of its tensors are scalars fed as such.
+    let mut scalars: Option<(i64, Scalars)> = None;
     let mut labels = HashMap::new();
     for &version in &versions {
         let path = model_file(dir, version, &filename)?;
@@ -231,7 +233,7 @@ pub fn load_model(
                 // Triton's --strict-model-config=true: the config must be complete as written.
                 refuse_incomplete(&config)?;
             } else {
-                autocomplete(&mut config, &io, options.default_max_batch_size);
+                autocomplete(&mut config, &io, options.default_max_batch_size, &mut warnings);
             }
             fill_backend(&mut config);
             validate_model_config(&config).map_err(|e| fail(format!("config: {e}")))?;
@@ -256,6 +258,32 @@ pub fn load_model(
             spec = Some(s);
         }
         check_against_model(&config, &io).map_err(|e| fail(format!("version {version}: {e}")))?;
+        // Every version's instances share the one spec, so a scalar fed as such must be one in
+        // every version.
+        let here = scalar_reshapes(&config, &io);
+        match &scalars {
+            None => {
+                if let Some(s) = spec.as_mut() {
+                    apply_scalar_reshapes(s, &here);
+                }
+                scalars = Some((version, here));
+            }
+            Some((first, theirs)) if *theirs != here => {
+                let names = config
+                    .input
+                    .iter()
+                    .map(|t| ("input", &t.name))
+                    .chain(config.output.iter().map(|t| ("output", &t.name)));
+                let differs = theirs.0.iter().chain(&theirs.1).zip(here.0.iter().chain(&here.1)).map(|(a, b)| a != b);
+                let (kind, name) =
+                    names.zip(differs).find(|(_, d)| *d).map(|(n, _)| n).unwrap_or(("tensor", &config.name));
+                return Err(fail(format!(
+                    "version {version}: {kind} '{name}' is a scalar (rank 0) in the model of one version and not \
+                     in the other (version {first}): the versions must agree"
+                )));
+            }
+            Some(_) => {}
+        }
         if let Some(s) = &spec
             && let Some(input) = s.inputs.iter().find(|i| i.optional && !io.defaults.iter().any(|d| d.name == i.name))
         {
@@ -565,10 +593,16 @@ fn select_versions(config: &ModelConfig, available: &[i64], warnings: &mut Vec<S
     }
     let mut chosen: Vec<i64> = match config.version_policy.as_ref().and_then(|p| p.policy_choice.as_ref()) {
         None => available.iter().rev().take(1).copied().collect(),
-        Some(PolicyChoice::Latest(l)) => {
-            let n = if l.num_versions == 0 { 1 } else { l.num_versions as usize };
-            available.iter().rev().take(n).copied().collect()
+        // `latest { num_versions: 0 }` picks no version, and Triton then fails the load rather
+        // than read 0 as 1: loading a version the policy does not name would serve a model the
+        // config never asked for.
+        Some(PolicyChoice::Latest(l)) if l.num_versions == 0 => {
+            return Err(fail(
+                "version_policy.latest.num_versions is 0, so no version is selected: at least one version must be \
+                 available under the version policy (set num_versions to 1 or more)",
+            ));
         }
+        Some(PolicyChoice::Latest(l)) => available.iter().rev().take(l.num_versions as usize).copied().collect(),
         Some(PolicyChoice::All(_)) => available.to_vec(),
         Some(PolicyChoice::Specific(s)) => {
             let (present, missing): (Vec<i64>, Vec<i64>) = s.versions.iter().partition(|v| available.contains(v));
@@ -684,7 +718,16 @@ fn config_type(dt: DataType) -> i32 {
 /// unless `--backend-config` says otherwise), and a final `max_batch_size` > 1 without a
 /// scheduler gets `dynamic_batching {}` (whether the config set it or auto-complete did;
 /// Triton's `AutoCompleteMaxBatch`).
-fn autocomplete(config: &mut ModelConfig, io: &ModelIo, default_max_batch_size: i32) {
+///
+/// A tensor left with no dims (a scalar, or only the batch dim) gets `dims: [1]` as in Triton's
+/// `AutoCompleteIO`, so clients send `[1]` (or `[batch, 1]`), the shape Triton's clients send
+/// for it; with batching a `reshape { shape: [] }` feeds the model its `[batch]` tensor. (Triton
+/// writes no reshape without batching: there the scalar is implied, see [`scalar_reshapes`].)
+///
+/// A tensor of a type Nereid has no datatype for is left out: an input left out fails the load
+/// later, naming its type ([`check_against_model`]); an output is merely not served, which
+/// `warnings` says (Triton fails the load, but the model's other outputs can still serve).
+fn autocomplete(config: &mut ModelConfig, io: &ModelIo, default_max_batch_size: i32, warnings: &mut Vec<String>) {
     if !config.input.is_empty() && !config.output.is_empty() {
         return;
     }
@@ -697,31 +740,49 @@ fn autocomplete(config: &mut ModelConfig, io: &ModelIo, default_max_batch_size: 
             config.scheduling_choice = Some(SchedulingChoice::DynamicBatching(ModelDynamicBatching::default()));
         }
     }
-    let skip = usize::from(config.max_batch_size > 0);
-    let dims = |d: &[i64]| d.iter().skip(skip).copied().collect::<Vec<i64>>();
+    let batching = config.max_batch_size > 0;
+    // (dims, reshape) of a model tensor as the config declares it.
+    let shape = |d: &[i64]| {
+        let dims: Vec<i64> = d.iter().skip(usize::from(batching)).copied().collect();
+        if !dims.is_empty() {
+            return (dims, None);
+        }
+        (vec![1], batching.then(ModelTensorReshape::default))
+    };
     if config.input.is_empty() {
         config.input = io
             .inputs
             .iter()
             .filter_map(|t| {
+                let (dims, reshape) = shape(&t.dims);
                 Some(ModelInput {
                     name: t.name.clone(),
                     data_type: config_type(t.datatype?),
-                    dims: dims(&t.dims),
+                    dims,
+                    reshape,
                     ..Default::default()
                 })
             })
             .collect();
     }
     if config.output.is_empty() {
+        for t in io.outputs.iter().filter(|t| t.datatype.is_none()) {
+            warnings.push(format!(
+                "model output '{}' has ONNX type {}, which Nereid does not support: it is left out of the \
+                 auto-completed config and not served",
+                t.name, t.type_name
+            ));
+        }
         config.output = io
             .outputs
             .iter()
             .filter_map(|t| {
+                let (dims, reshape) = shape(&t.dims);
                 Some(ModelOutput {
                     name: t.name.clone(),
                     data_type: config_type(t.datatype?),
-                    dims: dims(&t.dims),
+                    dims,
+                    reshape,
                     ..Default::default()
                 })
             })
@@ -757,7 +818,12 @@ fn fill_backend(config: &mut ModelConfig) {
     }
 }
 
-/// The config's tensors must exist in the model with the same type and compatible dims.
+/// The config's tensors must exist in the model with the same type and compatible dims, as
+/// Triton's onnxruntime backend checks them (`ValidateInputs` / `ValidateOutputs`): an input's
+/// fixed model dim must be the config's, a -1 taking any config dim; an output's dims must be
+/// the model's exactly (Triton's `compare_exact`: a config dim that the model leaves free is not
+/// what the model promises to answer). A model scalar (rank 0) without batching takes config
+/// dims that are all 1 (served as `[1]`, see [`scalar_reshapes`]) as well as none.
 fn check_against_model(config: &ModelConfig, io: &ModelIo) -> Result<(), String> {
     let batch = config.max_batch_size > 0;
     let check = |kind: &str, name: &str, data_type: i32, dims: &[i64], model: &[backend::ModelTensor]| {
@@ -782,6 +848,16 @@ fn check_against_model(config: &ModelConfig, io: &ModelIo) -> Result<(), String>
                 config.max_batch_size, t.dims
             ));
         }
+        if !batch && t.dims.is_empty() {
+            if dims.iter().all(|&d| d == 1) {
+                return Ok(());
+            }
+            return Err(format!(
+                "{kind} '{name}': the model's {kind} is a scalar, so the config's dims {dims:?} must all be 1 \
+                 (dims: [ 1 ])"
+            ));
+        }
+        let exact = kind == "output";
         let full: Vec<i64> =
             if batch { std::iter::once(-1).chain(dims.iter().copied()).collect() } else { dims.to_vec() };
         let compatible = t.dims.len() == full.len()
@@ -789,28 +865,33 @@ fn check_against_model(config: &ModelConfig, io: &ModelIo) -> Result<(), String>
                 if batch && i == 0 {
                     m == -1 // the model must accept any batch size
                 } else {
-                    m == -1 || m == c
+                    m == c || (m == -1 && !exact)
                 }
             });
         if !compatible {
             return Err(format!(
-                "{kind} '{name}': config dims {:?}{} do not match the model's {:?}",
+                "{kind} '{name}': config dims {:?}{} do not match the model's {:?}{}",
                 dims,
                 if batch { " (plus the batch dimension, since max_batch_size > 0)" } else { "" },
-                t.dims
+                t.dims,
+                if exact && t.dims.len() == full.len() {
+                    " (an output's dims must be the model's exactly, -1 where the model's is -1)"
+                } else {
+                    ""
+                }
             ));
         }
         Ok(())
     };
     // With a `reshape`, the model's dims are the reshape's; the config's dims (what clients
-    // send and get) must hold as many elements.
+    // send and get) must hold as many elements, by Triton's rule (`ValidateIOShape`): as many
+    // -1 on both sides, and each stretch of fixed dims around them (before the first -1,
+    // between two, after the last) as many elements on both sides: [2, 4, -1, 6] may become
+    // [8, -1, 1, 6], not [-1, 8, 6] (whose rows would not split where the client's do).
     let model_dims = |kind: &str, name: &str, dims: &[i64], reshape: Option<&ModelTensorReshape>| {
         let Some(r) = reshape else { return Ok(dims.to_vec()) };
-        if r.shape.iter().filter(|&&d| d == -1).count() > 1 || r.shape.iter().any(|&d| d < -1 || d == 0) {
-            return Err(format!("{kind} '{name}': reshape {:?} may hold one -1 and positive dims only", r.shape));
-        }
-        if dims.iter().filter(|&&d| d == -1).count() > 1 {
-            return Err(format!("{kind} '{name}': with a reshape, dims {dims:?} may hold one -1 only"));
+        if r.shape.iter().any(|&d| d < -1 || d == 0) {
+            return Err(format!("{kind} '{name}': reshape {:?} may hold positive dims and -1 only", r.shape));
         }
         // Element counts are computed from these dims at run time: they must not overflow.
         for (what, d) in [("dims", dims), ("reshape", &r.shape[..])] {
@@ -818,22 +899,36 @@ fn check_against_model(config: &ModelConfig, io: &ModelIo) -> Result<(), String>
                 return Err(format!("{kind} '{name}': {what} {d:?} hold more elements than can be counted"));
             }
         }
-        let count = |d: &[i64]| d.iter().all(|&x| x > 0).then(|| d.iter().product::<i64>());
-        if let (Some(a), Some(b)) = (count(dims), count(&r.shape))
-            && a != b
-        {
+        let stretches = |d: &[i64]| d.split(|&x| x == -1).map(|s| s.iter().product::<i64>()).collect::<Vec<_>>();
+        let (from, to) = (stretches(dims), stretches(&r.shape));
+        if from.len() != to.len() {
             return Err(format!(
-                "{kind} '{name}': dims {dims:?} hold {a} elements but reshape {:?} holds {b}",
-                r.shape
+                "{kind} '{name}': dims {dims:?} and reshape {:?} must hold as many -1 ({} and {})",
+                r.shape,
+                from.len() - 1,
+                to.len() - 1
             ));
         }
-        if dims.contains(&-1) != r.shape.contains(&-1) {
-            return Err(format!(
-                "{kind} '{name}': dims {dims:?} and reshape {:?} must both be fixed or both have a -1",
+        match (from.len(), from == to) {
+            (1 | 2, true) => Ok(r.shape.clone()),
+            (1, false) => Err(format!(
+                "{kind} '{name}': dims {dims:?} hold {} elements but reshape {:?} holds {}",
+                from[0], r.shape, to[0]
+            )),
+            (_, false) => Err(format!(
+                "{kind} '{name}': dims {dims:?} and reshape {:?} differ around their -1: the fixed dims before, \
+                 between and after the -1s hold {from:?} elements in dims but {to:?} in reshape",
                 r.shape
-            ));
+            )),
+            // Triton takes these; requests are reshaped here by one free dim only (the one -1
+            // takes what is left), so say so rather than fail every request.
+            (n, true) => Err(format!(
+                "{kind} '{name}': dims {dims:?} and reshape {:?} hold {} -1 each; Nereid reshapes a tensor \
+                 with one -1 at most",
+                r.shape,
+                n - 1
+            )),
         }
-        Ok(r.shape.clone())
     };
     let with_reshape = |e: String, r: Option<&ModelTensorReshape>| match r {
         Some(r) => format!("{e} (the model's dims being the config's reshape {:?})", r.shape),
@@ -853,11 +948,53 @@ fn check_against_model(config: &ModelConfig, io: &ModelIo) -> Result<(), String>
             .map_err(|e| with_reshape(e, output.reshape.as_ref()))?;
     }
     for t in &io.inputs {
-        if !config.input.iter().any(|i| i.name == t.name) {
-            return Err(format!("model input '{}' is missing from the config", t.name));
+        if config.input.iter().any(|i| i.name == t.name) {
+            continue;
         }
+        // Auto-complete leaves out what it has no datatype for: say that, not "missing".
+        if t.datatype.is_none() {
+            return Err(format!(
+                "model input '{}' has ONNX type {}, which Nereid does not support (no KServe datatype for it)",
+                t.name, t.type_name
+            ));
+        }
+        return Err(format!("model input '{}' is missing from the config", t.name));
     }
     Ok(())
+}
+
+/// Per config input, then per config output: whether the model gets it as a scalar.
+type Scalars = (Vec<bool>, Vec<bool>);
+
+/// The config's tensors (inputs, then outputs, each in config order) that the model has as
+/// scalars (rank 0) while the config gives them dims (all 1, [`check_against_model`] having
+/// passed), in a model that does not batch:
+/// Triton's onnxruntime backend feeds such an input to the model as a scalar and answers such an
+/// output with the config's dims. Here the spec's reshape to `[]` does both (the served config
+/// keeps what was written: Triton refuses an empty reshape without batching).
+fn scalar_reshapes(config: &ModelConfig, io: &ModelIo) -> Scalars {
+    if config.max_batch_size > 0 {
+        return (Vec::new(), Vec::new());
+    }
+    let scalar = |name: &str, dims: &[i64], reshape: Option<&ModelTensorReshape>, model: &[&backend::ModelTensor]| {
+        let dims = reshape.map_or(dims, |r| &r.shape[..]);
+        !dims.is_empty() && model.iter().any(|t| t.name == name && t.dims.is_empty())
+    };
+    let inputs: Vec<&backend::ModelTensor> = io.inputs.iter().chain(&io.defaults).collect();
+    let outputs: Vec<&backend::ModelTensor> = io.outputs.iter().collect();
+    (
+        config.input.iter().map(|t| scalar(&t.name, &t.dims, t.reshape.as_ref(), &inputs)).collect(),
+        config.output.iter().map(|t| scalar(&t.name, &t.dims, t.reshape.as_ref(), &outputs)).collect(),
+    )
+}
+
+/// Feeds the tensors [`scalar_reshapes`] found to the model as scalars.
+fn apply_scalar_reshapes(spec: &mut ModelSpec, scalars: &Scalars) {
+    for (t, &scalar) in spec.inputs.iter_mut().zip(&scalars.0).chain(spec.outputs.iter_mut().zip(&scalars.1)) {
+        if scalar {
+            t.reshape = Some(Vec::new());
+        }
+    }
 }
 
 fn spec_from_config(config: &ModelConfig) -> Result<ModelSpec, Status> {
@@ -1234,33 +1371,33 @@ mod tests {
     fn autocomplete_turns_on_dynamic_batching_whenever_the_model_batches_beyond_one() {
         // Nothing declared: max_batch_size 4 and dynamic batching, as before.
         let mut c = ModelConfig::default();
-        autocomplete(&mut c, &batching_io(), AUTOCOMPLETE_MAX_BATCH_SIZE);
+        autocomplete(&mut c, &batching_io(), AUTOCOMPLETE_MAX_BATCH_SIZE, &mut Vec::new());
         assert_eq!(c.max_batch_size, AUTOCOMPLETE_MAX_BATCH_SIZE);
         assert!(dynamic_batching(&c).is_some());
         // max_batch_size set by the config, tensors left out: dynamic batching too.
         let mut c = config("max_batch_size: 8");
-        autocomplete(&mut c, &batching_io(), AUTOCOMPLETE_MAX_BATCH_SIZE);
+        autocomplete(&mut c, &batching_io(), AUTOCOMPLETE_MAX_BATCH_SIZE, &mut Vec::new());
         assert!(dynamic_batching(&c).is_some());
         assert_eq!(c.input[0].dims, vec![8]);
         // max_batch_size 1: nothing to batch, no scheduler added.
         let mut c = config("max_batch_size: 1");
-        autocomplete(&mut c, &batching_io(), AUTOCOMPLETE_MAX_BATCH_SIZE);
+        autocomplete(&mut c, &batching_io(), AUTOCOMPLETE_MAX_BATCH_SIZE, &mut Vec::new());
         assert!(c.scheduling_choice.is_none());
         // Inputs and outputs declared: auto-complete does not run at all.
         let mut c = config(
             "max_batch_size: 8\ninput [ { name: \"A\" data_type: TYPE_FP32 dims: [ 8 ] } ]\n\
              output [ { name: \"S\" data_type: TYPE_FP32 dims: [ 8 ] } ]",
         );
-        autocomplete(&mut c, &batching_io(), AUTOCOMPLETE_MAX_BATCH_SIZE);
+        autocomplete(&mut c, &batching_io(), AUTOCOMPLETE_MAX_BATCH_SIZE, &mut Vec::new());
         assert!(c.scheduling_choice.is_none());
         // --backend-config=default-max-batch-size: 16 batches up to 16; 0 does not batch (the
         // batch dim stays in the tensors' dims).
         let mut c = ModelConfig::default();
-        autocomplete(&mut c, &batching_io(), 16);
+        autocomplete(&mut c, &batching_io(), 16, &mut Vec::new());
         assert_eq!(c.max_batch_size, 16);
         assert!(dynamic_batching(&c).is_some());
         let mut c = ModelConfig::default();
-        autocomplete(&mut c, &batching_io(), 0);
+        autocomplete(&mut c, &batching_io(), 0, &mut Vec::new());
         assert_eq!(c.max_batch_size, 0);
         assert!(c.scheduling_choice.is_none());
         assert_eq!(c.input[0].dims, vec![-1, 8]);
@@ -1347,5 +1484,383 @@ mod tests {
                 assert!(e.contains(n), "{n:?} not in {e:?}");
             }
         }
+    }
+
+    fn io(inputs: &[(&str, &[i64])], outputs: &[(&str, &[i64])]) -> ModelIo {
+        ModelIo {
+            inputs: inputs.iter().map(|(n, d)| tensor(n, d)).collect(),
+            outputs: outputs.iter().map(|(n, d)| tensor(n, d)).collect(),
+            defaults: vec![],
+        }
+    }
+
+    /// What `load_model` makes of a config and a model: auto-completed, checked, and the spec
+    /// the instances run with.
+    fn completed(mut c: ModelConfig, io: &ModelIo) -> Result<(ModelConfig, ModelSpec), String> {
+        autocomplete(&mut c, io, AUTOCOMPLETE_MAX_BATCH_SIZE, &mut Vec::new());
+        check_against_model(&c, io)?;
+        let mut spec = spec_from_config(&c).map_err(|e| e.message)?;
+        apply_scalar_reshapes(&mut spec, &scalar_reshapes(&c, io));
+        Ok((c, spec))
+    }
+
+    /// Triton's `AutoCompleteIO`: a tensor that is only the batch dim gets dims [1] and an
+    /// empty reshape, so clients send [batch, 1] and the model gets [batch] (it was dims [],
+    /// a shape Triton's clients never send).
+    #[test]
+    fn a_tensor_of_only_the_batch_dim_autocompletes_to_dims_one_reshaped_to_nothing() {
+        let (c, spec) = completed(ModelConfig::default(), &io(&[("X", &[-1])], &[("Y", &[-1])])).expect("loads");
+        assert_eq!(c.max_batch_size, AUTOCOMPLETE_MAX_BATCH_SIZE);
+        assert_eq!(
+            (c.input[0].dims.clone(), c.input[0].reshape.clone()),
+            (vec![1], Some(ModelTensorReshape { shape: vec![] }))
+        );
+        assert_eq!(
+            (c.output[0].dims.clone(), c.output[0].reshape.clone()),
+            (vec![1], Some(ModelTensorReshape { shape: vec![] }))
+        );
+        // What the instances feed and answer: [3, 1] in, [3] to the model, [3, 1] out.
+        assert_eq!(spec.inputs[0].reshape, Some(vec![]));
+        assert_eq!(backend::reshaped(spec.inputs[0].reshape.as_deref().unwrap(), &[3, 1], true), vec![3]);
+        assert_eq!(backend::reshaped(&spec.outputs[0].dims, &[3], true), vec![3, 1]);
+    }
+
+    /// Without batching Triton auto-completes a scalar to dims [1] with no reshape (it refuses
+    /// an empty reshape there) and feeds the model a scalar: here the spec's implied reshape.
+    #[test]
+    fn a_scalar_without_batching_autocompletes_to_dims_one_and_is_fed_as_a_scalar() {
+        let (c, spec) = completed(ModelConfig::default(), &io(&[("X", &[])], &[("Y", &[])])).expect("loads");
+        assert_eq!(c.max_batch_size, 0);
+        assert_eq!((c.input[0].dims.clone(), c.input[0].reshape.clone()), (vec![1], None));
+        assert_eq!((c.output[0].dims.clone(), c.output[0].reshape.clone()), (vec![1], None));
+        assert_eq!((spec.inputs[0].reshape.clone(), spec.outputs[0].reshape.clone()), (Some(vec![]), Some(vec![])));
+        assert_eq!(backend::reshaped(&[], &[1], false), Vec::<i64>::new(), "[1] in, a scalar to the model");
+        assert_eq!(backend::reshaped(&spec.outputs[0].dims, &[], false), vec![1], "a scalar out, [1] to the client");
+    }
+
+    /// Triton's `ValidateInputs` / `ValidateOutputs` take any config dims that are all 1 for a
+    /// model scalar without batching; dims [] (what Nereid wrote before) still load too.
+    #[test]
+    fn config_dims_of_ones_take_a_model_scalar_without_batching() {
+        let scalar = io(&[("X", &[])], &[("Y", &[])]);
+        for dims in ["[ 1 ]", "[ 1, 1 ]"] {
+            let c = config(&format!(
+                "input [ {{ name: \"X\" data_type: TYPE_FP32 dims: {dims} }} ]\n\
+                 output [ {{ name: \"Y\" data_type: TYPE_FP32 dims: {dims} }} ]"
+            ));
+            let (_, spec) = completed(c, &scalar).unwrap_or_else(|e| panic!("dims {dims}: {e}"));
+            assert_eq!(spec.inputs[0].reshape, Some(vec![]), "dims {dims}");
+            assert_eq!(spec.outputs[0].reshape, Some(vec![]), "dims {dims}");
+        }
+        let empty = config(
+            "input [ { name: \"X\" data_type: TYPE_FP32 dims: [ ] } ]\n\
+             output [ { name: \"Y\" data_type: TYPE_FP32 dims: [ ] } ]",
+        );
+        let (_, spec) = completed(empty, &scalar).expect("dims [] still load");
+        assert_eq!(spec.inputs[0].reshape, None, "already the model's shape");
+        let two = config(
+            "input [ { name: \"X\" data_type: TYPE_FP32 dims: [ 2 ] } ]\n\
+             output [ { name: \"Y\" data_type: TYPE_FP32 dims: [ 1 ] } ]",
+        );
+        let e = completed(two, &scalar).expect_err("two elements are no scalar");
+        assert!(e.contains("input 'X'") && e.contains("scalar") && e.contains("[2]"), "{e}");
+        // A model of [1] is no scalar: nothing implied.
+        let (_, spec) = completed(
+            config(
+                "input [ { name: \"X\" data_type: TYPE_FP32 dims: [ 1 ] } ]\n\
+                 output [ { name: \"Y\" data_type: TYPE_FP32 dims: [ 1 ] } ]",
+            ),
+            &io(&[("X", &[1])], &[("Y", &[1])]),
+        )
+        .expect("loads");
+        assert_eq!(spec.inputs[0].reshape, None);
+    }
+
+    /// Triton's reshape rule: as many -1 on both sides, and the fixed dims around them hold as
+    /// many elements on both sides. [-1, 3] as [-1, 4] loaded before and failed every request.
+    #[test]
+    fn a_reshape_with_a_free_dim_must_split_where_the_dims_do() {
+        let check = |dims: &str, reshape: &str, model: &[i64]| {
+            let c = config(&format!(
+                "input [ {{ name: \"X\" data_type: TYPE_FP32 dims: {model:?} }} ]\n\
+                 output [ {{ name: \"Y\" data_type: TYPE_FP32 dims: {dims} reshape: {{ shape: {reshape} }} }} ]"
+            ));
+            check_against_model(&c, &io(&[("X", model)], &[("Y", model)]))
+        };
+        let e = check("[ -1, 3 ]", "[ -1, 4 ]", &[-1, 4]).expect_err("3 elements a row against 4");
+        assert!(e.contains("output 'Y'") && e.contains("[1, 3]") && e.contains("[1, 4]"), "{e}");
+        let e = check("[ 2, -1 ]", "[ -1, 2 ]", &[-1, 2]).expect_err("the fixed dims on other sides of the -1");
+        assert!(e.contains("output 'Y'") && e.contains("[2, 1]") && e.contains("[1, 2]"), "{e}");
+        check("[ 2, 4, -1, 6 ]", "[ 8, -1, 1, 6 ]", &[8, -1, 1, 6]).expect("Triton's own example");
+        check("[ -1, 4 ]", "[ -1, 2, 2 ]", &[-1, 2, 2]).expect("4 elements after the -1 on both sides");
+        let e = check("[ -1, 4 ]", "[ 4 ]", &[4]).expect_err("a -1 on one side only");
+        assert!(e.contains("as many -1"), "{e}");
+        let e = check("[ 16 ]", "[ 4, 5 ]", &[4, 5]).expect_err("element counts");
+        assert!(e.contains("16 elements") && e.contains("holds 20"), "{e}");
+        // Valid in Triton, but requests are reshaped here by one free dim only: refused with
+        // that reason rather than loaded to fail every request.
+        let e = check("[ -1, 4, -1 ]", "[ -1, 2, 2, -1 ]", &[-1, 2, 2, -1]).expect_err("two -1");
+        assert!(e.contains("one -1 at most"), "{e}");
+    }
+
+    /// Triton's `ValidateOutputs` compares an output's dims exactly (`compare_exact`): a fixed
+    /// config dim where the model's is -1 is refused for an output, taken for an input.
+    #[test]
+    fn an_output_s_dims_must_be_the_model_s_exactly() {
+        let model = io(&[("X", &[-1, -1])], &[("Y", &[-1, -1])]);
+        let c = |x: &str, y: &str| {
+            config(&format!(
+                "max_batch_size: 4\ninput [ {{ name: \"X\" data_type: TYPE_FP32 dims: {x} }} ]\n\
+                 output [ {{ name: \"Y\" data_type: TYPE_FP32 dims: {y} }} ]"
+            ))
+        };
+        let e = check_against_model(&c("[ 10 ]", "[ 10 ]"), &model).expect_err("output [10] against [-1, -1]");
+        assert!(e.contains("output 'Y'") && e.contains("[10]") && e.contains("exactly"), "{e}");
+        check_against_model(&c("[ 10 ]", "[ -1 ]"), &model).expect("an input's -1 takes any dim");
+        let fixed = io(&[("X", &[-1, 10])], &[("Y", &[-1, 10])]);
+        let e = check_against_model(&c("[ 10 ]", "[ -1 ]"), &fixed).expect_err("output [-1] against [-1, 10]");
+        assert!(e.contains("output 'Y'"), "{e}");
+    }
+
+    /// Triton selects no version for `latest { num_versions: 0 }` and fails the load; it was
+    /// read as 1.
+    #[test]
+    fn a_latest_policy_of_no_versions_fails_the_load() {
+        let c = config("version_policy: { latest: { num_versions: 0 } }");
+        let e = select_versions(&c, &[1, 2], &mut Vec::new()).expect_err("no version selected");
+        assert!(e.message.contains("num_versions is 0") && e.message.contains("at least one version"), "{e}");
+        let one = config("version_policy: { latest: { num_versions: 1 } }");
+        assert_eq!(select_versions(&one, &[1, 2], &mut Vec::new()).expect("one"), vec![2]);
+    }
+
+    /// Auto-complete leaves out a tensor it has no datatype for: an input so left out fails the
+    /// load naming its ONNX type (it said "missing from the config", which no config could
+    /// fix); an output is left out with a warning.
+    #[test]
+    fn an_input_of_an_unsupported_type_is_refused_naming_its_onnx_type() {
+        let odd = |name: &str| backend::ModelTensor {
+            name: name.into(),
+            datatype: None,
+            type_name: "Float8E4M3FN".into(),
+            dims: vec![-1, 4],
+        };
+        let model = ModelIo {
+            inputs: vec![tensor("A", &[-1, 4]), odd("F8")],
+            outputs: vec![tensor("S", &[-1, 4]), odd("G8")],
+            defaults: vec![],
+        };
+        let mut c = ModelConfig::default();
+        let mut warnings = Vec::new();
+        autocomplete(&mut c, &model, AUTOCOMPLETE_MAX_BATCH_SIZE, &mut warnings);
+        assert!(
+            warnings.len() == 1 && warnings[0].contains("output 'G8'") && warnings[0].contains("Float8E4M3FN"),
+            "{warnings:?}"
+        );
+        let e = check_against_model(&c, &model).expect_err("F8 cannot be served");
+        assert!(e.contains("input 'F8'") && e.contains("Float8E4M3FN") && e.contains("does not support"), "{e}");
+    }
+
+    /// Just enough of onnx.proto to write test models.
+    mod onnx {
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct Model {
+            #[prost(int64, tag = "1")]
+            pub ir_version: i64,
+            #[prost(message, optional, tag = "7")]
+            pub graph: Option<Graph>,
+            #[prost(message, repeated, tag = "8")]
+            pub opset_import: Vec<OpsetId>,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct OpsetId {
+            #[prost(string, tag = "1")]
+            pub domain: String,
+            #[prost(int64, tag = "2")]
+            pub version: i64,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct Graph {
+            #[prost(message, repeated, tag = "1")]
+            pub node: Vec<Node>,
+            #[prost(string, tag = "2")]
+            pub name: String,
+            #[prost(message, repeated, tag = "11")]
+            pub input: Vec<ValueInfo>,
+            #[prost(message, repeated, tag = "12")]
+            pub output: Vec<ValueInfo>,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct Node {
+            #[prost(string, repeated, tag = "1")]
+            pub input: Vec<String>,
+            #[prost(string, repeated, tag = "2")]
+            pub output: Vec<String>,
+            #[prost(string, tag = "4")]
+            pub op_type: String,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct ValueInfo {
+            #[prost(string, tag = "1")]
+            pub name: String,
+            #[prost(message, optional, tag = "2")]
+            pub r#type: Option<Type>,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct Type {
+            #[prost(message, optional, tag = "1")]
+            pub tensor_type: Option<TensorType>,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct TensorType {
+            #[prost(int32, tag = "1")]
+            pub elem_type: i32,
+            /// Present and empty for a scalar (absent would mean any rank).
+            #[prost(message, optional, tag = "2")]
+            pub shape: Option<Shape>,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct Shape {
+            #[prost(message, repeated, tag = "1")]
+            pub dim: Vec<Dim>,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct Dim {
+            #[prost(int64, optional, tag = "1")]
+            pub dim_value: Option<i64>,
+            #[prost(string, optional, tag = "2")]
+            pub dim_param: Option<String>,
+        }
+    }
+
+    const FLOAT: i32 = 1;
+    const INT64: i32 = 7;
+
+    /// An ONNX model of `nodes` (op, inputs, outputs; no attributes) with the given graph
+    /// inputs and outputs: (name, ONNX element type, dims), a -1 being a free dim.
+    fn onnx_model(
+        nodes: &[(&str, &[&str], &[&str])],
+        inputs: &[(&str, i32, &[i64])],
+        outputs: &[(&str, i32, &[i64])],
+    ) -> Vec<u8> {
+        use prost::Message;
+        let value = |&(name, elem_type, dims): &(&str, i32, &[i64])| onnx::ValueInfo {
+            name: name.into(),
+            r#type: Some(onnx::Type {
+                tensor_type: Some(onnx::TensorType {
+                    elem_type,
+                    shape: Some(onnx::Shape {
+                        dim: dims
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &d)| onnx::Dim {
+                                dim_value: (d >= 0).then_some(d),
+                                dim_param: (d < 0).then(|| format!("{name}_{i}")),
+                            })
+                            .collect(),
+                    }),
+                }),
+            }),
+        };
+        let strings = |names: &[&str]| names.iter().map(|n| n.to_string()).collect();
+        onnx::Model {
+            ir_version: 8,
+            opset_import: vec![onnx::OpsetId { domain: String::new(), version: 13 }],
+            graph: Some(onnx::Graph {
+                name: "test".into(),
+                node: nodes
+                    .iter()
+                    .map(|(op, i, o)| onnx::Node { input: strings(i), output: strings(o), op_type: op.to_string() })
+                    .collect(),
+                input: inputs.iter().map(value).collect(),
+                output: outputs.iter().map(value).collect(),
+            }),
+        }
+        .encode_to_vec()
+    }
+
+    /// End to end through ONNX Runtime: scalars and batch-only tensors load as Triton's
+    /// auto-complete or a hand-written dims: [1] says, and requests of Triton's shapes ([1],
+    /// [batch, 1]) run, the model getting its own shapes and clients the config's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn scalars_and_batch_only_tensors_serve_in_triton_s_shapes() {
+        backend::init_runtime(&backend::default_runtime_path()).expect("ONNX Runtime (scripts/setup.sh)");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let model = |name: &str, onnx: Vec<u8>, config: Option<&str>| {
+            std::fs::create_dir_all(dir.path().join(name).join("1")).expect("mkdir");
+            std::fs::write(dir.path().join(name).join("1").join("model.onnx"), onnx).expect("write");
+            if let Some(c) = config {
+                std::fs::write(dir.path().join(name).join("config.pbtxt"), c).expect("write config");
+            }
+        };
+        let add = [("Add", &["X", "X"][..], &["Y"][..])];
+        model("scalar", onnx_model(&add, &[("X", FLOAT, &[])], &[("Y", FLOAT, &[])]), None);
+        model("column", onnx_model(&add, &[("X", FLOAT, &[-1])], &[("Y", FLOAT, &[-1])]), None);
+        // RANK: the rank of what the model was given (0 for a scalar); SIZE: its element count,
+        // a scalar whatever X is. No graph optimization: it would fold the Shape of X (declared a
+        // scalar) into a constant.
+        let probe = onnx_model(
+            &[("Shape", &["X"], &["S"]), ("Size", &["S"], &["RANK"]), ("Size", &["X"], &["SIZE"])],
+            &[("X", FLOAT, &[])],
+            &[("RANK", INT64, &[]), ("SIZE", INT64, &[])],
+        );
+        let ones = "input [ { name: \"X\" data_type: TYPE_FP32 dims: [ 1 ] } ]\n\
+                    output [ { name: \"RANK\" data_type: TYPE_INT64 dims: [ 1 ] },\n\
+                             { name: \"SIZE\" data_type: TYPE_INT64 dims: [ 1 ] } ]\n\
+                    optimization { graph { level: 2 } }";
+        model("scalar_ones", probe, Some(ones));
+        let options = super::super::RepositoryOptions {
+            paths: vec![dir.path().to_path_buf()],
+            mode: super::super::ControlMode::Explicit,
+            strict_config: false,
+            startup_models: vec![],
+            session_defaults: SessionOptions::default(),
+            load_threads: 2,
+            default_max_batch_size: AUTOCOMPLETE_MAX_BATCH_SIZE,
+            config_name: None,
+        };
+        let metrics = Arc::new(Metrics::new());
+        let served = |name: &str| {
+            let m = load_model(&options, name, None, None, &[], &metrics).expect("loads");
+            let (i, o) = (&m.config.input[0], &m.config.output[0]);
+            (m.config.max_batch_size, i.dims.clone(), i.reshape.is_some(), o.dims.clone(), o.reshape.is_some())
+        };
+        assert_eq!(served("scalar"), (0, vec![1], false, vec![1], false));
+        assert_eq!(served("column"), (AUTOCOMPLETE_MAX_BATCH_SIZE, vec![1], true, vec![1], true));
+
+        let repo = super::super::Repository::new(options.clone(), metrics);
+        let infer = |name: &'static str, shape: Vec<i64>, values: Vec<f32>| {
+            let repo = &repo;
+            async move {
+                repo.load(name, None).await.unwrap_or_else(|e| panic!("{name}: {e}"));
+                let request = crate::tensor::InferRequest {
+                    model_name: name.into(),
+                    inputs: vec![crate::tensor::InputTensor {
+                        name: "X".into(),
+                        datatype: DataType::Fp32,
+                        shape,
+                        data: bytes::Bytes::from(values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()),
+                    }],
+                    ..Default::default()
+                };
+                let mut outputs = repo.infer(request).await.unwrap_or_else(|e| panic!("{name}: {e}")).outputs;
+                outputs.sort_by(|a, b| a.name.cmp(&b.name));
+                outputs.into_iter().map(|o| (o.name, o.shape, o.data.to_vec())).collect::<Vec<_>>()
+            }
+        };
+        let floats = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        assert_eq!(infer("scalar", vec![1], vec![1.5]).await, vec![("Y".into(), vec![1], floats(&[3.0]))]);
+        assert_eq!(
+            infer("column", vec![3, 1], vec![1.0, 2.0, 3.0]).await,
+            vec![("Y".into(), vec![3, 1], floats(&[2.0, 4.0, 6.0]))]
+        );
+        // The model was given a scalar (a shape of no dims), and its scalar answer comes back
+        // as the config's [1].
+        assert_eq!(
+            infer("scalar_ones", vec![1], vec![7.0]).await,
+            vec![
+                ("RANK".into(), vec![1], 0i64.to_le_bytes().to_vec()),
+                ("SIZE".into(), vec![1], 1i64.to_le_bytes().to_vec())
+            ]
+        );
     }
 }
