@@ -138,7 +138,7 @@ async fn declared_models_are_placed_within_capacity_and_routed() {
     assert!(record.contains(&format!("\"grpc\":\"127.0.0.1:{}\"", w2.grpc)), "{record}");
     assert!(record.contains("\"memory_mb\":1000"), "{record}");
 
-    // identity (300 MiB) fits both workers; mlp (800 MiB) then fits neither; versioned_scale's
+    // identity (300 MiB) fits both workers; mlp (1200 MiB) fits neither; versioned_scale's
     // two versions (100 MiB each) go where its selector allows: w2 only.
     put(
         &mut client,
@@ -146,7 +146,7 @@ async fn declared_models_are_placed_within_capacity_and_routed() {
         r#"{"schema":1,"versions":[1],"replicas":2,"resources":{"memory_mb":300}}"#,
     )
     .await;
-    put(&mut client, "models/mlp_fp32", r#"{"schema":1,"versions":[1],"replicas":2,"resources":{"memory_mb":800}}"#)
+    put(&mut client, "models/mlp_fp32", r#"{"schema":1,"versions":[1],"replicas":2,"resources":{"memory_mb":1200}}"#)
         .await;
     put(
         &mut client,

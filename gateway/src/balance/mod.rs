@@ -5,10 +5,15 @@
 //! ([`Upstream::load`]).
 //!
 //! With many holders the two candidates are sampled directly (constant time, no allocation);
-//! when sampling finds fewer than two usable ones, every holder is scanned. When every holder
-//! is ejected, ejection is ignored (trying a suspect worker beats failing at once). No eligible
-//! worker → [`RouteError`] (NOT_FOUND or UNAVAILABLE), answered at once: the balancer never
-//! waits for one to appear.
+//! when sampling finds fewer than two usable ones, every holder is scanned.
+//!
+//! Ejected workers, in order of preference: a version's healthy ready holders; then its
+//! healthy not-ready (draining) holders — a draining worker that serves beats one known to be
+//! failing; then ejected ones after all (trying a suspect worker beats failing at once). And as
+//! Envoy's panic threshold: with more than half of the holders ejected, ejection is ignored —
+//! that many failing at once says more about the load than about them, and ejecting them would
+//! pile the whole traffic on the rest. No eligible worker → [`RouteError`] (NOT_FOUND or
+//! UNAVAILABLE), answered at once: the balancer never waits for one to appear.
 
 mod layer;
 mod p2c;
@@ -32,7 +37,8 @@ const SCAN_BELOW: usize = 8;
 const SAMPLE_DRAWS: usize = 8;
 
 /// Chooses a worker among `holders` (indices into `table`), skipping `excluded`, and ejected
-/// workers unless every remaining one is ejected.
+/// workers unless every remaining one is ejected (or more than half of `holders` are: the
+/// panic threshold).
 pub fn choose<'t, R: Rng + ?Sized>(
     table: &'t RoutingTable,
     holders: &[usize],
@@ -40,13 +46,44 @@ pub fn choose<'t, R: Rng + ?Sized>(
     now: Instant,
     rng: &mut R,
 ) -> Option<&'t Arc<Upstream>> {
+    choose_among(table, holders, excluded, now, rng, Ejected::AsLastResort)
+}
+
+/// What [`choose_among`] does with ejected workers.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ejected {
+    /// Skipped (unless the panic threshold is reached while a healthy one remains); `None`
+    /// when only ejected ones remain, so that the caller tries other holders first.
+    Skip,
+    /// Skipped while a healthy one remains.
+    AsLastResort,
+}
+
+fn choose_among<'t, R: Rng + ?Sized>(
+    table: &'t RoutingTable,
+    holders: &[usize],
+    excluded: &[UpstreamId],
+    now: Instant,
+    rng: &mut R,
+    ejected: Ejected,
+) -> Option<&'t Arc<Upstream>> {
     if holders.len() > SCAN_BELOW {
-        // Sample: two distinct usable holders in a few draws → the less loaded one.
+        // Sample: two distinct usable holders in a few draws → the less loaded one. Many draws
+        // landing on ejected workers may mean the panic threshold is reached: the scan below
+        // counts them.
         let mut first: Option<(usize, &Arc<Upstream>)> = None;
+        let mut ejected_draws = 0;
         for _ in 0..SAMPLE_DRAWS {
             let i = rng.random_range(0..holders.len());
             let u = table.upstream(holders[i]);
-            if excluded.contains(&u.id) || u.is_ejected(now) {
+            if excluded.contains(&u.id) {
+                continue;
+            }
+            if u.is_ejected(now) {
+                ejected_draws += 1;
+                if ejected_draws * 2 > SAMPLE_DRAWS {
+                    break;
+                }
                 continue;
             }
             match first {
@@ -56,18 +93,28 @@ pub fn choose<'t, R: Rng + ?Sized>(
             }
         }
     }
-    let eligible: Vec<&Arc<Upstream>> =
-        holders.iter().map(|&i| table.upstream(i)).filter(|u| !excluded.contains(&u.id)).collect();
+    let mut ejected_holders = 0;
+    let eligible: Vec<&Arc<Upstream>> = holders
+        .iter()
+        .map(|&i| table.upstream(i))
+        .inspect(|u| ejected_holders += usize::from(u.is_ejected(now)))
+        .filter(|u| !excluded.contains(&u.id))
+        .collect();
+    let panic = ejected_holders * 2 > holders.len();
     let healthy: Vec<&Arc<Upstream>> = eligible.iter().copied().filter(|u| !u.is_ejected(now)).collect();
-    let pool = if healthy.is_empty() { eligible } else { healthy };
+    let pool = match (healthy.is_empty(), ejected, panic) {
+        (true, Ejected::Skip, _) => return None,
+        (true, Ejected::AsLastResort, _) | (false, _, true) => eligible,
+        (false, _, false) => healthy,
+    };
     let loads: Vec<u64> = pool.iter().map(|u| u.load(now)).collect();
     p2c(&loads, rng).map(|i| pool[i])
 }
 
 /// Resolves the call's model version and picks its worker in one snapshot of the table: the
 /// worker and the version resolved.
-/// [`choose`] among the route's ready holders, else (all of them excluded) among the
-/// not-ready ones that still hold the version.
+/// [`choose`] among the route's ready holders, else (all of them excluded or ejected) among
+/// the healthy not-ready ones that still hold the version, else among the ejected ones.
 pub fn choose_route<'t, R: Rng + ?Sized>(
     table: &'t RoutingTable,
     route: &Route<'_>,
@@ -75,14 +122,17 @@ pub fn choose_route<'t, R: Rng + ?Sized>(
     now: Instant,
     rng: &mut R,
 ) -> Option<&'t Arc<Upstream>> {
-    choose(table, route.holders, excluded, now, rng).or_else(|| choose(table, route.fallback, excluded, now, rng))
+    choose_among(table, route.holders, excluded, now, rng, Ejected::Skip)
+        .or_else(|| choose_among(table, route.fallback, excluded, now, rng, Ejected::Skip))
+        .or_else(|| choose(table, route.holders, excluded, now, rng))
+        .or_else(|| choose(table, route.fallback, excluded, now, rng))
 }
 
 pub fn pick(routes: &Routes, call: &InferCall, now: Instant) -> Result<(Arc<Upstream>, i64), RouteError> {
     let table = routes.snapshot();
     let route = table.resolve(call.model(), call.version)?;
     choose_route(&table, &route, &call.excluded, now, &mut rand::rng())
-        .map(|u| (u.clone(), route.version_on(u)))
+        .map(|u| (u.clone(), route.version))
         .ok_or_else(|| RouteError::NoReadyWorker { model: call.model().to_string(), version: call.version })
 }
 
@@ -144,6 +194,65 @@ mod tests {
         }
         // Only b is left (a excluded) and it is ejected: it is tried anyway.
         assert_eq!(choose(&t, &holders, std::slice::from_ref(&a), now, &mut rng).unwrap().id, b);
+    }
+
+    /// A ready holder known to be failing (ejected) loses to a healthy draining one that still
+    /// serves the version; ejected holders are tried only when nothing healthy is left.
+    #[tokio::test]
+    async fn a_healthy_draining_holder_is_preferred_to_an_ejected_ready_one() {
+        let t = RoutingTable::build(
+            vec![
+                view("a:1", WorkerState::Ready, vec![row("m", "1", "READY")]),
+                view("d:1", WorkerState::NotReady, vec![row("m", "1", "READY")]),
+            ],
+            Instant::now(),
+        );
+        let (mut rng, now) = (StdRng::seed_from_u64(2), Instant::now());
+        for _ in 0..5 {
+            t.upstream(0).record(Outcome::Failure, now, now);
+        }
+        assert!(t.upstream(0).is_ejected(now));
+        let route = t.resolve("m", Some(1)).unwrap();
+        for _ in 0..20 {
+            assert_eq!(&*choose_route(&t, &route, &[], now, &mut rng).unwrap().id, "d:1");
+        }
+        // The draining one failed this call already: the ejected one is tried after all.
+        let d: UpstreamId = "d:1".into();
+        assert_eq!(&*choose_route(&t, &route, std::slice::from_ref(&d), now, &mut rng).unwrap().id, "a:1");
+    }
+
+    /// As Envoy's panic threshold: with more than half of the holders ejected, ejection is
+    /// ignored — the one healthy worker left does not take the whole traffic.
+    #[tokio::test]
+    async fn past_half_of_the_holders_ejected_ejection_is_ignored() {
+        for n in [3usize, 20] {
+            let views =
+                (0..n).map(|i| view(&format!("w{i}:1"), WorkerState::Ready, vec![row("m", "1", "READY")])).collect();
+            let t = RoutingTable::build(views, Instant::now());
+            let holders = t.resolve("m", None).unwrap().holders.to_vec();
+            let now = Instant::now();
+            for i in 1..n {
+                for _ in 0..5 {
+                    t.upstream(i).record(Outcome::Failure, now, now);
+                }
+            }
+            let mut rng = StdRng::seed_from_u64(4);
+            let to_ejected =
+                (0..200).filter(|_| &*choose(&t, &holders, &[], now, &mut rng).unwrap().id != "w0:1").count();
+            assert!(to_ejected > 50, "{n} holders: {to_ejected} of 200 went to ejected ones");
+            // Half of them ejected, not more: the healthy half takes everything.
+            let views =
+                (0..n).map(|i| view(&format!("v{i}:1"), WorkerState::Ready, vec![row("m", "1", "READY")])).collect();
+            let t = RoutingTable::build(views, Instant::now());
+            for i in 0..n / 2 {
+                for _ in 0..5 {
+                    t.upstream(i).record(Outcome::Failure, now, now);
+                }
+            }
+            for _ in 0..100 {
+                assert!(!choose(&t, &holders, &[], now, &mut rng).unwrap().is_ejected(now));
+            }
+        }
     }
 
     #[tokio::test]

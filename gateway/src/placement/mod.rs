@@ -14,7 +14,10 @@
 //! A worker whose load of a version FAILED — or that did not report it READY within
 //! `--placement-load-timeout-secs` of the leader first seeing it placed and not READY (a dead
 //! agent, a load stuck in LOADING) — is remembered for [`FAILED_COOLDOWN`] so the version is
-//! re-placed elsewhere instead of bouncing back to it ([`LoadWatch`]). The failure is logged
+//! re-placed elsewhere instead of bouncing back to it ([`LoadWatch`]); each further failure of
+//! the same worker and version doubles that, up to [`FAILED_COOLDOWN_MAX`] (a version broken
+//! everywhere is not reloaded on every worker every minute for ever), until it has gone
+//! [`FAILURE_MEMORY`] without failing there. The failure is logged
 //! once, with the worker's reason, and remembered per version: a version left unplaced is then
 //! reported with that reason, not only as a lack of room.
 //!
@@ -40,8 +43,13 @@ use tokio_util::sync::CancellationToken;
 use crate::config::EtcdConfig;
 use crate::metrics::GatewayMetrics;
 
-/// How long a worker that failed to load a version is not chosen for it again.
+/// How long a worker that failed to load a version is not chosen for it again, after its first
+/// failure; doubled with each further one, up to [`FAILED_COOLDOWN_MAX`].
 pub const FAILED_COOLDOWN: Duration = Duration::from_secs(60);
+/// The longest a worker is not chosen again for a version it keeps failing to load.
+pub const FAILED_COOLDOWN_MAX: Duration = Duration::from_secs(16 * 60);
+/// A worker's failures to load a version are forgotten once it has gone this long without one.
+pub const FAILURE_MEMORY: Duration = Duration::from_secs(60 * 60);
 /// Re-plan at least this often while leading.
 const REPLAN_INTERVAL: Duration = Duration::from_secs(2);
 /// Changes arriving within this window are planned together.
@@ -231,7 +239,7 @@ impl PlacementController {
                 version = f.version,
                 reason = %f.reason,
                 "{f}; the replica goes to another worker if one has room, not back to this one for {}s",
-                FAILED_COOLDOWN.as_secs()
+                self.loads.cooldown_left(&(f.worker.clone(), f.model.clone(), f.version), now).as_secs()
             );
         }
         let excluded = self.loads.excluded();
@@ -397,9 +405,11 @@ impl fmt::Display for UnplacedReport {
         if self.excluded_failed > 0 {
             write!(
                 f,
-                "{} active worker(s) excluded because their load of it failed (not retried there for {}s); ",
+                "{} active worker(s) excluded because their load of it failed (not retried there for {}s \
+                 after a failure, doubling with each further one up to {}s); ",
                 self.excluded_failed,
-                FAILED_COOLDOWN.as_secs()
+                FAILED_COOLDOWN.as_secs(),
+                FAILED_COOLDOWN_MAX.as_secs()
             )?;
         }
         write!(f, "no other active worker both has room (memory_mb, max_models) and matches its selector")?;
@@ -423,10 +433,19 @@ const PENDING_TIMEOUT_FACTOR: u32 = 4;
 /// A status as far as the load timeout cares: its state and reason.
 type StatusKey = (ModelState, String);
 
+/// The exclusion after a worker's `failures`-th failure in a row to load a version.
+fn cooldown_after(failures: u32) -> Duration {
+    let doublings = failures.saturating_sub(1).min(16);
+    FAILED_COOLDOWN.saturating_mul(1 << doublings).min(FAILED_COOLDOWN_MAX)
+}
+
 struct LoadWatch {
     load_timeout: Duration,
-    /// Assignments whose load failed, since when: excluded for [`FAILED_COOLDOWN`].
+    /// Assignments whose load failed lately: excluded until the instant given.
     failed: BTreeMap<Assignment, Instant>,
+    /// Failures per assignment (how many in a row, the last when): each doubles the next
+    /// exclusion; forgotten after [`FAILURE_MEMORY`] without one.
+    strikes: BTreeMap<Assignment, (u32, Instant)>,
     /// Placements on active workers seen without a READY (or FAILED) status: since when, and
     /// the status they had then. A worker that queues its loads says PENDING (LOADING with
     /// reason [`PENDING_REASON`]) until it starts a load: the wait restarts with each change, so
@@ -443,6 +462,7 @@ impl LoadWatch {
         LoadWatch {
             load_timeout,
             failed: BTreeMap::new(),
+            strikes: BTreeMap::new(),
             not_ready_since: BTreeMap::new(),
             last_failure: BTreeMap::new(),
             reported: BTreeMap::new(),
@@ -460,10 +480,14 @@ impl LoadWatch {
     /// Takes in a fresh read of the fleet at `now`; returns the failures seen for the first
     /// time (each FAILED status once per cooldown, each load timeout once), to be logged.
     fn observe(&mut self, state: &FleetState, now: Instant) -> Vec<LoadFailure> {
-        self.failed.retain(|_, at| now.saturating_duration_since(*at) < FAILED_COOLDOWN);
+        self.failed.retain(|_, until| now < *until);
+        self.strikes.retain(|_, (_, at)| now.saturating_duration_since(*at) < FAILURE_MEMORY);
         let mut new = Vec::new();
         let mut note = |failed: &mut BTreeMap<Assignment, Instant>, a: &Assignment, reason: String| {
-            failed.insert(a.clone(), now);
+            let (count, at) = self.strikes.entry(a.clone()).or_insert((0, now));
+            *count = count.saturating_add(1);
+            *at = now;
+            failed.insert(a.clone(), now + cooldown_after(*count));
             let f = LoadFailure { worker: a.0.clone(), model: a.1.clone(), version: a.2, reason };
             self.last_failure.insert((a.1.clone(), a.2), f.clone());
             new.push(f);
@@ -516,6 +540,11 @@ impl LoadWatch {
         self.not_ready_since.retain(|a, _| waiting.contains(a));
         self.last_failure.retain(|(m, v), _| state.models.get(m).is_some_and(|d| d.versions.contains(v)));
         new
+    }
+
+    /// How much longer `a` is excluded (zero when it is not).
+    fn cooldown_left(&self, a: &Assignment, now: Instant) -> Duration {
+        self.failed.get(a).map_or(Duration::ZERO, |until| until.saturating_duration_since(now))
     }
 
     /// The assignments the plan must not make (or keep): those whose load failed lately.
@@ -867,6 +896,32 @@ mod tests {
         sightings.begin_term();
         let later = t0 + VANISHED_GRACE * TERM_MEMORY_GRACES;
         assert_eq!(sightings.observe(&gone, later).len(), 1);
+    }
+
+    /// A worker that fails a version again after its cooldown is excluded twice as long each
+    /// time (up to the cap), and its streak is forgotten after an hour without failing.
+    #[test]
+    fn repeated_load_failures_double_the_cooldown_up_to_a_cap() {
+        let t0 = Instant::now();
+        let mut loads = LoadWatch::new(Duration::from_secs(600));
+        let mut s = fleet();
+        s.placements.insert(a("w1", "m", 1));
+        status(&mut s, "w1", "m", 1, Some((ModelState::Failed, "boom")));
+        let mut at = t0;
+        let mut cooldowns = Vec::new();
+        for _ in 0..6 {
+            assert_eq!(loads.observe(&s, at).len(), 1, "a new failure once the cooldown ended");
+            let left = loads.cooldown_left(&a("w1", "m", 1), at);
+            cooldowns.push(left.as_secs());
+            assert!(loads.observe(&s, at + left - Duration::from_secs(1)).is_empty(), "still cooling down");
+            assert!(loads.excluded().contains(&a("w1", "m", 1)));
+            at += left;
+        }
+        assert_eq!(cooldowns, [60, 120, 240, 480, 960, 960]);
+        // An hour without failing there: the next failure starts over.
+        loads.observe(&FleetState::default(), at + FAILURE_MEMORY);
+        assert_eq!(loads.observe(&s, at + FAILURE_MEMORY).len(), 1);
+        assert_eq!(loads.cooldown_left(&a("w1", "m", 1), at + FAILURE_MEMORY), FAILED_COOLDOWN);
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! the worker provably did not run it ([`crate::forward::FailureKind::safe_to_retry`]: the
 //! connection could not be made or the stream was refused, or the worker answered UNAVAILABLE
 //! because it is draining or unloading, or RESOURCE_EXHAUSTED because its queue is full, or
-//! its queue policy timed the request out), another worker holding the model version is
+//! its queue policy timed the request out, or it no longer has the version the request names),
+//! another worker holding the model version is
 //! available, and the queue `timeout` the request set itself (if any) has not passed. The retry excludes every worker the call already failed on. Each retry sent is
 //! counted by model and version, labelled as the request metrics are.
 
@@ -34,7 +35,11 @@ impl Policy<InferCall, GatewayError> for SafeRetry {
         let GatewayError::Upstream(e) = error else {
             return None;
         };
-        if !e.kind.safe_to_retry() {
+        // A worker that no longer has the version a request names did not run it either: it
+        // unloaded that version moments before the routing table saw it (a placement change),
+        // and another holder may still serve it.
+        let version_gone = call.version.is_some() && e.is_version_gone(call.model());
+        if !e.kind.safe_to_retry() && !version_gone {
             return None;
         }
         let mut next = call.clone();
@@ -139,5 +144,28 @@ mod tests {
         // 10 s - 3 s; taking the first second off twice would leave 6 s.
         assert!((6_500_000..=7_000_000).contains(&left), "{left}: counted from the client's 10 s");
         assert_eq!(second.request.bytes.len(), first.request.bytes.len(), "one appended entry, not two");
+    }
+
+    /// A worker that unloaded the version a request names (before the routing table saw it)
+    /// did not run it: the request goes to another holder rather than fail NOT_FOUND. A
+    /// NOT_FOUND for a request naming no version, or of another kind, is final.
+    #[tokio::test]
+    async fn a_named_version_gone_from_its_worker_is_retried_on_another_holder() {
+        let (publisher, routes) = routes(Instant::now());
+        let holders = ["a:1", "b:1"].map(|w| view(w, WorkerState::Ready, vec![row("m", "1", "READY")]));
+        publisher.publish(RoutingTable::build(holders.to_vec(), Instant::now()));
+        let counter = prometheus::IntCounterVec::new(prometheus::Opts::new("r", "r"), &["model", "version"]).unwrap();
+        let policy = SafeRetry::new(routes, counter);
+        let gone = GatewayError::from(UpstreamError::new(
+            "a:1".into(),
+            tonic::Status::not_found("model 'm' has no version 1 (ready versions: 2)"),
+        ));
+        let deadline = CallDeadline { at: Instant::now() + Duration::from_secs(60), is_gateways: true };
+        let request = InferRequest::encode(&ModelInferRequest { model_name: "m".into(), ..Default::default() });
+        let named = InferCall::new(request.clone(), Some(1), deadline);
+        assert_eq!(policy.retry(&named, &gone).expect("retried").excluded, ["a:1".into()]);
+        assert!(policy.retry(&InferCall::new(request.clone(), None, deadline), &gone).is_none());
+        let unknown = GatewayError::from(UpstreamError::new("a:1".into(), tonic::Status::not_found("no model 'm'")));
+        assert!(policy.retry(&named, &unknown).is_none());
     }
 }

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use nereid_proto::inference::repository_index_response::ModelIndex;
 use tokio::sync::watch;
 
-use crate::upstream::{Upstream, UpstreamId};
+use crate::upstream::Upstream;
 
 /// Metrics label of a model that is not in the routing table.
 pub const UNKNOWN_MODEL_LABEL: &str = "_unknown";
@@ -72,12 +72,6 @@ struct ModelRoutes {
     fallback: BTreeMap<i64, Vec<usize>>,
     /// Every version some member lists, in any state.
     known_versions: BTreeSet<i64>,
-    /// Ready workers holding some version READY, and not-ready ones: where a request naming no
-    /// version may go (each serves its own latest, as a worker asked directly would).
-    any_ready: Vec<usize>,
-    any_fallback: Vec<usize>,
-    /// Each holder's latest READY version.
-    latest: HashMap<UpstreamId, i64>,
 }
 
 /// Where a request for one model version may go.
@@ -88,19 +82,8 @@ pub struct Route<'a> {
     /// Indices of the workers holding it READY (see [`RoutingTable::upstream`]).
     pub holders: &'a [usize],
     /// Not-ready workers that still list it READY (draining), for when every one of
-    /// `holders` is excluded (a retry); empty when `holders` are those already.
+    /// `holders` is excluded (a retry) or ejected; empty when `holders` are those already.
     pub fallback: &'a [usize],
-    /// For a request naming no version: each holder's own latest READY version. During a
-    /// rollout the newest version is on few workers; sending every such request there (the
-    /// newest anywhere) would pile the model's whole traffic on them while the rest idle.
-    pub latest: Option<&'a HashMap<UpstreamId, i64>>,
-}
-
-impl Route<'_> {
-    /// The version the request is served with on `worker` (one of the route's).
-    pub fn version_on(&self, worker: &Upstream) -> i64 {
-        self.latest.and_then(|latest| latest.get(&worker.id).copied()).unwrap_or(self.version)
-    }
 }
 
 #[derive(Debug)]
@@ -135,12 +118,6 @@ impl RoutingTable {
                 if !holders.contains(&i) {
                     holders.push(i);
                 }
-                let any = if w.state == WorkerState::Ready { &mut routes.any_ready } else { &mut routes.any_fallback };
-                if !any.contains(&i) {
-                    any.push(i);
-                }
-                let latest = routes.latest.entry(w.upstream.id.clone()).or_insert(version);
-                *latest = (*latest).max(version);
             }
         }
         RoutingTable { built_at, workers, models }
@@ -168,24 +145,18 @@ impl RoutingTable {
                 return Err(RouteError::NoReadyWorker { model: model.to_string(), version: Some(v) });
             }
             Some(v) => return Err(RouteError::VersionNotFound { model: model.to_string(), version: v }),
-            None => {
-                // The newest version anywhere (what the call is labelled with); it goes to any
-                // holder, served there by that holder's own latest.
-                let version = [&routes.ready, &routes.fallback]
-                    .into_iter()
-                    .find_map(|map| map.iter().rev().find(|(_, h)| !h.is_empty()).map(|(v, _)| *v))
-                    .ok_or_else(|| RouteError::NoReadyWorker { model: model.to_string(), version: None })?;
-                let latest = Some(&routes.latest);
-                return Ok(if routes.any_ready.is_empty() {
-                    Route { version, holders: &routes.any_fallback, fallback: &[], latest }
-                } else {
-                    Route { version, holders: &routes.any_ready, fallback: &routes.any_fallback, latest }
-                });
-            }
+            // The newest version READY on a ready worker, else on a not-ready one: what a
+            // single Triton serving every version answers a request naming none with (a
+            // fleet serving versions 1 and 2 on different workers must not answer half of them
+            // with 1).
+            None => [&routes.ready, &routes.fallback]
+                .into_iter()
+                .find_map(|map| map.iter().rev().find(|(_, h)| !h.is_empty()).map(|(v, _)| *v))
+                .ok_or_else(|| RouteError::NoReadyWorker { model: model.to_string(), version: None })?,
         };
         Ok(match routes.ready.get(&version).filter(|h| !h.is_empty()) {
-            Some(holders) => Route { version, holders, fallback: fallback_of(version), latest: None },
-            None => Route { version, holders: fallback_of(version), fallback: &[], latest: None },
+            Some(holders) => Route { version, holders, fallback: fallback_of(version) },
+            None => Route { version, holders: fallback_of(version), fallback: &[] },
         })
     }
 
@@ -320,13 +291,10 @@ pub(crate) mod tests {
             Instant::now(),
         );
         assert!(t.ready());
-        // None named: labelled with the latest READY version anywhere (3 is only loading), but
-        // served by any holder at its own latest — a rollout's newest version, on few workers,
-        // does not draw the whole model's traffic to them.
+        // None named: the latest READY version (3 is only loading), on its holders only — b
+        // holds only version 1, and a request naming no version is not answered by it.
         let r = t.resolve("m", None).unwrap();
-        assert_eq!((r.version, r.holders, r.fallback), (2, &[0usize, 1][..], &[2usize][..]));
-        assert_eq!([0, 1, 2].map(|i| r.version_on(t.upstream(i))), [2, 1, 2]);
-        assert_eq!(t.resolve("m", Some(2)).unwrap().version_on(t.upstream(0)), 2, "a version named is kept");
+        assert_eq!((r.version, r.holders, r.fallback), (2, &[0usize][..], &[2usize][..]));
         assert_eq!(t.resolve("m", Some(1)).unwrap().holders, &[0, 1]);
         assert_eq!(
             t.resolve("m", Some(3)).unwrap_err(),
