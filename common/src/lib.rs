@@ -4,6 +4,7 @@
 pub mod config;
 pub mod dtype;
 pub mod fleet;
+pub mod limits;
 pub mod status;
 pub mod telemetry;
 

@@ -14,6 +14,9 @@ use nereid_gateway::cli::Args;
 fn main() -> ExitCode {
     let args = Args::parse();
     nereid_common::telemetry::init_tracing(args.log_verbose);
+    if let Err(e) = nereid_common::limits::raise_open_files_limit() {
+        tracing::warn!("cannot raise the open files limit to its hard limit: {e}");
+    }
     let io_threads = args.io_threads;
     let config = match args.into_config() {
         Ok(c) => c,

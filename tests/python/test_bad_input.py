@@ -574,3 +574,28 @@ def test_a_bad_string_does_not_fail_the_requests_batched_with_it(tmp_path, start
     finally:
         ch.close()
         w.stop()
+
+
+def test_a_raw_binary_request_is_served_and_a_bad_one_refused(bw):
+    """Triton's raw binary request: `Inference-Header-Content-Length: 0` and the body is the
+    model's only input, batch 1; the answer is every output, binary, after its JSON header."""
+    x = np.arange(16, dtype=np.float32) * 0.5
+    headers = {"Inference-Header-Content-Length": "0", "Content-Type": "application/octet-stream"}
+    status, got, body = _post(bw, "/v2/models/identity_fp32/infer", x.tobytes(), headers)
+    assert status == 200, body
+    n = int({k.lower(): v for k, v in got.items()}["inference-header-content-length"])
+    header = json.loads(body[:n])
+    (out,) = header["outputs"]
+    assert (out["name"], out["shape"], out["parameters"]["binary_data_size"]) == ("OUTPUT0", [1, 16], 64)
+    np.testing.assert_array_equal(np.frombuffer(body[n:], dtype=np.float32), x)
+
+    # A BYTES input takes the whole body as one element.
+    status, got, body = _post(bw, "/v2/models/string_len/infer", b"hello", headers)
+    assert status == 200, body
+
+    # A body that is not a whole input, or a model of two inputs: 400, naming why.
+    status, _, body = _post(bw, "/v2/models/identity_fp32/infer", x.tobytes()[:60], headers)
+    assert status == 400 and "got 60 bytes of data, but shape [1, 16] of FP32 needs 64" in json.loads(body)["error"], body
+    status, _, body = _post(bw, "/v2/models/mixed_types/infer", b"\0" * 8, headers)
+    assert status == 400 and "exactly one" in json.loads(body)["error"], body
+    _good_http(bw)

@@ -12,10 +12,12 @@ use nereid_common::{DataType, Status};
 use crate::tensor::OutputTensor;
 
 /// One score, in a form that orders and prints as Triton's (C++ `std::to_string`) do: integers
-/// exactly, floating point with six decimals.
+/// exactly, floating point with six decimals. 16 bytes (one per element of the output: an
+/// `i128` for every integer type made it 32).
 #[derive(Clone, Copy, Debug)]
 enum Score {
-    Int(i128),
+    Int(i64),
+    Uint(u64),
     Float(f64),
 }
 
@@ -24,6 +26,7 @@ impl Score {
     fn rank(a: &Score, b: &Score) -> Ordering {
         match (a, b) {
             (Score::Int(x), Score::Int(y)) => y.cmp(x),
+            (Score::Uint(x), Score::Uint(y)) => y.cmp(x),
             (Score::Float(x), Score::Float(y)) => match (x.is_nan(), y.is_nan()) {
                 (true, true) => Ordering::Equal,
                 (true, false) => Ordering::Greater,
@@ -38,6 +41,7 @@ impl Score {
     fn text(self) -> String {
         match self {
             Score::Int(v) => v.to_string(),
+            Score::Uint(v) => v.to_string(),
             Score::Float(v) if v.is_nan() => "nan".into(),
             Score::Float(v) if v.is_infinite() => if v > 0.0 { "inf" } else { "-inf" }.into(),
             Score::Float(v) => format!("{v:.6}"),
@@ -53,14 +57,14 @@ fn scores(datatype: DataType, data: &[u8]) -> Option<Vec<Score>> {
         };
     }
     Some(match datatype {
-        DataType::Uint8 => each!(u8, 1, |v| Score::Int(i128::from(v))),
-        DataType::Uint16 => each!(u16, 2, |v| Score::Int(i128::from(v))),
-        DataType::Uint32 => each!(u32, 4, |v| Score::Int(i128::from(v))),
-        DataType::Uint64 => each!(u64, 8, |v| Score::Int(i128::from(v))),
-        DataType::Int8 => each!(i8, 1, |v| Score::Int(i128::from(v))),
-        DataType::Int16 => each!(i16, 2, |v| Score::Int(i128::from(v))),
-        DataType::Int32 => each!(i32, 4, |v| Score::Int(i128::from(v))),
-        DataType::Int64 => each!(i64, 8, |v| Score::Int(i128::from(v))),
+        DataType::Uint8 => each!(u8, 1, |v| Score::Uint(u64::from(v))),
+        DataType::Uint16 => each!(u16, 2, |v| Score::Uint(u64::from(v))),
+        DataType::Uint32 => each!(u32, 4, |v| Score::Uint(u64::from(v))),
+        DataType::Uint64 => each!(u64, 8, Score::Uint),
+        DataType::Int8 => each!(i8, 1, |v| Score::Int(i64::from(v))),
+        DataType::Int16 => each!(i16, 2, |v| Score::Int(i64::from(v))),
+        DataType::Int32 => each!(i32, 4, |v| Score::Int(i64::from(v))),
+        DataType::Int64 => each!(i64, 8, Score::Int),
         DataType::Fp16 => each!(u16, 2, |v| Score::Float(f64::from(half::f16::from_bits(v)))),
         DataType::Bf16 => each!(u16, 2, |v| Score::Float(f64::from(half::bf16::from_bits(v)))),
         DataType::Fp32 => each!(f32, 4, |v| Score::Float(f64::from(v))),
@@ -131,6 +135,12 @@ pub fn parse_labels(text: &str) -> Vec<String> {
 mod tests {
     use super::*;
     use crate::tensor::split_bytes_elements;
+
+    /// Scores of a large output are held once per element while a row is ranked: kept small.
+    #[test]
+    fn a_score_takes_16_bytes() {
+        assert_eq!(std::mem::size_of::<Score>(), 16);
+    }
 
     fn tensor(datatype: DataType, shape: &[i64], data: Vec<u8>) -> OutputTensor {
         OutputTensor { name: "OUT".into(), datatype, shape: shape.to_vec(), data: data.into() }

@@ -40,6 +40,9 @@ fn main() -> ExitCode {
     let levels = [("log_info", args.log_info), ("log_warning", args.log_warning), ("log_error", args.log_error)];
     let levels: Vec<_> = levels.iter().map(|(k, on)| (k.to_string(), LogValue::Bool(*on))).collect();
     nereid_common::telemetry::log_settings().apply(&levels).expect("booleans are valid log settings");
+    if let Err(e) = nereid_common::limits::raise_open_files_limit() {
+        tracing::warn!("cannot raise the open files limit to its hard limit: {e}");
+    }
     match args.triton.check() {
         Ok(warnings) => warnings.iter().for_each(|w| tracing::warn!("{w}")),
         Err(e) => {

@@ -23,6 +23,8 @@ use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqA
 use serde::ser::{self, Serialize, SerializeMap, SerializeSeq, Serializer};
 use serde_json::{Map, Value};
 
+use nereid_proto::inference::ModelConfig;
+
 use crate::shm::{self, SharedMemory, ShmRef, ShmWritten};
 use crate::tensor::{InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput, split_bytes_elements};
 
@@ -33,10 +35,10 @@ pub const HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
 /// binary section.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct OutputFormat {
-    /// The request's `parameters.binary_data_output`: the choice for outputs that do not make
-    /// their own (including every output when the request names none).
+    /// The request's `parameters.binary_data_output`: the choice for the outputs the request
+    /// does not list (every output when it lists none).
     pub binary_default: bool,
-    /// Outputs whose `parameters.binary_data` was given explicitly.
+    /// The outputs the request lists, binary where their `parameters.binary_data` is true.
     pub explicit: Vec<(String, bool)>,
     /// Outputs written into shared memory: rendered with their region and size, no data.
     pub shm: Vec<ShmWritten>,
@@ -198,13 +200,94 @@ pub fn parse_infer_request(
             }
             request.shm_outputs.push((output.name.clone(), shm.target(&ctx(), &r)?));
         }
-        if let Some(b) = binary_data {
-            format.explicit.push((output.name.clone(), b));
-        }
+        // A listed output without `binary_data` comes back in JSON, as in Triton: the request's
+        // `binary_data_output` is the choice for the outputs it does not list.
+        format.explicit.push((output.name.clone(), binary_data.unwrap_or(false)));
         request.outputs.push(RequestedOutput { name: output.name, binary_data, classification });
     }
 
     Ok(ParsedInfer { request, format })
+}
+
+/// Triton's raw binary request (`Inference-Header-Content-Length: 0`, no JSON at all): the
+/// whole body is the data of the model's only input, as one request — of batch 1 for a model
+/// that batches — shaped by the model's config: a dim the config leaves free (-1) takes what
+/// the byte count gives (at most one may be free); a BYTES input is one element, the body.
+/// Every output comes back, in the binary section.
+pub fn parse_raw_binary_request(
+    model_name: &str,
+    model_version: Option<i64>,
+    body: Bytes,
+    config: &ModelConfig,
+) -> Result<ParsedInfer, Status> {
+    let refuse =
+        |why: String| Status::invalid(format!("raw binary request (Inference-Header-Content-Length: 0): {why}"));
+    let [input] = &config.input[..] else {
+        return Err(refuse(format!(
+            "model '{model_name}' has {} inputs; a raw request carries the data of a model with exactly one",
+            config.input.len()
+        )));
+    };
+    let datatype = DataType::from_config_value(input.data_type)
+        .ok_or_else(|| refuse(format!("input '{}' has no datatype a request can carry", input.name)))?;
+    let batch = (config.max_batch_size > 0).then_some(1i64);
+    let mut dims: Vec<i64> = batch.into_iter().chain(input.dims.iter().copied()).collect();
+    let free = dims.iter().filter(|&&d| d < 0).count();
+    let data = if datatype == DataType::Bytes {
+        // One element: the body, with the 4-byte length every BYTES element carries.
+        dims.iter_mut().filter(|d| **d < 0).for_each(|d| *d = 1);
+        if dims.iter().product::<i64>() != 1 {
+            return Err(refuse(format!(
+                "input '{}' holds {dims:?} BYTES elements; a raw request carries one",
+                input.name
+            )));
+        }
+        let length =
+            u32::try_from(body.len()).map_err(|_| refuse("the body is too large for one BYTES element".into()))?;
+        let mut data = Vec::with_capacity(4 + body.len());
+        data.extend_from_slice(&length.to_le_bytes());
+        data.extend_from_slice(&body);
+        Bytes::from(data)
+    } else {
+        let size = datatype.element_size().unwrap_or(1) as i64;
+        let elements = body.len() as i64 / size;
+        if body.len() as i64 % size != 0 {
+            return Err(refuse(format!(
+                "{} bytes are not a whole number of {} elements",
+                body.len(),
+                datatype.wire_name()
+            )));
+        }
+        let fixed: i64 = dims.iter().filter(|&&d| d >= 0).product();
+        match free {
+            0 => {}
+            1 if fixed > 0 && elements % fixed == 0 => {
+                dims.iter_mut().filter(|d| **d < 0).for_each(|d| *d = elements / fixed);
+            }
+            1 => {
+                return Err(refuse(format!(
+                    "{elements} {} elements do not fill input '{}' of dims {:?}",
+                    datatype.wire_name(),
+                    input.name,
+                    input.dims
+                )));
+            }
+            _ => {
+                return Err(refuse(format!(
+                    "input '{}' has {free} variable dims {:?}; a raw request's shape can fill in one",
+                    input.name, input.dims
+                )));
+            }
+        }
+        body
+    };
+    let request = InferRequest {
+        model_name: model_name.to_string(),
+        model_version,
+        inputs: vec![InputTensor { name: input.name.clone(), datatype, shape: dims, data }],
+        ..InferRequest::default()
+    };
+    Ok(ParsedInfer { request, format: OutputFormat { binary_default: true, ..OutputFormat::default() } })
 }
 
 fn parse_json(json: &[u8], max_bytes: usize) -> Result<RawRequest, Status> {
@@ -1493,6 +1576,65 @@ mod tests {
 
     fn le<T: Copy, const N: usize>(values: &[T], f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
         values.iter().flat_map(|v| f(*v)).collect()
+    }
+
+    /// `binary_data_output` is the choice for the outputs a request does not list: a listed
+    /// one without `binary_data` comes back in JSON, as in Triton.
+    #[test]
+    fn binary_data_output_leaves_listed_outputs_in_json_unless_they_ask() {
+        let p = parse(
+            r#"{"parameters":{"binary_data_output":true},"inputs":[],
+                "outputs":[{"name":"A"},{"name":"B","parameters":{"binary_data":true}}]}"#,
+        )
+        .unwrap();
+        assert_eq!([p.format.is_binary("A"), p.format.is_binary("B"), p.format.is_binary("C")], [false, true, true]);
+    }
+
+    /// An FP64 in JSON reaches the model as the exact double written.
+    #[test]
+    fn fp64_json_values_round_trip_exactly() {
+        let x = one_input("FP64", "[2]", "[0.9999999999999999, 1e-310]").unwrap();
+        assert_eq!(&x.data[..], &le(&[0.9999999999999999f64, 1e-310], f64::to_le_bytes)[..]);
+    }
+
+    fn raw_config(text: &str) -> ModelConfig {
+        nereid_common::config::parse_model_config(text).expect("config")
+    }
+
+    /// Triton's raw binary request: the body is the only input's data, of batch 1, its free
+    /// dim filled from the byte count; a BYTES input is one element; every output binary.
+    #[test]
+    fn a_raw_binary_request_carries_the_only_input() {
+        let batching = raw_config(
+            "max_batch_size: 8\ninput [ { name: \"X\" data_type: TYPE_FP32 dims: [ -1, 2 ] } ]\n\
+             output [ { name: \"Y\" data_type: TYPE_FP32 dims: [ -1, 2 ] } ]",
+        );
+        let body = Bytes::from(le(&[1f32, 2., 3., 4., 5., 6.], f32::to_le_bytes));
+        let p = parse_raw_binary_request("m", None, body.clone(), &batching).unwrap();
+        let x = &p.request.inputs[0];
+        assert_eq!(
+            (x.name.as_str(), x.datatype, &x.shape[..], &x.data[..]),
+            ("X", DataType::Fp32, &[1, 3, 2][..], &body[..])
+        );
+        assert!(p.request.outputs.is_empty() && p.format.is_binary("Y"));
+        // Not a whole number of rows, or of elements: refused, saying why.
+        let e = parse_raw_binary_request("m", None, body.slice(..4), &batching).unwrap_err();
+        assert!(e.message.contains("do not fill input 'X'"), "{}", e.message);
+        let e = parse_raw_binary_request("m", None, body.slice(..3), &batching).unwrap_err();
+        assert!(e.message.contains("not a whole number of FP32 elements"), "{}", e.message);
+
+        let text = raw_config("input [ { name: \"T\" data_type: TYPE_STRING dims: [ 1 ] } ]");
+        let p = parse_raw_binary_request("m", Some(2), Bytes::from_static(b"hello"), &text).unwrap();
+        let t = &p.request.inputs[0];
+        assert_eq!((t.datatype, &t.shape[..], &t.data[..]), (DataType::Bytes, &[1][..], &b"\x05\0\0\0hello"[..]));
+
+        let two = raw_config(
+            "input [ { name: \"A\" data_type: TYPE_FP32 dims: [ 1 ] }, { name: \"B\" data_type: TYPE_FP32 dims: [ 1 ] } ]",
+        );
+        let e = parse_raw_binary_request("m", None, Bytes::from_static(&[0; 4]), &two).unwrap_err();
+        assert!(e.message.contains("has 2 inputs"), "{}", e.message);
+        let free = raw_config("input [ { name: \"X\" data_type: TYPE_FP32 dims: [ -1, -1 ] } ]");
+        assert!(parse_raw_binary_request("m", None, Bytes::from_static(&[0; 8]), &free).is_err());
     }
 
     /// Each input's buffer is reserved from its claimed shape before any element arrives; all

@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use self::infer::{
     HEADER_CONTENT_LENGTH, OutputFormat, ParsedInfer, RenderedResponse, fmt_shape, parse_infer_request,
-    render_infer_response,
+    parse_raw_binary_request, render_infer_response,
 };
 use crate::server::{self, IndexEntry, ModelMetadata, ModelStats, SERVER_VERSION, Server, parse_version};
 use crate::shm::RegionStatus;
@@ -240,8 +240,11 @@ impl Coding {
     }
 }
 
-/// Compressed request bodies larger than this are inflated on the blocking pool.
-const OFFLOAD_INFLATE_BYTES: usize = 64 << 10;
+/// Compressed request bodies larger than this are inflated on the blocking pool. Decided on the
+/// compressed size (the inflated one is known only after): deflate expands at most ~1032:1, so
+/// a body inflated inline stays near a megabyte — a 62 KB gzip of zeros is 64 MB, too long to
+/// inflate on a thread serving every connection.
+const OFFLOAD_INFLATE_BYTES: usize = 1 << 10;
 
 /// Infer responses are compressed (when the client accepts it) only above this size.
 const COMPRESS_MIN_BYTES: usize = 1 << 10;
@@ -517,8 +520,13 @@ async fn infer(
     let shm = server.shm.clone();
     // Inputs read from shared memory are copied during the parse: off the async threads too.
     let heavy = json_len > OFFLOAD_JSON_BYTES || (shm.enabled() && mentions_shared_memory(&body[..json_len]));
-    let ParsedInfer { request, mut format } =
-        maybe_offload(heavy, move || parse_infer_request(&name, version, body, header_length, max, Some(&shm))).await?;
+    let ParsedInfer { request, mut format } = if header_length == Some(0) {
+        // No JSON: Triton's raw binary request, shaped by the model's config.
+        let config = server.model_config(&name, version)?;
+        parse_raw_binary_request(&name, version, body, &config)?
+    } else {
+        maybe_offload(heavy, move || parse_infer_request(&name, version, body, header_length, max, Some(&shm))).await?
+    };
 
     // Awaited here, not spawned: if the client goes away this future is dropped and the core
     // takes the request out of its queue.

@@ -453,7 +453,9 @@ fn read_labels(config: &ModelConfig, dir: &Path) -> Result<HashMap<String, Arc<[
         // Read no further than the limit, whatever the file's reported size (a device, a
         // link to a huge file).
         let data = read_bounded(&path, MAX_LABEL_FILE_BYTES).map_err(|e| fail(format!("{at}: {e}")))?;
-        let text = String::from_utf8(data).map_err(|_| fail(format!("{at}: {} is not UTF-8 text", path.display())))?;
+        // Bytes that are not UTF-8 (a Latin-1 label file) come back as U+FFFD rather than fail the
+        // load (Triton reads labels as raw bytes): the rest of the labels still serve.
+        let text = String::from_utf8_lossy(&data);
         labels.insert(output.name.clone(), Arc::from(crate::classify::parse_labels(&text)));
     }
     Ok(labels)
@@ -1262,6 +1264,17 @@ fn pseudo_random(len: usize, dt: DataType) -> Vec<u8> {
 mod tests {
     use super::*;
     use nereid_common::config::parse_model_config;
+
+    /// A label file that is not UTF-8 (Latin-1) loads: its odd bytes become U+FFFD, the other
+    /// labels are as written.
+    #[test]
+    fn a_label_file_that_is_not_utf8_still_loads() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::write(dir.path().join("labels.txt"), b"caf\xe9\nplain\n").expect("write");
+        let c = config("output [ { name: \"P\" data_type: TYPE_FP32 dims: [ 2 ] label_filename: \"labels.txt\" } ]");
+        let labels = read_labels(&c, dir.path()).expect("loads");
+        assert_eq!(&labels["P"][..], ["caf\u{fffd}".to_string(), "plain".to_string()]);
+    }
 
     fn config(text: &str) -> ModelConfig {
         parse_model_config(text).expect("test config parses")

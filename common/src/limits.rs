@@ -1,0 +1,41 @@
+//! Process limits a server raises for itself at start.
+
+/// Raises this process's soft limit on open files to its hard limit, as Go's runtime and most
+/// servers do: the soft limit is often 1024 (systemd's default, recent container runtimes),
+/// while every client connection, upstream connection and registered shared-memory region holds
+/// a descriptor — 1024 of them and the server could accept no connection and load no model.
+/// Returns the (old, new) soft limits, or the reason it could not.
+pub fn raise_open_files_limit() -> Result<(u64, u64), String> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes into the struct it is given; RLIMIT_NOFILE is a valid resource.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(std::io::Error::last_os_error().to_string());
+    }
+    let old = limit.rlim_cur;
+    if limit.rlim_cur >= limit.rlim_max {
+        return Ok((old, old));
+    }
+    limit.rlim_cur = limit.rlim_max;
+    // SAFETY: setrlimit reads the struct; a soft limit up to the hard one needs no privilege.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
+        return Err(std::io::Error::last_os_error().to_string());
+    }
+    Ok((old, limit.rlim_cur))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The soft limit ends at the hard one (raised, or already there), and a second call
+    /// changes nothing.
+    #[test]
+    fn the_soft_limit_reaches_the_hard_one() {
+        let (_, new) = raise_open_files_limit().expect("raised");
+        let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) }, 0);
+        assert_eq!((limit.rlim_cur, new), (limit.rlim_max, limit.rlim_max));
+        assert_eq!(raise_open_files_limit().unwrap(), (new, new));
+    }
+}
