@@ -24,7 +24,7 @@ use nereid_common::Status;
 use nereid_common::config::config_to_json;
 use nereid_worker::http::{
     HEADER_CONTENT_LENGTH, ParsedInfer, index_json, infer_response, model_metadata_json, parse_index_request,
-    parse_infer_request, render_infer_response, stats_json,
+    parse_infer_request, parse_raw_binary_request, render_infer_response, stats_json,
 };
 use nereid_worker::server::parse_version;
 use serde_json::{Value, json};
@@ -315,12 +315,24 @@ async fn infer(
             }
         };
 
+        // Triton's raw binary request (no JSON: the body is the only input's data) is shaped
+        // by the model's config, asked of a worker holding the model.
+        let raw_config = match header_length {
+            Some(0) => {
+                let response = ingress.control.model_config(&name, version, deadline.at).await?;
+                Some(response.config.ok_or_else(|| Status::internal("the worker answered no model config"))?)
+            }
+            _ => None,
+        };
         let heavy =
             header_length.unwrap_or(body.len()).min(body.len()) > OFFLOAD_JSON_BYTES || body.len() > OFFLOAD_COPY_BYTES;
         // Converted once, to the encoded gRPC request the stack forwards as it is.
         let model = name.clone();
         let (request, format) = maybe_offload(heavy, move || {
-            let ParsedInfer { request, format } = parse_infer_request(&model, version, body, header_length, max, None)?;
+            let ParsedInfer { request, format } = match raw_config {
+                Some(config) => parse_raw_binary_request(&model, version, body, &config)?,
+                None => parse_infer_request(&model, version, body, header_length, max, None)?,
+            };
             let proto = infer_request_to_proto(request);
             // The parser bounds the tensors together; the message adds names, shapes and what
             // forwarding appends, which can still take it past the limit — the worker would then

@@ -425,3 +425,20 @@ def test_grpc_health_check_on_the_gateway(fleet):
         with pytest.raises(grpc.RpcError) as e:
             check(b"\x0a\x03xyz", timeout=10)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value
+
+
+def test_a_raw_binary_request_through_the_gateway(fleet):
+    """Triton's raw binary request (`Inference-Header-Content-Length: 0`, the body is the only
+    input's data) through the gateway: shaped by the model's config, answered in binary."""
+    gateway, _ = fleet
+    x = _x((16,))
+    url = f"http://{gateway.http_url}/v2/models/identity_fp32/infer"
+    headers = {"Inference-Header-Content-Length": "0", "Content-Type": "application/octet-stream"}
+    status, got, body = http_request(url, "POST", x.tobytes(), headers)
+    assert status == 200, body
+    n = int({k.lower(): v for k, v in dict(got).items()}["inference-header-content-length"])
+    (out,) = json.loads(body[:n])["outputs"]
+    assert (out["name"], out["shape"]) == ("OUTPUT0", [1, 16]), out
+    np.testing.assert_array_equal(np.frombuffer(body[n:], dtype=np.float32), x)
+    status, _, body = http_request(url.replace("identity_fp32", "nope"), "POST", x.tobytes(), headers)
+    assert status == 404, body
