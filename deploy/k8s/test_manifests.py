@@ -243,12 +243,12 @@ def test_grace_period_too_short(tmp_path):
 def test_worker_grace_period_counts_the_etcd_drain(tmp_path):
     d = copy_manifests(tmp_path)
     # 140 > the preStop drain's 60 s wait + --exit-timeout-secs 60, but not > those + nereidctl's
-    # etcd calls 15 + build shutdown 2 + drain delay 2 + etcd bounds 8.
+    # etcd calls 18 + build shutdown 2 + drain delay 2 + etcd bounds 8.
     edit(d, "worker-cpu.yaml", lambda docs: find(docs, "Deployment")["spec"]["template"]["spec"].update(
         terminationGracePeriodSeconds=140))
     assert_fails_with(validate(d, "--flags-from", "builtin"), "Deployment/nereid-worker-cpu",
-                      "terminationGracePeriodSeconds 140", "preStop drain 75s", "build shutdown 2s",
-                      "--drain-delay-ms 2s", "= 147s")
+                      "terminationGracePeriodSeconds 140", "preStop drain 78s", "build shutdown 2s",
+                      "--drain-delay-ms 2s", "= 150s")
 
 
 def worker_container(docs):

@@ -458,8 +458,8 @@ def prestop_sleep_seconds(c: dict) -> int:
 
 # nereidctl's etcd calls in `drain --until-exit`, each bounded at 3 s: connect, read the worker's
 # lease, read the drain key's, write; plus one poll of the wait begun just before --wait-secs ran
-# out.
-NEREIDCTL_DRAIN_CALLS_SECS = 4 * 3 + 3
+# out (the worker's placements, then the fleet's state).
+NEREIDCTL_DRAIN_CALLS_SECS = 4 * 3 + 2 * 3
 
 
 def prestop_drain(c: dict) -> dict | None:

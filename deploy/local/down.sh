@@ -25,9 +25,10 @@ stop() { # name program seconds-before-SIGKILL
   fi
   rm -f "$f"
 }
-# Past their own drain bounds (the worker's --exit-timeout-secs is 30 by default), so that a
+# Past their own drain bounds (a worker's: draining mark 3 s + drain delay 1 s + the default
+# --exit-timeout-secs 30 + lease revoke 5 s + build stop 2 s = 41 s), so that a
 # worker with requests in flight finishes them and revokes its lease before any SIGKILL.
-stop gateway nereid-gateway 35
-for f in "$state"/worker-*.pid; do [ -e "$f" ] && stop "$(basename "$f" .pid)" nereid-worker 35; done
+stop gateway nereid-gateway 45
+for f in "$state"/worker-*.pid; do [ -e "$f" ] && stop "$(basename "$f" .pid)" nereid-worker 45; done
 stop etcd etcd 15
 echo "fleet stopped (logs in $state)"

@@ -12,8 +12,9 @@ use nereid_common::fleet::records::{self, RouteRecord};
 use serde_json::Value;
 
 const WAIT: Duration = Duration::from_secs(30);
-/// Longest one `nereidctl` run may take (its own etcd calls are bounded by 3 s each).
-const RUN_TIMEOUT: Duration = Duration::from_secs(20);
+/// Longest one `nereidctl` run may take (its etcd calls are bounded by 3 s each; a drain waits at
+/// most 20 s when no other worker could take its models).
+const RUN_TIMEOUT: Duration = Duration::from_secs(60);
 const MODEL: &str = "versioned_scale";
 
 /// One finished `nereidctl` run.

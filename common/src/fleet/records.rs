@@ -258,6 +258,14 @@ pub struct Resources {
     pub memory_mb: u64,
 }
 
+impl ModelRecord {
+    /// Whether a worker carrying `labels` may be given this model: it carries every label of
+    /// the `selector`.
+    pub fn selects(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+    }
+}
+
 impl Record for ModelRecord {
     fn validate(&self) -> Result<(), String> {
         if self.versions.is_empty() {

@@ -88,11 +88,7 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
             }
             if !record.selector.is_empty() {
                 let (state, _) = store.state().await?;
-                let matching = state
-                    .workers
-                    .values()
-                    .filter(|w| record.selector.iter().all(|(k, v)| w.labels.get(k) == Some(v)))
-                    .count();
+                let matching = state.workers.values().filter(|w| record.selects(&w.labels)).count();
                 if matching == 0 {
                     warn(&format!(
                         "no registered worker carries every --selector label; model {name} stays unplaced until one does"
@@ -268,21 +264,33 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
 async fn wait_moved(store: &mut Store, worker: &str, within: Duration) -> Result<Duration, CtlError> {
     let start = tokio::time::Instant::now();
     let prefix = store.keys.placement_of(worker);
+    // Since when no other worker could take anything of it, as last looked (the whole fleet's
+    // state, read every [`NOWHERE_POLL`] only): a replacement pod registering moments later
+    // (a node drain's ReplicaSet starts one at once) is waited for, for [`NOWHERE_PATIENCE`].
+    let mut nowhere_since: Option<tokio::time::Instant> = None;
+    let mut looked_at: Option<tokio::time::Instant> = None;
     loop {
         let left = store.keys_under(&prefix).await?;
         if left.is_empty() {
             return Ok(start.elapsed());
         }
-        // (Rejected values were warned about by the command itself; not again every poll.)
-        let (state, _) = store.state().await?;
-        let stuck = nowhere_to_go(&state, worker);
-        if !stuck.is_empty() && stuck.len() == state.placements.iter().filter(|(w, _, _)| w == worker).count() {
-            return Err(CtlError::Failed(format!(
-                "the drain is in place, but no other worker can take what worker {worker} holds ({}): \
-                 none is registered, ready and undrained with the labels the models' selectors ask for; \
-                 not waiting",
-                stuck.join(", ")
-            )));
+        if looked_at.is_none_or(|at| at.elapsed() >= NOWHERE_POLL) {
+            looked_at = Some(tokio::time::Instant::now());
+            // (Rejected values were warned about by the command itself; not again every poll.)
+            let (state, _) = store.state().await?;
+            let stuck = nowhere_to_go(&state, worker);
+            let all = state.placements.iter().filter(|(w, _, _)| w == worker).count();
+            if stuck.is_empty() || stuck.len() != all {
+                nowhere_since = None;
+            } else if nowhere_since.get_or_insert_with(tokio::time::Instant::now).elapsed() >= NOWHERE_PATIENCE {
+                return Err(CtlError::Failed(format!(
+                    "the drain is in place, but no other worker can take what worker {worker} holds ({}): \
+                     none has been registered, ready and undrained with the labels the models' selectors ask \
+                     for in {}s; not waiting longer",
+                    stuck.join(", "),
+                    NOWHERE_PATIENCE.as_secs()
+                )));
+            }
         }
         if start.elapsed() >= within {
             let names: Vec<&str> = left.iter().map(|k| k.strip_prefix(prefix.as_str()).unwrap_or(k)).collect();
@@ -309,15 +317,19 @@ fn nowhere_to_go(state: &FleetState, worker: &str) -> Vec<String> {
                 && !state.workers.iter().any(|(other, record)| {
                     other != worker
                         && state.is_active(other)
-                        && state
-                            .models
-                            .get(m)
-                            .is_none_or(|d| d.selector.iter().all(|(k, v)| record.labels.get(k) == Some(v)))
+                        && state.models.get(m).is_none_or(|d| d.selects(&record.labels))
                 })
         })
         .map(|(_, m, v)| format!("{m}/{v}"))
         .collect()
 }
+
+/// How often `drain --wait-secs` reads the whole fleet's state to see whether another worker
+/// could take the drained one's models at all.
+const NOWHERE_POLL: Duration = Duration::from_secs(2);
+/// How long `drain --wait-secs` waits with no other worker able to take the drained one's
+/// models before it gives up (a replacement pod may register meanwhile).
+const NOWHERE_PATIENCE: Duration = Duration::from_secs(20);
 
 /// How often `drain --wait-secs` looks at the worker's placements.
 const WAIT_POLL: Duration = Duration::from_millis(250);

@@ -29,10 +29,11 @@
 //!   placed (reported unplaced).
 //! - Version roll-over, make before break: when a model's declaration drops a version (redeclared
 //!   from `--versions 1` to `--versions 2`), its READY replicas on active workers stay while
-//!   replicas of the declared versions are placed but not yet READY, charged to their workers'
-//!   capacity meanwhile; they go once nothing is loading. (When the new version can be placed
-//!   nowhere, they go at once, freeing their room for it: break before make, as a Deployment's
-//!   maxUnavailable.)
+//!   replicas of the declared versions are placed but not yet READY, or are missing because
+//!   their loads failed (a broken new version does not take the model down), charged to their
+//!   workers' capacity meanwhile; they go once every new replica is READY. (When the new
+//!   version is missing only for lack of room, they go at once, freeing their room for it:
+//!   break before make, as a Deployment's maxUnavailable.)
 //! - Vanished workers: a worker whose registration disappeared (its lease expired: a GC pause, a
 //!   network blip longer than its TTL) usually re-registers moments later with its models still
 //!   loaded. For workers that vanished less than a grace period ago (the caller's `vanished`),
@@ -136,7 +137,7 @@ pub fn plan(
     let memory_of = |m: &str| state.models.get(m).map_or(0, |d| d.resources.memory_mb);
     let matches = |w: &str, m: &str| {
         let (Some(worker), Some(model)) = (state.workers.get(w), state.models.get(m)) else { return false };
-        model.selector.iter().all(|(k, v)| worker.labels.get(k) == Some(v))
+        model.selects(&worker.labels)
     };
     let status =
         |w: &str, m: &str, v: i64| state.statuses.get(w).and_then(|s| s.get(&(m.to_string(), v))).map(|s| s.state);
@@ -320,16 +321,25 @@ pub fn plan(
     // Version roll-over, make before break: a model's retired versions keep their READY replicas
     // on active workers while any replica of its declared versions is placed but not READY yet —
     // dropping them first would leave the model with nothing to serve for as long as the new
-    // version loads. Once nothing is loading (all READY, or none could be placed: the room they
-    // hold is then freed for the next plan), they go.
+    // version loads — and while a declared version is short of replicas because its loads
+    // failed (a broken new version must not take the model down). Otherwise (all READY, or
+    // short only for lack of room: the room they hold is then freed for the next plan) they go.
+    let failing = |m: &str, d: i64| {
+        unplaced.iter().any(|(um, uv, _)| um == m && *uv == d)
+            && (excluded.iter().any(|(_, em, ev)| em == m && *ev == d)
+                || state
+                    .statuses
+                    .values()
+                    .any(|s| s.get(&(m.to_string(), d)).is_some_and(|st| st.state == ModelState::Failed)))
+    };
     let mut retiring = BTreeSet::new();
     for (w, m, v) in &state.placements {
         if load.contains_key(w.as_str()) && retired(w, m, *v) {
-            let loading = state.models[m].versions.iter().any(|&d| {
+            let waiting = state.models[m].versions.iter().any(|&d| {
                 let (holders, ready) = ready_holders(m, d);
-                holders > ready
+                holders > ready || failing(m, d)
             });
-            if loading {
+            if waiting {
                 retiring.insert((w.clone(), m.clone(), *v));
             }
         }
@@ -487,6 +497,24 @@ mod tests {
         assert_eq!(p.unplaced, vec![("m".to_string(), 2, 1)]);
         s.placements.clear();
         assert_eq!(plan(&s, &ex, &van, &fr).assignments, BTreeSet::from([a("w1", "m", 2)]));
+
+        // Version 2 fails to load everywhere: version 1 keeps serving (a broken version does
+        // not take the model down), whether the failure is a status or an exclusion.
+        let mut s = FleetState::default();
+        worker(&mut s, "w1", 0, 0);
+        worker(&mut s, "w2", 0, 0);
+        model(&mut s, "m", &[2], 1, 0);
+        ready_on(&mut s, &["w1"], "m", 1);
+        s.placements.insert(a("w2", "m", 2));
+        status(&mut s, "w2", "m", 2, Some((ModelState::Failed, "corrupt")));
+        let excluded = BTreeSet::from([a("w1", "m", 2)]);
+        let p = plan(&s, &excluded, &van, &fr);
+        assert_eq!(p.unplaced, vec![("m".to_string(), 2, 1)]);
+        assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 1)]), "{p:?}");
+        s.placements.remove(&a("w2", "m", 2));
+        status(&mut s, "w2", "m", 2, None);
+        let both = BTreeSet::from([a("w1", "m", 2), a("w2", "m", 2)]);
+        assert_eq!(plan(&s, &both, &van, &fr).assignments, BTreeSet::from([a("w1", "m", 1)]));
     }
 
     #[test]
@@ -1090,7 +1118,10 @@ mod tests {
                     let loading = p.assignments.iter().any(|(w2, m2, v2)| {
                         m2 == m && s.models[m].versions.contains(v2) && status_of(w2, m2, *v2) != Some(ModelState::Ready)
                     });
-                    prop_assert!(loading, "{m}/{v} kept on {w} with nothing loading");
+                    let failing = p.unplaced.iter().any(|(um, uv, _)| {
+                        um == m && s.statuses.values().any(|st| st.get(&(m.clone(), *uv)).is_some_and(|x| x.state == ModelState::Failed))
+                    });
+                    prop_assert!(loading || failing, "{m}/{v} kept on {w} with nothing loading or failing");
                     continue;
                 }
                 prop_assert!(s.models[m].versions.contains(v));
