@@ -87,6 +87,43 @@ struct BatchCell {
     output: DurationCell,
 }
 
+/// One execution of a batch, recorded ([`VersionStats::record_execution`]) when the last
+/// answer of the batch is done with — after each of its requests has counted its own figures on
+/// success. As in Triton, whose backend reports a batch's request statistics before the batch's
+/// own, a scrape never sees an execution whose inferences are still to come (which would put
+/// the average batch size below its real value, below one for single requests).
+pub struct Execution {
+    stats: std::sync::Arc<VersionStats>,
+    rows: usize,
+    input: StdDuration,
+    infer: StdDuration,
+    output: StdDuration,
+}
+
+impl Execution {
+    pub fn new(
+        stats: std::sync::Arc<VersionStats>,
+        rows: usize,
+        input: StdDuration,
+        infer: StdDuration,
+        output: StdDuration,
+    ) -> std::sync::Arc<Self> {
+        std::sync::Arc::new(Execution { stats, rows, input, infer, output })
+    }
+}
+
+impl Drop for Execution {
+    fn drop(&mut self) {
+        self.stats.record_execution(self.rows, self.input, self.infer, self.output);
+    }
+}
+
+impl std::fmt::Debug for Execution {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Execution({} rows)", self.rows)
+    }
+}
+
 /// What running one request took (see [`VersionStats::record_ran`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RunFigures {

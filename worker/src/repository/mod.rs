@@ -26,7 +26,7 @@ use tokio::sync::oneshot;
 use crate::backend::SessionOptions;
 use crate::cache::ResponseCache;
 use crate::ensemble::{self, Plan};
-use crate::metrics::{Metrics, RunFigures, VersionStats};
+use crate::metrics::{Execution, Metrics, RunFigures, VersionStats};
 use crate::scheduler::{Answer, Job, Scheduler};
 use crate::server::{IndexEntry, ModelMetadata, ModelStats, TensorMetadata};
 use crate::tensor::{InferRequest, InferResponse};
@@ -623,10 +623,11 @@ impl Repository {
                 }
             }
         };
-        // Counted only if the request succeeds (below).
-        let (outcome, figures) = match outcome {
-            Ok(answer) => (Ok(answer.outputs), answer.figures),
-            Err(e) => (Err(e), RunFigures::default()),
+        // Counted only if the request succeeds (below); its batch's execution after that, when
+        // `_execution` (and the batch's other answers) are dropped.
+        let (outcome, figures, _execution) = match outcome {
+            Ok(answer) => (Ok(answer.outputs), answer.figures, answer.execution),
+            Err(e) => (Err(e), RunFigures::default(), None),
         };
         if let (Some((cache, key, None, lookup)), Ok(outputs)) = (&cached, &outcome) {
             let insert = Instant::now();
@@ -777,10 +778,10 @@ impl Repository {
                 data: t.data,
             });
         }
-        version.stats.record_execution(rows, Duration::ZERO, Duration::ZERO, Duration::ZERO);
         // Its rows count as inferences (and it counts in the queue figures) once the request
-        // has succeeded; its steps' time is in their own models' figures.
-        Ok(Answer { outputs, figures: RunFigures { rows, ..RunFigures::default() } })
+        // has succeeded, then its execution; its steps' time is in their own models' figures.
+        let execution = Execution::new(version.stats.clone(), rows, Duration::ZERO, Duration::ZERO, Duration::ZERO);
+        Ok(Answer { outputs, figures: RunFigures { rows, ..RunFigures::default() }, execution: Some(execution) })
     }
 
     /// Loads or reloads `name`. `config` (JSON) overrides the repository's config.pbtxt.

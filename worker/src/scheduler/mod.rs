@@ -37,7 +37,7 @@ use nereid_common::{Code, Status};
 use tokio::sync::oneshot;
 
 use crate::backend::{InstanceSession, JobInputs, PhaseTimes};
-use crate::metrics::{RunFigures, VersionStats};
+use crate::metrics::{Execution, RunFigures, VersionStats};
 use crate::tensor::OutputTensor;
 use policy::{BatchPolicy, BatchQueue, Decision, DropReason, Pending, QueueFull};
 
@@ -49,11 +49,14 @@ pub const CANCEL_SCAN_INTERVAL: std::time::Duration = std::time::Duration::from_
 pub type JobResult = Result<Answer, Status>;
 
 /// A job's outputs, and what running it took — counted by the request path once the request
-/// has succeeded (see [`VersionStats::record_ran`]).
+/// has succeeded (see [`VersionStats::record_ran`]). The batch's execution is recorded once
+/// every answer of it is dropped ([`Execution`]): hold `execution` until the request's own
+/// figures are counted.
 #[derive(Debug)]
 pub struct Answer {
     pub outputs: Vec<OutputTensor>,
     pub figures: RunFigures,
+    pub execution: Option<Arc<Execution>>,
 }
 
 /// One validated request on its way to an instance.
@@ -470,13 +473,18 @@ fn run_batch<I: Instance>(session: &mut I, batch: Vec<Job>, dispatched: Instant,
     let rows: usize = batch.iter().map(|j| j.rows).sum();
     match result {
         Ok((outputs, times)) => {
-            // Counted before answering, so a caller that reads statistics sees its batch. A
-            // failed batch is no execution; each request's own figures go with its answer.
-            shared.stats.record_execution(rows, times.input, times.infer, times.output);
+            // Recorded when the last of its answers is done with (after the requests' own
+            // figures); a failed batch is no execution.
+            // Held by the answers only (the last job takes this thread's own reference): the
+            // execution is recorded as soon as they are all done with.
+            let mut execution =
+                Some(Execution::new(shared.stats.clone(), rows, times.input, times.infer, times.output));
             // One answer per job whatever the instance returned: under preserve_ordering a job
             // left unanswered would hold every later answer for ever.
             let mut outputs = outputs.into_iter();
-            for job in batch {
+            let last = batch.len().saturating_sub(1);
+            for (i, job) in batch.into_iter().enumerate() {
+                let execution = if i == last { execution.take() } else { execution.clone() };
                 let figures = RunFigures {
                     rows: job.rows,
                     queue: dispatched.saturating_duration_since(job.arrived),
@@ -486,7 +494,7 @@ fn run_batch<I: Instance>(session: &mut I, batch: Vec<Job>, dispatched: Instant,
                 };
                 let result = outputs
                     .next()
-                    .map(|outputs| Answer { outputs, figures })
+                    .map(|outputs| Answer { outputs, figures, execution })
                     .ok_or_else(|| Status::internal("the model's run returned fewer answers than requests"));
                 shared.delivery.send(job.seq, job.reply, result);
             }
@@ -510,7 +518,7 @@ mod tests {
             shape: vec![tag],
             data: Bytes::new(),
         }];
-        Ok(Answer { outputs, figures: RunFigures::default() })
+        Ok(Answer { outputs, figures: RunFigures::default(), execution: None })
     }
 
     fn tag(rx: &mut oneshot::Receiver<JobResult>) -> Option<i64> {
@@ -828,6 +836,10 @@ mod tests {
         h.gate.send(()).expect("instance waits");
         let answer = stays_rx.blocking_recv().expect("answered").expect("ran");
         assert_eq!(answer.figures.rows, 1);
+        // The batch's execution is recorded once its answer is done with (after the request
+        // path counted the request's own figures).
+        assert_eq!(h.stats.snapshot().execution_count, 1);
+        drop(answer);
         let s = h.stats.snapshot();
         assert_eq!((s.execution_count, s.inference_count, s.queue.count), (2, 0, 0));
     }
