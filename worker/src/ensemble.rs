@@ -42,6 +42,25 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Which steps a request asking for the ensemble outputs `wanted` needs: those producing a
+    /// wanted output or a tensor a needed step reads. As Triton prunes an ensemble, a step
+    /// whose outputs nobody asked for does not run (its time and failures are not the
+    /// request's).
+    pub fn needed_steps(&self, wanted: &[&str]) -> Vec<bool> {
+        let mut tensors: std::collections::HashSet<&str> = wanted.iter().copied().collect();
+        let mut needed = vec![false; self.steps.len()];
+        for wave in self.waves.iter().rev() {
+            for &i in wave {
+                let step = &self.steps[i];
+                if step.outputs.iter().any(|(_, t)| tensors.contains(t.as_str())) {
+                    needed[i] = true;
+                    tensors.extend(step.inputs.iter().map(|(_, t)| t.as_str()));
+                }
+            }
+        }
+        needed
+    }
+
     /// Distinct composing model names, in step order.
     pub fn models(&self) -> Vec<&str> {
         let mut out: Vec<&str> = Vec::new();
@@ -258,6 +277,16 @@ pub fn check_composing(
                     ));
                 }
             }
+            // Every input the composing model requires must be mapped (as Triton checks): left
+            // out, the ensemble would load and fail every request at this step.
+            if let Some(unmapped) =
+                spec.inputs.iter().find(|t| !t.optional && !step.inputs.iter().any(|(name, _)| name == &t.name))
+            {
+                return Err(format!(
+                    "{at}.input_map: input '{}' of '{}' is not mapped to any ensemble tensor",
+                    unmapped.name, step.model
+                ));
+            }
             for (name, tensor) in &step.outputs {
                 let Some(t) = spec.outputs.iter().find(|t| &t.name == name) else {
                     return Err(format!(
@@ -347,6 +376,20 @@ ensemble_scheduling {
         assert!(is_ensemble(&chain()));
     }
 
+    /// Only the steps producing what a request asks for (directly or through other steps)
+    /// run: b needs a's t; c makes only Z.
+    #[test]
+    fn a_request_runs_only_the_steps_its_outputs_need() {
+        let p = plan(&chain()).unwrap();
+        let models = |wanted: &[&str]| {
+            let needed = p.needed_steps(wanted);
+            p.steps.iter().zip(needed).filter(|(_, n)| *n).map(|(s, _)| s.model.as_str()).collect::<Vec<_>>()
+        };
+        assert_eq!(models(&["Y", "Z"]), ["b", "a", "c"]);
+        assert_eq!(models(&["Y"]), ["b", "a"]);
+        assert_eq!(models(&["Z"]), ["c"]);
+    }
+
     #[test]
     fn bad_graphs_are_refused_naming_the_step_or_tensor() {
         let e = |text: &str| plan(&parse_model_config(text).unwrap()).unwrap_err();
@@ -423,6 +466,12 @@ ensemble_scheduling {
         let e = check_composing(&config, &p, |_| Ok(spec(&[("IN", DataType::Fp32)], &[("O", DataType::Fp32)])))
             .unwrap_err();
         assert!(e.contains("has no output 'OUT'"), "{e}");
+        // A required input of a composing model that no input_map feeds (Triton refuses it).
+        let e = check_composing(&config, &p, |_| {
+            Ok(spec(&[("IN", DataType::Fp32), ("IN2", DataType::Fp32)], &[("OUT", DataType::Fp32)]))
+        })
+        .unwrap_err();
+        assert!(e.contains("step[1] ('a').input_map: input 'IN2' of 'a' is not mapped to any ensemble tensor"), "{e}");
         let small = |s: &Step| {
             let mut m = (*fp32).clone();
             if s.model == "c" {

@@ -683,18 +683,22 @@ impl Repository {
                 crate::tensor::InputTensor { name: spec.name.clone(), datatype: spec.datatype, shape, data },
             );
         }
+        // Only the steps the outputs asked for need (Triton's pruning).
+        let wanted: Vec<&str> =
+            model.spec.outputs.iter().zip(&v.wanted).filter(|(_, w)| **w).map(|(o, _)| o.name.as_str()).collect();
+        let needed = plan.needed_steps(&wanted);
         // The last wave reading each tensor: an intermediate is dropped after it (a long
         // pipeline holds no more than what is still to be read).
         let mut last_read: HashMap<&str, usize> = HashMap::new();
         for (w, wave) in plan.waves.iter().enumerate() {
-            for &i in wave {
+            for &i in wave.iter().filter(|&&i| needed[i]) {
                 for (_, tensor) in &plan.steps[i].inputs {
                     last_read.insert(tensor.as_str(), w);
                 }
             }
         }
         for (w, wave) in plan.waves.iter().enumerate() {
-            let calls = wave.iter().map(|&i| {
+            let calls = wave.iter().filter(|&&i| needed[i]).map(|&i| {
                 let step = &plan.steps[i];
                 let sub = InferRequest {
                     model_name: step.model.clone(),
