@@ -579,6 +579,19 @@ mod tests {
         (Job::new(1, vec![], vec![], vec![], 0, timeout_us, tx), rx)
     }
 
+    /// The direct policy with two priority levels.
+    fn two_levels() -> BatchPolicy {
+        let mut policy = BatchPolicy::direct();
+        policy.levels = vec![policy::LevelPolicy::default(); 2];
+        policy
+    }
+
+    /// Submits a one-row job of `priority`: whether it was queued, and where its answer comes.
+    fn submit_at(scheduler: &Scheduler, priority: u64) -> (Result<(), Status>, oneshot::Receiver<JobResult>) {
+        let (tx, rx) = oneshot::channel();
+        (scheduler.submit(Job::new(1, vec![], vec![], vec![], priority, 0, tx)), rx)
+    }
+
     fn timeout_policy(action: policy::TimeoutAction, default_ms: u64) -> BatchPolicy {
         let mut p = BatchPolicy::direct();
         p.max_batch_size = 4;
@@ -688,13 +701,8 @@ mod tests {
     /// request of the lowest priority present is still refused.
     #[test]
     fn a_full_queue_makes_room_for_a_higher_priority() {
-        let mut policy = BatchPolicy::direct();
-        policy.levels = vec![policy::LevelPolicy::default(); 2];
-        let h = harness(policy);
-        let submit = |priority: u64| {
-            let (tx, rx) = oneshot::channel();
-            (h.scheduler.submit(Job::new(1, vec![], vec![], vec![], priority, 0, tx)), rx)
-        };
+        let h = harness(two_levels());
+        let submit = |priority: u64| submit_at(&h.scheduler, priority);
         let (running, _running_rx) = submit(2);
         running.expect("queued");
         assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "the instance is busy");
@@ -740,12 +748,10 @@ mod tests {
     /// it even starts.
     #[test]
     fn with_preserve_ordering_a_queued_low_priority_request_holds_back_nothing() {
-        let mut policy = BatchPolicy::direct();
-        policy.levels = vec![policy::LevelPolicy::default(); 2];
-        let h = harness_with(policy, true);
+        let h = harness_with(two_levels(), true);
         let submit = |priority: u64| {
-            let (tx, rx) = oneshot::channel();
-            h.scheduler.submit(Job::new(1, vec![], vec![], vec![], priority, 0, tx)).expect("queued");
+            let (queued, rx) = submit_at(&h.scheduler, priority);
+            queued.expect("queued");
             rx
         };
         let first = submit(1);
@@ -768,14 +774,10 @@ mod tests {
     /// lower-priority requests queued keep theirs even when the whole queue is full.
     #[test]
     fn a_request_refused_by_its_own_level_evicts_nobody() {
-        let mut policy = BatchPolicy::direct();
-        policy.levels = vec![policy::LevelPolicy::default(); 2];
+        let mut policy = two_levels();
         policy.levels[0].max_queue_size = 1;
         let h = harness(policy);
-        let submit = |priority: u64| {
-            let (tx, rx) = oneshot::channel();
-            (h.scheduler.submit(Job::new(1, vec![], vec![], vec![], priority, 0, tx)), rx)
-        };
+        let submit = |priority: u64| submit_at(&h.scheduler, priority);
         let (running, _running_rx) = submit(2);
         running.expect("queued");
         assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "the instance is busy");
