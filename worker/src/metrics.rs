@@ -94,6 +94,8 @@ struct BatchCell {
 /// the average batch size below its real value, below one for single requests).
 pub struct Execution {
     stats: std::sync::Arc<VersionStats>,
+    /// When the batch ended (Unix ms): `last_inference`, whenever the record is made.
+    ended_ms: u64,
     rows: usize,
     input: StdDuration,
     infer: StdDuration,
@@ -108,13 +110,14 @@ impl Execution {
         infer: StdDuration,
         output: StdDuration,
     ) -> std::sync::Arc<Self> {
-        std::sync::Arc::new(Execution { stats, rows, input, infer, output })
+        let ended_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+        std::sync::Arc::new(Execution { stats, ended_ms, rows, input, infer, output })
     }
 }
 
 impl Drop for Execution {
     fn drop(&mut self) {
-        self.stats.record_execution(self.rows, self.input, self.infer, self.output);
+        self.stats.record_execution(self.rows, self.input, self.infer, self.output, self.ended_ms);
     }
 }
 
@@ -247,11 +250,19 @@ impl VersionStats {
         self.queue_latency.observe(waited.as_micros() as u64);
     }
 
-    /// An instance executed a batch of `rows` rows, each phase taking the time given: the
-    /// execution count, the batch statistics and `last_inference` (which, as Triton's, moves
-    /// with executions — not with cache hits). The requests' own figures follow with
-    /// [`record_ran`](Self::record_ran) as each succeeds.
-    pub fn record_execution(&self, rows: usize, input: StdDuration, infer: StdDuration, output: StdDuration) {
+    /// An instance executed a batch of `rows` rows, each phase taking the time given, ending
+    /// at `ended_ms` (Unix milliseconds): the execution count, the batch statistics and
+    /// `last_inference` (which, as Triton's, moves with executions — not with cache hits).
+    /// Called by [`Execution`]'s drop, after the requests' own figures
+    /// ([`record_ran`](Self::record_ran)).
+    pub fn record_execution(
+        &self,
+        rows: usize,
+        input: StdDuration,
+        infer: StdDuration,
+        output: StdDuration,
+        ended_ms: u64,
+    ) {
         self.batch_size.observe(rows as u64);
         let cell = {
             let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
@@ -261,9 +272,8 @@ impl VersionStats {
         cell.input.add(input);
         cell.infer.add(infer);
         cell.output.add(output);
-        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
         // Two batches finishing together must not move it back.
-        self.last_inference_ms.fetch_max(now_ms, Relaxed);
+        self.last_inference_ms.fetch_max(ended_ms, Relaxed);
     }
 
     pub fn pending_add(&self, delta: i64) {
@@ -560,7 +570,7 @@ mod tests {
         let s = m.version("mlp", 1);
         let (input, infer, output) =
             (StdDuration::from_micros(1), StdDuration::from_micros(20), StdDuration::from_micros(2));
-        s.record_execution(4, input, infer, output);
+        s.record_execution(4, input, infer, output, 1);
         // Of the batch's requests (2 rows, 1 row, 1 row whose caller left), two succeed.
         for rows in [2, 1] {
             s.record_ran(&RunFigures { rows, queue: StdDuration::from_micros(30), input, infer, output });
@@ -595,6 +605,23 @@ mod tests {
         assert!(text.contains("# TYPE nereid_worker_etcd_invalid_values_total counter\n"), "{text}");
         assert!(text.contains("\nnereid_worker_etcd_invalid_values_total{kind=\"placement\"} 2\n"), "{text}");
         assert!(text.contains("\nnereid_worker_etcd_leases_granted_total 1\n"), "{text}");
+    }
+
+    /// A batch's execution is recorded when the last of its answers lets it go — after every
+    /// request of it counted its own figures — with the time the batch ended.
+    #[test]
+    fn an_execution_is_recorded_once_every_answer_is_done_with() {
+        let m = Metrics::new();
+        let s = m.version("b", 1);
+        let z = StdDuration::ZERO;
+        let first = Execution::new(s.clone(), 2, z, z, z);
+        let second = first.clone();
+        drop(first);
+        assert_eq!(s.snapshot().execution_count, 0, "one answer still holds it");
+        drop(second);
+        let snap = s.snapshot();
+        assert_eq!((snap.execution_count, snap.batch_stats[0].batch_size), (1, 2));
+        assert!(snap.last_inference_ms > 0);
     }
 
     /// A cache hit is a success of no inference (Triton leaves cache hits out of the count).
