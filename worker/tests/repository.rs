@@ -359,14 +359,21 @@ async fn queued_scale_request(
     in_flight
 }
 
+/// Gives the `scale` model of `versioned_repo` a batching delay of `delay_us`, which keeps a
+/// request queued that long: its config's path and new text.
+fn hold_in_queue(repo: &std::path::Path, delay_us: u64) -> (std::path::PathBuf, String) {
+    let cfg_path = repo.join("scale/config.pbtxt");
+    let held = std::fs::read_to_string(&cfg_path).unwrap()
+        + &format!("dynamic_batching {{ max_queue_delay_microseconds: {delay_us} }}\n");
+    std::fs::write(&cfg_path, &held).unwrap();
+    (cfg_path, held)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poll_mode_reloads_changes_without_dropping_in_flight_requests() {
     let dir = versioned_repo("");
     // A long batching delay keeps a request in the old version's queue across the reload.
-    let cfg_path = dir.path().join("scale/config.pbtxt");
-    let held_cfg =
-        std::fs::read_to_string(&cfg_path).unwrap() + "dynamic_batching { max_queue_delay_microseconds: 300000 }\n";
-    std::fs::write(&cfg_path, &held_cfg).unwrap();
+    let (cfg_path, held_cfg) = hold_in_queue(dir.path(), 300_000);
     let repo = repository(dir.path(), ControlMode::Poll, false);
     assert!(repo.load_startup_models().await.is_empty());
     let in_flight = queued_scale_request(&repo).await;
@@ -527,10 +534,7 @@ fn state(repo: &Repository, name: &str) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unloaded_model_shows_unloading_until_its_last_request_finishes() {
     let dir = versioned_repo("");
-    let cfg_path = dir.path().join("scale/config.pbtxt");
-    let held =
-        std::fs::read_to_string(&cfg_path).unwrap() + "dynamic_batching { max_queue_delay_microseconds: 3000000 }\n";
-    std::fs::write(&cfg_path, held).unwrap();
+    hold_in_queue(dir.path(), 3_000_000);
     let repo = repository(dir.path(), ControlMode::Explicit, false);
     repo.load("scale", None).await.unwrap();
     let in_flight = queued_scale_request(&repo).await;

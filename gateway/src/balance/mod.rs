@@ -89,15 +89,23 @@ fn choose_among<'t, R: Rng + ?Sized>(
             }
         }
     }
+    // One look at each holder's ejection: the panic threshold counts every holder, the pools
+    // only those the call has not failed on.
     let mut ejected_holders = 0;
-    let eligible: Vec<&Arc<Upstream>> = holders
-        .iter()
-        .map(|&i| table.upstream(i))
-        .inspect(|u| ejected_holders += usize::from(u.is_ejected(now)))
-        .filter(|u| !excluded.contains(&u.id))
-        .collect();
+    let mut eligible: Vec<&Arc<Upstream>> = Vec::with_capacity(holders.len());
+    let mut healthy: Vec<&Arc<Upstream>> = Vec::with_capacity(holders.len());
+    for u in holders.iter().map(|&i| table.upstream(i)) {
+        let is_ejected = u.is_ejected(now);
+        ejected_holders += usize::from(is_ejected);
+        if excluded.contains(&u.id) {
+            continue;
+        }
+        eligible.push(u);
+        if !is_ejected {
+            healthy.push(u);
+        }
+    }
     let panic = ejected_holders * 2 > holders.len();
-    let healthy: Vec<&Arc<Upstream>> = eligible.iter().copied().filter(|u| !u.is_ejected(now)).collect();
     let pool = match (healthy.is_empty(), ejected, panic) {
         (true, Ejected::Skip, _) => return None,
         (true, Ejected::AsLastResort, _) | (false, _, true) => eligible,
