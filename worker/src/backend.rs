@@ -86,6 +86,32 @@ pub struct SessionOptions {
     /// instance thread and ONNX Runtime's own pool. Arithmetic on subnormals takes the CPU's slow
     /// path: random-bytes inputs (perf_analyzer's default) made the example convnet 40 % slower.
     pub denormal_as_zero: bool,
+    /// CUDA execution provider options (KIND_GPU instances only).
+    pub cuda: CudaOptions,
+    /// Run every batch at `max_batch_size` rows, the rows past the batch's own zeros whose
+    /// outputs are dropped (Nereid's `nereid.pad_batch` parameter): the model sees one input
+    /// shape. For GPU models with convolutions: ONNX Runtime's CUDA convolution redoes its
+    /// set-up whenever the shape differs from the previous run's, which cost an H100 2.5–25 ms
+    /// per run with varying batch sizes against 0.1–0.4 ms at one size (bench/results/worker-gpu.md).
+    pub pad_batch: bool,
+}
+
+/// Options of ONNX Runtime's CUDA execution provider that Triton's onnxruntime backend reads
+/// from a model's `parameters`; `None` leaves ONNX Runtime's default. They matter only to
+/// KIND_GPU instances.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// `cudnn_conv_algo_search`: 0 EXHAUSTIVE (ONNX Runtime's default), 1 HEURISTIC, 2 DEFAULT.
+    /// EXHAUSTIVE benchmarks every cuDNN algorithm for each new input shape, and dynamic
+    /// batching makes many shapes: on an H100 it kept the example convnet's served batches at
+    /// ~30 ms each where HEURISTIC needs well under 1 ms (bench/results/worker-gpu.md).
+    pub conv_algo_search: Option<u8>,
+    /// `gpu_mem_limit`: the most bytes the provider's memory arena takes on the device.
+    pub gpu_mem_limit: Option<usize>,
+    /// `arena_extend_strategy`: 0 next power of two (the default), 1 what is requested.
+    pub arena_extend_strategy: Option<u8>,
+    /// `do_copy_in_default_stream`: copies on the compute stream (the default) or their own.
+    pub copy_in_default_stream: Option<bool>,
 }
 
 impl Default for SessionOptions {
@@ -98,24 +124,47 @@ impl Default for SessionOptions {
             optimization_level: 3,
             parallel_execution: false,
             denormal_as_zero: true,
+            cuda: CudaOptions::default(),
+            pad_batch: false,
         }
     }
 }
 
-/// Number of CUDA devices, probed without panicking when no driver is present.
-pub fn gpu_count() -> usize {
+/// CUDA devices this worker can run models on (KIND_GPU instances), or why there are none:
+/// the build lacks the `cuda` feature, no driver or device is found (probed through `cudarc`,
+/// without panicking where there is no driver), or the loaded ONNX Runtime library has no CUDA
+/// execution provider (the CPU wheel's library; onnxruntime-gpu's has it). Call it after
+/// [`init_runtime`].
+pub fn gpu_devices() -> Result<usize, String> {
     #[cfg(feature = "cuda")]
     {
+        use ort::ep::ExecutionProvider;
         // SAFETY: only checks whether the driver library can be opened.
-        if unsafe { cudarc::driver::sys::is_culib_present() } {
-            return cudarc::driver::CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0);
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err("no CUDA driver (libcuda.so.1) could be loaded".into());
         }
-        0
+        let n = cudarc::driver::CudaContext::device_count()
+            .map_err(|e| format!("the CUDA driver reports no device ({e:?})"))?;
+        if n <= 0 {
+            return Err("the CUDA driver reports no device".into());
+        }
+        match ort::ep::CUDA::is_available() {
+            Ok(true) => Ok(n as usize),
+            Ok(false) => Err(format!(
+                "{n} CUDA device(s), but the ONNX Runtime library has no CUDA execution provider (use onnxruntime-gpu's)"
+            )),
+            Err(e) => Err(format!("{n} CUDA device(s), but ONNX Runtime's providers could not be listed: {e}")),
+        }
     }
     #[cfg(not(feature = "cuda"))]
     {
-        0
+        Err("this build has no CUDA support (cargo feature `cuda`)".into())
     }
+}
+
+/// Number of CUDA devices models can run on ([`gpu_devices`]; 0 where there are none).
+pub fn gpu_count() -> usize {
+    gpu_devices().unwrap_or(0)
 }
 
 /// Creates one session for `model_path`.
@@ -179,8 +228,8 @@ fn build_session(
     if let Device::Gpu(_id) = options.device {
         #[cfg(feature = "cuda")]
         {
-            builder = builder
-                .with_execution_providers([ort::ep::CUDA::default().with_device_id(_id).build().error_on_failure()])?;
+            builder =
+                builder.with_execution_providers([cuda_provider(_id, &options.cuda).build().error_on_failure()])?;
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -188,6 +237,33 @@ fn build_session(
         }
     }
     builder.commit_from_file(model_path)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_provider(device: i32, options: &CudaOptions) -> ort::ep::CUDA {
+    use ort::ep::{ArbitrarilyConfigurableExecutionProvider, ArenaExtendStrategy, cuda::ConvAlgorithmSearch};
+    let mut ep = ort::ep::CUDA::default().with_device_id(device);
+    if let Some(search) = options.conv_algo_search {
+        ep = ep.with_conv_algorithm_search(match search {
+            1 => ConvAlgorithmSearch::Heuristic,
+            2 => ConvAlgorithmSearch::Default,
+            _ => ConvAlgorithmSearch::Exhaustive,
+        });
+    }
+    if let Some(limit) = options.gpu_mem_limit {
+        ep = ep.with_memory_limit(limit);
+    }
+    if let Some(strategy) = options.arena_extend_strategy {
+        ep = ep.with_arena_extend_strategy(if strategy == 1 {
+            ArenaExtendStrategy::SameAsRequested
+        } else {
+            ArenaExtendStrategy::NextPowerOfTwo
+        });
+    }
+    if let Some(same) = options.copy_in_default_stream {
+        ep = ep.with_arbitrary_config("do_copy_in_default_stream", if same { "1" } else { "0" });
+    }
+    ep
 }
 
 /// A tensor the model declares: name, element type, dims (-1 where dynamic).
@@ -293,6 +369,8 @@ pub struct PhaseTimes {
     pub input: Duration,
     pub infer: Duration,
     pub output: Duration,
+    /// Rows the model ran: the batch's, or more where the batch was padded.
+    pub rows: usize,
 }
 
 /// A session plus the buffers it reuses from batch to batch.
@@ -303,6 +381,8 @@ pub struct InstanceSession {
     batching: bool,
     buffers: Vec<AlignedBuf>,
     denormal_as_zero: bool,
+    /// Rows every batch is padded to (see `SessionOptions::pad_batch`).
+    pad_to: Option<usize>,
 }
 
 /// A byte buffer aligned to 8 bytes, so it can be viewed as any element type.
@@ -329,7 +409,16 @@ impl AlignedBuf {
 impl InstanceSession {
     pub fn new(session: Session, inputs: Vec<TensorSpec>, outputs: Vec<TensorSpec>, batching: bool) -> Self {
         let buffers = inputs.iter().map(|_| AlignedBuf::default()).collect();
-        InstanceSession { session, inputs, outputs, batching, buffers, denormal_as_zero: false }
+        InstanceSession { session, inputs, outputs, batching, buffers, denormal_as_zero: false, pad_to: None }
+    }
+
+    /// Pads each batch to `rows` rows with zeros (a batching model without BYTES inputs only;
+    /// otherwise, or with `None`, batches run at their own size). The padding rows' outputs are
+    /// dropped.
+    pub fn with_padded_batch(mut self, rows: Option<usize>) -> Self {
+        let paddable = self.batching && self.inputs.iter().all(|s| s.datatype != DataType::Bytes);
+        self.pad_to = rows.filter(|_| paddable);
+        self
     }
 
     /// Whether the thread that runs this session flushes subnormals to zero
@@ -355,7 +444,9 @@ impl InstanceSession {
     ) -> Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status> {
         let t0 = Instant::now();
         let total_rows: usize = jobs.iter().map(|j| j.rows).sum();
-        let single = jobs.len() == 1;
+        // The rows the model runs: the batch's, or the padded size.
+        let run_rows = self.pad_to.map_or(total_rows, |p| p.max(total_rows));
+        let single = jobs.len() == 1 && run_rows == total_rows;
 
         // The inputs this batch carries: the same in every job (the shape key includes which
         // optional inputs are present), each job's part in order.
@@ -397,13 +488,16 @@ impl InstanceSession {
                 direct[i] = true;
             } else {
                 let total: usize = parts[i].iter().map(|p| p.1.len()).sum();
-                let buf = self.buffers[i].reset(total);
+                // Padding rows: as many bytes per row as the batch's own rows hold, zeroed.
+                let padded = if run_rows > total_rows { total / total_rows.max(1) * run_rows } else { total };
+                let buf = self.buffers[i].reset(padded);
                 let mut at = 0;
                 for part in &parts[i] {
                     let src = &part.1;
                     buf[at..at + src.len()].copy_from_slice(src);
                     at += src.len();
                 }
+                buf[at..].fill(0);
             }
         }
         // ONNX Runtime wants `bool` elements; the wire has 0/1 bytes (validated).
@@ -424,7 +518,7 @@ impl InstanceSession {
             if !present[i] {
                 continue;
             }
-            let mut shape = batch_shape(&parts[i][0].0, total_rows, self.batching);
+            let mut shape = batch_shape(&parts[i][0].0, run_rows, self.batching);
             if let Some(model_dims) = &spec.reshape {
                 shape = reshaped(model_dims, &shape, self.batching);
             }
@@ -455,10 +549,10 @@ impl InstanceSession {
             let value = outputs
                 .get(spec.name.as_str())
                 .ok_or_else(|| Status::internal(format!("model did not produce output '{}'", spec.name)))?;
-            split_output(value, spec, jobs, self.batching, total_rows, o, wanted, &mut per_job)?;
+            split_output(value, spec, jobs, self.batching, run_rows, o, wanted, &mut per_job)?;
         }
         let t3 = Instant::now();
-        Ok((per_job, PhaseTimes { input: t1 - t0, infer: t2 - t1, output: t3 - t2 }))
+        Ok((per_job, PhaseTimes { input: t1 - t0, infer: t2 - t1, output: t3 - t2, rows: run_rows }))
     }
 }
 
@@ -504,6 +598,8 @@ fn tensor_view<'a>(
     }
 }
 
+/// Splits `value` between `jobs` by rows; `total_rows` is the rows the model ran (the jobs'
+/// rows, then any padding rows, whose part is dropped).
 #[allow(clippy::too_many_arguments)]
 fn split_output(
     value: &DynValue,
@@ -562,7 +658,7 @@ fn split_output(
     };
     let width = spec.datatype.element_size().unwrap_or(1).max(1);
     check_output_shape(spec, &shape, bytes.len() / width, batching, total_rows)?;
-    if jobs.len() == 1 {
+    if jobs.len() == 1 && (!batching || jobs[0].rows == total_rows) {
         if wanted(0, output_index) {
             per_job[0].push(OutputTensor { name: spec.name.clone(), datatype: spec.datatype, shape, data: bytes });
         }

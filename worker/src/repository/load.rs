@@ -210,6 +210,17 @@ pub fn load_model(
     // Instances (devices) from the instance groups, resolved in the served config.
     normalize_instance_groups(&mut config, backend::gpu_count())?;
     let devices = instance_devices(&config)?;
+    if devices.iter().any(|d| matches!(d, Device::Gpu(_)))
+        && matches!(config.scheduling_choice, Some(SchedulingChoice::DynamicBatching(_)))
+        && session_options.cuda.conv_algo_search.is_none()
+    {
+        warnings.push(
+            "KIND_GPU with dynamic batching: ONNX Runtime's default cuDNN algorithm search (EXHAUSTIVE) runs \
+             again for new batch shapes; for a model with convolutions set parameters { key: \
+             \"cudnn_conv_algo_search\" value: { string_value: \"1\" } } (HEURISTIC)"
+                .to_string(),
+        );
+    }
 
     // Probe the first version's model for auto-complete; validate every version against it.
     // One session per version is built before the checks (auto-complete needs the model's
@@ -303,6 +314,17 @@ pub fn load_model(
 
     // Warm up, then start the schedulers.
     let batching = spec.max_batch_size > 0;
+    if session_options.pad_batch {
+        if !batching {
+            return Err(fail("parameters['nereid.pad_batch'] needs a batching model (max_batch_size > 0)"));
+        }
+        if let Some(input) = spec.inputs.iter().find(|i| i.datatype == DataType::Bytes) {
+            return Err(fail(format!(
+                "parameters['nereid.pad_batch']: input '{}' is TYPE_STRING; only fixed-size inputs can be padded",
+                input.name
+            )));
+        }
+    }
     let policy = batch_policy(&config);
     let preserve = dynamic_batching(&config).is_some_and(|d| d.preserve_ordering);
     let mut loaded_versions = BTreeMap::new();
@@ -312,6 +334,7 @@ pub fn load_model(
             .map(|s| {
                 InstanceSession::new(s, spec.inputs.clone(), spec.outputs.clone(), batching)
                     .with_denormal_as_zero(session_options.denormal_as_zero)
+                    .with_padded_batch(session_options.pad_batch.then_some(spec.max_batch_size))
             })
             .collect();
         {
@@ -506,6 +529,7 @@ fn session_options(
             "inter_op_thread_count" => opts.inter_op_threads = number()?,
             "nereid.intra_op_spinning" => opts.intra_op_spinning = flag()?,
             "nereid.denormal_as_zero" => opts.denormal_as_zero = flag()?,
+            "nereid.pad_batch" => opts.pad_batch = flag()?,
             // Triton's onnxruntime key: "0" sequential (the default), "1" parallel.
             "execution_mode" => {
                 opts.parallel_execution = match v {
@@ -521,6 +545,32 @@ fn session_options(
             "nereid.graph_optimization_level" => {
                 opts.optimization_level = number()?.min(3) as u8;
             }
+            // Triton's onnxruntime keys for the CUDA execution provider (KIND_GPU instances).
+            "cudnn_conv_algo_search" => {
+                opts.cuda.conv_algo_search = Some(match v {
+                    "0" => 0,
+                    "1" => 1,
+                    "2" => 2,
+                    _ => {
+                        return Err(fail(format!(
+                            "parameters['{key}'] must be 0 (EXHAUSTIVE), 1 (HEURISTIC) or 2 (DEFAULT), got '{v}'"
+                        )));
+                    }
+                })
+            }
+            "gpu_mem_limit" => opts.cuda.gpu_mem_limit = Some(number()?),
+            "arena_extend_strategy" => {
+                opts.cuda.arena_extend_strategy = Some(match v {
+                    "0" => 0,
+                    "1" => 1,
+                    _ => {
+                        return Err(fail(format!(
+                            "parameters['{key}'] must be 0 (kNextPowerOfTwo) or 1 (kSameAsRequested), got '{v}'"
+                        )));
+                    }
+                })
+            }
+            "do_copy_in_default_stream" => opts.cuda.copy_in_default_stream = Some(flag()?),
             other => warnings.push(format!("parameter '{other}' is not supported and is ignored")),
         }
     }
@@ -654,10 +704,8 @@ fn normalize_instance_groups(config: &mut ModelConfig, gpus: usize) -> Result<()
             Kind::Auto if gpus > 0 => Kind::Gpu,
             Kind::Auto => Kind::Cpu,
             Kind::Gpu if gpus == 0 => {
-                return Err(fail(format!(
-                    "instance_group[{i}] asks for KIND_GPU, but no GPU is available{}",
-                    if cfg!(feature = "cuda") { "" } else { " (this build has no CUDA support: cargo feature `cuda`)" }
-                )));
+                let why = backend::gpu_devices().err().unwrap_or_else(|| "no CUDA device".into());
+                return Err(fail(format!("instance_group[{i}] asks for KIND_GPU, but no GPU is available: {why}")));
             }
             other => other,
         };
@@ -1446,6 +1494,48 @@ mod tests {
         assert!(
             session_options(&bad, &defaults, &mut Vec::new()).expect_err("0 or 1").message.contains("execution_mode")
         );
+    }
+
+    #[test]
+    fn cuda_provider_parameters_reach_the_session_options() {
+        let param = |k: &str, v: &str| format!("parameters {{ key: \"{k}\" value: {{ string_value: \"{v}\" }} }}\n");
+        let c = config(
+            &[
+                param("cudnn_conv_algo_search", "1"),
+                param("gpu_mem_limit", "4294967200"),
+                param("arena_extend_strategy", "1"),
+                param("do_copy_in_default_stream", "0"),
+            ]
+            .concat(),
+        );
+        let mut warnings = Vec::new();
+        let opts = session_options(&c, &SessionOptions::default(), &mut warnings).expect("valid");
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(
+            opts.cuda,
+            crate::backend::CudaOptions {
+                conv_algo_search: Some(1),
+                gpu_mem_limit: Some(4_294_967_200),
+                arena_extend_strategy: Some(1),
+                copy_in_default_stream: Some(false),
+            }
+        );
+        assert_eq!(
+            session_options(&config(""), &SessionOptions::default(), &mut warnings).unwrap().cuda,
+            Default::default()
+        );
+        // Triton takes the integers only ("HEURISTIC" fails its conversion too).
+        for (k, v) in [
+            ("cudnn_conv_algo_search", "HEURISTIC"),
+            ("cudnn_conv_algo_search", "3"),
+            ("gpu_mem_limit", "-1"),
+            ("arena_extend_strategy", "2"),
+            ("do_copy_in_default_stream", "yes"),
+        ] {
+            let e = session_options(&config(&param(k, v)), &SessionOptions::default(), &mut Vec::new())
+                .expect_err("invalid value");
+            assert!(e.message.contains(k) && e.message.contains(v), "{e}");
+        }
     }
 
     #[test]
