@@ -273,6 +273,10 @@ def main() -> int:
     ap.add_argument("--pa-mode", choices=["async", "sync"], default="async")
     ap.add_argument("--pa-max-threads", type=int, default=4)
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--perf-analyzer", default=None, metavar="PATH",
+                    help="use this perf_analyzer (wrapper) instead of installing one (offline hosts; with --no-build)")
+    ap.add_argument("--no-routing", action="store_true",
+                    help="skip the routing micro-benchmark (it needs cargo)")
     ap.add_argument("--routing-only", action="store_true",
                     help="re-run only the routing micro-benchmark and update it in an existing gateway.json/md")
     args = ap.parse_args()
@@ -293,7 +297,9 @@ def main() -> int:
         write_report(out, report)
         return 0 if report["routing"] else 1
 
-    if not build_and_install_pa(["nereid-worker", "nereid-gateway"], build=not args.no_build):
+    if args.perf_analyzer and not args.no_build:
+        ap.error("--perf-analyzer goes with --no-build (offline hosts)")
+    if not args.perf_analyzer and not build_and_install_pa(["nereid-worker", "nereid-gateway"], build=not args.no_build):
         return 1
     relay_bin = ROOT / "target/release/examples/tcp_relay"
     if not args.no_build or not relay_bin.is_file():
@@ -301,7 +307,7 @@ def main() -> int:
         if res.returncode != 0:
             print((res.stdout or "")[-3000:], file=sys.stderr)
             return 1
-    pa = ROOT / ".deps/perf_analyzer/perf_analyzer.sh"
+    pa = Path(args.perf_analyzer).resolve() if args.perf_analyzer else ROOT / ".deps/perf_analyzer/perf_analyzer.sh"
     machine = machine_info()
 
     workdir = Path(tempfile.mkdtemp(prefix="nereid-gw-bench-"))
@@ -359,7 +365,7 @@ def main() -> int:
         gateway.stop()
         worker.stop()
 
-    routing = run_routing_bench(workdir, max(60, t_end - time.monotonic()))
+    routing = None if args.no_routing else run_routing_bench(workdir, max(60, t_end - time.monotonic()))
 
     report = {
         "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

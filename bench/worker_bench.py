@@ -4,12 +4,17 @@ with what ONNX Runtime does in-process through the worker's own batch path (nere
 
     .venv/bin/python bench/worker_bench.py            # full run (bounded: < 20 minutes)
     .venv/bin/python bench/worker_bench.py --quick    # smoke run (concurrency 1,16; 1 s windows)
+    .venv/bin/python bench/worker_bench.py --gpu 0    # GPU host: KIND_GPU instances, CUDA baseline
 
 Steps: build the release binaries, install perf_analyzer (bench/setup_perf_analyzer.sh), start
 the worker on examples/models with ephemeral ports, run perf_analyzer per model x protocol x
 concurrency while reading the worker's statistics before and after each run (average executed
 batch = d(inference_count) / d(execution_count)), stop the worker, run nereid-ort-bench per
 model x batch size x intra-op threads, then write bench/results/worker.json and worker.md.
+
+With --gpu ID (a `cuda` build and onnxruntime-gpu's library in NEREID_ORT_LIB) the worker serves
+a copy of examples/models whose instance groups are `--gpu-instances` KIND_GPU instances on that
+GPU, nereid-ort-bench runs on the same GPU, and the results go to worker-gpu.json / .md.
 
 Only the standard library is used. Every wait is bounded; the worker is stopped on every exit
 path (try/finally, SIGTERM/SIGINT).
@@ -439,10 +444,15 @@ def pa_fields(rec: dict) -> dict:
 
 
 def run_ort_bench(binary: Path, model: str, seconds: float, threads: list[int], batches: list[int],
-                  timeout: float) -> tuple[list[dict], str | None]:
+                  timeout: float, gpu: int | None = None,
+                  conv_algo_search: int | None = None) -> tuple[list[dict], str | None]:
     cmd = [str(binary), "--model-dir", str(ROOT / "examples/models" / model),
            "--batch-sizes", ",".join(map(str, batches)), "--intra-op-threads", ",".join(map(str, threads)),
            "--seconds", str(seconds), "--warmup-seconds", str(min(0.3, seconds)), "--json"]
+    if gpu is not None:
+        cmd += ["--gpu", str(gpu)]
+        if conv_algo_search is not None:
+            cmd += ["--cudnn-conv-algo-search", str(conv_algo_search)]
     log(" ".join(cmd))
     res = sh(cmd, timeout=timeout)
     rows = []
@@ -455,6 +465,34 @@ def run_ort_bench(binary: Path, model: str, seconds: float, threads: list[int], 
                 pass
     err = None if res.returncode == 0 else f"rc={res.returncode}: " + "\n".join(res.stdout.splitlines()[-10:])
     return rows, err
+
+
+def gpu_repository(dest: Path, models: list[str], gpu: int, instances: int, conv_algo_search: int | None,
+                   pad_batch: bool = False) -> Path:
+    """A copy of examples/models whose `models` run `instances` KIND_GPU instances on `gpu`
+    (with Triton's onnxruntime `cudnn_conv_algo_search` parameter where given)."""
+    shutil.copytree(ROOT / "examples/models", dest)
+    group = f"instance_group [ {{ count: {instances} kind: KIND_GPU gpus: [ {gpu} ] }} ]"
+    if conv_algo_search is not None:
+        group += f'\nparameters {{ key: "cudnn_conv_algo_search" value: {{ string_value: "{conv_algo_search}" }} }}'
+    if pad_batch:
+        group += '\nparameters { key: "nereid.pad_batch" value: { string_value: "true" } }'
+    for model in models:
+        cfg = dest / model / "config.pbtxt"
+        text = cfg.read_text()
+        m = re.search(r"^instance_group\s*\[.*?^\]", text, flags=re.S | re.M)
+        text = (text[:m.start()] + group + text[m.end():]) if m else text + "\n" + group + "\n"
+        cfg.write_text(text)
+    return dest
+
+
+def gpu_name(gpu: int) -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--id={gpu}", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
 
 
 def nearest_batch(measured: list[int], avg: float) -> int:
@@ -487,6 +525,13 @@ def write_markdown(path: Path, report: dict) -> None:
         L.append("")
     L.append(f"- Date: {report['date']}")
     L.append(f"- Machine: {m['nproc']} CPUs, {m['cpu_model']}, {m['mem_gib']} GiB, Linux {m['kernel']}")
+    if cfg.get("gpu") is not None:
+        L.append(f"- GPU {cfg['gpu']}: {cfg.get('gpu_name') or 'unknown'}; every benchmarked model runs "
+                 f"{cfg['gpu_instances']} KIND_GPU instance(s) on it (CUDA execution provider, "
+                 f"cudnn_conv_algo_search {cfg.get('gpu_conv_algo_search')}"
+                 f"{', every batch padded to max_batch_size (nereid.pad_batch)' if cfg.get('gpu_pad_batch') else ''}"
+                 "), and the in-process baseline runs "
+                 "on the same GPU with the same setting")
     L.append(f"- Load average at start: {m['loadavg_start']} (at end: {report.get('loadavg_end')})")
     L.append(f"- Git commit: `{m['git_commit']}`{' (working tree dirty)' if m['git_dirty'] else ''}")
     L.append(f"- Worker: `{cfg['worker_cmd']}` (ONNX Runtime intra-op threads per instance: "
@@ -607,6 +652,17 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
     ap.add_argument("--budget-s", type=float, default=TOTAL_BUDGET_S, help="hard bound on the whole run")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--gpu", type=int, default=None, metavar="ID",
+                    help="serve the models as KIND_GPU instances on this GPU and run the baseline there "
+                         "(a `cuda` build; onnxruntime-gpu's library in NEREID_ORT_LIB)")
+    ap.add_argument("--gpu-instances", type=int, default=1, help="KIND_GPU instances per model with --gpu")
+    ap.add_argument("--gpu-conv-algo-search", type=int, choices=[0, 1, 2], default=1,
+                    help="with --gpu: the models' cudnn_conv_algo_search parameter, also given to the baseline "
+                         "(default 1, HEURISTIC: ONNX Runtime's own EXHAUSTIVE re-searches per batch shape)")
+    ap.add_argument("--gpu-pad-batch", action="store_true",
+                    help="with --gpu: the models run every batch padded to max_batch_size (nereid.pad_batch)")
+    ap.add_argument("--perf-analyzer", default=None, metavar="PATH",
+                    help="use this perf_analyzer (wrapper) instead of installing one (offline hosts)")
     ap.add_argument("--keep-raw", action="store_true", help="keep perf_analyzer CSV/logs and worker logs (path printed)")
     args = ap.parse_args()
 
@@ -658,26 +714,37 @@ def main() -> int:
             return 2
 
     # 2. perf_analyzer.
-    res = sh(["bash", str(ROOT / "bench/setup_perf_analyzer.sh")], timeout=min(300, deadline.left()), cwd=ROOT)
-    if res.returncode != 0:
-        print(res.stdout[-3000:], file=sys.stderr)
-        log("perf_analyzer setup failed")
-        return 2
-    pa = Path(res.stdout.strip().splitlines()[-1].strip())
+    if args.perf_analyzer:
+        pa = Path(args.perf_analyzer).resolve()
+    else:
+        res = sh(["bash", str(ROOT / "bench/setup_perf_analyzer.sh")], timeout=min(300, deadline.left()), cwd=ROOT)
+        if res.returncode != 0:
+            print(res.stdout[-3000:], file=sys.stderr)
+            log("perf_analyzer setup failed")
+            return 2
+        pa = Path(res.stdout.strip().splitlines()[-1].strip())
     pa_version = sh([str(pa), "--version"], timeout=30).stdout.strip()
 
     # Time reserved for the in-process baseline after the served runs.
     ort_points = len(models) * len(ort_threads) * len(batches)
     ort_reserve = ort_points * (ort_seconds + min(0.3, ort_seconds) + 0.3) + 20 * len(models) + 30
 
-    worker = Worker(worker_bin, ROOT / "examples/models", workdir, args.worker_intra_op_threads)
+    served_repo = ROOT / "examples/models"
+    if args.gpu is not None:
+        served_repo = gpu_repository(workdir / "models", models, args.gpu, args.gpu_instances,
+                                     args.gpu_conv_algo_search, args.gpu_pad_batch)
+    worker = Worker(worker_bin, served_repo, workdir, args.worker_intra_op_threads)
     report["config"] = {
         "quick": args.quick, "models": models, "protocols": protocols, "concurrency": concurrency,
         "interval_ms": args.interval_ms, "stability": args.stability, "max_trials": args.max_trials,
         "pa_mode": args.pa_mode, "pa_max_threads": args.pa_max_threads, "http_input_data": args.http_input_data,
         "perf_analyzer_version": pa_version, "worker_intra_op_threads": args.worker_intra_op_threads,
         "ort_seconds": ort_seconds, "ort_threads": ort_threads, "batch_sizes": batches,
-        "worker_cmd": (f"target/release/nereid-worker --model-repository examples/models --address 127.0.0.1 "
+        "gpu": args.gpu, "gpu_instances": args.gpu_instances, "gpu_conv_algo_search": args.gpu_conv_algo_search,
+        "gpu_pad_batch": args.gpu_pad_batch,
+        "gpu_name": gpu_name(args.gpu) if args.gpu is not None else None,
+        "worker_cmd": (f"target/release/nereid-worker --model-repository "
+                       f"{'examples/models' if args.gpu is None else 'examples/models (KIND_GPU copy)'} --address 127.0.0.1 "
                        f"--http-port 0 --grpc-port 0 --metrics-port 0 --intra-op-threads "
                        f"{args.worker_intra_op_threads} --allow-client-shm=true --port-file …"),
     }
@@ -765,7 +832,8 @@ def main() -> int:
             continue
         points = len(ort_threads) * len(batches)
         rows, err = run_ort_bench(ort_bin, model, ort_seconds, ort_threads, batches,
-                                  timeout=min(left, points * (ort_seconds + 2) + 30))
+                                  timeout=min(left, points * (ort_seconds + 2) + 30), gpu=args.gpu,
+                                  conv_algo_search=args.gpu_conv_algo_search)
         if err:
             anomalies.append(f"{model}: nereid-ort-bench failed: {err}")
         report["inproc"].extend(rows)
@@ -829,12 +897,13 @@ def main() -> int:
     report["worker_restarts"] = max(0, worker.starts - 1)
     if args.keep_raw:
         report["raw_dir"] = str(workdir)
-    (out_dir / "worker.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    write_markdown(out_dir / "worker.md", report)
+    stem = "worker" if args.gpu is None else ("worker-gpu-padded" if args.gpu_pad_batch else "worker-gpu")
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_markdown(out_dir / f"{stem}.md", report)
     if args.keep_raw:
         log(f"raw perf_analyzer output and worker logs kept in {workdir}")
-    log(f"wrote {out_dir / 'worker.json'} and {out_dir / 'worker.md'} ({report['wall_s']:.0f} s)")
-    print((out_dir / "worker.md").read_text())
+    log(f"wrote {out_dir / (stem + '.json')} and {out_dir / (stem + '.md')} ({report['wall_s']:.0f} s)")
+    print((out_dir / f"{stem}.md").read_text())
     return 0
 
 

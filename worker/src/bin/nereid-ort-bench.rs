@@ -24,9 +24,12 @@ use bytes::Bytes;
 use clap::Parser;
 use nereid_common::DataType;
 use nereid_worker::backend::{
-    InstanceSession, JobInputs, ModelTensor, SessionOptions, TensorSpec, create_session, default_runtime_path,
-    init_runtime, model_io,
+    CudaOptions, Device, InstanceSession, JobInputs, ModelTensor, SessionOptions, TensorSpec, create_session,
+    default_runtime_path, init_runtime, model_io,
 };
+
+/// One request's inputs, as a batch job borrows them.
+type JobData = Vec<Option<(Vec<i64>, Bytes)>>;
 
 /// Longest allowed measurement per point, whatever --seconds says.
 const MAX_SECONDS: f64 = 60.0;
@@ -75,9 +78,24 @@ struct Args {
     #[arg(long, default_value_t = 0.3)]
     warmup_seconds: f64,
 
+    /// One extra point whose runs take the --batch-sizes in turn (batch = 0 in the output), as
+    /// a dynamic batcher's batches vary: what changing input shapes cost the provider.
+    #[arg(long)]
+    mixed_batches: bool,
+
     /// Print one JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
+
+    /// Run on this CUDA device (ONNX Runtime's CUDA execution provider; needs a build with
+    /// the `cuda` feature and onnxruntime-gpu's library), as a KIND_GPU instance would.
+    #[arg(long, value_name = "ID")]
+    gpu: Option<i32>,
+
+    /// With --gpu: Triton's onnxruntime `cudnn_conv_algo_search` (0 EXHAUSTIVE, ONNX Runtime's
+    /// default; 1 HEURISTIC; 2 DEFAULT).
+    #[arg(long, value_name = "0|1|2", value_parser = clap::value_parser!(u8).range(0..=2))]
+    cudnn_conv_algo_search: Option<u8>,
 
     /// Path of libonnxruntime.so. Default: $NEREID_ORT_LIB, else .deps/onnxruntime/.
     #[arg(long, value_name = "FILE")]
@@ -159,6 +177,8 @@ fn run(args: &Args) -> Result<(), String> {
             intra_op_threads: threads,
             inter_op_threads: args.inter_op_threads,
             denormal_as_zero: args.denormal_as_zero,
+            device: args.gpu.map_or(Device::Cpu, Device::Gpu),
+            cuda: CudaOptions { conv_algo_search: args.cudnn_conv_algo_search, ..Default::default() },
             ..Default::default()
         };
         let session = create_session(&model_path, &options)?;
@@ -182,26 +202,40 @@ fn run(args: &Args) -> Result<(), String> {
             .with_denormal_as_zero(options.denormal_as_zero);
         instance.prepare_thread();
         let batch_sizes: Vec<usize> = if batching { args.batch_sizes.clone() } else { vec![1] };
+        // Each point: the batch sizes its runs take in turn (one, except the mixed point).
+        let mut points: Vec<Vec<usize>> = batch_sizes.iter().map(|&b| vec![b]).collect();
+        if args.mixed_batches && batch_sizes.len() > 1 {
+            points.push(batch_sizes.clone());
+        }
 
-        for &batch in &batch_sizes {
-            let data: Vec<Option<(Vec<i64>, Bytes)>> = inputs
+        for sizes in &points {
+            let batch = if sizes.len() == 1 { sizes[0] } else { 0 };
+            let data: Vec<JobData> = sizes
                 .iter()
-                .enumerate()
-                .map(|(i, spec)| {
-                    let mut shape: Vec<i64> = if batching { vec![batch as i64] } else { vec![] };
-                    shape.extend(spec.dims.iter().copied());
-                    let elements: i64 = shape.iter().product();
-                    Some((shape, random_f32_bytes(elements as usize, 0x9E37_79B9_7F4A_7C15 ^ (i as u64 + 1))))
+                .map(|&rows| {
+                    inputs
+                        .iter()
+                        .enumerate()
+                        .map(|(i, spec)| {
+                            let mut shape: Vec<i64> = if batching { vec![rows as i64] } else { vec![] };
+                            shape.extend(spec.dims.iter().copied());
+                            let elements: i64 = shape.iter().product();
+                            Some((shape, random_f32_bytes(elements as usize, 0x9E37_79B9_7F4A_7C15 ^ (i as u64 + 1))))
+                        })
+                        .collect()
                 })
                 .collect();
-            let jobs = [JobInputs { rows: batch, inputs: &data }];
+            let jobs: Vec<[JobInputs<'_>; 1]> =
+                sizes.iter().zip(&data).map(|(&rows, data)| [JobInputs { rows, inputs: data }]).collect();
             let all = |_: usize, _: usize| true;
 
-            // Warm-up: at least one run, then until the warm-up time is spent.
+            // Warm-up: at least one run of each size, then until the warm-up time is spent.
             let start = Instant::now();
+            let mut i = 0usize;
             loop {
-                instance.run(&jobs, &all).map_err(|e| format!("batch {batch}: {}", e.message))?;
-                if start.elapsed().as_secs_f64() >= warmup {
+                instance.run(&jobs[i % jobs.len()], &all).map_err(|e| format!("batch {batch}: {}", e.message))?;
+                i += 1;
+                if i >= jobs.len() && start.elapsed().as_secs_f64() >= warmup {
                     break;
                 }
             }
@@ -210,11 +244,14 @@ fn run(args: &Args) -> Result<(), String> {
             let mut samples: Vec<Duration> = Vec::with_capacity(4096);
             let (mut input_t, mut infer_t, mut output_t) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
             let mut runs: u64 = 0;
+            let mut rows_done: u64 = 0;
             let start = Instant::now();
             let mut now = start;
             while now - start < budget {
                 let t = now;
-                let (out, phases) = instance.run(&jobs, &all).map_err(|e| format!("batch {batch}: {}", e.message))?;
+                let job = &jobs[runs as usize % jobs.len()];
+                rows_done += job[0].rows as u64;
+                let (out, phases) = instance.run(job, &all).map_err(|e| format!("batch {batch}: {}", e.message))?;
                 std::hint::black_box(&out);
                 drop(out);
                 now = Instant::now();
@@ -229,7 +266,7 @@ fn run(args: &Args) -> Result<(), String> {
             let elapsed = (now - start).as_secs_f64();
             samples.sort_unstable();
             let per_run = |d: Duration| d.as_secs_f64() * 1e6 / runs.max(1) as f64;
-            let rows_per_s = (runs as f64 * batch as f64) / elapsed;
+            let rows_per_s = rows_done as f64 / elapsed;
             let runs_per_s = runs as f64 / elapsed;
             let line = serde_json::json!({
                 "model": model_name,
@@ -237,7 +274,9 @@ fn run(args: &Args) -> Result<(), String> {
                 "intra_op_threads": threads,
                 "inter_op_threads": args.inter_op_threads,
                 "batch": batch,
+                "batch_sizes": sizes,
                 "batching": batching,
+                "device": args.gpu.map_or_else(|| "cpu".to_string(), |id| format!("gpu:{id}")),
                 "runs": runs,
                 "seconds": elapsed,
                 "rows_per_s": rows_per_s,
