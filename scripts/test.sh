@@ -37,3 +37,13 @@ if [ -d tests/python ] && ls tests/python/test_*.py >/dev/null 2>&1; then
   NEREID_WORKER_BIN="$root/target/debug/nereid-worker" \
     .venv/bin/python -m pytest -q --timeout 600 tests/python gateway/tests/python examples/test_generated_models.py deploy
 fi
+
+echo "== cuda build: the GPU code compiles, and its GPU tests skip where there is no GPU"
+# (On a GPU host with onnxruntime-gpu's library, NEREID_REQUIRE_GPU=1 makes them run or fail.)
+# Last: it rebuilds target/debug/nereid-worker with the feature, and the tests above use the
+# default build.
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run -p nereid-worker --features cuda --locked --test gpu --lib
+else
+  cargo test -p nereid-worker --features cuda --locked --test gpu --lib
+fi
