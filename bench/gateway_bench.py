@@ -227,8 +227,9 @@ def write_markdown(path: Path, report: dict) -> None:
         "## CPU during each run",
         "",
         "Percent of one core over the whole perf_analyzer run (warm-up and every trial), from /proc; "
-        "*gateway µs/req* = gateway CPU ÷ gateway infer/s. Two cores in all: where the sum stays well "
-        "under 200 %, the run was bound by wake-up latency between the processes, not by CPU.",
+        f"*gateway µs/req* = gateway CPU ÷ gateway infer/s. {m['nproc']} cores in all: where the sum stays "
+        f"well under {100 * (m['nproc'] or 1)} %, the run was bound by wake-up latency between the processes, "
+        "not by CPU.",
         "",
         "| model | protocol | concurrency | direct: worker / client % | gateway run: gateway / worker / client % | gateway µs/req |",
         "|---|---|---|---|---|---|",
@@ -257,7 +258,7 @@ def write_markdown(path: Path, report: dict) -> None:
             f"{r['snapshot_rebuild_ms']:.1f} ms.",
         ]
     lines += ["", "Bar to beat (issue 4): nginx in front of Triton adds ~200 µs p50 over gRPC and keeps 0.75 of "
-              "the throughput at concurrency 16 on this machine.", ""]
+              "the throughput at concurrency 16 (measured on the 2-core development VM).", ""]
     path.write_text("\n".join(lines))
 
 
@@ -297,6 +298,8 @@ def main() -> int:
         write_report(out, report)
         return 0 if report["routing"] else 1
 
+    if args.no_routing and Path(args.out_dir).resolve() == (ROOT / "bench" / "results").resolve():
+        ap.error("--no-routing would leave bench/results/gateway.json without the routing results: give --out-dir")
     if args.perf_analyzer and not args.no_build:
         ap.error("--perf-analyzer goes with --no-build (offline hosts)")
     if not args.perf_analyzer and not build_and_install_pa(["nereid-worker", "nereid-gateway"], build=not args.no_build):

@@ -480,8 +480,17 @@ def gpu_repository(dest: Path, models: list[str], gpu: int, instances: int, conv
     for model in models:
         cfg = dest / model / "config.pbtxt"
         text = cfg.read_text()
-        m = re.search(r"^instance_group\s*\[.*?^\]", text, flags=re.S | re.M)
-        text = (text[:m.start()] + group + text[m.end():]) if m else text + "\n" + group + "\n"
+        m = re.search(r"^instance_group\s*\[", text, flags=re.M)
+        if m:
+            # The list ends at its matching bracket (one line or several).
+            depth, end = 0, m.end() - 1
+            for end in range(m.end() - 1, len(text)):
+                depth += {"[": 1, "]": -1}.get(text[end], 0)
+                if depth == 0:
+                    break
+            text = text[:m.start()] + group + text[end + 1:]
+        else:
+            text += "\n" + group + "\n"
         cfg.write_text(text)
     return dest
 
@@ -530,8 +539,8 @@ def write_markdown(path: Path, report: dict) -> None:
                  f"{cfg['gpu_instances']} KIND_GPU instance(s) on it (CUDA execution provider, "
                  f"cudnn_conv_algo_search {cfg.get('gpu_conv_algo_search')}"
                  f"{', every batch padded to max_batch_size (nereid.pad_batch)' if cfg.get('gpu_pad_batch') else ''}"
-                 "), and the in-process baseline runs "
-                 "on the same GPU with the same setting")
+                 "); the in-process baseline runs on the same GPU with the same cudnn_conv_algo_search, "
+                 "one fixed batch size per point, unpadded")
     L.append(f"- Load average at start: {m['loadavg_start']} (at end: {report.get('loadavg_end')})")
     L.append(f"- Git commit: `{m['git_commit']}`{' (working tree dirty)' if m['git_dirty'] else ''}")
     L.append(f"- Worker: `{cfg['worker_cmd']}` (ONNX Runtime intra-op threads per instance: "
@@ -702,8 +711,12 @@ def main() -> int:
 
     # 1. Build.
     if not args.no_build:
-        log("cargo build --release -p nereid-worker")
-        res = sh(["cargo", "build", "--release", "-p", "nereid-worker"], timeout=min(12 * 60, deadline.left() - 120), cwd=ROOT)
+        # GPU runs need the CUDA execution provider: the `cuda` feature.
+        build = ["cargo", "build", "--release", "--locked", "-p", "nereid-worker"]
+        if args.gpu is not None:
+            build += ["--features", "cuda"]
+        log(" ".join(build))
+        res = sh(build, timeout=min(12 * 60, deadline.left() - 120), cwd=ROOT)
         if res.returncode != 0:
             print(res.stdout[-5000:], file=sys.stderr)
             log("build failed")

@@ -92,7 +92,8 @@ pub struct SessionOptions {
     /// outputs are dropped (Nereid's `nereid.pad_batch` parameter): the model sees one input
     /// shape. For GPU models with convolutions: ONNX Runtime's CUDA convolution redoes its
     /// set-up whenever the shape differs from the previous run's, which cost an H100 2.5–25 ms
-    /// per run with varying batch sizes against 0.1–0.4 ms at one size (bench/results/worker-gpu.md).
+    /// per run with varying batch sizes against 0.1–0.4 ms at one size
+    /// (bench/results/worker-gpu-mixed-shapes.txt, worker-gpu-padded.md).
     pub pad_batch: bool,
 }
 
@@ -102,9 +103,11 @@ pub struct SessionOptions {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CudaOptions {
     /// `cudnn_conv_algo_search`: 0 EXHAUSTIVE (ONNX Runtime's default), 1 HEURISTIC, 2 DEFAULT.
-    /// EXHAUSTIVE benchmarks every cuDNN algorithm for each new input shape, and dynamic
-    /// batching makes many shapes: on an H100 it kept the example convnet's served batches at
-    /// ~30 ms each where HEURISTIC needs well under 1 ms (bench/results/worker-gpu.md).
+    /// ONNX Runtime redoes a convolution's cuDNN set-up whenever the input shape differs from
+    /// the previous run's, and a dynamic batcher's batch sizes vary: on an H100 the example
+    /// convnet took 25 ms a run with EXHAUSTIVE, 6.5 ms with HEURISTIC and 2.5 ms with DEFAULT
+    /// when batch sizes alternated, against 0.1–0.4 ms at one size
+    /// (bench/results/worker-gpu-mixed-shapes.txt; see also `SessionOptions::pad_batch`).
     pub conv_algo_search: Option<u8>,
     /// `gpu_mem_limit`: the most bytes the provider's memory arena takes on the device.
     pub gpu_mem_limit: Option<usize>,
@@ -112,6 +115,9 @@ pub struct CudaOptions {
     pub arena_extend_strategy: Option<u8>,
     /// `do_copy_in_default_stream`: copies on the compute stream (the default) or their own.
     pub copy_in_default_stream: Option<bool>,
+    /// Why a value of these keys was refused: the load fails with it where the model has a
+    /// GPU instance, and only warns otherwise (Triton reads the keys for GPU instances only).
+    pub rejected: Vec<String>,
 }
 
 impl Default for SessionOptions {

@@ -916,7 +916,8 @@ async fn poll_sees_changes_behind_a_linked_version_folder() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn padded_batches_answer_each_caller_its_own_rows() {
     // nereid.pad_batch: every batch runs at max_batch_size rows; the padding's outputs are
-    // dropped, so callers get what the same model answers unpadded.
+    // dropped, so callers get what the same model answers unpadded. On CPU both ways (on a GPU
+    // host KIND_AUTO would take the GPU, whose GEMMs differ by more between batch sizes).
     let mlp = |name: &str, pad: bool| {
         format!(
             r#"
@@ -925,6 +926,7 @@ max_batch_size: 16
 input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 256 ] }} ]
 output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 10 ] }} ]
 dynamic_batching {{ max_queue_delay_microseconds: 2000 }}
+instance_group [ {{ kind: KIND_CPU }} ]
 parameters {{ key: "nereid.pad_batch" value: {{ string_value: "{pad}" }} }}
 "#
         )
@@ -1030,4 +1032,20 @@ fn an_instance_pads_a_batch_to_its_padded_size() {
     let full = rows_of(16, 3);
     let (_, phases) = padded.run(&[JobInputs { rows: 16, inputs: &full }], &all).unwrap();
     assert_eq!(phases.rows, 16);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuda_keys_are_checked_only_for_gpu_instances() {
+    // Triton reads the CUDA provider's keys for GPU instances only: on a CPU model an invalid
+    // value is ignored with a warning (tests/gpu.rs checks that a GPU model refuses it).
+    let cpu = format!(
+        "{}\ninstance_group [ {{ kind: KIND_CPU }} ]\n\
+         parameters {{ key: \"cudnn_conv_algo_search\" value: {{ string_value: \"HEURISTIC\" }} }}\n",
+        GOOD.replace("good", "cpu")
+    );
+    let dir = repo(&[TestModel { name: "cpu", source: "identity_fp32", config: Some(&cpu) }]);
+    let repo = repository(dir.path(), ControlMode::None, false);
+    let failed = repo.load_startup_models().await;
+    assert!(failed.is_empty(), "{failed:?}");
+    repo.infer(identity_request("cpu", None)).await.unwrap();
 }

@@ -210,16 +210,13 @@ pub fn load_model(
     // Instances (devices) from the instance groups, resolved in the served config.
     normalize_instance_groups(&mut config, backend::gpu_count())?;
     let devices = instance_devices(&config)?;
-    if devices.iter().any(|d| matches!(d, Device::Gpu(_)))
-        && matches!(config.scheduling_choice, Some(SchedulingChoice::DynamicBatching(_)))
-        && session_options.cuda.conv_algo_search.is_none()
-    {
-        warnings.push(
-            "KIND_GPU with dynamic batching: ONNX Runtime's default cuDNN algorithm search (EXHAUSTIVE) runs \
-             again for new batch shapes; for a model with convolutions set parameters { key: \
-             \"cudnn_conv_algo_search\" value: { string_value: \"1\" } } (HEURISTIC)"
-                .to_string(),
-        );
+    let on_gpu = devices.iter().any(|d| matches!(d, Device::Gpu(_)));
+    // The CUDA provider's keys matter to GPU instances only (Triton reads them only for those).
+    if let Some(problem) = session_options.cuda.rejected.first() {
+        if on_gpu {
+            return Err(fail(problem.clone()));
+        }
+        warnings.push(format!("{problem}: ignored, the model has no GPU instance"));
     }
 
     // Probe the first version's model for auto-complete; validate every version against it.
@@ -314,6 +311,18 @@ pub fn load_model(
 
     // Warm up, then start the schedulers.
     let batching = spec.max_batch_size > 0;
+    if on_gpu
+        && matches!(config.scheduling_choice, Some(SchedulingChoice::DynamicBatching(_)))
+        && !session_options.pad_batch
+        && session_options.cuda.conv_algo_search.is_none()
+    {
+        warnings.push(
+            "KIND_GPU with dynamic batching: for a model with convolutions, ONNX Runtime redoes its cuDNN set-up \
+             (by default an EXHAUSTIVE algorithm search) whenever the batch size changes; parameters \
+             nereid.pad_batch \"true\" (one batch shape) and cudnn_conv_algo_search \"1\" (HEURISTIC) avoid most of it"
+                .to_string(),
+        );
+    }
     if session_options.pad_batch {
         if !batching {
             return Err(fail("parameters['nereid.pad_batch'] needs a batching model (max_batch_size > 0)"));
@@ -545,32 +554,35 @@ fn session_options(
             "nereid.graph_optimization_level" => {
                 opts.optimization_level = number()?.min(3) as u8;
             }
-            // Triton's onnxruntime keys for the CUDA execution provider (KIND_GPU instances).
-            "cudnn_conv_algo_search" => {
-                opts.cuda.conv_algo_search = Some(match v {
-                    "0" => 0,
-                    "1" => 1,
-                    "2" => 2,
-                    _ => {
-                        return Err(fail(format!(
-                            "parameters['{key}'] must be 0 (EXHAUSTIVE), 1 (HEURISTIC) or 2 (DEFAULT), got '{v}'"
-                        )));
-                    }
-                })
-            }
-            "gpu_mem_limit" => opts.cuda.gpu_mem_limit = Some(number()?),
-            "arena_extend_strategy" => {
-                opts.cuda.arena_extend_strategy = Some(match v {
-                    "0" => 0,
-                    "1" => 1,
-                    _ => {
-                        return Err(fail(format!(
-                            "parameters['{key}'] must be 0 (kNextPowerOfTwo) or 1 (kSameAsRequested), got '{v}'"
-                        )));
-                    }
-                })
-            }
-            "do_copy_in_default_stream" => opts.cuda.copy_in_default_stream = Some(flag()?),
+            // Triton's onnxruntime keys for the CUDA execution provider (KIND_GPU instances):
+            // an invalid value fails the load only where the model has a GPU instance.
+            "cudnn_conv_algo_search" => match v {
+                "0" | "1" | "2" => opts.cuda.conv_algo_search = v.parse().ok(),
+                _ => opts.cuda.rejected.push(format!(
+                    "parameters['{key}'] must be 0 (EXHAUSTIVE), 1 (HEURISTIC) or 2 (DEFAULT), got '{v}'"
+                )),
+            },
+            // Triton reads it as an unsigned integer, -1 wrapping to no limit.
+            "gpu_mem_limit" => match v {
+                "-1" => opts.cuda.gpu_mem_limit = None,
+                _ => match v.parse::<usize>() {
+                    Ok(n) => opts.cuda.gpu_mem_limit = Some(n),
+                    Err(_) => opts
+                        .cuda
+                        .rejected
+                        .push(format!("parameters['{key}'] must be a number of bytes (or -1: no limit), got '{v}'")),
+                },
+            },
+            "arena_extend_strategy" => match v {
+                "0" | "1" => opts.cuda.arena_extend_strategy = v.parse().ok(),
+                _ => opts.cuda.rejected.push(format!(
+                    "parameters['{key}'] must be 0 (kNextPowerOfTwo) or 1 (kSameAsRequested), got '{v}'"
+                )),
+            },
+            "do_copy_in_default_stream" => match flag() {
+                Ok(same) => opts.cuda.copy_in_default_stream = Some(same),
+                Err(e) => opts.cuda.rejected.push(e.message),
+            },
             other => warnings.push(format!("parameter '{other}' is not supported and is ignored")),
         }
     }
@@ -1518,24 +1530,29 @@ mod tests {
                 gpu_mem_limit: Some(4_294_967_200),
                 arena_extend_strategy: Some(1),
                 copy_in_default_stream: Some(false),
+                rejected: vec![],
             }
         );
         assert_eq!(
             session_options(&config(""), &SessionOptions::default(), &mut warnings).unwrap().cuda,
             Default::default()
         );
-        // Triton takes the integers only ("HEURISTIC" fails its conversion too).
+        // Triton takes the integers only ("HEURISTIC" fails its conversion too); an invalid value
+        // is kept for the load to refuse where the model has a GPU instance.
         for (k, v) in [
             ("cudnn_conv_algo_search", "HEURISTIC"),
             ("cudnn_conv_algo_search", "3"),
-            ("gpu_mem_limit", "-1"),
+            ("gpu_mem_limit", "lots"),
             ("arena_extend_strategy", "2"),
             ("do_copy_in_default_stream", "yes"),
         ] {
-            let e = session_options(&config(&param(k, v)), &SessionOptions::default(), &mut Vec::new())
-                .expect_err("invalid value");
-            assert!(e.message.contains(k) && e.message.contains(v), "{e}");
+            let opts = session_options(&config(&param(k, v)), &SessionOptions::default(), &mut Vec::new()).unwrap();
+            let rejected = &opts.cuda.rejected;
+            assert!(rejected.len() == 1 && rejected[0].contains(k) && rejected[0].contains(v), "{rejected:?}");
         }
+        // -1 is Triton's "no limit" (its unsigned conversion wraps it).
+        let opts = session_options(&config(&param("gpu_mem_limit", "-1")), &SessionOptions::default(), &mut Vec::new());
+        assert_eq!(opts.unwrap().cuda, Default::default());
     }
 
     #[test]
