@@ -20,6 +20,7 @@ use crate::membership::{EtcdMembership, Membership, StaticMembership};
 use crate::metrics::{GatewayMetrics, Refusals};
 use crate::placement::PlacementController;
 use crate::stack::infer_stack;
+use crate::upstream::UpstreamOptions;
 use crate::{grpc, http, routing};
 
 async fn bind(addr: std::net::IpAddr, port: u16, what: &str) -> anyhow::Result<TcpListener> {
@@ -44,12 +45,13 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
     // Membership publishes routing tables; everything else reads them.
     let (publisher, routes) = routing::routes(Instant::now());
     let metrics = GatewayMetrics::new();
+    let upstream = UpstreamOptions { outlier: config.outlier, connections: config.upstream_connections };
     let membership: Box<dyn Membership> = match &config.etcd {
         Some(etcd) => {
-            Box::new(EtcdMembership::new(etcd.endpoints.clone(), etcd.keys.clone(), config.outlier, metrics.clone()))
+            Box::new(EtcdMembership::new(etcd.endpoints.clone(), etcd.keys.clone(), upstream, metrics.clone()))
         }
         None => Box::new(
-            StaticMembership::new(&config.workers, config.outlier, config.discovery).map_err(|e| anyhow::anyhow!(e))?,
+            StaticMembership::new(&config.workers, upstream, config.discovery).map_err(|e| anyhow::anyhow!(e))?,
         ),
     };
     let background = CancellationToken::new();

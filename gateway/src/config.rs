@@ -35,6 +35,8 @@ pub struct GatewayConfig {
     pub admission: AdmissionConfig,
     pub retry: RetryConfig,
     pub outlier: OutlierConfig,
+    /// HTTP/2 connections to each worker that inference is spread over (at least 1).
+    pub upstream_connections: usize,
     pub discovery: DiscoveryConfig,
     pub max_request_bytes: usize,
     /// Grace period for in-flight requests after SIGTERM.

@@ -1,8 +1,9 @@
 //! One worker as the gateway sees it: its pooled gRPC channel, the requests this gateway has
 //! outstanding on it (the balancer's load figure) and its outlier-ejection state.
 //!
-//! Inference goes over one lazily connected HTTP/2 connection ([`H2Channel`]), multiplexing
-//! every call — never a connection per request; it is remade on the first call after it breaks,
+//! Inference goes over lazily connected HTTP/2 connections ([`H2Channel`]) — one by default,
+//! `--upstream-connections` in all, calls taking them in turn — multiplexing every call, never a
+//! connection per request; each is remade on the first call after it breaks,
 //! and a call made while the worker cannot be reached fails fast with a *connect* error, which
 //! the retry policy knows was never sent. Control calls (metadata, config, statistics, health
 //! polls) use a separate tonic channel, also lazy: they are rare, and keep tonic's generated
@@ -10,7 +11,7 @@
 //! membership hands the same `Arc` to every routing table, so load and ejection state survive
 //! table swaps.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -30,11 +31,27 @@ const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 pub const HTTP2_CONNECTION_WINDOW: u32 = 64 << 20;
 pub const HTTP2_STREAM_WINDOW: u32 = 8 << 20;
 
+/// How the gateway treats each worker: outlier ejection, and how many inference connections.
+#[derive(Clone, Copy, Debug)]
+pub struct UpstreamOptions {
+    pub outlier: OutlierConfig,
+    /// Inference connections (at least one is made).
+    pub connections: usize,
+}
+
+impl From<OutlierConfig> for UpstreamOptions {
+    fn from(outlier: OutlierConfig) -> Self {
+        UpstreamOptions { outlier, connections: 1 }
+    }
+}
+
 #[derive(Debug)]
 pub struct Upstream {
     pub id: UpstreamId,
     channel: Channel,
-    infer: H2Channel,
+    /// The inference connections, taken in turn.
+    infer: Vec<H2Channel>,
+    next_lane: AtomicUsize,
     outstanding: AtomicU64,
     /// The queue the worker last reported in-band (its `nereid-queue` response header), and
     /// when (milliseconds since `created`); a report older than [`QUEUE_REPORT_TTL`] counts 0.
@@ -50,7 +67,11 @@ pub const QUEUE_REPORT_TTL: Duration = Duration::from_secs(1);
 
 impl Upstream {
     /// A member at gRPC address `address` (`host:port`). Nothing is connected yet.
-    pub fn new(address: &str, outlier: OutlierConfig) -> Result<Upstream, Box<dyn std::error::Error + Send + Sync>> {
+    pub fn new(
+        address: &str,
+        options: impl Into<UpstreamOptions>,
+    ) -> Result<Upstream, Box<dyn std::error::Error + Send + Sync>> {
+        let UpstreamOptions { outlier, connections } = options.into();
         let channel = Endpoint::from_shared(format!("http://{address}"))?
             .tcp_nodelay(true)
             .connect_timeout(CONNECT_TIMEOUT)
@@ -61,19 +82,18 @@ impl Upstream {
             .initial_connection_window_size(HTTP2_CONNECTION_WINDOW)
             .initial_stream_window_size(HTTP2_STREAM_WINDOW)
             .connect_lazy();
-        let infer = H2Channel::new(
-            address,
-            ClientSettings {
-                connection_window: HTTP2_CONNECTION_WINDOW,
-                stream_window: HTTP2_STREAM_WINDOW,
-                keepalive_interval: KEEPALIVE_INTERVAL,
-                keepalive_timeout: KEEPALIVE_TIMEOUT,
-            },
-        )?;
+        let settings = ClientSettings {
+            connection_window: HTTP2_CONNECTION_WINDOW,
+            stream_window: HTTP2_STREAM_WINDOW,
+            keepalive_interval: KEEPALIVE_INTERVAL,
+            keepalive_timeout: KEEPALIVE_TIMEOUT,
+        };
+        let infer = (0..connections.max(1)).map(|_| H2Channel::new(address, settings)).collect::<Result<_, _>>()?;
         Ok(Upstream {
             id: Arc::from(address),
             channel,
             infer,
+            next_lane: AtomicUsize::new(0),
             outstanding: AtomicU64::new(0),
             reported_queue: AtomicU64::new(0),
             reported_at_ms: AtomicU64::new(0),
@@ -87,9 +107,12 @@ impl Upstream {
         self.channel.clone()
     }
 
-    /// The inference connection.
+    /// The inference connection the next call takes (they are taken in turn).
     pub fn infer_channel(&self) -> &H2Channel {
-        &self.infer
+        match self.infer.len() {
+            1 => &self.infer[0],
+            n => &self.infer[self.next_lane.fetch_add(1, Ordering::Relaxed) % n],
+        }
     }
 
     /// Requests this gateway has in flight on the worker.

@@ -405,3 +405,49 @@ async fn serves_on_a_thread_pool_as_on_one_event_loop() {
         assert!(resp.is_ok(), "--io-threads {threads}: {resp:?}");
     }
 }
+
+/// Established IPv4 TCP connections whose remote end is `port` on this host (/proc/net/tcp).
+fn connections_to(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 3 && f[3] == "01" && f[2].rsplit(':').next() == Some(&format!("{port:04X}"))
+        })
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inference_spreads_over_the_upstream_connections() {
+    let worker = common::start_worker(&common::example_models(), &["identity_fp32"]).await;
+    let port: u16 = worker.grpc_addr().rsplit(':').next().unwrap().parse().unwrap();
+    let mut seen = Vec::new();
+    for lanes in ["1", "3"] {
+        let before = connections_to(port);
+        let gateway = common::start_gateway(&[&worker], &["--upstream-connections", lanes]).await;
+        let client = gateway.client().await;
+        let calls =
+            (0..12).map(|n| {
+                let mut client = client.clone();
+                async move {
+                    client.model_infer(common::fp32_request("identity_fp32", "", &[1, 16], |i| (i + n) as f32)).await
+                }
+            });
+        for (n, resp) in futures::future::join_all(calls).await.into_iter().enumerate() {
+            let out = resp.unwrap_or_else(|e| panic!("--upstream-connections {lanes}: {e}")).into_inner();
+            let values: Vec<f32> =
+                out.raw_output_contents[0].chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+            assert_eq!(values, (0..16).map(|i| (i + n) as f32).collect::<Vec<_>>(), "call {n} got another's answer");
+        }
+        seen.push(connections_to(port) - before);
+        drop(gateway);
+        wait_until("the gateway's connections closed", Duration::from_secs(10), || async {
+            connections_to(port) <= before
+        })
+        .await;
+    }
+    // The control channel (health polls) adds one either way.
+    assert_eq!(seen[1], seen[0] + 2, "connections to the worker with 1 and 3 lanes: {seen:?}");
+}

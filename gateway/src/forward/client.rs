@@ -720,7 +720,7 @@ mod tests {
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
 
         // The worker's queue report is taken from its answers, errors included.
-        let upstream = crate::upstream::Upstream::new(&address, Default::default()).unwrap();
+        let upstream = crate::upstream::Upstream::new(&address, crate::config::OutlierConfig::default()).unwrap();
         let call = crate::forward::unary_bytes(
             &upstream,
             "/s/m",

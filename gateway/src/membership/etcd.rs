@@ -36,10 +36,10 @@ use nereid_proto::inference::repository_index_response::ModelIndex;
 use tokio_util::sync::CancellationToken;
 
 use super::Membership;
-use crate::config::OutlierConfig;
+
 use crate::metrics::GatewayMetrics;
 use crate::routing::{RoutesPublisher, RoutingTable, WorkerState, WorkerView};
-use crate::upstream::Upstream;
+use crate::upstream::{Upstream, UpstreamOptions};
 
 /// While connected, the table is republished this often even without events (so its age says
 /// how current it is).
@@ -48,7 +48,7 @@ const REFRESH_INTERVAL: Duration = Duration::from_secs(1);
 pub struct EtcdMembership {
     endpoints: Vec<String>,
     keys: Keys,
-    outlier: OutlierConfig,
+    upstream: UpstreamOptions,
     metrics: GatewayMetrics,
     state: FleetState,
     /// Last revision applied (0: nothing read yet).
@@ -69,11 +69,11 @@ enum Disconnect {
 }
 
 impl EtcdMembership {
-    pub fn new(endpoints: Vec<String>, keys: Keys, outlier: OutlierConfig, metrics: GatewayMetrics) -> Self {
+    pub fn new(endpoints: Vec<String>, keys: Keys, upstream: UpstreamOptions, metrics: GatewayMetrics) -> Self {
         EtcdMembership {
             endpoints,
             keys,
-            outlier,
+            upstream,
             metrics,
             state: FleetState::default(),
             revision: 0,
@@ -128,7 +128,7 @@ impl EtcdMembership {
         for (id, record) in &self.state.workers {
             let upstream = match self.upstreams.remove(id) {
                 Some((address, u)) if address == record.grpc => u,
-                _ => match Upstream::new(&record.grpc, self.outlier) {
+                _ => match Upstream::new(&record.grpc, self.upstream) {
                     Ok(u) => Arc::new(u),
                     Err(e) => {
                         tracing::warn!(worker = %id, address = %record.grpc, "cannot use the worker's address: {e}");

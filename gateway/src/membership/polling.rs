@@ -14,9 +14,9 @@ use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
 use super::Membership;
-use crate::config::{DiscoveryConfig, OutlierConfig};
+use crate::config::DiscoveryConfig;
 use crate::routing::{RoutesPublisher, RoutingTable, WorkerState, WorkerView};
-use crate::upstream::Upstream;
+use crate::upstream::{Upstream, UpstreamOptions};
 
 pub struct StaticMembership {
     upstreams: Vec<Arc<Upstream>>,
@@ -25,10 +25,10 @@ pub struct StaticMembership {
 
 impl StaticMembership {
     /// One member per address; channels are created (not connected) here.
-    pub fn new(addresses: &[String], outlier: OutlierConfig, config: DiscoveryConfig) -> Result<Self, String> {
+    pub fn new(addresses: &[String], upstream: UpstreamOptions, config: DiscoveryConfig) -> Result<Self, String> {
         let upstreams = addresses
             .iter()
-            .map(|a| Upstream::new(a, outlier).map(Arc::new).map_err(|e| format!("--worker-grpc '{a}': {e}")))
+            .map(|a| Upstream::new(a, upstream).map(Arc::new).map_err(|e| format!("--worker-grpc '{a}': {e}")))
             .collect::<Result<_, _>>()?;
         Ok(StaticMembership { upstreams, config })
     }
