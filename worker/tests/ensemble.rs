@@ -410,3 +410,44 @@ async fn broken_ensembles_fail_to_load_with_the_reason_and_others_keep_serving()
     let e = repo.infer(request("wrong_type", &[[2.0; 4]], &[])).await.unwrap_err();
     assert_eq!(e.code, Code::Unavailable);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ensemble_whose_composing_model_changed_its_tensors_is_unavailable() {
+    let dir = tempfile::tempdir().unwrap();
+    for model in ["scale_ensemble", "versioned_scale"] {
+        let from = example_models().join(model);
+        for entry in walk(&from) {
+            let to = dir.path().join(model).join(entry.strip_prefix(&from).unwrap());
+            std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+            std::fs::copy(&entry, &to).unwrap();
+        }
+    }
+    let repo = repository(dir.path(), ControlMode::Explicit);
+    repo.load("scale_ensemble", None).await.unwrap();
+    assert!(repo.model_ready("scale_ensemble", None));
+
+    // versioned_scale reloaded as a model of 16-wide rows: the ensemble's 4-wide tensors no
+    // longer fit its steps.
+    let config = std::fs::read_to_string(dir.path().join("versioned_scale/config.pbtxt")).unwrap();
+    std::fs::write(dir.path().join("versioned_scale/config.pbtxt"), config.replace("dims: [ 4 ]", "dims: [ 16 ]"))
+        .unwrap();
+    for v in [1, 2] {
+        std::fs::copy(example_onnx("identity_fp32", 1), dir.path().join(format!("versioned_scale/{v}/model.onnx")))
+            .unwrap();
+    }
+    repo.load("versioned_scale", None).await.unwrap();
+    assert!(repo.model_ready("versioned_scale", None));
+    assert!(!repo.model_ready("scale_ensemble", None), "the ensemble's steps no longer fit");
+    let why = reason(&repo, "scale_ensemble");
+    assert!(why.contains("no longer fits") && why.contains("versioned_scale"), "{why}");
+    assert!(repo.not_ready_models().contains(&"scale_ensemble".to_string()));
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() { out.extend(walk(&path)) } else { out.push(path) }
+    }
+    out
+}

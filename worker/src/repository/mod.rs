@@ -474,14 +474,26 @@ impl Repository {
         if depth >= ensemble::MAX_DEPTH {
             return Some(format!("ensembles nested more than {} deep", ensemble::MAX_DEPTH));
         }
-        plan.steps.iter().find_map(|step| {
+        let missing = plan.steps.iter().find_map(|step| {
             let composing = match self.model(&step.model).and_then(|m| self.version(&m, step.version).map(|_| m)) {
                 Ok(composing) => composing,
                 Err(e) => return Some(format!("composing model '{}': {}", step.model, e.message)),
             };
             let why = self.missing_step_at(&composing, depth + 1)?;
             Some(format!("composing model '{}': {why}", step.model))
+        });
+        if missing.is_some() {
+            return missing;
+        }
+        // A composing model reloaded since with other tensors: the ensemble's steps no longer
+        // fit it (Triton reloads the ensemble then, and it fails to load).
+        ensemble::check_composing(&model.config, plan, |step| {
+            let composing = self.model(&step.model).map_err(|e| e.message)?;
+            self.version(&composing, step.version).map_err(|e| e.message)?;
+            Ok(composing.spec.clone())
         })
+        .err()
+        .map(|e| format!("a composing model no longer fits the ensemble: {e}"))
     }
 
     pub fn model_metadata(&self, name: &str, version: Option<i64>) -> Result<ModelMetadata, Status> {
