@@ -1,8 +1,8 @@
 //! One worker as the gateway sees it: its pooled gRPC channel, the requests this gateway has
 //! outstanding on it (the balancer's load figure) and its outlier-ejection state.
 //!
-//! Inference goes over lazily connected HTTP/2 connections ([`H2Channel`]) — one by default,
-//! `--upstream-connections` in all, calls taking them in turn — multiplexing every call, never a
+//! Inference goes over lazily connected HTTP/2 connections ([`H2Channel`]) — one per I/O thread
+//! by default, `--upstream-connections` in all, calls taking them in turn — multiplexing, never a
 //! connection per request; each is remade on the first call after it breaks,
 //! and a call made while the worker cannot be reached fails fast with a *connect* error, which
 //! the retry policy knows was never sent. Control calls (metadata, config, statistics, health

@@ -441,6 +441,10 @@ async fn an_ensemble_whose_composing_model_changed_its_tensors_is_unavailable() 
     let why = reason(&repo, "scale_ensemble");
     assert!(why.contains("no longer fits") && why.contains("versioned_scale"), "{why}");
     assert!(repo.not_ready_models().contains(&"scale_ensemble".to_string()));
+    // Its requests are refused as not ready, not run into a step that no longer fits.
+    let e = repo.infer(request("scale_ensemble", &[[1.0; 4]], &[])).await.unwrap_err();
+    assert_eq!(e.code, Code::Unavailable, "{e}");
+    assert!(e.message.contains("is not ready") && e.message.contains("no longer fits"), "{e}");
 }
 
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {

@@ -1,5 +1,5 @@
-//! The forward path's gRPC client: unary calls with encoded messages over one HTTP/2 connection
-//! per worker, on `h2` directly.
+//! The forward path's gRPC client: unary calls with encoded messages over HTTP/2 connections to
+//! each worker (`--upstream-connections`, one by default), on `h2` directly.
 //!
 //! Why not tonic's `Channel` (which the control calls still use): hyper's HTTP/2 client waits
 //! for a new stream to be *opened* — its HEADERS written and flushed — before it polls the
@@ -57,7 +57,7 @@ pub struct ClientSettings {
     pub keepalive_timeout: Duration,
 }
 
-/// One worker's forwarding connection (made lazily, remade after it breaks).
+/// One of a worker's forwarding connections (made lazily, remade after it breaks).
 #[derive(Debug)]
 pub struct H2Channel {
     address: String,

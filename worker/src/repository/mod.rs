@@ -485,9 +485,21 @@ impl Repository {
         if missing.is_some() {
             return missing;
         }
-        // A composing model reloaded since with other tensors: the ensemble's steps no longer
-        // fit it (Triton reloads the ensemble then, and it fails to load).
-        ensemble::check_composing(&model.config, plan, |step| {
+        self.unfit_steps(&model.config, plan)
+    }
+
+    /// Why an ensemble's steps no longer fit its composing models as loaded now (one was
+    /// reloaded with other tensors since the ensemble loaded; Triton reloads the ensemble then,
+    /// and it fails to load), else `None` — also when a composing model is gone, which the
+    /// step that needs it reports.
+    fn unfit_steps(&self, config: &ModelConfig, plan: &Plan) -> Option<String> {
+        let present = |step: &ensemble::Step| {
+            self.model(&step.model).and_then(|m| self.version(&m, step.version).map(|_| ())).is_ok()
+        };
+        if !plan.steps.iter().all(present) {
+            return None;
+        }
+        ensemble::check_composing(config, plan, |step| {
             let composing = self.model(&step.model).map_err(|e| e.message)?;
             self.version(&composing, step.version).map_err(|e| e.message)?;
             Ok(composing.spec.clone())
@@ -570,6 +582,17 @@ impl Repository {
         // caller drops this future (client disconnect, gateway cancel) at any point.
         let mut counted = CancelGuard { stats: &version.stats, started, armed: true };
         let stats = &version.stats;
+        // An ensemble whose steps no longer fit its composing models is not ready: refused as
+        // such rather than run into a step that fails (or, worse, does not). A composing model
+        // that is gone fails in its step, naming it.
+        if let Some(plan) = &model.ensemble
+            && let Some(why) = self.unfit_steps(&model.config, plan)
+        {
+            counted.armed = false;
+            let status = Status::unavailable(format!("model '{}' is not ready: {why}", model.name));
+            stats.record_failure(started.elapsed(), status.code.reason());
+            return Err(status);
+        }
         if let Err(status) = check_classification(&model, &request) {
             counted.armed = false;
             stats.record_failure(started.elapsed(), status.code.reason());
