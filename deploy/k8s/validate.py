@@ -100,7 +100,7 @@ BUILTIN_FLAGS = {
         "discovery-interval-ms": V, "discovery-timeout-ms": V, "max-request-bytes": V,
         "exit-timeout-secs": V, "log-verbose": V,
         "etcd-endpoints": V, "etcd-prefix": V, "gateway-id": V, "placement": (V, BOOL),
-        "election-ttl-secs": V, "io-threads": V, "placement-load-timeout-secs": V,
+        "election-ttl-secs": V, "io-threads": V, "upstream-connections": V, "placement-load-timeout-secs": V,
         "help": NONE, "version": NONE,
     },
 }
@@ -120,7 +120,7 @@ INTEGER_FLAGS = {
     "http-port", "grpc-port", "metrics-port", "exit-timeout-secs", "etcd-lease-ttl-secs",
     "memory-capacity-mb", "request-timeout-ms", "max-concurrent-requests", "log-verbose",
     "repository-poll-secs", "max-request-bytes", "intra-op-threads", "max-models",
-    "drain-delay-ms", "election-ttl-secs", "io-threads", "grpc-keepalive-time", "grpc-keepalive-timeout",
+    "drain-delay-ms", "election-ttl-secs", "io-threads", "upstream-connections", "grpc-keepalive-time", "grpc-keepalive-timeout",
     "model-load-thread-count", "metrics-interval-ms", "http-max-input-size", "buffer-manager-thread-count",
     "trace-rate", "trace-log-frequency",
 }
