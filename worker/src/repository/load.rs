@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, SystemTime};
 
 use nereid_common::config::{
@@ -371,6 +372,7 @@ pub fn load_model(
         ensemble: None,
         cache_enabled,
         generation: next_generation(),
+        steps_fit_at: AtomicU64::new(u64::MAX),
     })
 }
 
@@ -437,6 +439,7 @@ fn load_ensemble(
         cache_enabled,
         ensemble: Some(plan),
         generation: next_generation(),
+        steps_fit_at: AtomicU64::new(u64::MAX),
     })
 }
 

@@ -97,6 +97,9 @@ pub struct LoadedModel {
     pub generation: u64,
     /// Class labels of the outputs that name a `label_filename`, for classification.
     pub labels: HashMap<String, Arc<[String]>>,
+    /// For an ensemble: the repository epoch at which its steps were last found to fit its
+    /// composing models (`u64::MAX`: not yet), so requests re-check only after a load or unload.
+    pub steps_fit_at: AtomicU64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -585,13 +588,18 @@ impl Repository {
         // An ensemble whose steps no longer fit its composing models is not ready: refused as
         // such rather than run into a step that fails (or, worse, does not). A composing model
         // that is gone fails in its step, naming it.
-        if let Some(plan) = &model.ensemble
-            && let Some(why) = self.unfit_steps(&model.config, plan)
-        {
-            counted.armed = false;
-            let status = Status::unavailable(format!("model '{}' is not ready: {why}", model.name));
-            stats.record_failure(started.elapsed(), status.code.reason());
-            return Err(status);
+        if let Some(plan) = &model.ensemble {
+            // Read before the check: a load or unload after it moves the epoch on.
+            let epoch = self.epoch.load(Ordering::SeqCst);
+            if model.steps_fit_at.load(Ordering::Relaxed) != epoch {
+                if let Some(why) = self.unfit_steps(&model.config, plan) {
+                    counted.armed = false;
+                    let status = Status::unavailable(format!("model '{}' is not ready: {why}", model.name));
+                    stats.record_failure(started.elapsed(), status.code.reason());
+                    return Err(status);
+                }
+                model.steps_fit_at.store(epoch, Ordering::Relaxed);
+            }
         }
         if let Err(status) = check_classification(&model, &request) {
             counted.armed = false;
