@@ -23,6 +23,16 @@ pub fn raise_open_files_limit() -> Result<(u64, u64), String> {
     Ok((old, limit.rlim_cur))
 }
 
+/// The (soft, hard) open-files limits of process `pid`, read from `/proc/<pid>/limits`
+/// (`None` where it cannot be read; `u64::MAX` stands for "unlimited").
+pub fn open_files_limits_of(pid: u32) -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/limits")).ok()?;
+    let line = text.lines().find(|l| l.starts_with("Max open files"))?;
+    let mut fields = line["Max open files".len()..].split_whitespace();
+    let value = |v: &str| if v == "unlimited" { Some(u64::MAX) } else { v.parse().ok() };
+    Some((value(fields.next()?)?, value(fields.next()?)?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -37,5 +47,6 @@ mod tests {
         assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) }, 0);
         assert_eq!((limit.rlim_cur, new), (limit.rlim_max, limit.rlim_max));
         assert_eq!(raise_open_files_limit().unwrap(), (new, new));
+        assert_eq!(open_files_limits_of(std::process::id()), Some((new, limit.rlim_max)));
     }
 }

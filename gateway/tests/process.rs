@@ -451,3 +451,28 @@ async fn inference_spreads_over_the_upstream_connections() {
     // The control channel (health polls) adds one either way.
     assert_eq!(seen[1], seen[0] + 2, "connections to the worker with 1 and 3 lanes: {seen:?}");
 }
+
+/// A gateway started with a low soft limit on open files (1024 under systemd and many container
+/// runtimes) raises it to the hard limit at start: every client and worker connection holds a
+/// descriptor.
+#[test]
+fn the_gateway_raises_its_open_files_limit_to_the_hard_limit() {
+    let (_, hard) = nereid_common::limits::open_files_limits_of(std::process::id()).expect("/proc/self/limits");
+    if hard <= 256 {
+        eprintln!("skipped: the hard open-files limit here is {hard}, no lower soft limit to start from");
+        return;
+    }
+    // `exec`: the shell becomes the gateway, so the child's pid is the gateway's.
+    let args: Vec<String> = ["-c", "ulimit -S -n 256 && exec \"$0\" \"$@\"", env!("CARGO_BIN_EXE_nereid-gateway")]
+        .into_iter()
+        .chain(["--worker-grpc", "127.0.0.1:1"])
+        .map(String::from)
+        .collect();
+    let gateway = Proc::spawn("gateway", std::path::Path::new("/bin/sh"), &args, &[]);
+    assert_eq!(
+        nereid_common::limits::open_files_limits_of(gateway.child.id()),
+        Some((hard, hard)),
+        "{}",
+        gateway.log()
+    );
+}

@@ -707,3 +707,40 @@ fn grpc_responses_are_compressed_when_asked() {
     assert_eq!(encoding(&["--grpc-infer-response-compression-level=high"]).as_deref(), Some("gzip"));
     assert_eq!(encoding(&[]), None);
 }
+
+/// A worker started with a low soft limit on open files (1024 under systemd and many container
+/// runtimes) raises it to the hard limit at start: every connection and shared-memory region
+/// holds a descriptor.
+#[test]
+fn the_worker_raises_its_open_files_limit_to_the_hard_limit() {
+    let (_, hard) = nereid_common::limits::open_files_limits_of(std::process::id()).expect("/proc/self/limits");
+    if hard <= 256 {
+        eprintln!("skipped: the hard open-files limit here is {hard}, no lower soft limit to start from");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let port_file = dir.path().join("ports.json");
+    // `exec`: the shell becomes the worker, so the child's pid is the worker's.
+    let mut child = Command::new("sh")
+        .args(["-c", "ulimit -S -n 256 && exec \"$0\" \"$@\"", env!("CARGO_BIN_EXE_nereid-worker")])
+        .arg("--model-repository")
+        .arg(dir.path())
+        .args(["--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
+        .arg("--port-file")
+        .arg(&port_file)
+        .env("NEREID_ORT_LIB", nereid_worker::backend::default_runtime_path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !port_file.is_file() {
+        assert!(child.try_wait().unwrap().is_none(), "the worker exited before it listened");
+        assert!(Instant::now() < deadline, "the worker did not write its port file");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let limits = nereid_common::limits::open_files_limits_of(child.id());
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(limits, Some((hard, hard)));
+}

@@ -57,7 +57,7 @@ pub struct Proc {
 }
 
 impl Proc {
-    fn spawn(name: &'static str, bin: &Path, args: &[String], env: &[(&str, PathBuf)]) -> Proc {
+    pub fn spawn(name: &'static str, bin: &Path, args: &[String], env: &[(&str, PathBuf)]) -> Proc {
         assert!(
             bin.is_file(),
             "{} is missing — build it first (`cargo build --workspace`, or `cargo build -p nereid-worker`)",
