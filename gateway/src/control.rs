@@ -7,9 +7,10 @@
 //! are summed over every reachable worker that lists the model, so they describe the fleet —
 //! what perf_analyzer and dashboards reading them through the gateway expect.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use nereid_proto::inference::repository_index_response::ModelIndex;
@@ -28,11 +29,36 @@ type Client = GrpcInferenceServiceClient<Channel>;
 #[derive(Clone)]
 pub struct Control {
     routes: Routes,
+    shapes: Arc<ConfigCache>,
 }
 
 impl Control {
     pub fn new(routes: Routes) -> Self {
-        Control { routes }
+        Control { routes, shapes: Arc::default() }
+    }
+
+    /// The config of the version of `name` a request for `version` is routed to, for shaping
+    /// Triton's raw binary requests (the body is the only input's bytes; the config says what
+    /// it is). Asked of a holder once and then reused for [`SHAPE_CONFIG_TTL`], not fetched
+    /// from a worker on every such request: a config that changes within that time (a model
+    /// reloaded with other tensors) is refused by the worker the request goes to, naming the
+    /// tensor.
+    pub async fn shape_config(
+        &self,
+        name: &str,
+        version: Option<i64>,
+        deadline: Instant,
+    ) -> Result<Arc<ModelConfig>, GatewayError> {
+        let resolved = self.routes.snapshot().resolve(name, version)?.version;
+        if let Some(config) = self.shapes.get(name, resolved, Instant::now()) {
+            return Ok(config);
+        }
+        let response = self.model_config(name, Some(resolved), deadline).await?;
+        let config = Arc::new(response.config.ok_or_else(|| {
+            GatewayError::from(nereid_common::Status::internal("the worker answered no model config"))
+        })?);
+        self.shapes.insert(name, resolved, config.clone(), Instant::now());
+        Ok(config)
     }
 
     /// Runs `call` on a worker holding `model` (`version`) READY, within `deadline`; once more on
@@ -238,9 +264,66 @@ pub fn merge_statistics(responses: Vec<ModelStatisticsResponse>) -> ModelStatist
     ModelStatisticsResponse { model_stats: merged.into_values().collect() }
 }
 
+/// How long [`Control::shape_config`] reuses a model's config.
+pub const SHAPE_CONFIG_TTL: Duration = Duration::from_secs(1);
+/// Most configs [`ConfigCache`] holds; when full, it starts over (only models that resolved
+/// and answered are ever inserted).
+const SHAPE_CONFIG_ENTRIES: usize = 1024;
+
+/// Model configs by model and version, each for [`SHAPE_CONFIG_TTL`] after it was fetched.
+#[derive(Default)]
+struct ConfigCache {
+    entries: Mutex<HashMap<String, BTreeMap<i64, (Instant, Arc<ModelConfig>)>>>,
+}
+
+impl ConfigCache {
+    fn get(&self, name: &str, version: i64, now: Instant) -> Option<Arc<ModelConfig>> {
+        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let (fetched, config) = entries.get(name)?.get(&version)?;
+        (now.saturating_duration_since(*fetched) < SHAPE_CONFIG_TTL).then(|| config.clone())
+    }
+
+    fn insert(&self, name: &str, version: i64, config: Arc<ModelConfig>, now: Instant) {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if entries.values().map(BTreeMap::len).sum::<usize>() >= SHAPE_CONFIG_ENTRIES {
+            entries.clear();
+        }
+        entries.entry(name.to_string()).or_default().insert(version, (now, config));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shape_configs_are_reused_until_they_expire() {
+        let cache = ConfigCache::default();
+        let t0 = Instant::now();
+        let config = |name: &str| Arc::new(ModelConfig { name: name.into(), ..Default::default() });
+        assert!(cache.get("m", 1, t0).is_none());
+        cache.insert("m", 1, config("m"), t0);
+        assert_eq!(cache.get("m", 1, t0 + SHAPE_CONFIG_TTL / 2).unwrap().name, "m");
+        // Another version of the same model, or another model, is its own entry.
+        assert!(cache.get("m", 2, t0).is_none());
+        assert!(cache.get("n", 1, t0).is_none());
+        assert!(cache.get("m", 1, t0 + SHAPE_CONFIG_TTL).is_none(), "expired");
+        // Refetched: fresh again.
+        cache.insert("m", 1, config("m"), t0 + SHAPE_CONFIG_TTL);
+        assert!(cache.get("m", 1, t0 + SHAPE_CONFIG_TTL).is_some());
+    }
+
+    #[test]
+    fn the_shape_config_cache_is_bounded() {
+        let cache = ConfigCache::default();
+        let t0 = Instant::now();
+        for i in 0..SHAPE_CONFIG_ENTRIES as i64 + 10 {
+            cache.insert("m", i, Arc::new(ModelConfig::default()), t0);
+        }
+        let held: usize = cache.entries.lock().unwrap().values().map(BTreeMap::len).sum();
+        assert!(held <= SHAPE_CONFIG_ENTRIES, "{held}");
+        assert!(cache.get("m", SHAPE_CONFIG_ENTRIES as i64 + 9, t0).is_some(), "the newest is kept");
+    }
 
     fn stats(name: &str, version: &str, count: u64, last: u64, batches: &[(u64, u64)]) -> ModelStatistics {
         let d = |c: u64| Some(StatisticDuration { count: c, ns: c * 1000 });

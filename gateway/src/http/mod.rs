@@ -318,10 +318,7 @@ async fn infer(
         // Triton's raw binary request (no JSON: the body is the only input's data) is shaped
         // by the model's config, asked of a worker holding the model.
         let raw_config = match header_length {
-            Some(0) => {
-                let response = ingress.control.model_config(&name, version, deadline.at).await?;
-                Some(response.config.ok_or_else(|| Status::internal("the worker answered no model config"))?)
-            }
+            Some(0) => Some(ingress.control.shape_config(&name, version, deadline.at).await?),
             _ => None,
         };
         let heavy =
