@@ -270,10 +270,13 @@ pub const SHAPE_CONFIG_TTL: Duration = Duration::from_secs(1);
 /// and answered are ever inserted).
 const SHAPE_CONFIG_ENTRIES: usize = 1024;
 
+/// A model's configs by version, each with when it was fetched.
+type VersionConfigs = BTreeMap<i64, (Instant, Arc<ModelConfig>)>;
+
 /// Model configs by model and version, each for [`SHAPE_CONFIG_TTL`] after it was fetched.
 #[derive(Default)]
 struct ConfigCache {
-    entries: Mutex<HashMap<String, BTreeMap<i64, (Instant, Arc<ModelConfig>)>>>,
+    entries: Mutex<HashMap<String, VersionConfigs>>,
 }
 
 impl ConfigCache {
