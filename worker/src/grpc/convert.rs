@@ -31,8 +31,16 @@ use crate::tensor::{InferRequest, InferResponse, InputTensor, OutputTensor, Requ
 
 /// Converts a `ModelInferRequest` into the worker's [`InferRequest`], validating everything the
 /// wire format alone can check (datatype names, shapes, byte sizes, element counts, ranges).
-/// `deadline` is left `None`; the caller sets it from the transport.
-pub fn infer_request_from_proto(mut req: ModelInferRequest, shm: &SharedMemory) -> Result<InferRequest, Status> {
+/// The tensors the message carries (raw or typed contents) may take `max_bytes` in all once
+/// converted — typed contents are checked before they are re-encoded: packed varints grow up
+/// to eightfold, so a message within the size limit could otherwise become tensors far over it
+/// (as the same tensors sent over HTTP would be refused). `deadline` is left `None`; the caller
+/// sets it from the transport.
+pub fn infer_request_from_proto(
+    mut req: ModelInferRequest,
+    shm: &SharedMemory,
+    max_bytes: u64,
+) -> Result<InferRequest, Status> {
     let model_version = parse_version(&req.model_name, &req.model_version)?;
 
     let mut priority = 0u64;
@@ -67,10 +75,11 @@ pub fn infer_request_from_proto(mut req: ModelInferRequest, shm: &SharedMemory) 
 
     let mut inputs = Vec::with_capacity(req.inputs.len());
     let mut budget = shm.request_budget();
+    let mut wire_budget = max_bytes;
     for (input, shm_ref) in std::mem::take(&mut req.inputs).into_iter().zip(shm_inputs) {
         let source = match shm_ref {
             Some(r) => Source::Shm(r, shm, &mut budget),
-            None => Source::Wire(raw.next()),
+            None => Source::Wire(raw.next(), &mut wire_budget),
         };
         inputs.push(input_from_proto(input, source)?);
     }
@@ -147,6 +156,25 @@ pub fn log_settings(request: LogSettingsRequest) -> Result<LogSettingsResponse, 
     Ok(LogSettingsResponse { settings })
 }
 
+/// The typed contents' elements of a request's inputs, before anything is checked: for deciding
+/// where to decode it (each is re-encoded, up to 8 bytes, or a string's length).
+pub fn typed_input_elements(req: &ModelInferRequest) -> u64 {
+    req.inputs
+        .iter()
+        .filter_map(|i| i.contents.as_ref())
+        .map(|c| {
+            (c.bool_contents.len()
+                + c.int_contents.len()
+                + c.int64_contents.len()
+                + c.uint_contents.len()
+                + c.uint64_contents.len()
+                + c.fp32_contents.len()
+                + c.fp64_contents.len()
+                + c.bytes_contents.len()) as u64
+        })
+        .fold(0, u64::saturating_add)
+}
+
 /// What a request's inputs claim to read from shared memory (`shared_memory_byte_size`), before
 /// anything is checked: for deciding where to decode it.
 pub fn shm_input_bytes(req: &ModelInferRequest) -> u64 {
@@ -196,7 +224,8 @@ fn shm_parameters(
 /// Where an input's bytes come from: the message (its raw entry, if the request uses raw
 /// contents, else its typed contents) or a shared-memory region.
 enum Source<'a, R> {
-    Wire(Option<R>),
+    /// With what the request's tensors in the message may still take once converted.
+    Wire(Option<R>, &'a mut u64),
     /// With what the request may still copy out of regions.
     Shm(ShmRef, &'a SharedMemory, &'a mut u64),
 }
@@ -243,8 +272,8 @@ where
         None => None,
     };
     let typed = input.contents.filter(|c| !contents_empty(c));
-    let raw = match source {
-        Source::Wire(raw) => raw,
+    let (raw, wire_budget) = match source {
+        Source::Wire(raw, budget) => (raw, budget),
         Source::Shm(r, shm, budget) => {
             if typed.is_some() {
                 return Err(Status::invalid(format!(
@@ -275,6 +304,23 @@ where
             return Ok(InputTensor { name, datatype, shape, data });
         }
     };
+    // What the tensor takes once converted, from what the request's others left of the limit:
+    // checked before typed contents are re-encoded.
+    let converted = match (&raw, &typed) {
+        (Some(raw), None) => raw.as_ref().len() as u64,
+        (None, Some(c)) => expected_bytes
+            .unwrap_or_else(|| c.bytes_contents.iter().map(|b| 4 + b.len() as u64).fold(0, u64::saturating_add)),
+        _ => 0,
+    };
+    if converted > *wire_budget {
+        return Err(Status::invalid(format!(
+            "input '{name}': shape {} of {datatype} takes {converted} bytes once converted, more than the \
+             {} bytes the request limit (--max-request-bytes) leaves after the inputs before it",
+            shape_text(&shape),
+            *wire_budget
+        )));
+    }
+    *wire_budget -= converted;
     let data = match (raw, typed) {
         (Some(_), Some(_)) => {
             return Err(Status::invalid(format!(
@@ -649,6 +695,11 @@ mod tests {
     use nereid_proto::inference::model_infer_request::InferRequestedOutputTensor;
     use std::collections::HashMap;
 
+    /// [`infer_request_from_proto`] without a request size limit.
+    fn from_proto(req: ModelInferRequest, shm: &SharedMemory) -> Result<InferRequest, Status> {
+        infer_request_from_proto(req, shm, u64::MAX)
+    }
+
     fn input(name: &str, dt: &str, shape: &[i64], contents: Option<InferTensorContents>) -> InferInputTensor {
         InferInputTensor {
             name: name.into(),
@@ -657,6 +708,38 @@ mod tests {
             parameters: HashMap::new(),
             contents,
         }
+    }
+
+    /// Typed contents count at their converted size against the request limit, before they are
+    /// re-encoded (packed varints grow up to eightfold), across all of a request's inputs with
+    /// raw contents alike; exactly at the limit passes.
+    #[test]
+    fn typed_contents_are_bounded_by_the_request_limit_once_converted() {
+        let shm = SharedMemory::disabled();
+        let zeros = |n: usize| Some(InferTensorContents { int64_contents: vec![0; n], ..Default::default() });
+        let a = || input("A", "INT64", &[100], zeros(100));
+        // 100 INT64 zeros: about 100 bytes in the message, 800 once converted.
+        assert!(infer_request_from_proto(request(vec![a()], vec![]), &shm, 800).is_ok());
+        let e = infer_request_from_proto(request(vec![a()], vec![]), &shm, 799).unwrap_err();
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert!(e.message.contains("input 'A'") && e.message.contains("800 bytes"), "{}", e.message);
+        // Two inputs share the limit: the second is refused.
+        let two = vec![a(), input("B", "INT64", &[100], zeros(100))];
+        let e = infer_request_from_proto(request(two, vec![]), &shm, 1599).unwrap_err();
+        assert!(e.message.contains("input 'B'") && e.message.contains("799 bytes"), "{}", e.message);
+        // Raw contents count too.
+        let raw = vec![input("R", "FP32", &[4], None)];
+        let e = infer_request_from_proto(request(raw, vec![vec![0; 16]]), &shm, 15).unwrap_err();
+        assert!(e.message.contains("input 'R'"), "{}", e.message);
+        // BYTES: each element's 4-byte length and its bytes.
+        let strings =
+            || Some(InferTensorContents { bytes_contents: vec![b"abc".to_vec().into(); 2], ..Default::default() });
+        assert!(
+            infer_request_from_proto(request(vec![input("S", "BYTES", &[2], strings())], vec![]), &shm, 14).is_ok()
+        );
+        assert!(
+            infer_request_from_proto(request(vec![input("S", "BYTES", &[2], strings())], vec![]), &shm, 13).is_err()
+        );
     }
 
     fn request(inputs: Vec<InferInputTensor>, raw: Vec<Vec<u8>>) -> ModelInferRequest {
@@ -672,7 +755,7 @@ mod tests {
     }
 
     fn err(req: ModelInferRequest) -> Status {
-        infer_request_from_proto(req, &SharedMemory::disabled()).unwrap_err()
+        from_proto(req, &SharedMemory::disabled()).unwrap_err()
     }
 
     fn shm_params(region: &str, offset: Option<i64>, byte_size: i64) -> HashMap<String, InferParameter> {
@@ -704,7 +787,7 @@ mod tests {
         let mut req = request(vec![a.clone(), b.clone()], vec![f32_bytes(&[9.0])]);
         req.outputs =
             vec![InferRequestedOutputTensor { name: "Y".into(), parameters: shm_params("in", Some(1024), 64) }];
-        let r = infer_request_from_proto(req, &shm).unwrap();
+        let r = from_proto(req, &shm).unwrap();
         assert_eq!(&r.inputs[0].data[..], &f32_bytes(&[1.0, 2.0, 3.0, 4.0])[..]);
         assert_eq!(&r.inputs[1].data[..], &f32_bytes(&[9.0])[..]);
         assert_eq!(r.shm_outputs.len(), 1);
@@ -747,7 +830,7 @@ mod tests {
         assert!(e.message.contains("output 'Y': 128 bytes do not fit"), "{}", e.message);
 
         let check = |req: ModelInferRequest, needle: &str| {
-            let e = infer_request_from_proto(req, &shm).unwrap_err();
+            let e = from_proto(req, &shm).unwrap_err();
             assert_eq!(e.code, Code::InvalidArgument, "{}", e.message);
             assert!(e.message.contains(needle), "{needle}: {}", e.message);
         };
@@ -767,7 +850,7 @@ mod tests {
         // Unknown region, out-of-bounds offset, wrong parameter type.
         let mut unknown = a.clone();
         unknown.parameters = shm_params("nope", None, 16);
-        let e = infer_request_from_proto(request(vec![unknown], vec![]), &shm).unwrap_err();
+        let e = from_proto(request(vec![unknown], vec![]), &shm).unwrap_err();
         assert_eq!(e.code, Code::NotFound, "{}", e.message);
         assert!(e.message.starts_with("Unable to find shared memory region: 'nope'"), "{}", e.message);
         let mut outside = a.clone();
@@ -782,7 +865,7 @@ mod tests {
         let mut out_req = request(vec![b.clone()], vec![f32_bytes(&[9.0])]);
         out_req.outputs =
             vec![InferRequestedOutputTensor { name: "Y".into(), parameters: shm_params("gone", None, 8) }];
-        let e = infer_request_from_proto(out_req.clone(), &shm).unwrap_err();
+        let e = from_proto(out_req.clone(), &shm).unwrap_err();
         assert_eq!(e.code, Code::NotFound, "{}", e.message);
         assert_eq!(e.message, "Unable to find shared memory region: 'gone' (output 'Y')");
         // An output in shared memory cannot be a classification (checked before the region).
@@ -800,10 +883,10 @@ mod tests {
         params
             .insert("classification".into(), InferParameter { parameter_choice: Some(ParameterChoice::Int64Param(0)) });
         out_req.outputs = vec![InferRequestedOutputTensor { name: "Y".into(), parameters: params }];
-        assert_eq!(infer_request_from_proto(out_req, &shm).unwrap().shm_outputs.len(), 1);
+        assert_eq!(from_proto(out_req, &shm).unwrap().shm_outputs.len(), 1);
 
         // A worker that does not allow client shared memory says how to allow it.
-        let e = infer_request_from_proto(request(vec![a], vec![]), &SharedMemory::disabled()).unwrap_err();
+        let e = from_proto(request(vec![a], vec![]), &SharedMemory::disabled()).unwrap_err();
         assert!(e.message.contains("--allow-client-shm=true"), "{}", e.message);
     }
 
@@ -832,7 +915,7 @@ mod tests {
             "whatever".into(),
             InferParameter { parameter_choice: Some(ParameterChoice::StringParam("x".into())) },
         );
-        let r = infer_request_from_proto(req, &SharedMemory::disabled()).unwrap();
+        let r = from_proto(req, &SharedMemory::disabled()).unwrap();
         assert_eq!(r.model_name, "m");
         assert_eq!(r.model_version, Some(3));
         assert_eq!(r.id, "req-1");
@@ -856,9 +939,7 @@ mod tests {
     fn raw_input_is_not_copied() {
         let a = vec![0u8; 16];
         let ptr = a.as_ptr();
-        let r =
-            infer_request_from_proto(request(vec![input("A", "FP32", &[4], None)], vec![a]), &SharedMemory::disabled())
-                .unwrap();
+        let r = from_proto(request(vec![input("A", "FP32", &[4], None)], vec![a]), &SharedMemory::disabled()).unwrap();
         assert_eq!(r.inputs[0].data.as_ptr(), ptr);
     }
 
@@ -887,7 +968,7 @@ mod tests {
             ],
             vec![],
         );
-        let r = infer_request_from_proto(req, &SharedMemory::disabled()).unwrap();
+        let r = from_proto(req, &SharedMemory::disabled()).unwrap();
         let data: Vec<&[u8]> = r.inputs.iter().map(|t| &t.data[..]).collect();
         assert_eq!(data[0], &[1, 0, 1]);
         assert_eq!(data[1], &[0x80, 0x7f]);
@@ -965,7 +1046,7 @@ mod tests {
         let e = err(request(vec![input("A", "FP32", &[1], Some(c))], vec![vec![0; 4]]));
         assert!(e.message.contains("'A'") && e.message.contains("both"), "{}", e.message);
         // An empty contents message next to raw data is tolerated.
-        let ok = infer_request_from_proto(
+        let ok = from_proto(
             request(vec![input("A", "FP32", &[1], Some(InferTensorContents::default()))], vec![vec![0; 4]]),
             &SharedMemory::disabled(),
         );
@@ -1014,7 +1095,7 @@ mod tests {
             let mut params = HashMap::new();
             params.insert("classification".to_string(), InferParameter { parameter_choice: Some(choice) });
             req.outputs = vec![InferRequestedOutputTensor { name: "OUT".into(), parameters: params }];
-            infer_request_from_proto(req, &SharedMemory::disabled())
+            from_proto(req, &SharedMemory::disabled())
         };
         assert_eq!(classify(ParameterChoice::Int64Param(3)).unwrap().outputs[0].classification, 3);
         assert_eq!(classify(ParameterChoice::Uint64Param(2)).unwrap().outputs[0].classification, 2);
