@@ -732,8 +732,7 @@ mod tests {
         let e = infer_request_from_proto(request(raw, vec![vec![0; 16]]), &shm, 15).unwrap_err();
         assert!(e.message.contains("input 'R'"), "{}", e.message);
         // BYTES: each element's 4-byte length and its bytes.
-        let strings =
-            || Some(InferTensorContents { bytes_contents: vec![b"abc".to_vec().into(); 2], ..Default::default() });
+        let strings = || Some(InferTensorContents { bytes_contents: vec![b"abc".to_vec(); 2], ..Default::default() });
         assert!(
             infer_request_from_proto(request(vec![input("S", "BYTES", &[2], strings())], vec![]), &shm, 14).is_ok()
         );
