@@ -118,6 +118,26 @@ async fn a_stalled_http_upload_ends_at_the_deadline() {
 /// Each JSON tensor fits --max-request-bytes, but the tensors together do not (as a worker
 /// reads them, before anything is converted): a 400 naming the limit, nothing forwarded, and
 /// the gateway keeps serving.
+/// A request for a model no worker serves is answered 404 before its body is read (here: never
+/// sent, under a deadline of a minute); an index request's body is only a setting, bounded small.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_models_are_refused_before_the_body_and_settings_bodies_are_small() {
+    let (_worker, gateway) = held_fleet(&[]).await;
+    let answer = headers_only_http(&gateway, "/v2/models/nope/infer", "x-nereid-deadline-ms: 60000\r\n").await;
+    assert!(answer.starts_with("HTTP/1.1 404"), "{answer}");
+    let answer =
+        headers_only_http(&gateway, "/v2/models/held/versions/9/infer", "x-nereid-deadline-ms: 60000\r\n").await;
+    assert!(answer.starts_with("HTTP/1.1 404"), "{answer}");
+    let big = format!(r#"{{"ready": true, "pad": "{}"}}"#, "x".repeat(nereid_worker::http::SMALL_BODY_BYTES));
+    let response =
+        reqwest::Client::new().post(gateway.http_url("/v2/repository/index")).body(big).send().await.unwrap();
+    assert_eq!(response.status(), 400);
+    assert!(response.text().await.unwrap().contains("exceeds the limit of 65536 bytes"));
+    let response =
+        reqwest::Client::new().post(gateway.http_url("/v2/repository/index")).body("{}").send().await.unwrap();
+    assert_eq!(response.status(), 200);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_json_request_whose_tensors_together_outgrow_the_limit_is_refused() {
     let (_worker, gateway) = held_fleet(&["--max-request-bytes", "1048576"]).await;

@@ -744,3 +744,20 @@ fn the_worker_raises_its_open_files_limit_to_the_hard_limit() {
     let _ = child.wait();
     assert_eq!(limits, Some((hard, hard)));
 }
+
+/// Bodies that are only settings (repository index, unload, log settings) are bounded by
+/// `SMALL_BODY_BYTES`, not the request limit: 400, and the worker goes on serving.
+#[test]
+fn settings_bodies_are_bounded_small() {
+    let repo = common::example_models();
+    let worker = WorkerProcess::start(&repo, &["--model-control-mode=explicit", "--load-model=identity_fp32"]);
+    let big = format!(r#"{{"ready": true, "pad": "{}"}}"#, "x".repeat(nereid_worker::http::SMALL_BODY_BYTES));
+    for path in ["/v2/repository/index", "/v2/logging", "/v2/repository/models/identity_fp32/unload"] {
+        let (status, body) = worker.http_request(worker.http, "POST", path, big.as_bytes());
+        assert_eq!(status, 400, "{path}: {body}");
+        assert!(body.contains("exceeds the limit of 65536 bytes"), "{path}: {body}");
+    }
+    let (status, body) = worker.http_request(worker.http, "POST", "/v2/repository/index", br#"{"ready": true}"#);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("identity_fp32"), "the refused unload unloaded nothing: {body}");
+}

@@ -22,6 +22,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use nereid_common::Status;
 use nereid_common::config::config_to_json;
+use nereid_worker::http::SMALL_BODY_BYTES;
 use nereid_worker::http::{
     HEADER_CONTENT_LENGTH, ParsedInfer, index_json, infer_response, model_metadata_json, parse_index_request,
     parse_infer_request, parse_raw_binary_request, render_infer_response, stats_json,
@@ -32,6 +33,7 @@ use serde_json::{Value, json};
 use self::convert::{
     index_entry_from_proto, infer_request_to_proto, infer_response_from_proto, metadata_from_proto, stats_from_proto,
 };
+use crate::admission::Permit;
 use crate::call::{CallDeadline, DEADLINE_HEADER, parse_deadline_ms};
 use crate::error::GatewayError;
 use crate::grpc::{EXTENSIONS, SERVER_NAME, SERVER_VERSION};
@@ -234,7 +236,16 @@ async fn repository_index(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Value>, GatewayError> {
-    let body = read_body(&headers, body, ingress.max_request_bytes).await?;
+    // Only a setting: a small body, read within the request's deadline.
+    let deadline = deadline(&ingress, &headers, Instant::now());
+    let body = tokio::time::timeout_at(deadline.into(), read_body(&headers, body, SMALL_BODY_BYTES)).await.map_err(
+        |_| {
+            Status::new(
+                nereid_common::Code::DeadlineExceeded,
+                "the request's deadline passed before its body was received",
+            )
+        },
+    )??;
     let ready = parse_index_request(&body)?;
     let rows: Vec<_> = ingress.control.repository_index(ready).into_iter().map(index_entry_from_proto).collect();
     Ok(Json(index_json(&rows)))
@@ -268,15 +279,23 @@ async fn read_body(headers: &HeaderMap, body: Body, max: usize) -> Result<Bytes,
 /// worker does.
 const COMPRESS_MIN_BYTES: usize = 1 << 10;
 
-/// Runs `f` on the blocking pool when `heavy`, inline otherwise.
+/// Runs `f` on the blocking pool when `heavy`, inline otherwise. The request's admission place
+/// goes with it: work left running on the blocking pool by a request that went away (its
+/// client disconnected, or its deadline passed) still counts against --max-concurrent-requests
+/// until it ends, so requests that leave cannot pile up work outside the limit.
 async fn maybe_offload<T: Send + 'static>(
     heavy: bool,
+    admitted: &Permit,
     f: impl FnOnce() -> Result<T, Status> + Send + 'static,
 ) -> Result<T, GatewayError> {
     if heavy {
-        Ok(tokio::task::spawn_blocking(f)
-            .await
-            .map_err(|e| Status::internal(format!("request conversion task failed: {e}")))??)
+        let admitted = admitted.clone();
+        Ok(tokio::task::spawn_blocking(move || {
+            let _admitted = admitted;
+            f()
+        })
+        .await
+        .map_err(|e| Status::internal(format!("request conversion task failed: {e}")))??)
     } else {
         Ok(f()?)
     }
@@ -291,6 +310,13 @@ async fn infer(
     let now = Instant::now();
     let deadline = call_deadline(&ingress, &headers, now);
     let (name, version) = model_ref(&params)?;
+    // A model (version) no worker holds is answered before the body is read, converted and
+    // handed to the stack only to be refused there.
+    if let Err(e) = ingress.routes.snapshot().resolve(&name, version) {
+        let e = GatewayError::from(e);
+        ingress.refusals.count(Some((&name, version)), e.grpc_code(), now);
+        return Err(e);
+    }
     // Admitted before the body is read: an overloaded gateway buffers nothing.
     let permit = ingress.admit(Some((&name, version)), now)?;
     // Refused once admitted (a malformed header or body, a stalled upload, a request too large
@@ -325,7 +351,7 @@ async fn infer(
             header_length.unwrap_or(body.len()).min(body.len()) > OFFLOAD_JSON_BYTES || body.len() > OFFLOAD_COPY_BYTES;
         // Converted once, to the encoded gRPC request the stack forwards as it is.
         let model = name.clone();
-        let (request, format) = maybe_offload(heavy, move || {
+        let (request, format) = maybe_offload(heavy, &permit, move || {
             let ParsedInfer { request, format } = match raw_config {
                 Some(config) => parse_raw_binary_request(&model, version, body, &config)?,
                 None => parse_infer_request(&model, version, body, header_length, max, None)?,
@@ -357,10 +383,11 @@ async fn infer(
     };
 
     // Awaited here: if the client goes away, this future and the forwarded call are dropped.
-    let response = ingress.infer(request, deadline, Some(permit)).await?;
+    // (A clone stays for rendering the answer, which is part of the request too.)
+    let response = ingress.infer(request, deadline, Some(permit.clone())).await?;
 
     let heavy = response.bytes.len() > OFFLOAD_JSON_BYTES / 4;
-    let rendered = maybe_offload(heavy, move || {
+    let rendered = maybe_offload(heavy, &permit, move || {
         let response = response
             .decode()
             .map_err(|e| Status::internal(format!("the worker's answer could not be decoded: {e}")))?;
@@ -372,7 +399,8 @@ async fn infer(
     match nereid_worker::http::response_coding(&headers) {
         Some(coding) if rendered.total_len() > COMPRESS_MIN_BYTES => {
             let heavy = rendered.total_len() > OFFLOAD_JSON_BYTES;
-            maybe_offload(heavy, move || nereid_worker::http::compressed_infer_response(rendered, coding)).await
+            maybe_offload(heavy, &permit, move || nereid_worker::http::compressed_infer_response(rendered, coding))
+                .await
         }
         _ => Ok(infer_response(rendered)),
     }

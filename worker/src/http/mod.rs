@@ -13,6 +13,7 @@ mod infer;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use axum::body::Body;
@@ -246,6 +247,14 @@ impl Coding {
 /// inflate on a thread serving every connection.
 const OFFLOAD_INFLATE_BYTES: usize = 1 << 10;
 
+/// The most a request body that is only a few settings may take (repository index and unload,
+/// shared-memory registration, log settings), inflated or not: such a request holds no tensors,
+/// so it does not get --max-request-bytes to fill.
+pub const SMALL_BODY_BYTES: usize = 64 << 10;
+
+/// Inflating reads at most this much at a time, and stops between reads once its request is gone.
+const INFLATE_CHUNK_BYTES: usize = 1 << 20;
+
 /// Infer responses are compressed (when the client accepts it) only above this size.
 const COMPRESS_MIN_BYTES: usize = 1 << 10;
 
@@ -310,9 +319,27 @@ pub async fn read_body(headers: &HeaderMap, body: Body, max: usize) -> Result<By
     let raw = read_raw_body(headers, body, max).await?;
     match coding {
         Some(coding) if !raw.is_empty() => {
-            maybe_offload(raw.len() > OFFLOAD_INFLATE_BYTES, move || inflate(coding, &raw, max).map(Bytes::from)).await
+            // A request that goes away (this future dropped: the client disconnected, or its
+            // deadline passed) stops its inflating too, rather than leave a detached task to
+            // inflate up to `max` bytes for nobody.
+            let gone = CancelOnDrop::default();
+            let cancelled = gone.0.clone();
+            maybe_offload(raw.len() > OFFLOAD_INFLATE_BYTES, move || {
+                inflate(coding, &raw, max, &cancelled).map(Bytes::from)
+            })
+            .await
         }
         _ => Ok(raw),
+    }
+}
+
+/// Sets its flag when dropped.
+#[derive(Default)]
+struct CancelOnDrop(std::sync::Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
     }
 }
 
@@ -355,12 +382,12 @@ async fn read_raw_body(headers: &HeaderMap, mut body: Body, max: usize) -> Resul
 /// Inflates a `coding` body, failing as soon as the output would pass `max` bytes.
 /// `deflate` is the zlib format; a raw deflate stream (no zlib header, as some clients send)
 /// is accepted too.
-fn inflate(coding: Coding, data: &[u8], max: usize) -> Result<Vec<u8>, Status> {
+fn inflate(coding: Coding, data: &[u8], max: usize, cancelled: &AtomicBool) -> Result<Vec<u8>, Status> {
     use flate2::bufread::{DeflateDecoder, MultiGzDecoder, ZlibDecoder};
     let result = match coding {
-        Coding::Gzip => read_bounded(MultiGzDecoder::new(data), data.len(), max),
-        Coding::Deflate if has_zlib_header(data) => read_bounded(ZlibDecoder::new(data), data.len(), max),
-        Coding::Deflate => read_bounded(DeflateDecoder::new(data), data.len(), max),
+        Coding::Gzip => read_bounded(MultiGzDecoder::new(data), data.len(), max, cancelled),
+        Coding::Deflate if has_zlib_header(data) => read_bounded(ZlibDecoder::new(data), data.len(), max, cancelled),
+        Coding::Deflate => read_bounded(DeflateDecoder::new(data), data.len(), max, cancelled),
     };
     match result {
         Ok(Some(out)) => Ok(out),
@@ -382,8 +409,14 @@ fn has_zlib_header(data: &[u8]) -> bool {
 }
 
 /// Reads `reader` to its end into a buffer that never grows past `max + 1` bytes; `None` when
-/// there are more than `max` bytes (reading stops there).
-fn read_bounded(mut reader: impl std::io::Read, compressed_len: usize, max: usize) -> std::io::Result<Option<Vec<u8>>> {
+/// there are more than `max` bytes (reading stops there). Reads [`INFLATE_CHUNK_BYTES`] at a
+/// time, and fails between two once `cancelled` is set.
+fn read_bounded(
+    mut reader: impl std::io::Read,
+    compressed_len: usize,
+    max: usize,
+    cancelled: &AtomicBool,
+) -> std::io::Result<Option<Vec<u8>>> {
     let cap = max.saturating_add(1);
     let mut buf = vec![0u8; compressed_len.saturating_mul(4).max(16 << 10).min(cap)];
     let mut filled = 0;
@@ -396,7 +429,11 @@ fn read_bounded(mut reader: impl std::io::Read, compressed_len: usize, max: usiz
             buf.reserve_exact(grown - buf.len());
             buf.resize(grown, 0);
         }
-        match reader.read(&mut buf[filled..]) {
+        if cancelled.load(Ordering::Relaxed) {
+            return Err(std::io::Error::other("the request went away"));
+        }
+        let end = filled.saturating_add(INFLATE_CHUNK_BYTES).min(buf.len());
+        match reader.read(&mut buf[filled..end]) {
             Ok(0) => break,
             Ok(n) => filled += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -601,7 +638,7 @@ async fn repository_index(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
-    let body = read_body(&headers, body, server.limits.max_request_bytes).await?;
+    let body = read_body(&headers, body, SMALL_BODY_BYTES).await?;
     let ready = parse_index_request(&body)?;
     Ok(Json(index_json(&server.repository_index(ready))))
 }
@@ -624,7 +661,7 @@ async fn unload_model(
     headers: HeaderMap,
     body: Body,
 ) -> Result<StatusCode, ApiError> {
-    let body = read_body(&headers, body, server.limits.max_request_bytes).await?;
+    let body = read_body(&headers, body, SMALL_BODY_BYTES).await?;
     let dependents = parse_unload_request(&body)?;
     server.unload_model(&model, dependents).await?;
     Ok(StatusCode::OK)
@@ -644,7 +681,7 @@ async fn shm_register(
     headers: HeaderMap,
     body: Body,
 ) -> Result<StatusCode, ApiError> {
-    let body = read_body(&headers, body, server.limits.max_request_bytes).await?;
+    let body = read_body(&headers, body, SMALL_BODY_BYTES).await?;
     let (key, offset, byte_size) = parse_shm_register_request(&body)?;
     server.shm.register(&region, &key, offset, byte_size)?;
     Ok(StatusCode::OK)
@@ -654,8 +691,8 @@ async fn get_logging() -> Json<Value> {
     Json(log_settings_json())
 }
 
-async fn post_logging(State(server): State<Server>, headers: HeaderMap, body: Body) -> Result<Json<Value>, ApiError> {
-    let body = read_body(&headers, body, server.limits.max_request_bytes).await?;
+async fn post_logging(headers: HeaderMap, body: Body) -> Result<Json<Value>, ApiError> {
+    let body = read_body(&headers, body, SMALL_BODY_BYTES).await?;
     nereid_common::telemetry::log_settings().apply(&parse_log_settings(&body)?)?;
     Ok(Json(log_settings_json()))
 }
@@ -1338,16 +1375,36 @@ mod tests {
         }
         // Exactly the limit inflated is fine; one byte more is not.
         let exact = vec![b'x'; MAX];
-        assert_eq!(inflate(Coding::Gzip, &gzip(&exact), MAX).unwrap().len(), MAX);
-        assert!(inflate(Coding::Gzip, &gzip(&exact), MAX - 1).is_err());
+        assert_eq!(inflate(Coding::Gzip, &gzip(&exact), MAX, &AtomicBool::new(false)).unwrap().len(), MAX);
+        assert!(inflate(Coding::Gzip, &gzip(&exact), MAX - 1, &AtomicBool::new(false)).is_err());
         // The inflating buffer never grows past max + 1 bytes.
         let bomb = gzip(&inflated);
         let reader = flate2::bufread::GzDecoder::new(&bomb[..]);
         let mut counting = CapturingReader { inner: reader, largest_read: 0 };
-        assert!(read_bounded(&mut counting, 100, MAX).unwrap().is_none());
+        assert!(read_bounded(&mut counting, 100, MAX, &AtomicBool::new(false)).unwrap().is_none());
         assert!(counting.largest_read <= MAX + 1);
-        let out = read_bounded(&exact[..], 10, MAX).unwrap().unwrap();
+        let out = read_bounded(&exact[..], 10, MAX, &AtomicBool::new(false)).unwrap().unwrap();
         assert!(out.capacity() <= MAX + 1, "{}", out.capacity());
+    }
+
+    /// Inflating reads a chunk at a time and stops between two once its request is gone (the
+    /// future reading the body dropped), instead of inflating up to the limit for nobody.
+    #[test]
+    fn inflating_stops_once_its_request_is_gone() {
+        let zeros = vec![0u8; 4 * INFLATE_CHUNK_BYTES];
+        let bomb = gzip(&zeros);
+        let mut counting = CapturingReader { inner: flate2::bufread::GzDecoder::new(&bomb[..]), largest_read: 0 };
+        let out = read_bounded(&mut counting, bomb.len(), usize::MAX >> 1, &AtomicBool::new(false)).unwrap();
+        assert_eq!(out.map(|o| o.len()), Some(zeros.len()));
+        assert!(counting.largest_read <= INFLATE_CHUNK_BYTES, "{}", counting.largest_read);
+        let e = inflate(Coding::Gzip, &bomb, usize::MAX >> 1, &AtomicBool::new(true)).unwrap_err();
+        assert!(e.message.contains("went away"), "{}", e.message);
+        // What read_body holds across its await: dropped with the request, it sets the flag.
+        let gone = CancelOnDrop::default();
+        let flag = gone.0.clone();
+        assert!(!flag.load(Ordering::Relaxed));
+        drop(gone);
+        assert!(flag.load(Ordering::Relaxed));
     }
 
     struct CapturingReader<R> {
@@ -1381,7 +1438,7 @@ mod tests {
     }
 
     fn inflate_all(coding: Coding, body: &[u8]) -> Vec<u8> {
-        inflate(coding, body, usize::MAX >> 1).unwrap()
+        inflate(coding, body, usize::MAX >> 1, &AtomicBool::new(false)).unwrap()
     }
 
     #[tokio::test]
