@@ -235,6 +235,13 @@ async fn a_request_without_room_for_what_forwarding_appends_is_refused_at_the_ga
     assert!(status.message().contains("over the limit of 1048576 bytes"), "{status:?}");
     let served = grpc(id_for(MAX - 64)).await.expect("room for what forwarding adds");
     assert_eq!(served.into_inner().raw_output_contents[0].len(), ROWS * 64);
+    // Over the limit itself: refused by the gRPC layer before the message is handed on, and
+    // counted in the request metrics like the gateway's own refusals.
+    let status = grpc(id_for(MAX + 100)).await.expect_err("over the limit");
+    let label = nereid_gateway::error::code_label(status.code());
+    let series = format!("nereid_gateway_requests_total{{code=\"{label}\",model=\"_unread\",version=\"\"}} 1");
+    let text = gateway.metrics_text().await;
+    assert!(text.contains(&series), "{status:?}\n{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -224,7 +224,20 @@ impl tower::Service<http::Request<tonic::body::Body>> for InferenceService {
                     let call = grpc.unary(handler, request);
                     tokio::pin!(call);
                     tokio::select! {
-                        response = &mut call => Ok(response),
+                        response = &mut call => {
+                            // Refused by tonic before the handler saw the message (too large,
+                            // compressed or not, or undecodable): counted as the handler counts
+                            // its own refusals.
+                            if !received.load(Ordering::Acquire) {
+                                let code = response
+                                    .headers()
+                                    .get("grpc-status")
+                                    .and_then(|v| v.to_str().ok()?.parse::<i32>().ok())
+                                    .map_or(tonic::Code::Unknown, tonic::Code::from_i32);
+                                refusals.count(None, code, arrived);
+                            }
+                            Ok(response)
+                        }
                         // A client that sends its headers and then stalls holds its admission
                         // place until its deadline, no longer. (Once the message is in, the
                         // stack answers at the deadline itself.)
