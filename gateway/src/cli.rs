@@ -16,6 +16,10 @@ use crate::config::{
     MAX_PLACEMENT_LOAD_TIMEOUT_SECS, OutlierConfig, RetryConfig,
 };
 
+/// `--request-timeout-ms` at most: a year (every deadline is now + this; a value near u64::MAX
+/// would overflow the clock on every request).
+const MAX_REQUEST_TIMEOUT_MS: u64 = 365 * 24 * 3600 * 1000;
+
 /// nereid-gateway: one KServe v2 (HTTP + gRPC) endpoint in front of a fleet of nereid-workers.
 #[derive(Clone, Debug, Parser)]
 #[command(name = "nereid-gateway", version, about, long_about = None)]
@@ -82,9 +86,9 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub port_file: Option<PathBuf>,
 
-    /// Longest time a request may take through the gateway, in milliseconds; a client's
-    /// deadline (grpc-timeout, x-nereid-deadline-ms) is capped by it.
-    #[arg(long, default_value_t = DEFAULT_REQUEST_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Longest time a request may take through the gateway, in milliseconds (at most a year);
+    /// a client's deadline (grpc-timeout, x-nereid-deadline-ms) is capped by it.
+    #[arg(long, default_value_t = DEFAULT_REQUEST_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(1..=MAX_REQUEST_TIMEOUT_MS))]
     pub request_timeout_ms: u64,
 
     /// Most inference requests in flight through the gateway; more are refused at once with

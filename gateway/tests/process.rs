@@ -61,6 +61,7 @@ fn invalid_flags_exit_non_zero_naming_the_flag() {
         (vec!["--worker-grpc", "h:1", "--max-concurrent-requests", "0"], "--max-concurrent-requests"),
         (vec!["--worker-grpc", "h:1", "--retry-budget-percent", "101"], "--retry-budget-percent"),
         (vec!["--worker-grpc", "h:1", "--request-timeout-ms", "x"], "--request-timeout-ms"),
+        (vec!["--worker-grpc", "h:1", "--request-timeout-ms", "18446744073709551615"], "--request-timeout-ms"),
         (vec!["--worker-grpc", "h:1", "--max-request-bytes", "2147483648"], "--max-request-bytes"),
         (vec!["--worker-grpc", "h:1", "--ejection-base-ms", "5000", "--ejection-max-ms", "10"], "--ejection-max-ms"),
         (vec!["--worker-grpc", "h:1", "--no-such-flag"], "--no-such-flag"),
