@@ -50,15 +50,27 @@ impl Control {
         deadline: Instant,
     ) -> Result<Arc<ModelConfig>, GatewayError> {
         let resolved = self.routes.snapshot().resolve(name, version)?.version;
-        if let Some(config) = self.shapes.get(name, resolved, Instant::now()) {
-            return Ok(config);
+        let stale = match self.shapes.lookup(name, resolved, Instant::now()) {
+            Lookup::Hit(config) => return Ok(config),
+            Lookup::Refresh(stale) => Some(stale),
+            Lookup::Fetch => None,
+        };
+        // This request refreshes an expired config (others meanwhile use the one it replaces).
+        let _refreshing = stale.is_some().then(|| Refreshing { cache: &self.shapes, name, version: resolved });
+        let fetched = self.model_config(name, Some(resolved), deadline).await.and_then(|response| {
+            response.config.map(Arc::new).ok_or_else(|| {
+                GatewayError::from(nereid_common::Status::internal("the worker answered no model config"))
+            })
+        });
+        match (fetched, stale) {
+            (Ok(config), _) => {
+                self.shapes.insert(name, resolved, config.clone(), Instant::now());
+                Ok(config)
+            }
+            // The model still routes (resolved above): what it was a moment ago serves on.
+            (Err(_), Some(stale)) => Ok(stale),
+            (Err(e), None) => Err(e),
         }
-        let response = self.model_config(name, Some(resolved), deadline).await?;
-        let config = Arc::new(response.config.ok_or_else(|| {
-            GatewayError::from(nereid_common::Status::internal("the worker answered no model config"))
-        })?);
-        self.shapes.insert(name, resolved, config.clone(), Instant::now());
-        Ok(config)
     }
 
     /// Runs `call` on a worker holding `model` (`version`) READY, within `deadline`; once more on
@@ -264,26 +276,56 @@ pub fn merge_statistics(responses: Vec<ModelStatisticsResponse>) -> ModelStatist
     ModelStatisticsResponse { model_stats: merged.into_values().collect() }
 }
 
-/// How long [`Control::shape_config`] reuses a model's config.
+/// How long [`Control::shape_config`] reuses a model's config before one request refreshes it.
 pub const SHAPE_CONFIG_TTL: Duration = Duration::from_secs(1);
+/// How long an expired config still serves while one request refreshes it; older, every
+/// request fetches (none refreshed it for that long: there was no traffic).
+const SHAPE_CONFIG_STALE_MAX: Duration = Duration::from_secs(10);
 /// Most configs [`ConfigCache`] holds; when full, it starts over (only models that resolved
 /// and answered are ever inserted).
 const SHAPE_CONFIG_ENTRIES: usize = 1024;
 
-/// A model's configs by version, each with when it was fetched.
-type VersionConfigs = BTreeMap<i64, (Instant, Arc<ModelConfig>)>;
+struct CachedConfig {
+    fetched: Instant,
+    config: Arc<ModelConfig>,
+    /// A request is fetching its replacement.
+    refreshing: bool,
+}
 
-/// Model configs by model and version, each for [`SHAPE_CONFIG_TTL`] after it was fetched.
+/// What [`ConfigCache::lookup`] found.
+enum Lookup {
+    /// A config to use.
+    Hit(Arc<ModelConfig>),
+    /// Expired, and nobody refreshes it: the caller does (it is now marked as refreshing), and
+    /// may fall back on the expired one.
+    Refresh(Arc<ModelConfig>),
+    /// None to use: the caller fetches one.
+    Fetch,
+}
+
+/// Model configs by model and version: fresh for [`SHAPE_CONFIG_TTL`] after they were fetched,
+/// then refreshed by one request while the others go on using them (single flight), at most
+/// [`SHAPE_CONFIG_STALE_MAX`].
 #[derive(Default)]
 struct ConfigCache {
-    entries: Mutex<HashMap<String, VersionConfigs>>,
+    entries: Mutex<HashMap<String, BTreeMap<i64, CachedConfig>>>,
 }
 
 impl ConfigCache {
-    fn get(&self, name: &str, version: i64, now: Instant) -> Option<Arc<ModelConfig>> {
-        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        let (fetched, config) = entries.get(name)?.get(&version)?;
-        (now.saturating_duration_since(*fetched) < SHAPE_CONFIG_TTL).then(|| config.clone())
+    fn lookup(&self, name: &str, version: i64, now: Instant) -> Lookup {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(entry) = entries.get_mut(name).and_then(|versions| versions.get_mut(&version)) else {
+            return Lookup::Fetch;
+        };
+        let age = now.saturating_duration_since(entry.fetched);
+        if age < SHAPE_CONFIG_TTL || (age < SHAPE_CONFIG_STALE_MAX && entry.refreshing) {
+            Lookup::Hit(entry.config.clone())
+        } else if age < SHAPE_CONFIG_STALE_MAX {
+            entry.refreshing = true;
+            Lookup::Refresh(entry.config.clone())
+        } else {
+            Lookup::Fetch
+        }
     }
 
     fn insert(&self, name: &str, version: i64, config: Arc<ModelConfig>, now: Instant) {
@@ -291,7 +333,29 @@ impl ConfigCache {
         if entries.values().map(BTreeMap::len).sum::<usize>() >= SHAPE_CONFIG_ENTRIES {
             entries.clear();
         }
-        entries.entry(name.to_string()).or_default().insert(version, (now, config));
+        let entry = CachedConfig { fetched: now, config, refreshing: false };
+        entries.entry(name.to_string()).or_default().insert(version, entry);
+    }
+
+    fn refresh_ended(&self, name: &str, version: i64) {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(entry) = entries.get_mut(name).and_then(|versions| versions.get_mut(&version)) {
+            entry.refreshing = false;
+        }
+    }
+}
+
+/// Held by the request refreshing a config: however it ends (fetched, failed, or dropped with
+/// its client), the next request after it may refresh.
+struct Refreshing<'a> {
+    cache: &'a ConfigCache,
+    name: &'a str,
+    version: i64,
+}
+
+impl Drop for Refreshing<'_> {
+    fn drop(&mut self) {
+        self.cache.refresh_ended(self.name, self.version);
     }
 }
 
@@ -299,21 +363,38 @@ impl ConfigCache {
 mod tests {
     use super::*;
 
+    fn hit(lookup: Lookup) -> Option<String> {
+        match lookup {
+            Lookup::Hit(config) => Some(config.name.clone()),
+            _ => None,
+        }
+    }
+
     #[test]
-    fn shape_configs_are_reused_until_they_expire() {
+    fn shape_configs_are_reused_then_refreshed_by_one_request() {
         let cache = ConfigCache::default();
         let t0 = Instant::now();
         let config = |name: &str| Arc::new(ModelConfig { name: name.into(), ..Default::default() });
-        assert!(cache.get("m", 1, t0).is_none());
+        assert!(matches!(cache.lookup("m", 1, t0), Lookup::Fetch));
         cache.insert("m", 1, config("m"), t0);
-        assert_eq!(cache.get("m", 1, t0 + SHAPE_CONFIG_TTL / 2).unwrap().name, "m");
+        assert_eq!(hit(cache.lookup("m", 1, t0 + SHAPE_CONFIG_TTL / 2)).as_deref(), Some("m"));
         // Another version of the same model, or another model, is its own entry.
-        assert!(cache.get("m", 2, t0).is_none());
-        assert!(cache.get("n", 1, t0).is_none());
-        assert!(cache.get("m", 1, t0 + SHAPE_CONFIG_TTL).is_none(), "expired");
+        assert!(matches!(cache.lookup("m", 2, t0), Lookup::Fetch));
+        assert!(matches!(cache.lookup("n", 1, t0), Lookup::Fetch));
+        // Expired: the first request refreshes it, the next ones use it meanwhile.
+        let expired = t0 + SHAPE_CONFIG_TTL;
+        assert!(matches!(cache.lookup("m", 1, expired), Lookup::Refresh(c) if c.name == "m"));
+        assert_eq!(hit(cache.lookup("m", 1, expired)).as_deref(), Some("m"));
+        // The refresh ended without a new config (failed, or its client left): the next refreshes.
+        drop(Refreshing { cache: &cache, name: "m", version: 1 });
+        assert!(matches!(cache.lookup("m", 1, expired), Lookup::Refresh(_)));
         // Refetched: fresh again.
-        cache.insert("m", 1, config("m"), t0 + SHAPE_CONFIG_TTL);
-        assert!(cache.get("m", 1, t0 + SHAPE_CONFIG_TTL).is_some());
+        cache.insert("m", 1, config("m"), expired);
+        assert!(hit(cache.lookup("m", 1, expired)).is_some());
+        // Expired for too long, nobody refreshing or not: every request fetches.
+        let old = expired + SHAPE_CONFIG_STALE_MAX;
+        assert!(matches!(cache.lookup("m", 1, old - SHAPE_CONFIG_TTL), Lookup::Refresh(_)));
+        assert!(matches!(cache.lookup("m", 1, old), Lookup::Fetch));
     }
 
     #[test]
@@ -325,7 +406,7 @@ mod tests {
         }
         let held: usize = cache.entries.lock().unwrap().values().map(BTreeMap::len).sum();
         assert!(held <= SHAPE_CONFIG_ENTRIES, "{held}");
-        assert!(cache.get("m", SHAPE_CONFIG_ENTRIES as i64 + 9, t0).is_some(), "the newest is kept");
+        assert!(hit(cache.lookup("m", SHAPE_CONFIG_ENTRIES as i64 + 9, t0)).is_some(), "the newest is kept");
     }
 
     fn stats(name: &str, version: &str, count: u64, last: u64, batches: &[(u64, u64)]) -> ModelStatistics {
