@@ -50,13 +50,14 @@ impl Control {
         deadline: Instant,
     ) -> Result<Arc<ModelConfig>, GatewayError> {
         let resolved = self.routes.snapshot().resolve(name, version)?.version;
-        let stale = match self.shapes.lookup(name, resolved, Instant::now()) {
+        let started = Instant::now();
+        let stale = match self.shapes.lookup(name, resolved, started) {
             Lookup::Hit(config) => return Ok(config),
             Lookup::Refresh(stale) => Some(stale),
             Lookup::Fetch => None,
         };
         // This request refreshes an expired config (others meanwhile use the one it replaces).
-        let _refreshing = stale.is_some().then(|| Refreshing { cache: &self.shapes, name, version: resolved });
+        let _refreshing = stale.is_some().then(|| Refreshing { cache: &self.shapes, name, version: resolved, started });
         let fetched = self.model_config(name, Some(resolved), deadline).await.and_then(|response| {
             response.config.map(Arc::new).ok_or_else(|| {
                 GatewayError::from(nereid_common::Status::internal("the worker answered no model config"))
@@ -64,7 +65,8 @@ impl Control {
         });
         match (fetched, stale) {
             (Ok(config), _) => {
-                self.shapes.insert(name, resolved, config.clone(), Instant::now());
+                // As of when it was asked for: a slow answer is not fresher than it is.
+                self.shapes.insert(name, resolved, config.clone(), started);
                 Ok(config)
             }
             // The model still routes (resolved above): what it was a moment ago serves on.
@@ -288,8 +290,9 @@ const SHAPE_CONFIG_ENTRIES: usize = 1024;
 struct CachedConfig {
     fetched: Instant,
     config: Arc<ModelConfig>,
-    /// A request is fetching its replacement.
-    refreshing: bool,
+    /// A request is fetching its replacement: since when (which tells that request's guard
+    /// from a later one's).
+    refreshing: Option<Instant>,
 }
 
 /// What [`ConfigCache::lookup`] found.
@@ -318,29 +321,37 @@ impl ConfigCache {
             return Lookup::Fetch;
         };
         let age = now.saturating_duration_since(entry.fetched);
-        if age < SHAPE_CONFIG_TTL || (age < SHAPE_CONFIG_STALE_MAX && entry.refreshing) {
+        if age < SHAPE_CONFIG_TTL || (age < SHAPE_CONFIG_STALE_MAX && entry.refreshing.is_some()) {
             Lookup::Hit(entry.config.clone())
         } else if age < SHAPE_CONFIG_STALE_MAX {
-            entry.refreshing = true;
+            entry.refreshing = Some(now);
             Lookup::Refresh(entry.config.clone())
         } else {
             Lookup::Fetch
         }
     }
 
-    fn insert(&self, name: &str, version: i64, config: Arc<ModelConfig>, now: Instant) {
+    /// Puts a config fetched as of `fetched` in place, unless the one there is newer.
+    fn insert(&self, name: &str, version: i64, config: Arc<ModelConfig>, fetched: Instant) {
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if entries.get(name).and_then(|versions| versions.get(&version)).is_some_and(|e| e.fetched > fetched) {
+            return;
+        }
         if entries.values().map(BTreeMap::len).sum::<usize>() >= SHAPE_CONFIG_ENTRIES {
             entries.clear();
         }
-        let entry = CachedConfig { fetched: now, config, refreshing: false };
+        let entry = CachedConfig { fetched, config, refreshing: None };
         entries.entry(name.to_string()).or_default().insert(version, entry);
     }
 
-    fn refresh_ended(&self, name: &str, version: i64) {
+    /// The refresh that began at `started` ended: unless a later one runs, the next request
+    /// after it may refresh.
+    fn refresh_ended(&self, name: &str, version: i64, started: Instant) {
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(entry) = entries.get_mut(name).and_then(|versions| versions.get_mut(&version)) {
-            entry.refreshing = false;
+        if let Some(entry) = entries.get_mut(name).and_then(|versions| versions.get_mut(&version))
+            && entry.refreshing == Some(started)
+        {
+            entry.refreshing = None;
         }
     }
 }
@@ -351,11 +362,12 @@ struct Refreshing<'a> {
     cache: &'a ConfigCache,
     name: &'a str,
     version: i64,
+    started: Instant,
 }
 
 impl Drop for Refreshing<'_> {
     fn drop(&mut self) {
-        self.cache.refresh_ended(self.name, self.version);
+        self.cache.refresh_ended(self.name, self.version, self.started);
     }
 }
 
@@ -386,8 +398,15 @@ mod tests {
         assert!(matches!(cache.lookup("m", 1, expired), Lookup::Refresh(c) if c.name == "m"));
         assert_eq!(hit(cache.lookup("m", 1, expired)).as_deref(), Some("m"));
         // The refresh ended without a new config (failed, or its client left): the next refreshes.
-        drop(Refreshing { cache: &cache, name: "m", version: 1 });
+        // (A guard of an earlier refresh does not end a later one's.)
+        drop(Refreshing { cache: &cache, name: "m", version: 1, started: t0 });
+        assert_eq!(hit(cache.lookup("m", 1, expired)).as_deref(), Some("m"));
+        drop(Refreshing { cache: &cache, name: "m", version: 1, started: expired });
         assert!(matches!(cache.lookup("m", 1, expired), Lookup::Refresh(_)));
+        // A slow refresh that began before the config in place was fetched does not replace it.
+        cache.insert("m", 1, config("newer"), expired);
+        cache.insert("m", 1, config("older"), t0);
+        assert_eq!(hit(cache.lookup("m", 1, expired)).as_deref(), Some("newer"));
         // Refetched: fresh again.
         cache.insert("m", 1, config("m"), expired);
         assert!(hit(cache.lookup("m", 1, expired)).is_some());

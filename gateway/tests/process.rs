@@ -116,9 +116,6 @@ async fn a_stalled_http_upload_ends_at_the_deadline() {
     assert!(answer.contains("before its body was received"), "{answer}");
 }
 
-/// Each JSON tensor fits --max-request-bytes, but the tensors together do not (as a worker
-/// reads them, before anything is converted): a 400 naming the limit, nothing forwarded, and
-/// the gateway keeps serving.
 /// A request for a model no worker serves is answered 404 before its body is read (here: never
 /// sent, under a deadline of a minute); an index request's body is only a setting, bounded small.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -139,6 +136,9 @@ async fn unknown_models_are_refused_before_the_body_and_settings_bodies_are_smal
     assert_eq!(response.status(), 200);
 }
 
+/// Each JSON tensor fits --max-request-bytes, but the tensors together do not (as a worker
+/// reads them, before anything is converted): a 400 naming the limit, nothing forwarded, and
+/// the gateway keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_json_request_whose_tensors_together_outgrow_the_limit_is_refused() {
     let (_worker, gateway) = held_fleet(&["--max-request-bytes", "1048576"]).await;

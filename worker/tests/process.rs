@@ -720,29 +720,39 @@ fn the_worker_raises_its_open_files_limit_to_the_hard_limit() {
     }
     let dir = tempfile::tempdir().unwrap();
     let port_file = dir.path().join("ports.json");
+    let log = dir.path().join("worker.log");
+    /// Killed however the test ends.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
     // `exec`: the shell becomes the worker, so the child's pid is the worker's.
-    let mut child = Command::new("sh")
-        .args(["-c", "ulimit -S -n 256 && exec \"$0\" \"$@\"", env!("CARGO_BIN_EXE_nereid-worker")])
-        .arg("--model-repository")
-        .arg(dir.path())
-        .args(["--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
-        .arg("--port-file")
-        .arg(&port_file)
-        .env("NEREID_ORT_LIB", nereid_worker::backend::default_runtime_path())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = Killed(
+        Command::new("sh")
+            .args(["-c", "ulimit -S -n 256 && exec \"$0\" \"$@\"", env!("CARGO_BIN_EXE_nereid-worker")])
+            .arg("--model-repository")
+            .arg(dir.path())
+            .args(["--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
+            .arg("--port-file")
+            .arg(&port_file)
+            .env("NEREID_ORT_LIB", nereid_worker::backend::default_runtime_path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let said = || std::fs::read_to_string(&log).unwrap_or_default();
     let deadline = Instant::now() + Duration::from_secs(30);
     while !port_file.is_file() {
-        assert!(child.try_wait().unwrap().is_none(), "the worker exited before it listened");
-        assert!(Instant::now() < deadline, "the worker did not write its port file");
+        assert!(child.0.try_wait().unwrap().is_none(), "the worker exited before it listened: {}", said());
+        assert!(Instant::now() < deadline, "the worker did not write its port file: {}", said());
         std::thread::sleep(Duration::from_millis(10));
     }
-    let limits = nereid_common::limits::open_files_limits_of(child.id());
-    let _ = child.kill();
-    let _ = child.wait();
-    assert_eq!(limits, Some((hard, hard)));
+    let limits = nereid_common::limits::open_files_limits_of(child.0.id());
+    assert_eq!(limits, Some((hard, hard)), "{}", said());
 }
 
 /// Bodies that are only settings (repository index, unload, log settings) are bounded by

@@ -238,14 +238,14 @@ async fn repository_index(
 ) -> Result<Json<Value>, GatewayError> {
     // Only a setting: a small body, read within the request's deadline.
     let deadline = deadline(&ingress, &headers, Instant::now());
-    let body = tokio::time::timeout_at(deadline.into(), read_body(&headers, body, SMALL_BODY_BYTES)).await.map_err(
-        |_| {
-            Status::new(
-                nereid_common::Code::DeadlineExceeded,
-                "the request's deadline passed before its body was received",
-            )
-        },
-    )??;
+    let body = tokio::time::timeout_at(
+        deadline.into(),
+        read_body(&headers, body, SMALL_BODY_BYTES.min(ingress.max_request_bytes)),
+    )
+    .await
+    .map_err(|_| {
+        Status::new(nereid_common::Code::DeadlineExceeded, "the request's deadline passed before its body was received")
+    })??;
     let ready = parse_index_request(&body)?;
     let rows: Vec<_> = ingress.control.repository_index(ready).into_iter().map(index_entry_from_proto).collect();
     Ok(Json(index_json(&rows)))

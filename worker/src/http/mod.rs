@@ -252,6 +252,11 @@ const OFFLOAD_INFLATE_BYTES: usize = 1 << 10;
 /// so it does not get --max-request-bytes to fill.
 pub const SMALL_BODY_BYTES: usize = 64 << 10;
 
+/// [`SMALL_BODY_BYTES`], or the request limit where that is lower.
+fn small_body_limit(server: &Server) -> usize {
+    SMALL_BODY_BYTES.min(server.limits.max_request_bytes)
+}
+
 /// Inflating reads at most this much at a time, and stops between reads once its request is gone.
 const INFLATE_CHUNK_BYTES: usize = 1 << 20;
 
@@ -638,7 +643,7 @@ async fn repository_index(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
-    let body = read_body(&headers, body, SMALL_BODY_BYTES).await?;
+    let body = read_body(&headers, body, small_body_limit(&server)).await?;
     let ready = parse_index_request(&body)?;
     Ok(Json(index_json(&server.repository_index(ready))))
 }
@@ -661,7 +666,7 @@ async fn unload_model(
     headers: HeaderMap,
     body: Body,
 ) -> Result<StatusCode, ApiError> {
-    let body = read_body(&headers, body, SMALL_BODY_BYTES).await?;
+    let body = read_body(&headers, body, small_body_limit(&server)).await?;
     let dependents = parse_unload_request(&body)?;
     server.unload_model(&model, dependents).await?;
     Ok(StatusCode::OK)
@@ -681,7 +686,7 @@ async fn shm_register(
     headers: HeaderMap,
     body: Body,
 ) -> Result<StatusCode, ApiError> {
-    let body = read_body(&headers, body, SMALL_BODY_BYTES).await?;
+    let body = read_body(&headers, body, small_body_limit(&server)).await?;
     let (key, offset, byte_size) = parse_shm_register_request(&body)?;
     server.shm.register(&region, &key, offset, byte_size)?;
     Ok(StatusCode::OK)
@@ -691,8 +696,8 @@ async fn get_logging() -> Json<Value> {
     Json(log_settings_json())
 }
 
-async fn post_logging(headers: HeaderMap, body: Body) -> Result<Json<Value>, ApiError> {
-    let body = read_body(&headers, body, SMALL_BODY_BYTES).await?;
+async fn post_logging(State(server): State<Server>, headers: HeaderMap, body: Body) -> Result<Json<Value>, ApiError> {
+    let body = read_body(&headers, body, small_body_limit(&server)).await?;
     nereid_common::telemetry::log_settings().apply(&parse_log_settings(&body)?)?;
     Ok(Json(log_settings_json()))
 }
