@@ -11,6 +11,7 @@
 pub mod convert;
 
 use nereid_common::fleet::QUEUE_REPORT_HEADER;
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -38,6 +39,11 @@ use convert::{
     mark_shm_outputs, model_metadata_to_proto, model_stats_to_proto, shm_input_bytes, typed_input_elements,
     unload_dependents_parameter,
 };
+
+/// A `ModelStreamInfer` stream stops reading requests while those it read and has not answered
+/// yet take this many times the request limit: by count alone ([`MAX_STREAM_IN_FLIGHT`]), a
+/// client that reads no replies could make it hold that many requests of the largest size.
+pub const STREAM_REQUEST_LIMITS: usize = 4;
 
 /// Most requests of one `ModelStreamInfer` stream in flight at once. Past it the stream stops
 /// reading requests until one completes, so HTTP/2 flow control pushes back on the client.
@@ -311,7 +317,9 @@ impl GrpcInferenceService for GrpcFrontend {
             let server = server.clone();
             Box::pin(async move { stream_infer_one(&server, req, deadline).await })
         };
-        let mut stream = InferStream::new(request.into_inner(), run, MAX_STREAM_IN_FLIGHT);
+        let weight_limit = self.server.limits.max_request_bytes.saturating_mul(STREAM_REQUEST_LIMITS);
+        let mut stream = InferStream::new(request.into_inner(), run, MAX_STREAM_IN_FLIGHT)
+            .weighed(weight_limit, |r: &ModelInferRequest| prost::Message::encoded_len(r));
         if let Some(shutdown) = &self.shutdown {
             stream = stream.stop_on(shutdown.clone().cancelled_owned());
         }
@@ -559,12 +567,19 @@ fn stream_error(e: Status, id: String, model_name: String, model_version: String
 /// the client cancelled or the connection closed — aborts the tasks, which cancels their
 /// requests. A failed request yields an error *message*; only a broken request stream (e.g. an
 /// undecodable or oversized message) ends the RPC, with that status, after the requests already
-/// read finish.
-pub struct InferStream<S, F, R: From<StreamPanic> = ModelStreamInferResponse> {
+/// read finish. [`InferStream::weighed`] bounds the requests read and not yet answered by their
+/// size as well.
+pub struct InferStream<S, F, R: From<StreamPanic> = ModelStreamInferResponse, W = Unweighed> {
     incoming: Option<S>,
     run: F,
     in_flight: FuturesOrdered<AbortOnDrop<R>>,
     limit: usize,
+    /// What each request in `in_flight` weighs, in order, their sum, and the most it may be
+    /// before no more are read (at least one always is).
+    weigh: W,
+    weights: VecDeque<usize>,
+    weight: usize,
+    weight_limit: usize,
     /// Set when the request stream failed; reported once the in-flight requests drained.
     error: Option<tonic::Status>,
     /// Once this completes, no more requests are read (see [`InferStream::stop_on`]).
@@ -583,17 +598,61 @@ where
             run,
             in_flight: FuturesOrdered::new(),
             limit: limit.max(1),
+            weigh: Unweighed,
+            weights: VecDeque::new(),
+            weight: 0,
+            weight_limit: usize::MAX,
             error: None,
             stop: None,
         }
     }
 
+    /// Stops reading requests while those read and not yet answered weigh `limit` or more by
+    /// `weigh` (e.g. their encoded size): a client that reads no replies then holds about
+    /// `limit` bytes of requests and replies on the stream, not `limit` requests of any size.
+    pub fn weighed<G: Fn(&Q) -> usize>(self, limit: usize, weigh: G) -> InferStream<S, F, R, G> {
+        InferStream {
+            incoming: self.incoming,
+            run: self.run,
+            in_flight: self.in_flight,
+            limit: self.limit,
+            weigh,
+            weights: self.weights,
+            weight: self.weight,
+            weight_limit: limit,
+            error: self.error,
+            stop: self.stop,
+        }
+    }
+}
+
+impl<S, F, R: From<StreamPanic>, W> InferStream<S, F, R, W> {
     /// When `stop` completes, the stream reads no more requests, answers those in flight and
     /// ends — with UNAVAILABLE when the client had not finished sending (used for graceful
     /// shutdown).
     pub fn stop_on(mut self, stop: impl std::future::Future<Output = ()> + Send + 'static) -> Self {
         self.stop = Some(Box::pin(stop));
         self
+    }
+}
+
+/// How much of an [`InferStream`]'s weight limit a request takes.
+pub trait Weigh<Q> {
+    fn weigh(&self, request: &Q) -> usize;
+}
+
+/// No weight limit: requests are bounded by count only.
+pub struct Unweighed;
+
+impl<Q> Weigh<Q> for Unweighed {
+    fn weigh(&self, _: &Q) -> usize {
+        0
+    }
+}
+
+impl<Q, G: Fn(&Q) -> usize> Weigh<Q> for G {
+    fn weigh(&self, request: &Q) -> usize {
+        self(request)
     }
 }
 
@@ -639,11 +698,12 @@ impl<R> Drop for AbortOnDrop<R> {
     }
 }
 
-impl<S, F, Q, R> Stream for InferStream<S, F, R>
+impl<S, F, Q, R, W> Stream for InferStream<S, F, R, W>
 where
     S: Stream<Item = Result<Q, tonic::Status>> + Unpin + Send,
     F: FnMut(Q) -> BoxFuture<'static, R> + Unpin + Send,
     R: From<StreamPanic> + Send + 'static,
+    W: Weigh<Q> + Unpin,
 {
     type Item = Result<R, tonic::Status>;
 
@@ -665,10 +725,13 @@ where
 
         // Admit new requests while there is room. When full, the in-flight set (non-empty)
         // holds the waker; otherwise `incoming` does (it returned Pending) or has ended.
-        while this.in_flight.len() < this.limit {
+        while this.in_flight.len() < this.limit && (this.in_flight.is_empty() || this.weight < this.weight_limit) {
             let Some(incoming) = this.incoming.as_mut() else { break };
             match incoming.poll_next_unpin(cx) {
                 Poll::Ready(Some(Ok(req))) => {
+                    let weight = this.weigh.weigh(&req);
+                    this.weights.push_back(weight);
+                    this.weight = this.weight.saturating_add(weight);
                     let fut = (this.run)(req);
                     this.in_flight.push_back(AbortOnDrop(tokio::spawn(fut)));
                 }
@@ -682,7 +745,12 @@ where
         }
 
         match this.in_flight.poll_next_unpin(cx) {
-            Poll::Ready(Some(resp)) => Poll::Ready(Some(Ok(resp))),
+            Poll::Ready(Some(resp)) => {
+                // Answers come in request order: the first weight is this one's.
+                let weight = this.weights.pop_front().unwrap_or(0);
+                this.weight = this.weight.saturating_sub(weight);
+                Poll::Ready(Some(Ok(resp)))
+            }
             // Empty: done once the requests ended too, else `incoming` holds the waker.
             Poll::Ready(None) if this.incoming.is_none() => Poll::Ready(this.error.take().map(Err)),
             Poll::Ready(None) | Poll::Pending => Poll::Pending,
@@ -769,6 +837,28 @@ mod tests {
         assert_eq!(fail.error_message, "input 'x': bad");
         assert_eq!(fail.infer_response.as_ref().unwrap().id, "fail");
         assert!(peak.load(Ordering::SeqCst) >= 2, "requests ran concurrently");
+    }
+
+    /// A weighed stream stops reading while the requests it read and has not answered weigh
+    /// its limit or more, and reads on once a reply is taken.
+    #[tokio::test]
+    async fn a_weight_limit_stops_reading_until_replies_are_taken() {
+        let (active, peak) = counters();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut s = InferStream::new(UnboundedReceiverStream::new(rx), runner(active.clone(), peak.clone()), 8)
+            .weighed(25, |_: &ModelInferRequest| 10);
+        for id in ["sleep-20", "sleep-600000", "sleep-600000", "sleep-600000"] {
+            tx.send(Ok(req(id))).unwrap();
+        }
+        // 10, 20, 30: the third takes it past 25, the fourth waits.
+        assert!(tokio::time::timeout(Duration::from_millis(1), s.next()).await.is_err());
+        assert_eq!(peak.load(Ordering::SeqCst), 3);
+        let first = s.next().await.unwrap().unwrap();
+        assert_eq!(first.infer_response.unwrap().id, "sleep-20");
+        assert_eq!(active.load(Ordering::SeqCst), 2);
+        // Its weight given back: the fourth is read.
+        assert!(tokio::time::timeout(Duration::from_millis(1), s.next()).await.is_err());
+        assert_eq!(active.load(Ordering::SeqCst), 3);
     }
 
     /// A request that panics is answered with an error message in its place; the stream and
