@@ -31,6 +31,25 @@ fn wait_for(what: &str, worker: &WorkerProcess, mut cond: impl FnMut(&WorkerProc
     }
 }
 
+/// `cmd` (the worker, or a shell that execs it) with what every worker started here takes:
+/// `repo`, loopback with ephemeral ports written to `port_file`, stderr to `log`.
+fn worker_command(
+    mut cmd: Command,
+    repo: &std::path::Path,
+    port_file: &std::path::Path,
+    log: &std::path::Path,
+) -> Command {
+    cmd.arg("--model-repository")
+        .arg(repo)
+        .args(["--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
+        .arg("--port-file")
+        .arg(port_file)
+        .env("NEREID_ORT_LIB", nereid_worker::backend::default_runtime_path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap());
+    cmd
+}
+
 fn run_cli(args: &[&str]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_nereid-worker")).args(args).output().unwrap();
     (
@@ -397,16 +416,8 @@ fn sigterm_during_a_long_start_up_build_exits_without_waiting_for_it() {
     let work = tempfile::tempdir().unwrap();
     let port_file = work.path().join("ports.json");
     let log = work.path().join("worker.log");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_nereid-worker"))
-        .arg("--model-repository")
-        .arg(dir.path())
-        .args(["--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
+    let mut child = worker_command(Command::new(env!("CARGO_BIN_EXE_nereid-worker")), dir.path(), &port_file, &log)
         .args(["--exit-timeout-secs", "2"])
-        .arg("--port-file")
-        .arg(&port_file)
-        .env("NEREID_ORT_LIB", nereid_worker::backend::default_runtime_path())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
     let log = || std::fs::read_to_string(&log).unwrap_or_default();
@@ -731,18 +742,18 @@ fn the_worker_raises_its_open_files_limit_to_the_hard_limit() {
     }
     // `exec`: the shell becomes the worker, so the child's pid is the worker's.
     let mut child = Killed(
-        Command::new("sh")
-            .args(["-c", "ulimit -S -n 256 && exec \"$0\" \"$@\"", env!("CARGO_BIN_EXE_nereid-worker")])
-            .arg("--model-repository")
-            .arg(dir.path())
-            .args(["--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
-            .arg("--port-file")
-            .arg(&port_file)
-            .env("NEREID_ORT_LIB", nereid_worker::backend::default_runtime_path())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
+        worker_command(
+            {
+                let mut shell = Command::new("sh");
+                shell.args(["-c", "ulimit -S -n 256 && exec \"$0\" \"$@\"", env!("CARGO_BIN_EXE_nereid-worker")]);
+                shell
+            },
+            dir.path(),
+            &port_file,
+            &log,
+        )
+        .spawn()
+        .unwrap(),
     );
     let said = || std::fs::read_to_string(&log).unwrap_or_default();
     let deadline = Instant::now() + Duration::from_secs(30);
