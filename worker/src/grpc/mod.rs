@@ -608,8 +608,9 @@ where
     }
 
     /// Stops reading requests while those read and not yet answered weigh `limit` or more by
-    /// `weigh` (e.g. their encoded size): a client that reads no replies then holds about
-    /// `limit` bytes of requests and replies on the stream, not `limit` requests of any size.
+    /// `weigh` (e.g. their encoded size): a client that reads no replies then makes the stream
+    /// hold at most about `limit` bytes of requests (plus one), not the count limit's worth of
+    /// requests of any size. Replies are not weighed: they stay bounded by the count alone.
     pub fn weighed<G: Fn(&Q) -> usize>(self, limit: usize, weigh: G) -> InferStream<S, F, R, G> {
         InferStream {
             incoming: self.incoming,
