@@ -238,14 +238,7 @@ async fn repository_index(
 ) -> Result<Json<Value>, GatewayError> {
     // Only a setting: a small body, read within the request's deadline.
     let deadline = deadline(&ingress, &headers, Instant::now());
-    let body = tokio::time::timeout_at(
-        deadline.into(),
-        read_body(&headers, body, SMALL_BODY_BYTES.min(ingress.max_request_bytes)),
-    )
-    .await
-    .map_err(|_| {
-        Status::new(nereid_common::Code::DeadlineExceeded, "the request's deadline passed before its body was received")
-    })??;
+    let body = read_body_by(deadline, &headers, body, SMALL_BODY_BYTES.min(ingress.max_request_bytes)).await?;
     let ready = parse_index_request(&body)?;
     let rows: Vec<_> = ingress.control.repository_index(ready).into_iter().map(index_entry_from_proto).collect();
     Ok(Json(index_json(&rows)))
@@ -273,6 +266,16 @@ async fn repository_control(uri: Uri) -> GatewayError {
 /// `max` bounding the inflated size too.
 async fn read_body(headers: &HeaderMap, body: Body, max: usize) -> Result<Bytes, GatewayError> {
     Ok(nereid_worker::http::read_body(headers, body, max).await?)
+}
+
+/// [`read_body`] within `deadline`: a body trickled in slowly holds its buffer no longer.
+async fn read_body_by(deadline: Instant, headers: &HeaderMap, body: Body, max: usize) -> Result<Bytes, GatewayError> {
+    tokio::time::timeout_at(deadline.into(), read_body(headers, body, max)).await.map_err(|_| {
+        GatewayError::from(Status::new(
+            nereid_common::Code::DeadlineExceeded,
+            "the request's deadline passed before its body was received",
+        ))
+    })?
 }
 
 /// Infer responses are compressed (when the client accepts it) only above this size, as a
@@ -330,16 +333,7 @@ async fn infer(
         };
         let max = ingress.max_request_bytes;
         // A body trickled in slowly holds its buffer: the request's deadline bounds the upload too.
-        let body = match tokio::time::timeout_at(deadline.at.into(), read_body(&headers, body, max)).await {
-            Ok(body) => body?,
-            Err(_) => {
-                return Err(Status::new(
-                    nereid_common::Code::DeadlineExceeded,
-                    "the request's deadline passed before its body was received",
-                )
-                .into());
-            }
-        };
+        let body = read_body_by(deadline.at, &headers, body, max).await?;
 
         // Triton's raw binary request (no JSON: the body is the only input's data) is shaped
         // by the model's config, asked of a worker holding the model.
