@@ -305,6 +305,16 @@ pub enum StreamReply {
     Err(nereid_proto::inference::ModelStreamInferResponse),
 }
 
+impl StreamReply {
+    /// About what the reply takes in memory: its bytes (a stream weighs its unread replies).
+    pub fn weight(&self) -> usize {
+        match self {
+            StreamReply::Ok(bytes) => bytes.len(),
+            StreamReply::Err(e) => e.encoded_len(),
+        }
+    }
+}
+
 impl From<nereid_worker::grpc::StreamPanic> for StreamReply {
     fn from(p: nereid_worker::grpc::StreamPanic) -> Self {
         StreamReply::Err(p.into())

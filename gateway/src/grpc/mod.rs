@@ -388,7 +388,7 @@ impl tonic::server::StreamingService<Bytes> for InferHandler {
         };
         let weight_limit = self.ingress.max_request_bytes.saturating_mul(nereid_worker::grpc::STREAM_REQUEST_LIMITS);
         let stream = InferStream::new(request.into_inner(), run, MAX_STREAM_IN_FLIGHT)
-            .weighed(weight_limit, |b: &Bytes| b.len())
+            .weighed(weight_limit, Bytes::len, StreamReply::weight)
             .stop_on(stop);
         Box::pin(async move { Ok(Response::new(Box::pin(stream) as BoxStream<StreamReply>)) })
     }

@@ -304,6 +304,12 @@ where
             return Ok(InputTensor { name, datatype, shape, data });
         }
     };
+    // Typed contents must hold the shape's element count: said first, so that a wrong count
+    // under a huge shape is reported as the count it is, not as the size the shape claims.
+    if let Some(c) = &typed {
+        let (field, got) = typed_field(&name, datatype, c)?;
+        check_count(&name, field, datatype, &shape, count, got)?;
+    }
     // What the tensor takes once converted, from what the request's others left of the limit:
     // checked before typed contents are re-encoded.
     let converted = match (&raw, &typed) {
@@ -349,7 +355,7 @@ where
             }
             raw.into()
         }
-        (None, Some(contents)) => typed_contents(&name, datatype, &shape, count, contents)?,
+        (None, Some(contents)) => typed_contents(&name, datatype, contents)?,
         (None, None) => {
             if count != 0 {
                 return Err(Status::invalid(format!(
@@ -419,62 +425,22 @@ fn narrow<T: Copy + std::fmt::Display, U: Copy + TryFrom<T>, const N: usize>(
 }
 
 /// Re-encodes typed contents as raw little-endian bytes (Triton `BYTES` layout for strings).
-fn typed_contents(
-    name: &str,
-    datatype: DataType,
-    shape: &[i64],
-    count: u64,
-    c: InferTensorContents,
-) -> Result<Bytes, Status> {
+/// Its element count has been checked ([`typed_field`], [`check_count`]).
+fn typed_contents(name: &str, datatype: DataType, c: InferTensorContents) -> Result<Bytes, Status> {
     use DataType as D;
-    let check = |field: &str, got: usize| check_count(name, field, datatype, shape, count, got);
     Ok(match datatype {
-        D::Bool => {
-            check("bool_contents", c.bool_contents.len())?;
-            Bytes::from(c.bool_contents.iter().map(|&b| b as u8).collect::<Vec<u8>>())
-        }
-        D::Int8 => {
-            check("int_contents", c.int_contents.len())?;
-            narrow(name, datatype, &c.int_contents, |v: i8| v.to_le_bytes())?
-        }
-        D::Int16 => {
-            check("int_contents", c.int_contents.len())?;
-            narrow(name, datatype, &c.int_contents, |v: i16| v.to_le_bytes())?
-        }
-        D::Int32 => {
-            check("int_contents", c.int_contents.len())?;
-            encode(&c.int_contents, i32::to_le_bytes)
-        }
-        D::Int64 => {
-            check("int64_contents", c.int64_contents.len())?;
-            encode(&c.int64_contents, i64::to_le_bytes)
-        }
-        D::Uint8 => {
-            check("uint_contents", c.uint_contents.len())?;
-            narrow(name, datatype, &c.uint_contents, |v: u8| v.to_le_bytes())?
-        }
-        D::Uint16 => {
-            check("uint_contents", c.uint_contents.len())?;
-            narrow(name, datatype, &c.uint_contents, |v: u16| v.to_le_bytes())?
-        }
-        D::Uint32 => {
-            check("uint_contents", c.uint_contents.len())?;
-            encode(&c.uint_contents, u32::to_le_bytes)
-        }
-        D::Uint64 => {
-            check("uint64_contents", c.uint64_contents.len())?;
-            encode(&c.uint64_contents, u64::to_le_bytes)
-        }
-        D::Fp32 => {
-            check("fp32_contents", c.fp32_contents.len())?;
-            encode(&c.fp32_contents, f32::to_le_bytes)
-        }
-        D::Fp64 => {
-            check("fp64_contents", c.fp64_contents.len())?;
-            encode(&c.fp64_contents, f64::to_le_bytes)
-        }
+        D::Bool => Bytes::from(c.bool_contents.iter().map(|&b| b as u8).collect::<Vec<u8>>()),
+        D::Int8 => narrow(name, datatype, &c.int_contents, |v: i8| v.to_le_bytes())?,
+        D::Int16 => narrow(name, datatype, &c.int_contents, |v: i16| v.to_le_bytes())?,
+        D::Int32 => encode(&c.int_contents, i32::to_le_bytes),
+        D::Int64 => encode(&c.int64_contents, i64::to_le_bytes),
+        D::Uint8 => narrow(name, datatype, &c.uint_contents, |v: u8| v.to_le_bytes())?,
+        D::Uint16 => narrow(name, datatype, &c.uint_contents, |v: u16| v.to_le_bytes())?,
+        D::Uint32 => encode(&c.uint_contents, u32::to_le_bytes),
+        D::Uint64 => encode(&c.uint64_contents, u64::to_le_bytes),
+        D::Fp32 => encode(&c.fp32_contents, f32::to_le_bytes),
+        D::Fp64 => encode(&c.fp64_contents, f64::to_le_bytes),
         D::Bytes => {
-            check("bytes_contents", c.bytes_contents.len())?;
             let total: usize = c.bytes_contents.iter().map(|e| 4 + e.len()).sum();
             let mut out = Vec::with_capacity(total);
             for e in &c.bytes_contents {
@@ -486,12 +452,30 @@ fn typed_contents(
             }
             Bytes::from(out)
         }
-        D::Fp16 | D::Bf16 => {
-            return Err(Status::invalid(format!(
-                "input '{name}': {datatype} data must be sent in raw_input_contents (there is no typed contents field for it)"
-            )));
-        }
+        D::Fp16 | D::Bf16 => return Err(no_typed_field(name, datatype)),
     })
+}
+
+/// The typed contents field that carries `datatype`, and how many elements it holds.
+fn typed_field(name: &str, datatype: DataType, c: &InferTensorContents) -> Result<(&'static str, usize), Status> {
+    use DataType as D;
+    Ok(match datatype {
+        D::Bool => ("bool_contents", c.bool_contents.len()),
+        D::Int8 | D::Int16 | D::Int32 => ("int_contents", c.int_contents.len()),
+        D::Int64 => ("int64_contents", c.int64_contents.len()),
+        D::Uint8 | D::Uint16 | D::Uint32 => ("uint_contents", c.uint_contents.len()),
+        D::Uint64 => ("uint64_contents", c.uint64_contents.len()),
+        D::Fp32 => ("fp32_contents", c.fp32_contents.len()),
+        D::Fp64 => ("fp64_contents", c.fp64_contents.len()),
+        D::Bytes => ("bytes_contents", c.bytes_contents.len()),
+        D::Fp16 | D::Bf16 => return Err(no_typed_field(name, datatype)),
+    })
+}
+
+fn no_typed_field(name: &str, datatype: DataType) -> Status {
+    Status::invalid(format!(
+        "input '{name}': {datatype} data must be sent in raw_input_contents (there is no typed contents field for it)"
+    ))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1000,6 +984,16 @@ mod tests {
         let e = err(request(vec![input("x", "FP32", &[2, 2], Some(c))], vec![]));
         assert!(
             e.message.contains("'x'") && e.message.contains("fp32_contents has 3") && e.message.contains("needs 4"),
+            "{}",
+            e.message
+        );
+
+        // A wrong count under a shape far past the request limit is reported as the count.
+        let c = InferTensorContents { fp32_contents: vec![1.0; 4], ..Default::default() };
+        let huge = request(vec![input("huge", "FP32", &[1 << 40], Some(c))], vec![]);
+        let e = infer_request_from_proto(huge, &SharedMemory::disabled(), 1 << 20).unwrap_err();
+        assert!(
+            e.message.contains("'huge'") && e.message.contains("fp32_contents has 4") && !e.message.contains("limit"),
             "{}",
             e.message
         );

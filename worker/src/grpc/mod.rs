@@ -14,6 +14,7 @@ use nereid_common::fleet::QUEUE_REPORT_HEADER;
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -318,8 +319,11 @@ impl GrpcInferenceService for GrpcFrontend {
             Box::pin(async move { stream_infer_one(&server, req, deadline).await })
         };
         let weight_limit = self.server.limits.max_request_bytes.saturating_mul(STREAM_REQUEST_LIMITS);
-        let mut stream = InferStream::new(request.into_inner(), run, MAX_STREAM_IN_FLIGHT)
-            .weighed(weight_limit, |r: &ModelInferRequest| prost::Message::encoded_len(r));
+        let mut stream = InferStream::new(request.into_inner(), run, MAX_STREAM_IN_FLIGHT).weighed(
+            weight_limit,
+            prost::Message::encoded_len,
+            prost::Message::encoded_len,
+        );
         if let Some(shutdown) = &self.shutdown {
             stream = stream.stop_on(shutdown.clone().cancelled_owned());
         }
@@ -567,19 +571,23 @@ fn stream_error(e: Status, id: String, model_name: String, model_version: String
 /// the client cancelled or the connection closed — aborts the tasks, which cancels their
 /// requests. A failed request yields an error *message*; only a broken request stream (e.g. an
 /// undecodable or oversized message) ends the RPC, with that status, after the requests already
-/// read finish. [`InferStream::weighed`] bounds the requests read and not yet answered by their
-/// size as well.
+/// read finish. [`InferStream::weighed`] bounds the requests read and not yet answered, and
+/// the replies not yet taken, by their size as well.
 pub struct InferStream<S, F, R: From<StreamPanic> = ModelStreamInferResponse, W = Unweighed> {
     incoming: Option<S>,
     run: F,
     in_flight: FuturesOrdered<AbortOnDrop<R>>,
     limit: usize,
-    /// What each request in `in_flight` weighs, in order, their sum, and the most it may be
-    /// before no more are read (at least one always is).
+    /// What each request in `in_flight` weighs, in order, their sum, and the most that sum and
+    /// the finished replies not yet taken may weigh before no more are read (at least one
+    /// request always is).
     weigh: W,
     weights: VecDeque<usize>,
     weight: usize,
     weight_limit: usize,
+    /// What the replies finished and not yet taken weigh: added by each request's task as its
+    /// reply is ready, taken off as the reply is yielded.
+    replies_weight: Arc<AtomicUsize>,
     /// Set when the request stream failed; reported once the in-flight requests drained.
     error: Option<tonic::Status>,
     /// Once this completes, no more requests are read (see [`InferStream::stop_on`]).
@@ -602,25 +610,33 @@ where
             weights: VecDeque::new(),
             weight: 0,
             weight_limit: usize::MAX,
+            replies_weight: Arc::new(AtomicUsize::new(0)),
             error: None,
             stop: None,
         }
     }
 
-    /// Stops reading requests while those read and not yet answered weigh `limit` or more by
-    /// `weigh` (e.g. their encoded size): a client that reads no replies then makes the stream
-    /// hold at most about `limit` bytes of requests (plus one), not the count limit's worth of
-    /// requests of any size. Replies are not weighed: they stay bounded by the count alone.
-    pub fn weighed<G: Fn(&Q) -> usize>(self, limit: usize, weigh: G) -> InferStream<S, F, R, G> {
+    /// Stops reading requests while those read and not yet answered (by `request`, e.g. their
+    /// encoded size) and the replies finished and not yet taken (by `reply`) weigh `limit` or
+    /// more: a client that reads no replies then makes the stream hold about `limit` bytes
+    /// (plus one request and the replies of those in flight), not the count limit's worth of
+    /// requests or replies of any size.
+    pub fn weighed(
+        self,
+        limit: usize,
+        request: fn(&Q) -> usize,
+        reply: fn(&R) -> usize,
+    ) -> InferStream<S, F, R, Weights<Q, R>> {
         InferStream {
             incoming: self.incoming,
             run: self.run,
             in_flight: self.in_flight,
             limit: self.limit,
-            weigh,
+            weigh: Weights { request, reply },
             weights: self.weights,
             weight: self.weight,
             weight_limit: limit,
+            replies_weight: self.replies_weight,
             error: self.error,
             stop: self.stop,
         }
@@ -637,23 +653,39 @@ impl<S, F, R: From<StreamPanic>, W> InferStream<S, F, R, W> {
     }
 }
 
-/// How much of an [`InferStream`]'s weight limit a request takes.
-pub trait Weigh<Q> {
-    fn weigh(&self, request: &Q) -> usize;
+/// How much of an [`InferStream`]'s weight limit a request and its reply take.
+pub trait Weigh<Q, R> {
+    fn request(&self, request: &Q) -> usize;
+    /// Weighs a reply on its request's task, as it is ready.
+    fn reply(&self) -> fn(&R) -> usize;
 }
 
-/// No weight limit: requests are bounded by count only.
+/// No weight limit: requests and replies are bounded by count only.
 pub struct Unweighed;
 
-impl<Q> Weigh<Q> for Unweighed {
-    fn weigh(&self, _: &Q) -> usize {
+impl<Q, R> Weigh<Q, R> for Unweighed {
+    fn request(&self, _: &Q) -> usize {
         0
+    }
+
+    fn reply(&self) -> fn(&R) -> usize {
+        |_| 0
     }
 }
 
-impl<Q, G: Fn(&Q) -> usize> Weigh<Q> for G {
-    fn weigh(&self, request: &Q) -> usize {
-        self(request)
+/// The weights of [`InferStream::weighed`].
+pub struct Weights<Q, R> {
+    request: fn(&Q) -> usize,
+    reply: fn(&R) -> usize,
+}
+
+impl<Q, R> Weigh<Q, R> for Weights<Q, R> {
+    fn request(&self, request: &Q) -> usize {
+        (self.request)(request)
+    }
+
+    fn reply(&self) -> fn(&R) -> usize {
+        self.reply
     }
 }
 
@@ -671,20 +703,20 @@ impl From<StreamPanic> for ModelStreamInferResponse {
     }
 }
 
-/// A spawned request of an [`InferStream`]: aborted when dropped; yields its reply, or one
-/// made from its panic.
-struct AbortOnDrop<R>(tokio::task::JoinHandle<R>);
+/// A spawned request of an [`InferStream`]: aborted when dropped; yields its reply and what
+/// the reply weighs, or a reply made from its panic (weighing nothing).
+struct AbortOnDrop<R>(tokio::task::JoinHandle<(R, usize)>);
 
 impl<R: From<StreamPanic>> std::future::Future for AbortOnDrop<R> {
-    type Output = R;
+    type Output = (R, usize);
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<R> {
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<(R, usize)> {
         match Pin::new(&mut self.0).poll(cx) {
             Poll::Ready(Ok(reply)) => Poll::Ready(reply),
             Poll::Ready(Err(e)) if e.is_panic() => {
                 let what = crate::scheduler::panic_text(e.into_panic().as_ref());
                 tracing::error!(error = %what, "a stream request panicked; answered with an error message");
-                Poll::Ready(R::from(StreamPanic(what)))
+                Poll::Ready((R::from(StreamPanic(what)), 0))
             }
             // Only `drop` aborts the task, and nothing polls it after that.
             Poll::Ready(Err(_)) => Poll::Pending,
@@ -704,7 +736,7 @@ where
     S: Stream<Item = Result<Q, tonic::Status>> + Unpin + Send,
     F: FnMut(Q) -> BoxFuture<'static, R> + Unpin + Send,
     R: From<StreamPanic> + Send + 'static,
-    W: Weigh<Q> + Unpin,
+    W: Weigh<Q, R> + Unpin,
 {
     type Item = Result<R, tonic::Status>;
 
@@ -726,15 +758,26 @@ where
 
         // Admit new requests while there is room. When full, the in-flight set (non-empty)
         // holds the waker; otherwise `incoming` does (it returned Pending) or has ended.
-        while this.in_flight.len() < this.limit && (this.in_flight.is_empty() || this.weight < this.weight_limit) {
+        // A request finishing wakes the in-flight set, so a reply's weight added on its task is
+        // seen here by the next poll.
+        while this.in_flight.len() < this.limit
+            && (this.in_flight.is_empty()
+                || this.weight.saturating_add(this.replies_weight.load(Ordering::Acquire)) < this.weight_limit)
+        {
             let Some(incoming) = this.incoming.as_mut() else { break };
             match incoming.poll_next_unpin(cx) {
                 Poll::Ready(Some(Ok(req))) => {
-                    let weight = this.weigh.weigh(&req);
+                    let weight = this.weigh.request(&req);
                     this.weights.push_back(weight);
                     this.weight = this.weight.saturating_add(weight);
                     let fut = (this.run)(req);
-                    this.in_flight.push_back(AbortOnDrop(tokio::spawn(fut)));
+                    let (weigh, replies_weight) = (this.weigh.reply(), this.replies_weight.clone());
+                    this.in_flight.push_back(AbortOnDrop(tokio::spawn(async move {
+                        let reply = fut.await;
+                        let weight = weigh(&reply);
+                        replies_weight.fetch_add(weight, Ordering::AcqRel);
+                        (reply, weight)
+                    })));
                 }
                 Poll::Ready(Some(Err(status))) => {
                     this.incoming = None;
@@ -746,10 +789,11 @@ where
         }
 
         match this.in_flight.poll_next_unpin(cx) {
-            Poll::Ready(Some(resp)) => {
+            Poll::Ready(Some((resp, reply_weight))) => {
                 // Answers come in request order: the first weight is this one's.
                 let weight = this.weights.pop_front().unwrap_or(0);
                 this.weight = this.weight.saturating_sub(weight);
+                this.replies_weight.fetch_sub(reply_weight, Ordering::AcqRel);
                 Poll::Ready(Some(Ok(resp)))
             }
             // Empty: done once the requests ended too, else `incoming` holds the waker.
@@ -762,8 +806,6 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::sync::mpsc;
     use tokio_stream::wrappers::UnboundedReceiverStream;
 
@@ -847,7 +889,7 @@ mod tests {
         let (active, peak) = counters();
         let (tx, rx) = mpsc::unbounded_channel();
         let mut s = InferStream::new(UnboundedReceiverStream::new(rx), runner(active.clone(), peak.clone()), 8)
-            .weighed(25, |_: &ModelInferRequest| 10);
+            .weighed(25, |_: &ModelInferRequest| 10, |_: &ModelStreamInferResponse| 0);
         for id in ["sleep-20", "sleep-600000", "sleep-600000", "sleep-600000"] {
             tx.send(Ok(req(id))).unwrap();
         }
@@ -860,6 +902,45 @@ mod tests {
         // Its weight given back: the fourth is read.
         assert!(tokio::time::timeout(Duration::from_millis(1), s.next()).await.is_err());
         assert_eq!(active.load(Ordering::SeqCst), 3);
+    }
+
+    /// Replies finished behind a slower one and not yet taken weigh too: while they weigh the
+    /// limit, no more requests are read; taking them reads on.
+    #[tokio::test]
+    async fn unread_replies_count_against_the_weight_limit() {
+        let (active, peak) = counters();
+        let (tx, rx) = mpsc::channel(16);
+        let mut s = InferStream::new(tokio_stream::wrappers::ReceiverStream::new(rx), runner(active, peak), 8).weighed(
+            25,
+            |_: &ModelInferRequest| 0,
+            |_: &ModelStreamInferResponse| 10,
+        );
+        for id in ["sleep-300", "a", "b", "c"] {
+            tx.send(Ok(req(id))).await.unwrap();
+        }
+        // All four are read (requests weigh nothing here); three replies finish behind the first.
+        assert!(tokio::time::timeout(Duration::from_millis(1), s.next()).await.is_err());
+        assert_eq!(tx.capacity(), 16);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while s.replies_weight.load(Ordering::SeqCst) < 30 {
+            assert!(tokio::time::Instant::now() < deadline, "the fast requests never finished");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        tx.send(Ok(req("d"))).await.unwrap();
+        assert!(tokio::time::timeout(Duration::from_millis(1), s.next()).await.is_err());
+        assert_eq!(tx.capacity(), 15, "the fifth request is not read while 30 of 25 wait unread");
+        // The first, then "a" taken: 20 left unread, so the next poll reads the fifth.
+        let ids: Vec<String> = [s.next().await, s.next().await]
+            .into_iter()
+            .map(|r| r.unwrap().unwrap().infer_response.unwrap().id)
+            .collect();
+        assert_eq!(ids, ["sleep-300", "a"]);
+        assert_eq!(tx.capacity(), 15, "still 30 unread when \"a\" was taken");
+        assert_eq!(s.next().await.unwrap().unwrap().infer_response.unwrap().id, "b");
+        assert_eq!(tx.capacity(), 16, "read once the replies weighed less than the limit");
+        drop(tx);
+        let rest: Vec<String> = s.map(|r| r.unwrap().infer_response.unwrap().id).collect().await;
+        assert_eq!(rest, ["c", "d"]);
     }
 
     /// A request that panics is answered with an error message in its place; the stream and
