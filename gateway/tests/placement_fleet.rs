@@ -427,3 +427,48 @@ async fn a_restarted_worker_deletes_the_statuses_of_the_process_before_it() {
     })
     .await;
 }
+
+/// A roll-over from version 1 to 2 of a model declared with two replicas, where version 2
+/// loads on one worker only (the other's repository lacks it): placement keeps version 1 on
+/// both, and requests naming no version stay on version 1 — held by two, as declared — rather
+/// than all going to the one replica of version 2. Requests naming 2 are served by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_naming_no_version_stay_on_the_old_version_until_the_new_one_has_its_replicas() {
+    let etcd = Etcd::start().await;
+    // w2's repository: versioned_scale with version 1 only.
+    let repo = tempfile::tempdir().unwrap();
+    let model = repo.path().join("versioned_scale");
+    std::fs::create_dir_all(model.join("1")).unwrap();
+    let examples = common::example_models().join("versioned_scale");
+    std::fs::copy(examples.join("config.pbtxt"), model.join("config.pbtxt")).unwrap();
+    std::fs::copy(examples.join("1/model.onnx"), model.join("1/model.onnx")).unwrap();
+    let _w1 = spawn_fleet_worker(&etcd, "w1", &[]);
+    let _w2 = common::spawn_fleet_worker_on(&etcd, "w2", repo.path(), &[]);
+    let gateway = spawn_fleet_gateway(&etcd, "g1", &[]);
+    wait_registered(&etcd, &["w1", "w2"]).await;
+
+    let mut client = etcd.client().await;
+    put(&mut client, "models/versioned_scale", r#"{"schema":1,"versions":[1],"replicas":2}"#).await;
+    wait_until("version 1 READY on both", WAIT, || async {
+        ready_on(&mut etcd.client().await, "versioned_scale", 1).await == ["w1", "w2"]
+    })
+    .await;
+    put(&mut client, "models/versioned_scale", r#"{"schema":1,"versions":[2],"replicas":2}"#).await;
+    wait_log(&gateway, "w2's load of version 2 to fail", "the load of versioned_scale version 2 failed on worker w2")
+        .await;
+    wait_until("version 2 READY on w1 and routed", WAIT, || async {
+        infer_version(&gateway, "2").await.as_deref() == Some("2")
+    })
+    .await;
+    assert_eq!(ready_on(&mut client, "versioned_scale", 1).await, ["w1", "w2"], "version 1 kept on both");
+    for _ in 0..20 {
+        assert_eq!(infer_version(&gateway, "").await.as_deref(), Some("1"), "a request naming no version");
+    }
+}
+
+/// Infers versioned_scale `version` ("" for none) through the gateway; the version that answered.
+async fn infer_version(gateway: &Proc, version: &str) -> Option<String> {
+    let request = common::fp32_request("versioned_scale", version, &[1, 4], |i| i as f32);
+    let response = gateway.client().await.model_infer(request).await.ok()?;
+    Some(response.into_inner().model_version)
+}

@@ -106,12 +106,17 @@ async fn pending(worker: &Proc) -> Option<f64> {
     worker.metric(PENDING).await
 }
 
-/// A client that sends its headers and then trickles (here: stops) its body is answered 504
-/// once the request's deadline passes, instead of holding its buffer for ever.
+/// A client that sends its headers and then trickles (here: stops) its body — of an infer
+/// request or of the repository index — is answered 504 once the request's deadline passes,
+/// instead of holding its buffer for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_http_upload_ends_at_the_deadline() {
     let (_worker, gateway) = held_fleet(&[]).await;
     let answer = headers_only_http(&gateway, "/v2/models/held/infer", "x-nereid-deadline-ms: 300\r\n").await;
+    assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
+    assert!(answer.contains("before its body was received"), "{answer}");
+    // The repository index's body (a setting) is read within the deadline too.
+    let answer = headers_only_http(&gateway, "/v2/repository/index", "x-nereid-deadline-ms: 300\r\n").await;
     assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
     assert!(answer.contains("before its body was received"), "{answer}");
 }

@@ -165,7 +165,7 @@ impl EtcdMembership {
         self.upstreams = upstreams;
         // Declared models are known even before (or while) any worker lists them: UNAVAILABLE,
         // not NOT_FOUND, which clients take as final.
-        let declared = self.state.models.keys().cloned();
+        let declared = self.state.models.iter().map(|(name, record)| (name.clone(), record.replicas));
         publisher.publish(RoutingTable::build(views, Instant::now()).with_declared(declared));
     }
 

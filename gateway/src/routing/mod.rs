@@ -72,6 +72,26 @@ struct ModelRoutes {
     fallback: BTreeMap<i64, Vec<usize>>,
     /// Every version some member lists, in any state.
     known_versions: BTreeSet<i64>,
+    /// The replicas its etcd declaration asks of each version, if declared.
+    declared_replicas: Option<usize>,
+}
+
+impl ModelRoutes {
+    /// The version a request naming none goes to: the newest READY on a ready worker, else on
+    /// a not-ready one — what a single Triton serving every version answers such a request with
+    /// (a fleet serving versions 1 and 2 on different workers must not answer half of them
+    /// with 1). Of a model declared in etcd, the newest READY on as many ready workers as the
+    /// declaration asks for, else (short of that everywhere) the newest of those held by the
+    /// most: during a roll-over the first READY replicas of a new version do not take every
+    /// such request off the old version's full set, which placement keeps until every new
+    /// replica is READY (make before break).
+    fn unversioned(&self) -> Option<i64> {
+        let newest_held_by = |n: usize| self.ready.iter().rev().find(|(_, h)| h.len() >= n).map(|(v, _)| *v);
+        let most = self.ready.values().map(Vec::len).max().unwrap_or(0);
+        newest_held_by(self.declared_replicas.unwrap_or(1).max(1))
+            .or_else(|| (most > 0).then(|| newest_held_by(most)).flatten())
+            .or_else(|| self.fallback.iter().rev().find(|(_, h)| !h.is_empty()).map(|(v, _)| *v))
+    }
 }
 
 /// Where a request for one model version may go.
@@ -123,12 +143,14 @@ impl RoutingTable {
         RoutingTable { built_at, workers, models }
     }
 
-    /// The table, with `declared` (models declared in etcd) known even where no member lists
-    /// them yet or any more: a request for one is UNAVAILABLE (it is coming, or being moved), not
-    /// NOT_FOUND — which clients take as final.
-    pub fn with_declared<I: IntoIterator<Item = String>>(mut self, declared: I) -> Self {
-        for model in declared {
-            self.models.entry(model).or_default();
+    /// The table, with `declared` (models declared in etcd, with the replicas each version
+    /// is to have) known even where no member lists them yet or any more: a request for one is
+    /// UNAVAILABLE (it is coming, or being moved), not NOT_FOUND — which clients take as final.
+    /// The replicas decide where requests naming no version go during a roll-over (see
+    /// [`RoutingTable::resolve`]).
+    pub fn with_declared<I: IntoIterator<Item = (String, u32)>>(mut self, declared: I) -> Self {
+        for (model, replicas) in declared {
+            self.models.entry(model).or_default().declared_replicas = Some(replicas as usize);
         }
         self
     }
@@ -145,13 +167,8 @@ impl RoutingTable {
                 return Err(RouteError::NoReadyWorker { model: model.to_string(), version: Some(v) });
             }
             Some(v) => return Err(RouteError::VersionNotFound { model: model.to_string(), version: v }),
-            // The newest version READY on a ready worker, else on a not-ready one: what a
-            // single Triton serving every version answers a request naming none with (a
-            // fleet serving versions 1 and 2 on different workers must not answer half of them
-            // with 1).
-            None => [&routes.ready, &routes.fallback]
-                .into_iter()
-                .find_map(|map| map.iter().rev().find(|(_, h)| !h.is_empty()).map(|(v, _)| *v))
+            None => routes
+                .unversioned()
                 .ok_or_else(|| RouteError::NoReadyWorker { model: model.to_string(), version: None })?,
         };
         Ok(match routes.ready.get(&version).filter(|h| !h.is_empty()) {
@@ -185,12 +202,10 @@ impl RoutingTable {
     }
 
     /// The bounded metrics label for the version of `model` a request for `version` goes to:
-    /// the version named when the table knows it for that model; with none named, the latest
-    /// READY one anywhere. (Such a request is served by whichever holder takes it at that
-    /// holder's own latest — during a rollout an older one on some workers — so the gateway's
-    /// label is the model's newest version, where the worker counts the version it ran.) Empty
-    /// only when no version can be resolved (the model is unknown or READY nowhere, or the
-    /// version named is one nobody has).
+    /// the version named when the table knows it for that model; with none named, the one
+    /// [`RoutingTable::resolve`] picks (see [`ModelRoutes::unversioned`]), which the forwarded
+    /// request is pinned to. Empty only when no version can be resolved (the model is unknown
+    /// or READY nowhere, or the version named is one nobody has).
     pub fn version_label(&self, model: &str, version: Option<i64>) -> String {
         match (self.models.get(model), version) {
             (Some(routes), Some(v)) if routes.known_versions.contains(&v) => v.to_string(),
@@ -346,7 +361,7 @@ pub(crate) mod tests {
             ],
             Instant::now(),
         )
-        .with_declared(["declared".to_string(), "m".to_string()]);
+        .with_declared([("declared".to_string(), 1), ("m".to_string(), 1)]);
         // None named: the latest version on a ready worker wins over a later one only a draining
         // worker holds; named, the draining worker serves it.
         assert_eq!(t.resolve("m", None).unwrap().version, 1);
@@ -368,6 +383,46 @@ pub(crate) mod tests {
             RoutingTable::build(vec![view("b:1", WorkerState::NotReady, vec![row("m", "2", "READY")])], Instant::now());
         assert!(!draining_only.ready(), "a gateway whose only holders drain is not ready for new clients");
         assert_eq!(draining_only.resolve("m", None).unwrap().holders, &[0]);
+    }
+
+    /// A request naming no version, during a roll-over from version 1 to 2 of a model declared
+    /// with two replicas: version 1 until version 2 is READY on two ready workers; short of
+    /// room for two anywhere, the newest held by the most.
+    #[tokio::test]
+    async fn requests_naming_no_version_move_to_a_new_version_once_its_replicas_are_ready() {
+        let m = |versions: &[&str]| versions.iter().map(|v| row("m", v, "READY")).collect::<Vec<_>>();
+        let fleet = |b: &[&str], c: &[&str]| {
+            vec![
+                view("a:1", WorkerState::Ready, m(&["1", "2"])),
+                view("b:1", WorkerState::Ready, m(b)),
+                view("c:1", WorkerState::Ready, m(c)),
+            ]
+        };
+        let unversioned = |views, replicas: Option<u32>| {
+            let t = RoutingTable::build(views, Instant::now());
+            let t = match replicas {
+                Some(r) => t.with_declared([("m".to_string(), r)]),
+                None => t,
+            };
+            let r = t.resolve("m", None).unwrap();
+            (r.version, r.holders.to_vec(), t.version_label("m", None))
+        };
+        // One replica of 2 READY (a), two of 1 (a, b): 1, on both.
+        assert_eq!(unversioned(fleet(&["1"], &[]), Some(2)), (1, vec![0, 1], "1".into()));
+        // Two of 2 READY: 2, on them.
+        assert_eq!(unversioned(fleet(&["1"], &["2"]), Some(2)), (2, vec![0, 2], "2".into()));
+        // Not declared (static discovery), or declared with one replica: the newest at once.
+        assert_eq!(unversioned(fleet(&["1"], &[]), None).0, 2);
+        assert_eq!(unversioned(fleet(&["1"], &[]), Some(1)).0, 2);
+        // Declared with three replicas, room for two: 1 (held by two) until 2 is held by as many.
+        assert_eq!(unversioned(fleet(&["1"], &[]), Some(3)).0, 1);
+        assert_eq!(unversioned(fleet(&["1", "2"], &[]), Some(3)).0, 2);
+        // Version 1 retired (placement removed it once 2 was READY everywhere): 2.
+        let retired = vec![view("a:1", WorkerState::Ready, m(&["2"])), view("b:1", WorkerState::Ready, m(&["2"]))];
+        assert_eq!(unversioned(retired, Some(2)).0, 2);
+        // A version READY only on draining workers still serves when no ready worker holds any.
+        let draining = vec![view("a:1", WorkerState::NotReady, m(&["1", "2"]))];
+        assert_eq!(unversioned(draining, Some(2)).0, 2);
     }
 
     #[tokio::test]

@@ -415,11 +415,16 @@ impl Drop for Etcd {
 
 /// A worker in the fleet: explicit mode, registered in `etcd` as `id`, models from placement
 /// (`extra` may set its own `--drain-delay-ms` and `--etcd-lease-ttl-secs`; 300 ms and 2 s
-/// otherwise).
+/// otherwise), out of the example repository (and any `--model-repository` in `extra`).
 pub fn spawn_fleet_worker(etcd: &Etcd, id: &str, extra: &[&str]) -> Proc {
+    spawn_fleet_worker_on(etcd, id, &example_models(), extra)
+}
+
+/// [`spawn_fleet_worker`] on `repository` instead of the example repository.
+pub fn spawn_fleet_worker_on(etcd: &Etcd, id: &str, repository: &std::path::Path, extra: &[&str]) -> Proc {
     let mut args: Vec<String> = vec![
         "--model-repository".into(),
-        example_models().display().to_string(),
+        repository.display().to_string(),
         "--model-control-mode".into(),
         "explicit".into(),
         "--etcd-endpoints".into(),
