@@ -135,3 +135,18 @@ def test_a_missing_label_file_fails_the_load_naming_it(repo_copy, make_worker):
         assert "labels.txt" in index["convnet_fp32"]["reason"]
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_large_output_is_classified_like_a_small_one(repo_copy, make_worker, protocol):
+    """An output over 64 KiB is classified off the I/O thread: the same classes, per row."""
+    repo = repo_copy("identity_fp32")
+    config = repo / "identity_fp32" / "config.pbtxt"
+    config.write_text(config.read_text().replace("max_batch_size: 64", "max_batch_size: 2048"))
+    w = make_worker(repo)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2048, 16)).astype(np.float32)  # 128 KiB of scores
+    result = infer(w, protocol, "identity_fp32", {"INPUT0": x}, ["OUTPUT0"], class_count=3)
+    arr, rows = parse(result, "OUTPUT0")
+    assert arr.shape == (2048, 3)
+    assert [[i for _, i, _ in row] for row in rows] == [[i for i, _ in row] for row in expected_classes(x, 3)]

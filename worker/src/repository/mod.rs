@@ -635,7 +635,7 @@ impl Repository {
             }
         };
         if let Some((_, _, Some(outputs), lookup)) = &cached {
-            let outcome = classified(&model, &request.outputs, outputs.as_ref().clone());
+            let outcome = classified(&model, &request.outputs, outputs.as_ref().clone()).await;
             let outcome = write_shm_outputs(outcome, std::mem::take(&mut request.shm_outputs)).await;
             counted.armed = false;
             let elapsed = started.elapsed();
@@ -685,7 +685,10 @@ impl Repository {
         }
         // The classification extension reshapes what the model answered (the cache keeps the
         // answer itself).
-        let outcome = outcome.and_then(|outputs| classified(&model, &request.outputs, outputs));
+        let outcome = match outcome {
+            Ok(outputs) => classified(&model, &request.outputs, outputs).await,
+            Err(e) => Err(e),
+        };
         let outcome = write_shm_outputs(outcome, std::mem::take(&mut request.shm_outputs)).await;
         counted.armed = false;
         // The request's time includes the cache insert and the shared-memory writes, as
@@ -1491,8 +1494,30 @@ fn check_classification(model: &LoadedModel, request: &InferRequest) -> Result<(
     Ok(())
 }
 
-/// `outputs` with those the request asked classified replaced by their top classes.
-fn classified(
+/// Outputs classified on the blocking pool above this size: ranking a large output's scores
+/// and writing out its classes takes milliseconds, which an I/O thread must not spend.
+const CLASSIFY_INLINE_BYTES: usize = 64 << 10;
+
+/// `outputs` with those the request asked classified replaced by their top classes (off the
+/// I/O thread when one of them is large).
+async fn classified(
+    model: &Arc<LoadedModel>,
+    wanted: &[crate::tensor::RequestedOutput],
+    outputs: Vec<crate::tensor::OutputTensor>,
+) -> Result<Vec<crate::tensor::OutputTensor>, Status> {
+    let large = |w: &crate::tensor::RequestedOutput| {
+        w.classification > 0 && outputs.iter().any(|o| o.name == w.name && o.data.len() > CLASSIFY_INLINE_BYTES)
+    };
+    if !wanted.iter().any(large) {
+        return classify_outputs(model, wanted, outputs);
+    }
+    let (model, wanted) = (model.clone(), wanted.to_vec());
+    tokio::task::spawn_blocking(move || classify_outputs(&model, &wanted, outputs))
+        .await
+        .map_err(|e| Status::internal(format!("the classification task failed: {e}")))?
+}
+
+fn classify_outputs(
     model: &LoadedModel,
     wanted: &[crate::tensor::RequestedOutput],
     mut outputs: Vec<crate::tensor::OutputTensor>,
