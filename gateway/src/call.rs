@@ -24,8 +24,8 @@ pub struct InferCall {
     pub excluded: Vec<UpstreamId>,
     /// The worker the balancer picked for this attempt.
     pub target: Option<Arc<Upstream>>,
-    /// The version the balancer resolved the call to (the latest READY one when `version` is
-    /// `None`): the version it is forwarded for.
+    /// The version the balancer resolved the call to (see `RoutingTable::resolve` when
+    /// `version` is `None`): the version it is forwarded for.
     pub resolved_version: Option<i64>,
     /// The place under the admission limit its ingress took before reading it (none: the
     /// stack's admission layer takes one).

@@ -76,7 +76,9 @@ impl Control {
     }
 
     /// Runs `call` on a worker holding `model` (`version`) READY, within `deadline`; once more on
-    /// another holder when the first provably did not answer.
+    /// another holder when the first provably did not answer. `call` is given the version the
+    /// request was routed to, to name in what it sends: a holder of a newer version asked for
+    /// none would answer for that one, where inference is pinned to the routed version.
     async fn on_holder<T, F, Fut>(
         &self,
         model: &str,
@@ -85,16 +87,16 @@ impl Control {
         call: F,
     ) -> Result<T, GatewayError>
     where
-        F: Fn(Client) -> Fut,
+        F: Fn(Client, i64) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
         let mut excluded: Vec<UpstreamId> = Vec::new();
         let mut last_error: Option<UpstreamError> = None;
         loop {
-            let worker = {
+            let (worker, routed) = {
                 let table = self.routes.snapshot();
                 let route = table.resolve(model, version)?;
-                choose(&table, route.holders, &excluded, Instant::now(), &mut rand::rng()).cloned()
+                (choose(&table, route.holders, &excluded, Instant::now(), &mut rand::rng()).cloned(), route.version)
             };
             let Some(worker) = worker else {
                 return Err(match last_error {
@@ -109,7 +111,7 @@ impl Control {
             // Whole milliseconds at least: a zero grpc-timeout would fail at once.
             timeout = timeout.max(std::time::Duration::from_millis(1));
             let client = Client::new(worker.channel()).max_decoding_message_size(usize::MAX);
-            match tokio::time::timeout(timeout, call(client)).await {
+            match tokio::time::timeout(timeout, call(client, routed)).await {
                 Ok(Ok(response)) => return Ok(response.into_inner()),
                 Ok(Err(status)) => {
                     let e = UpstreamError::new(worker.id.clone(), status);
@@ -126,10 +128,9 @@ impl Control {
 
     /// Ready when some worker holds the model (version) READY and confirms it.
     pub async fn model_ready(&self, name: &str, version: Option<i64>, deadline: Instant) -> Result<bool, GatewayError> {
-        let request = ModelReadyRequest { name: name.to_string(), version: version_string(version) };
         match self
-            .on_holder(name, version, deadline, |mut c| {
-                let r = request.clone();
+            .on_holder(name, version, deadline, |mut c, routed| {
+                let r = ModelReadyRequest { name: name.to_string(), version: routed.to_string() };
                 async move { c.model_ready(r).await }
             })
             .await
@@ -146,12 +147,20 @@ impl Control {
         version: Option<i64>,
         deadline: Instant,
     ) -> Result<ModelMetadataResponse, GatewayError> {
-        let request = ModelMetadataRequest { name: name.to_string(), version: version_string(version) };
-        self.on_holder(name, version, deadline, |mut c| {
-            let r = request.clone();
-            async move { c.model_metadata(r).await }
-        })
-        .await
+        let mut metadata = self
+            .on_holder(name, version, deadline, |mut c, routed| {
+                let r = ModelMetadataRequest { name: name.to_string(), version: routed.to_string() };
+                async move { c.model_metadata(r).await }
+            })
+            .await?;
+        // Asked for no version: every version the fleet routes, as a worker lists all of its own.
+        if version.is_none() {
+            let routable = self.routes.snapshot().routable_versions(name);
+            if !routable.is_empty() {
+                metadata.versions = routable.iter().map(i64::to_string).collect();
+            }
+        }
+        Ok(metadata)
     }
 
     pub async fn model_config(
@@ -160,9 +169,8 @@ impl Control {
         version: Option<i64>,
         deadline: Instant,
     ) -> Result<ModelConfigResponse, GatewayError> {
-        let request = ModelConfigRequest { name: name.to_string(), version: version_string(version) };
-        self.on_holder(name, version, deadline, |mut c| {
-            let r = request.clone();
+        self.on_holder(name, version, deadline, |mut c, routed| {
+            let r = ModelConfigRequest { name: name.to_string(), version: routed.to_string() };
             async move { c.model_config(r).await }
         })
         .await

@@ -464,6 +464,14 @@ async fn requests_naming_no_version_stay_on_the_old_version_until_the_new_one_ha
     for _ in 0..20 {
         assert_eq!(infer_version(&gateway, "").await.as_deref(), Some("1"), "a request naming no version");
     }
+    // Metadata asked for no version lists every version the fleet routes, whichever holder of
+    // version 1 answers (w1 holds 1 and 2, w2 only 1).
+    for _ in 0..10 {
+        let request =
+            nereid_proto::inference::ModelMetadataRequest { name: "versioned_scale".into(), version: String::new() };
+        let metadata = gateway.client().await.model_metadata(request).await.unwrap().into_inner();
+        assert_eq!(metadata.versions, ["1", "2"]);
+    }
 }
 
 /// Infers versioned_scale `version` ("" for none) through the gateway; the version that answered.

@@ -140,7 +140,7 @@ pub enum ModelCommand {
 pub enum RoutesCommand {
     /// Store a model's version weights (routes/<m>), checked against its declared versions,
     /// for splitting traffic between versions. This gateway does not apply them yet: a request
-    /// naming no version goes to the latest READY one.
+    /// naming no version goes to the newest READY one (the old one during a roll-over).
     Set {
         /// A declared model.
         #[arg(value_name = "MODEL", value_parser = model_name)]

@@ -148,7 +148,7 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
             }
             eprintln!(
                 "nereidctl: note: the weights are stored for the canary split; this gateway does not apply \
-                 them yet (requests go to the latest READY version, or the version they name)"
+                 them yet (requests go to the version they name, or with none to the newest READY one)"
             );
             Ok(written(output, &format!("set routes of model {model}"), &key, Some(&value), None))
         }
@@ -157,7 +157,7 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
             let rows = render::routes(&state, model.as_deref());
             if let (Some(m), true) = (&model, rows.is_empty()) {
                 let why = if state.models.contains_key(m) {
-                    "no weights are set: every request goes to the latest READY version, or to the version it names"
+                    "no weights are set: every request goes to the version it names, or with none to the newest READY one"
                 } else {
                     "it is not declared either"
                 };

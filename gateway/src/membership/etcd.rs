@@ -38,7 +38,7 @@ use tokio_util::sync::CancellationToken;
 use super::Membership;
 
 use crate::metrics::GatewayMetrics;
-use crate::routing::{RoutesPublisher, RoutingTable, WorkerState, WorkerView};
+use crate::routing::{Declared, RoutesPublisher, RoutingTable, WorkerState, WorkerView};
 use crate::upstream::{Upstream, UpstreamOptions};
 
 /// While connected, the table is republished this often even without events (so its age says
@@ -165,7 +165,9 @@ impl EtcdMembership {
         self.upstreams = upstreams;
         // Declared models are known even before (or while) any worker lists them: UNAVAILABLE,
         // not NOT_FOUND, which clients take as final.
-        let declared = self.state.models.iter().map(|(name, record)| (name.clone(), record.replicas));
+        let declared = self.state.models.iter().map(|(name, record)| {
+            (name.clone(), Declared { versions: record.versions.clone(), replicas: record.replicas })
+        });
         publisher.publish(RoutingTable::build(views, Instant::now()).with_declared(declared));
     }
 

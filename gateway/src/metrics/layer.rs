@@ -1,7 +1,7 @@
 //! The outermost layer of the infer stack: counts every request by model, version and final
 //! code and records its latency — rejections included. The version is the one that served the
 //! request (the worker's answer names it), else the one it was for: the one asked for when the
-//! table knows it, or — none asked for — the latest READY one it resolved to, as the worker
+//! table knows it, or — none asked for — the one it resolved to, as the worker
 //! counts its failures; empty only when no version could be resolved. A request whose caller
 //! goes away before it completes is counted as CANCELLED.
 

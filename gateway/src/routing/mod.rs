@@ -72,32 +72,48 @@ struct ModelRoutes {
     fallback: BTreeMap<i64, Vec<usize>>,
     /// Every version some member lists, in any state.
     known_versions: BTreeSet<i64>,
-    /// The replicas its etcd declaration asks of each version, if declared.
-    declared_replicas: Option<usize>,
+    /// What its etcd declaration asks for, if declared.
+    declared: Option<Declared>,
+}
+
+/// A model's declaration in etcd, as routing needs it: the versions to serve and the replicas
+/// each is to have.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Declared {
+    pub versions: Vec<i64>,
+    pub replicas: u32,
 }
 
 impl ModelRoutes {
     /// The version a request naming none goes to: the newest READY on a ready worker, else on
     /// a not-ready one — what a single Triton serving every version answers such a request with
     /// (a fleet serving versions 1 and 2 on different workers must not answer half of them
-    /// with 1). Of a model declared in etcd, the newest READY on as many ready workers as the
-    /// declaration asks for, else (short of that everywhere) the newest of those held by the
-    /// most: during a roll-over the first READY replicas of a new version do not take every
-    /// such request off the old version's full set, which placement keeps until every new
-    /// replica is READY (make before break).
+    /// with 1). Except during a roll-over of a model declared in etcd — a version it no longer
+    /// declares still READY on a ready worker, which placement keeps until every replica of the
+    /// declared versions is READY (make before break): then the newest declared version READY
+    /// on as many ready workers as the declaration's replicas, else the newest retired one, so
+    /// that the first READY replica of a new version does not take every such request off the
+    /// old version's full set.
     fn unversioned(&self) -> Option<i64> {
-        let newest_held_by = |n: usize| self.ready.iter().rev().find(|(_, h)| h.len() >= n).map(|(v, _)| *v);
-        let most = self.ready.values().map(Vec::len).max().unwrap_or(0);
-        newest_held_by(self.declared_replicas.unwrap_or(1).max(1))
-            .or_else(|| (most > 0).then(|| newest_held_by(most)).flatten())
-            .or_else(|| self.fallback.iter().rev().find(|(_, h)| !h.is_empty()).map(|(v, _)| *v))
+        if let Some(declared) = &self.declared {
+            let newest_ready = |wanted: &dyn Fn(i64, usize) -> bool| {
+                self.ready.iter().rev().find(|(v, h)| !h.is_empty() && wanted(**v, h.len())).map(|(v, _)| *v)
+            };
+            let is_declared = |v: i64| declared.versions.contains(&v);
+            if let Some(retired) = newest_ready(&|v, _| !is_declared(v)) {
+                let replicas = declared.replicas.max(1) as usize;
+                return Some(newest_ready(&|v, holders| is_declared(v) && holders >= replicas).unwrap_or(retired));
+            }
+        }
+        let newest = |map: &BTreeMap<i64, Vec<usize>>| map.iter().rev().find(|(_, h)| !h.is_empty()).map(|(v, _)| *v);
+        newest(&self.ready).or_else(|| newest(&self.fallback))
     }
 }
 
 /// Where a request for one model version may go.
 #[derive(Debug)]
 pub struct Route<'a> {
-    /// The version resolved (the latest READY one when the request named none).
+    /// The version resolved (see [`ModelRoutes::unversioned`] when the request named none).
     pub version: i64,
     /// Indices of the workers holding it READY (see [`RoutingTable::upstream`]).
     pub holders: &'a [usize],
@@ -143,19 +159,30 @@ impl RoutingTable {
         RoutingTable { built_at, workers, models }
     }
 
-    /// The table, with `declared` (models declared in etcd, with the replicas each version
-    /// is to have) known even where no member lists them yet or any more: a request for one is
-    /// UNAVAILABLE (it is coming, or being moved), not NOT_FOUND — which clients take as final.
-    /// The replicas decide where requests naming no version go during a roll-over (see
-    /// [`RoutingTable::resolve`]).
-    pub fn with_declared<I: IntoIterator<Item = (String, u32)>>(mut self, declared: I) -> Self {
-        for (model, replicas) in declared {
-            self.models.entry(model).or_default().declared_replicas = Some(replicas as usize);
+    /// The table, with `declared` (models declared in etcd) known even where no member lists
+    /// them yet or any more: a request for one is UNAVAILABLE (it is coming, or being moved),
+    /// not NOT_FOUND — which clients take as final. The declarations decide where requests
+    /// naming no version go during a roll-over (see [`RoutingTable::resolve`]).
+    pub fn with_declared<I: IntoIterator<Item = (String, Declared)>>(mut self, declared: I) -> Self {
+        for (model, declaration) in declared {
+            self.models.entry(model).or_default().declared = Some(declaration);
         }
         self
     }
 
-    /// Where `model` (`version`, or the latest READY one) may be served: on ready workers, else
+    /// The versions of `model` that route (READY on a ready worker, or only on not-ready ones),
+    /// ascending.
+    pub fn routable_versions(&self, model: &str) -> Vec<i64> {
+        let Some(routes) = self.models.get(model) else { return Vec::new() };
+        let held = |map: &BTreeMap<i64, Vec<usize>>| {
+            map.iter().filter(|(_, h)| !h.is_empty()).map(|(v, _)| *v).collect::<Vec<_>>()
+        };
+        let mut versions: BTreeSet<i64> = held(&routes.ready).into_iter().collect();
+        versions.extend(held(&routes.fallback));
+        versions.into_iter().collect()
+    }
+
+    /// Where `model` (`version`, or with none [`ModelRoutes::unversioned`]'s) may be served: on ready workers, else
     /// on the fallback (not-ready) holders.
     pub fn resolve(&self, model: &str, version: Option<i64>) -> Result<Route<'_>, RouteError> {
         let routes = self.models.get(model).ok_or_else(|| RouteError::ModelNotFound { model: model.to_string() })?;
@@ -361,7 +388,10 @@ pub(crate) mod tests {
             ],
             Instant::now(),
         )
-        .with_declared([("declared".to_string(), 1), ("m".to_string(), 1)]);
+        .with_declared([
+            ("declared".to_string(), Declared { versions: vec![1], replicas: 1 }),
+            ("m".to_string(), Declared { versions: vec![1, 2, 3, 4], replicas: 1 }),
+        ]);
         // None named: the latest version on a ready worker wins over a later one only a draining
         // worker holds; named, the draining worker serves it.
         assert_eq!(t.resolve("m", None).unwrap().version, 1);
@@ -385,9 +415,9 @@ pub(crate) mod tests {
         assert_eq!(draining_only.resolve("m", None).unwrap().holders, &[0]);
     }
 
-    /// A request naming no version, during a roll-over from version 1 to 2 of a model declared
-    /// with two replicas: version 1 until version 2 is READY on two ready workers; short of
-    /// room for two anywhere, the newest held by the most.
+    /// A request naming no version, during a roll-over of a model declared with two replicas
+    /// from version 1 to 2: version 1 until version 2 is READY on two ready workers. Outside a
+    /// roll-over (no retired version READY), the newest READY version, as before.
     #[tokio::test]
     async fn requests_naming_no_version_move_to_a_new_version_once_its_replicas_are_ready() {
         let m = |versions: &[&str]| versions.iter().map(|v| row("m", v, "READY")).collect::<Vec<_>>();
@@ -398,31 +428,41 @@ pub(crate) mod tests {
                 view("c:1", WorkerState::Ready, m(c)),
             ]
         };
-        let unversioned = |views, replicas: Option<u32>| {
+        let unversioned = |views, declared: Option<(&[i64], u32)>| {
             let t = RoutingTable::build(views, Instant::now());
-            let t = match replicas {
-                Some(r) => t.with_declared([("m".to_string(), r)]),
+            let t = match declared {
+                Some((versions, replicas)) => {
+                    t.with_declared([("m".to_string(), Declared { versions: versions.to_vec(), replicas })])
+                }
                 None => t,
             };
             let r = t.resolve("m", None).unwrap();
             (r.version, r.holders.to_vec(), t.version_label("m", None))
         };
+        let rolling: &[i64] = &[2];
         // One replica of 2 READY (a), two of 1 (a, b): 1, on both.
-        assert_eq!(unversioned(fleet(&["1"], &[]), Some(2)), (1, vec![0, 1], "1".into()));
+        assert_eq!(unversioned(fleet(&["1"], &[]), Some((rolling, 2))), (1, vec![0, 1], "1".into()));
         // Two of 2 READY: 2, on them.
-        assert_eq!(unversioned(fleet(&["1"], &["2"]), Some(2)), (2, vec![0, 2], "2".into()));
+        assert_eq!(unversioned(fleet(&["1"], &["2"]), Some((rolling, 2))), (2, vec![0, 2], "2".into()));
         // Not declared (static discovery), or declared with one replica: the newest at once.
         assert_eq!(unversioned(fleet(&["1"], &[]), None).0, 2);
-        assert_eq!(unversioned(fleet(&["1"], &[]), Some(1)).0, 2);
-        // Declared with three replicas, room for two: 1 (held by two) until 2 is held by as many.
-        assert_eq!(unversioned(fleet(&["1"], &[]), Some(3)).0, 1);
-        assert_eq!(unversioned(fleet(&["1", "2"], &[]), Some(3)).0, 2);
-        // Version 1 retired (placement removed it once 2 was READY everywhere): 2.
+        assert_eq!(unversioned(fleet(&["1"], &[]), Some((rolling, 1))).0, 2);
+        // Rolled back from 2 to 1: 2 until 1 is READY on the replicas asked for.
+        assert_eq!(unversioned(fleet(&[], &[]), Some((&[1], 2))).0, 2);
+        assert_eq!(unversioned(fleet(&["1"], &[]), Some((&[1], 2))).0, 1);
+        // Both declared, 2 short of replicas (a holder draining, a load failed, no room): no
+        // roll-over, the newest.
+        assert_eq!(unversioned(fleet(&["1"], &[]), Some((&[1, 2], 2))).0, 2);
+        // Version 1 retired and gone (placement removed it once 2 was READY everywhere): 2.
         let retired = vec![view("a:1", WorkerState::Ready, m(&["2"])), view("b:1", WorkerState::Ready, m(&["2"]))];
-        assert_eq!(unversioned(retired, Some(2)).0, 2);
-        // A version READY only on draining workers still serves when no ready worker holds any.
+        assert_eq!(unversioned(retired, Some((rolling, 2))).0, 2);
+        // Only draining workers hold the model: the newest they hold.
         let draining = vec![view("a:1", WorkerState::NotReady, m(&["1", "2"]))];
-        assert_eq!(unversioned(draining, Some(2)).0, 2);
+        assert_eq!(unversioned(draining, Some((rolling, 2))).0, 2);
+        // The versions a request naming none may be told of: those that route.
+        let t = RoutingTable::build(fleet(&["1"], &["3"]), Instant::now());
+        assert_eq!(t.routable_versions("m"), [1, 2, 3]);
+        assert!(t.routable_versions("nope").is_empty());
     }
 
     #[tokio::test]

@@ -42,8 +42,9 @@ use convert::{
 };
 
 /// A `ModelStreamInfer` stream stops reading requests while those it read and has not answered
-/// yet take this many times the request limit: by count alone ([`MAX_STREAM_IN_FLIGHT`]), a
-/// client that reads no replies could make it hold that many requests of the largest size.
+/// yet, and the replies it has not handed over, take this many times the request limit: by
+/// count alone ([`MAX_STREAM_IN_FLIGHT`]), a client that reads no replies could make it hold
+/// that many requests (or replies) of the largest size.
 pub const STREAM_REQUEST_LIMITS: usize = 4;
 
 /// Most requests of one `ModelStreamInfer` stream in flight at once. Past it the stream stops
