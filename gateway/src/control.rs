@@ -76,9 +76,12 @@ impl Control {
     }
 
     /// Runs `call` on a worker holding `model` (`version`) READY, within `deadline`; once more on
-    /// another holder when the first provably did not answer. `call` is given the version the
-    /// request was routed to, to name in what it sends: a holder of a newer version asked for
-    /// none would answer for that one, where inference is pinned to the routed version.
+    /// another holder when the first provably did not answer. `call` is given the version to
+    /// name in what it sends: the one the request was routed to (a holder of a newer version
+    /// asked for none would answer for that one, where inference is pinned to the routed
+    /// version) — or, asked for no version, `None` once the worker answered that it no longer
+    /// has the routed one (a roll-over the table has not caught up with), as inference resends
+    /// unpinned.
     async fn on_holder<T, F, Fut>(
         &self,
         model: &str,
@@ -87,7 +90,7 @@ impl Control {
         call: F,
     ) -> Result<T, GatewayError>
     where
-        F: Fn(Client, i64) -> Fut,
+        F: Fn(Client, Option<i64>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
         let mut excluded: Vec<UpstreamId> = Vec::new();
@@ -111,7 +114,19 @@ impl Control {
             // Whole milliseconds at least: a zero grpc-timeout would fail at once.
             timeout = timeout.max(std::time::Duration::from_millis(1));
             let client = Client::new(worker.channel()).max_decoding_message_size(usize::MAX);
-            match tokio::time::timeout(timeout, call(client, routed)).await {
+            let answer = tokio::time::timeout(timeout, async {
+                match call(client.clone(), Some(routed)).await {
+                    Err(status)
+                        if version.is_none()
+                            && UpstreamError::new(worker.id.clone(), status.clone()).is_version_gone(model) =>
+                    {
+                        call(client, None).await
+                    }
+                    answer => answer,
+                }
+            })
+            .await;
+            match answer {
                 Ok(Ok(response)) => return Ok(response.into_inner()),
                 Ok(Err(status)) => {
                     let e = UpstreamError::new(worker.id.clone(), status);
@@ -129,9 +144,18 @@ impl Control {
     /// Ready when some worker holds the model (version) READY and confirms it.
     pub async fn model_ready(&self, name: &str, version: Option<i64>, deadline: Instant) -> Result<bool, GatewayError> {
         match self
-            .on_holder(name, version, deadline, |mut c, routed| {
-                let r = ModelReadyRequest { name: name.to_string(), version: routed.to_string() };
-                async move { c.model_ready(r).await }
+            .on_holder(name, version, deadline, |mut c, named| {
+                let ask =
+                    move |v: Option<i64>| ModelReadyRequest { name: name.to_string(), version: version_string(v) };
+                async move {
+                    let answer = c.model_ready(ask(named)).await?;
+                    // Not ready for the routed version when asked for none: it may have just
+                    // gone from this worker (a roll-over the table has not caught up with).
+                    if version.is_none() && named.is_some() && !answer.get_ref().ready {
+                        return c.model_ready(ask(None)).await;
+                    }
+                    Ok(answer)
+                }
             })
             .await
         {
@@ -148,8 +172,8 @@ impl Control {
         deadline: Instant,
     ) -> Result<ModelMetadataResponse, GatewayError> {
         let mut metadata = self
-            .on_holder(name, version, deadline, |mut c, routed| {
-                let r = ModelMetadataRequest { name: name.to_string(), version: routed.to_string() };
+            .on_holder(name, version, deadline, |mut c, named| {
+                let r = ModelMetadataRequest { name: name.to_string(), version: version_string(named) };
                 async move { c.model_metadata(r).await }
             })
             .await?;
@@ -169,8 +193,8 @@ impl Control {
         version: Option<i64>,
         deadline: Instant,
     ) -> Result<ModelConfigResponse, GatewayError> {
-        self.on_holder(name, version, deadline, |mut c, routed| {
-            let r = ModelConfigRequest { name: name.to_string(), version: routed.to_string() };
+        self.on_holder(name, version, deadline, |mut c, named| {
+            let r = ModelConfigRequest { name: name.to_string(), version: version_string(named) };
             async move { c.model_config(r).await }
         })
         .await

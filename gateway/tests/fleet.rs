@@ -507,6 +507,18 @@ async fn a_version_replaced_before_the_table_caught_up_is_served_by_the_latest()
     // A client that names the gone version still hears that it is gone.
     let named = client.model_infer(fp32_request("versioned_scale", "2", &[1, 4], |_| 1.0)).await.unwrap_err();
     assert_eq!(named.code(), tonic::Code::NotFound, "{named:?}");
+    // Metadata, config and readiness asked for no version are asked for the routed version
+    // too, and likewise answered by the worker's latest instead of failing.
+    use nereid_proto::inference::{ModelConfigRequest, ModelMetadataRequest, ModelReadyRequest};
+    let name = || "versioned_scale".to_string();
+    let metadata = client.model_metadata(ModelMetadataRequest { name: name(), version: String::new() }).await;
+    assert_eq!(metadata.expect("metadata of the latest").into_inner().name, "versioned_scale");
+    let config = client.model_config(ModelConfigRequest { name: name(), version: String::new() }).await;
+    assert_eq!(config.expect("config of the latest").into_inner().config.unwrap().name, "versioned_scale");
+    let ready = client.model_ready(ModelReadyRequest { name: name(), version: String::new() }).await;
+    assert!(ready.expect("readiness of the latest").into_inner().ready);
+    let http = reqwest::get(gateway.http_url("/v2/models/versioned_scale/ready")).await.unwrap();
+    assert_eq!(http.status(), 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

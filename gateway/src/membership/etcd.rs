@@ -58,6 +58,9 @@ pub struct EtcdMembership {
     seen: ClusterMark,
     /// worker id → (gRPC address, upstream), kept across tables.
     upstreams: HashMap<String, (String, Arc<Upstream>)>,
+    /// Declared model → the version the last table sent requests naming no version to (see
+    /// [`Declared::serving`]).
+    serving: HashMap<String, i64>,
 }
 
 enum Disconnect {
@@ -79,6 +82,7 @@ impl EtcdMembership {
             revision: 0,
             seen: ClusterMark::default(),
             upstreams: HashMap::new(),
+            serving: HashMap::new(),
         }
     }
 
@@ -166,9 +170,14 @@ impl EtcdMembership {
         // Declared models are known even before (or while) any worker lists them: UNAVAILABLE,
         // not NOT_FOUND, which clients take as final.
         let declared = self.state.models.iter().map(|(name, record)| {
-            (name.clone(), Declared { versions: record.versions.clone(), replicas: record.replicas })
+            let serving = self.serving.get(name).copied();
+            (name.clone(), Declared { versions: record.versions.clone(), replicas: record.replicas, serving })
         });
-        publisher.publish(RoutingTable::build(views, Instant::now()).with_declared(declared));
+        let table = RoutingTable::build(views, Instant::now()).with_declared(declared);
+        self.serving = (self.state.models.keys())
+            .filter_map(|m| Some((m.clone(), table.resolve(m, None).ok()?.version)))
+            .collect();
+        publisher.publish(table);
     }
 
     /// One connection: (re)read if needed, watch from the next revision, apply events until

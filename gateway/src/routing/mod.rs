@@ -82,6 +82,10 @@ struct ModelRoutes {
 pub struct Declared {
     pub versions: Vec<i64>,
     pub replicas: u32,
+    /// The version the previous table sent requests naming no version to: one still declared
+    /// and READY keeps them when another version is retired (a model redeclared from [1, 2]
+    /// to [2] while 2 is short of replicas must not send them back to 1).
+    pub serving: Option<i64>,
 }
 
 impl ModelRoutes {
@@ -91,9 +95,10 @@ impl ModelRoutes {
     /// with 1). Except during a roll-over of a model declared in etcd — a version it no longer
     /// declares still READY on a ready worker, which placement keeps until every replica of the
     /// declared versions is READY (make before break): then the newest declared version READY
-    /// on as many ready workers as the declaration's replicas, else the newest retired one, so
-    /// that the first READY replica of a new version does not take every such request off the
-    /// old version's full set.
+    /// on as many ready workers as the declaration's replicas, else the declared version that
+    /// was serving such requests if it still is READY, else the newest retired one — so the
+    /// first READY replica of a new version does not take every such request off the old
+    /// version's full set, and retiring an old version never sends them back to it.
     fn unversioned(&self) -> Option<i64> {
         if let Some(declared) = &self.declared {
             let newest_ready = |wanted: &dyn Fn(i64, usize) -> bool| {
@@ -102,7 +107,11 @@ impl ModelRoutes {
             let is_declared = |v: i64| declared.versions.contains(&v);
             if let Some(retired) = newest_ready(&|v, _| !is_declared(v)) {
                 let replicas = declared.replicas.max(1) as usize;
-                return Some(newest_ready(&|v, holders| is_declared(v) && holders >= replicas).unwrap_or(retired));
+                let serving =
+                    declared.serving.filter(|&v| is_declared(v) && self.ready.get(&v).is_some_and(|h| !h.is_empty()));
+                return Some(
+                    newest_ready(&|v, holders| is_declared(v) && holders >= replicas).or(serving).unwrap_or(retired),
+                );
             }
         }
         let newest = |map: &BTreeMap<i64, Vec<usize>>| map.iter().rev().find(|(_, h)| !h.is_empty()).map(|(v, _)| *v);
@@ -389,8 +398,8 @@ pub(crate) mod tests {
             Instant::now(),
         )
         .with_declared([
-            ("declared".to_string(), Declared { versions: vec![1], replicas: 1 }),
-            ("m".to_string(), Declared { versions: vec![1, 2, 3, 4], replicas: 1 }),
+            ("declared".to_string(), Declared { versions: vec![1], replicas: 1, serving: None }),
+            ("m".to_string(), Declared { versions: vec![1, 2, 3, 4], replicas: 1, serving: None }),
         ]);
         // None named: the latest version on a ready worker wins over a later one only a draining
         // worker holds; named, the draining worker serves it.
@@ -432,7 +441,8 @@ pub(crate) mod tests {
             let t = RoutingTable::build(views, Instant::now());
             let t = match declared {
                 Some((versions, replicas)) => {
-                    t.with_declared([("m".to_string(), Declared { versions: versions.to_vec(), replicas })])
+                    let d = Declared { versions: versions.to_vec(), replicas, serving: None };
+                    t.with_declared([("m".to_string(), d)])
                 }
                 None => t,
             };
@@ -453,6 +463,28 @@ pub(crate) mod tests {
         // Both declared, 2 short of replicas (a holder draining, a load failed, no room): no
         // roll-over, the newest.
         assert_eq!(unversioned(fleet(&["1"], &[]), Some((&[1, 2], 2))).0, 2);
+        // Redeclared from [1, 2] to [2] while 2 is short of replicas (b draining): 2 was serving
+        // and still is READY, so it keeps serving; only without that memory would 1 take over.
+        let short = || {
+            vec![
+                view("a:1", WorkerState::Ready, m(&["2"])),
+                view("b:1", WorkerState::NotReady, m(&["2"])),
+                view("c:1", WorkerState::Ready, m(&["1"])),
+                view("d:1", WorkerState::Ready, m(&["1"])),
+            ]
+        };
+        let retiring = |serving| {
+            let d = Declared { versions: vec![2], replicas: 2, serving };
+            RoutingTable::build(short(), Instant::now())
+                .with_declared([("m".to_string(), d)])
+                .resolve("m", None)
+                .unwrap()
+                .version
+        };
+        assert_eq!(retiring(Some(2)), 2);
+        assert_eq!(retiring(None), 1);
+        // A serving version that is itself retired (a roll-over from 1) does not stick.
+        assert_eq!(retiring(Some(1)), 1);
         // Version 1 retired and gone (placement removed it once 2 was READY everywhere): 2.
         let retired = vec![view("a:1", WorkerState::Ready, m(&["2"])), view("b:1", WorkerState::Ready, m(&["2"]))];
         assert_eq!(unversioned(retired, Some((rolling, 2))).0, 2);
