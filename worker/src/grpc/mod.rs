@@ -579,16 +579,15 @@ pub struct InferStream<S, F, R: From<StreamPanic> = ModelStreamInferResponse, W 
     run: F,
     in_flight: FuturesOrdered<AbortOnDrop<R>>,
     limit: usize,
-    /// What each request in `in_flight` weighs, in order, their sum, and the most that sum and
-    /// the finished replies not yet taken may weigh before no more are read (at least one
-    /// request always is).
+    /// What each request in `in_flight` weighs, in order, their sum, and the most that sum,
+    /// the finished replies not yet taken and the replies still to come may weigh before no
+    /// more are read (at least one request always is).
     weigh: W,
     weights: VecDeque<usize>,
     weight: usize,
     weight_limit: usize,
-    /// What the replies finished and not yet taken weigh: added by each request's task as its
-    /// reply is ready, taken off as the reply is yielded.
-    replies_weight: Arc<AtomicUsize>,
+    /// The replies finished and not yet taken, kept by the requests' tasks.
+    replies: Arc<Replies>,
     /// Set when the request stream failed; reported once the in-flight requests drained.
     error: Option<tonic::Status>,
     /// Once this completes, no more requests are read (see [`InferStream::stop_on`]).
@@ -611,17 +610,18 @@ where
             weights: VecDeque::new(),
             weight: 0,
             weight_limit: usize::MAX,
-            replies_weight: Arc::new(AtomicUsize::new(0)),
+            replies: Arc::default(),
             error: None,
             stop: None,
         }
     }
 
     /// Stops reading requests while those read and not yet answered (by `request`, e.g. their
-    /// encoded size) and the replies finished and not yet taken (by `reply`) weigh `limit` or
-    /// more: a client that reads no replies then makes the stream hold about `limit` bytes
-    /// (plus one request and the replies of those in flight), not the count limit's worth of
-    /// requests or replies of any size.
+    /// encoded size), the replies finished and not yet taken (by `reply`) and, for each request
+    /// still running, the largest reply seen so far on the stream weigh `limit` or more: a
+    /// client that reads no replies then makes the stream hold about `limit` bytes (plus one
+    /// request, and the replies of a first burst read before any reply was seen), not the
+    /// count limit's worth of requests or replies of any size.
     pub fn weighed(
         self,
         limit: usize,
@@ -637,7 +637,7 @@ where
             weights: self.weights,
             weight: self.weight,
             weight_limit: limit,
-            replies_weight: self.replies_weight,
+            replies: self.replies,
             error: self.error,
             stop: self.stop,
         }
@@ -690,6 +690,36 @@ impl<Q, R> Weigh<Q, R> for Weights<Q, R> {
     }
 }
 
+/// What an [`InferStream`]'s finished replies not yet taken weigh, how many they are, and the
+/// largest reply it has seen: kept by the requests' tasks as their replies are ready.
+#[derive(Default)]
+struct Replies {
+    weight: AtomicUsize,
+    finished: AtomicUsize,
+    largest: AtomicUsize,
+}
+
+impl Replies {
+    fn finished(&self, weight: usize) {
+        self.weight.fetch_add(weight, Ordering::AcqRel);
+        self.largest.fetch_max(weight, Ordering::AcqRel);
+        self.finished.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn taken(&self, weight: usize) {
+        self.weight.fetch_sub(weight, Ordering::AcqRel);
+        self.finished.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// What `in_flight` requests' replies weigh: those finished, and the largest seen for each
+    /// still running.
+    fn load(&self, in_flight: usize) -> usize {
+        let running = in_flight.saturating_sub(self.finished.load(Ordering::Acquire));
+        let reserve = running.saturating_mul(self.largest.load(Ordering::Acquire));
+        self.weight.load(Ordering::Acquire).saturating_add(reserve)
+    }
+}
+
 /// A request of an [`InferStream`] that panicked: what went wrong, for the error message that
 /// answers it in its place (the stream and its other requests go on, as Triton's do when one
 /// request fails).
@@ -705,19 +735,19 @@ impl From<StreamPanic> for ModelStreamInferResponse {
 }
 
 /// A spawned request of an [`InferStream`]: aborted when dropped; yields its reply and what
-/// the reply weighs, or a reply made from its panic (weighing nothing).
-struct AbortOnDrop<R>(tokio::task::JoinHandle<(R, usize)>);
+/// the reply weighs (counted in [`Replies`]), or a reply made from its panic (not counted).
+struct AbortOnDrop<R>(tokio::task::JoinHandle<(R, Option<usize>)>);
 
 impl<R: From<StreamPanic>> std::future::Future for AbortOnDrop<R> {
-    type Output = (R, usize);
+    type Output = (R, Option<usize>);
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<(R, usize)> {
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<(R, Option<usize>)> {
         match Pin::new(&mut self.0).poll(cx) {
             Poll::Ready(Ok(reply)) => Poll::Ready(reply),
             Poll::Ready(Err(e)) if e.is_panic() => {
                 let what = crate::scheduler::panic_text(e.into_panic().as_ref());
                 tracing::error!(error = %what, "a stream request panicked; answered with an error message");
-                Poll::Ready((R::from(StreamPanic(what)), 0))
+                Poll::Ready((R::from(StreamPanic(what)), None))
             }
             // Only `drop` aborts the task, and nothing polls it after that.
             Poll::Ready(Err(_)) => Poll::Pending,
@@ -763,7 +793,7 @@ where
         // seen here by the next poll.
         while this.in_flight.len() < this.limit
             && (this.in_flight.is_empty()
-                || this.weight.saturating_add(this.replies_weight.load(Ordering::Acquire)) < this.weight_limit)
+                || this.weight.saturating_add(this.replies.load(this.in_flight.len())) < this.weight_limit)
         {
             let Some(incoming) = this.incoming.as_mut() else { break };
             match incoming.poll_next_unpin(cx) {
@@ -772,12 +802,12 @@ where
                     this.weights.push_back(weight);
                     this.weight = this.weight.saturating_add(weight);
                     let fut = (this.run)(req);
-                    let (weigh, replies_weight) = (this.weigh.reply(), this.replies_weight.clone());
+                    let (weigh, replies) = (this.weigh.reply(), this.replies.clone());
                     this.in_flight.push_back(AbortOnDrop(tokio::spawn(async move {
                         let reply = fut.await;
                         let weight = weigh(&reply);
-                        replies_weight.fetch_add(weight, Ordering::AcqRel);
-                        (reply, weight)
+                        replies.finished(weight);
+                        (reply, Some(weight))
                     })));
                 }
                 Poll::Ready(Some(Err(status))) => {
@@ -794,7 +824,9 @@ where
                 // Answers come in request order: the first weight is this one's.
                 let weight = this.weights.pop_front().unwrap_or(0);
                 this.weight = this.weight.saturating_sub(weight);
-                this.replies_weight.fetch_sub(reply_weight, Ordering::AcqRel);
+                if let Some(reply_weight) = reply_weight {
+                    this.replies.taken(reply_weight);
+                }
                 Poll::Ready(Some(Ok(resp)))
             }
             // Empty: done once the requests ended too, else `incoming` holds the waker.
@@ -923,7 +955,7 @@ mod tests {
         assert!(tokio::time::timeout(Duration::from_millis(1), s.next()).await.is_err());
         assert_eq!(tx.capacity(), 16);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while s.replies_weight.load(Ordering::SeqCst) < 30 {
+        while s.replies.weight.load(Ordering::SeqCst) < 30 {
             assert!(tokio::time::Instant::now() < deadline, "the fast requests never finished");
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
@@ -942,6 +974,27 @@ mod tests {
         drop(tx);
         let rest: Vec<String> = s.map(|r| r.unwrap().infer_response.unwrap().id).collect().await;
         assert_eq!(rest, ["c", "d"]);
+    }
+
+    /// Requests still running count as the largest reply seen so far on the stream: with
+    /// replies of 10 and a limit of 25, three slow requests are read and the fourth waits.
+    #[tokio::test]
+    async fn running_requests_count_as_the_largest_reply_seen() {
+        let (active, peak) = counters();
+        let (tx, rx) = mpsc::channel(16);
+        let mut s = InferStream::new(tokio_stream::wrappers::ReceiverStream::new(rx), runner(active, peak), 8).weighed(
+            25,
+            |_: &ModelInferRequest| 0,
+            |_: &ModelStreamInferResponse| 10,
+        );
+        tx.send(Ok(req("first"))).await.unwrap();
+        assert_eq!(s.next().await.unwrap().unwrap().infer_response.unwrap().id, "first");
+        for _ in 0..4 {
+            tx.send(Ok(req("sleep-600000"))).await.unwrap();
+        }
+        assert!(tokio::time::timeout(Duration::from_millis(1), s.next()).await.is_err());
+        assert_eq!(s.in_flight.len(), 3);
+        assert_eq!(tx.capacity(), 15, "the fourth is not read while three may reply 30 of 25");
     }
 
     /// A request that panics is answered with an error message in its place; the stream and
