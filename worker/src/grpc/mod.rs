@@ -787,52 +787,74 @@ where
             }
         }
 
-        // Admit new requests while there is room. When full, the in-flight set (non-empty)
-        // holds the waker; otherwise `incoming` does (it returned Pending) or has ended.
-        // A request finishing wakes the in-flight set, so a reply's weight added on its task is
-        // seen here by the next poll.
-        while this.in_flight.len() < this.limit
-            && (this.in_flight.is_empty()
-                || this.weight.saturating_add(this.replies.load(this.in_flight.len())) < this.weight_limit)
-        {
-            let Some(incoming) = this.incoming.as_mut() else { break };
-            match incoming.poll_next_unpin(cx) {
-                Poll::Ready(Some(Ok(req))) => {
-                    let weight = this.weigh.request(&req);
-                    this.weights.push_back(weight);
-                    this.weight = this.weight.saturating_add(weight);
-                    let fut = (this.run)(req);
-                    let (weigh, replies) = (this.weigh.reply(), this.replies.clone());
-                    this.in_flight.push_back(AbortOnDrop(tokio::spawn(async move {
-                        let reply = fut.await;
-                        let weight = weigh(&reply);
-                        replies.finished(weight);
-                        (reply, Some(weight))
-                    })));
+        loop {
+            // Admit new requests while there is room. When full, the in-flight set (non-empty)
+            // holds the waker; otherwise `incoming` does (it returned Pending) or has ended.
+            // A request finishing wakes the in-flight set, so a reply's weight added on its
+            // task is seen here by the next poll.
+            let mut incoming_waits = false;
+            while this.has_room() {
+                let Some(incoming) = this.incoming.as_mut() else { break };
+                match incoming.poll_next_unpin(cx) {
+                    Poll::Ready(Some(Ok(req))) => {
+                        let weight = this.weigh.request(&req);
+                        this.weights.push_back(weight);
+                        this.weight = this.weight.saturating_add(weight);
+                        let fut = (this.run)(req);
+                        let (weigh, replies) = (this.weigh.reply(), this.replies.clone());
+                        this.in_flight.push_back(AbortOnDrop(tokio::spawn(async move {
+                            let reply = fut.await;
+                            let weight = weigh(&reply);
+                            replies.finished(weight);
+                            (reply, Some(weight))
+                        })));
+                    }
+                    Poll::Ready(Some(Err(status))) => {
+                        this.incoming = None;
+                        this.error = Some(stream_transport_error(status));
+                    }
+                    Poll::Ready(None) => this.incoming = None,
+                    Poll::Pending => {
+                        incoming_waits = true;
+                        break;
+                    }
                 }
-                Poll::Ready(Some(Err(status))) => {
-                    this.incoming = None;
-                    this.error = Some(stream_transport_error(status));
-                }
-                Poll::Ready(None) => this.incoming = None,
-                Poll::Pending => break,
             }
-        }
 
-        match this.in_flight.poll_next_unpin(cx) {
-            Poll::Ready(Some((resp, reply_weight))) => {
-                // Answers come in request order: the first weight is this one's.
-                let weight = this.weights.pop_front().unwrap_or(0);
-                this.weight = this.weight.saturating_sub(weight);
-                if let Some(reply_weight) = reply_weight {
-                    this.replies.taken(reply_weight);
+            match this.in_flight.poll_next_unpin(cx) {
+                Poll::Ready(Some((resp, reply_weight))) => {
+                    // Answers come in request order: the first weight is this one's.
+                    let weight = this.weights.pop_front().unwrap_or(0);
+                    this.weight = this.weight.saturating_sub(weight);
+                    if let Some(reply_weight) = reply_weight {
+                        this.replies.taken(reply_weight);
+                    }
+                    return Poll::Ready(Some(Ok(resp)));
                 }
-                Poll::Ready(Some(Ok(resp)))
+                // Empty: done once the requests ended too, else `incoming` holds the waker.
+                Poll::Ready(None) if this.incoming.is_none() => return Poll::Ready(this.error.take().map(Err)),
+                Poll::Ready(None) | Poll::Pending => {
+                    // A request that finished within this poll (its output taken at once, no
+                    // wake-up) may have brought the load under the limit — its reply weighing
+                    // less than the reserve it held: admit again, unless `incoming` already
+                    // holds the waker. Each round reads a request or ends, so this is bounded.
+                    if incoming_waits || !this.has_room() {
+                        return Poll::Pending;
+                    }
+                }
             }
-            // Empty: done once the requests ended too, else `incoming` holds the waker.
-            Poll::Ready(None) if this.incoming.is_none() => Poll::Ready(this.error.take().map(Err)),
-            Poll::Ready(None) | Poll::Pending => Poll::Pending,
         }
+    }
+}
+
+impl<S, F, R: From<StreamPanic>, W> InferStream<S, F, R, W> {
+    /// Whether another request may be read now: under the count limit and, unless none is in
+    /// flight, under the weight limit.
+    fn has_room(&self) -> bool {
+        self.incoming.is_some()
+            && self.in_flight.len() < self.limit
+            && (self.in_flight.is_empty()
+                || self.weight.saturating_add(self.replies.load(self.in_flight.len())) < self.weight_limit)
     }
 }
 
