@@ -959,17 +959,33 @@ mod tests {
         assert_eq!(active.load(Ordering::SeqCst), 3);
     }
 
-    /// Replies finished behind a slower one and not yet taken weigh too: while they weigh the
-    /// limit, no more requests are read; taking them reads on.
-    #[tokio::test]
-    async fn unread_replies_count_against_the_weight_limit() {
+    /// A stream fed through a channel of 16, whose requests weigh nothing and whose replies
+    /// weigh 10 each, against a limit of 25.
+    #[allow(clippy::type_complexity)] // the concrete stream: the tests read its counters
+    fn replies_of_ten_limit_twenty_five() -> (
+        mpsc::Sender<Result<ModelInferRequest, tonic::Status>>,
+        InferStream<
+            tokio_stream::wrappers::ReceiverStream<Result<ModelInferRequest, tonic::Status>>,
+            impl FnMut(ModelInferRequest) -> BoxFuture<'static, ModelStreamInferResponse> + Unpin + Send,
+            ModelStreamInferResponse,
+            Weights<ModelInferRequest, ModelStreamInferResponse>,
+        >,
+    ) {
         let (active, peak) = counters();
         let (tx, rx) = mpsc::channel(16);
-        let mut s = InferStream::new(tokio_stream::wrappers::ReceiverStream::new(rx), runner(active, peak), 8).weighed(
+        let s = InferStream::new(tokio_stream::wrappers::ReceiverStream::new(rx), runner(active, peak), 8).weighed(
             25,
             |_: &ModelInferRequest| 0,
             |_: &ModelStreamInferResponse| 10,
         );
+        (tx, s)
+    }
+
+    /// Replies finished behind a slower one and not yet taken weigh too: while they weigh the
+    /// limit, no more requests are read; taking them reads on.
+    #[tokio::test]
+    async fn unread_replies_count_against_the_weight_limit() {
+        let (tx, mut s) = replies_of_ten_limit_twenty_five();
         for id in ["sleep-300", "a", "b", "c"] {
             tx.send(Ok(req(id))).await.unwrap();
         }
@@ -1002,13 +1018,7 @@ mod tests {
     /// replies of 10 and a limit of 25, three slow requests are read and the fourth waits.
     #[tokio::test]
     async fn running_requests_count_as_the_largest_reply_seen() {
-        let (active, peak) = counters();
-        let (tx, rx) = mpsc::channel(16);
-        let mut s = InferStream::new(tokio_stream::wrappers::ReceiverStream::new(rx), runner(active, peak), 8).weighed(
-            25,
-            |_: &ModelInferRequest| 0,
-            |_: &ModelStreamInferResponse| 10,
-        );
+        let (tx, mut s) = replies_of_ten_limit_twenty_five();
         tx.send(Ok(req("first"))).await.unwrap();
         assert_eq!(s.next().await.unwrap().unwrap().infer_response.unwrap().id, "first");
         for _ in 0..4 {
