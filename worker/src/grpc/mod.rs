@@ -691,18 +691,23 @@ impl<Q, R> Weigh<Q, R> for Weights<Q, R> {
 }
 
 /// What an [`InferStream`]'s finished replies not yet taken weigh, how many they are, and the
-/// largest reply it has seen: kept by the requests' tasks as their replies are ready.
+/// largest reply it has seen lately: kept by the requests' tasks as their replies are ready.
 #[derive(Default)]
 struct Replies {
     weight: AtomicUsize,
     finished: AtomicUsize,
+    /// The largest reply seen, decaying by an eighth (rounded up) with each smaller one: a
+    /// single large reply early in a long stream does not hold it to a few requests in flight
+    /// for the rest of its life; after a couple of dozen smaller replies it is forgotten.
     largest: AtomicUsize,
 }
 
 impl Replies {
     fn finished(&self, weight: usize) {
         self.weight.fetch_add(weight, Ordering::AcqRel);
-        self.largest.fetch_max(weight, Ordering::AcqRel);
+        let decayed = |largest: usize| Some(weight.max(largest - largest.div_ceil(8)));
+        // The closure always answers Some: the update cannot fail.
+        let _ = self.largest.fetch_update(Ordering::AcqRel, Ordering::Acquire, decayed);
         self.finished.fetch_add(1, Ordering::AcqRel);
     }
 
@@ -1027,6 +1032,34 @@ mod tests {
         assert!(tokio::time::timeout(Duration::from_millis(1), s.next()).await.is_err());
         assert_eq!(s.in_flight.len(), 3);
         assert_eq!(tx.capacity(), 15, "the fourth is not read while three may reply 30 of 25");
+    }
+
+    /// The largest reply seen decays with each smaller one: after one reply of 20 against a
+    /// limit of 25, one slow request more is read; after a run of empty replies, many are.
+    #[tokio::test]
+    async fn a_large_reply_long_ago_stops_limiting_the_stream() {
+        let (active, peak) = counters();
+        let (tx, rx) = mpsc::channel(64);
+        // Replies weigh what their id says after "w" ("w20": 20), others nothing.
+        let weight = |r: &ModelStreamInferResponse| {
+            let id = r.infer_response.as_ref().map_or("", |i| i.id.as_str());
+            id.strip_prefix('w').and_then(|n| n.parse().ok()).unwrap_or(0)
+        };
+        let mut s = InferStream::new(tokio_stream::wrappers::ReceiverStream::new(rx), runner(active, peak), 64)
+            .weighed(25, |_: &ModelInferRequest| 0, weight);
+        tx.send(Ok(req("w20"))).await.unwrap();
+        assert_eq!(s.next().await.unwrap().unwrap().infer_response.unwrap().id, "w20");
+        assert_eq!(s.replies.largest.load(Ordering::SeqCst), 20);
+        for _ in 0..24 {
+            tx.send(Ok(req("w0"))).await.unwrap();
+            assert_eq!(s.next().await.unwrap().unwrap().infer_response.unwrap().id, "w0");
+        }
+        assert_eq!(s.replies.largest.load(Ordering::SeqCst), 0, "forgotten after 24 empty replies");
+        for _ in 0..8 {
+            tx.send(Ok(req("sleep-600000"))).await.unwrap();
+        }
+        assert!(tokio::time::timeout(Duration::from_millis(1), s.next()).await.is_err());
+        assert_eq!(s.in_flight.len(), 8, "running requests reserve nothing once the large reply is forgotten");
     }
 
     /// A request that panics is answered with an error message in its place; the stream and
