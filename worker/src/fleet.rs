@@ -329,7 +329,9 @@ impl Session<'_> {
         let mut watch = self.watch_placement(&mut client, *phase.borrow()).await?;
         tracing::info!(worker = %id, lease, granted, models = self.view.placement.len(), "registered in etcd");
         self.counters.connected.store(1, Ordering::Relaxed);
-        if *phase.borrow() == Phase::Draining {
+        // As written, not as asked: a drain asked for after the record went in as serving is
+        // done once the write below lands.
+        if self.record.is_some_and(|(written, _)| written == Phase::Draining) {
             self.drained.send_replace(true);
         }
 
@@ -795,12 +797,23 @@ async fn reconcile(
                 let ensembles = repository.ensembles_among(due.iter());
                 due.sort_by_key(|m| !ensembles.contains(m));
                 for model in due {
-                    retired.remove(&model);
-                    set_retiring(&retired);
+                    // Loaded for this ensemble, not placed here themselves: they go after it.
+                    let composing = repository.composing_models(&model);
                     tracing::info!(%model, "placement: unloading");
                     if let Err(e) = repository.unload_placed(&model).await {
                         tracing::warn!(%model, "placement: unload failed: {}", e.message);
                     }
+                    // Retiring (not published READY) until unloaded: the unload may wait on the
+                    // repository's change lock while statuses are written.
+                    retired.remove(&model);
+                    let busy = in_flight();
+                    for c in composing {
+                        if !applied.contains_key(&c) && !busy.contains(&c) && !retired.contains_key(&c) {
+                            tracing::info!(model = %c, ensemble = %model, ?grace, "placement: composing model no longer used, unloading after the grace");
+                            retired.insert(c, (tokio::time::Instant::now() + grace, BTreeSet::new()));
+                        }
+                    }
+                    set_retiring(&retired);
                 }
                 continue;
             }
@@ -1072,6 +1085,41 @@ mod tests {
         until(&repository, "both READY", |r| ready(r).len() == 2).await;
         desired.send(Some(Placement::new())).unwrap();
         until(&repository, "both unloaded", |r| ready(r).is_empty()).await;
+        reconciler.abort();
+    }
+
+    /// An ensemble placed without its composing model loads that model itself; once the
+    /// ensemble's placement is removed, the composing model (placed nowhere here) is unloaded
+    /// after it rather than left loaded, and published READY, for good.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_composing_model_loaded_only_for_its_ensemble_unloads_after_it() {
+        let dir = tempfile::tempdir().unwrap();
+        for model in ["versioned_scale", "scale_ensemble"] {
+            copy_example(dir.path(), model);
+        }
+        let repository = explicit_repository(dir.path());
+        let (desired, placements) = watch::channel(None::<Placement>);
+        let retiring: Retiring = Default::default();
+        let reconciler = tokio::spawn(reconcile(
+            repository.clone(),
+            placements,
+            Default::default(),
+            retiring.clone(),
+            Default::default(),
+            Duration::from_millis(10),
+        ));
+        let ready = |repository: &Repository| -> BTreeSet<String> {
+            repository.held_index().into_iter().filter(|e| e.state == "READY").map(|e| e.name).collect()
+        };
+        desired.send(Some([("scale_ensemble".to_string(), BTreeSet::from([1]))].into())).unwrap();
+        until(&repository, "the ensemble and its composing model READY", |r| ready(r).len() == 2).await;
+        desired.send(Some(Placement::new())).unwrap();
+        until(&repository, "both unloaded", |r| ready(r).is_empty()).await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !retiring.lock().unwrap().is_empty() {
+            assert!(std::time::Instant::now() < deadline, "still retiring: {:?}", retiring.lock().unwrap());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         reconciler.abort();
     }
 }

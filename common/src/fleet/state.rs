@@ -73,11 +73,10 @@ impl FleetState {
                 }
                 self.workers.insert(id.clone(), record.clone()) != Some(record)
             }
-            (Key::Worker(id), None) => {
-                // The lease is gone: its statuses go with it (etcd deletes them too).
-                let statuses = self.statuses.remove(id).is_some();
-                self.workers.remove(id).is_some() || statuses
-            }
+            // Only the record: a lease that expires deletes the statuses under it too, each
+            // with an event of its own; a record deleted by hand (`etcdctl del`) leaves them,
+            // and the worker, writing its record again, finds them still there.
+            (Key::Worker(id), None) => self.workers.remove(id).is_some(),
             (Key::Status { worker, model, version }, Some(v)) => {
                 let record: StatusRecord = decoded(v).map_err(reject)?;
                 let per_worker = self.statuses.entry(worker.clone()).or_default();
@@ -244,11 +243,15 @@ mod tests {
         assert!(r.reason.contains("does not match"), "{r}");
         assert_eq!(s, before);
 
-        // Same value again: no change. Drain, then lease expiry removes the worker and statuses.
+        // Same value again: no change. Drain, then lease expiry removes the worker, then its
+        // statuses (each key deleted has its event). The record alone going leaves them: an
+        // operator's `etcdctl del` of the record, which the worker writes again.
         assert!(!s.apply(&keys, b"/n/workers/a", Some(worker_json("a").as_bytes())).unwrap());
         assert!(s.apply(&keys, b"/n/drain/a", Some(br#"{"schema":1}"#)).unwrap());
         assert!(!s.is_active("a"));
         assert!(s.apply(&keys, b"/n/workers/a", None).unwrap());
+        assert_eq!(s.statuses["a"][&("m".to_string(), 1)].state, ModelState::Ready);
+        assert!(s.apply(&keys, b"/n/status/a/m/1", None).unwrap());
         assert!(s.statuses.is_empty());
         assert!(!s.apply(&keys, b"/other/workers/a", None).unwrap());
     }

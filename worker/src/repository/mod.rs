@@ -861,6 +861,14 @@ impl Repository {
         Ok(())
     }
 
+    /// The models the loaded ensemble `name` has a step on (none if it is not a loaded
+    /// ensemble).
+    pub fn composing_models(&self, name: &str) -> Vec<String> {
+        let slots = self.slots.read().unwrap_or_else(|e| e.into_inner());
+        let plan = slots.get(name).and_then(|s| s.model.as_ref()).and_then(|m| m.ensemble.as_ref());
+        plan.map(|p| p.models().into_iter().map(str::to_string).collect()).unwrap_or_default()
+    }
+
     /// Loaded ensembles (other than those in `except`) with a step on `name`.
     fn ensembles_using(&self, name: &str, except: &[String]) -> Vec<String> {
         let slots = self.slots.read().unwrap_or_else(|e| e.into_inner());
