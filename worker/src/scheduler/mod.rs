@@ -220,7 +220,15 @@ struct QueueState {
     /// sleeps with nothing to wait for. A push wakes the timer only when its queue timeout is
     /// earlier than this.
     timer_at: Option<Instant>,
+    /// When a push last found the queue full and looked for entries to drop: at most once per
+    /// [`FULL_QUEUE_SCAN_INTERVAL`], so that refusing a flood of requests under overload does
+    /// not scan the whole queue, under the lock, once for each.
+    full_scan_at: Option<Instant>,
 }
+
+/// How often a full queue is scanned for dropped entries on a push (see
+/// [`QueueState::full_scan_at`]); instances and the timer scan it besides.
+const FULL_QUEUE_SCAN_INTERVAL: std::time::Duration = std::time::Duration::from_millis(1);
 
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
@@ -250,6 +258,7 @@ impl Scheduler {
                 next_seq: 0,
                 closed: false,
                 timer_at: None,
+                full_scan_at: None,
             }),
             wake: Condvar::new(),
             timer: Condvar::new(),
@@ -276,8 +285,16 @@ impl Scheduler {
             // timer looks; a full queue looks now, before refusing anyone.
             let full = |q: &policy::BatchQueue<Job>| q.len() >= MAX_QUEUED || q.is_full_for(job.priority);
             if full(&state.queue) {
-                let dropped = state.queue.expire(Instant::now());
-                answer_dropped(&self.shared, dropped);
+                let now = Instant::now();
+                if state.full_scan_at.is_none_or(|at| now.saturating_duration_since(at) >= FULL_QUEUE_SCAN_INTERVAL) {
+                    state.full_scan_at = Some(now);
+                    let dropped = state.queue.expire(now);
+                    // What the scan dropped may have made a batch ready (a new head).
+                    if !dropped.is_empty() {
+                        self.shared.wake.notify_one();
+                    }
+                    answer_dropped(&self.shared, dropped);
+                }
             }
             // The request's own level being full refuses it before anyone else's place is taken
             // for it below.
@@ -768,6 +785,36 @@ mod tests {
         assert!(low.try_recv().is_err());
         h.gate.send(()).expect("instance waits");
         assert!(low.blocking_recv().expect("answered").is_ok());
+    }
+
+    /// A full queue is scanned for requests whose callers went away before a push is refused,
+    /// but at most once per [`FULL_QUEUE_SCAN_INTERVAL`]: within it, a push is refused without
+    /// a scan (a flood of refusals under overload must not copy the queue once each).
+    #[test]
+    fn a_full_queue_drops_departed_callers_at_most_once_per_interval() {
+        let h = harness(two_levels());
+        let submit = |priority: u64| submit_at(&h.scheduler, priority);
+        let (running, _running_rx) = submit(2);
+        running.expect("queued");
+        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "the instance is busy");
+        let mut low: Vec<oneshot::Receiver<JobResult>> = Vec::new();
+        for _ in 0..MAX_QUEUED {
+            let (queued, rx) = submit(2);
+            queued.expect("room");
+            low.push(rx);
+        }
+        // Every queued caller goes away; a scan just happened (as far as the queue knows).
+        drop(low);
+        h.scheduler.shared.lock().full_scan_at = Some(Instant::now() + Duration::from_secs(3600));
+        let (refused, _) = submit(2);
+        assert_eq!(refused.expect_err("no scan within the interval").code, Code::ResourceExhausted);
+        assert_eq!(h.scheduler.shared.lock().queue.len(), MAX_QUEUED);
+        h.scheduler.shared.lock().full_scan_at = None;
+        let (queued, _rx) = submit(2);
+        queued.expect("the scan dropped the departed callers' places");
+        assert_eq!(h.scheduler.shared.lock().queue.len(), 1);
+        assert_eq!(h.stats.pending(), 1);
+        h.gate.send(()).expect("instance waits");
     }
 
     /// A request refused because its own priority level is full takes nobody's place: the

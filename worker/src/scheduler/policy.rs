@@ -300,7 +300,16 @@ impl<T: Pending> BatchQueue<T> {
     /// was dropped; entries timed out under `DELAY` move to their level's delayed queue.
     pub fn expire(&mut self, now: Instant) -> Vec<(T, DropReason)> {
         let mut dropped = Vec::new();
+        let gone = |e: &Entry<T>| e.item.is_cancelled() || e.item.deadline().is_some_and(|d| d <= now);
         for (index, level) in self.levels.iter_mut().enumerate() {
+            // Most calls find nothing due: a level is rebuilt only when something in it is (a
+            // full queue under overload is looked at often; copying it each time would hold
+            // the lock for as long as it takes to copy thousands of entries).
+            let due = level.delayed.iter().any(gone)
+                || level.queue.iter().any(|e| gone(e) || e.timeout_at.is_some_and(|t| t <= now));
+            if !due {
+                continue;
+            }
             let action = self.policy.levels[index].timeout_action;
             // Delayed entries first, so entries delayed now go behind those delayed before.
             for entry in std::mem::take(&mut level.delayed) {
@@ -388,6 +397,12 @@ impl<T: Pending> BatchQueue<T> {
         if count == 0 {
             // The head alone exceeds max_batch_size (validation prevents this): run it alone.
             return Decision::Dispatch(self.take_front(1));
+        }
+        // Already past the largest preferred size (a first request larger than all of them,
+        // alone in the queue): as in Triton, it goes now, not after the delay — waiting cannot
+        // bring the batch to a preferred size.
+        if preferred_count.is_none() && max_preferred.is_some_and(|largest| rows > largest) {
+            preferred_count = Some(count);
         }
         // A delay too large for `Instant` never passes; wait a day at a time.
         let deadline = oldest.checked_add(self.policy.max_queue_delay).unwrap_or(now + FAR);
@@ -602,6 +617,19 @@ mod tests {
         // One left, below every preferred size: it waits for its delay, then goes alone.
         assert!(matches!(q.next_batch(t0), Decision::WaitUntil(_)));
         assert_eq!(ids(q.next_batch(t0 + Duration::from_secs(2))), vec![4]);
+    }
+
+    /// A lone request larger than the largest preferred size goes at once (as in Triton),
+    /// rather than waiting out the delay for company it could not batch with anyway.
+    #[test]
+    fn a_lone_request_past_the_largest_preferred_size_goes_at_once() {
+        let t0 = Instant::now();
+        let mut q = BatchQueue::new(policy(16, vec![4, 8], 100_000, 1));
+        q.push(req(0, 12), 0, 0, t0).unwrap();
+        assert_eq!(ids(q.next_batch(t0)), vec![0]);
+        // Below the largest preferred size it still waits.
+        q.push(req(1, 6), 0, 0, t0).unwrap();
+        assert_eq!(q.next_batch(t0), Decision::WaitUntil(t0 + Duration::from_millis(100)));
     }
 
     /// As Triton's batcher: before its delay has passed, a batch does not grow past the
@@ -853,6 +881,8 @@ mod tests {
                 if preferred.contains(&rows) { best = Some(count); }
                 if rows == max { closed = true; break; }
             }
+            // A walk already past the largest preferred size (its first request alone) goes too.
+            if best.is_none() && largest.is_some_and(|l| rows > l) { best = Some(count); }
             let now = if delay_passed { t0 + delay } else { t0 };
             let expected = match (delay_passed, best) {
                 (false, Some(n)) => Some(n),
