@@ -455,3 +455,53 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
     }
     out
 }
+
+/// A request that has begun runs every step on the composing models it began with: one
+/// unloaded while the request waits in an earlier step's queue still answers its step (the
+/// request holds it until it ends); the next request is refused, the ensemble not ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_composing_model_unloaded_mid_request_still_serves_that_request() {
+    let chain = r#"name: "chain"
+platform: "ensemble"
+max_batch_size: 16
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+ensemble_scheduling { step [
+  { model_name: "slow_scale" model_version: -1
+    input_map { key: "INPUT0" value: "INPUT0" } output_map { key: "OUTPUT0" value: "mid" } },
+  { model_name: "versioned_scale" model_version: -1
+    input_map { key: "INPUT0" value: "mid" } output_map { key: "OUTPUT0" value: "OUT" } } ] }
+"#;
+    let dir = ensemble_repo(&[("chain", chain)]);
+    // versioned_scale's version 2 (x3) behind a batcher that holds a lone request 400 ms.
+    let slow = dir.path().join("slow_scale");
+    std::fs::create_dir_all(slow.join("1")).unwrap();
+    std::fs::copy(example_onnx("versioned_scale", 2), slow.join("1/model.onnx")).unwrap();
+    let config = std::fs::read_to_string(dir.path().join("versioned_scale/config.pbtxt"))
+        .unwrap()
+        .replace("name: \"versioned_scale\"", "name: \"slow_scale\"")
+        + "dynamic_batching { preferred_batch_size: [ 16 ] max_queue_delay_microseconds: 400000 }\n";
+    std::fs::write(slow.join("config.pbtxt"), config).unwrap();
+    common::init_ort();
+    let metrics = Arc::new(nereid_worker::metrics::Metrics::new());
+    let repo = Arc::new(Repository::new(common::options(dir.path(), ControlMode::Explicit, false), metrics.clone()));
+    repo.load("chain", None).await.unwrap();
+    assert!(repo.model_ready("slow_scale", None) && repo.model_ready("versioned_scale", None));
+
+    let running = tokio::spawn({
+        let repo = repo.clone();
+        async move { repo.infer(request("chain", &[[1.0; 4]], &[])).await }
+    });
+    // Wait (bounded) until the request sits in slow_scale's queue: it has begun.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while metrics.pending_total() == 0 {
+        assert!(std::time::Instant::now() < deadline, "the request never reached slow_scale's queue");
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    repo.unload("versioned_scale").await.unwrap();
+    assert!(!repo.model_ready("versioned_scale", None));
+    let answer = running.await.unwrap().expect("the request that had begun is answered");
+    assert_eq!(floats(&answer.outputs[0].data), vec![9.0; 4], "x3 in slow_scale, then x3 in versioned_scale 2");
+    let e = repo.infer(request("chain", &[[1.0; 4]], &[])).await.unwrap_err();
+    assert_eq!(e.code, Code::Unavailable, "{e}");
+}

@@ -577,9 +577,21 @@ impl Repository {
     }
 
     /// [`infer`](Self::infer) for a request `depth` ensembles deep.
-    async fn infer_at(&self, mut request: InferRequest, depth: usize) -> Result<InferResponse, Status> {
+    async fn infer_at(&self, request: InferRequest, depth: usize) -> Result<InferResponse, Status> {
         let started = Instant::now();
         let model = self.model(&request.model_name)?;
+        self.infer_on(model, request, depth, started).await
+    }
+
+    /// [`infer_at`](Self::infer_at) on `model`, already looked up (an ensemble's steps run on
+    /// the composing models it looked up when the request began).
+    async fn infer_on(
+        &self,
+        model: Arc<LoadedModel>,
+        mut request: InferRequest,
+        depth: usize,
+        started: Instant,
+    ) -> Result<InferResponse, Status> {
         let version = self.version(&model, request.model_version)?;
         // Counted exactly once: here when the request finishes, or by the guard when the
         // caller drops this future (client disconnect, gateway cancel) at any point.
@@ -733,6 +745,22 @@ impl Repository {
         let wanted: Vec<&str> =
             model.spec.outputs.iter().zip(&v.wanted).filter(|(_, w)| **w).map(|(o, _)| o.name.as_str()).collect();
         let needed = plan.needed_steps(&wanted);
+        // The composing models are looked up once, now: a request that has begun runs every
+        // step on them (holding them loaded until it ends), not into a model unloaded — or
+        // reloaded with other tensors — between two of its steps. One that is not there now
+        // fails the request before any step runs, naming it.
+        let mut composing: HashMap<&str, Arc<LoadedModel>> = HashMap::new();
+        for (i, step) in plan.steps.iter().enumerate().filter(|(i, _)| needed[*i]) {
+            if !composing.contains_key(step.model.as_str()) {
+                let found = self.model(&step.model).map_err(|e| {
+                    Status::new(
+                        e.code,
+                        nereid_common::status::ensemble_step_message(&model.name, i, &step.model, &e.message),
+                    )
+                })?;
+                composing.insert(step.model.as_str(), found);
+            }
+        }
         // The last wave reading each tensor: an intermediate is dropped after it (a long
         // pipeline holds no more than what is still to be read).
         let mut last_read: HashMap<&str, usize> = HashMap::new();
@@ -772,8 +800,13 @@ impl Repository {
                     deadline: request.deadline,
                     shm_outputs: Vec::new(),
                 };
+                let on = composing.get(step.model.as_str()).cloned();
                 async move {
-                    let answer = Box::pin(self.infer_at(sub, depth + 1)).await.map_err(|e| {
+                    let answer = match on {
+                        Some(on) => Box::pin(self.infer_on(on, sub, depth + 1, Instant::now())).await,
+                        None => Box::pin(self.infer_at(sub, depth + 1)).await,
+                    };
+                    let answer = answer.map_err(|e| {
                         Status::new(
                             e.code,
                             nereid_common::status::ensemble_step_message(&model.name, i, &step.model, &e.message),
