@@ -505,3 +505,27 @@ ensemble_scheduling { step [
     let e = repo.infer(request("chain", &[[1.0; 4]], &[])).await.unwrap_err();
     assert_eq!(e.code, Code::Unavailable, "{e}");
 }
+
+/// POLL mode: an ensemble that failed to load for want of its composing model loads once that
+/// model appears, its own files unchanged (as Triton reloads an ensemble when what it depends
+/// on loads).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poll_loads_a_failed_ensemble_once_its_composing_model_appears() {
+    let inner = one_step("inner", "versioned_scale", "INPUT0", "OUTPUT0");
+    let dir = ensemble_repo(&[("inner", &inner)]);
+    let aside = tempfile::tempdir().unwrap();
+    std::fs::rename(dir.path().join("versioned_scale"), aside.path().join("versioned_scale")).unwrap();
+    let repo = repository(dir.path(), ControlMode::Poll);
+    let failed = repo.load_startup_models().await;
+    assert_eq!(failed.iter().map(|(m, _)| m.as_str()).collect::<Vec<_>>(), ["inner"], "{failed:?}");
+    // Nothing changed on disk: a pass leaves it failed.
+    repo.poll_once().await;
+    assert!(!repo.model_ready("inner", None));
+    // The composing model appears: it loads, and so does the ensemble.
+    std::fs::rename(aside.path().join("versioned_scale"), dir.path().join("versioned_scale")).unwrap();
+    repo.poll_once().await;
+    assert!(repo.model_ready("versioned_scale", None));
+    assert!(repo.model_ready("inner", None), "{:?}", repo.index(false));
+    let answer = repo.infer(request("inner", &[[1.0; 4]], &[])).await.unwrap();
+    assert_eq!(floats(&answer.outputs[0].data), vec![3.0; 4]);
+}

@@ -1394,6 +1394,21 @@ impl Repository {
         }
     }
 
+    /// Loads `batch` (name, files' stamp, whether an ensemble) side by side after a repository
+    /// change, remembering each stamp tried; how many loaded.
+    async fn load_batch(&self, batch: Vec<(String, Stamp, bool)>) -> usize {
+        let loads = batch.into_iter().map(|(name, stamp, _)| async move {
+            tracing::info!(model = %name, "repository change detected; loading");
+            let result = self.load_inner(&name, None, None).await;
+            if let Err(e) = &result {
+                tracing::error!(model = %name, error = %e, "load after repository change failed");
+            }
+            self.remember_stamp(&name, stamp);
+            result.is_ok()
+        });
+        futures::future::join_all(loads).await.into_iter().filter(|ok| *ok).count()
+    }
+
     /// One POLL pass (also used by tests).
     pub async fn poll_once(&self) {
         // The file-system walk (every model's files, through symbolic links: slow on a network
@@ -1413,6 +1428,7 @@ impl Repository {
         // Load what is new or changed, but retry a failed (re)load only once its files change
         // again.
         let mut changed = Vec::new();
+        let mut failed = Vec::new();
         for (name, (stamp, dir)) in &on_disk {
             let needs_load = match self.slot(name).as_ref() {
                 Some(Slot { model: Some(m), .. }) => m.stamp != *stamp && self.not_attempted(name, stamp),
@@ -1422,17 +1438,29 @@ impl Repository {
             };
             if needs_load {
                 changed.push((name.clone(), stamp.clone(), dir.clone()));
+            } else if matches!(self.slot(name), Some(Slot { model: None, state: State::Unavailable(reason), .. }) if reason != UNLOADED)
+            {
+                // Failed, files unchanged: retried below if it is an ensemble and a model
+                // loaded in this pass (the composing model it lacked may be that one).
+                failed.push((name.clone(), stamp.clone(), dir.clone()));
             }
         }
         let config_name = self.options.config_name.clone();
-        let Ok(changed) = tokio::task::spawn_blocking(move || {
-            changed
+        let Ok((changed, failed_ensembles)) = tokio::task::spawn_blocking(move || {
+            let ensemble = |dir: &std::path::Path| load::declares_ensemble(dir, config_name.as_deref());
+            let changed: Vec<_> = changed
                 .into_iter()
                 .map(|(name, stamp, dir)| {
-                    let ensemble = load::declares_ensemble(&dir, config_name.as_deref());
-                    (name, stamp, ensemble)
+                    let is_ensemble = ensemble(&dir);
+                    (name, stamp, is_ensemble)
                 })
-                .collect::<Vec<_>>()
+                .collect();
+            let failed: Vec<_> = failed
+                .into_iter()
+                .filter(|(_, _, dir)| ensemble(dir))
+                .map(|(name, stamp, _)| (name, stamp, true))
+                .collect();
+            (changed, failed)
         })
         .await
         else {
@@ -1441,17 +1469,14 @@ impl Repository {
         // The changed models load side by side (their builds bounded by `load_threads`), the
         // ensembles after them: an ensemble then finds the models it composes in place
         // instead of building them itself while their own loads do too.
-        let (ensembles, models): (Vec<_>, Vec<_>) = changed.into_iter().partition(|(_, _, ensemble)| *ensemble);
-        for batch in [models, ensembles] {
-            futures::future::join_all(batch.into_iter().map(|(name, stamp, _)| async move {
-                tracing::info!(model = %name, "repository change detected; loading");
-                if let Err(e) = self.load_inner(&name, None, None).await {
-                    tracing::error!(model = %name, error = %e, "load after repository change failed");
-                }
-                self.remember_stamp(&name, stamp);
-            }))
-            .await;
+        let (mut ensembles, models): (Vec<_>, Vec<_>) = changed.into_iter().partition(|(_, _, ensemble)| *ensemble);
+        let loaded_now = self.load_batch(models).await;
+        // As Triton reloads an ensemble once the models it depends on load: one that failed
+        // (its files unchanged since) is tried again after any model loaded in this pass.
+        if loaded_now > 0 {
+            ensembles.extend(failed_ensembles);
         }
+        self.load_batch(ensembles).await;
         for (name, slot) in loaded {
             if on_disk.contains_key(&name) {
                 continue;
