@@ -332,17 +332,34 @@ pub fn plan(
                     .values()
                     .any(|s| s.get(&(m.to_string(), d)).is_some_and(|st| st.state == ModelState::Failed)))
     };
-    let mut retiring = BTreeSet::new();
-    for (w, m, v) in &state.placements {
+    // Short only for lack of room (a full fleet), they go one at a time, not all at once (a
+    // Deployment's rolling update with no surge room, maxUnavailable 1): one is released, its
+    // room takes a replica of the new version in the next plan, the rest stay until that one
+    // is READY — then the next goes. Dropping them all would leave the model nothing to serve
+    // until the new version loads.
+    let mut retired_ready: BTreeMap<&str, Vec<&Assignment>> = BTreeMap::new();
+    for a @ (w, m, v) in &state.placements {
         if load.contains_key(w.as_str()) && retired(w, m, *v) {
-            let waiting = state.models[m].versions.iter().any(|&d| {
-                let (holders, ready) = ready_holders(m, d);
-                holders > ready || failing(m, d)
-            });
-            if waiting {
-                retiring.insert((w.clone(), m.clone(), *v));
-            }
+            retired_ready.entry(m.as_str()).or_default().push(a);
         }
+    }
+    let mut retiring = BTreeSet::new();
+    for (m, replicas) in retired_ready {
+        let versions = &state.models[m].versions;
+        let waiting = versions.iter().any(|&d| {
+            let (holders, ready) = ready_holders(m, d);
+            holders > ready || failing(m, d)
+        });
+        let short_of_room = versions.iter().any(|&d| unplaced.iter().any(|(um, uv, _)| um == m && *uv == d));
+        let keep = if waiting {
+            replicas.len()
+        } else if short_of_room {
+            replicas.len() - 1
+        } else {
+            0
+        };
+        // The last ones (in key order) are released first: deterministic, and no thrash.
+        retiring.extend(replicas.into_iter().take(keep).cloned());
     }
 
     let mut assignments: BTreeSet<Assignment> =
@@ -515,6 +532,55 @@ mod tests {
         status(&mut s, "w2", "m", 2, None);
         let both = BTreeSet::from([a("w1", "m", 2), a("w2", "m", 2)]);
         assert_eq!(plan(&s, &both, &van, &fr).assignments, BTreeSet::from([a("w1", "m", 1)]));
+    }
+
+    /// A full fleet rolls a model from version 1 to 2 one replica at a time: version 1's
+    /// replicas go one by one, each once the version 2 replica placed in the room the last one
+    /// freed is READY — the model is never left without a READY replica.
+    #[test]
+    fn a_full_fleet_rolls_versions_one_replica_at_a_time() {
+        let (ex, van, fr) = (BTreeSet::new(), BTreeSet::new(), BTreeMap::new());
+        let mut s = FleetState::default();
+        for w in ["w1", "w2", "w3"] {
+            worker(&mut s, w, 1000, 0);
+        }
+        model(&mut s, "m", &[2], 3, 600);
+        ready_on(&mut s, &["w1", "w2", "w3"], "m", 1);
+        for step in 0..3 {
+            let p = plan(&s, &ex, &van, &fr);
+            let old: Vec<&Assignment> = p.assignments.iter().filter(|a| a.2 == 1).collect();
+            assert_eq!(old.len(), 2 - step, "step {step}: one version 1 replica released: {p:?}");
+            assert_eq!(p.retiring.len(), 2 - step);
+            // The plan lands; the released replica's room takes version 2, which loads.
+            s.placements = p.assignments.clone();
+            let p = plan(&s, &ex, &van, &fr);
+            let new: Vec<Assignment> = p.assignments.iter().filter(|a| a.2 == 2).cloned().collect();
+            assert_eq!(new.len(), step + 1, "step {step}: {p:?}");
+            assert_eq!(p.assignments.iter().filter(|a| a.2 == 1).count(), 2 - step, "kept while 2 loads");
+            s.placements = p.assignments.clone();
+            for (w, m, v) in &new {
+                if status_of(&s, w, m, *v).is_none() {
+                    status(&mut s, w, m, *v, Some((ModelState::Loading, "")));
+                }
+            }
+            assert_eq!(plan(&s, &ex, &van, &fr).assignments, s.placements, "nothing moves while it loads");
+            for (w, m, v) in &new {
+                status(&mut s, w, m, *v, Some((ModelState::Ready, "")));
+            }
+            // Version 1's statuses go with their placements.
+            for w in ["w1", "w2", "w3"] {
+                if !s.placements.contains(&a(w, "m", 1)) {
+                    status(&mut s, w, "m", 1, None);
+                }
+            }
+        }
+        let p = plan(&s, &ex, &van, &fr);
+        assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 2), a("w2", "m", 2), a("w3", "m", 2)]));
+        assert!(p.unplaced.is_empty() && p.retiring.is_empty());
+    }
+
+    fn status_of(s: &FleetState, w: &str, m: &str, v: i64) -> Option<ModelState> {
+        s.statuses.get(w).and_then(|x| x.get(&(m.to_string(), v))).map(|x| x.state)
     }
 
     #[test]
@@ -1121,7 +1187,17 @@ mod tests {
                     let failing = p.unplaced.iter().any(|(um, uv, _)| {
                         um == m && s.statuses.values().any(|st| st.get(&(m.clone(), *uv)).is_some_and(|x| x.state == ModelState::Failed))
                     });
-                    prop_assert!(loading || failing, "{m}/{v} kept on {w} with nothing loading or failing");
+                    // Or short for lack of room: then at least one of its retired replicas
+                    // was released, to make room.
+                    let short = p.unplaced.iter().any(|(um, _, _)| um == m);
+                    let released = s.placements.iter().any(|a @ (w2, m2, v2)| {
+                        m2 == m && !s.models[m].versions.contains(v2) && s.is_active(w2)
+                            && status_of(w2, m2, *v2) == Some(ModelState::Ready) && !p.assignments.contains(a)
+                    });
+                    prop_assert!(
+                        loading || failing || (short && released),
+                        "{m}/{v} kept on {w} with nothing loading or failing, and none released for room"
+                    );
                     continue;
                 }
                 prop_assert!(s.models[m].versions.contains(v));
