@@ -34,8 +34,9 @@
 //! so a member that lost its quorum ends the session (its watch streams are cancelled) instead
 //! of leaving the worker following a history that no longer advances.
 //!
-//! Loads and unloads run in a separate task (the *reconciler*) so a slow model load never
-//! delays a keep-alive; up to `--model-load-thread-count` placed models load at once.
+//! Loads and unloads run on a thread of their own (the *reconciler*) so a slow model load, or
+//! a repository read from a stalled mount, never delays a keep-alive; up to
+//! `--model-load-thread-count` placed models load at once.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
@@ -159,14 +160,24 @@ async fn agent(
     let retiring: Retiring = Default::default();
     let loading: Loading = Default::default();
     let (desired_tx, desired_rx) = watch::channel(None::<Placement>);
-    let reconciler = tokio::spawn(reconcile(
-        repository.clone(),
-        desired_rx,
-        failures.clone(),
-        retiring.clone(),
-        loading.clone(),
-        options.unload_grace,
-    ));
+    // On a thread (and runtime) of its own: loads and unloads read the model repository from
+    // disk (scans, configs), which on a slow or stalled mount would otherwise hold up this
+    // thread — and with it the lease's keep-alives — past the lease's TTL. It ends once
+    // `desired_tx` is dropped (when this function returns).
+    let reconciler = {
+        let (repository, failures, retiring, loading) =
+            (repository.clone(), failures.clone(), retiring.clone(), loading.clone());
+        let grace = options.unload_grace;
+        std::thread::Builder::new().name("nereid-placement".into()).spawn(move || {
+            match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(runtime) => runtime.block_on(reconcile(repository, desired_rx, failures, retiring, loading, grace)),
+                Err(e) => tracing::error!("placement: cannot start the reconciler's runtime: {e}"),
+            }
+        })
+    };
+    if let Err(e) = &reconciler {
+        tracing::error!("placement: cannot start the reconciler's thread ({e}): placements will not be loaded");
+    }
     let mut backoff = Backoff::new();
     // The lease this process is registered under, kept alive from its grant until it is lost
     // (or revoked at exit), whatever happens to the sessions in between.
@@ -236,7 +247,10 @@ async fn agent(
             }
         }
     }
-    reconciler.abort();
+    // The reconciler stops at its next look at the placement (not joined: a load it runs may
+    // take a while, and this process is on its way out).
+    drop(desired_tx);
+    drop(reconciler);
     // Stopped between sessions (or while revoking its lease failed): the registration would
     // outlive this process by up to a TTL, gateways still counting on it. A last, bounded try.
     // (A revoke of an earlier lease that failed inside a session is not retried: its drain was
