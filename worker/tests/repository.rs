@@ -428,6 +428,17 @@ async fn poll_mode_reloads_changes_without_dropping_in_flight_requests() {
     std::fs::remove_dir_all(dir.path().join("broken")).unwrap();
     repo.poll_once().await;
     assert!(repo.server_ready(), "{:?}", repo.index(false));
+
+    // A repository that cannot be listed (here: its directory gone for a moment, as a mount
+    // point between unmount and remount) unloads nothing: its models keep serving.
+    let away = dir.path().with_extension("away");
+    std::fs::rename(dir.path(), &away).unwrap();
+    repo.poll_once().await;
+    let back = std::fs::rename(&away, dir.path());
+    back.unwrap();
+    assert!(repo.model_ready("fresh", None), "{:?}", repo.index(false));
+    repo.poll_once().await;
+    assert!(repo.model_ready("fresh", None), "{:?}", repo.index(false));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1414,16 +1414,27 @@ impl Repository {
         // The file-system walk (every model's files, through symbolic links: slow on a network
         // mount) runs off the async threads that serve requests.
         let paths = self.options.paths.clone();
-        let Ok(on_disk) = tokio::task::spawn_blocking(move || {
-            scan_models(&paths)
+        let Ok((on_disk, unlisted)) = tokio::task::spawn_blocking(move || {
+            let on_disk = scan_models(&paths)
                 .into_iter()
                 .map(|(name, dir)| (name, (Stamp::of(&dir), dir)))
-                .collect::<BTreeMap<_, _>>()
+                .collect::<BTreeMap<_, _>>();
+            // A repository that cannot be listed now (a network mount's hiccup, a stale
+            // handle, a mount point briefly empty of its mount) says nothing about its models.
+            let unlisted: Vec<std::path::PathBuf> =
+                paths.into_iter().filter(|p| std::fs::read_dir(p).is_err()).collect();
+            (on_disk, unlisted)
         })
         .await
         else {
             return;
         };
+        if !unlisted.is_empty() {
+            tracing::warn!(
+                repositories = ?unlisted,
+                "poll: cannot list a model repository; models not found keep serving until it can be listed"
+            );
+        }
         let loaded: HashMap<String, Slot> = self.slots.read().unwrap_or_else(|e| e.into_inner()).clone();
         // Load what is new or changed, but retry a failed (re)load only once its files change
         // again.
@@ -1478,7 +1489,7 @@ impl Repository {
         }
         self.load_batch(ensembles).await;
         for (name, slot) in loaded {
-            if on_disk.contains_key(&name) {
+            if on_disk.contains_key(&name) || !unlisted.is_empty() {
                 continue;
             }
             if slot.model.is_some() {
