@@ -455,6 +455,9 @@ struct LoadWatch {
     last_failure: BTreeMap<(String, i64), LoadFailure>,
     /// The last unplaced warning per (model, version) and when it was given.
     reported: BTreeMap<(String, i64), (UnplacedReport, Instant)>,
+    /// Each model's declaration as last observed: one redeclared (the operator's fix, or a
+    /// nudge after one) forgets its load failures.
+    declared: BTreeMap<String, records::ModelRecord>,
 }
 
 impl LoadWatch {
@@ -466,6 +469,7 @@ impl LoadWatch {
             not_ready_since: BTreeMap::new(),
             last_failure: BTreeMap::new(),
             reported: BTreeMap::new(),
+            declared: BTreeMap::new(),
         }
     }
 
@@ -482,6 +486,17 @@ impl LoadWatch {
     fn observe(&mut self, state: &FleetState, now: Instant) -> Vec<LoadFailure> {
         self.failed.retain(|_, until| now < *until);
         self.strikes.retain(|_, (_, at)| now.saturating_duration_since(*at) < FAILURE_MEMORY);
+        // Failures are forgotten — the worker may be given the version again at once — where
+        // what failed may have been fixed: a model redeclared or no longer declared, a worker
+        // gone from the fleet (restarted, perhaps with its files fixed; it registers anew).
+        let redeclared: BTreeSet<&String> = (self.declared.iter())
+            .filter(|(m, record)| state.models.get(*m) != Some(*record))
+            .map(|(m, _)| m)
+            .collect();
+        let fixed = |(w, m, _): &Assignment| redeclared.contains(m) || !state.workers.contains_key(w);
+        self.failed.retain(|a, _| !fixed(a));
+        self.strikes.retain(|a, _| !fixed(a));
+        self.declared = state.models.clone();
         let mut new = Vec::new();
         let mut note = |failed: &mut BTreeMap<Assignment, Instant>, a: &Assignment, reason: String| {
             let (count, at) = self.strikes.entry(a.clone()).or_insert((0, now));
@@ -922,6 +937,40 @@ mod tests {
         loads.observe(&FleetState::default(), at + FAILURE_MEMORY);
         assert_eq!(loads.observe(&s, at + FAILURE_MEMORY).len(), 1);
         assert_eq!(loads.cooldown_left(&a("w1", "m", 1), at + FAILURE_MEMORY), FAILED_COOLDOWN);
+    }
+
+    /// A load failure's exclusion (and streak) is forgotten once the operator redeclares the
+    /// model, or the worker leaves the fleet (a restart): the fix is tried at once, not after
+    /// up to 16 minutes of cooldown.
+    #[test]
+    fn load_failures_are_forgotten_on_a_redeclare_or_a_worker_restart() {
+        let t0 = Instant::now();
+        let mut loads = LoadWatch::new(Duration::from_secs(600));
+        let mut s = fleet();
+        s.placements.insert(a("w1", "m", 1));
+        status(&mut s, "w1", "m", 1, Some((ModelState::Failed, "boom")));
+        assert_eq!(loads.observe(&s, t0).len(), 1);
+        // The failed placement and its status go; the exclusion stays through a same read.
+        s.placements.clear();
+        status(&mut s, "w1", "m", 1, None);
+        loads.observe(&s, t0);
+        assert!(loads.excluded().contains(&a("w1", "m", 1)));
+        // Redeclared (here: one replica more): forgotten.
+        s.models.get_mut("m").unwrap().replicas += 1;
+        loads.observe(&s, t0);
+        assert!(loads.excluded().is_empty(), "{:?}", loads.excluded());
+        assert!(loads.strikes.is_empty());
+        // Failed again; then w1 leaves (and comes back): forgotten too.
+        s.placements.insert(a("w1", "m", 1));
+        status(&mut s, "w1", "m", 1, Some((ModelState::Failed, "boom")));
+        assert_eq!(loads.observe(&s, t0).len(), 1);
+        s.placements.clear();
+        s.statuses.clear();
+        let record = s.workers.remove("w1").unwrap();
+        loads.observe(&s, t0);
+        s.workers.insert("w1".into(), record);
+        loads.observe(&s, t0);
+        assert!(loads.excluded().is_empty());
     }
 
     #[test]
