@@ -708,8 +708,11 @@ fn model_statuses(
     let status = StatusRecord::new;
     let mut out = BTreeMap::new();
     for e in index {
-        if retiring.contains(&e.name) && !placement.contains_key(&e.name) {
-            continue; // Serving out its unload grace: no new traffic.
+        // Serving out its unload grace — the whole model, or versions no longer placed (the
+        // end of a roll-over): no new traffic.
+        let placed = |v: &i64| placement.get(&e.name).is_some_and(|vs| vs.contains(v));
+        if retiring.contains(&e.name) && e.version.parse::<i64>().map_or(true, |v| !placed(&v)) {
+            continue;
         }
         match (e.version.parse::<i64>(), e.state.as_str()) {
             (Ok(v), "READY") => {
@@ -775,12 +778,18 @@ async fn reconcile(
     // versions. Unloads happen here, in this one task, and never for a model loading now, so a
     // re-placement and an unload of the same model can never cross.
     let mut retired: BTreeMap<String, (tokio::time::Instant, BTreeSet<i64>)> = BTreeMap::new();
-    let set_retiring = |retired: &BTreeMap<String, (tokio::time::Instant, BTreeSet<i64>)>| {
-        *retiring.lock().unwrap_or_else(|e| e.into_inner()) = retired.keys().cloned().collect();
+    // Models placed here with fewer versions than they serve (the end of a roll-over: 1 and 2
+    // placed, then 2 only): they serve on, the versions no longer placed unpublished, until the
+    // instant given; then they load as placed. The same grace as a whole model's, for the same
+    // gateways and for requests naming the old version.
+    let mut shrinking: BTreeMap<String, tokio::time::Instant> = BTreeMap::new();
+    let set_retiring = |retired: &BTreeMap<String, (tokio::time::Instant, BTreeSet<i64>)>,
+                        shrinking: &BTreeMap<String, tokio::time::Instant>| {
+        *retiring.lock().unwrap_or_else(|e| e.into_inner()) = retired.keys().chain(shrinking.keys()).cloned().collect();
     };
     let in_flight = || loading.lock().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect::<BTreeSet<_>>();
     loop {
-        let next_unload = retired.values().map(|(at, _)| *at).min();
+        let next_unload = retired.values().map(|(at, _)| *at).chain(shrinking.values().copied()).min();
         tokio::select! {
             // A new placement first: one that places a retired model again must win over its
             // unload when both are due.
@@ -827,9 +836,12 @@ async fn reconcile(
                             retired.insert(c, (tokio::time::Instant::now() + grace, BTreeSet::new()));
                         }
                     }
-                    set_retiring(&retired);
+                    set_retiring(&retired, &shrinking);
                 }
-                continue;
+                // A model whose fewer versions are due to load: the placement is looked at below.
+                if !shrinking.values().any(|at| *at <= now) {
+                    continue;
+                }
             }
         }
         let Some(want) = desired.borrow_and_update().clone() else { continue };
@@ -842,7 +854,11 @@ async fn reconcile(
                 applied.insert(model.clone(), had);
             }
         }
-        set_retiring(&retired);
+        // Placed with all its versions again, or otherwise: no longer waiting to drop some.
+        shrinking.retain(|m, _| {
+            want.get(m).is_some_and(|vs| applied.get(m).is_some_and(|had| vs.is_subset(had) && vs != had))
+        });
+        set_retiring(&retired, &shrinking);
         // Ensembles load after the other models: an ensemble put in place before its composing
         // models loads them itself, under the repository's change lock (stalling every other
         // change), and their own loads then build them again.
@@ -856,6 +872,17 @@ async fn reconcile(
             let ensemble = ensembles.contains(model);
             if applied.get(model) == Some(versions) || busy.contains(model) {
                 continue; // as placed, or loading: looked at again once that load is done
+            }
+            if applied.get(model).is_some_and(|had| versions.is_subset(had)) {
+                let now = tokio::time::Instant::now();
+                let due = *shrinking.entry(model.clone()).or_insert_with(|| {
+                    tracing::info!(%model, ?versions, ?grace, "placement: fewer versions, loading them after the grace");
+                    now + grace
+                });
+                if now < due {
+                    continue;
+                }
+                shrinking.remove(model);
             }
             // Placed otherwise than when its last load failed: that failure is history.
             failures.lock().unwrap_or_else(|e| e.into_inner()).remove(model);
@@ -882,7 +909,7 @@ async fn reconcile(
             tracing::info!(%model, ?grace, "placement removed: unloading after the grace");
             retired.insert(model, (tokio::time::Instant::now() + grace, versions));
         }
-        set_retiring(&retired);
+        set_retiring(&retired, &shrinking);
     }
 }
 
@@ -1100,6 +1127,68 @@ mod tests {
         desired.send(Some(Placement::new())).unwrap();
         until(&repository, "both unloaded", |r| ready(r).is_empty()).await;
         reconciler.abort();
+    }
+
+    /// The end of a roll-over (1 and 2 placed, then 2 only): version 1 serves on, unpublished,
+    /// for the grace — gateways that have not caught up, and requests naming it, are answered —
+    /// and is dropped only then; placed again meanwhile, it simply stays.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_version_no_longer_placed_serves_out_the_grace_unpublished() {
+        let dir = tempfile::tempdir().unwrap();
+        copy_example(dir.path(), "versioned_scale");
+        let repository = explicit_repository(dir.path());
+        let ready = |repository: &Repository| -> BTreeSet<String> {
+            let index = repository.held_index().into_iter();
+            index.filter(|e| e.state == "READY").map(|e| e.version).collect()
+        };
+        let placed = |versions: &[i64]| -> Placement {
+            [("versioned_scale".to_string(), versions.iter().copied().collect())].into()
+        };
+        for grace in [Duration::from_secs(600), Duration::from_millis(10)] {
+            let (desired, placements) = watch::channel(None::<Placement>);
+            let retiring: Retiring = Default::default();
+            let reconciler = tokio::spawn(reconcile(
+                repository.clone(),
+                placements,
+                Default::default(),
+                retiring.clone(),
+                Default::default(),
+                grace,
+            ));
+            desired.send(Some(placed(&[1, 2]))).unwrap();
+            until(&repository, "versions 1 and 2 READY", |r| ready(r).len() == 2).await;
+            desired.send(Some(placed(&[2]))).unwrap();
+            if grace > Duration::from_secs(1) {
+                let deadline = std::time::Instant::now() + Duration::from_secs(30);
+                while retiring.lock().unwrap().is_empty() {
+                    assert!(std::time::Instant::now() < deadline, "never retiring");
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                assert_eq!(ready(&repository).len(), 2, "version 1 still serves within the grace");
+                let statuses = model_statuses(
+                    &repository.held_index(),
+                    &placed(&[2]),
+                    &HashMap::new(),
+                    &retiring.lock().unwrap(),
+                    &BTreeMap::new(),
+                );
+                let published: Vec<i64> = statuses.keys().map(|(_, v)| *v).collect();
+                assert_eq!(published, [2], "only the placed version is published READY");
+                // Placed again: no longer retiring, both still serve.
+                desired.send(Some(placed(&[1, 2]))).unwrap();
+                while !retiring.lock().unwrap().is_empty() {
+                    assert!(std::time::Instant::now() < deadline, "still retiring");
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                assert_eq!(ready(&repository).len(), 2);
+            } else {
+                until(&repository, "version 1 dropped after the grace", |r| {
+                    ready(r) == BTreeSet::from(["2".to_string()])
+                })
+                .await;
+            }
+            reconciler.abort();
+        }
     }
 
     /// An ensemble placed without its composing model loads that model itself; once the
