@@ -23,6 +23,11 @@ use crate::stack::infer_stack;
 use crate::upstream::UpstreamOptions;
 use crate::{grpc, http, routing};
 
+/// How long the gateway waits before starting a failed placement controller again; doubled
+/// after each failure that came soon after a start, up to the maximum.
+const PLACEMENT_RESTART_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
+const PLACEMENT_RESTART_PAUSE_MAX: std::time::Duration = std::time::Duration::from_secs(60);
+
 async fn bind(addr: std::net::IpAddr, port: u16, what: &str) -> anyhow::Result<TcpListener> {
     TcpListener::bind(SocketAddr::new(addr, port))
         .await
@@ -55,8 +60,12 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
         ),
     };
     let background = CancellationToken::new();
-    // Membership and placement run until shutdown; either ending earlier (a panic included)
-    // ends the gateway, rather than leaving it routing on a table nothing updates any more.
+    // Membership and placement run until shutdown; either ending earlier ends the gateway,
+    // rather than leaving it routing on a table nothing updates any more — membership's panic
+    // included. A panic of the placement controller (a bug, on a control path) is not: every
+    // gateway plans the same fleet, so each new leader would crash its ingress in turn. It is
+    // logged, counted and the controller started again after a pause (its leadership lapses
+    // meanwhile: the term's keep-alive goes with it).
     let mut background_tasks = tokio::task::JoinSet::new();
     let token = background.child_token();
     background_tasks.spawn(async move {
@@ -66,10 +75,14 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
     if let Some(etcd) = &config.etcd
         && etcd.placement
     {
-        let controller = PlacementController::new(etcd.clone(), metrics.clone());
-        let token = background.child_token();
+        let (etcd, metrics, token) = (etcd.clone(), metrics.clone(), background.child_token());
         background_tasks.spawn(async move {
-            controller.run(token).await;
+            let start = || PlacementController::new(etcd.clone(), metrics.clone()).run(token.clone());
+            let failed = || {
+                metrics.placement_restarts.inc();
+                metrics.placement_leader.set(0);
+            };
+            restart_on_panic("the placement controller", start, failed, &token).await;
             "placement controller"
         });
     }
@@ -151,4 +164,72 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
         let _ = tokio::time::timeout(std::time::Duration::from_secs(1), &mut metrics_server).await;
     }
     result
+}
+
+/// Runs the task `start` makes until it returns or `stop` is cancelled, starting it again
+/// after a pause each time it panics (`failed` is told first). The pause doubles with each
+/// failure that came soon after a start, up to [`PLACEMENT_RESTART_PAUSE_MAX`].
+async fn restart_on_panic<F, Fut>(what: &str, start: F, failed: impl Fn(), stop: &CancellationToken)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let mut pause = PLACEMENT_RESTART_PAUSE;
+    loop {
+        let started = tokio::time::Instant::now();
+        let Err(e) = tokio::spawn(start()).await else { return };
+        if started.elapsed() > PLACEMENT_RESTART_PAUSE_MAX * 5 {
+            pause = PLACEMENT_RESTART_PAUSE;
+        }
+        failed();
+        tracing::error!("{what} failed ({e}); starting it again in {pause:?}");
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(pause) => {}
+        }
+        pause = (pause * 2).min(PLACEMENT_RESTART_PAUSE_MAX);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A task that panics is started again (after 1 s, then 2 s), each failure told; one that
+    /// returns is not.
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_task_is_started_again_after_a_growing_pause() {
+        let starts = Arc::new(AtomicUsize::new(0));
+        let failures = AtomicUsize::new(0);
+        let began = tokio::time::Instant::now();
+        let start = || {
+            let starts = starts.clone();
+            async move {
+                if starts.fetch_add(1, Ordering::SeqCst) < 2 {
+                    panic!("a bug");
+                }
+            }
+        };
+        restart_on_panic(
+            "test task",
+            start,
+            || drop(failures.fetch_add(1, Ordering::SeqCst)),
+            &CancellationToken::new(),
+        )
+        .await;
+        assert_eq!(starts.load(Ordering::SeqCst), 3);
+        assert_eq!(failures.load(Ordering::SeqCst), 2);
+        assert_eq!(began.elapsed(), std::time::Duration::from_secs(3), "paused 1 s, then 2 s");
+        // Stopped while it pauses: it is not started again.
+        let stop = CancellationToken::new();
+        stop.cancel();
+        let starts = AtomicUsize::new(0);
+        let start = || {
+            starts.fetch_add(1, Ordering::SeqCst);
+            async { panic!("a bug") }
+        };
+        restart_on_panic("test task", start, || {}, &stop).await;
+        assert_eq!(starts.load(Ordering::SeqCst), 1);
+    }
 }

@@ -30,6 +30,7 @@ pub const PLACEMENT_UNPLACED: &str = "nereid_gateway_placement_unplaced_replicas
 pub const PLACEMENT_OVERCOMMITTED: &str = "nereid_gateway_placement_overcommitted_workers";
 pub const PLACEMENT_WRITES_TOTAL: &str = "nereid_gateway_placement_writes_total";
 pub const PLACEMENT_PLANS_TOTAL: &str = "nereid_gateway_placement_plans_total";
+pub const PLACEMENT_RESTARTS_TOTAL: &str = "nereid_gateway_placement_restarts_total";
 
 /// Worker states as the `nereid_gateway_workers{state}` gauge reports them: the membership
 /// state, with `ejected` for ready workers that outlier detection currently skips.
@@ -84,6 +85,8 @@ pub struct GatewayMetrics {
     pub placement_writes: IntCounter,
     /// Placement plans computed as leader (whether or not they changed anything).
     pub placement_plans: IntCounter,
+    /// Times the placement controller failed (panicked) and was started again.
+    pub placement_restarts: IntCounter,
 }
 
 impl GatewayMetrics {
@@ -144,9 +147,13 @@ impl GatewayMetrics {
             .expect("valid metric");
         let placement_plans =
             IntCounter::new(PLACEMENT_PLANS_TOTAL, "Placement plans computed as leader").expect("valid metric");
+        let placement_restarts =
+            IntCounter::new(PLACEMENT_RESTARTS_TOTAL, "Times the placement controller failed and was started again")
+                .expect("valid metric");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(placement_plans.clone()),
+            Box::new(placement_restarts.clone()),
             Box::new(etcd_watch_connected.clone()),
             Box::new(etcd_invalid_values.clone()),
             Box::new(etcd_resyncs.clone()),
@@ -180,6 +187,7 @@ impl GatewayMetrics {
             placement_overcommitted,
             placement_writes,
             placement_plans,
+            placement_restarts,
         }
     }
 
