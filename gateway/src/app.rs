@@ -214,7 +214,9 @@ mod tests {
         restart_on_panic(
             "test task",
             start,
-            || drop(failures.fetch_add(1, Ordering::SeqCst)),
+            || {
+                failures.fetch_add(1, Ordering::SeqCst);
+            },
             &CancellationToken::new(),
         )
         .await;
