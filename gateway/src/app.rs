@@ -27,6 +27,8 @@ use crate::{grpc, http, routing};
 /// after each failure that came soon after a start, up to the maximum.
 const PLACEMENT_RESTART_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
 const PLACEMENT_RESTART_PAUSE_MAX: std::time::Duration = std::time::Duration::from_secs(60);
+/// Most time, after requests have drained, that membership and placement get to stop.
+const BACKGROUND_STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 async fn bind(addr: std::net::IpAddr, port: u16, what: &str) -> anyhow::Result<TcpListener> {
     TcpListener::bind(SocketAddr::new(addr, port))
@@ -158,7 +160,13 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
         tracing::warn!("in-flight requests did not finish within --exit-timeout-secs; exiting anyway");
     }
     background.cancel();
-    while background_tasks.join_next().await.is_some() {}
+    // Bounded: against a slow etcd, stepping down (resign, revoke) could otherwise hold the
+    // exit past a supervisor's kill. Cut short, the leadership lapses with its lease's TTL.
+    let stop = async { while background_tasks.join_next().await.is_some() {} };
+    if tokio::time::timeout(BACKGROUND_STOP_TIMEOUT, stop).await.is_err() {
+        tracing::warn!("membership or placement did not stop within {BACKGROUND_STOP_TIMEOUT:?}; exiting anyway");
+        background_tasks.abort_all();
+    }
     metrics_stop.cancel();
     if !metrics_server.is_finished() {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(1), &mut metrics_server).await;
