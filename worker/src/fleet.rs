@@ -593,7 +593,11 @@ impl Session<'_> {
         let value = records::encode(&record).map_err(|e| format!("worker record: {e}"))?;
         let key = self.options.keys.worker(&record.id);
         let put = client.put(key, value, Some(PutOptions::new().with_lease(self.lease_id())));
-        let revision = bounded("put worker record", put).await?.header().map_or(0, |h| h.revision());
+        let resp = bounded("put worker record", put).await?;
+        // Every header counts toward the history seen: a reset that this worker's own writes
+        // (and the fleet's) move past the old revision is still caught by the raft term.
+        self.view.seen.observe(resp.header());
+        let revision = resp.header().map_or(0, |h| h.revision());
         self.record = Some((phase, revision));
         Ok(revision)
     }
@@ -682,7 +686,9 @@ impl Session<'_> {
                 };
                 let put =
                     client.put(keys.status(id, model, *version), value, Some(PutOptions::new().with_lease(lease)));
-                let revision = bounded("put status", put).await?.header().map_or(0, |h| h.revision());
+                let resp = bounded("put status", put).await?;
+                self.view.seen.observe(resp.header());
+                let revision = resp.header().map_or(0, |h| h.revision());
                 self.published.insert((model.clone(), *version), (status.clone(), revision));
             }
         }
