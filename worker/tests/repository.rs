@@ -393,9 +393,23 @@ async fn poll_mode_reloads_changes_without_dropping_in_flight_requests() {
     assert_eq!(in_flight.await.unwrap().unwrap(), (2, 3.0), "the in-flight request finished on the old model");
 
     // A broken change keeps the old model serving.
+    let good = std::fs::read(&cfg_path).unwrap();
+    let good_mtime = std::fs::metadata(&cfg_path).unwrap().modified().unwrap();
     std::fs::write(&cfg_path, "this is { not a config").unwrap();
     repo.poll_once().await;
     assert!(repo.model_ready("scale", Some(1)));
+    let index = repo.index(false);
+    assert!(index.iter().all(|e| e.state == "READY" && e.reason.starts_with("reload failed")), "{index:?}");
+    // The good config put back as it was (as `cp -a` does, its mtime too): the failure is
+    // history, without a reload.
+    std::fs::write(&cfg_path, &good).unwrap();
+    std::fs::File::options().write(true).open(&cfg_path).unwrap().set_modified(good_mtime).unwrap();
+    repo.poll_once().await;
+    let index = repo.index(false);
+    assert!(index.iter().all(|e| e.state == "READY" && e.reason.is_empty()), "{index:?}");
+    // Broken again, for what follows.
+    std::fs::write(&cfg_path, "this is { not a config").unwrap();
+    repo.poll_once().await;
     let index = repo.index(false);
     assert!(index.iter().all(|e| e.state == "READY" && e.reason.starts_with("reload failed")), "{index:?}");
     // Removing the model unloads it.

@@ -1441,6 +1441,17 @@ impl Repository {
         let mut changed = Vec::new();
         let mut failed = Vec::new();
         for (name, (stamp, dir)) in &on_disk {
+            // A failed reload's files put back as they were (`cp -a`, `mv` keep the mtimes):
+            // the serving model matches the disk again, and its failure is history.
+            {
+                let mut slots = self.slots.write().unwrap_or_else(|e| e.into_inner());
+                if let Some(slot) = slots.get_mut(name)
+                    && slot.reload_error.is_some()
+                    && slot.model.as_ref().is_some_and(|m| m.stamp == *stamp)
+                {
+                    slot.reload_error = None;
+                }
+            }
             let needs_load = match self.slot(name).as_ref() {
                 Some(Slot { model: Some(m), .. }) => m.stamp != *stamp && self.not_attempted(name, stamp),
                 Some(Slot { state: State::Unavailable(_), .. }) => self.not_attempted(name, stamp),
