@@ -938,6 +938,25 @@ async fn poll_sees_changes_behind_a_linked_version_folder() {
     assert_eq!(repo.builds_started(), before + 1, "a reload was tried");
 }
 
+/// A name in two repositories fails as ambiguous (as in Triton); once the extra copy is
+/// removed — the first copy's files unchanged — the next poll loads it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poll_loads_a_model_once_its_duplicate_in_another_repository_is_removed() {
+    let first = repo(&[TestModel { name: "identity_fp32", source: "identity_fp32", config: None }]);
+    let second = repo(&[TestModel { name: "identity_fp32", source: "identity_fp32", config: None }]);
+    let mut options = common::options(first.path(), ControlMode::Poll, false);
+    options.paths.push(second.path().to_path_buf());
+    let repo = common::repository_with(options);
+    let failed = repo.load_startup_models().await;
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(reason(&repo, "identity_fp32").contains("more than one model repository"));
+    repo.poll_once().await;
+    assert!(!repo.model_ready("identity_fp32", None), "still ambiguous");
+    std::fs::remove_dir_all(second.path().join("identity_fp32")).unwrap();
+    repo.poll_once().await;
+    assert!(repo.model_ready("identity_fp32", None), "{:?}", repo.index(false));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn padded_batches_answer_each_caller_its_own_rows() {
     // nereid.pad_batch: every batch runs at max_batch_size rows; the padding's outputs are

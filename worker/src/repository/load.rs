@@ -43,6 +43,16 @@ pub fn scan_models(paths: &[PathBuf]) -> BTreeMap<String, PathBuf> {
     out
 }
 
+/// Every model directory by name across all repositories, in repository order (more than one
+/// for a name found in several).
+pub fn scan_model_dirs(paths: &[PathBuf]) -> BTreeMap<String, Vec<PathBuf>> {
+    let mut out: BTreeMap<String, Vec<PathBuf>> = BTreeMap::new();
+    for (name, path) in model_entries(paths) {
+        out.entry(name).or_default().push(path);
+    }
+    out
+}
+
 /// Every directory named `name` across all repositories, in repository order: more than one
 /// means the name is ambiguous.
 pub fn model_dirs(paths: &[PathBuf], name: &str) -> Vec<PathBuf> {
@@ -78,6 +88,12 @@ impl Stamp {
         collect(dir, 0, &mut files);
         files.sort();
         Stamp(files)
+    }
+
+    /// The stamp of a name's directories together: one added or removed in another repository
+    /// (making the name ambiguous, or no longer) is a change too.
+    pub fn of_all(dirs: &[PathBuf]) -> Stamp {
+        Stamp(dirs.iter().flat_map(|dir| Stamp::of(dir).0).collect())
     }
 }
 

@@ -1415,9 +1415,11 @@ impl Repository {
         // mount) runs off the async threads that serve requests.
         let paths = self.options.paths.clone();
         let Ok((on_disk, unlisted)) = tokio::task::spawn_blocking(move || {
-            let on_disk = scan_models(&paths)
+            // A name in several repositories (refused as ambiguous) is stamped over all of
+            // them: removing the extra copies is a change that lets it load.
+            let on_disk = load::scan_model_dirs(&paths)
                 .into_iter()
-                .map(|(name, dir)| (name, (Stamp::of(&dir), dir)))
+                .filter_map(|(name, dirs)| Some((name, (Stamp::of_all(&dirs), dirs.into_iter().next()?))))
                 .collect::<BTreeMap<_, _>>();
             // A repository that cannot be listed now (a network mount's hiccup, a stale
             // handle, a mount point briefly empty of its mount) says nothing about its models.
