@@ -49,70 +49,108 @@ impl Score {
     }
 }
 
-/// The scores of a tensor's elements, in order; `None` for a type that has no order to rank by.
-fn scores(datatype: DataType, data: &[u8]) -> Option<Vec<Score>> {
-    macro_rules! each {
-        ($t:ty, $n:expr, $to:expr) => {
-            data.chunks_exact($n).map(|c| $to(<$t>::from_le_bytes(c.try_into().expect("chunk width")))).collect()
+/// How wide one element of `datatype` is and how to read it as a score; `None` for a type
+/// that has no order to rank by.
+fn reader(datatype: DataType) -> Option<(usize, fn(&[u8]) -> Score)> {
+    macro_rules! read {
+        ($t:ty, $to:expr) => {
+            (std::mem::size_of::<$t>(), |c: &[u8]| {
+                let bytes: [u8; std::mem::size_of::<$t>()] = c.try_into().unwrap_or_default();
+                $to(<$t>::from_le_bytes(bytes))
+            })
         };
     }
     Some(match datatype {
-        DataType::Uint8 => each!(u8, 1, |v| Score::Uint(u64::from(v))),
-        DataType::Uint16 => each!(u16, 2, |v| Score::Uint(u64::from(v))),
-        DataType::Uint32 => each!(u32, 4, |v| Score::Uint(u64::from(v))),
-        DataType::Uint64 => each!(u64, 8, Score::Uint),
-        DataType::Int8 => each!(i8, 1, |v| Score::Int(i64::from(v))),
-        DataType::Int16 => each!(i16, 2, |v| Score::Int(i64::from(v))),
-        DataType::Int32 => each!(i32, 4, |v| Score::Int(i64::from(v))),
-        DataType::Int64 => each!(i64, 8, Score::Int),
-        DataType::Fp16 => each!(u16, 2, |v| Score::Float(f64::from(half::f16::from_bits(v)))),
-        DataType::Bf16 => each!(u16, 2, |v| Score::Float(f64::from(half::bf16::from_bits(v)))),
-        DataType::Fp32 => each!(f32, 4, |v| Score::Float(f64::from(v))),
-        DataType::Fp64 => each!(f64, 8, Score::Float),
+        DataType::Uint8 => read!(u8, |v| Score::Uint(u64::from(v))),
+        DataType::Uint16 => read!(u16, |v| Score::Uint(u64::from(v))),
+        DataType::Uint32 => read!(u32, |v| Score::Uint(u64::from(v))),
+        DataType::Uint64 => read!(u64, Score::Uint),
+        DataType::Int8 => read!(i8, |v| Score::Int(i64::from(v))),
+        DataType::Int16 => read!(i16, |v| Score::Int(i64::from(v))),
+        DataType::Int32 => read!(i32, |v| Score::Int(i64::from(v))),
+        DataType::Int64 => read!(i64, Score::Int),
+        DataType::Fp16 => read!(u16, |v| Score::Float(f64::from(half::f16::from_bits(v)))),
+        DataType::Bf16 => read!(u16, |v| Score::Float(f64::from(half::bf16::from_bits(v)))),
+        DataType::Fp32 => read!(f32, |v| Score::Float(f64::from(v))),
+        DataType::Fp64 => read!(f64, Score::Float),
         DataType::Bool | DataType::Bytes => return None,
     })
 }
 
+/// A class and its score, ordered best first: highest score, equal scores in index order (a
+/// total order, so keeping the best `k` of a row as it is read gives what sorting the whole
+/// row would).
+struct Ranked {
+    score: Score,
+    index: usize,
+}
+
+impl Ord for Ranked {
+    fn cmp(&self, other: &Self) -> Ordering {
+        Score::rank(&self.score, &other.score).then(self.index.cmp(&other.index))
+    }
+}
+
+impl PartialOrd for Ranked {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Ranked {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Ranked {}
+
 /// `output` as its top `count` classes per batch row (`batching`: the model's first dimension
-/// is the batch). Fewer classes than asked for give as many as there are.
+/// is the batch). Fewer classes than asked for give as many as there are. Each row is read
+/// once, keeping only its best `count` classes so far: the memory it takes is that of the
+/// answer, however large the output (`classification: 1` of a 512 MB output takes nothing
+/// more).
 pub fn classify(
     output: &OutputTensor,
     count: u32,
     batching: bool,
     labels: Option<&[String]>,
 ) -> Result<OutputTensor, Status> {
-    let scores = scores(output.datatype, &output.data).ok_or_else(|| {
+    let (width, read) = reader(output.datatype).ok_or_else(|| {
         Status::invalid(format!(
             "output '{}': classification needs numeric scores, but the output is {}",
             output.name,
             output.datatype.wire_name()
         ))
     })?;
+    let elements = output.data.len() / width;
     let rows = match (batching, output.shape.first()) {
         (true, Some(&rows)) => usize::try_from(rows).unwrap_or(0),
         _ => 1,
     };
-    let per_row = scores.len().checked_div(rows).unwrap_or(0);
+    let per_row = elements.checked_div(rows).unwrap_or(0);
     let k = per_row.min(count as usize);
     // Serialized as it goes (BYTES: a 4-byte length, then the text), one buffer for all.
-    let mut data: Vec<u8> = Vec::with_capacity(rows * k * 16);
+    let mut data: Vec<u8> = Vec::with_capacity(rows.saturating_mul(k).saturating_mul(16));
     let mut class = String::new();
-    let mut order: Vec<usize> = Vec::with_capacity(per_row);
-    for row in scores.chunks(per_row.max(1)).take(rows) {
-        order.clear();
-        order.extend(0..row.len());
-        // Highest first, equal scores in index order: a total order, so selecting the top k
-        // (linear) and sorting only those gives what sorting the whole row would.
-        let by_rank = |a: &usize, b: &usize| Score::rank(&row[*a], &row[*b]).then(a.cmp(b));
-        if k > 0 && k < order.len() {
-            order.select_nth_unstable_by(k - 1, by_rank);
+    // The best `k` of the row so far, the worst on top (a max-heap in best-first order).
+    let mut best: std::collections::BinaryHeap<Ranked> = std::collections::BinaryHeap::with_capacity(k);
+    let row_bytes = per_row * width;
+    for row in output.data.chunks_exact(row_bytes.max(1)).take(if k == 0 { 0 } else { rows }) {
+        best.clear();
+        for (index, element) in row.chunks_exact(width).enumerate() {
+            let candidate = Ranked { score: read(element), index };
+            if best.len() < k {
+                best.push(candidate);
+            } else if best.peek().is_some_and(|worst| candidate < *worst) {
+                best.pop();
+                best.push(candidate);
+            }
         }
-        order.truncate(k);
-        order.sort_unstable_by(by_rank);
-        for &index in &order {
+        for Ranked { score, index } in std::mem::take(&mut best).into_sorted_vec() {
             use std::fmt::Write;
             class.clear();
-            let _ = write!(class, "{}:{index}", row[index].text());
+            let _ = write!(class, "{}:{index}", score.text());
             // An empty label line gives no label part.
             if let Some(label) = labels.and_then(|l| l.get(index)).filter(|l| !l.is_empty()) {
                 class.push(':');
@@ -230,6 +268,25 @@ mod tests {
             })
             .collect();
         assert_eq!(strings(&c), want);
+    }
+
+    /// Keeping the best k as a row is read gives exactly what sorting the whole row does,
+    /// ties (many equal scores) and NaNs included, for every k.
+    #[test]
+    fn the_kept_best_match_a_full_sort() {
+        let values: Vec<f32> =
+            (0..97u32).map(|i| [(i % 7) as f32, f32::NAN, -(i as f32) / 3.0][(i % 3) as usize]).collect();
+        let out = fp32(&[1, 97], &values);
+        let full: Vec<String> = {
+            let mut order: Vec<usize> = (0..values.len()).collect();
+            let score = |i: usize| Score::Float(f64::from(values[i]));
+            order.sort_by(|a, b| Score::rank(&score(*a), &score(*b)).then(a.cmp(b)));
+            order.into_iter().map(|i| format!("{}:{i}", score(i).text())).collect()
+        };
+        for k in [1, 2, 7, 50, 96, 97, 200] {
+            let c = classify(&out, k, true, None).unwrap();
+            assert_eq!(strings(&c), full[..(k as usize).min(97)], "k = {k}");
+        }
     }
 
     #[test]
