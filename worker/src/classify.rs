@@ -49,9 +49,12 @@ impl Score {
     }
 }
 
+/// Reads one element (its little-endian bytes) as a score.
+type ReadScore = fn(&[u8]) -> Score;
+
 /// How wide one element of `datatype` is and how to read it as a score; `None` for a type
 /// that has no order to rank by.
-fn reader(datatype: DataType) -> Option<(usize, fn(&[u8]) -> Score)> {
+fn reader(datatype: DataType) -> Option<(usize, ReadScore)> {
     macro_rules! read {
         ($t:ty, $to:expr) => {
             (std::mem::size_of::<$t>(), |c: &[u8]| {
