@@ -17,8 +17,19 @@ use std::sync::{Arc, Mutex};
 
 use crate::tensor::{InferRequest, OutputTensor};
 
-/// Bytes an entry is charged beyond its tensors (names, shapes, bookkeeping).
-const ENTRY_OVERHEAD: usize = 128;
+/// Bytes an entry is charged beyond its outputs: its key and node in the map and in the
+/// recency order, the `Arc` and `Vec` holding its outputs.
+const ENTRY_OVERHEAD: usize = 192;
+/// Bytes each output is charged beyond its data, name and shape: the tensor itself and the
+/// three allocations it holds (name, shape, data), each with an allocator's slack. A response
+/// of many small outputs costs about this much per output, not just its bytes.
+const OUTPUT_OVERHEAD: usize = std::mem::size_of::<OutputTensor>() + 3 * 16;
+
+/// What an entry for `outputs` is charged against the cache's size.
+fn charge(outputs: &[OutputTensor]) -> usize {
+    ENTRY_OVERHEAD
+        + outputs.iter().map(|o| OUTPUT_OVERHEAD + o.data.len() + o.name.len() + 8 * o.shape.len()).sum::<usize>()
+}
 
 /// [`ResponseCache::key`] under `keys`.
 fn key(keys: &[RandomState; 2], request: &InferRequest, model: &str, version: i64, generations: [u64; 2]) -> u128 {
@@ -132,8 +143,7 @@ impl ResponseCache {
     /// for its slice would keep alive.
     pub fn insert(&self, key: u128, outputs: &[OutputTensor]) -> bool {
         // Sized before anything is copied: a response too large to keep costs no copy.
-        let bytes =
-            ENTRY_OVERHEAD + outputs.iter().map(|o| o.data.len() + o.name.len() + 8 * o.shape.len()).sum::<usize>();
+        let bytes = charge(outputs);
         if bytes > self.capacity {
             return false;
         }
@@ -278,7 +288,7 @@ mod tests {
 
     #[test]
     fn least_recently_used_entries_go_first_and_the_size_holds() {
-        let entry = ENTRY_OVERHEAD + 1000 + 1 + 8;
+        let entry = ENTRY_OVERHEAD + OUTPUT_OVERHEAD + 1000 + 1 + 8;
         let cache = ResponseCache::new(3 * entry);
         for k in 1..=3 {
             assert!(cache.insert(k, &outputs(1000)));

@@ -684,6 +684,7 @@ impl Repository {
             Ok(answer) => (Ok(answer.outputs), answer.figures, answer.execution),
             Err(e) => (Err(e), RunFigures::default(), None),
         };
+        let mut cache_miss = None;
         if let (Some((cache, key, None, lookup)), Ok(outputs)) = (&cached, &outcome) {
             let insert = Instant::now();
             if outputs.iter().map(|o| o.data.len()).sum::<usize>() <= CACHE_INLINE_BYTES {
@@ -693,7 +694,8 @@ impl Repository {
                 let (cache, key, outputs) = ((*cache).clone(), *key, outputs.clone());
                 let _ = tokio::task::spawn_blocking(move || cache.insert(key, &outputs)).await;
             }
-            stats.record_cache_miss(*lookup + insert.elapsed());
+            // Counted with the request's success (below), as Triton counts a miss.
+            cache_miss = Some(*lookup + insert.elapsed());
         }
         // The classification extension reshapes what the model answered (the cache keeps the
         // answer itself).
@@ -707,6 +709,9 @@ impl Repository {
         // Triton's does.
         let elapsed = started.elapsed();
         answered(request, version.version, outcome, stats, elapsed, || {
+            if let Some(miss) = cache_miss {
+                stats.record_cache_miss(miss);
+            }
             stats.record_ran(&figures);
             stats.record_success(elapsed)
         })
