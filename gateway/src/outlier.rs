@@ -8,7 +8,11 @@
 //! first success re-admits it fully (and resets `k`), its first failure ejects it again for
 //! twice as long. Outcomes reported while it is ejected, and failures on probation of requests
 //! sent before it (stragglers that were already in flight), change nothing. Any answer other than UNAVAILABLE — even an error such as
-//! INVALID_ARGUMENT — shows the worker is up and counts as a success.
+//! INVALID_ARGUMENT — shows the worker is up and counts as a success; except INTERNAL, UNKNOWN
+//! and DATA_LOSS, which may say the worker is broken (a GPU fault, a dead backend answering
+//! every request at once — and, with little load, drawing most of the traffic) or only that a
+//! request was (an input that makes the model fail): only [`CLIENT_TIMEOUT_FACTOR`] ×
+//! `consecutive_failures` of them in a row, with no success between, eject it.
 //!
 //! A timeout a client's own, tighter deadline set is no failure by itself (the client may ask
 //! for less than the model takes under load; a stream's deadline times out all its requests at
@@ -33,11 +37,13 @@ pub enum Outcome {
     Failure,
     /// The client's own deadline passed while the worker held the request.
     ClientTimeout,
+    /// The worker answered INTERNAL, UNKNOWN or DATA_LOSS.
+    ServerError,
     /// Says nothing about the worker (e.g. the client cancelled or its deadline passed).
     Neutral,
 }
 
-/// How many more client timeouts than failures in a row eject a worker.
+/// How many more client timeouts (or server errors) than failures in a row eject a worker.
 pub const CLIENT_TIMEOUT_FACTOR: u32 = 4;
 
 #[derive(Clone, Debug)]
@@ -46,6 +52,8 @@ pub struct OutlierDetector {
     consecutive_failures: u32,
     /// Client timeouts since the last answer.
     consecutive_client_timeouts: u32,
+    /// Server errors since the last success.
+    consecutive_server_errors: u32,
     /// Since when the worker has answered nothing while the current run of client timeouts
     /// waited: the later of its last answer and the first of those requests' send times.
     run_started: Option<Instant>,
@@ -63,6 +71,7 @@ impl OutlierDetector {
             config,
             consecutive_failures: 0,
             consecutive_client_timeouts: 0,
+            consecutive_server_errors: 0,
             run_started: None,
             last_answer: None,
             ejections_in_a_row: 0,
@@ -108,9 +117,24 @@ impl OutlierDetector {
                     false
                 }
             }
+            Outcome::ServerError => {
+                // An answer: the worker is not hung.
+                self.consecutive_client_timeouts = 0;
+                self.run_started = None;
+                self.last_answer = Some(now);
+                self.consecutive_server_errors += 1;
+                let limit = self.config.consecutive_failures.saturating_mul(CLIENT_TIMEOUT_FACTOR);
+                if self.consecutive_server_errors >= limit {
+                    self.eject(now);
+                    true
+                } else {
+                    false
+                }
+            }
             Outcome::Success => {
                 self.consecutive_failures = 0;
                 self.consecutive_client_timeouts = 0;
+                self.consecutive_server_errors = 0;
                 self.run_started = None;
                 self.last_answer = Some(now);
                 if on_probation {
@@ -142,6 +166,7 @@ impl OutlierDetector {
         self.ejections_in_a_row = self.ejections_in_a_row.saturating_add(1);
         self.consecutive_failures = 0;
         self.consecutive_client_timeouts = 0;
+        self.consecutive_server_errors = 0;
         self.run_started = None;
     }
 }
@@ -158,6 +183,25 @@ mod tests {
             max_ejection: Duration::from_secs(5),
             hung_after: Duration::from_secs(10),
         }
+    }
+
+    /// A worker answering INTERNAL to everything is ejected after 4 × `consecutive_failures`
+    /// of them in a row; a success between (other requests doing fine: a bad input, not a
+    /// broken worker) starts the count over.
+    #[test]
+    fn server_errors_in_a_row_eject_and_a_success_between_forgives() {
+        let t0 = Instant::now();
+        let mut d = OutlierDetector::new(config());
+        let limit = 3 * CLIENT_TIMEOUT_FACTOR;
+        for _ in 0..limit - 1 {
+            assert!(!d.record(Outcome::ServerError, t0, t0));
+        }
+        assert!(!d.record(Outcome::Success, t0, t0));
+        for _ in 0..limit - 1 {
+            assert!(!d.record(Outcome::ServerError, t0, t0));
+        }
+        assert!(d.record(Outcome::ServerError, t0, t0), "the twelfth in a row ejects");
+        assert!(d.is_ejected(t0));
     }
 
     #[test]
@@ -300,18 +344,18 @@ mod tests {
         /// at least `hung_after` of silence (from the later of the last answer and the run's
         /// first send).
         #[test]
-        fn ejections_are_bounded(steps in proptest::collection::vec((0u8..4, 0u64..3000, 0u64..20_000), 1..300)) {
+        fn ejections_are_bounded(steps in proptest::collection::vec((0u8..5, 0u64..3000, 0u64..20_000), 1..300)) {
             let cfg = config();
             let mut now = Instant::now() + Duration::from_secs(60);
             let mut d = OutlierDetector::new(cfg);
-            let (mut run, mut timeouts) = (0u32, 0u32);
+            let (mut run, mut timeouts, mut server_errors) = (0u32, 0u32, 0u32);
             // The model's own account of the silence a run of client timeouts spans.
             let (mut last_success, mut silent_since): (Option<Instant>, Option<Instant>) = (None, None);
             for (o, dt, back) in steps {
                 now += Duration::from_millis(dt);
                 // Sent up to 20 s before it finished (a client's deadline).
                 let started = now - Duration::from_millis(back);
-                let outcome = [Outcome::Success, Outcome::Failure, Outcome::Neutral, Outcome::ClientTimeout][o as usize];
+                let outcome = [Outcome::Success, Outcome::Failure, Outcome::Neutral, Outcome::ClientTimeout, Outcome::ServerError][o as usize];
                 let was_ejected = d.is_ejected(now);
                 let on_probation = d.ejected_until.is_some() && !was_ejected;
                 let straggler = on_probation
@@ -325,7 +369,14 @@ mod tests {
                             silent_since.get_or_insert(last_success.map_or(started, |s| s.max(started)));
                         }
                         Outcome::Success => {
-                            (run, timeouts) = (0, 0);
+                            (run, timeouts, server_errors) = (0, 0, 0);
+                            silent_since = None;
+                            last_success = Some(now);
+                        }
+                        // An answer (the worker is not silent), but no success.
+                        Outcome::ServerError => {
+                            server_errors += 1;
+                            timeouts = 0;
                             silent_since = None;
                             last_success = Some(now);
                         }
@@ -336,13 +387,15 @@ mod tests {
                 if ejected {
                     prop_assert!(!was_ejected);
                     let by_failures = run >= cfg.consecutive_failures || (on_probation && outcome == Outcome::Failure);
-                    if !by_failures {
+                    let by_server_errors = outcome == Outcome::ServerError
+                        && server_errors >= cfg.consecutive_failures * CLIENT_TIMEOUT_FACTOR;
+                    if !by_failures && !by_server_errors {
                         // By client timeouts: enough of them, spanning `hung_after` of silence.
                         prop_assert_eq!(outcome, Outcome::ClientTimeout);
                         prop_assert!(timeouts >= cfg.consecutive_failures * CLIENT_TIMEOUT_FACTOR);
                         prop_assert!(silent_since.is_some_and(|since| now.saturating_duration_since(since) >= cfg.hung_after));
                     }
-                    (run, timeouts) = (0, 0);
+                    (run, timeouts, server_errors) = (0, 0, 0);
                     silent_since = None;
                     let until = d.ejected_until.unwrap();
                     prop_assert!(until - now >= cfg.base_ejection && until - now <= cfg.max_ejection);

@@ -140,7 +140,7 @@ impl Upstream {
     /// The balancer's load figure: this gateway's requests in flight on the worker plus the
     /// worker's recently reported queue.
     pub fn load(&self, now: Instant) -> u64 {
-        self.outstanding() + self.reported_queue(now)
+        self.outstanding().saturating_add(self.reported_queue(now))
     }
 
     /// Counts a request as outstanding until the guard is dropped.

@@ -35,6 +35,8 @@ use crate::upstream::{Upstream, UpstreamId};
 const SCAN_BELOW: usize = 8;
 /// Random draws tried before falling back to a scan.
 const SAMPLE_DRAWS: usize = 8;
+/// Added to an ejected worker's load past the panic threshold: more than any real load.
+const EJECTED_PENALTY: u64 = 1 << 40;
 
 /// Chooses a worker among `holders` (indices into `table`), skipping `excluded`, and ejected
 /// workers unless every remaining one is ejected (or more than half of `holders` are: the
@@ -111,7 +113,13 @@ fn choose_among<'t, R: Rng + ?Sized>(
         (true, Ejected::AsLastResort, _) | (false, _, true) => eligible,
         (false, _, false) => healthy,
     };
-    let loads: Vec<u64> = pool.iter().map(|u| u.load(now)).collect();
+    // Past the panic threshold an ejected worker is chosen only when both candidates are: by
+    // load alone it would win nearly every time (a worker that refuses connections fails at
+    // once, so it has nothing outstanding), taking most of the traffic off the healthy ones.
+    let loads: Vec<u64> = pool
+        .iter()
+        .map(|u| u.load(now).saturating_add(if panic && u.is_ejected(now) { EJECTED_PENALTY } else { 0 }))
+        .collect();
     p2c(&loads, rng).map(|i| pool[i])
 }
 
@@ -245,6 +253,19 @@ mod tests {
             let to_ejected =
                 (0..400).filter(|_| choose(&t, &holders, &[], now, &mut rng).unwrap().is_ejected(now)).count();
             assert!(to_ejected > 100, "{ejected} of {n} ejected: {to_ejected} of 400 picks went to ejected ones");
+            // Only when both candidates are ejected: the healthy ones, busier as they may be,
+            // keep their share (an ejected worker's empty queue does not win the comparison).
+            let both = (ejected * (ejected - 1)) as f64 / (n * (n - 1)) as f64;
+            for i in 0..n - ejected {
+                let _busy: Vec<_> = (0..50).map(|_| t.upstream(i).start_request()).collect();
+                let to_ejected =
+                    (0..400).filter(|_| choose(&t, &holders, &[], now, &mut rng).unwrap().is_ejected(now)).count();
+                let expected = 400.0 * both;
+                assert!(
+                    (to_ejected as f64) < expected * 1.3 + 20.0,
+                    "{ejected} of {n} ejected, healthy w{i} busy: {to_ejected} of 400 picks went to ejected ones (expected about {expected:.0})"
+                );
+            }
             // Half of them ejected, not more: the healthy half takes everything.
             let views =
                 (0..n).map(|i| view(&format!("v{i}:1"), WorkerState::Ready, vec![row("m", "1", "READY")])).collect();

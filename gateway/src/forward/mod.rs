@@ -117,6 +117,11 @@ impl FailureKind {
             FailureKind::TimedOut => timeout,
             FailureKind::Answered if code == tonic::Code::DeadlineExceeded => timeout,
             FailureKind::Answered if code == tonic::Code::Cancelled => Outcome::Neutral,
+            FailureKind::Answered
+                if matches!(code, tonic::Code::Internal | tonic::Code::Unknown | tonic::Code::DataLoss) =>
+            {
+                Outcome::ServerError
+            }
             FailureKind::Answered | FailureKind::Refused => Outcome::Success,
         }
     }
@@ -375,6 +380,7 @@ mod tests {
         for own in [false, true] {
             assert_eq!(FailureKind::Answered.outcome(tonic::Code::InvalidArgument, own), Outcome::Success);
             assert_eq!(FailureKind::Answered.outcome(tonic::Code::Cancelled, own), Outcome::Neutral);
+            assert_eq!(FailureKind::Answered.outcome(tonic::Code::Internal, own), Outcome::ServerError);
             assert_eq!(FailureKind::Broken.outcome(tonic::Code::Unknown, own), Outcome::Failure);
             assert_eq!(FailureKind::NotSent.outcome(tonic::Code::Unavailable, own), Outcome::Failure);
         }
