@@ -190,6 +190,22 @@ pub enum CallError {
     Status(tonic::Status),
 }
 
+/// Whether `status` is a call's failure to connect that only shared another call's failed
+/// attempt (it waited on that attempt): one lost SYN with five calls waiting is one failure of
+/// the worker, not six.
+pub fn is_shared_connect_failure(status: &tonic::Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && io.to_string().ends_with(&format!("({SHARED_FAILURE})"))
+        {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
 impl CallError {
     pub fn into_status(self) -> tonic::Status {
         match self {
@@ -584,9 +600,11 @@ mod tests {
         let mut shared = 0;
         for result in results {
             let Err(CallError::Connect(e)) = result else { panic!("{result:?}") };
-            if e.to_string().contains(SHARED_FAILURE) {
-                shared += 1;
-            }
+            let was_shared = e.to_string().contains(SHARED_FAILURE);
+            shared += usize::from(was_shared);
+            // Told apart once it is a status too (only the attempt counts against the worker).
+            let status = CallError::Connect(e).into_status();
+            assert_eq!(is_shared_connect_failure(&status), was_shared, "{status:?}");
         }
         // One call made the attempt; the others waited on it and got its failure, instead of
         // each trying (and waiting the connect timeout) in turn.

@@ -206,6 +206,8 @@ pub fn record_outcome(
 ) {
     let outcome = match result {
         Ok(()) => Outcome::Success,
+        // The attempt it waited on is counted by the call that made it.
+        Err(e) if e.kind == FailureKind::NotSent && client::is_shared_connect_failure(&e.status) => Outcome::Neutral,
         Err(e) => e.kind.outcome(e.status.code(), deadline_is_gateways),
     };
     if worker.record(outcome, started, Instant::now()) {
