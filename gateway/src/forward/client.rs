@@ -447,7 +447,14 @@ fn broken(e: h2::Error, before_sending: bool, wire: &Wire) -> CallError {
 /// `grpc-timeout`: at most 8 digits, in the finest unit that holds the value.
 pub fn grpc_timeout(timeout: Duration) -> String {
     let micros = timeout.as_micros();
-    if micros < 100_000_000 { format!("{micros}u") } else { format!("{}m", timeout.as_millis().min(99_999_999)) }
+    let millis = timeout.as_millis();
+    let seconds = u128::from(timeout.as_secs());
+    match () {
+        _ if micros < 100_000_000 => format!("{micros}u"),
+        _ if millis < 100_000_000 => format!("{millis}m"),
+        _ if seconds < 100_000_000 => format!("{seconds}S"),
+        _ => format!("{}M", (seconds / 60).min(99_999_999)),
+    }
 }
 
 /// The 5-byte gRPC message prefix: not compressed, big-endian length.
@@ -519,7 +526,10 @@ mod tests {
         assert_eq!(grpc_timeout(Duration::from_millis(995)), "995000u");
         assert_eq!(grpc_timeout(Duration::from_secs(99)), "99000000u");
         assert_eq!(grpc_timeout(Duration::from_secs(100)), "100000m");
-        assert_eq!(grpc_timeout(Duration::from_secs(10_000_000)), "99999999m");
+        // Past 8 digits of milliseconds (27.8 h), seconds; past those (3.2 years), minutes.
+        assert_eq!(grpc_timeout(Duration::from_secs(10_000_000)), "10000000S");
+        assert_eq!(grpc_timeout(Duration::from_secs(200_000_000)), "3333333M");
+        assert_eq!(grpc_timeout(Duration::from_secs(u64::MAX)), "99999999M");
     }
 
     #[test]
