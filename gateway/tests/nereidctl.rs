@@ -391,6 +391,13 @@ async fn an_until_exit_drain_survives_the_workers_session_restart() {
     .await;
     assert_eq!(lease_of(&etcd, "workers/w1").await, Some(first), "{}", worker.log());
     assert_eq!(lease_of(&etcd, "drain/w1").await, Some(first));
+
+    // A worker's own way out is not undone by a plain undrain (it would take traffic again
+    // while its pod waits to be stopped); --force does it.
+    ctl(&ep, &["undrain", "w1"]).await.refused("worker w1 is draining until it exits");
+    assert_eq!(lease_of(&etcd, "drain/w1").await, Some(first));
+    ctl(&ep, &["undrain", "w1", "--force"]).await.ok();
+    assert_eq!(lease_of(&etcd, "drain/w1").await, None);
 }
 
 /// An operator's drain (until `nereidctl undrain`) is left as it is by a pod's preStop

@@ -98,6 +98,11 @@ pub enum Command {
         /// Worker id.
         #[arg(value_name = "WORKER", value_parser = worker_id)]
         worker: String,
+        /// Remove the drain even when it is a worker's own way out (`drain --until-exit`, bound
+        /// to its lease, e.g. written by its pod's preStop hook): the worker takes traffic
+        /// and placements again while it waits to be stopped.
+        #[arg(long)]
+        force: bool,
     },
     /// Print every key and value under the prefix, marking values that fail validation.
     Get,

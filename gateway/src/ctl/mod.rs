@@ -246,10 +246,30 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
             }
             Ok(out)
         }
-        Command::Undrain { worker } => {
+        Command::Undrain { worker, force } => {
             let key = store.keys.drain(&worker);
-            let Some(previous) = store.delete(&key).await? else {
-                return Err(CtlError::Invalid(format!("worker {worker} is not drained (no {key}); nothing removed")));
+            let not_drained =
+                || CtlError::Invalid(format!("worker {worker} is not drained (no {key}); nothing removed"));
+            let previous = if force {
+                store.delete(&key).await?.ok_or_else(not_drained)?
+            } else {
+                // A drain bound to a lease is a worker's own way out (its preStop's `drain
+                // --until-exit`): removed, the worker would take traffic and placements again
+                // while it waits to be stopped.
+                let lease = store.lease_of(&key).await?.ok_or_else(not_drained)?;
+                if lease != 0 {
+                    return Err(CtlError::Invalid(format!(
+                        "worker {worker} is draining until it exits ({key} is bound to its lease {lease:x},                          written by `nereidctl drain --until-exit`, e.g. its pod's preStop): nothing removed                          (--force removes it anyway)"
+                    )));
+                }
+                // Removed only as read: an --until-exit drain written meanwhile stays.
+                let when = vec![
+                    Compare::version(key.as_str(), CompareOp::Greater, 0),
+                    Compare::lease(key.as_str(), CompareOp::Equal, 0),
+                ];
+                store.delete_if(when, &key).await?.ok_or_else(|| {
+                    CtlError::Failed(format!("{key} changed while it was removed; nothing removed: run it again"))
+                })?
             };
             let what = format!("undrained worker {worker}: it takes traffic and placements again");
             Ok(written(output, &what, &key, None, Some(&previous)))

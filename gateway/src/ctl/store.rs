@@ -117,6 +117,23 @@ impl Store {
     }
 
     /// Deletes `key`; the value it held, or `None` if there was none.
+    /// Deletes `key` only if every comparison holds; the value it had when it was deleted
+    /// (`None`: not deleted).
+    pub async fn delete_if(&mut self, when: Vec<Compare>, key: &str) -> Result<Option<Vec<u8>>, CtlError> {
+        let mut client = self.client.clone();
+        let delete = TxnOp::delete(key, Some(DeleteOptions::new().with_prev_key()));
+        let txn = Txn::new().when(when).and_then([delete]);
+        let resp = self.call(&format!("delete {key}"), Call::Write, client.txn(txn)).await?;
+        if !resp.succeeded() {
+            return Ok(None);
+        }
+        let deleted = resp.op_responses().into_iter().find_map(|op| match op {
+            etcd_client::TxnOpResponse::Delete(d) => d.prev_kvs().first().map(|kv| kv.value().to_vec()),
+            _ => None,
+        });
+        Ok(Some(deleted.unwrap_or_default()))
+    }
+
     pub async fn delete(&mut self, key: &str) -> Result<Option<Vec<u8>>, CtlError> {
         let mut client = self.client.clone();
         let delete = client.delete(key, Some(DeleteOptions::new().with_prev_key()));
