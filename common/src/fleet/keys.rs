@@ -42,7 +42,7 @@ impl Key {
     }
 }
 
-/// Checks a worker id or model name used as one key segment: non-empty, at most 256 bytes, no
+/// Checks a worker id or model name used as one key segment: non-empty, at most 255 bytes, no
 /// `/`, no whitespace or control characters, not starting with `.` (`.` and `..`, and the hidden
 /// folders a worker's repository scan skips: such a model could never load).
 pub fn check_name(what: &str, name: &str) -> Result<(), String> {
@@ -52,10 +52,11 @@ pub fn check_name(what: &str, name: &str) -> Result<(), String> {
     if name.starts_with('.') {
         return Err(format!("{what} '{name}' starts with '.' (hidden in a model repository, or a path step)"));
     }
-    if name.len() > 256 {
-        // Cut on a character boundary: the name may hold multi-byte characters.
+    if name.len() > 255 {
+        // Cut on a character boundary: the name may hold multi-byte characters. 255: a file
+        // name's limit (NAME_MAX), which a model's folder in a repository must keep to.
         let head: String = name.chars().take(32).collect();
-        return Err(format!("{what} '{head}…' is longer than 256 bytes"));
+        return Err(format!("{what} '{head}…' is longer than 255 bytes"));
     }
     if let Some(c) = name.chars().find(|c| *c == '/' || c.is_whitespace() || c.is_control()) {
         return Err(format!("{what} '{name}' contains {c:?}, which a key segment cannot hold"));

@@ -84,6 +84,15 @@ pub fn check_label(key: &str, value: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// An HTTP header name (RFC 9110 token, at most 256 bytes), which a sticky key must be.
+pub fn check_header_name(what: &str, name: &str) -> Result<(), String> {
+    let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+    if name.is_empty() || name.len() > 256 || !name.chars().all(token) {
+        return Err(format!("{what} '{}' is not an HTTP header name", name.escape_debug()));
+    }
+    Ok(())
+}
+
 /// `workers/<id>`: a worker's registration, under its lease.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -165,6 +174,9 @@ impl Record for WorkerRecord {
         }
         if self.labels.len() > 64 || self.devices.len() > 64 || self.cost_classes.len() > 64 {
             return Err("more than 64 labels, devices or cost classes".into());
+        }
+        for (k, v) in &self.labels {
+            check_label(k, v).map_err(|e| format!("label '{k}': {e}"))?;
         }
         Ok(())
     }
@@ -294,8 +306,10 @@ impl Record for ModelRecord {
         if self.selector.len() > 16 {
             return Err("selector has more than 16 labels".into());
         }
-        if self.selector.keys().any(|k| k.is_empty()) {
-            return Err("selector has an empty label key".into());
+        // As a worker's labels are checked: a selector no label can match would leave the model
+        // unplaced for good, silently.
+        for (k, v) in &self.selector {
+            check_label(k, v).map_err(|e| format!("selector label '{k}': {e}"))?;
         }
         Ok(())
     }
@@ -347,6 +361,9 @@ impl Record for RouteRecord {
         }
         if self.weights.values().all(|w| *w == 0) {
             return Err("every weight is 0: no version would get traffic".into());
+        }
+        if let Some(key) = &self.sticky_key {
+            check_header_name("sticky_key", key)?;
         }
         Ok(())
     }
@@ -437,6 +454,24 @@ mod tests {
         assert!(encode(&w).is_err());
         let r = RouteRecord { schema: 1, weights: [(1, 0)].into(), sticky_key: None };
         assert!(encode(&r).unwrap_err().to_string().contains("every weight is 0"));
+        // Written by hand, what nereidctl refuses is refused by the readers too: a selector
+        // label no worker label can match, a worker label, a sticky key no header can be.
+        assert!(
+            bad(r#"{"schema":1,"versions":[1],"replicas":1,"selector":{"device":"gpu "}}"#)
+                .contains("selector label 'device'")
+        );
+        let mut w = worker();
+        w.labels.insert("zone".into(), "a\nb".into());
+        assert!(encode(&w).unwrap_err().to_string().contains("label 'zone'"));
+        let r = RouteRecord { schema: 1, weights: [(1, 1)].into(), sticky_key: Some("x user".into()) };
+        assert!(encode(&r).unwrap_err().to_string().contains("not an HTTP header name"));
+        let r = RouteRecord { schema: 1, weights: [(1, 1)].into(), sticky_key: Some("x-user".into()) };
+        encode(&r).unwrap();
+        // A name a repository folder can have (NAME_MAX), not one byte more.
+        crate::fleet::keys::check_name("model", &"m".repeat(255)).unwrap();
+        assert!(
+            crate::fleet::keys::check_name("model", &"m".repeat(256)).unwrap_err().contains("longer than 255 bytes")
+        );
         assert!(decode::<StatusRecord>(br#"{"schema":1,"state":"GONE"}"#).is_err());
     }
 

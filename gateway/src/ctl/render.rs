@@ -68,7 +68,7 @@ impl Held<'_> {
     pub fn status_text(&self) -> String {
         let mut text = match self.status {
             Some(s) if s.reason.is_empty() => s.state.name().to_string(),
-            Some(s) => format!("{}: {}", s.state.name(), s.reason),
+            Some(s) => format!("{}: {}", s.state.name(), printable(&s.reason)),
             None => "PENDING".to_string(),
         };
         if !self.placed {
@@ -140,12 +140,21 @@ fn labels_text(labels: &BTreeMap<String, String>) -> String {
     dash_if_empty(labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(","))
 }
 
+/// `text` with control characters (a newline in a load error, an escape sequence in a hand-
+/// written drain reason) escaped: one table row stays one line, and a terminal prints it as is.
+fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    text.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
+}
+
 pub fn workers_table(rows: &[WorkerRow<'_>]) -> String {
     let mut out = Vec::new();
     for row in rows {
         let mut state = row.state.to_string();
         if let Some(reason) = row.drain.map(|d| d.reason.as_str()).filter(|r| !r.is_empty()) {
-            state = format!("{state} ({reason})");
+            state = format!("{state} ({})", printable(reason));
         }
         let (grpc, capacity, labels) = match row.record {
             Some(w) => (w.grpc.clone(), capacity_text(w), labels_text(&w.labels)),
@@ -527,6 +536,15 @@ mod tests {
         let (state, rejected) = FleetState::from_kvs(&keys, kvs.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())));
         assert!(rejected.is_empty(), "{rejected:?}");
         (keys, state)
+    }
+
+    /// A reason with a newline (a multi-line load error) or an escape sequence stays on its row
+    /// and prints as text.
+    #[test]
+    fn reasons_with_control_characters_are_escaped() {
+        let status = StatusRecord { schema: 1, state: ModelState::Failed, reason: "bad\nmodel \u{1b}[31m".into() };
+        let held = Held { model: "m", version: 1, placed: true, status: Some(&status) };
+        assert_eq!(held.status_text(), "FAILED: bad\\nmodel \\u{1b}[31m");
     }
 
     #[test]
