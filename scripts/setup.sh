@@ -57,10 +57,11 @@ apt_install() {
   fi
 }
 
-# Rust: the workspace's rust-version (Debian's own rustc is older).
+# Rust: the workspace's rust-version (Debian's own rustc is older). Not needed to run binaries
+# built elsewhere (NEREID_LOCAL_NO_BUILD=1: deploy/local/up.sh on a host without Rust).
 need_rust="$(sed -n 's/^rust-version = "\(.*\)"/\1/p' Cargo.toml)"
 have_rust="$( (cargo --version 2>/dev/null || true) | awk '{print $2}')"
-if [ -z "$have_rust" ] || [ "$(printf '%s\n%s\n' "$need_rust" "$have_rust" | sort -V | head -1)" != "$need_rust" ]; then
+if [ "${NEREID_LOCAL_NO_BUILD:-0}" != 1 ] && { [ -z "$have_rust" ] || [ "$(printf '%s\n%s\n' "$need_rust" "$have_rust" | sort -V | head -1)" != "$need_rust" ]; }; then
   echo "setup: Rust >= $need_rust is needed (found: ${have_rust:-no cargo}); install it with rustup: https://rustup.rs" >&2
   exit 1
 fi
