@@ -249,7 +249,7 @@ pub struct Args {
 
     /// Default ONNX Runtime intra-op threads per instance (a model's
     /// parameters { key: "intra_op_thread_count" } overrides; 0 = ONNX Runtime's default).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(0..=1024).map(|v| v as usize))]
     pub intra_op_threads: usize,
 
     /// Flush subnormal floats to zero on the threads that run models (FTZ/DAZ, as TensorFlow

@@ -117,6 +117,9 @@ async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
     let mut shutdown_requested = std::pin::pin!(shutdown_signal()?);
     for repo in &args.model_repository {
         anyhow::ensure!(repo.is_dir(), "--model-repository '{}' is not a directory", repo.display());
+        // One that cannot be listed (its permissions, another user's folder in a container)
+        // would serve as empty, and report ready.
+        std::fs::read_dir(repo).with_context(|| format!("--model-repository '{}' cannot be read", repo.display()))?;
     }
     let lib = args.onnxruntime_lib.clone().unwrap_or_else(backend::default_runtime_path);
     backend::init_runtime(&lib).map_err(|e| anyhow::anyhow!("--onnxruntime-lib: {e}"))?;
@@ -201,9 +204,13 @@ async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
         };
         servers.spawn(async move { grpc::serve(listener, server, options, token).await.context("gRPC server") });
     }
+    // The metrics endpoint outlives intake: Prometheus scrapes the drain (requests pending and
+    // finishing, their failures). It stops once the drain is over.
+    let metrics_stop = CancellationToken::new();
+    let mut metrics_server = tokio::task::JoinSet::new();
     if let Some(listener) = metrics_listener {
-        let (router, token) = (http::metrics_router(server.clone()), shutdown.clone());
-        servers.spawn(async move { http::serve(listener, router, token).await.context("metrics server") });
+        let (router, token) = (http::metrics_router(server.clone()), metrics_stop.clone());
+        metrics_server.spawn(async move { http::serve(listener, router, token).await.context("metrics server") });
     }
     if let Some(path) = &args.port_file {
         let tmp = path.with_extension("tmp");
@@ -246,8 +253,14 @@ async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
             Some(result) = servers.join_next() => {
                 // A server stopped on its own: that is an error worth exiting for.
                 shutdown.cancel();
+                metrics_stop.cancel();
                 result.context("server task")??;
                 anyhow::bail!("a server stopped unexpectedly");
+            }
+            Some(result) = metrics_server.join_next() => {
+                shutdown.cancel();
+                result.context("metrics server task")??;
+                anyhow::bail!("the metrics server stopped unexpectedly");
             }
         }
     }
@@ -264,6 +277,9 @@ async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
     if tokio::time::timeout(Duration::from_secs(args.exit_timeout_secs), drain).await.is_err() {
         tracing::warn!("in-flight requests did not finish within --exit-timeout-secs; exiting anyway");
     }
+    metrics_stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(1), async { while metrics_server.join_next().await.is_some() {} })
+        .await;
     // Leave the fleet: the lease's revocation removes the registration and statuses at once.
     if let Some(fleet) = fleet {
         fleet.stop(Duration::from_secs(5)).await;
@@ -338,7 +354,9 @@ fn host_memory_mb() -> u64 {
         .map_or(0, |kb| kb / 1024)
 }
 
-/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called.
+/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called. From then
+/// on a second signal exits at once (status 128 + its number), as tritonserver does: an
+/// operator who asks twice does not want to wait for the drain.
 fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
@@ -348,5 +366,13 @@ fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
             _ = term.recv() => {}
             _ = int.recv() => {}
         }
+        tokio::spawn(async move {
+            let code = tokio::select! {
+                _ = term.recv() => 128 + 15,
+                _ = int.recv() => 128 + 2,
+            };
+            tracing::warn!("a second shutdown signal: exiting now, without finishing in-flight requests");
+            std::process::exit(code);
+        });
     })
 }

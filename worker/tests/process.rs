@@ -399,6 +399,33 @@ fn sigterm_drains_in_flight_requests_then_exits() {
     }
 }
 
+/// While the worker drains (its listeners closed, a request held in the queue), `/metrics`
+/// still answers; a second SIGTERM then exits at once (status 143) instead of waiting for it.
+#[test]
+fn metrics_answer_while_draining_and_a_second_sigterm_exits_at_once() {
+    let dir = repo(&[TestModel { name: "m", source: "identity_fp32", config: Some(HELD) }]);
+    let mut worker = WorkerProcess::start(dir.path(), &[]);
+    let port = worker.http;
+    let _held = std::thread::spawn(move || WorkerProcessProbe { port }.post(INFER_BODY));
+    wait_for("the request to queue", &worker, |w| w.metric(PENDING) == Some(1.0));
+    let term = |pid: u32| assert!(Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap().success());
+    term(worker.child.id());
+    // Intake stopped: the HTTP port refuses new connections.
+    wait_for("the HTTP listener to close", &worker, |w| std::net::TcpStream::connect(("127.0.0.1", w.http)).is_err());
+    assert_eq!(worker.metric(PENDING), Some(1.0), "metrics answer during the drain: {}", worker.log());
+    term(worker.child.id());
+    // Well before the request's 20 s hold (and the 30 s exit timeout) is over.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let exit = loop {
+        if let Some(exit) = worker.child.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(Instant::now() < deadline, "a second SIGTERM did not end the drain: {}", worker.log());
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(exit.code(), Some(143), "{}", worker.log());
+}
+
 /// SIGTERM while a model is still being built (its warm-up here takes minutes): the worker
 /// exits within its exit timeout instead of waiting for the build, which cannot be interrupted.
 #[test]
