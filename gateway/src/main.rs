@@ -6,7 +6,6 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use std::process::ExitCode;
 
-use anyhow::Context;
 use clap::Parser;
 use nereid_gateway::app;
 use nereid_gateway::cli::Args;
@@ -45,7 +44,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         // Installed before anything else: a signal during start-up also shuts down cleanly.
-        let shutdown = shutdown_signal()?;
+        let shutdown = nereid_worker::server::shutdown_signal()?;
         app::run(config, shutdown).await
     });
     match result {
@@ -56,17 +55,4 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called.
-fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
-    let mut int = signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
-    Ok(async move {
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-    })
 }

@@ -114,7 +114,7 @@ struct Parsed {
 async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
     let Parsed { backend, http_rules, grpc_rules } = parsed;
     // Register for SIGTERM/SIGINT first: a signal during start-up must also shut down cleanly.
-    let mut shutdown_requested = std::pin::pin!(shutdown_signal()?);
+    let mut shutdown_requested = std::pin::pin!(nereid_worker::server::shutdown_signal()?);
     for repo in &args.model_repository {
         anyhow::ensure!(repo.is_dir(), "--model-repository '{}' is not a directory", repo.display());
         // One that cannot be listed (its permissions, another user's folder in a container)
@@ -352,27 +352,4 @@ fn host_memory_mb() -> u64 {
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         })
         .map_or(0, |kb| kb / 1024)
-}
-
-/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called. From then
-/// on a second signal exits at once (status 128 + its number), as tritonserver does: an
-/// operator who asks twice does not want to wait for the drain.
-fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
-    let mut int = signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
-    Ok(async move {
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-        tokio::spawn(async move {
-            let code = tokio::select! {
-                _ = term.recv() => 128 + 15,
-                _ = int.recv() => 128 + 2,
-            };
-            tracing::warn!("a second shutdown signal: exiting now, without finishing in-flight requests");
-            std::process::exit(code);
-        });
-    })
 }

@@ -202,3 +202,28 @@ pub fn parse_version(model: &str, version: &str) -> Result<Option<i64>, Status> 
 async fn finish(task: tokio::task::JoinHandle<Result<(), Status>>) -> Result<(), Status> {
     task.await.unwrap_or_else(|e| Err(Status::internal(format!("the repository change failed: {e}"))))
 }
+
+/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called. From then
+/// on a second signal exits at once (status 128 + its number), as tritonserver does: an
+/// operator who asks twice does not want to wait for the drain.
+pub fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term =
+        signal(SignalKind::terminate()).map_err(|e| anyhow::anyhow!("cannot install the SIGTERM handler: {e}"))?;
+    let mut int =
+        signal(SignalKind::interrupt()).map_err(|e| anyhow::anyhow!("cannot install the SIGINT handler: {e}"))?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        tokio::spawn(async move {
+            let code = tokio::select! {
+                _ = term.recv() => 128 + 15,
+                _ = int.recv() => 128 + 2,
+            };
+            tracing::warn!("a second shutdown signal: exiting now, without finishing in-flight requests");
+            std::process::exit(code);
+        });
+    })
+}
