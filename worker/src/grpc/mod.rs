@@ -696,16 +696,20 @@ impl<Q, R> Weigh<Q, R> for Weights<Q, R> {
 struct Replies {
     weight: AtomicUsize,
     finished: AtomicUsize,
-    /// The largest reply seen, decaying by an eighth (rounded up) with each smaller one: a
-    /// single large reply early in a long stream does not hold it to a few requests in flight
-    /// for the rest of its life; after a couple of dozen smaller replies it is forgotten.
+    /// The largest reply seen lately: decaying by an eighth (rounded up) with each smaller
+    /// one, so that a single large reply early in a long stream does not hold it to a few
+    /// requests in flight for the rest of its life — but never below an eighth of the largest
+    /// ever seen ([`Replies::peak`]), so that the weight bound loosens at most eightfold.
     largest: AtomicUsize,
+    /// The largest reply ever seen on the stream.
+    peak: AtomicUsize,
 }
 
 impl Replies {
     fn finished(&self, weight: usize) {
         self.weight.fetch_add(weight, Ordering::AcqRel);
-        let decayed = |largest: usize| Some(weight.max(largest - largest.div_ceil(8)));
+        let peak = self.peak.fetch_max(weight, Ordering::AcqRel).max(weight);
+        let decayed = |largest: usize| Some(weight.max(largest - largest.div_ceil(8)).max(peak / 8));
         // The closure always answers Some: the update cannot fail.
         let _ = self.largest.fetch_update(Ordering::AcqRel, Ordering::Acquire, decayed);
         self.finished.fetch_add(1, Ordering::AcqRel);
@@ -1034,8 +1038,9 @@ mod tests {
         assert_eq!(tx.capacity(), 15, "the fourth is not read while three may reply 30 of 25");
     }
 
-    /// The largest reply seen decays with each smaller one: after one reply of 20 against a
-    /// limit of 25, one slow request more is read; after a run of empty replies, many are.
+    /// The largest reply seen decays with each smaller one, down to an eighth of the largest
+    /// ever seen: after one reply of 20 against a limit of 25, one slow request more is read;
+    /// after a run of empty replies, twelve more.
     #[tokio::test]
     async fn a_large_reply_long_ago_stops_limiting_the_stream() {
         let (active, peak) = counters();
@@ -1054,12 +1059,13 @@ mod tests {
             tx.send(Ok(req("w0"))).await.unwrap();
             assert_eq!(s.next().await.unwrap().unwrap().infer_response.unwrap().id, "w0");
         }
-        assert_eq!(s.replies.largest.load(Ordering::SeqCst), 0, "forgotten after 24 empty replies");
-        for _ in 0..8 {
+        assert_eq!(s.replies.largest.load(Ordering::SeqCst), 2, "down to an eighth of the peak (20 / 8)");
+        for _ in 0..16 {
             tx.send(Ok(req("sleep-600000"))).await.unwrap();
         }
         assert!(tokio::time::timeout(Duration::from_millis(1), s.next()).await.is_err());
-        assert_eq!(s.in_flight.len(), 8, "running requests reserve nothing once the large reply is forgotten");
+        // 2 each: the thirteenth running request takes the reserve to 26, past 25.
+        assert_eq!(s.in_flight.len(), 13, "running requests reserve an eighth of the largest reply ever seen");
     }
 
     /// A request that panics is answered with an error message in its place; the stream and
