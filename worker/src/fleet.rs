@@ -720,6 +720,12 @@ fn model_statuses(
         if retiring.contains(&e.name) && e.version.parse::<i64>().map_or(true, |v| !placed(&v)) {
             continue;
         }
+        // Still served while the model reloads without it (the end of a roll-over, its grace
+        // over): not published again meanwhile.
+        let dropping = |v: &i64| loading.get(&e.name).is_some_and(|vs| !vs.contains(v)) && !placed(v);
+        if e.version.parse::<i64>().is_ok_and(|v| dropping(&v)) {
+            continue;
+        }
         match (e.version.parse::<i64>(), e.state.as_str()) {
             (Ok(v), "READY") => {
                 out.insert((e.name.clone(), v), status(ModelState::Ready, ""));
@@ -794,8 +800,20 @@ async fn reconcile(
         *retiring.lock().unwrap_or_else(|e| e.into_inner()) = retired.keys().chain(shrinking.keys()).cloned().collect();
     };
     let in_flight = || loading.lock().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect::<BTreeSet<_>>();
+    // The models an ensemble's load brought in (its composing models not loaded before, and
+    // not placed here): unloaded after it. A model loaded otherwise (placed, or by an
+    // operator through the repository API) is never unloaded for an ensemble's sake.
+    let mut brought_in: HashMap<String, BTreeSet<String>> = HashMap::new();
+    let mut loaded_before: HashMap<tokio::task::Id, BTreeSet<String>> = HashMap::new();
+    let loaded_names = |repository: &Repository| -> BTreeSet<String> {
+        repository.held_index().into_iter().filter(|e| e.state == "READY").map(|e| e.name).collect()
+    };
     loop {
-        let next_unload = retired.values().map(|(at, _)| *at).chain(shrinking.values().copied()).min();
+        // A model whose fewer versions are due but wait for a load slot is looked at again when
+        // a load ends, not by the timer (which would fire at once, again and again).
+        let now = tokio::time::Instant::now();
+        let shrink_due = shrinking.values().copied().filter(|at| *at > now);
+        let next_unload = retired.values().map(|(at, _)| *at).chain(shrink_due).min();
         tokio::select! {
             // A new placement first: one that places a retired model again must win over its
             // unload when both are due.
@@ -806,12 +824,19 @@ async fn reconcile(
                 }
             }
             Some(done) = loads.join_next_with_id(), if !loads.is_empty() => {
-                let (model, failure) = match done {
-                    Ok((id, failure)) => (tasks.remove(&id).unwrap_or_default(), failure),
+                let (id, failure) = match done {
+                    Ok((id, failure)) => (id, failure),
                     // Only a panic ends a load task early (the set is never aborted while this
                     // loop runs): its model is reported failed.
-                    Err(e) => (tasks.remove(&e.id()).unwrap_or_default(), Some(format!("the load task failed: {e}"))),
+                    Err(e) => (e.id(), Some(format!("the load task failed: {e}"))),
                 };
+                let model = tasks.remove(&id).unwrap_or_default();
+                if let Some(before) = loaded_before.remove(&id) {
+                    let new: BTreeSet<String> = (loaded_names(&repository).into_iter())
+                        .filter(|m| *m != model && !before.contains(m))
+                        .collect();
+                    brought_in.entry(model.clone()).or_default().extend(new);
+                }
                 loading.lock().unwrap_or_else(|e| e.into_inner()).remove(&model);
                 if let Some(reason) = failure {
                     tracing::warn!(%model, "placement: load failed: {reason}");
@@ -827,7 +852,9 @@ async fn reconcile(
                 due.sort_by_key(|m| !ensembles.contains(m));
                 for model in due {
                     // Loaded for this ensemble, not placed here themselves: they go after it.
-                    let composing = repository.composing_models(&model);
+                    let brought = brought_in.remove(&model).unwrap_or_default();
+                    let composing: Vec<String> =
+                        repository.composing_models(&model).into_iter().filter(|c| brought.contains(c)).collect();
                     tracing::info!(%model, "placement: unloading");
                     if let Err(e) = repository.unload_placed(&model).await {
                         tracing::warn!(%model, "placement: unload failed: {}", e.message);
@@ -837,6 +864,12 @@ async fn reconcile(
                     retired.remove(&model);
                     let busy = in_flight();
                     for c in composing {
+                        // Still composed by another loaded ensemble: it goes with that one.
+                        let users = repository.ensembles_composing(&c);
+                        if let Some(user) = users.first() {
+                            brought_in.entry(user.clone()).or_default().insert(c);
+                            continue;
+                        }
                         if !applied.contains_key(&c) && !busy.contains(&c) && !retired.contains_key(&c) {
                             tracing::info!(model = %c, ensemble = %model, ?grace, "placement: composing model no longer used, unloading after the grace");
                             retired.insert(c, (tokio::time::Instant::now() + grace, BTreeSet::new()));
@@ -888,7 +921,8 @@ async fn reconcile(
                 if now < due {
                     continue;
                 }
-                shrinking.remove(model);
+                // Due: unpublished until its load with fewer versions is under way (then the
+                // load's own versions say what is published).
             }
             // Placed otherwise than when its last load failed: that failure is history.
             failures.lock().unwrap_or_else(|e| e.into_inner()).remove(model);
@@ -900,12 +934,17 @@ async fn reconcile(
                 continue; // waits its turn (reported pending)
             }
             others_loading |= !ensemble;
+            shrinking.remove(model);
             applied.insert(model.clone(), versions.clone());
             tracing::info!(%model, ?versions, "placement: loading");
             loading.lock().unwrap_or_else(|e| e.into_inner()).insert(model.clone(), versions.clone());
+            let before = ensemble.then(|| loaded_names(&repository));
             let (repository, name, versions) = (repository.clone(), model.clone(), versions.clone());
             let id = loads.spawn(async move { load_placed(&repository, &name, &versions).await }).id();
             tasks.insert(id, model.clone());
+            if let Some(before) = before {
+                loaded_before.insert(id, before);
+            }
         }
         let removed: Vec<String> =
             applied.keys().filter(|m| !want.contains_key(*m) && !busy.contains(*m)).cloned().collect();
@@ -1017,6 +1056,13 @@ mod tests {
         let s = model_statuses(&index, &unplaced, &failures, &retiring, &BTreeMap::new());
         assert!(!s.keys().any(|(m, _)| m == "a"), "{s:?}");
         assert!(s.contains_key(&("e".to_string(), 1)));
+        // The end of a roll-over, its grace over: `a` reloads with version 2 alone. Version 1,
+        // still served until the swap, is not published READY again meanwhile.
+        let narrowed: Placement = [("a".to_string(), BTreeSet::from([2]))].into();
+        let loading = BTreeMap::from([("a".to_string(), BTreeSet::from([2]))]);
+        let s = model_statuses(&index, &narrowed, &failures, &BTreeSet::new(), &loading);
+        assert!(!s.contains_key(&("a".to_string(), 1)), "{s:?}");
+        assert_eq!(s[&("a".to_string(), 2)].state, ModelState::Loading);
     }
 
     /// Polls (bounded: 30 s) until `cond` holds of `repository`; panics naming `what` and the
@@ -1229,6 +1275,16 @@ mod tests {
             assert!(std::time::Instant::now() < deadline, "still retiring: {:?}", retiring.lock().unwrap());
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        // A composing model that was loaded before the ensemble (here by hand, through the
+        // repository API) is not the ensemble's to unload: it stays.
+        repository.load("versioned_scale", None).await.unwrap();
+        desired.send(Some([("scale_ensemble".to_string(), BTreeSet::from([1]))].into())).unwrap();
+        until(&repository, "the ensemble READY", |r| ready(r).len() == 2).await;
+        desired.send(Some(Placement::new())).unwrap();
+        until(&repository, "the ensemble unloaded", |r| !ready(r).contains("scale_ensemble")).await;
+        // Past several graces (10 ms each), it is still there.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(ready(&repository), BTreeSet::from(["versioned_scale".to_string()]));
         reconciler.abort();
     }
 }

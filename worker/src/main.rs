@@ -121,6 +121,10 @@ async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
         // would serve as empty, and report ready.
         std::fs::read_dir(repo).with_context(|| format!("--model-repository '{}' cannot be read", repo.display()))?;
     }
+    // The fleet flags checked before anything is loaded or bound (the ports are known only
+    // once bound: placeholders here), so that a bad --label or --etcd-endpoints fails before a
+    // port file says the worker is up.
+    fleet_options(&args, args.allow_grpc.then_some(1), args.allow_http.then_some(1))?;
     let lib = args.onnxruntime_lib.clone().unwrap_or_else(backend::default_runtime_path);
     backend::init_runtime(&lib).map_err(|e| anyhow::anyhow!("--onnxruntime-lib: {e}"))?;
 

@@ -907,6 +907,11 @@ impl Repository {
         plan.map(|p| p.models().into_iter().map(str::to_string).collect()).unwrap_or_default()
     }
 
+    /// The loaded ensembles with a step on `name`, by name.
+    pub fn ensembles_composing(&self, name: &str) -> Vec<String> {
+        self.ensembles_using(name, &[])
+    }
+
     /// Loaded ensembles (other than those in `except`) with a step on `name`.
     fn ensembles_using(&self, name: &str, except: &[String]) -> Vec<String> {
         let slots = self.slots.read().unwrap_or_else(|e| e.into_inner());
