@@ -33,6 +33,8 @@ bash scripts/setup.sh
 bin="$root/target/$PROFILE"
 if [ "${NEREID_LOCAL_NO_BUILD:-0}" = 1 ] && [ -x "$bin/nereid-worker" ] && [ -x "$bin/nereid-gateway" ] && [ -x "$bin/nereidctl" ]; then
   log "using the binaries already in $bin (NEREID_LOCAL_NO_BUILD=1)"
+elif [ "${NEREID_LOCAL_NO_BUILD:-0}" = 1 ] && ! command -v cargo >/dev/null 2>&1; then
+  die "NEREID_LOCAL_NO_BUILD=1 but $bin lacks nereid-worker, nereid-gateway or nereidctl, and there is no cargo to build them"
 elif [ "$PROFILE" = release ]; then
   cargo build --release --locked -p nereid-worker -p nereid-gateway
 else

@@ -161,7 +161,8 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
     }
     background.cancel();
     // Bounded: against a slow etcd, stepping down (resign, revoke) could otherwise hold the
-    // exit past a supervisor's kill. Cut short, the leadership lapses with its lease's TTL.
+    // exit past a supervisor's kill. Cut short (the tasks aborted), the leadership lapses with
+    // its lease's TTL.
     let stop = async { while background_tasks.join_next().await.is_some() {} };
     if tokio::time::timeout(BACKGROUND_STOP_TIMEOUT, stop).await.is_err() {
         tracing::warn!("membership or placement did not stop within {BACKGROUND_STOP_TIMEOUT:?}; exiting anyway");
@@ -182,10 +183,18 @@ where
     F: Fn() -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
+    /// The task, aborted when this (the wrapper's future) is dropped: at a bounded exit.
+    struct Task(tokio::task::JoinHandle<()>);
+    impl Drop for Task {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
     let mut pause = PLACEMENT_RESTART_PAUSE;
     loop {
         let started = tokio::time::Instant::now();
-        let Err(e) = tokio::spawn(start()).await else { return };
+        let mut task = Task(tokio::spawn(start()));
+        let Err(e) = (&mut task.0).await else { return };
         if started.elapsed() > PLACEMENT_RESTART_PAUSE_MAX * 5 {
             pause = PLACEMENT_RESTART_PAUSE;
         }

@@ -619,12 +619,14 @@ impl Plan {
                 return;
             };
             // Untrusted (unstable, or an open loop behind its schedule): a met SLO there may be
-            // the load that was never offered, so neither verdict moves the bracket.
-            if !result.trusted() {
+            // the load that was never offered, so it does not move the bracket. A miss still
+            // does: less load than asked for missed it (and a level past capacity is unstable
+            // by nature, its latency growing window after window).
+            if met && !result.trusted() {
                 *stopped = true;
                 progress.note(&format!(
-                    "binary search probe {}: {} was not measured reliably (unstable, or the generator fell behind \
-                     its schedule); the search stops",
+                    "binary search probe {}: {} met the SLO but was not measured reliably (unstable, or the \
+                     generator fell behind its schedule); the search stops",
                     search.probes().len() + 1,
                     result.level
                 ));

@@ -259,7 +259,9 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
                 let lease = store.lease_of(&key).await?.ok_or_else(not_drained)?;
                 if lease != 0 {
                     return Err(CtlError::Invalid(format!(
-                        "worker {worker} is draining until it exits ({key} is bound to its lease {lease:x},                          written by `nereidctl drain --until-exit`, e.g. its pod's preStop): nothing removed                          (--force removes it anyway)"
+                        "worker {worker} is draining until it exits ({key} is bound to its lease {lease:x}, \
+                         written by `nereidctl drain --until-exit`, e.g. its pod's preStop): nothing removed \
+                         (--force removes it anyway)"
                     )));
                 }
                 // Removed only as read: an --until-exit drain written meanwhile stays.

@@ -116,7 +116,6 @@ impl Store {
         Ok(resp.kvs().iter().map(|kv| String::from_utf8_lossy(kv.key()).into_owned()).collect())
     }
 
-    /// Deletes `key`; the value it held, or `None` if there was none.
     /// Deletes `key` only if every comparison holds; the value it had when it was deleted
     /// (`None`: not deleted).
     pub async fn delete_if(&mut self, when: Vec<Compare>, key: &str) -> Result<Option<Vec<u8>>, CtlError> {
@@ -134,6 +133,7 @@ impl Store {
         Ok(Some(deleted.unwrap_or_default()))
     }
 
+    /// Deletes `key`; the value it held, or `None` if there was none.
     pub async fn delete(&mut self, key: &str) -> Result<Option<Vec<u8>>, CtlError> {
         let mut client = self.client.clone();
         let delete = client.delete(key, Some(DeleteOptions::new().with_prev_key()));

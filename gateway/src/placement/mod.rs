@@ -455,8 +455,9 @@ struct LoadWatch {
     last_failure: BTreeMap<(String, i64), LoadFailure>,
     /// The last unplaced warning per (model, version) and when it was given.
     reported: BTreeMap<(String, i64), (UnplacedReport, Instant)>,
-    /// Each model's declaration as last observed: one redeclared (the operator's fix, or a
-    /// nudge after one) forgets its load failures.
+    /// Each model's declaration as last observed: one redeclared with any change (versions,
+    /// replicas, resources, selector) forgets its load failures. An identical value written
+    /// again is no change (its record is all that is compared).
     declared: BTreeMap<String, records::ModelRecord>,
 }
 
@@ -507,7 +508,9 @@ impl LoadWatch {
             self.last_failure.insert((a.1.clone(), a.2), f.clone());
             new.push(f);
         };
-        for (worker, statuses) in &state.statuses {
+        // Of registered workers only: a worker's statuses outlive a record deleted by hand (and
+        // its failures were forgotten with it above), until the worker writes it again.
+        for (worker, statuses) in state.statuses.iter().filter(|(w, _)| state.workers.contains_key(*w)) {
             for ((model, version), s) in statuses {
                 let a = (worker.clone(), model.clone(), *version);
                 if s.state == ModelState::Failed && !self.failed.contains_key(&a) {

@@ -44,13 +44,30 @@ pub fn scan_models(paths: &[PathBuf]) -> BTreeMap<String, PathBuf> {
 }
 
 /// Every model directory by name across all repositories, in repository order (more than one
-/// for a name found in several).
-pub fn scan_model_dirs(paths: &[PathBuf]) -> BTreeMap<String, Vec<PathBuf>> {
+/// for a name found in several), and the repositories that could not be listed — from the one
+/// listing, so that a repository read as empty is one that was read.
+pub fn scan_model_dirs(paths: &[PathBuf]) -> (BTreeMap<String, Vec<PathBuf>>, Vec<PathBuf>) {
     let mut out: BTreeMap<String, Vec<PathBuf>> = BTreeMap::new();
-    for (name, path) in model_entries(paths) {
-        out.entry(name).or_default().push(path);
+    let mut unlisted = Vec::new();
+    for repo in paths {
+        let Ok(entries) = std::fs::read_dir(repo) else {
+            unlisted.push(repo.clone());
+            continue;
+        };
+        let mut found: Vec<(String, PathBuf)> = entries.flatten().filter_map(|entry| model_dir(&entry)).collect();
+        found.sort();
+        for (name, path) in found {
+            out.entry(name).or_default().push(path);
+        }
     }
-    out
+    (out, unlisted)
+}
+
+/// `(name, directory)` of a repository entry that is a model directory.
+fn model_dir(entry: &std::fs::DirEntry) -> Option<(String, PathBuf)> {
+    let path = entry.path();
+    let name = path.file_name().and_then(|n| n.to_str()).map(str::to_string)?;
+    (path.is_dir() && !name.starts_with('.')).then_some((name, path))
 }
 
 /// Every directory named `name` across all repositories, in repository order: more than one
@@ -62,16 +79,8 @@ pub fn model_dirs(paths: &[PathBuf], name: &str) -> Vec<PathBuf> {
 /// `(name, directory)` of every model directory, repository by repository.
 fn model_entries(paths: &[PathBuf]) -> impl Iterator<Item = (String, PathBuf)> + '_ {
     paths.iter().flat_map(|repo| {
-        let mut found: Vec<(String, PathBuf)> = std::fs::read_dir(repo)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|entry| {
-                let path = entry.path();
-                let name = path.file_name().and_then(|n| n.to_str()).map(str::to_string)?;
-                (path.is_dir() && !name.starts_with('.')).then_some((name, path))
-            })
-            .collect();
+        let mut found: Vec<(String, PathBuf)> =
+            std::fs::read_dir(repo).into_iter().flatten().flatten().filter_map(|entry| model_dir(&entry)).collect();
         found.sort();
         found
     })

@@ -1425,16 +1425,16 @@ impl Repository {
         // mount) runs off the async threads that serve requests.
         let paths = self.options.paths.clone();
         let Ok((on_disk, unlisted)) = tokio::task::spawn_blocking(move || {
+            // A repository that cannot be listed now (a network mount's hiccup, a stale
+            // handle) says nothing about its models. (A mount point without its mount lists
+            // as empty: that is read as the models removed, as Triton reads it.)
+            let (dirs, unlisted) = load::scan_model_dirs(&paths);
             // A name in several repositories (refused as ambiguous) is stamped over all of
             // them: removing the extra copies is a change that lets it load.
-            let on_disk = load::scan_model_dirs(&paths)
+            let on_disk = dirs
                 .into_iter()
                 .filter_map(|(name, dirs)| Some((name, (Stamp::of_all(&dirs), dirs.into_iter().next()?))))
                 .collect::<BTreeMap<_, _>>();
-            // A repository that cannot be listed now (a network mount's hiccup, a stale
-            // handle, a mount point briefly empty of its mount) says nothing about its models.
-            let unlisted: Vec<std::path::PathBuf> =
-                paths.into_iter().filter(|p| std::fs::read_dir(p).is_err()).collect();
             (on_disk, unlisted)
         })
         .await
@@ -1455,12 +1455,12 @@ impl Repository {
         for (name, (stamp, dir)) in &on_disk {
             // A failed reload's files put back as they were (`cp -a`, `mv` keep the mtimes):
             // the serving model matches the disk again, and its failure is history.
-            {
+            let restored =
+                |slot: &Slot| slot.reload_error.is_some() && slot.model.as_ref().is_some_and(|m| m.stamp == *stamp);
+            // Looked at under the read lock (every inference takes it); written only then.
+            if self.slot(name).is_some_and(|slot| restored(&slot)) {
                 let mut slots = self.slots.write().unwrap_or_else(|e| e.into_inner());
-                if let Some(slot) = slots.get_mut(name)
-                    && slot.reload_error.is_some()
-                    && slot.model.as_ref().is_some_and(|m| m.stamp == *stamp)
-                {
+                if let Some(slot) = slots.get_mut(name).filter(|slot| restored(slot)) {
                     slot.reload_error = None;
                 }
             }
