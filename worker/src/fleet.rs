@@ -1096,6 +1096,30 @@ mod tests {
         Arc::new(Repository::new(options, Arc::new(crate::metrics::Metrics::new())))
     }
 
+    /// A reconciler over `repository` with `grace`, what it shares with the agent, its task.
+    struct Reconciler {
+        desired: watch::Sender<Option<Placement>>,
+        retiring: Retiring,
+        loading: Loading,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    impl Reconciler {
+        fn start(repository: &Arc<Repository>, grace: Duration) -> Reconciler {
+            let (desired, placements) = watch::channel(None::<Placement>);
+            let (retiring, loading): (Retiring, Loading) = Default::default();
+            let task = tokio::spawn(reconcile(
+                repository.clone(),
+                placements,
+                Default::default(),
+                retiring.clone(),
+                loading.clone(),
+                grace,
+            ));
+            Reconciler { desired, retiring, loading, task }
+        }
+    }
+
     /// Copies an example model (its config, version folders and files) into `repo`.
     fn copy_example(repo: &std::path::Path, name: &str) {
         let from = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/models").join(name);
@@ -1114,16 +1138,8 @@ mod tests {
         }
         assert!(dir.path().join("versioned_scale/2/model.onnx").is_file(), "run scripts/setup.sh (example models)");
         let repository = explicit_repository(dir.path());
-        let (desired, placements) = watch::channel(None::<Placement>);
-        let loading: Loading = Default::default();
-        let reconciler = tokio::spawn(reconcile(
-            repository.clone(),
-            placements,
-            Default::default(),
-            Default::default(),
-            loading.clone(),
-            Duration::from_secs(60),
-        ));
+        let Reconciler { desired, retiring: _, loading, task: reconciler } =
+            Reconciler::start(&repository, Duration::from_secs(60));
         let placement: Placement = [
             ("scale_ensemble".to_string(), BTreeSet::from([1])),
             ("versioned_scale".to_string(), BTreeSet::from([1, 2])),
@@ -1159,15 +1175,8 @@ mod tests {
             std::fs::write(&path, text).unwrap();
         }
         let repository = explicit_repository(dir.path());
-        let (desired, placements) = watch::channel(None::<Placement>);
-        let reconciler = tokio::spawn(reconcile(
-            repository.clone(),
-            placements,
-            Default::default(),
-            Default::default(),
-            Default::default(),
-            Duration::from_millis(10),
-        ));
+        let Reconciler { desired, retiring: _, loading: _, task: reconciler } =
+            Reconciler::start(&repository, Duration::from_millis(10));
         let ready = |repository: &Repository| -> BTreeSet<String> {
             repository.held_index().into_iter().filter(|e| e.state == "READY").map(|e| e.name).collect()
         };
@@ -1197,16 +1206,7 @@ mod tests {
             [("versioned_scale".to_string(), versions.iter().copied().collect())].into()
         };
         for grace in [Duration::from_secs(600), Duration::from_millis(10)] {
-            let (desired, placements) = watch::channel(None::<Placement>);
-            let retiring: Retiring = Default::default();
-            let reconciler = tokio::spawn(reconcile(
-                repository.clone(),
-                placements,
-                Default::default(),
-                retiring.clone(),
-                Default::default(),
-                grace,
-            ));
+            let Reconciler { desired, retiring, loading: _, task: reconciler } = Reconciler::start(&repository, grace);
             desired.send(Some(placed(&[1, 2]))).unwrap();
             until(&repository, "versions 1 and 2 READY", |r| ready(r).len() == 2).await;
             desired.send(Some(placed(&[2]))).unwrap();
@@ -1253,16 +1253,8 @@ mod tests {
             copy_example(dir.path(), model);
         }
         let repository = explicit_repository(dir.path());
-        let (desired, placements) = watch::channel(None::<Placement>);
-        let retiring: Retiring = Default::default();
-        let reconciler = tokio::spawn(reconcile(
-            repository.clone(),
-            placements,
-            Default::default(),
-            retiring.clone(),
-            Default::default(),
-            Duration::from_millis(10),
-        ));
+        let Reconciler { desired, retiring, loading: _, task: reconciler } =
+            Reconciler::start(&repository, Duration::from_millis(10));
         let ready = |repository: &Repository| -> BTreeSet<String> {
             repository.held_index().into_iter().filter(|e| e.state == "READY").map(|e| e.name).collect()
         };

@@ -936,8 +936,14 @@ mod tests {
             at += left;
         }
         assert_eq!(cooldowns, [60, 120, 240, 480, 960, 960]);
-        // An hour without failing there: the next failure starts over.
-        loads.observe(&FleetState::default(), at + FAILURE_MEMORY);
+        // An hour without failing there (the worker still in the fleet, the model declared as
+        // it was): the next failure starts over.
+        let mut quiet = s.clone();
+        quiet.placements.clear();
+        quiet.statuses.clear();
+        loads.observe(&quiet, at);
+        assert!(!loads.strikes.is_empty(), "remembered within the hour");
+        loads.observe(&quiet, at + FAILURE_MEMORY);
         assert_eq!(loads.observe(&s, at + FAILURE_MEMORY).len(), 1);
         assert_eq!(loads.cooldown_left(&a("w1", "m", 1), at + FAILURE_MEMORY), FAILED_COOLDOWN);
     }

@@ -609,6 +609,22 @@ mod tests {
         (scheduler.submit(Job::new(1, vec![], vec![], vec![], priority, 0, tx)), rx)
     }
 
+    /// The instance busy with one request of priority 2, and the queue full of such: where
+    /// the running one's answer comes, and the queued ones'.
+    fn busy_and_full_of_low_priority(h: &Harness) -> (oneshot::Receiver<JobResult>, Vec<oneshot::Receiver<JobResult>>) {
+        let (running, running_rx) = submit_at(&h.scheduler, 2);
+        running.expect("queued");
+        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "the instance is busy");
+        let low = (0..MAX_QUEUED)
+            .map(|_| {
+                let (queued, rx) = submit_at(&h.scheduler, 2);
+                queued.expect("room");
+                rx
+            })
+            .collect();
+        (running_rx, low)
+    }
+
     fn timeout_policy(action: policy::TimeoutAction, default_ms: u64) -> BatchPolicy {
         let mut p = BatchPolicy::direct();
         p.max_batch_size = 4;
@@ -720,15 +736,7 @@ mod tests {
     fn a_full_queue_makes_room_for_a_higher_priority() {
         let h = harness(two_levels());
         let submit = |priority: u64| submit_at(&h.scheduler, priority);
-        let (running, _running_rx) = submit(2);
-        running.expect("queued");
-        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "the instance is busy");
-        let mut low: Vec<oneshot::Receiver<JobResult>> = Vec::new();
-        for _ in 0..MAX_QUEUED {
-            let (queued, rx) = submit(2);
-            queued.expect("room");
-            low.push(rx);
-        }
+        let (_running_rx, mut low) = busy_and_full_of_low_priority(&h);
         let (refused, _) = submit(2);
         assert_eq!(refused.expect_err("full").code, Code::ResourceExhausted);
         let (high, _high_rx) = submit(1);
@@ -794,15 +802,7 @@ mod tests {
     fn a_full_queue_drops_departed_callers_at_most_once_per_interval() {
         let h = harness(two_levels());
         let submit = |priority: u64| submit_at(&h.scheduler, priority);
-        let (running, _running_rx) = submit(2);
-        running.expect("queued");
-        assert_eq!(h.started.recv_timeout(GATE_LIMIT), Ok(1), "the instance is busy");
-        let mut low: Vec<oneshot::Receiver<JobResult>> = Vec::new();
-        for _ in 0..MAX_QUEUED {
-            let (queued, rx) = submit(2);
-            queued.expect("room");
-            low.push(rx);
-        }
+        let (_running_rx, low) = busy_and_full_of_low_priority(&h);
         // Every queued caller goes away; a scan just happened (as far as the queue knows).
         drop(low);
         h.scheduler.shared.lock().full_scan_at = Some(Instant::now() + Duration::from_secs(3600));
