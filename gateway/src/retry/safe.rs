@@ -17,6 +17,9 @@ use crate::call::InferCall;
 use crate::error::GatewayError;
 use crate::routing::Routes;
 
+/// Least time left before the deadline for a retry to be sent.
+pub const MIN_RETRY_TIME: std::time::Duration = std::time::Duration::from_millis(1);
+
 #[derive(Clone)]
 pub struct SafeRetry {
     routes: Routes,
@@ -42,8 +45,17 @@ impl Policy<InferCall, GatewayError> for SafeRetry {
         if !e.kind.safe_to_retry() && !version_gone {
             return None;
         }
+        // With next to no time left the retry could only time out, on a worker that did
+        // nothing wrong: the client gets the real error instead.
+        if call.deadline.saturating_duration_since(Instant::now()) < MIN_RETRY_TIME {
+            return None;
+        }
         let mut next = call.clone();
         next.target = None;
+        // The retry has what the earlier attempts left of the deadline, not the gateway's whole
+        // limit: a timeout of it is no failure of the worker it goes to (as a client's tight
+        // deadline is not), only a long run of them is (see `crate::outlier`).
+        next.deadline_is_gateways = false;
         // The client's own queue `timeout` (µs; the KServe parameter, forwarded as it is)
         // counts the time already spent: past it, nothing is retried — the client waited what
         // it allowed; before it, the retry carries what is left (an appended map entry: the
@@ -125,6 +137,11 @@ mod tests {
         assert!((5_000_000..=9_000_000).contains(&left), "{left}");
         assert_eq!(next.excluded, ["a:1".into()]);
         assert_eq!(next.request.header.model_name, "m", "the request is otherwise the same");
+        assert!(!next.deadline_is_gateways, "a retry's timeout is not the worker's failure");
+        // With next to no time left before the deadline: not retried.
+        let mut late = call_with_timeout(10_000_000, Duration::from_secs(1));
+        late.deadline = Instant::now() + MIN_RETRY_TIME / 2;
+        assert!(policy.retry(&late, &timed_out).is_none());
         // 500 ms allowed, 1 s spent: not retried.
         assert!(policy.retry(&call_with_timeout(500_000, Duration::from_secs(1)), &timed_out).is_none());
 
