@@ -871,6 +871,18 @@ async fn run_level(
     if tokio::time::timeout(timeout + Duration::from_secs(1), drain).await.is_err() {
         generator.abort_all();
     }
+    // Open loop: requests sent in the last window and answered after it closed (recorded in the
+    // window reopened then) are that window's — dropped, a server that stalls at the level's
+    // end would not show (coordinated omission at the boundary). Earlier windows' late answers
+    // land in the window after them; the last one counts its own too (at most the requests in
+    // flight at its end, besides its own throughput).
+    if matches!(level, LoadLevel::RequestRate { .. }) {
+        let tail = recorder.close_window(Duration::ZERO, false);
+        if let (Some(last), Some(summary)) = (windows.last_mut(), summaries.last_mut()) {
+            last.absorb_answers(&tail);
+            *summary = Summary::of(&last.total(), last.duration);
+        }
+    }
 
     let merged_windows = if stable { stability_windows.min(windows.len()) } else { windows.len() };
     let from = windows.len() - merged_windows;

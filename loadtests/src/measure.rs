@@ -181,6 +181,16 @@ impl Window {
         t
     }
 
+    /// Takes in the answers `tail` collected after this window closed (open loop: requests
+    /// sent in it and answered later), not its sends: they belong to the window they were sent
+    /// in, and a stall at a level's end shows only in them.
+    pub fn absorb_answers(&mut self, tail: &Window) {
+        for (acc, late) in self.slots.iter_mut().zip(&tail.slots) {
+            let answers = SeriesStats { sends: 0, late_sends: 0, ..late.clone() };
+            acc.merge(&answers);
+        }
+    }
+
     /// Windows merged into one: durations add, slots merge index by index.
     pub fn merge(windows: &[Window]) -> Window {
         let n = windows.iter().map(|w| w.slots.len()).max().unwrap_or(0);
@@ -384,6 +394,26 @@ mod tests {
 
     /// Nearest-rank percentile of a sorted vector: the smallest value with at least `q` of the
     /// values at or below it.
+    /// A window takes in the answers collected after it closed, not the sends: a request
+    /// stuck at its end counts in its latencies.
+    #[test]
+    fn a_window_absorbs_late_answers_but_not_later_sends() {
+        let recorder = Recorder::new(vec![Some(Duration::from_millis(10))]);
+        recorder.open_window();
+        recorder.record_send(0, false);
+        recorder.record_send(0, false);
+        recorder.record(0, Duration::from_millis(2), Ok(()), 1);
+        let mut window = recorder.close_window(Duration::from_secs(1), true);
+        // After the close: the second request's answer, 400 ms late, and a send of the next.
+        recorder.record(0, Duration::from_millis(400), Ok(()), 1);
+        recorder.record_send(0, true);
+        let tail = recorder.close_window(Duration::ZERO, false);
+        window.absorb_answers(&tail);
+        let total = window.total();
+        assert_eq!((total.ok, total.ok_within_slo, total.sends, total.late_sends), (2, 1, 2, 0));
+        assert_eq!(total.latency_us.max() / 1000, 400, "the late answer is in the window's latencies");
+    }
+
     fn nearest_rank(sorted: &[u64], q: f64) -> u64 {
         let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
         sorted[rank - 1]
