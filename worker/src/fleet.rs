@@ -720,10 +720,10 @@ fn model_statuses(
         if retiring.contains(&e.name) && e.version.parse::<i64>().map_or(true, |v| !placed(&v)) {
             continue;
         }
-        // Still served while the model reloads without it (the end of a roll-over, its grace
-        // over): not published again meanwhile.
-        let dropping = |v: &i64| loading.get(&e.name).is_some_and(|vs| !vs.contains(v)) && !placed(v);
-        if e.version.parse::<i64>().is_ok_and(|v| dropping(&v)) {
+        // A placed model publishes its placed versions only: one it still serves beside them
+        // (while it reloads without it at the end of a roll-over, after a failed reload that
+        // kept the old model, or kept for an ensemble's step) is not this worker's to route to.
+        if placement.contains_key(&e.name) && e.version.parse::<i64>().is_ok_and(|v| !placed(&v)) {
             continue;
         }
         match (e.version.parse::<i64>(), e.state.as_str()) {
@@ -853,8 +853,14 @@ async fn reconcile(
                 for model in due {
                     // Loaded for this ensemble, not placed here themselves: they go after it.
                     let brought = brought_in.remove(&model).unwrap_or_default();
-                    let composing: Vec<String> =
-                        repository.composing_models(&model).into_iter().filter(|c| brought.contains(c)).collect();
+                    // Its direct steps' models among them; all of them for an ensemble that did
+                    // not load (it has no steps, yet its attempt may have loaded some).
+                    let direct = repository.composing_models(&model);
+                    let composing: Vec<String> = if direct.is_empty() {
+                        brought.iter().cloned().collect()
+                    } else {
+                        direct.into_iter().filter(|c| brought.contains(c)).collect()
+                    };
                     tracing::info!(%model, "placement: unloading");
                     if let Err(e) = repository.unload_placed(&model).await {
                         tracing::warn!(%model, "placement: unload failed: {}", e.message);
@@ -862,8 +868,20 @@ async fn reconcile(
                     // Retiring (not published READY) until unloaded: the unload may wait on the
                     // repository's change lock while statuses are written.
                     retired.remove(&model);
+                    // Kept, as a loaded ensemble composes it: it goes with that ensemble.
+                    if !applied.contains_key(&model)
+                        && let Some(user) = repository.ensembles_composing(&model).first()
+                    {
+                        brought_in.entry(user.clone()).or_default().insert(model.clone());
+                    }
                     let busy = in_flight();
                     for c in composing {
+                        // A nested ensemble takes what was brought in with it (its own steps'
+                        // models among them), to unload after itself.
+                        if !repository.composing_models(&c).is_empty() {
+                            let rest = brought.iter().filter(|m| **m != c).cloned();
+                            brought_in.entry(c.clone()).or_default().extend(rest);
+                        }
                         // Still composed by another loaded ensemble: it goes with that one.
                         let users = repository.ensembles_composing(&c);
                         if let Some(user) = users.first() {
@@ -938,7 +956,13 @@ async fn reconcile(
             applied.insert(model.clone(), versions.clone());
             tracing::info!(%model, ?versions, "placement: loading");
             loading.lock().unwrap_or_else(|e| e.into_inner()).insert(model.clone(), versions.clone());
-            let before = ensemble.then(|| loaded_names(&repository));
+            // Loaded before it: those serving out their grace excepted (they would have gone,
+            // and this load keeps them).
+            let before = ensemble.then(|| {
+                let mut names = loaded_names(&repository);
+                names.retain(|m| !retired.contains_key(m));
+                names
+            });
             let (repository, name, versions) = (repository.clone(), model.clone(), versions.clone());
             let id = loads.spawn(async move { load_placed(&repository, &name, &versions).await }).id();
             tasks.insert(id, model.clone());
@@ -1241,6 +1265,48 @@ mod tests {
             }
             reconciler.abort();
         }
+    }
+
+    /// A composing model placed first, then unplaced while an ensemble placed later still
+    /// composes it, is kept for that ensemble — and unloaded after it once the ensemble's
+    /// placement goes too, rather than left loaded (and published READY) for good.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_composing_model_kept_for_an_ensemble_goes_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        for model in ["versioned_scale", "scale_ensemble"] {
+            copy_example(dir.path(), model);
+        }
+        let repository = explicit_repository(dir.path());
+        let Reconciler { desired, retiring, loading: _, task: reconciler } =
+            Reconciler::start(&repository, Duration::from_secs(1));
+        let ready = |repository: &Repository| -> BTreeSet<String> {
+            repository.held_index().into_iter().filter(|e| e.state == "READY").map(|e| e.name).collect()
+        };
+        let wait_retiring = |what: &'static str, cond: fn(&BTreeSet<String>) -> bool| {
+            let retiring = retiring.clone();
+            async move {
+                let deadline = std::time::Instant::now() + Duration::from_secs(30);
+                while !cond(&retiring.lock().unwrap()) {
+                    assert!(std::time::Instant::now() < deadline, "{what}: {:?}", retiring.lock().unwrap());
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+        };
+        let composing = ("versioned_scale".to_string(), BTreeSet::from([1, 2]));
+        let ensemble = ("scale_ensemble".to_string(), BTreeSet::from([1]));
+        desired.send(Some([composing.clone()].into())).unwrap();
+        until(&repository, "versioned_scale READY", |r| ready(r).contains("versioned_scale")).await;
+        desired.send(Some([composing, ensemble.clone()].into())).unwrap();
+        until(&repository, "both READY", |r| ready(r).len() == 2).await;
+        // versioned_scale unplaced: it serves out its grace, then is kept (the ensemble uses it).
+        desired.send(Some([ensemble].into())).unwrap();
+        wait_retiring("versioned_scale retiring", |r| r.contains("versioned_scale")).await;
+        wait_retiring("its unload tried", |r| r.is_empty()).await;
+        assert_eq!(ready(&repository).len(), 2, "kept for the ensemble");
+        // The ensemble goes: versioned_scale after it.
+        desired.send(Some(Placement::new())).unwrap();
+        until(&repository, "both unloaded", |r| ready(r).is_empty()).await;
+        reconciler.abort();
     }
 
     /// An ensemble placed without its composing model loads that model itself; once the

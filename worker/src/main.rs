@@ -121,12 +121,13 @@ async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
         // would serve as empty, and report ready.
         std::fs::read_dir(repo).with_context(|| format!("--model-repository '{}' cannot be read", repo.display()))?;
     }
-    // The fleet flags checked before anything is loaded or bound (the ports are known only
-    // once bound: placeholders here), so that a bad --label or --etcd-endpoints fails before a
-    // port file says the worker is up.
-    fleet_options(&args, args.allow_grpc.then_some(1), args.allow_http.then_some(1))?;
     let lib = args.onnxruntime_lib.clone().unwrap_or_else(backend::default_runtime_path);
     backend::init_runtime(&lib).map_err(|e| anyhow::anyhow!("--onnxruntime-lib: {e}"))?;
+    // The fleet flags checked before any port is bound (the ports are known only once bound:
+    // placeholders here), so that a bad --label or --etcd-endpoints fails before a port file
+    // says the worker is up. After ONNX Runtime is loaded: the record's devices ask CUDA,
+    // through it.
+    fleet_options(&args, args.allow_grpc.then_some(1), args.allow_http.then_some(1))?;
 
     let interval = Duration::from_millis(args.metrics_interval_ms);
     let gpu = args.allow_gpu_metrics.then(nereid_worker::gpu::GpuMonitor::new).flatten();
