@@ -1144,6 +1144,22 @@ mod tests {
         }
     }
 
+    /// A repository in explicit mode over a copy of the example ensemble and its composing
+    /// model (the folder lives as long as the first value).
+    fn ensemble_repository() -> (tempfile::TempDir, Arc<Repository>) {
+        let dir = tempfile::tempdir().unwrap();
+        for model in ["versioned_scale", "scale_ensemble"] {
+            copy_example(dir.path(), model);
+        }
+        let repository = explicit_repository(dir.path());
+        (dir, repository)
+    }
+
+    /// The models with a READY version.
+    fn ready_models(repository: &Repository) -> BTreeSet<String> {
+        repository.held_index().into_iter().filter(|e| e.state == "READY").map(|e| e.name).collect()
+    }
+
     /// Copies an example model (its config, version folders and files) into `repo`.
     fn copy_example(repo: &std::path::Path, name: &str) {
         let from = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/models").join(name);
@@ -1201,9 +1217,7 @@ mod tests {
         let repository = explicit_repository(dir.path());
         let Reconciler { desired, retiring: _, loading: _, task: reconciler } =
             Reconciler::start(&repository, Duration::from_millis(10));
-        let ready = |repository: &Repository| -> BTreeSet<String> {
-            repository.held_index().into_iter().filter(|e| e.state == "READY").map(|e| e.name).collect()
-        };
+        let ready = ready_models;
         let placement: Placement =
             [("scale_ensemble".to_string(), BTreeSet::from([1])), ("a_scale".to_string(), BTreeSet::from([1, 2]))]
                 .into();
@@ -1272,16 +1286,10 @@ mod tests {
     /// placement goes too, rather than left loaded (and published READY) for good.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_composing_model_kept_for_an_ensemble_goes_with_it() {
-        let dir = tempfile::tempdir().unwrap();
-        for model in ["versioned_scale", "scale_ensemble"] {
-            copy_example(dir.path(), model);
-        }
-        let repository = explicit_repository(dir.path());
+        let (_dir, repository) = ensemble_repository();
         let Reconciler { desired, retiring, loading: _, task: reconciler } =
             Reconciler::start(&repository, Duration::from_secs(1));
-        let ready = |repository: &Repository| -> BTreeSet<String> {
-            repository.held_index().into_iter().filter(|e| e.state == "READY").map(|e| e.name).collect()
-        };
+        let ready = ready_models;
         let wait_retiring = |what: &'static str, cond: fn(&BTreeSet<String>) -> bool| {
             let retiring = retiring.clone();
             async move {
@@ -1314,16 +1322,10 @@ mod tests {
     /// after it rather than left loaded, and published READY, for good.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_composing_model_loaded_only_for_its_ensemble_unloads_after_it() {
-        let dir = tempfile::tempdir().unwrap();
-        for model in ["versioned_scale", "scale_ensemble"] {
-            copy_example(dir.path(), model);
-        }
-        let repository = explicit_repository(dir.path());
+        let (_dir, repository) = ensemble_repository();
         let Reconciler { desired, retiring, loading: _, task: reconciler } =
             Reconciler::start(&repository, Duration::from_millis(10));
-        let ready = |repository: &Repository| -> BTreeSet<String> {
-            repository.held_index().into_iter().filter(|e| e.state == "READY").map(|e| e.name).collect()
-        };
+        let ready = ready_models;
         desired.send(Some([("scale_ensemble".to_string(), BTreeSet::from([1]))].into())).unwrap();
         until(&repository, "the ensemble and its composing model READY", |r| ready(r).len() == 2).await;
         desired.send(Some(Placement::new())).unwrap();
