@@ -242,6 +242,9 @@ async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
     if let Some(failed) = started {
         if !failed.is_empty() && args.exit_on_error {
             shutdown.cancel();
+            if let Some(fleet) = fleet.take() {
+                fleet.stop(Duration::from_secs(5)).await;
+            }
             anyhow::bail!(
                 "models failed to load (--exit-on-error=true): {}",
                 failed.iter().map(|(m, e)| format!("{m}: {e}")).collect::<Vec<_>>().join("; ")
@@ -253,20 +256,24 @@ async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
             tokio::spawn(repository.clone().poll_task(interval, shutdown.child_token()));
         }
 
-        tokio::select! {
-            _ = &mut shutdown_requested => tracing::info!("shutdown requested: draining"),
-            Some(result) = servers.join_next() => {
-                // A server stopped on its own: that is an error worth exiting for.
-                shutdown.cancel();
-                metrics_stop.cancel();
-                result.context("server task")??;
-                anyhow::bail!("a server stopped unexpectedly");
+        // A server stopped on its own: that is an error worth exiting for.
+        let stopped = tokio::select! {
+            _ = &mut shutdown_requested => {
+                tracing::info!("shutdown requested: draining");
+                None
             }
-            Some(result) = metrics_server.join_next() => {
-                shutdown.cancel();
-                result.context("metrics server task")??;
-                anyhow::bail!("the metrics server stopped unexpectedly");
+            Some(result) = servers.join_next() => Some(stopped_unexpectedly(result, "server")),
+            Some(result) = metrics_server.join_next() => Some(stopped_unexpectedly(result, "metrics server")),
+        };
+        if let Some(e) = stopped {
+            shutdown.cancel();
+            metrics_stop.cancel();
+            // Out of the fleet before exiting: the lease revoked, not left to expire while
+            // gateways still route here.
+            if let Some(fleet) = fleet {
+                fleet.stop(Duration::from_secs(5)).await;
             }
+            return Err(e);
         }
     }
     // Not ready any more; in the fleet, tell the gateways first and give them --drain-delay-ms
@@ -278,7 +285,18 @@ async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
     }
     // Stop intake (servers stop accepting and finish in-flight requests), bounded in time.
     shutdown.cancel();
-    let drain = async { while servers.join_next().await.is_some() {} };
+    // A server that failed while draining (rather than finishing its requests) makes the exit
+    // status non-zero; the drain goes on for the others.
+    let mut failed: Option<anyhow::Error> = None;
+    let drain = async {
+        while let Some(result) = servers.join_next().await {
+            let result = result.context("server task").and_then(|r| r);
+            if let Err(e) = result {
+                tracing::error!("a server failed while draining: {e:#}");
+                failed.get_or_insert(e);
+            }
+        }
+    };
     if tokio::time::timeout(Duration::from_secs(args.exit_timeout_secs), drain).await.is_err() {
         tracing::warn!("in-flight requests did not finish within --exit-timeout-secs; exiting anyway");
     }
@@ -289,7 +307,16 @@ async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
     if let Some(fleet) = fleet {
         fleet.stop(Duration::from_secs(5)).await;
     }
-    Ok(())
+    failed.map_or(Ok(()), Err)
+}
+
+/// Why a server task that was to run until shutdown ended.
+fn stopped_unexpectedly(result: Result<anyhow::Result<()>, tokio::task::JoinError>, what: &str) -> anyhow::Error {
+    match result {
+        Ok(Ok(())) => anyhow::anyhow!("the {what} stopped unexpectedly"),
+        Ok(Err(e)) => e,
+        Err(e) => anyhow::Error::from(e).context(format!("{what} task")),
+    }
 }
 
 /// The fleet agent's options when --etcd-endpoints is given; errors name the flag.
