@@ -187,35 +187,48 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
             if force {
                 store.put(&key, &value).await?;
             } else if until_exit {
-                // Bound to the lease the worker's record holds, and written only while it still
-                // holds that one: the drain cannot outlive this registration.
-                let lease = store.lease_of(&worker_key).await?.ok_or_else(not_registered)?;
-                if lease == 0 {
-                    return Err(CtlError::Invalid(format!(
-                        "{worker_key} is bound to no lease: --until-exit needs a worker's own registration"
-                    )));
-                }
-                // An operator's drain (bound to no lease: until `nereidctl undrain`) stands: bound
-                // to the worker's lease instead, it would end when the worker exits — and a pod
-                // restarted under the same name would take traffic and placements again.
-                match store.lease_of(&key).await? {
-                    Some(0) => kept_persistent = true,
-                    existing => {
-                        // Written only if the drain record is as read (absent, or an earlier
-                        // --until-exit's), besides the registration.
-                        let drain_as_read = match existing {
-                            None => Compare::version(key.as_str(), CompareOp::Equal, 0),
-                            Some(l) => Compare::lease(key.as_str(), CompareOp::Equal, l),
-                        };
-                        let when = vec![Compare::lease(worker_key.as_str(), CompareOp::Equal, lease), drain_as_read];
-                        if !store.put_leased_if(when, &key, &value, lease).await? {
-                            // Changed under the conditional write: exit 1, as `routes set`.
-                            return Err(CtlError::Failed(format!(
-                                "worker {worker}'s registration ({worker_key}) or drain record ({key}) changed \
-                                 while this was written; nothing written: run it again"
-                            )));
+                // Read, then written only if nothing changed since; read again (a few times) if
+                // something did — the worker re-registering under a new lease in between (a
+                // keep-alive hiccup), or an operator's drain or undrain — rather than leave a
+                // pod's preStop with no drain at all.
+                let mut attempts = 0;
+                loop {
+                    attempts += 1;
+                    // Bound to the lease the worker's record holds, and written only while it still
+                    // holds that one: the drain cannot outlive this registration.
+                    let lease = store.lease_of(&worker_key).await?.ok_or_else(not_registered)?;
+                    if lease == 0 {
+                        return Err(CtlError::Invalid(format!(
+                            "{worker_key} is bound to no lease: --until-exit needs a worker's own registration"
+                        )));
+                    }
+                    // An operator's drain (bound to no lease: until `nereidctl undrain`) stands: bound
+                    // to the worker's lease instead, it would end when the worker exits — and a pod
+                    // restarted under the same name would take traffic and placements again.
+                    match store.lease_of(&key).await? {
+                        Some(0) => kept_persistent = true,
+                        existing => {
+                            // Written only if the drain record is as read (absent, or an earlier
+                            // --until-exit's), besides the registration.
+                            let drain_as_read = match existing {
+                                None => Compare::version(key.as_str(), CompareOp::Equal, 0),
+                                Some(l) => Compare::lease(key.as_str(), CompareOp::Equal, l),
+                            };
+                            let when =
+                                vec![Compare::lease(worker_key.as_str(), CompareOp::Equal, lease), drain_as_read];
+                            if !store.put_leased_if(when, &key, &value, lease).await? {
+                                if attempts < UNTIL_EXIT_ATTEMPTS {
+                                    continue;
+                                }
+                                // Changed under every conditional write: exit 1, as `routes set`.
+                                return Err(CtlError::Failed(format!(
+                                    "worker {worker}'s registration ({worker_key}) or drain record ({key}) changed \
+                                 while this was written, {attempts} times; nothing written: run it again"
+                                )));
+                            }
                         }
                     }
+                    break;
                 }
             } else {
                 // Written only while the worker is registered (its key exists).
@@ -278,6 +291,9 @@ pub async fn run(cli: Cli) -> Result<String, CtlError> {
         }
     }
 }
+
+/// How many times `drain --until-exit` reads and writes again when what it read changed.
+const UNTIL_EXIT_ATTEMPTS: u32 = 3;
 
 /// Waits (polling, bounded by `within`) until `worker` holds no placement; how long it took.
 /// What is still placed on it at the end is the error — at once when no other worker could
