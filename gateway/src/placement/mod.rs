@@ -83,7 +83,15 @@ pub struct PlacementController {
     /// Each model's `memory_mb` as last seen declared, across terms: only to charge a frozen
     /// model's replicas to their workers (a term's first read may find it frozen).
     memory_mb: BTreeMap<String, u64>,
+    /// Placements this controller removed, and when: for [`RELEASE_HOLD`] their workers are
+    /// taken to still hold them (serving out their unload grace), see [`plan::plan_with`].
+    releasing: BTreeMap<Assignment, Instant>,
 }
+
+/// How long a removed placement's room is still counted taken: a worker serves a removed model
+/// for its unload grace (`--drain-delay-ms`, 1 s by default) before unloading it. A worker with
+/// a longer grace may briefly hold a model and its replacement both.
+pub const RELEASE_HOLD: Duration = Duration::from_secs(3);
 
 impl PlacementController {
     pub fn new(config: EtcdConfig, metrics: GatewayMetrics) -> Self {
@@ -97,6 +105,7 @@ impl PlacementController {
             sightings,
             overcommitted: BTreeSet::new(),
             memory_mb: BTreeMap::new(),
+            releasing: BTreeMap::new(),
         }
     }
 
@@ -254,7 +263,10 @@ impl PlacementController {
             .collect();
         self.memory_mb.extend(state.models.iter().map(|(m, d)| (m.clone(), d.resources.memory_mb)));
         self.memory_mb.retain(|m, _| state.models.contains_key(m) || frozen_models.contains(m));
-        let mut planned = plan::plan(&state, &excluded, &vanished, &frozen);
+        self.releasing
+            .retain(|a, at| now.saturating_duration_since(*at) < RELEASE_HOLD && !state.placements.contains(a));
+        let releasing: BTreeSet<Assignment> = self.releasing.keys().cloned().collect();
+        let mut planned = plan::plan_with(&state, &excluded, &vanished, &frozen, &releasing);
         planned.assignments.extend(frozen.into_keys());
         self.metrics.placement_plans.inc();
         self.metrics.placement_unplaced.set(planned.unplaced_replicas() as i64);
@@ -308,7 +320,8 @@ impl PlacementController {
                 ops.push(TxnOp::delete(r.key.clone(), None));
             }
         }
-        for (w, m, v) in state.placements.difference(&planned.assignments) {
+        let removed: Vec<Assignment> = state.placements.difference(&planned.assignments).cloned().collect();
+        for (w, m, v) in &removed {
             // On a draining or drained worker: handed over (its replacement is READY), or with
             // nothing to hand over (not READY there, or no replacement could be placed). On an
             // unregistered one: vanished longer than the grace ago, or its replacement is READY.
@@ -326,6 +339,11 @@ impl PlacementController {
                 return Err("lost leadership: the fenced placement write was refused".into());
             }
             self.metrics.placement_writes.inc();
+        }
+        // Only on active workers does the room matter (and can the worker still hold it).
+        let at = Instant::now();
+        for a in removed.into_iter().filter(|(w, _, _)| state.is_active(w)) {
+            self.releasing.insert(a, at);
         }
         Ok(())
     }

@@ -125,6 +125,20 @@ pub fn plan(
     vanished: &BTreeSet<String>,
     frozen: &BTreeMap<Assignment, u64>,
 ) -> Plan {
+    plan_with(state, excluded, vanished, frozen, &BTreeSet::new())
+}
+
+/// [`plan`], with `releasing`: placements removed a moment ago, which their workers still hold
+/// loaded while they serve out their unload grace. Their room is still taken (what replaces
+/// them would otherwise load beside them: two models in one GPU's memory), and a model with a
+/// retired version releasing room waits for it before releasing more.
+pub fn plan_with(
+    state: &FleetState,
+    excluded: &BTreeSet<Assignment>,
+    vanished: &BTreeSet<String>,
+    frozen: &BTreeMap<Assignment, u64>,
+    releasing: &BTreeSet<Assignment>,
+) -> Plan {
     let failed = |w: &str, m: &str, v: i64| {
         excluded.contains(&(w.to_string(), m.to_string(), v))
             || state
@@ -207,6 +221,13 @@ pub fn plan(
             && !state.models.contains_key(m)
         {
             l.add(m, *memory_mb);
+        }
+    }
+    for a @ (w, m, _) in releasing {
+        if let Some(l) = load.get_mut(w.as_str())
+            && !state.placements.contains(a)
+        {
+            l.add(m, memory_of(m));
         }
     }
 
@@ -351,7 +372,10 @@ pub fn plan(
             holders > ready || failing(m, d)
         });
         let short_of_room = versions.iter().any(|&d| unplaced.iter().any(|(um, uv, _)| um == m && *uv == d));
-        let keep = if waiting {
+        // A replica of this model released a moment ago: its room comes (to the new version)
+        // once its worker has unloaded it; until then, none more goes.
+        let room_coming = releasing.iter().any(|(_, rm, _)| rm == m);
+        let keep = if waiting || (short_of_room && room_coming) {
             replicas.len()
         } else if short_of_room {
             replicas.len() - 1
@@ -577,6 +601,31 @@ mod tests {
         let p = plan(&s, &ex, &van, &fr);
         assert_eq!(p.assignments, BTreeSet::from([a("w1", "m", 2), a("w2", "m", 2), a("w3", "m", 2)]));
         assert!(p.unplaced.is_empty() && p.retiring.is_empty());
+    }
+
+    /// A replica released a moment ago still holds its worker's room (the worker serves it
+    /// out its unload grace): nothing is placed into that room, and no other replica of the
+    /// model is released meanwhile. Once it is gone, the room takes the new version.
+    #[test]
+    fn room_released_a_moment_ago_is_still_taken() {
+        let (ex, van, fr) = (BTreeSet::new(), BTreeSet::new(), BTreeMap::new());
+        let mut s = FleetState::default();
+        for w in ["w1", "w2", "w3"] {
+            worker(&mut s, w, 1000, 0);
+        }
+        model(&mut s, "m", &[2], 3, 600);
+        ready_on(&mut s, &["w1", "w2", "w3"], "m", 1);
+        let p = plan(&s, &ex, &van, &fr);
+        let released: BTreeSet<Assignment> = s.placements.difference(&p.assignments).cloned().collect();
+        assert_eq!(released, BTreeSet::from([a("w3", "m", 1)]));
+        s.placements = p.assignments.clone();
+        status(&mut s, "w3", "m", 1, None);
+        // While w3 still holds it: nothing new, nothing more released.
+        let p = plan_with(&s, &ex, &van, &fr, &released);
+        assert_eq!(p.assignments, s.placements, "{p:?}");
+        // Gone: version 2 goes into the room.
+        let p = plan_with(&s, &ex, &van, &fr, &BTreeSet::new());
+        assert!(p.assignments.contains(&a("w3", "m", 2)), "{p:?}");
     }
 
     fn status_of(s: &FleetState, w: &str, m: &str, v: i64) -> Option<ModelState> {
