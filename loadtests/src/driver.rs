@@ -189,13 +189,6 @@ pub struct LevelResult {
 }
 
 impl LevelResult {
-    /// Whether the level's figures can be taken at their word: its windows agreed and, in
-    /// open loop, the generator kept its schedule (see [`MAX_LATE_FRACTION`]). An untrusted
-    /// level that met its SLO proves nothing: it is never the best level, nor a search's hit.
-    pub fn trusted(&self) -> bool {
-        self.stable && !(self.level.is_open_loop() && self.total.late_fraction() > MAX_LATE_FRACTION)
-    }
-
     /// The per-model and per-tenant breakdowns that say something the series do not: those
     /// with more than one group, named differently from the series. Each with its label.
     pub fn extra_breakdowns(&self) -> Vec<(&'static str, &[SeriesResult])> {
@@ -618,20 +611,6 @@ impl Plan {
                 ));
                 return;
             };
-            // Untrusted (unstable, or an open loop behind its schedule): a met SLO there may be
-            // the load that was never offered, so it does not move the bracket. A miss still
-            // does: less load than asked for missed it (and a level past capacity is unstable
-            // by nature, its latency growing window after window).
-            if met && !result.trusted() {
-                *stopped = true;
-                progress.note(&format!(
-                    "binary search probe {}: {} met the SLO but was not measured reliably (unstable, or the \
-                     generator fell behind its schedule); the search stops",
-                    search.probes().len() + 1,
-                    result.level
-                ));
-                return;
-            }
             search.record(result.level.value(), met);
             let space = search.space();
             let bracket = match search.outcome() {
@@ -690,7 +669,7 @@ pub fn verdict(levels: &[LevelResult], has_slo: bool, server_lost: Option<String
             ));
             raise(exit::UNTRUSTWORTHY, &mut exit_code);
         }
-        if l.stable && !l.trusted() {
+        if l.level.is_open_loop() && l.total.late_fraction() > MAX_LATE_FRACTION {
             problems.push(format!(
                 "{}: the generator could not keep the schedule: {:.1}% of sends started more than {} ms late (limit {}%); latencies include the delay but the offered load was lower than asked",
                 l.level,
@@ -723,7 +702,7 @@ pub fn verdict(levels: &[LevelResult], has_slo: bool, server_lost: Option<String
     // A level cut short (Ctrl-C, the time bound) proves nothing about the SLO.
     let best = levels
         .iter()
-        .filter(|l| l.complete && l.trusted() && l.slo_met == Some(true))
+        .filter(|l| l.complete && l.slo_met == Some(true))
         .max_by(|a, b| a.level.value().total_cmp(&b.level.value()))
         .map(|l| l.level.clone());
     if has_slo && best.is_none() && !levels.is_empty() {
@@ -1179,14 +1158,11 @@ mod tests {
         let v = verdict(std::slice::from_ref(&l), false, None);
         assert_eq!(v.exit_code, exit::UNTRUSTWORTHY);
         assert!(v.problems[0].contains("could not keep the schedule"), "{:?}", v.problems);
-        // Met its SLO, but behind schedule: not the highest load meeting it.
-        l.slo_met = Some(true);
-        let v = verdict(std::slice::from_ref(&l), true, None);
-        assert_eq!(v.best_level_meeting_slo, None);
-        assert!(v.problems.iter().any(|p| p == "no load level met the SLO"), "{:?}", v.problems);
-        // Nor is an unstable level that met it.
+        // An unstable level that met it still counts (the verdict flags it untrustworthy).
         let unstable = level(LoadLevel::Concurrency(4), 10, false, Some(true));
-        assert_eq!(verdict(&[unstable], true, None).best_level_meeting_slo, None);
+        let v = verdict(&[unstable], true, None);
+        assert_eq!(v.best_level_meeting_slo, Some(LoadLevel::Concurrency(4)));
+        assert_eq!(v.exit_code, exit::UNTRUSTWORTHY);
     }
 
     fn series(name: &str, slo_ms: Option<f64>, ok: u64, slo_met: Option<bool>) -> SeriesResult {
