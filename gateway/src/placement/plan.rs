@@ -558,18 +558,25 @@ mod tests {
         assert_eq!(plan(&s, &both, &van, &fr).assignments, BTreeSet::from([a("w1", "m", 1)]));
     }
 
-    /// A full fleet rolls a model from version 1 to 2 one replica at a time: version 1's
-    /// replicas go one by one, each once the version 2 replica placed in the room the last one
-    /// freed is READY — the model is never left without a READY replica.
-    #[test]
-    fn a_full_fleet_rolls_versions_one_replica_at_a_time() {
-        let (ex, van, fr) = (BTreeSet::new(), BTreeSet::new(), BTreeMap::new());
+    /// Three workers with room for one 600 MiB replica each, all holding `m` version 1 READY,
+    /// and `m` now declared as version 2 on three replicas.
+    fn full_fleet_rolling_to_version_2() -> FleetState {
         let mut s = FleetState::default();
         for w in ["w1", "w2", "w3"] {
             worker(&mut s, w, 1000, 0);
         }
         model(&mut s, "m", &[2], 3, 600);
         ready_on(&mut s, &["w1", "w2", "w3"], "m", 1);
+        s
+    }
+
+    /// A full fleet rolls a model from version 1 to 2 one replica at a time: version 1's
+    /// replicas go one by one, each once the version 2 replica placed in the room the last one
+    /// freed is READY — the model is never left without a READY replica.
+    #[test]
+    fn a_full_fleet_rolls_versions_one_replica_at_a_time() {
+        let (ex, van, fr) = (BTreeSet::new(), BTreeSet::new(), BTreeMap::new());
+        let mut s = full_fleet_rolling_to_version_2();
         for step in 0..3 {
             let p = plan(&s, &ex, &van, &fr);
             let old: Vec<&Assignment> = p.assignments.iter().filter(|a| a.2 == 1).collect();
@@ -609,12 +616,7 @@ mod tests {
     #[test]
     fn room_released_a_moment_ago_is_still_taken() {
         let (ex, van, fr) = (BTreeSet::new(), BTreeSet::new(), BTreeMap::new());
-        let mut s = FleetState::default();
-        for w in ["w1", "w2", "w3"] {
-            worker(&mut s, w, 1000, 0);
-        }
-        model(&mut s, "m", &[2], 3, 600);
-        ready_on(&mut s, &["w1", "w2", "w3"], "m", 1);
+        let mut s = full_fleet_rolling_to_version_2();
         let p = plan(&s, &ex, &van, &fr);
         let released: BTreeSet<Assignment> = s.placements.difference(&p.assignments).cloned().collect();
         assert_eq!(released, BTreeSet::from([a("w3", "m", 1)]));
