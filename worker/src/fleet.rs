@@ -1144,6 +1144,15 @@ mod tests {
         }
     }
 
+    /// Polls (bounded: 30 s) until `cond` holds of the retiring set; panics naming `what`.
+    async fn until_retiring(retiring: &Retiring, what: &str, cond: impl Fn(&BTreeSet<String>) -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !cond(&retiring.lock().unwrap()) {
+            assert!(std::time::Instant::now() < deadline, "{what}: {:?}", retiring.lock().unwrap());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// A repository in explicit mode over a copy of the example ensemble and its composing
     /// model (the folder lives as long as the first value).
     fn ensemble_repository() -> (tempfile::TempDir, Arc<Repository>) {
@@ -1249,11 +1258,7 @@ mod tests {
             until(&repository, "versions 1 and 2 READY", |r| ready(r).len() == 2).await;
             desired.send(Some(placed(&[2]))).unwrap();
             if grace > Duration::from_secs(1) {
-                let deadline = std::time::Instant::now() + Duration::from_secs(30);
-                while retiring.lock().unwrap().is_empty() {
-                    assert!(std::time::Instant::now() < deadline, "never retiring");
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
+                until_retiring(&retiring, "version 1 retiring", |r| !r.is_empty()).await;
                 assert_eq!(ready(&repository).len(), 2, "version 1 still serves within the grace");
                 let statuses = model_statuses(
                     &repository.held_index(),
@@ -1266,10 +1271,7 @@ mod tests {
                 assert_eq!(published, [2], "only the placed version is published READY");
                 // Placed again: no longer retiring, both still serve.
                 desired.send(Some(placed(&[1, 2]))).unwrap();
-                while !retiring.lock().unwrap().is_empty() {
-                    assert!(std::time::Instant::now() < deadline, "still retiring");
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
+                until_retiring(&retiring, "no longer retiring", BTreeSet::is_empty).await;
                 assert_eq!(ready(&repository).len(), 2);
             } else {
                 until(&repository, "version 1 dropped after the grace", |r| {
@@ -1290,16 +1292,6 @@ mod tests {
         let Reconciler { desired, retiring, loading: _, task: reconciler } =
             Reconciler::start(&repository, Duration::from_secs(1));
         let ready = ready_models;
-        let wait_retiring = |what: &'static str, cond: fn(&BTreeSet<String>) -> bool| {
-            let retiring = retiring.clone();
-            async move {
-                let deadline = std::time::Instant::now() + Duration::from_secs(30);
-                while !cond(&retiring.lock().unwrap()) {
-                    assert!(std::time::Instant::now() < deadline, "{what}: {:?}", retiring.lock().unwrap());
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-            }
-        };
         let composing = ("versioned_scale".to_string(), BTreeSet::from([1, 2]));
         let ensemble = ("scale_ensemble".to_string(), BTreeSet::from([1]));
         desired.send(Some([composing.clone()].into())).unwrap();
@@ -1308,8 +1300,8 @@ mod tests {
         until(&repository, "both READY", |r| ready(r).len() == 2).await;
         // versioned_scale unplaced: it serves out its grace, then is kept (the ensemble uses it).
         desired.send(Some([ensemble].into())).unwrap();
-        wait_retiring("versioned_scale retiring", |r| r.contains("versioned_scale")).await;
-        wait_retiring("its unload tried", |r| r.is_empty()).await;
+        until_retiring(&retiring, "versioned_scale retiring", |r| r.contains("versioned_scale")).await;
+        until_retiring(&retiring, "its unload tried", BTreeSet::is_empty).await;
         assert_eq!(ready(&repository).len(), 2, "kept for the ensemble");
         // The ensemble goes: versioned_scale after it.
         desired.send(Some(Placement::new())).unwrap();
@@ -1330,11 +1322,7 @@ mod tests {
         until(&repository, "the ensemble and its composing model READY", |r| ready(r).len() == 2).await;
         desired.send(Some(Placement::new())).unwrap();
         until(&repository, "both unloaded", |r| ready(r).is_empty()).await;
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while !retiring.lock().unwrap().is_empty() {
-            assert!(std::time::Instant::now() < deadline, "still retiring: {:?}", retiring.lock().unwrap());
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        until_retiring(&retiring, "nothing retiring", BTreeSet::is_empty).await;
         // A composing model that was loaded before the ensemble (here by hand, through the
         // repository API) is not the ensemble's to unload: it stays.
         repository.load("versioned_scale", None).await.unwrap();
@@ -1342,8 +1330,10 @@ mod tests {
         until(&repository, "the ensemble READY", |r| ready(r).len() == 2).await;
         desired.send(Some(Placement::new())).unwrap();
         until(&repository, "the ensemble unloaded", |r| !ready(r).contains("scale_ensemble")).await;
-        // Past several graces (10 ms each), it is still there.
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // The ensemble leaves the retiring set in the same step that would have put its
+        // composing model there: once it has, versioned_scale was not retired, and stays.
+        until_retiring(&retiring, "the ensemble's unload done", |r| !r.contains("scale_ensemble")).await;
+        assert!(!retiring.lock().unwrap().contains("versioned_scale"));
         assert_eq!(ready(&repository), BTreeSet::from(["versioned_scale".to_string()]));
         reconciler.abort();
     }
