@@ -101,6 +101,7 @@ BUILTIN_FLAGS = {
         "exit-timeout-secs": V, "log-verbose": V,
         "etcd-endpoints": V, "etcd-prefix": V, "gateway-id": V, "placement": (V, BOOL),
         "election-ttl-secs": V, "io-threads": V, "upstream-connections": V, "placement-load-timeout-secs": V,
+        "connect-timeout-ms": V,
         "help": NONE, "version": NONE,
     },
 }

@@ -52,7 +52,11 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
     // Membership publishes routing tables; everything else reads them.
     let (publisher, routes) = routing::routes(Instant::now());
     let metrics = GatewayMetrics::new();
-    let upstream = UpstreamOptions { outlier: config.outlier, connections: config.upstream_connections };
+    let upstream = UpstreamOptions {
+        outlier: config.outlier,
+        connections: config.upstream_connections,
+        connect_timeout: config.connect_timeout,
+    };
     let membership: Box<dyn Membership> = match &config.etcd {
         Some(etcd) => {
             Box::new(EtcdMembership::new(etcd.endpoints.clone(), etcd.keys.clone(), upstream, metrics.clone()))

@@ -8,9 +8,9 @@ use std::time::Duration;
 use clap::Parser;
 
 use crate::config::{
-    AdmissionConfig, DEFAULT_DISCOVERY_INTERVAL_MS, DEFAULT_DISCOVERY_TIMEOUT_MS, DEFAULT_EJECTION_BASE_MS,
-    DEFAULT_EJECTION_CONSECUTIVE_FAILURES, DEFAULT_EJECTION_HUNG_AFTER_MS, DEFAULT_EJECTION_MAX_MS,
-    DEFAULT_EXIT_TIMEOUT_SECS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES,
+    AdmissionConfig, DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_DISCOVERY_INTERVAL_MS, DEFAULT_DISCOVERY_TIMEOUT_MS,
+    DEFAULT_EJECTION_BASE_MS, DEFAULT_EJECTION_CONSECUTIVE_FAILURES, DEFAULT_EJECTION_HUNG_AFTER_MS,
+    DEFAULT_EJECTION_MAX_MS, DEFAULT_EXIT_TIMEOUT_SECS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_PLACEMENT_LOAD_TIMEOUT_SECS, DEFAULT_REQUEST_TIMEOUT_MS, DEFAULT_RETRY_BUDGET_MIN_PER_SEC,
     DEFAULT_RETRY_BUDGET_PERCENT, DiscoveryConfig, EtcdConfig, GatewayConfig, ListenConfig,
     MAX_PLACEMENT_LOAD_TIMEOUT_SECS, OutlierConfig, RetryConfig,
@@ -155,6 +155,13 @@ pub struct Args {
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=64))]
     pub upstream_connections: u64,
 
+    /// Time to connect to a worker, in milliseconds: the TCP connection and the HTTP/2
+    /// handshake, for inference and control calls alike (Envoy's cluster `connect_timeout`).
+    /// A call whose connection is not up in time fails as never sent, and is retried on
+    /// another worker where the retry budget allows.
+    #[arg(long, default_value_t = DEFAULT_CONNECT_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    pub connect_timeout_ms: u64,
+
     /// Verbose logging level (0 = info, 1 = debug, 2+ = trace). RUST_LOG overrides.
     #[arg(long, default_value_t = 0)]
     pub log_verbose: u8,
@@ -208,6 +215,7 @@ impl Args {
             },
             max_request_bytes: self.max_request_bytes as usize,
             exit_timeout: Duration::from_secs(self.exit_timeout_secs),
+            connect_timeout: Duration::from_millis(self.connect_timeout_ms),
             // One per I/O thread by default, at most 8 (each worker gets them all).
             upstream_connections: match (self.upstream_connections, self.io_threads) {
                 (0, 0) => std::thread::available_parallelism().map_or(1, |n| n.get()).min(8),
@@ -233,6 +241,18 @@ mod tests {
     fn parse(extra: &[&str]) -> Result<GatewayConfig, String> {
         let args = ["nereid-gateway", "--etcd-endpoints", "http://127.0.0.1:2379"].iter().chain(extra);
         Args::try_parse_from(args).map_err(|e| e.to_string())?.into_config()
+    }
+
+    #[test]
+    fn connect_timeout_is_validated_and_documented() {
+        assert_eq!(parse(&[]).unwrap().connect_timeout, Duration::from_millis(DEFAULT_CONNECT_TIMEOUT_MS));
+        assert_eq!(parse(&["--connect-timeout-ms", "5000"]).unwrap().connect_timeout, Duration::from_secs(5));
+        for bad in ["0", "600001", "-1", "1s"] {
+            let e = parse(&[&format!("--connect-timeout-ms={bad}")]).unwrap_err();
+            assert!(e.contains("--connect-timeout-ms"), "{bad}: {e}");
+        }
+        let help = Args::command().render_long_help().to_string();
+        assert!(help.contains("--connect-timeout-ms"), "{help}");
     }
 
     #[test]

@@ -18,6 +18,10 @@ pub const DEFAULT_DISCOVERY_INTERVAL_MS: u64 = 1_000;
 pub const DEFAULT_DISCOVERY_TIMEOUT_MS: u64 = 500;
 pub const DEFAULT_MAX_REQUEST_BYTES: u64 = 64 << 20;
 pub const DEFAULT_EXIT_TIMEOUT_SECS: u64 = 30;
+/// Time to connect to a worker (TCP and the HTTP/2 handshake). One second is the first SYN
+/// retransmission: a worker's host that drops one SYN is given up on, and the request retried
+/// elsewhere, rather than waited for; a fleet across slow links needs more.
+pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 1_000;
 /// Generous: a large model on a busy worker may take minutes to load and warm up.
 pub const DEFAULT_PLACEMENT_LOAD_TIMEOUT_SECS: u64 = 600;
 /// The longest accepted `--placement-load-timeout-secs` (a day).
@@ -37,6 +41,8 @@ pub struct GatewayConfig {
     pub outlier: OutlierConfig,
     /// HTTP/2 connections to each worker that inference is spread over (at least 1).
     pub upstream_connections: usize,
+    /// Time to connect to a worker (TCP and the HTTP/2 handshake).
+    pub connect_timeout: Duration,
     pub discovery: DiscoveryConfig,
     pub max_request_bytes: usize,
     /// Grace period for in-flight requests after SIGTERM.

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::config::OutlierConfig;
-use crate::forward::client::{CONNECT_TIMEOUT, ClientSettings, H2Channel};
+use crate::forward::client::{ClientSettings, H2Channel};
 use crate::outlier::{Outcome, OutlierDetector};
 
 /// A worker's identity: its gRPC address as configured (unique among members).
@@ -37,11 +37,14 @@ pub struct UpstreamOptions {
     pub outlier: OutlierConfig,
     /// Inference connections (at least one is made).
     pub connections: usize,
+    /// Time to connect (TCP and the HTTP/2 handshake), for inference and control channels.
+    pub connect_timeout: Duration,
 }
 
 impl From<OutlierConfig> for UpstreamOptions {
     fn from(outlier: OutlierConfig) -> Self {
-        UpstreamOptions { outlier, connections: 1 }
+        let connect_timeout = Duration::from_millis(crate::config::DEFAULT_CONNECT_TIMEOUT_MS);
+        UpstreamOptions { outlier, connections: 1, connect_timeout }
     }
 }
 
@@ -71,10 +74,10 @@ impl Upstream {
         address: &str,
         options: impl Into<UpstreamOptions>,
     ) -> Result<Upstream, Box<dyn std::error::Error + Send + Sync>> {
-        let UpstreamOptions { outlier, connections } = options.into();
+        let UpstreamOptions { outlier, connections, connect_timeout } = options.into();
         let channel = Endpoint::from_shared(format!("http://{address}"))?
             .tcp_nodelay(true)
-            .connect_timeout(CONNECT_TIMEOUT)
+            .connect_timeout(connect_timeout)
             .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
             .keep_alive_timeout(KEEPALIVE_TIMEOUT)
             // Large fixed windows, as the worker's server uses: one connection carries every
@@ -87,6 +90,7 @@ impl Upstream {
             stream_window: HTTP2_STREAM_WINDOW,
             keepalive_interval: KEEPALIVE_INTERVAL,
             keepalive_timeout: KEEPALIVE_TIMEOUT,
+            connect_timeout,
         };
         let infer = (0..connections.max(1)).map(|_| H2Channel::new(address, settings)).collect::<Result<_, _>>()?;
         Ok(Upstream {

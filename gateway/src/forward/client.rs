@@ -38,9 +38,9 @@ use http::HeaderMap;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
-/// Time to establish the TCP connection and the HTTP/2 handshake with a worker (the control
-/// channel in [`crate::upstream`] uses it too).
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a broken connection's task is given to end before its byte counters are read
+/// (see [`Wire::unsent`]): one that takes longer proves nothing.
+const TASK_END_WAIT: Duration = Duration::from_secs(1);
 
 /// Said of a call that failed because the connection attempt it waited on failed.
 const SHARED_FAILURE: &str = "a concurrent attempt to connect to the worker just failed";
@@ -55,6 +55,8 @@ pub struct ClientSettings {
     /// connection (a dead peer that sent no FIN/RST), failing its open calls.
     pub keepalive_interval: Duration,
     pub keepalive_timeout: Duration,
+    /// Time to establish the TCP connection and the HTTP/2 handshake (--connect-timeout-ms).
+    pub connect_timeout: Duration,
 }
 
 /// One of a worker's forwarding connections (made lazily, remade after it breaks).
@@ -111,7 +113,7 @@ impl Wire {
     /// what h2 had buffered): the counters are read once the task has ended — they are final
     /// then — and a task that does not end soon proves nothing.
     async fn unsent(&self, failure: &std::io::Error, written_before: u64) -> Option<&'static str> {
-        if tokio::time::timeout(CONNECT_TIMEOUT, self.ended.cancelled()).await.is_err() {
+        if tokio::time::timeout(TASK_END_WAIT, self.ended.cancelled()).await.is_err() {
             return None;
         }
         if failure.kind() == std::io::ErrorKind::ConnectionReset && !self.heard.load(Ordering::Acquire) {
@@ -258,8 +260,10 @@ impl H2Channel {
         {
             return Err(CallError::Connect(std::io::Error::new(*kind, format!("{reason} ({SHARED_FAILURE})"))));
         }
-        let attempt = tokio::time::timeout(CONNECT_TIMEOUT, self.connect()).await.unwrap_or_else(|_| {
-            Err(CallError::Connect(std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")))
+        let attempt = tokio::time::timeout(self.settings.connect_timeout, self.connect()).await.unwrap_or_else(|_| {
+            let limit = self.settings.connect_timeout.as_millis();
+            let e = format!("no connection within {limit} ms (--connect-timeout-ms)");
+            Err(CallError::Connect(std::io::Error::new(std::io::ErrorKind::TimedOut, e)))
         });
         on_connect(attempt.is_ok());
         let (send, wire) = match attempt {
@@ -622,12 +626,34 @@ mod tests {
         assert_eq!(attempts.load(Ordering::SeqCst), 1, "one connection attempt for the four calls");
     }
 
+    #[tokio::test]
+    async fn the_connect_timeout_is_the_configured_one() {
+        // A silent host, as above: connecting hangs until the limit.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = socket.listen(0).unwrap();
+        let address = listener.local_addr().unwrap();
+        let _filler = std::net::TcpStream::connect(address).unwrap();
+        let quick = ClientSettings { connect_timeout: Duration::from_millis(50), ..settings() };
+        let channel = H2Channel::new(&address.to_string(), quick).unwrap();
+        let result = tokio::time::timeout(
+            Duration::from_secs(20),
+            channel.unary("/s/m", Bytes::from_static(b"x"), Duration::from_secs(30), &|_| {}),
+        )
+        .await
+        .expect("the attempt ends at the connect timeout");
+        let Err(CallError::Connect(e)) = result else { panic!("{result:?}") };
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+        assert!(e.to_string().contains("within 50 ms (--connect-timeout-ms)"), "{e}");
+    }
+
     fn settings() -> ClientSettings {
         ClientSettings {
             connection_window: 1 << 20,
             stream_window: 1 << 20,
             keepalive_interval: Duration::from_millis(100),
             keepalive_timeout: Duration::from_millis(200),
+            connect_timeout: Duration::from_secs(1),
         }
     }
 
