@@ -28,6 +28,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(true)
         .build_server(true)
         .generate_default_stubs(true)
+        // prost's codec, with inference requests' entry counts checked before decoding.
+        .codec_path("crate::codec::CheckedCodec")
         // Tensor payloads as `Bytes`: decoded as slices of the received message buffer instead
         // of one allocation and copy each, and moved into responses without copying. A slice
         // is aligned only as the message laid it out: users check before viewing it as

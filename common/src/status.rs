@@ -151,7 +151,11 @@ impl Status {
     /// nothing.
     pub fn new(code: Code, message: impl Into<String>) -> Self {
         let mut message = message.into();
-        if message.chars().map(encoded_len).sum::<usize>() > MAX_STATUS_MESSAGE_BYTES {
+        // A character never takes fewer bytes encoded than in UTF-8: a long message is over
+        // without a walk over all of it (it may echo a client's megabytes).
+        if message.len() > MAX_STATUS_MESSAGE_BYTES
+            || message.chars().map(encoded_len).sum::<usize>() > MAX_STATUS_MESSAGE_BYTES
+        {
             let suffix = format!("... (message cut: {} bytes)", message.len());
             let room = MAX_STATUS_MESSAGE_BYTES - suffix.chars().map(encoded_len).sum::<usize>();
             let mut used = 0;

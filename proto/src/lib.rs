@@ -1,5 +1,7 @@
 //! Protobuf and gRPC types for Nereid: the KServe v2 / Triton inference protocol and `ModelConfig`.
 
+pub mod codec;
+
 /// Everything generated from `grpc_service.proto` and `model_config.proto` (protobuf package `inference`).
 pub mod inference {
     tonic::include_proto!("inference");

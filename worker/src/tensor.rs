@@ -11,6 +11,10 @@ use nereid_common::{DataType, Status};
 
 use crate::shm::ShmTarget;
 
+/// The bounds on a request's entries (tensors, dimensions, parameters), shared with the gRPC
+/// codec that applies them before decoding.
+pub use nereid_proto::codec::{MAX_PARAMETERS, MAX_RANK, MAX_REQUEST_TENSORS};
+
 /// One inference request, front-end independent.
 #[derive(Debug, Default)]
 pub struct InferRequest {

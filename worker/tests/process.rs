@@ -809,3 +809,55 @@ fn settings_bodies_are_bounded_small() {
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("identity_fp32"), "the refused unload unloaded nothing: {body}");
 }
+
+/// A request listing more tensors than any model has, or a shape of absurd rank, is refused
+/// before it is built (gRPC: before prost decodes it), over both protocols, naming the bound;
+/// the worker goes on serving.
+#[test]
+fn requests_past_the_entry_bounds_are_refused_over_both_protocols() {
+    use nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+    use nereid_proto::inference::{ModelInferRequest, model_infer_request::InferInputTensor};
+    let repo = common::example_models();
+    let worker = WorkerProcess::start(&repo, &["--model-control-mode=explicit", "--load-model=identity_fp32"]);
+    let input = |shape: Vec<i64>| InferInputTensor {
+        name: "INPUT0".into(),
+        datatype: "FP32".into(),
+        shape,
+        ..Default::default()
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let url = format!("http://127.0.0.1:{}", worker.grpc);
+    let grpc = |inputs: Vec<InferInputTensor>, raw: Vec<Vec<u8>>| {
+        let request = ModelInferRequest {
+            model_name: "identity_fp32".into(),
+            inputs,
+            raw_input_contents: raw.into_iter().map(Into::into).collect(),
+            ..Default::default()
+        };
+        let url = url.clone();
+        rt.block_on(async move { GrpcInferenceServiceClient::connect(url).await.unwrap().model_infer(request).await })
+    };
+    for (inputs, reason) in [
+        (vec![InferInputTensor::default(); 5000], "at most 4096 inputs"),
+        (vec![input(vec![1; 100_000])], "inputs[0]: shape has more than 64 dimensions"),
+    ] {
+        let e = grpc(inputs, vec![]).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains(reason), "{e:?}");
+    }
+    let many = vec!["{}"; 5000].join(",");
+    let (status, body) = worker.http_request(
+        worker.http,
+        "POST",
+        "/v2/models/identity_fp32/infer",
+        format!(r#"{{"inputs":[{many}]}}"#).as_bytes(),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("at most 4096 inputs"), "{body}");
+    // Still serving, over both.
+    let reply = grpc(vec![input(vec![1, 16])], vec![vec![0; 64]]).expect("a good request after the refused ones");
+    assert_eq!(reply.into_inner().raw_output_contents[0].len(), 64);
+    let (status, body) =
+        worker.http_request(worker.http, "POST", "/v2/models/identity_fp32/infer", INFER_BODY.as_bytes());
+    assert_eq!(status, 200, "{body}");
+}

@@ -42,6 +42,13 @@ pub fn infer_request_from_proto(
     max_bytes: u64,
 ) -> Result<InferRequest, Status> {
     let model_version = parse_version(&req.model_name, &req.model_version)?;
+    // The codec refuses these before decoding; a request built in the process is checked here.
+    for (what, n) in [("inputs", req.inputs.len()), ("outputs", req.outputs.len())] {
+        if n > crate::tensor::MAX_REQUEST_TENSORS {
+            let max = crate::tensor::MAX_REQUEST_TENSORS;
+            return Err(Status::invalid(format!("a request may list at most {max} {what}")));
+        }
+    }
 
     let mut priority = 0u64;
     let mut timeout_us = 0u64;
@@ -255,6 +262,13 @@ where
     let datatype = DataType::from_wire_name(&input.datatype)
         .ok_or_else(|| Status::invalid(format!("input '{name}': unknown datatype '{}'", input.datatype)))?;
     let shape = input.shape;
+    // The codec refuses these before decoding; a request built in the process is checked here.
+    if shape.len() > crate::tensor::MAX_RANK {
+        return Err(Status::invalid(format!(
+            "input '{name}': shape has more than {} dimensions",
+            crate::tensor::MAX_RANK
+        )));
+    }
     let count = element_count(&shape).ok_or_else(|| {
         Status::invalid(format!(
             "input '{name}': invalid shape {} (dimensions must be non-negative and the element count must fit in 64 bits)",
@@ -692,6 +706,18 @@ mod tests {
             parameters: HashMap::new(),
             contents,
         }
+    }
+
+    /// The codec's bounds hold for a request built in the process too (it skips the codec).
+    #[test]
+    fn entry_bounds_hold_without_the_codec() {
+        let shm = SharedMemory::disabled();
+        let deep = input("D", "FP32", &[1; 65], None);
+        let e = from_proto(request(vec![deep], vec![vec![0; 4]]), &shm).unwrap_err();
+        assert!(e.message.contains("input 'D': shape has more than 64 dimensions"), "{}", e.message);
+        let many = vec![input("X", "FP32", &[1], None); 4097];
+        let e = from_proto(request(many, vec![]), &shm).unwrap_err();
+        assert!(e.message.contains("at most 4096 inputs"), "{}", e.message);
     }
 
     /// Typed contents count at their converted size against the request limit, before they are

@@ -26,7 +26,10 @@ use serde_json::{Map, Value};
 use nereid_proto::inference::ModelConfig;
 
 use crate::shm::{self, SharedMemory, ShmRef, ShmWritten};
-use crate::tensor::{InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput, split_bytes_elements};
+use crate::tensor::{
+    InferRequest, InferResponse, InputTensor, MAX_PARAMETERS, MAX_RANK, MAX_REQUEST_TENSORS, OutputTensor,
+    RequestedOutput, split_bytes_elements,
+};
 
 /// The binary tensor extension's header: length of the JSON part at the start of the body.
 pub const HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
@@ -655,7 +658,7 @@ enum RawData {
 #[derive(Deserialize)]
 struct RawOutput {
     name: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "optional_parameters")]
     parameters: Option<Map<String, Value>>,
 }
 
@@ -705,7 +708,7 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
         while let Some(key) = map.next_key::<RequestField>()? {
             match key {
                 RequestField::Id => r.id = Some(map.next_value()?),
-                RequestField::Parameters => r.parameters = map.next_value()?,
+                RequestField::Parameters => r.parameters = map.next_value::<Option<Parameters>>()?.map(|p| p.0),
                 RequestField::Inputs => {
                     r.inputs = Some(map.next_value_seed(InputsSeed {
                         max_bytes: self.max_bytes,
@@ -713,7 +716,7 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
                         budget: self.budget,
                     })?)
                 }
-                RequestField::Outputs => r.outputs = map.next_value()?,
+                RequestField::Outputs => r.outputs = map.next_value::<Option<Outputs>>()?.map(|o| o.0),
                 RequestField::Other => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -748,6 +751,9 @@ impl<'de> Visitor<'de> for InputsSeed<'_> {
             non_finite: self.non_finite,
             budget: self.budget,
         })? {
+            if inputs.len() == MAX_REQUEST_TENSORS {
+                return Err(de::Error::custom(too_many_tensors("inputs")));
+            }
             inputs.push(input);
         }
         Ok(inputs)
@@ -794,16 +800,8 @@ impl<'de> Visitor<'de> for InputSeed<'_> {
             match key {
                 InputField::Name => input.name = Some(map.next_value()?),
                 InputField::Datatype => input.datatype = Some(map.next_value()?),
-                InputField::Parameters => input.parameters = map.next_value()?,
-                InputField::Shape => {
-                    let dims: Vec<Value> = map.next_value()?;
-                    input.shape = Some(
-                        dims.iter()
-                            .map(|d| d.as_i64().ok_or(()))
-                            .collect::<Result<Vec<i64>, ()>>()
-                            .map_err(|()| format!("shape must be an array of integers, got {}", Value::Array(dims))),
-                    );
-                }
+                InputField::Parameters => input.parameters = map.next_value::<Option<Parameters>>()?.map(|p| p.0),
+                InputField::Shape => input.shape = Some(map.next_value::<Shape>()?.0),
                 InputField::Data => {
                     let plan = DataPlan::new(
                         input.datatype.as_deref(),
@@ -842,6 +840,204 @@ impl<'de> Visitor<'de> for InputSeed<'_> {
             self.budget.spent.set(self.budget.spent.get().saturating_add(buf.typed_len()));
         }
         Ok(input)
+    }
+}
+
+fn too_many_tensors(what: &str) -> String {
+    format!("a request may list at most {MAX_REQUEST_TENSORS} {what}")
+}
+
+/// A `parameters` object, read as Triton reads one: each value a boolean, a number or a string
+/// (or null; an array or an object is refused, naming the key), at most [`MAX_PARAMETERS`] of
+/// them. Nothing is built for a value that is refused.
+struct Parameters(Map<String, Value>);
+
+impl<'de> Deserialize<'de> for Parameters {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_map(ParametersVisitor)
+    }
+}
+
+struct ParametersVisitor;
+
+impl<'de> Visitor<'de> for ParametersVisitor {
+    type Value = Parameters;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a parameters object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Parameters, A::Error> {
+        let mut parameters = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if parameters.len() == MAX_PARAMETERS {
+                return Err(de::Error::custom(format!(
+                    "a parameters object may have at most {MAX_PARAMETERS} entries"
+                )));
+            }
+            let value = map.next_value_seed(ParameterValue(&key))?;
+            parameters.insert(key, value);
+        }
+        Ok(Parameters(parameters))
+    }
+}
+
+/// One parameter's value (its key, for the error).
+struct ParameterValue<'k>(&'k str);
+
+impl ParameterValue<'_> {
+    fn refuse<E: de::Error>(&self, what: &str) -> E {
+        E::custom(format!("parameter '{}' is {what}: a parameter must be a boolean, a number or a string", self.0))
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for ParameterValue<'_> {
+    type Value = Value;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ParameterValue<'_> {
+    type Value = Value;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a boolean, a number or a string")
+    }
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
+        // NaN and the infinities (accepted as tokens in tensor data) have no JSON number.
+        serde_json::Number::from_f64(v).map(Value::Number).ok_or_else(|| self.refuse("not a finite number"))
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    /// Null, as for an absent parameter where the key gives it that meaning (`classification`).
+    fn visit_unit<E: de::Error>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, _: A) -> Result<Value, A::Error> {
+        Err(self.refuse("an array"))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<Value, A::Error> {
+        Err(self.refuse("an object"))
+    }
+}
+
+fn optional_parameters<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Map<String, Value>>, D::Error> {
+    Ok(Option::<Parameters>::deserialize(d)?.map(|p| p.0))
+}
+
+/// The `outputs` array, at most [`MAX_REQUEST_TENSORS`] long.
+struct Outputs(Vec<RawOutput>);
+
+impl<'de> Deserialize<'de> for Outputs {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct OutputsVisitor;
+        impl<'de> Visitor<'de> for OutputsVisitor {
+            type Value = Outputs;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an array of requested outputs")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Outputs, A::Error> {
+                let mut outputs = Vec::new();
+                while let Some(output) = seq.next_element::<RawOutput>()? {
+                    if outputs.len() == MAX_REQUEST_TENSORS {
+                        return Err(de::Error::custom(too_many_tensors("outputs")));
+                    }
+                    outputs.push(output);
+                }
+                Ok(Outputs(outputs))
+            }
+        }
+        d.deserialize_seq(OutputsVisitor)
+    }
+}
+
+/// An input's `shape`: integer dimensions, at most [`MAX_RANK`] of them. Anything else is an
+/// `Err` with the reason, reported once the input's name is known; the array is read to its
+/// end without being stored.
+struct Shape(Result<Vec<i64>, String>);
+
+impl<'de> Deserialize<'de> for Shape {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ShapeVisitor;
+        impl<'de> Visitor<'de> for ShapeVisitor {
+            type Value = Shape;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an array of integers")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Shape, A::Error> {
+                let mut dims = Ok(Vec::new());
+                let mut i = 0usize;
+                while let Some(dim) = seq.next_element::<Dim>()? {
+                    if let Ok(kept) = &mut dims {
+                        match dim.0 {
+                            _ if i == MAX_RANK => {
+                                dims = Err(format!("shape has more than {MAX_RANK} dimensions"));
+                            }
+                            Some(d) => kept.push(d),
+                            None => {
+                                dims = Err(format!("shape must be an array of integers (dimension {i} is not one)"))
+                            }
+                        }
+                    }
+                    i += 1;
+                }
+                Ok(Shape(dims))
+            }
+        }
+        d.deserialize_seq(ShapeVisitor)
+    }
+}
+
+/// One element of a shape array: `None` when it is not an integer (what it was is skipped).
+struct Dim(Option<i64>);
+
+impl<'de> Deserialize<'de> for Dim {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct DimVisitor;
+        impl<'de> Visitor<'de> for DimVisitor {
+            type Value = Dim;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an integer")
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Dim, E> {
+                Ok(Dim(Some(v)))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Dim, E> {
+                Ok(Dim(i64::try_from(v).ok()))
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Dim, E> {
+                Ok(Dim(None))
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Dim, E> {
+                Ok(Dim(None))
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<Dim, E> {
+                Ok(Dim(None))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Dim, E> {
+                Ok(Dim(None))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Dim, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Dim(None))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Dim, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Dim(None))
+            }
+        }
+        d.deserialize_any(DimVisitor)
     }
 }
 
@@ -1928,6 +2124,62 @@ mod tests {
         .unwrap_err();
         assert_eq!(e.code, Code::InvalidArgument);
         assert!(e.message.contains("'shared_memory_byte_size' is required"), "{}", e.message);
+    }
+
+    #[test]
+    fn tensor_counts_ranks_and_parameters_are_bounded() {
+        let many = |n: usize, item: &str| vec![item; n].join(",");
+        // Inputs and outputs: at most MAX_REQUEST_TENSORS each, refused as the array is read.
+        let e = parse(&format!(r#"{{"inputs":[{}]}}"#, many(MAX_REQUEST_TENSORS + 1, "{}"))).unwrap_err();
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert!(e.message.contains("at most 4096 inputs"), "{}", e.message);
+        let e = parse(&format!(r#"{{"inputs":[],"outputs":[{}]}}"#, many(MAX_REQUEST_TENSORS + 1, r#"{"name":"y"}"#)))
+            .unwrap_err();
+        assert!(e.message.contains("at most 4096 outputs"), "{}", e.message);
+        assert_eq!(
+            parse(&format!(r#"{{"inputs":[],"outputs":[{}]}}"#, many(MAX_REQUEST_TENSORS, r#"{"name":"y"}"#)))
+                .unwrap()
+                .request
+                .outputs
+                .len(),
+            MAX_REQUEST_TENSORS
+        );
+        // A shape of more than MAX_RANK dimensions is refused, naming the input, in a short
+        // message (the shape is not echoed back).
+        let e = one_input("FP32", &format!("[{}]", many(1_000_000, "1")), "[1]").unwrap_err();
+        assert!(e.message.contains("'x'") && e.message.contains("more than 64 dimensions"), "{}", e.message);
+        assert!(e.message.len() < 300, "{} bytes", e.message.len());
+        let rank_64 = one_input("FP32", &format!("[{}]", many(MAX_RANK, "1")), "[1]").unwrap();
+        assert_eq!(rank_64.shape.len(), MAX_RANK);
+        for (shape, bad) in
+            [("[1,\"2\"]", 1), ("[2.5]", 0), ("[1,[2]]", 1), ("[1,{\"a\":1}]", 1), ("[18446744073709551615]", 0)]
+        {
+            let e = one_input("FP32", shape, "[1]").unwrap_err();
+            let expected = format!("shape must be an array of integers (dimension {bad} is not one)");
+            assert!(e.message.contains(&expected), "{shape}: {}", e.message);
+        }
+        // Parameters: scalars only (as Triton), naming the key; at most MAX_PARAMETERS.
+        for (parameters, what) in
+            [(r#"{"p":[1,2]}"#, "parameter 'p' is an array"), (r#"{"q":{"a":1}}"#, "parameter 'q' is an object")]
+        {
+            for json in [
+                format!(r#"{{"inputs":[],"parameters":{parameters}}}"#),
+                format!(
+                    r#"{{"inputs":[{{"name":"x","datatype":"FP32","shape":[1],"data":[1],"parameters":{parameters}}}]}}"#
+                ),
+                format!(r#"{{"inputs":[],"outputs":[{{"name":"y","parameters":{parameters}}}]}}"#),
+            ] {
+                let e = parse(&json).unwrap_err();
+                assert_eq!(e.code, Code::InvalidArgument);
+                assert!(e.message.contains(what), "{json}: {}", e.message);
+            }
+        }
+        let parameters = |n: usize| (0..n).map(|i| format!(r#""k{i}":{i}"#)).collect::<Vec<_>>().join(",");
+        let e = parse(&format!(r#"{{"inputs":[],"parameters":{{{}}}}}"#, parameters(MAX_PARAMETERS + 1))).unwrap_err();
+        assert!(e.message.contains("at most 256 entries"), "{}", e.message);
+        parse(&format!(r#"{{"inputs":[],"parameters":{{{}}}}}"#, parameters(MAX_PARAMETERS))).unwrap();
+        // Scalars of every kind are still accepted (and ignored where unknown).
+        parse(r#"{"inputs":[],"parameters":{"a":true,"b":-1,"c":2.5,"d":"s","e":null,"sequence_id":7}}"#).unwrap();
     }
 
     #[test]

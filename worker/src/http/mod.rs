@@ -8,7 +8,7 @@
 //! applies to the inflated size), and infer responses are compressed for clients that send
 //! `Accept-Encoding: gzip|deflate`, as Triton does.
 
-mod infer;
+pub mod infer;
 
 use std::collections::VecDeque;
 use std::convert::Infallible;

@@ -1,0 +1,329 @@
+//! The codec of every generated service: prost's, plus a walk over an inference request's wire
+//! bytes before prost decodes it.
+//!
+//! prost builds each repeated entry in full before a handler sees the message, and an entry
+//! can cost far more decoded than on the wire: an empty `inputs` entry is 2 bytes on the wire
+//! and a few hundred decoded (two strings, a shape, a parameter map, eight content vectors).
+//! One 64 MiB `ModelInferRequest` of empty entries would decode into gigabytes. The walk counts
+//! entries without allocating and refuses the request (INVALID_ARGUMENT) when it lists more
+//! tensors, parameters or dimensions than any model needs — the same bounds the HTTP parser
+//! applies — so what prost then builds stays a small multiple of the message.
+
+use std::any::TypeId;
+
+use bytes::Buf;
+use prost::Message;
+use tonic::Status;
+use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder};
+use tonic_prost::{ProstCodec, ProstDecoder, ProstEncoder};
+
+use crate::inference::ModelInferRequest;
+
+/// Most input tensors, and most requested outputs (and raw input contents), one request may
+/// list (HTTP and gRPC). No model has nearly as many; the bound keeps a request of many tiny (or
+/// empty) tensor entries — a few bytes each on the wire, a few hundred bytes each once parsed —
+/// from costing the server a hundred times its size before it is refused.
+pub const MAX_REQUEST_TENSORS: usize = 4096;
+/// Most dimensions one tensor's shape may have: a request's shape is refused above it before
+/// anything is done with it (ONNX models rarely exceed 8).
+pub const MAX_RANK: usize = 64;
+/// Most entries one `parameters` map (of a request, an input or an output) may have.
+pub const MAX_PARAMETERS: usize = 256;
+
+/// prost's codec, with [`check_infer_request`] run on each `ModelInferRequest` received.
+#[derive(Debug, Clone)]
+pub struct CheckedCodec<T, U>(ProstCodec<T, U>);
+
+impl<T, U> Default for CheckedCodec<T, U> {
+    fn default() -> Self {
+        CheckedCodec(ProstCodec::default())
+    }
+}
+
+impl<T, U> Codec for CheckedCodec<T, U>
+where
+    T: Message + Send + 'static,
+    U: Message + Default + Send + 'static,
+{
+    type Encode = T;
+    type Decode = U;
+    type Encoder = ProstEncoder<T>;
+    type Decoder = CheckedDecoder<U>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        self.0.encoder()
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        CheckedDecoder(self.0.decoder())
+    }
+}
+
+/// prost's decoder, checking inference requests first.
+#[derive(Debug, Clone)]
+pub struct CheckedDecoder<U>(ProstDecoder<U>);
+
+impl<U: Message + Default + 'static> Decoder for CheckedDecoder<U> {
+    type Item = U;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
+        if TypeId::of::<U>() == TypeId::of::<ModelInferRequest>() {
+            // tonic holds the whole message in one buffer; a split one is walked from a copy.
+            let chunk = buf.chunk();
+            let checked = if chunk.len() == buf.remaining() {
+                check_infer_request(chunk)
+            } else {
+                let mut whole = vec![0; buf.remaining()];
+                (&mut *buf).copy_to_slice(&mut whole);
+                check_infer_request(&whole)?;
+                return Ok(Some(U::decode(whole.as_slice()).map_err(|e| Status::internal(e.to_string()))?));
+            };
+            checked?;
+        }
+        self.0.decode(buf)
+    }
+
+    fn buffer_settings(&self) -> BufferSettings {
+        self.0.buffer_settings()
+    }
+}
+
+/// Refuses an encoded `ModelInferRequest` that lists more than [`MAX_REQUEST_TENSORS`] inputs,
+/// outputs or raw contents, more than [`MAX_PARAMETERS`] entries in a parameter map, or a shape
+/// of more than [`MAX_RANK`] dimensions. Allocates nothing. A malformed message passes: prost
+/// then reports it as it decodes.
+pub fn check_infer_request(message: &[u8]) -> Result<(), Status> {
+    let refuse = |what: String| Err(Status::invalid_argument(what));
+    let (mut inputs, mut outputs, mut raw, mut parameters) = (0usize, 0usize, 0usize, 0usize);
+    for field in Fields(message) {
+        let Ok((number, value)) = field else { return Ok(()) };
+        match (number, value) {
+            (4, Value::Bytes(_)) => parameters += 1,
+            (5, Value::Bytes(input)) => {
+                if inputs == MAX_REQUEST_TENSORS {
+                    return refuse(format!("a request may list at most {MAX_REQUEST_TENSORS} inputs"));
+                }
+                check_input(inputs, input)?;
+                inputs += 1;
+            }
+            (6, Value::Bytes(output)) => {
+                if outputs == MAX_REQUEST_TENSORS {
+                    return refuse(format!("a request may list at most {MAX_REQUEST_TENSORS} outputs"));
+                }
+                let entries = Fields(output).filter(|f| matches!(f, Ok((2, Value::Bytes(_))))).count();
+                if entries > MAX_PARAMETERS {
+                    return refuse(format!("outputs[{outputs}]: {}", too_many_parameters()));
+                }
+                outputs += 1;
+            }
+            (7, Value::Bytes(_)) => {
+                raw += 1;
+                if raw > MAX_REQUEST_TENSORS {
+                    return refuse(format!("a request may carry at most {MAX_REQUEST_TENSORS} raw_input_contents"));
+                }
+            }
+            _ => {}
+        }
+        if parameters > MAX_PARAMETERS {
+            return refuse(too_many_parameters());
+        }
+    }
+    Ok(())
+}
+
+fn too_many_parameters() -> String {
+    format!("a parameters map may have at most {MAX_PARAMETERS} entries")
+}
+
+/// One `InferInputTensor`'s shape and parameters.
+fn check_input(index: usize, input: &[u8]) -> Result<(), Status> {
+    let (mut rank, mut parameters) = (0usize, 0usize);
+    for field in Fields(input) {
+        let Ok((number, value)) = field else { return Ok(()) };
+        match (number, value) {
+            // Packed: one varint per dimension, each ending in a byte below 0x80.
+            (3, Value::Bytes(packed)) => rank += packed.iter().filter(|b| **b < 0x80).count(),
+            (3, Value::Varint) => rank += 1,
+            (4, Value::Bytes(_)) => parameters += 1,
+            _ => {}
+        }
+        if rank > MAX_RANK {
+            return Err(Status::invalid_argument(format!(
+                "inputs[{index}]: shape has more than {MAX_RANK} dimensions"
+            )));
+        }
+        if parameters > MAX_PARAMETERS {
+            return Err(Status::invalid_argument(format!("inputs[{index}]: {}", too_many_parameters())));
+        }
+    }
+    Ok(())
+}
+
+/// A field's value on the wire (only length-delimited contents are kept).
+enum Value<'a> {
+    Varint,
+    Fixed,
+    Bytes(&'a [u8]),
+}
+
+/// The top-level fields of an encoded message, in order; an `Err` ends a malformed one.
+struct Fields<'a>(&'a [u8]);
+
+impl<'a> Iterator for Fields<'a> {
+    type Item = Result<(u32, Value<'a>), ()>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.0.is_empty() {
+            return None;
+        }
+        let field = self.read();
+        if field.is_err() {
+            self.0 = &[];
+        }
+        Some(field)
+    }
+}
+
+impl<'a> Fields<'a> {
+    fn varint(&mut self) -> Result<u64, ()> {
+        let mut value = 0u64;
+        for (i, byte) in self.0.iter().take(10).enumerate() {
+            value |= u64::from(byte & 0x7f) << (7 * i);
+            if byte & 0x80 == 0 {
+                self.0 = &self.0[i + 1..];
+                return Ok(value);
+            }
+        }
+        Err(())
+    }
+
+    fn skip(&mut self, n: usize) -> Result<&'a [u8], ()> {
+        if n > self.0.len() {
+            return Err(());
+        }
+        let (taken, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(taken)
+    }
+
+    fn read(&mut self) -> Result<(u32, Value<'a>), ()> {
+        let key = self.varint()?;
+        let number = u32::try_from(key >> 3).map_err(|_| ())?;
+        let value = match key & 7 {
+            0 => self.varint().map(|_| Value::Varint)?,
+            1 => self.skip(8).map(|_| Value::Fixed)?,
+            2 => {
+                let len = usize::try_from(self.varint()?).map_err(|_| ())?;
+                Value::Bytes(self.skip(len)?)
+            }
+            5 => self.skip(4).map(|_| Value::Fixed)?,
+            // Groups (deprecated, never in this protocol) and invalid wire types.
+            _ => return Err(()),
+        };
+        Ok((number, value))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::inference::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
+    use crate::inference::{InferParameter, InferTensorContents};
+
+    fn encoded(request: &ModelInferRequest) -> Vec<u8> {
+        request.encode_to_vec()
+    }
+
+    fn refused(request: &ModelInferRequest) -> String {
+        let e = check_infer_request(&encoded(request)).expect_err("refused");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        e.message().to_string()
+    }
+
+    fn input(shape: Vec<i64>) -> InferInputTensor {
+        InferInputTensor { name: "x".into(), datatype: "FP32".into(), shape, ..Default::default() }
+    }
+
+    fn parameters(n: usize) -> HashMap<String, InferParameter> {
+        (0..n).map(|i| (format!("k{i}"), InferParameter::default())).collect()
+    }
+
+    #[test]
+    fn a_request_within_the_bounds_passes() {
+        let request = ModelInferRequest {
+            model_name: "m".into(),
+            parameters: parameters(MAX_PARAMETERS),
+            inputs: vec![
+                InferInputTensor {
+                    parameters: parameters(MAX_PARAMETERS),
+                    contents: Some(InferTensorContents { int64_contents: vec![1; 100], ..Default::default() }),
+                    ..input(vec![i64::MAX, -1, 300].into_iter().cycle().take(MAX_RANK).collect())
+                };
+                MAX_REQUEST_TENSORS
+            ],
+            outputs: vec![
+                InferRequestedOutputTensor { name: "y".into(), parameters: parameters(MAX_PARAMETERS) };
+                MAX_REQUEST_TENSORS
+            ],
+            raw_input_contents: vec![bytes::Bytes::from_static(b"abcd"); MAX_REQUEST_TENSORS],
+            ..Default::default()
+        };
+        check_infer_request(&encoded(&request)).unwrap();
+    }
+
+    #[test]
+    fn counts_past_the_bounds_are_refused() {
+        let many_inputs = ModelInferRequest { inputs: vec![InferInputTensor::default(); 4097], ..Default::default() };
+        assert!(refused(&many_inputs).contains("at most 4096 inputs"));
+        let many_outputs =
+            ModelInferRequest { outputs: vec![InferRequestedOutputTensor::default(); 4097], ..Default::default() };
+        assert!(refused(&many_outputs).contains("at most 4096 outputs"));
+        let many_raw = ModelInferRequest { raw_input_contents: vec![bytes::Bytes::new(); 4097], ..Default::default() };
+        assert!(refused(&many_raw).contains("at most 4096 raw_input_contents"));
+        let request_parameters = ModelInferRequest { parameters: parameters(257), ..Default::default() };
+        assert!(refused(&request_parameters).contains("at most 256 entries"));
+        let input_parameters = ModelInferRequest {
+            inputs: vec![input(vec![1]), InferInputTensor { parameters: parameters(257), ..input(vec![1]) }],
+            ..Default::default()
+        };
+        assert!(refused(&input_parameters).contains("inputs[1]: a parameters map may have at most 256"));
+        let output_parameters = ModelInferRequest {
+            outputs: vec![InferRequestedOutputTensor { name: "y".into(), parameters: parameters(257) }],
+            ..Default::default()
+        };
+        assert!(refused(&output_parameters).contains("outputs[0]: a parameters map"));
+    }
+
+    #[test]
+    fn ranks_past_the_bound_are_refused_packed_or_not() {
+        let deep = ModelInferRequest { inputs: vec![input(vec![-1; 65])], ..Default::default() };
+        assert!(refused(&deep).contains("inputs[0]: shape has more than 64 dimensions"));
+        // Unpacked: one field per dimension (a valid encoding prost also reads).
+        let mut unpacked = Vec::new();
+        for _ in 0..65 {
+            unpacked.extend_from_slice(&[3 << 3, 1]);
+        }
+        let input = |dims: &[u8]| {
+            let mut message = vec![5 << 3 | 2];
+            prost::encoding::encode_varint(dims.len() as u64, &mut message);
+            message.extend_from_slice(dims);
+            message
+        };
+        let e = check_infer_request(&input(&unpacked)).unwrap_err();
+        assert!(e.message().contains("more than 64 dimensions"), "{}", e.message());
+        assert_eq!(ModelInferRequest::decode(input(&unpacked).as_slice()).unwrap().inputs[0].shape.len(), 65);
+        // 64 unpacked is fine.
+        check_infer_request(&input(&unpacked[..128])).unwrap();
+    }
+
+    #[test]
+    fn malformed_messages_are_left_to_prost() {
+        for message in [&[0x2a, 0x05, 0x01][..], &[0xff; 12], &[0x0b], &[0x2a]] {
+            check_infer_request(message).unwrap();
+            assert!(ModelInferRequest::decode(message).is_err());
+        }
+    }
+}
