@@ -89,6 +89,12 @@ pub struct Declared {
 }
 
 impl ModelRoutes {
+    /// Whether some member lists `version`, or etcd declares it: a request for it is then
+    /// UNAVAILABLE while nobody serves it (it is being loaded or moved), not NOT_FOUND.
+    fn knows_version(&self, version: i64) -> bool {
+        self.known_versions.contains(&version) || self.declared.as_ref().is_some_and(|d| d.versions.contains(&version))
+    }
+
     /// The version a request naming none goes to: the newest READY on a ready worker, else on
     /// a not-ready one — what a single Triton serving every version answers such a request with
     /// (a fleet serving versions 1 and 2 on different workers must not answer half of them
@@ -160,7 +166,9 @@ impl RoutingTable {
                     WorkerState::NotReady => routes.fallback.entry(version).or_default(),
                     WorkerState::Unreachable => continue,
                 };
-                if !holders.contains(&i) {
+                // Workers come in order: a duplicate can only be this worker's own (a model
+                // listed twice), so the last entry is the only one to compare with.
+                if holders.last() != Some(&i) {
                     holders.push(i);
                 }
             }
@@ -199,7 +207,7 @@ impl RoutingTable {
         let fallback_of = |v: i64| routes.fallback.get(&v).map_or(&[][..], Vec::as_slice);
         let version = match version {
             Some(v) if holding(&routes.ready, v) || holding(&routes.fallback, v) => v,
-            Some(v) if routes.known_versions.contains(&v) => {
+            Some(v) if routes.knows_version(v) => {
                 return Err(RouteError::NoReadyWorker { model: model.to_string(), version: Some(v) });
             }
             Some(v) => return Err(RouteError::VersionNotFound { model: model.to_string(), version: v }),
@@ -244,7 +252,7 @@ impl RoutingTable {
     /// or READY nowhere, or the version named is one nobody has).
     pub fn version_label(&self, model: &str, version: Option<i64>) -> String {
         match (self.models.get(model), version) {
-            (Some(routes), Some(v)) if routes.known_versions.contains(&v) => v.to_string(),
+            (Some(routes), Some(v)) if routes.knows_version(v) => v.to_string(),
             (Some(_), None) => self.resolve(model, None).map(|r| r.version.to_string()).unwrap_or_default(),
             _ => String::new(),
         }
@@ -416,6 +424,15 @@ pub(crate) mod tests {
         );
         assert_eq!(t.model_label("declared"), "declared");
         assert!(matches!(t.resolve("other", None), Err(RouteError::ModelNotFound { .. })));
+        // So is a declared version no member lists (its holder died; or it is not loading yet),
+        // with its own version label; a version neither listed nor declared is unknown.
+        assert_eq!(
+            t.resolve("declared", Some(1)).unwrap_err(),
+            RouteError::NoReadyWorker { model: "declared".into(), version: Some(1) }
+        );
+        assert_eq!(t.version_label("declared", Some(1)), "1");
+        assert!(matches!(t.resolve("declared", Some(2)), Err(RouteError::VersionNotFound { .. })));
+        assert_eq!(t.version_label("declared", Some(2)), "");
         // Only a draining worker holds m 2: the table alone is ready through a.
         assert!(t.ready());
         let draining_only =
