@@ -640,3 +640,30 @@ async fn malformed_protobuf_is_refused_and_the_gateway_keeps_serving() {
     assert_eq!(replies[1].error_message, "");
     assert_eq!(replies[1].infer_response.as_ref().unwrap().id, "ok-1");
 }
+
+/// A worker that stops answering discovery polls (SIGSTOP: a long pause) is unreachable, but
+/// the models it listed stay known: a request for one is UNAVAILABLE — worth retrying — not
+/// NOT_FOUND, until it answers again (SIGCONT) and serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_misses_polls_leaves_its_models_unavailable_not_unknown() {
+    let repo = example_models();
+    let worker = start_worker(&repo, &["identity_fp32"]).await;
+    let gateway = start_gateway(&[&worker], &["--discovery-interval-ms", "100", "--discovery-timeout-ms", "100"]).await;
+    let mut client = gateway.client().await;
+    let request = || fp32_request("identity_fp32", "", &[1, 16], |j| j as f32);
+    client.model_infer(request()).await.expect("served before the pause");
+    worker.signal("STOP");
+    wait_until("the paused worker to be unreachable", Duration::from_secs(30), || async {
+        gateway.metric("nereid_gateway_workers{state=\"unreachable\"}").await == Some(1.0)
+    })
+    .await;
+    let e = client.model_infer(request()).await.unwrap_err();
+    worker.signal("CONT");
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    let e = client.model_infer(fp32_request("nope", "", &[1, 16], |_| 0.0)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "a model nobody listed is still unknown: {e:?}");
+    wait_until("the worker to serve again", Duration::from_secs(30), || async {
+        client.clone().model_infer(request()).await.is_ok()
+    })
+    .await;
+}

@@ -2,13 +2,16 @@
 //! and its `RepositoryIndex`, over the same pooled channel requests use. Every poll of every
 //! worker is bounded by `timeout`; the polls of one round run concurrently, so one slow worker
 //! delays no one else's update by more than `timeout`. A worker that fails a poll is
-//! Unreachable (nothing routes to it) until it answers again.
+//! Unreachable (nothing routes to it) until it answers again; the models it last listed stay
+//! known meanwhile, so that a request for one is UNAVAILABLE (retry), not NOT_FOUND (final),
+//! through one slow poll.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use futures::future::{BoxFuture, join_all};
 use nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+use nereid_proto::inference::repository_index_response::ModelIndex;
 use nereid_proto::inference::{RepositoryIndexRequest, ServerReadyRequest};
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
@@ -33,13 +36,27 @@ impl StaticMembership {
         Ok(StaticMembership { upstreams, config })
     }
 
-    /// Polls every member once (concurrently, each bounded by the timeout).
-    async fn poll_round(&self) -> Vec<WorkerView> {
-        join_all(self.upstreams.iter().map(|u| poll_worker(u.clone(), self.config))).await
+    /// Polls every member once (concurrently, each bounded by the timeout). A member that
+    /// does not answer is listed with `known`'s models for it (what it answered last), which an
+    /// answer replaces.
+    async fn poll_round(&self, known: &mut [Vec<ModelIndex>]) -> Vec<WorkerView> {
+        let views = join_all(self.upstreams.iter().map(|u| poll_worker(u.clone(), self.config))).await;
+        views
+            .into_iter()
+            .zip(known.iter_mut())
+            .map(|(view, known)| match view {
+                Ok(view) => {
+                    known.clone_from(&view.models);
+                    view
+                }
+                Err(upstream) => WorkerView { upstream, state: WorkerState::Unreachable, models: known.clone() },
+            })
+            .collect()
     }
 }
 
-async fn poll_worker(upstream: Arc<Upstream>, config: DiscoveryConfig) -> WorkerView {
+/// The member's view, or (the member back) when it did not answer in time.
+async fn poll_worker(upstream: Arc<Upstream>, config: DiscoveryConfig) -> Result<WorkerView, Arc<Upstream>> {
     let mut client = GrpcInferenceServiceClient::new(upstream.channel());
     let poll = async {
         let ready = client.server_ready(ServerReadyRequest {}).await?.into_inner().ready;
@@ -54,14 +71,14 @@ async fn poll_worker(upstream: Arc<Upstream>, config: DiscoveryConfig) -> Worker
         Ok(Ok((false, models))) => (WorkerState::NotReady, models),
         Ok(Err(e)) => {
             tracing::debug!(worker = %upstream.id, "discovery poll failed: {}", e.message());
-            (WorkerState::Unreachable, Vec::new())
+            return Err(upstream);
         }
         Err(_) => {
             tracing::debug!(worker = %upstream.id, "discovery poll timed out");
-            (WorkerState::Unreachable, Vec::new())
+            return Err(upstream);
         }
     };
-    WorkerView { upstream, state, models }
+    Ok(WorkerView { upstream, state, models })
 }
 
 impl Membership for StaticMembership {
@@ -70,6 +87,7 @@ impl Membership for StaticMembership {
             let mut ticks = tokio::time::interval(self.config.interval);
             ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
             let mut last: Vec<Option<WorkerState>> = vec![None; self.upstreams.len()];
+            let mut known: Vec<Vec<ModelIndex>> = vec![Vec::new(); self.upstreams.len()];
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
@@ -77,11 +95,14 @@ impl Membership for StaticMembership {
                 }
                 let views = tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    views = self.poll_round() => views,
+                    views = self.poll_round(&mut known) => views,
                 };
                 for (view, last) in views.iter().zip(last.iter_mut()) {
                     if *last != Some(view.state) {
-                        let ready = view.models.iter().filter(|m| m.state == "READY").count();
+                        let ready = match view.state {
+                            WorkerState::Unreachable => 0,
+                            _ => view.models.iter().filter(|m| m.state == "READY").count(),
+                        };
                         tracing::info!(worker = %view.upstream.id, state = view.state.label(), ready_models = ready, "worker state");
                         *last = Some(view.state);
                     }

@@ -166,7 +166,12 @@ impl Proc {
 
     /// Sends SIGTERM.
     pub fn terminate(&self) {
-        let status = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        self.signal("TERM");
+    }
+
+    /// Sends `signal` (a name `kill` takes: TERM, STOP, CONT, ...).
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill").args([&format!("-{signal}"), &self.child.id().to_string()]).status().unwrap();
         assert!(status.success());
     }
 
