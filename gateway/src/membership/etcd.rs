@@ -86,14 +86,17 @@ impl EtcdMembership {
         }
     }
 
-    /// Applies one put/delete, counting a rejected value.
+    /// Applies one put/delete, counting a rejected value; whether the state changed.
     fn apply(&mut self, key: &[u8], value: Option<&[u8]>) -> bool {
+        // A rejected drain value still drains its worker (fail safe): a change to publish now,
+        // not at the next refresh.
+        let drains = self.state.drains.len();
         match self.state.apply(&self.keys, key, value) {
             Ok(changed) => changed,
             Err(rejected) => {
                 tracing::warn!("{rejected}; keeping the last good value");
                 self.metrics.etcd_invalid_values.with_label_values(&[rejected.kind]).inc();
-                false
+                self.state.drains.len() != drains
             }
         }
     }
@@ -290,7 +293,23 @@ impl Membership for EtcdMembership {
 
 #[cfg(test)]
 mod tests {
-    use super::progress_revision;
+    use super::*;
+
+    /// An invalid drain value drains its worker at once (a change that publishes a table),
+    /// while it is counted as rejected; a second one changes nothing more.
+    #[test]
+    fn an_invalid_drain_value_is_a_change() {
+        let keys = Keys::new("/t").unwrap();
+        let metrics = GatewayMetrics::new();
+        let upstream = UpstreamOptions::from(crate::config::OutlierConfig::default());
+        let mut membership = EtcdMembership::new(vec![], keys.clone(), upstream, metrics.clone());
+        let drain = keys.drain("w1");
+        assert!(membership.apply(drain.as_bytes(), Some(b"not json")));
+        assert!(membership.state.drains.contains_key("w1"));
+        assert!(!membership.apply(drain.as_bytes(), Some(b"still not json")));
+        assert_eq!(metrics.etcd_invalid_values.with_label_values(&["drain"]).get(), 2);
+        assert!(membership.apply(drain.as_bytes(), None), "deleting the key undrains");
+    }
 
     #[test]
     fn only_a_progress_notification_advances_the_resume_revision() {
