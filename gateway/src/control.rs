@@ -17,7 +17,7 @@ use nereid_proto::inference::repository_index_response::ModelIndex;
 use nereid_proto::inference::*;
 use tonic::transport::Channel;
 
-use crate::balance::choose;
+use crate::balance::choose_route;
 use crate::deadline::DeadlineExceeded;
 use crate::error::GatewayError;
 use crate::forward::UpstreamError;
@@ -99,7 +99,10 @@ impl Control {
             let (worker, routed) = {
                 let table = self.routes.snapshot();
                 let route = table.resolve(model, version)?;
-                (choose(&table, route.holders, &excluded, Instant::now(), &mut rand::rng()).cloned(), route.version)
+                // As inference picks: healthy ready holders, then healthy draining ones, then
+                // ejected ones — a control call whose ready holder failed goes on to a draining
+                // holder rather than fail where inference would succeed.
+                (choose_route(&table, &route, &excluded, Instant::now(), &mut rand::rng()).cloned(), route.version)
             };
             let Some(worker) = worker else {
                 return Err(match last_error {
