@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
-use nereid_common::fleet::etcd_client::{Client, EventType, WatchOptions};
+use nereid_common::fleet::etcd_client::{self, Client, EventType, WatchOptions};
 use nereid_common::fleet::records::{ModelState, WorkerState as RecordState};
 use nereid_common::fleet::{self, Backoff, ClusterMark, FleetState, Keys, bounded, history_reset};
 use nereid_proto::inference::repository_index_response::ModelIndex;
@@ -223,6 +223,7 @@ impl EtcdMembership {
                     let resp = match msg {
                         Ok(Some(r)) => r,
                         Ok(None) => return Disconnect::Resume("the watch stream ended".into()),
+                        Err(e) if too_large(&e) => return Disconnect::Resync(format!("watch: {e}")),
                         Err(e) => return Disconnect::Resume(format!("watch: {e}")),
                     };
                     self.seen.observe(resp.header());
@@ -249,6 +250,13 @@ impl EtcdMembership {
             }
         }
     }
+}
+
+/// Whether a watch failed on a response too large to decode: resuming from the same revision
+/// would receive the same batch and fail again, forever; a re-read (paged) gets past it.
+fn too_large(e: &etcd_client::Error) -> bool {
+    matches!(e, etcd_client::Error::GRpcStatus(s)
+        if s.code() == tonic::Code::OutOfRange || s.message().contains("message length too large"))
 }
 
 /// The revision a watch response proves delivered when it carries no events: a progress
@@ -294,6 +302,16 @@ impl Membership for EtcdMembership {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_watch_response_too_large_to_decode_is_re_read_not_resumed() {
+        let status = |code, message: &str| etcd_client::Error::GRpcStatus(tonic::Status::new(code, message));
+        let tonic_limit = "Error, decoded message length too large: found 70000000 bytes, the limit is: 67108864 bytes";
+        assert!(too_large(&status(tonic::Code::OutOfRange, tonic_limit)));
+        assert!(too_large(&status(tonic::Code::Internal, tonic_limit)));
+        assert!(!too_large(&status(tonic::Code::Unavailable, "connection reset")));
+        assert!(!too_large(&etcd_client::Error::WatchError("the watch stream ended".into())));
+    }
 
     /// An invalid drain value drains its worker at once (a change that publishes a table),
     /// while it is counted as rejected; a second one changes nothing more.
