@@ -15,6 +15,7 @@ use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, FromRequestParts, Path, State};
@@ -22,7 +23,6 @@ use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
-use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
@@ -109,21 +109,72 @@ pub fn metrics_router(server: Server) -> Router {
         .with_state(server)
 }
 
+/// How long a client has to send a request's head (HTTP/1: request line and headers) on a
+/// connection it opened or kept alive: one that sends nothing, or trickles its headers in, is
+/// closed then instead of holding its connection (a descriptor, a task) for ever. It is also
+/// the idle timeout of a kept-alive connection (hyper starts the clock when it waits for the
+/// next request): generous, as load balancers' idle timeouts go (nginx 75 s, AWS 60 s), so
+/// that a client's pooled connection is rarely closed under it.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// How long a request body may go without a byte arriving before it is refused (504, as a
+/// deadline that passed while the gateway waited for a body): a
+/// client that stalled mid-upload, or a peer that vanished without a FIN, frees its buffer.
+pub const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Pause after a failed accept that is not one connection's own failure (out of descriptors):
+/// the loop would otherwise spin on it.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
 /// Serves `router` on `listener` (HTTP/1.1 with keep-alive, and HTTP/2) until `shutdown` is
-/// cancelled, then finishes the requests in flight and returns.
+/// cancelled, then finishes the requests in flight and returns. Connections that send no
+/// request head within [`HEADER_READ_TIMEOUT`] are closed.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    // Small request/response pairs on kept-alive connections: Nagle's algorithm would add
-    // delayed-ACK latency to every response written in more than one segment.
-    let listener = listener.tap_io(|tcp| {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::server::conn::auto;
+    use hyper_util::server::graceful::GracefulShutdown;
+    use hyper_util::service::TowerToHyperService;
+    use tower::ServiceExt as _;
+
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
+    let connections = GracefulShutdown::new();
+    loop {
+        let tcp = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                // One connection's failure (reset before it was accepted): the next one.
+                Err(e) if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::ConnectionReset
+                ) => continue,
+                Err(e) => {
+                    tracing::warn!("accepting an HTTP connection failed: {e}");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    continue;
+                }
+            },
+        };
+        // Small request/response pairs on kept-alive connections: Nagle's algorithm would add
+        // delayed-ACK latency to every response written in more than one segment.
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!("set_nodelay failed: {e}");
         }
-    });
-    axum::serve(listener, router).with_graceful_shutdown(shutdown.cancelled_owned()).await
+        let service = TowerToHyperService::new(
+            router.clone().map_request(|request: http::Request<hyper::body::Incoming>| request.map(Body::new)),
+        );
+        let connection = builder.serve_connection(TokioIo::new(tcp), service).into_owned();
+        tokio::spawn(connections.watch(connection));
+    }
+    // No new connections; those open finish their requests (idle ones close at once).
+    drop(listener);
+    connections.shutdown().await;
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -359,7 +410,15 @@ async fn read_raw_body(headers: &HeaderMap, mut body: Body, max: usize) -> Resul
 
     let mut first: Option<Bytes> = None;
     let mut buf = BytesMut::new();
-    while let Some(frame) = body.frame().await {
+    loop {
+        let Ok(frame) = tokio::time::timeout(BODY_IDLE_TIMEOUT, body.frame()).await else {
+            let secs = BODY_IDLE_TIMEOUT.as_secs();
+            return Err(Status::new(
+                nereid_common::Code::DeadlineExceeded,
+                format!("no byte of the request body arrived for {secs} s: the upload stalled"),
+            ));
+        };
+        let Some(frame) = frame else { break };
         let frame = frame.map_err(|e| Status::invalid(format!("failed to read the request body: {e}")))?;
         let Ok(data) = frame.into_data() else {
             continue;
@@ -1031,6 +1090,57 @@ impl hyper::body::Body for ChunkedBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A router whose one route reads its body (as infer does) and says how long it was.
+    fn body_reader() -> Router {
+        Router::new().route(
+            "/",
+            post(|headers: HeaderMap, body: Body| async move {
+                read_body(&headers, body, 1 << 20).await.map(|b| b.len().to_string()).map_err(ApiError)
+            }),
+        )
+    }
+
+    /// Serves `body_reader` on a loopback port until the token is cancelled.
+    async fn serve_body_reader() -> (std::net::SocketAddr, CancellationToken) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        tokio::spawn(serve(listener, body_reader(), stop.clone()));
+        (address, stop)
+    }
+
+    /// A connection that sends half a request head is closed after HEADER_READ_TIMEOUT; one
+    /// whose body stalls is answered 504 after BODY_IDLE_TIMEOUT, naming the stall; a whole
+    /// request is served. (Paused time: the timeouts pass as soon as everything waits.)
+    #[tokio::test(start_paused = true)]
+    async fn stalled_heads_and_bodies_are_given_up_on() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (address, stop) = serve_body_reader().await;
+        let exchange = |request: &'static [u8]| async move {
+            let mut tcp = tokio::net::TcpStream::connect(address).await.unwrap();
+            tcp.write_all(request).await.unwrap();
+            let mut answer = Vec::new();
+            let started = tokio::time::Instant::now();
+            tokio::time::timeout(std::time::Duration::from_secs(600), tcp.read_to_end(&mut answer))
+                .await
+                .expect("the server gave up on the connection")
+                .unwrap();
+            (String::from_utf8_lossy(&answer).into_owned(), started.elapsed())
+        };
+        let (answer, waited) = exchange(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Le").await;
+        assert!(!answer.contains("200 OK"), "{answer}");
+        assert!(waited >= HEADER_READ_TIMEOUT, "{waited:?}");
+        let (answer, waited) =
+            exchange(b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 100\r\n\r\nabc").await;
+        assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
+        assert!(answer.contains("the upload stalled"), "{answer}");
+        assert!(waited >= BODY_IDLE_TIMEOUT, "{waited:?}");
+        let (answer, _) =
+            exchange(b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 3\r\n\r\nabc").await;
+        assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("\r\n\r\n3"), "{answer}");
+        stop.cancel();
+    }
 
     /// Requests that may read shared memory (copied during the parse) are parsed off the async
     /// threads: those naming the key, and those whose escapes could spell it.
