@@ -317,7 +317,8 @@ impl GrpcInferenceService for GrpcFrontend {
         let server = self.server.clone();
         let run = move |req: ModelInferRequest| -> BoxFuture<'static, ModelStreamInferResponse> {
             let server = server.clone();
-            Box::pin(async move { stream_infer_one(&server, req, deadline).await })
+            let label = PanicLabel::of(&req);
+            Box::pin(label.answer_panics(async move { stream_infer_one(&server, req, deadline).await }))
         };
         let weight_limit = self.server.limits.max_request_bytes.saturating_mul(STREAM_REQUEST_LIMITS);
         let mut stream = InferStream::new(request.into_inner(), run, MAX_STREAM_IN_FLIGHT).weighed(
@@ -743,6 +744,56 @@ impl From<StreamPanic> for ModelStreamInferResponse {
     }
 }
 
+/// Who a stream request was (its id, model and version), for the error reply that answers it
+/// should it panic: clients match stream replies to requests by id (perf_analyzer's async
+/// mode waits for each id), so a reply without one would leave its request unanswered.
+struct PanicLabel {
+    id: String,
+    model_name: String,
+    model_version: String,
+}
+
+impl PanicLabel {
+    /// Bounded copies: a request's own name or id may be megabytes.
+    fn of(request: &ModelInferRequest) -> Self {
+        let cut = |s: &str| {
+            let mut end = s.len().min(1024);
+            while !s.is_char_boundary(end) {
+                end -= 1;
+            }
+            s[..end].to_string()
+        };
+        PanicLabel {
+            id: cut(&request.id),
+            model_name: cut(&request.model_name),
+            model_version: cut(&request.model_version),
+        }
+    }
+
+    /// `reply`, or the error reply for its panic, labelled.
+    async fn answer_panics(
+        self,
+        reply: impl std::future::Future<Output = ModelStreamInferResponse>,
+    ) -> ModelStreamInferResponse {
+        use futures::FutureExt as _;
+        match std::panic::AssertUnwindSafe(reply).catch_unwind().await {
+            Ok(reply) => reply,
+            Err(panic) => {
+                let what = crate::scheduler::panic_text(panic.as_ref());
+                tracing::error!(error = %what, id = %self.id, model = %self.model_name, "a stream request panicked; answered with an error message");
+                let mut reply = ModelStreamInferResponse::from(StreamPanic(what));
+                reply.infer_response = Some(ModelInferResponse {
+                    id: self.id,
+                    model_name: self.model_name,
+                    model_version: self.model_version,
+                    ..Default::default()
+                });
+                reply
+            }
+        }
+    }
+}
+
 /// A spawned request of an [`InferStream`]: aborted when dropped; yields its reply and what
 /// the reply weighs (counted in [`Replies`]), or a reply made from its panic (not counted).
 struct AbortOnDrop<R>(tokio::task::JoinHandle<(R, Option<usize>)>);
@@ -1080,6 +1131,31 @@ mod tests {
         assert_eq!(out[0].infer_response.as_ref().unwrap().id, "now");
         assert!(out[1].error_message.contains("index out of bounds"), "{:?}", out[1]);
         assert_eq!(out[2].infer_response.as_ref().unwrap().id, "sleep-10");
+    }
+
+    /// The worker's own stream requests answer a panic with their id, model and version.
+    #[tokio::test]
+    async fn a_panicking_worker_request_is_answered_under_its_id() {
+        let request = ModelInferRequest {
+            id: "r7".into(),
+            model_name: "m".into(),
+            model_version: "2".into(),
+            ..Default::default()
+        };
+        let reply = PanicLabel::of(&request)
+            .answer_panics(async {
+                let empty: Vec<ModelStreamInferResponse> = Vec::new();
+                empty[0].clone()
+            })
+            .await;
+        assert!(reply.error_message.contains("index out of bounds"), "{reply:?}");
+        let labelled = reply.infer_response.unwrap();
+        assert_eq!(
+            (labelled.id.as_str(), labelled.model_name.as_str(), labelled.model_version.as_str()),
+            ("r7", "m", "2")
+        );
+        let long = ModelInferRequest { id: "é".repeat(2000), ..Default::default() };
+        assert!(PanicLabel::of(&long).id.len() <= 1024);
     }
 
     /// A client that stops reading replies does not stop its requests: they run to the end
