@@ -163,23 +163,33 @@ pub fn log_settings(request: LogSettingsRequest) -> Result<LogSettingsResponse, 
     Ok(LogSettingsResponse { settings })
 }
 
-/// The typed contents' elements of a request's inputs, before anything is checked: for deciding
-/// where to decode it (each is re-encoded, up to 8 bytes, or a string's length).
-pub fn typed_input_elements(req: &ModelInferRequest) -> u64 {
-    req.inputs
+/// About how many bytes converting a request's inputs copies or walks, before anything is
+/// checked: for deciding where to decode it. Typed contents are re-encoded (up to 8 bytes an
+/// element; a string its length and a 4-byte prefix), and raw BYTES inputs are walked element
+/// by element (their raw contents are counted whole when any input is BYTES).
+pub fn conversion_bytes(req: &ModelInferRequest) -> u64 {
+    let typed = req
+        .inputs
         .iter()
         .filter_map(|i| i.contents.as_ref())
         .map(|c| {
-            (c.bool_contents.len()
+            let fixed = (c.bool_contents.len()
                 + c.int_contents.len()
                 + c.int64_contents.len()
                 + c.uint_contents.len()
                 + c.uint64_contents.len()
                 + c.fp32_contents.len()
-                + c.fp64_contents.len()
-                + c.bytes_contents.len()) as u64
+                + c.fp64_contents.len()) as u64;
+            let strings = c.bytes_contents.iter().map(|b| 4 + b.len() as u64).fold(0, u64::saturating_add);
+            fixed.saturating_mul(8).saturating_add(strings)
         })
-        .fold(0, u64::saturating_add)
+        .fold(0, u64::saturating_add);
+    let raw_strings = if req.inputs.iter().any(|i| i.datatype == "BYTES") {
+        req.raw_input_contents.iter().map(|r| r.len() as u64).fold(0, u64::saturating_add)
+    } else {
+        0
+    };
+    typed.saturating_add(raw_strings)
 }
 
 /// What a request's inputs claim to read from shared memory (`shared_memory_byte_size`), before
@@ -706,6 +716,21 @@ mod tests {
             parameters: HashMap::new(),
             contents,
         }
+    }
+
+    /// One large string, or a raw BYTES input, counts at its size (it is copied or walked),
+    /// not as one element.
+    #[test]
+    fn conversion_bytes_weigh_strings_by_their_length() {
+        let strings = Some(InferTensorContents { bytes_contents: vec![vec![b'x'; 2 << 20]], ..Default::default() });
+        let one_string = request(vec![input("S", "BYTES", &[1], strings)], vec![]);
+        assert_eq!(conversion_bytes(&one_string), 4 + (2 << 20));
+        let ints = Some(InferTensorContents { int64_contents: vec![1; 10], ..Default::default() });
+        assert_eq!(conversion_bytes(&request(vec![input("I", "INT64", &[10], ints)], vec![])), 80);
+        let raw = request(vec![input("R", "BYTES", &[1], None)], vec![vec![0; 1000]]);
+        assert_eq!(conversion_bytes(&raw), 1000);
+        let raw_floats = request(vec![input("F", "FP32", &[250], None)], vec![vec![0; 1000]]);
+        assert_eq!(conversion_bytes(&raw_floats), 0, "raw fixed-size inputs are moved, not converted");
     }
 
     /// The codec's bounds hold for a request built in the process too (it skips the codec).

@@ -36,8 +36,8 @@ use crate::restrict::{Api, Restrictions};
 use crate::server::{SERVER_VERSION, Server, parse_version};
 use crate::shm;
 use convert::{
-    grpc_deadline, index_entry_to_proto, infer_request_from_proto, infer_response_to_proto, load_config_parameter,
-    mark_shm_outputs, model_metadata_to_proto, model_stats_to_proto, shm_input_bytes, typed_input_elements,
+    conversion_bytes, grpc_deadline, index_entry_to_proto, infer_request_from_proto, infer_response_to_proto,
+    load_config_parameter, mark_shm_outputs, model_metadata_to_proto, model_stats_to_proto, shm_input_bytes,
     unload_dependents_parameter,
 };
 
@@ -511,10 +511,10 @@ async fn infer_one(
     req: ModelInferRequest,
     deadline: Option<Instant>,
 ) -> Result<ModelInferResponse, Status> {
-    // Inputs read from shared memory are copied, and typed contents re-encoded, while decoding:
-    // large ones off the async threads.
+    // Inputs read from shared memory are copied, typed contents re-encoded and strings walked
+    // while decoding: large ones off the async threads.
     let max_bytes = server.limits.max_request_bytes as u64;
-    let converts = shm_input_bytes(&req).saturating_add(typed_input_elements(&req).saturating_mul(8));
+    let converts = shm_input_bytes(&req).saturating_add(conversion_bytes(&req));
     let mut request = if converts > shm::OFFLOAD_BYTES {
         let registry = server.shm.clone();
         tokio::task::spawn_blocking(move || infer_request_from_proto(req, &registry, max_bytes))
