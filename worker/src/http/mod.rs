@@ -623,8 +623,11 @@ async fn infer(
     let heavy = json_len > OFFLOAD_JSON_BYTES || (shm.enabled() && mentions_shared_memory(&body[..json_len]));
     let ParsedInfer { request, mut format } = if header_length == Some(0) {
         // No JSON: Triton's raw binary request, shaped by the model's config.
+        // (A BYTES input copies the body, behind its length prefix: large ones off the async
+        // threads.)
         let config = server.model_config(&name, version)?;
-        parse_raw_binary_request(&name, version, body, &config)?
+        maybe_offload(body.len() > OFFLOAD_JSON_BYTES, move || parse_raw_binary_request(&name, version, body, &config))
+            .await?
     } else {
         maybe_offload(heavy, move || parse_infer_request(&name, version, body, header_length, max, Some(&shm))).await?
     };
