@@ -14,7 +14,7 @@ use nereid_common::fleet::QUEUE_REPORT_HEADER;
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -50,6 +50,12 @@ pub const STREAM_REQUEST_LIMITS: usize = 4;
 /// Most requests of one `ModelStreamInfer` stream in flight at once. Past it the stream stops
 /// reading requests until one completes, so HTTP/2 flow control pushes back on the client.
 pub const MAX_STREAM_IN_FLIGHT: usize = 1024;
+
+/// Most requests a weighed stream runs before it has seen any reply: until then it cannot
+/// tell what a reply weighs, and a first burst of [`MAX_STREAM_IN_FLIGHT`] requests to a model
+/// with large outputs would make it hold that many large replies for a client that reads
+/// none. Once a reply has been seen, the weight bound takes over.
+pub const STREAM_FIRST_BURST: usize = 64;
 
 /// Most concurrent HTTP/2 streams (RPCs) per connection.
 const MAX_CONCURRENT_STREAMS: u32 = 4096;
@@ -587,6 +593,8 @@ pub struct InferStream<S, F, R: From<StreamPanic> = ModelStreamInferResponse, W 
     weights: VecDeque<usize>,
     weight: usize,
     weight_limit: usize,
+    /// Most requests in flight before any reply was seen (see [`STREAM_FIRST_BURST`]).
+    first_burst: usize,
     /// The replies finished and not yet taken, kept by the requests' tasks.
     replies: Arc<Replies>,
     /// Set when the request stream failed; reported once the in-flight requests drained.
@@ -611,6 +619,7 @@ where
             weights: VecDeque::new(),
             weight: 0,
             weight_limit: usize::MAX,
+            first_burst: usize::MAX,
             replies: Arc::default(),
             error: None,
             stop: None,
@@ -638,6 +647,7 @@ where
             weights: self.weights,
             weight: self.weight,
             weight_limit: limit,
+            first_burst: STREAM_FIRST_BURST,
             replies: self.replies,
             error: self.error,
             stop: self.stop,
@@ -697,6 +707,8 @@ impl<Q, R> Weigh<Q, R> for Weights<Q, R> {
 struct Replies {
     weight: AtomicUsize,
     finished: AtomicUsize,
+    /// Whether any reply has finished yet.
+    seen: AtomicBool,
     /// The largest reply seen lately: decaying by an eighth (rounded up) with each smaller
     /// one, so that a single large reply early in a long stream does not hold it to a few
     /// requests in flight for the rest of its life — but never below an eighth of the largest
@@ -714,6 +726,7 @@ impl Replies {
         // The closure always answers Some: the update cannot fail.
         let _ = self.largest.fetch_update(Ordering::AcqRel, Ordering::Acquire, decayed);
         self.finished.fetch_add(1, Ordering::AcqRel);
+        self.seen.store(true, Ordering::Release);
     }
 
     fn taken(&self, weight: usize) {
@@ -911,8 +924,9 @@ impl<S, F, R: From<StreamPanic>, W> InferStream<S, F, R, W> {
     /// Whether another request may be read now: under the count limit and, unless none is in
     /// flight, under the weight limit.
     fn has_room(&self) -> bool {
+        let count_limit = if self.replies.seen.load(Ordering::Acquire) { self.limit } else { self.first_burst };
         self.incoming.is_some()
-            && self.in_flight.len() < self.limit
+            && self.in_flight.len() < self.limit.min(count_limit)
             && (self.in_flight.is_empty()
                 || self.weight.saturating_add(self.replies.load(self.in_flight.len())) < self.weight_limit)
     }
@@ -1039,6 +1053,30 @@ mod tests {
             |_: &ModelStreamInferResponse| 10,
         );
         (tx, s)
+    }
+
+    /// A weighed stream runs at most STREAM_FIRST_BURST requests before it has seen a reply;
+    /// once one is seen, the rest are read (their weight allowing).
+    #[tokio::test]
+    async fn a_first_burst_is_bounded_until_a_reply_is_seen() {
+        let (active, peak) = counters();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut s = InferStream::new(UnboundedReceiverStream::new(rx), runner(active, peak), MAX_STREAM_IN_FLIGHT)
+            .weighed(1 << 30, |_: &ModelInferRequest| 1, |_: &ModelStreamInferResponse| 1);
+        tx.send(Ok(req("now"))).unwrap();
+        for _ in 0..99 {
+            tx.send(Ok(req("sleep-600000"))).unwrap();
+        }
+        // One poll: the stream reads what it may (the tasks have not run yet).
+        assert!(futures::FutureExt::now_or_never(s.next()).is_none());
+        assert_eq!(s.in_flight.len(), STREAM_FIRST_BURST);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while !s.replies.seen.load(Ordering::SeqCst) {
+            assert!(tokio::time::Instant::now() < deadline, "the first request never finished");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(s.next().await.unwrap().unwrap().infer_response.unwrap().id, "now");
+        assert_eq!(s.in_flight.len(), 99, "the rest read once a reply was seen");
     }
 
     /// Replies finished behind a slower one and not yet taken weigh too: while they weigh the
