@@ -220,28 +220,24 @@ impl EtcdMembership {
                 _ = shutdown.cancelled() => return Disconnect::Shutdown,
                 _ = refresh.tick() => self.publish(publisher),
                 msg = watch.message() => {
-                    let resp = match msg {
-                        Ok(Some(r)) => r,
-                        Ok(None) => return Disconnect::Resume("the watch stream ended".into()),
-                        Err(e) if too_large(&e) => return Disconnect::Resync(format!("watch: {e}")),
-                        Err(e) => return Disconnect::Resume(format!("watch: {e}")),
+                    let mut changed = match self.take_response(msg) {
+                        Ok(changed) => changed,
+                        Err(disconnect) => return disconnect,
                     };
-                    self.seen.observe(resp.header());
-                    if resp.compact_revision() > 0 {
-                        return Disconnect::Resync(format!("revision {} was compacted", self.revision + 1));
-                    }
-                    if resp.canceled() {
-                        return Disconnect::Resume(format!("the watch was cancelled: {}", resp.cancel_reason()));
-                    }
-                    let mut changed = false;
-                    for event in resp.events() {
-                        let Some(kv) = event.kv() else { continue };
-                        let value = (event.event_type() == EventType::Put).then(|| kv.value());
-                        changed |= self.apply(kv.key(), value);
-                        self.revision = self.revision.max(kv.mod_revision());
-                    }
-                    if let Some(r) = progress_revision(resp.events().is_empty(), resp.created(), resp.header().map(|h| h.revision())) {
-                        self.revision = self.revision.max(r);
+                    // Responses already waiting (a burst of writes: a fleet-wide roll-out
+                    // sends one per write) go into the same table: one rebuild for the burst,
+                    // not one per write. Bounded, so that the refresh and shutdown still run.
+                    for _ in 0..COALESCED_RESPONSES {
+                        let Some(msg) = futures::FutureExt::now_or_never(watch.message()) else { break };
+                        match self.take_response(msg) {
+                            Ok(more) => changed |= more,
+                            Err(disconnect) => {
+                                if changed {
+                                    self.publish(publisher);
+                                }
+                                return disconnect;
+                            }
+                        }
                     }
                     if changed {
                         self.publish(publisher);
@@ -250,7 +246,43 @@ impl EtcdMembership {
             }
         }
     }
+
+    /// Applies one watch response; whether the state changed, or why the watch ends.
+    fn take_response(
+        &mut self,
+        msg: Result<Option<etcd_client::WatchResponse>, etcd_client::Error>,
+    ) -> Result<bool, Disconnect> {
+        let resp = match msg {
+            Ok(Some(r)) => r,
+            Ok(None) => return Err(Disconnect::Resume("the watch stream ended".into())),
+            Err(e) if too_large(&e) => return Err(Disconnect::Resync(format!("watch: {e}"))),
+            Err(e) => return Err(Disconnect::Resume(format!("watch: {e}"))),
+        };
+        self.seen.observe(resp.header());
+        if resp.compact_revision() > 0 {
+            return Err(Disconnect::Resync(format!("revision {} was compacted", self.revision + 1)));
+        }
+        if resp.canceled() {
+            return Err(Disconnect::Resume(format!("the watch was cancelled: {}", resp.cancel_reason())));
+        }
+        let mut changed = false;
+        for event in resp.events() {
+            let Some(kv) = event.kv() else { continue };
+            let value = (event.event_type() == EventType::Put).then(|| kv.value());
+            changed |= self.apply(kv.key(), value);
+            self.revision = self.revision.max(kv.mod_revision());
+        }
+        if let Some(r) =
+            progress_revision(resp.events().is_empty(), resp.created(), resp.header().map(|h| h.revision()))
+        {
+            self.revision = self.revision.max(r);
+        }
+        Ok(changed)
+    }
 }
+
+/// Most further watch responses, already received, applied before a table is published.
+const COALESCED_RESPONSES: usize = 256;
 
 /// Whether a watch failed on a response too large to decode: resuming from the same revision
 /// would receive the same batch and fail again, forever; a re-read (paged) gets past it.
