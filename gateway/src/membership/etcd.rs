@@ -61,6 +61,9 @@ pub struct EtcdMembership {
     /// Declared model → the version the last table sent requests naming no version to (see
     /// [`Declared::serving`]).
     serving: HashMap<String, i64>,
+    /// worker id → the revision its record was created at: of two records naming one address,
+    /// the later is the process listening there now (see [`EtcdMembership::publish`]).
+    registered: HashMap<String, i64>,
 }
 
 enum Disconnect {
@@ -83,6 +86,17 @@ impl EtcdMembership {
             seen: ClusterMark::default(),
             upstreams: HashMap::new(),
             serving: HashMap::new(),
+            registered: HashMap::new(),
+        }
+    }
+
+    /// Notes when a worker record was created (`None`: deleted).
+    fn note_registration(&mut self, key: &[u8], created: Option<i64>) {
+        if let Some(fleet::keys::Key::Worker(id)) = self.keys.parse(key) {
+            match created {
+                Some(revision) => self.registered.insert(id, revision),
+                None => self.registered.remove(&id),
+            };
         }
     }
 
@@ -112,6 +126,10 @@ impl EtcdMembership {
             self.metrics.etcd_invalid_values.with_label_values(&[r.kind]).inc();
         }
         self.state = state;
+        self.registered.clear();
+        for kv in &read.kvs {
+            self.note_registration(kv.key(), Some(kv.create_revision()));
+        }
         self.revision = read.mark.revision;
         self.seen = read.mark;
         self.metrics.etcd_resyncs.inc();
@@ -132,7 +150,23 @@ impl EtcdMembership {
     fn publish(&mut self, publisher: &RoutesPublisher) {
         let mut views = Vec::with_capacity(self.state.workers.len());
         let mut upstreams = HashMap::with_capacity(self.state.workers.len());
+        // One process listens on an address: where two records name it (a worker restarted
+        // under a new id while its old lease lives on), the one created last is it, and the
+        // other's statuses — what the old process held — would send it requests for models it
+        // may not have. Only the newer routes.
+        let mut newest: HashMap<&str, (i64, &str)> = HashMap::new();
         for (id, record) in &self.state.workers {
+            let created = self.registered.get(id).copied().unwrap_or(0);
+            let entry = newest.entry(record.grpc.as_str()).or_insert((created, id));
+            if (created, id.as_str()) > *entry {
+                *entry = (created, id);
+            }
+        }
+        for (id, record) in &self.state.workers {
+            if newest.get(record.grpc.as_str()).is_some_and(|(_, newer)| *newer != id.as_str()) {
+                tracing::debug!(worker = %id, address = %record.grpc, "another worker registered at this address later; not routed");
+                continue;
+            }
             let upstream = match self.upstreams.remove(id) {
                 Some((address, u)) if address == record.grpc => u,
                 _ => match Upstream::new(&record.grpc, self.upstream) {
@@ -270,6 +304,7 @@ impl EtcdMembership {
             let Some(kv) = event.kv() else { continue };
             let value = (event.event_type() == EventType::Put).then(|| kv.value());
             changed |= self.apply(kv.key(), value);
+            self.note_registration(kv.key(), value.map(|_| kv.create_revision()));
             self.revision = self.revision.max(kv.mod_revision());
         }
         if let Some(r) =
@@ -343,6 +378,39 @@ mod tests {
         assert!(too_large(&status(tonic::Code::Internal, tonic_limit)));
         assert!(!too_large(&status(tonic::Code::Unavailable, "connection reset")));
         assert!(!too_large(&etcd_client::Error::WatchError("the watch stream ended".into())));
+    }
+
+    /// Of two worker records naming one address, only the one created last routes.
+    #[tokio::test]
+    async fn of_two_records_at_one_address_the_newer_routes() {
+        let keys = Keys::new("/t").unwrap();
+        let upstream = UpstreamOptions::from(crate::config::OutlierConfig::default());
+        let mut membership = EtcdMembership::new(vec![], keys.clone(), upstream, GatewayMetrics::new());
+        let record =
+            |id: &str, address: &str| format!(r#"{{"schema":1,"id":"{id}","grpc":"{address}","state":"ready"}}"#);
+        for (id, address, created) in
+            [("new", "127.0.0.1:1", 9), ("old", "127.0.0.1:1", 5), ("other", "127.0.0.1:2", 7)]
+        {
+            let key = keys.worker(id);
+            assert!(membership.apply(key.as_bytes(), Some(record(id, address).as_bytes())));
+            membership.note_registration(key.as_bytes(), Some(created));
+        }
+        let (publisher, routes) = crate::routing::routes(Instant::now());
+        membership.publish(&publisher);
+        let routed = |routes: &crate::routing::Routes| {
+            let mut ids: Vec<String> = routes.snapshot().workers().iter().map(|w| w.upstream.id.to_string()).collect();
+            ids.sort();
+            ids
+        };
+        assert_eq!(routed(&routes), ["127.0.0.1:1", "127.0.0.1:2"], "one view per address");
+        assert!(membership.upstreams.contains_key("new") && !membership.upstreams.contains_key("old"));
+        // The newer one gone (its lease), the older routes again.
+        let key = keys.worker("new");
+        membership.apply(key.as_bytes(), None);
+        membership.note_registration(key.as_bytes(), None);
+        membership.publish(&publisher);
+        assert!(membership.upstreams.contains_key("old"));
+        assert_eq!(routed(&routes), ["127.0.0.1:1", "127.0.0.1:2"]);
     }
 
     /// An invalid drain value drains its worker at once (a change that publishes a table),
