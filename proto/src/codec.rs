@@ -75,7 +75,7 @@ impl<U: Message + Default + 'static> Decoder for CheckedDecoder<U> {
                 check_infer_request(chunk)
             } else {
                 let mut whole = vec![0; buf.remaining()];
-                (&mut *buf).copy_to_slice(&mut whole);
+                buf.copy_to_slice(&mut whole);
                 check_infer_request(&whole)?;
                 return Ok(Some(U::decode(whole.as_slice()).map_err(|e| Status::internal(e.to_string()))?));
             };
