@@ -7,9 +7,12 @@
 //! One 64 MiB `ModelInferRequest` of empty entries would decode into gigabytes. The walk counts
 //! entries without allocating and refuses the request (INVALID_ARGUMENT) when it lists more
 //! tensors, parameters or dimensions than any model needs — the same bounds the HTTP parser
-//! applies — so what prost then builds stays a small multiple of the message.
+//! applies — or typed `contents` that would take more than the server's request limit once
+//! converted (see [`raise_contents_limit`]), so that what prost then builds stays a small
+//! multiple of that limit.
 
 use std::any::TypeId;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::Buf;
 use prost::Message;
@@ -29,6 +32,20 @@ pub const MAX_REQUEST_TENSORS: usize = 4096;
 pub const MAX_RANK: usize = 64;
 /// Most entries one `parameters` map (of a request, an input or an output) may have.
 pub const MAX_PARAMETERS: usize = 256;
+
+/// The most bytes typed `contents` may take once converted (see [`raise_contents_limit`]).
+static CONTENTS_LIMIT: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Raises the bound on what a request's typed `contents` take once converted to raw bytes
+/// (their elements at the least size a datatype gives them, a string its length and 4-byte
+/// prefix) to `limit`, the request limit of a server this process runs: the converter refuses
+/// more anyway, and prost would build up to six times that (an empty string decodes into 24
+/// bytes) first. The codec is shared by every server in the process, so the largest limit
+/// wins; each server's own limit still applies when it converts.
+pub fn raise_contents_limit(limit: usize) {
+    let _ = CONTENTS_LIMIT.compare_exchange(usize::MAX, limit, Ordering::AcqRel, Ordering::Acquire);
+    CONTENTS_LIMIT.fetch_max(limit, Ordering::AcqRel);
+}
 
 /// prost's codec, with [`check_infer_request`] run on each `ModelInferRequest` received.
 #[derive(Debug, Clone)]
@@ -72,11 +89,11 @@ impl<U: Message + Default + 'static> Decoder for CheckedDecoder<U> {
             // tonic holds the whole message in one buffer; a split one is walked from a copy.
             let chunk = buf.chunk();
             let checked = if chunk.len() == buf.remaining() {
-                check_infer_request(chunk)
+                check_infer_request(chunk, CONTENTS_LIMIT.load(Ordering::Acquire))
             } else {
                 let mut whole = vec![0; buf.remaining()];
                 buf.copy_to_slice(&mut whole);
-                check_infer_request(&whole)?;
+                check_infer_request(&whole, CONTENTS_LIMIT.load(Ordering::Acquire))?;
                 return Ok(Some(U::decode(whole.as_slice()).map_err(|e| Status::internal(e.to_string()))?));
             };
             checked?;
@@ -90,12 +107,14 @@ impl<U: Message + Default + 'static> Decoder for CheckedDecoder<U> {
 }
 
 /// Refuses an encoded `ModelInferRequest` that lists more than [`MAX_REQUEST_TENSORS`] inputs,
-/// outputs or raw contents, more than [`MAX_PARAMETERS`] entries in a parameter map, or a shape
-/// of more than [`MAX_RANK`] dimensions. Allocates nothing. A malformed message passes: prost
-/// then reports it as it decodes.
-pub fn check_infer_request(message: &[u8]) -> Result<(), Status> {
+/// outputs or raw contents, more than [`MAX_PARAMETERS`] entries in a parameter map, a shape
+/// of more than [`MAX_RANK`] dimensions, or typed contents that take more than
+/// `contents_limit` bytes once converted (at the least). Allocates nothing. A malformed
+/// message passes: prost then reports it as it decodes.
+pub fn check_infer_request(message: &[u8], contents_limit: usize) -> Result<(), Status> {
     let refuse = |what: String| Err(Status::invalid_argument(what));
     let (mut inputs, mut outputs, mut raw, mut parameters) = (0usize, 0usize, 0usize, 0usize);
+    let mut contents = 0usize;
     for field in Fields(message) {
         let Ok((number, value)) = field else { return Ok(()) };
         match (number, value) {
@@ -104,7 +123,13 @@ pub fn check_infer_request(message: &[u8]) -> Result<(), Status> {
                 if inputs == MAX_REQUEST_TENSORS {
                     return refuse(format!("a request may list at most {MAX_REQUEST_TENSORS} inputs"));
                 }
-                check_input(inputs, input)?;
+                contents = contents.saturating_add(check_input(inputs, input)?);
+                if contents > contents_limit {
+                    return refuse(format!(
+                        "the inputs' typed contents up to inputs[{inputs}] take at least {contents} bytes once \
+                         converted, more than the request limit of {contents_limit} bytes"
+                    ));
+                }
                 inputs += 1;
             }
             (6, Value::Bytes(output)) => {
@@ -136,16 +161,16 @@ fn too_many_parameters() -> String {
     format!("a parameters map may have at most {MAX_PARAMETERS} entries")
 }
 
-/// One `InferInputTensor`'s shape and parameters.
-fn check_input(index: usize, input: &[u8]) -> Result<(), Status> {
-    let (mut rank, mut parameters) = (0usize, 0usize);
+/// One `InferInputTensor`'s shape and parameters; what its typed contents take converted.
+fn check_input(index: usize, input: &[u8]) -> Result<usize, Status> {
+    let (mut rank, mut parameters, mut contents) = (0usize, 0usize, 0usize);
     for field in Fields(input) {
-        let Ok((number, value)) = field else { return Ok(()) };
+        let Ok((number, value)) = field else { return Ok(contents) };
         match (number, value) {
-            // Packed: one varint per dimension, each ending in a byte below 0x80.
-            (3, Value::Bytes(packed)) => rank += packed.iter().filter(|b| **b < 0x80).count(),
+            (3, Value::Bytes(packed)) => rank += varints(packed),
             (3, Value::Varint) => rank += 1,
             (4, Value::Bytes(_)) => parameters += 1,
+            (5, Value::Bytes(typed)) => contents = contents.saturating_add(converted_size(typed)),
             _ => {}
         }
         if rank > MAX_RANK {
@@ -157,7 +182,42 @@ fn check_input(index: usize, input: &[u8]) -> Result<(), Status> {
             return Err(Status::invalid_argument(format!("inputs[{index}]: {}", too_many_parameters())));
         }
     }
-    Ok(())
+    Ok(contents)
+}
+
+/// The varints of a packed field: each ends in a byte below 0x80.
+fn varints(packed: &[u8]) -> usize {
+    packed.iter().filter(|b| **b < 0x80).count()
+}
+
+/// The least an `InferTensorContents` takes converted to raw bytes: each element at the
+/// smallest size a datatype sent in its field has (INT8 in `int_contents`: one byte), each
+/// string its length and a 4-byte prefix.
+fn converted_size(contents: &[u8]) -> usize {
+    let mut size = 0usize;
+    for field in Fields(contents) {
+        let Ok((number, value)) = field else { break };
+        let element = match number {
+            // bool, int32, uint32 (INT8/UINT8 at the least)
+            1 | 2 | 4 => 1,
+            // int64, uint64, fp64
+            3 | 5 | 7 => 8,
+            // fp32
+            6 => 4,
+            _ => 0,
+        };
+        let bytes = match (number, value) {
+            (8, Value::Bytes(string)) => 4 + string.len(),
+            // Packed: varints (bool, int32, int64, uint32, uint64), or fixed 4 / 8 bytes.
+            (1..=5, Value::Bytes(packed)) => varints(packed) * element,
+            (6 | 7, Value::Bytes(packed)) => packed.len(),
+            // One unpacked element.
+            (1..=7, Value::Varint | Value::Fixed) => element,
+            _ => 0,
+        };
+        size = size.saturating_add(bytes);
+    }
+    size
 }
 
 /// A field's value on the wire (only length-delimited contents are kept).
@@ -218,10 +278,42 @@ impl<'a> Fields<'a> {
                 Value::Bytes(self.skip(len)?)
             }
             5 => self.skip(4).map(|_| Value::Fixed)?,
-            // Groups (deprecated, never in this protocol) and invalid wire types.
+            // A group (deprecated, never in this protocol, but valid: prost skips one under an
+            // unknown field number), skipped to its end so that the walk goes on after it.
+            3 => self.skip_group(number, 0).map(|()| Value::Fixed)?,
             _ => return Err(()),
         };
         Ok((number, value))
+    }
+
+    /// Skips the fields of group `number` up to its end, nested groups included (as deep as
+    /// prost's recursion limit).
+    fn skip_group(&mut self, number: u32, depth: u32) -> Result<(), ()> {
+        if depth >= 100 {
+            return Err(());
+        }
+        loop {
+            let key = self.varint()?;
+            let inner = u32::try_from(key >> 3).map_err(|_| ())?;
+            match key & 7 {
+                0 => {
+                    self.varint()?;
+                }
+                1 => {
+                    self.skip(8)?;
+                }
+                2 => {
+                    let len = usize::try_from(self.varint()?).map_err(|_| ())?;
+                    self.skip(len)?;
+                }
+                3 => self.skip_group(inner, depth + 1)?,
+                4 if inner == number => return Ok(()),
+                5 => {
+                    self.skip(4)?;
+                }
+                _ => return Err(()),
+            }
+        }
     }
 }
 
@@ -238,7 +330,7 @@ mod tests {
     }
 
     fn refused(request: &ModelInferRequest) -> String {
-        let e = check_infer_request(&encoded(request)).expect_err("refused");
+        let e = check_infer_request(&encoded(request), usize::MAX).expect_err("refused");
         assert_eq!(e.code(), tonic::Code::InvalidArgument);
         e.message().to_string()
     }
@@ -271,7 +363,7 @@ mod tests {
             raw_input_contents: vec![bytes::Bytes::from_static(b"abcd"); MAX_REQUEST_TENSORS],
             ..Default::default()
         };
-        check_infer_request(&encoded(&request)).unwrap();
+        check_infer_request(&encoded(&request), usize::MAX).unwrap();
     }
 
     #[test]
@@ -312,17 +404,66 @@ mod tests {
             message.extend_from_slice(dims);
             message
         };
-        let e = check_infer_request(&input(&unpacked)).unwrap_err();
+        let e = check_infer_request(&input(&unpacked), usize::MAX).unwrap_err();
         assert!(e.message().contains("more than 64 dimensions"), "{}", e.message());
         assert_eq!(ModelInferRequest::decode(input(&unpacked).as_slice()).unwrap().inputs[0].shape.len(), 65);
         // 64 unpacked is fine.
-        check_infer_request(&input(&unpacked[..128])).unwrap();
+        check_infer_request(&input(&unpacked[..128]), usize::MAX).unwrap();
+    }
+
+    /// A group (valid protobuf that prost skips) does not end the walk: what follows is
+    /// counted.
+    #[test]
+    fn entries_after_a_group_are_counted() {
+        let mut message = vec![8 << 3 | 3, 1 << 3, 7, 9 << 3 | 3, 9 << 3 | 4, 8 << 3 | 4];
+        for _ in 0..4097 {
+            message.extend_from_slice(&[5 << 3 | 2, 0]);
+        }
+        assert_eq!(ModelInferRequest::decode(message.as_slice()).unwrap().inputs.len(), 4097);
+        let e = check_infer_request(&message, usize::MAX).unwrap_err();
+        assert!(e.message().contains("at most 4096 inputs"), "{}", e.message());
+    }
+
+    /// Typed contents are weighed at their least converted size against the limit: strings
+    /// at their length and prefix, varints by count, fixed-size elements by their bytes.
+    #[test]
+    fn typed_contents_are_bounded_once_converted() {
+        let with = |contents: InferTensorContents| ModelInferRequest {
+            inputs: vec![InferInputTensor { contents: Some(contents), ..input(vec![1]) }],
+            ..Default::default()
+        };
+        let strings = with(InferTensorContents { bytes_contents: vec![vec![]; 1000], ..Default::default() });
+        check_infer_request(&encoded(&strings), 4000).unwrap();
+        let e = check_infer_request(&encoded(&strings), 3999).unwrap_err();
+        assert!(
+            e.message().contains("at least 4000 bytes") && e.message().contains("limit of 3999"),
+            "{}",
+            e.message()
+        );
+        let int64 = with(InferTensorContents { int64_contents: vec![0; 100], ..Default::default() });
+        check_infer_request(&encoded(&int64), 800).unwrap();
+        assert!(check_infer_request(&encoded(&int64), 799).is_err());
+        // int32 elements may be INT8s: a byte each at the least.
+        let int32 = with(InferTensorContents { int_contents: vec![-1; 100], ..Default::default() });
+        check_infer_request(&encoded(&int32), 100).unwrap();
+        assert!(check_infer_request(&encoded(&int32), 99).is_err());
+        let floats = with(InferTensorContents { fp32_contents: vec![1.5; 100], ..Default::default() });
+        check_infer_request(&encoded(&floats), 400).unwrap();
+        assert!(check_infer_request(&encoded(&floats), 399).is_err());
+        // Two inputs add up.
+        let two = ModelInferRequest {
+            inputs: vec![strings.inputs[0].clone(), int64.inputs[0].clone()],
+            ..Default::default()
+        };
+        check_infer_request(&encoded(&two), 4800).unwrap();
+        let e = check_infer_request(&encoded(&two), 4799).unwrap_err();
+        assert!(e.message().contains("up to inputs[1]"), "{}", e.message());
     }
 
     #[test]
     fn malformed_messages_are_left_to_prost() {
         for message in [&[0x2a, 0x05, 0x01][..], &[0xff; 12], &[0x0b], &[0x2a]] {
-            check_infer_request(message).unwrap();
+            check_infer_request(message, usize::MAX).unwrap();
             assert!(ModelInferRequest::decode(message).is_err());
         }
     }

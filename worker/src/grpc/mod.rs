@@ -73,12 +73,14 @@ pub struct GrpcFrontend {
 
 impl GrpcFrontend {
     pub fn new(server: Server) -> Self {
+        // The codec weighs typed contents against the request limit before decoding them.
+        nereid_proto::codec::raise_contents_limit(server.limits.max_request_bytes);
         GrpcFrontend { server, shutdown: None }
     }
 
     /// Like [`GrpcFrontend::new`]; streams end once `shutdown` is cancelled.
     pub fn with_shutdown(server: Server, shutdown: CancellationToken) -> Self {
-        GrpcFrontend { server, shutdown: Some(shutdown) }
+        GrpcFrontend { shutdown: Some(shutdown), ..GrpcFrontend::new(server) }
     }
 }
 

@@ -27,8 +27,8 @@ use axum::{Json, Router};
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 use hyper::body::{Frame, SizeHint};
-use nereid_common::Status;
 use nereid_common::config::config_to_json;
+use nereid_common::{DataType, Status};
 use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -123,12 +123,19 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(300);
 pub const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Pause after a failed accept that is not one connection's own failure (out of descriptors):
-/// the loop would otherwise spin on it.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// the loop would otherwise spin on it (and log it) until descriptors are freed.
+const ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
+
+/// HTTP/2 connections are pinged after this long without a frame, and closed when no answer
+/// comes within [`H2_KEEPALIVE_TIMEOUT`]: a peer that vanished without a FIN frees its
+/// connection. (An idle HTTP/2 client that answers pings keeps it, as pooled clients do.)
+const H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(60);
+const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Serves `router` on `listener` (HTTP/1.1 with keep-alive, and HTTP/2) until `shutdown` is
-/// cancelled, then finishes the requests in flight and returns. Connections that send no
-/// request head within [`HEADER_READ_TIMEOUT`] are closed.
+/// cancelled, then finishes the requests in flight and returns. A connection that sends
+/// nothing, or no whole HTTP/1 request head, within [`HEADER_READ_TIMEOUT`] is closed; an
+/// HTTP/2 one whose peer stops answering pings too.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
@@ -142,6 +149,11 @@ pub async fn serve(
 
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(H2_KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT);
     let connections = GracefulShutdown::new();
     loop {
         let tcp = tokio::select! {
@@ -151,7 +163,9 @@ pub async fn serve(
                 // One connection's failure (reset before it was accepted): the next one.
                 Err(e) if matches!(
                     e.kind(),
-                    std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::ConnectionReset
+                    std::io::ErrorKind::ConnectionAborted
+                        | std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::ConnectionRefused
                 ) => continue,
                 Err(e) => {
                     tracing::warn!("accepting an HTTP connection failed: {e}");
@@ -168,8 +182,20 @@ pub async fn serve(
         let service = TowerToHyperService::new(
             router.clone().map_request(|request: http::Request<hyper::body::Incoming>| request.map(Body::new)),
         );
-        let connection = builder.serve_connection(TokioIo::new(tcp), service).into_owned();
-        tokio::spawn(connections.watch(connection));
+        // Which protocol a connection speaks is read from its first bytes, with no clock: one
+        // that sends nothing is dropped once the head timeout passes (or at shutdown) before
+        // hyper is given it.
+        let (builder, watcher, stop) = (builder.clone(), connections.watcher(), shutdown.clone());
+        tokio::spawn(async move {
+            let spoke = tokio::select! {
+                readable = tcp.readable() => readable.is_ok(),
+                _ = tokio::time::sleep(HEADER_READ_TIMEOUT) => false,
+                _ = stop.cancelled() => false,
+            };
+            if spoke {
+                watcher.watch(builder.serve_connection(TokioIo::new(tcp), service)).await.ok();
+            }
+        });
     }
     // No new connections; those open finish their requests (idle ones close at once).
     drop(listener);
@@ -626,8 +652,11 @@ async fn infer(
         // (A BYTES input copies the body, behind its length prefix: large ones off the async
         // threads.)
         let config = server.model_config(&name, version)?;
-        maybe_offload(body.len() > OFFLOAD_JSON_BYTES, move || parse_raw_binary_request(&name, version, body, &config))
-            .await?
+        let copies = config.input.first().is_some_and(|i| i.data_type == DataType::Bytes.config_value());
+        maybe_offload(copies && body.len() > OFFLOAD_JSON_BYTES, move || {
+            parse_raw_binary_request(&name, version, body, &config)
+        })
+        .await?
     } else {
         maybe_offload(heavy, move || parse_infer_request(&name, version, body, header_length, max, Some(&shm))).await?
     };
@@ -1113,7 +1142,8 @@ mod tests {
         (address, stop)
     }
 
-    /// A connection that sends half a request head is closed after HEADER_READ_TIMEOUT; one
+    /// A connection that sends nothing, or half a request head, is closed after
+    /// HEADER_READ_TIMEOUT; one
     /// whose body stalls is answered 504 after BODY_IDLE_TIMEOUT, naming the stall; a whole
     /// request is served. (Paused time: the timeouts pass as soon as everything waits.)
     #[tokio::test(start_paused = true)]
@@ -1131,6 +1161,10 @@ mod tests {
                 .unwrap();
             (String::from_utf8_lossy(&answer).into_owned(), started.elapsed())
         };
+        // Silent: not even the first byte (which picks HTTP/1 or HTTP/2).
+        let (answer, waited) = exchange(b"").await;
+        assert!(answer.is_empty(), "{answer}");
+        assert!(waited >= HEADER_READ_TIMEOUT, "{waited:?}");
         let (answer, waited) = exchange(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Le").await;
         assert!(!answer.contains("200 OK"), "{answer}");
         assert!(waited >= HEADER_READ_TIMEOUT, "{waited:?}");
