@@ -155,8 +155,9 @@ pub struct Args {
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=64))]
     pub upstream_connections: u64,
 
-    /// Time to connect to a worker, in milliseconds: the TCP connection and the HTTP/2
-    /// handshake, for inference and control calls alike (Envoy's cluster `connect_timeout`).
+    /// Time to connect to a worker, in milliseconds (Envoy's cluster `connect_timeout`): the
+    /// TCP connection and, on inference connections, the HTTP/2 handshake; on the control
+    /// channel (metadata, config, statistics, health polls) the TCP connection.
     /// A call whose connection is not up in time fails as never sent, and is retried on
     /// another worker where the retry budget allows.
     #[arg(long, default_value_t = DEFAULT_CONNECT_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(1..=600_000))]

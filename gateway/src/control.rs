@@ -225,6 +225,12 @@ impl Control {
             .map(|w| w.upstream.clone())
             .collect();
         drop(table);
+        // A model only unreachable workers list: unavailable for now, not an empty answer.
+        if let Some(name) = name
+            && workers.is_empty()
+        {
+            return Err(RouteError::NoReadyWorker { model: name.to_string(), version }.into());
+        }
         let request = ModelStatisticsRequest { name: name.unwrap_or("").to_string(), version: version_string(version) };
         let timeout = deadline.saturating_duration_since(Instant::now());
         let calls = workers.iter().map(|w| {

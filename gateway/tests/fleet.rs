@@ -625,6 +625,26 @@ async fn malformed_protobuf_is_refused_and_the_gateway_keeps_serving() {
     let want: Vec<u8> = (0..16).flat_map(|i| (i as f32).to_le_bytes()).collect();
     assert_eq!(answer.raw_output_contents[0], want);
 
+    // The other methods: malformed protobuf is INVALID_ARGUMENT (as a worker answers it, not
+    // tonic's INTERNAL); a message past the small bound of settings RESOURCE_EXHAUSTED.
+    let control = |path: &'static str, body: Vec<u8>| {
+        let channel = channel.clone();
+        async move {
+            let mut grpc = tonic::client::Grpc::new(channel);
+            grpc.ready().await.unwrap();
+            let path = tonic::codegen::http::uri::PathAndQuery::from_static(path);
+            grpc.unary(tonic::Request::new(bytes::Bytes::from(body)), path, BytesCodec::<bytes::Bytes>::default()).await
+        }
+    };
+    let e = control("/inference.GRPCInferenceService/ModelMetadata", vec![0x0a, 0x05, b'x']).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    let huge_name = ModelConfigRequest { name: "m".repeat(100_000), ..Default::default() }.encode_to_vec();
+    let e = control("/inference.GRPCInferenceService/ModelConfig", huge_name).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+    let metadata = ModelMetadataRequest { name: "identity_fp32".into(), ..Default::default() }.encode_to_vec();
+    let answer = control("/inference.GRPCInferenceService/ModelMetadata", metadata).await.unwrap();
+    assert_eq!(ModelMetadataResponse::decode(answer.into_inner()).unwrap().name, "identity_fp32");
+
     // A stream with one good and one unknown-model request: one answer, one error message.
     let mut through = gateway.client().await;
     let mut bad = fp32_request("no_such_model", "", &[1, 16], |_| 0.0);
@@ -658,7 +678,12 @@ async fn a_worker_that_misses_polls_leaves_its_models_unavailable_not_unknown() 
     })
     .await;
     let e = client.model_infer(request()).await.unwrap_err();
+    let stats = client
+        .model_statistics(ModelStatisticsRequest { name: "identity_fp32".into(), ..Default::default() })
+        .await;
     worker.signal("CONT");
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    let e = stats.expect_err("statistics of a model only an unreachable worker lists");
     assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
     let e = client.model_infer(fp32_request("nope", "", &[1, 16], |_| 0.0)).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::NotFound, "a model nobody listed is still unknown: {e:?}");

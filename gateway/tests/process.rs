@@ -244,6 +244,8 @@ async fn a_request_without_room_for_what_forwarding_appends_is_refused_at_the_ga
     // Over the limit itself: refused by the gRPC layer before the message is handed on, and
     // counted in the request metrics like the gateway's own refusals.
     let status = grpc(id_for(MAX + 100)).await.expect_err("over the limit");
+    // As a worker answers it (tonic's own OUT_OF_RANGE remapped).
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
     let label = nereid_gateway::error::code_label(status.code());
     let series = format!("nereid_gateway_requests_total{{code=\"{label}\",model=\"_unread\",version=\"\"}} 1");
     let text = gateway.metrics_text().await;

@@ -150,11 +150,12 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let max_request = ingress.max_request_bytes;
+    // Every other method carries a few names and settings: held to the small bound HTTP holds
+    // such bodies to, and not inflated (they run with no admission place, on the event loop; a
+    // compressed 64 MiB config request would stall every connection while it inflated).
     let generated = GrpcInferenceServiceServer::new(GatewayGrpc { ingress: ingress.clone() })
-        .max_decoding_message_size(max_request)
-        .max_encoding_message_size(usize::MAX)
-        .accept_compressed(CompressionEncoding::Gzip)
-        .accept_compressed(CompressionEncoding::Deflate);
+        .max_decoding_message_size(nereid_worker::http::SMALL_BODY_BYTES.min(max_request))
+        .max_encoding_message_size(usize::MAX);
     // grpc.health.v1 as a worker serves it: SERVING while the gateway is ready (not draining).
     let health = {
         let ingress = ingress.clone();
@@ -171,6 +172,9 @@ pub async fn serve(
         .initial_connection_window_size(Some(HTTP2_CONNECTION_WINDOW))
         .initial_stream_window_size(Some(HTTP2_STREAM_WINDOW))
         .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
+        // tonic's own refusals (undecodable, too large, corrupt compression) get the codes a
+        // worker answers them with, so a client sees the same through the gateway.
+        .layer(tower::util::MapResponseLayer::new(nereid_worker::grpc::remap_transport_errors))
         .add_service(health)
         .add_service(service)
         .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())
@@ -229,11 +233,14 @@ impl tower::Service<http::Request<tonic::body::Body>> for InferenceService {
                             // compressed or not, or undecodable): counted as the handler counts
                             // its own refusals.
                             if !received.load(Ordering::Acquire) {
-                                let code = response
-                                    .headers()
+                                let headers = response.headers();
+                                let code = headers
                                     .get("grpc-status")
                                     .and_then(|v| v.to_str().ok()?.parse::<i32>().ok())
                                     .map_or(tonic::Code::Unknown, tonic::Code::from_i32);
+                                let message = headers.get("grpc-message").and_then(|v| v.to_str().ok()).unwrap_or("");
+                                let message = message.replace("%20", " ");
+                                let code = nereid_worker::grpc::transport_code(code, &message).unwrap_or(code);
                                 refusals.count(None, code, arrived);
                             }
                             Ok(response)

@@ -206,7 +206,7 @@ const HTTP2_STREAM_WINDOW: u32 = 8 << 20;
 /// with OUT_OF_RANGE, before any handler runs. Clients act on INVALID_ARGUMENT (malformed protobuf:
 /// the request is wrong, do not retry) and RESOURCE_EXHAUSTED (too large), so rewrite those
 /// codes in trailers-only error responses; the message is kept.
-fn remap_transport_errors<B>(mut response: http::Response<B>) -> http::Response<B> {
+pub fn remap_transport_errors<B>(mut response: http::Response<B>) -> http::Response<B> {
     let headers = response.headers_mut();
     let (Some(status), Some(message)) = (headers.get("grpc-status"), headers.get("grpc-message")) else {
         return response;
@@ -221,7 +221,7 @@ fn remap_transport_errors<B>(mut response: http::Response<B>) -> http::Response<
 
 /// The code a client should see for tonic's own decoding failure `code` (see
 /// [`remap_transport_errors`]), if it is one.
-fn transport_code(code: tonic::Code, message: &str) -> Option<tonic::Code> {
+pub fn transport_code(code: tonic::Code, message: &str) -> Option<tonic::Code> {
     match code {
         tonic::Code::Internal if message.contains("failed to decode Protobuf message") => {
             Some(tonic::Code::InvalidArgument)
