@@ -683,8 +683,12 @@ fn select_versions(config: &ModelConfig, available: &[i64], warnings: &mut Vec<S
     if available.is_empty() {
         return Err(fail("no numeric version folder in the model directory"));
     }
-    let mut chosen: Vec<i64> = match config.version_policy.as_ref().and_then(|p| p.policy_choice.as_ref()) {
-        None => available.iter().rev().take(1).copied().collect(),
+    let policy = config.version_policy.as_ref().map(|p| p.policy_choice.as_ref());
+    let mut chosen: Vec<i64> = match policy.flatten() {
+        // No policy: the latest version (Triton's default).
+        None if policy.is_none() => available.iter().rev().take(1).copied().collect(),
+        // A policy that names no choice (`version_policy: { }`) is Triton's "all".
+        None => available.to_vec(),
         // `latest { num_versions: 0 }` picks no version, and Triton then fails the load rather
         // than read 0 as 1: loading a version the policy does not name would serve a model the
         // config never asked for.
@@ -1768,6 +1772,14 @@ mod tests {
         let fixed = io(&[("X", &[-1, 10])], &[("Y", &[-1, 10])]);
         let e = check_against_model(&c("[ 10 ]", "[ -1 ]"), &fixed).expect_err("output [-1] against [-1, 10]");
         assert!(e.contains("output 'Y'"), "{e}");
+    }
+
+    /// A policy that names no choice is Triton's "all"; no policy at all is the latest one.
+    #[test]
+    fn an_empty_version_policy_loads_every_version() {
+        let all = config("version_policy: { }");
+        assert_eq!(select_versions(&all, &[1, 2, 3], &mut Vec::new()).unwrap(), vec![1, 2, 3]);
+        assert_eq!(select_versions(&config(""), &[1, 2, 3], &mut Vec::new()).unwrap(), vec![3]);
     }
 
     /// Triton selects no version for `latest { num_versions: 0 }` and fails the load; it was
