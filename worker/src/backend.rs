@@ -70,6 +70,11 @@ pub enum Device {
     Gpu(i32),
 }
 
+/// Most bytes one input of a batch padded to `max_batch_size` rows (`nereid.pad_batch`) may
+/// take: the load refuses a config whose fixed shapes pass it, and a batch of variable-size
+/// rows that would is refused rather than allocated.
+pub const MAX_PADDED_INPUT_BYTES: usize = 4 << 30;
+
 /// Per-instance session options, from the model config's `parameters` and instance group.
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
@@ -495,7 +500,23 @@ impl InstanceSession {
             } else {
                 let total: usize = parts[i].iter().map(|p| p.1.len()).sum();
                 // Padding rows: as many bytes per row as the batch's own rows hold, zeroed.
-                let padded = if run_rows > total_rows { total / total_rows.max(1) * run_rows } else { total };
+                let padded = if run_rows > total_rows {
+                    (total / total_rows.max(1))
+                        .checked_mul(run_rows)
+                        .filter(|&bytes| bytes <= MAX_PADDED_INPUT_BYTES)
+                        .ok_or_else(|| {
+                        Status::new(
+                            nereid_common::Code::ResourceExhausted,
+                            format!(
+                                "input '{}': padding the batch to {run_rows} rows (nereid.pad_batch) would take \
+                                     more than {MAX_PADDED_INPUT_BYTES} bytes",
+                                spec.name
+                            ),
+                        )
+                    })?
+                } else {
+                    total
+                };
                 let buf = self.buffers[i].reset(padded);
                 let mut at = 0;
                 for part in &parts[i] {

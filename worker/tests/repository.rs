@@ -976,6 +976,8 @@ parameters {{ key: "nereid.pad_batch" value: {{ string_value: "{pad}" }} }}
         )
     };
     let (padded, plain) = (mlp("padded", true), mlp("plain", false));
+    // Padded to five million rows of 1 KiB: refused at load, not allocated per batch.
+    let huge = mlp("huge", true).replace("max_batch_size: 16", "max_batch_size: 5000000");
     let pad = r#"parameters { key: "nereid.pad_batch" value: { string_value: "true" } }"#;
     let read = |m: &str| std::fs::read_to_string(common::example_models().join(m).join("config.pbtxt")).unwrap();
     let strings = format!("{}\n{pad}\n", read("string_len"));
@@ -985,10 +987,13 @@ parameters {{ key: "nereid.pad_batch" value: {{ string_value: "{pad}" }} }}
         TestModel { name: "plain", source: "mlp_fp32", config: Some(&plain) },
         TestModel { name: "string_len", source: "string_len", config: Some(&strings) },
         TestModel { name: "nobatch_add", source: "nobatch_add", config: Some(&unbatched) },
+        TestModel { name: "huge", source: "mlp_fp32", config: Some(&huge) },
     ]);
     let repo = repository(dir.path(), ControlMode::None, false);
     let failed = repo.load_startup_models().await;
-    assert_eq!(failed.len(), 2, "{failed:?}");
+    assert_eq!(failed.len(), 3, "{failed:?}");
+    let r = reason(&repo, "huge");
+    assert!(r.contains("nereid.pad_batch") && r.contains("max_batch_size 5000000"), "{r}");
     let r = reason(&repo, "string_len");
     assert!(r.contains("nereid.pad_batch") && r.contains("TEXT"), "{r}");
     assert!(reason(&repo, "nobatch_add").contains("needs a batching model"));

@@ -359,6 +359,22 @@ pub fn load_model(
                 input.name
             )));
         }
+        // Every batch takes max_batch_size rows of each input: bounded, before any is made.
+        for input in &spec.inputs {
+            let fixed = input.dims.iter().all(|&d| d >= 0);
+            let bytes = nereid_common::dtype::element_count(&input.dims)
+                .and_then(|n| n.checked_mul(spec.max_batch_size as u64))
+                .and_then(|n| n.checked_mul(input.datatype.element_size().unwrap_or(1) as u64));
+            if fixed && bytes.is_none_or(|b| b > backend::MAX_PADDED_INPUT_BYTES as u64) {
+                return Err(fail(format!(
+                    "parameters['nereid.pad_batch']: input '{}' padded to max_batch_size {} rows would take more \
+                     than {} bytes per batch; lower max_batch_size or leave batches unpadded",
+                    input.name,
+                    spec.max_batch_size,
+                    backend::MAX_PADDED_INPUT_BYTES
+                )));
+            }
+        }
     }
     let policy = batch_policy(&config);
     let preserve = dynamic_batching(&config).is_some_and(|d| d.preserve_ordering);
@@ -529,6 +545,14 @@ fn check_backend(config: &ModelConfig) -> Result<(), Status> {
     }
     if !backend_ok {
         return Err(fail(format!("backend '{}' is not supported (Nereid serves onnxruntime)", config.backend)));
+    }
+    // Both named: they must agree, as Triton requires ("platform: onnxruntime" beside
+    // "backend: onnxruntime" is a typo Triton refuses too).
+    if !config.backend.is_empty() && !platform_ok {
+        return Err(fail(format!(
+            "platform '{}' does not go with backend '{}' (the onnxruntime backend's platform is onnxruntime_onnx)",
+            config.platform, config.backend
+        )));
     }
     Ok(())
 }
@@ -1180,6 +1204,8 @@ fn check_warmup(config: &ModelConfig, spec: &ModelSpec) -> Result<(), String> {
         }
         let mut names: Vec<&String> = sample.inputs.keys().collect();
         names.sort();
+        // A sample's inputs are all held at once: bounded together.
+        let mut sample_bytes = 0u64;
         for name in names {
             let w = &sample.inputs[name];
             let Some(input) = spec.inputs.iter().find(|i| &i.name == name) else {
@@ -1212,9 +1238,11 @@ fn check_warmup(config: &ModelConfig, spec: &ModelSpec) -> Result<(), String> {
             let bytes = nereid_common::dtype::element_count(&w.dims)
                 .and_then(|n| n.checked_mul(rows as u64))
                 .and_then(|n| n.checked_mul(input.datatype.element_size().unwrap_or(5) as u64));
-            if bytes.is_none_or(|b| b > MAX_WARMUP_INPUT_BYTES) {
+            sample_bytes = sample_bytes.saturating_add(bytes.unwrap_or(u64::MAX));
+            if sample_bytes > MAX_WARMUP_INPUT_BYTES {
                 return Err(at(format!(
-                    "inputs['{name}'] takes more than {MAX_WARMUP_INPUT_BYTES} bytes (dims {:?}, batch_size {})",
+                    "inputs['{name}'] takes the sample's inputs past {MAX_WARMUP_INPUT_BYTES} bytes together \
+                     (dims {:?}, batch_size {})",
                     w.dims, sample.batch_size
                 )));
             }
@@ -1619,11 +1647,11 @@ mod tests {
             // Allocated before running: bounded.
             (
                 "\"A\" value: { data_type: TYPE_FP32 dims: [ 1099511627776, 8 ] zero_data: true }",
-                ["'w'", "inputs['A']", "takes more than 1073741824 bytes"],
+                ["'w'", "inputs['A']", "past 1073741824 bytes together"],
             ),
             (
                 "\"A\" value: { data_type: TYPE_FP32 dims: [ 4611686018427387904, 8 ] zero_data: true }",
-                ["'w'", "inputs['A']", "takes more than"],
+                ["'w'", "inputs['A']", "past 1073741824 bytes"],
             ),
             // Read from the model's own warmup folder only.
             (
@@ -1636,6 +1664,29 @@ mod tests {
                 assert!(e.contains(n), "{n:?} not in {e:?}");
             }
         }
+    }
+
+    /// A sample's inputs are held together: bounded together (each under the bound, both over).
+    #[test]
+    fn warmup_inputs_are_bounded_together() {
+        let input = |name: &str| TensorSpec {
+            name: name.into(),
+            datatype: DataType::Fp32,
+            dims: vec![-1],
+            reshape: None,
+            optional: false,
+        };
+        let spec = ModelSpec { max_batch_size: 0, inputs: vec![input("A"), input("B")], outputs: vec![] };
+        let sample = |b: u64| {
+            config(&format!(
+                "model_warmup [ {{ name: \"w\" batch_size: 1 inputs [ \
+                 {{ key: \"A\" value: {{ data_type: TYPE_FP32 dims: [ 160000000 ] zero_data: true }} }}, \
+                 {{ key: \"B\" value: {{ data_type: TYPE_FP32 dims: [ {b} ] zero_data: true }} }} ] }} ]"
+            ))
+        };
+        assert!(check_warmup(&sample(100_000_000), &spec).is_ok(), "0.64 + 0.4 GB");
+        let e = check_warmup(&sample(160_000_000), &spec).expect_err("0.64 + 0.64 GB");
+        assert!(e.contains("inputs['B']") && e.contains("together"), "{e}");
     }
 
     fn io(inputs: &[(&str, &[i64])], outputs: &[(&str, &[i64])]) -> ModelIo {
@@ -1772,6 +1823,28 @@ mod tests {
         let fixed = io(&[("X", &[-1, 10])], &[("Y", &[-1, 10])]);
         let e = check_against_model(&c("[ 10 ]", "[ -1 ]"), &fixed).expect_err("output [-1] against [-1, 10]");
         assert!(e.contains("output 'Y'"), "{e}");
+    }
+
+    /// The platform and backend: either may name ONNX Runtime; both named, they must agree.
+    #[test]
+    fn platform_and_backend_must_agree() {
+        for ok in [
+            "",
+            "platform: \"onnxruntime_onnx\"",
+            "backend: \"onnxruntime\"",
+            "platform: \"onnxruntime_onnx\" backend: \"onnxruntime\"",
+        ] {
+            check_backend(&config(ok)).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        for (bad, needle) in [
+            ("platform: \"tensorrt_plan\"", "platform 'tensorrt_plan' is not supported"),
+            ("backend: \"python\"", "backend 'python' is not supported"),
+            ("platform: \"onnxruntime\" backend: \"onnxruntime\"", "does not go with backend 'onnxruntime'"),
+            ("platform: \"tensorrt_plan\" backend: \"onnxruntime\"", "platform 'tensorrt_plan' does not go with"),
+        ] {
+            let e = check_backend(&config(bad)).expect_err(bad);
+            assert!(e.message.contains(needle), "{bad}: {e}");
+        }
     }
 
     /// A policy that names no choice is Triton's "all"; no policy at all is the latest one.
