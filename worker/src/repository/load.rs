@@ -925,14 +925,18 @@ fn refuse_incomplete(config: &ModelConfig) -> Result<(), Status> {
     )))
 }
 
-/// The platform / backend names Triton's normalization fills in (not auto-completion: done
-/// under --strict-model-config too).
+/// The platform / backend names and the model file name Triton's normalization fills in (not
+/// auto-completion: done under --strict-model-config too), so that the served config says
+/// what runs, as Triton's does.
 fn fill_backend(config: &mut ModelConfig) {
-    if config.backend.is_empty() && config.platform.is_empty() {
+    if config.backend.is_empty() {
         config.backend = "onnxruntime".to_string();
     }
     if config.platform.is_empty() {
         config.platform = "onnxruntime_onnx".to_string();
+    }
+    if config.default_model_filename.is_empty() {
+        config.default_model_filename = DEFAULT_MODEL_FILENAME.to_string();
     }
 }
 
