@@ -63,6 +63,56 @@ fn model_config_descriptor() -> MessageDescriptor {
     pool().get_message_by_name("inference.ModelConfig").expect("inference.ModelConfig is in the descriptor set")
 }
 
+/// The text of a `config.pbtxt` file. Bytes that are not UTF-8 are accepted in comments (a
+/// comment saved in Latin-1 or another legacy encoding, which Triton's parser skips) and
+/// replaced there; anywhere else they are an error naming the line.
+pub fn config_text(bytes: &[u8]) -> Result<std::borrow::Cow<'_, str>, ConfigError> {
+    if let Ok(text) = std::str::from_utf8(bytes) {
+        return Ok(std::borrow::Cow::Borrowed(text));
+    }
+    let mut text = String::with_capacity(bytes.len());
+    for (number, line) in bytes.split_inclusive(|&b| b == b'\n').enumerate() {
+        match std::str::from_utf8(line) {
+            Ok(line) => text.push_str(line),
+            Err(e) => {
+                let invalid_at = e.valid_up_to();
+                if !comment_starts_before(&line[..invalid_at]) {
+                    return Err(ConfigError::new(format!(
+                        "line {}: byte {} is not UTF-8 (only comments may hold other encodings)",
+                        number + 1,
+                        invalid_at + 1
+                    )));
+                }
+                text.push_str(&String::from_utf8_lossy(line));
+            }
+        }
+    }
+    Ok(std::borrow::Cow::Owned(text))
+}
+
+/// Whether `prefix` (the start of a line) opens a `#` comment outside any string literal.
+fn comment_starts_before(prefix: &[u8]) -> bool {
+    let mut quote: Option<u8> = None;
+    let mut escaped = false;
+    for &b in prefix {
+        match quote {
+            Some(q) => {
+                if escaped {
+                    escaped = false;
+                } else if b == b'\\' {
+                    escaped = true;
+                } else if b == q {
+                    quote = None;
+                }
+            }
+            None if b == b'"' || b == b'\'' => quote = Some(b),
+            None if b == b'#' => return true,
+            None => {}
+        }
+    }
+    false
+}
+
 /// Parses `config.pbtxt` text into a `ModelConfig`.
 pub fn parse_model_config(text: &str) -> Result<ModelConfig, ConfigError> {
     let message = parse_dynamic(text)?;
@@ -348,6 +398,19 @@ pub fn validate_model_config(config: &ModelConfig) -> Result<(), ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn comments_may_hold_other_encodings_and_nothing_else_may() {
+        let latin1 = b"name: \"m\" # caf\xe9\nmax_batch_size: 4 # \"\xff\n";
+        let text = config_text(latin1).expect("non-UTF-8 in comments");
+        let config = parse_model_config(&text).expect("parses");
+        assert_eq!((config.name.as_str(), config.max_batch_size), ("m", 4));
+        for (bad, line) in [(&b"name: \"caf\xe9\"\n"[..], 1), (b"max_batch_size: 4\nname: \"a#\xe9\"\n", 2)] {
+            let e = config_text(bad).expect_err("non-UTF-8 outside a comment");
+            assert!(e.to_string().contains(&format!("line {line}")), "{e}");
+        }
+        assert!(matches!(config_text(b"name: \"m\"\n"), Ok(std::borrow::Cow::Borrowed(_))));
+    }
 
     const TRITON_STYLE: &str = r#"
 name: "mlp"   # a comment with [brackets]

@@ -144,9 +144,9 @@ fn config_file(dir: &Path, name: Option<&str>) -> String {
 /// Whether the model in `dir` is an ensemble, as far as its config file says (an unreadable
 /// or unparsable one counts as not: its load will say what is wrong).
 pub(super) fn declares_ensemble(dir: &Path, config_name: Option<&str>) -> bool {
-    std::fs::read_to_string(dir.join(config_file(dir, config_name)))
+    std::fs::read(dir.join(config_file(dir, config_name)))
         .ok()
-        .and_then(|text| parse_model_config(&text).ok())
+        .and_then(|bytes| parse_model_config(&nereid_common::config::config_text(&bytes).ok()?).ok())
         .is_some_and(|config| crate::ensemble::is_ensemble(&config))
 }
 
@@ -184,8 +184,9 @@ pub fn load_model(
     let mut config = match &config_override {
         Some(json) => parse_model_config_json(json).map_err(|e| fail(format!("config parameter: {e}")))?,
         None if config_path.is_file() => {
-            let text = std::fs::read_to_string(&config_path)
-                .map_err(|e| fail(format!("cannot read {}: {e}", config_path.display())))?;
+            let bytes =
+                std::fs::read(&config_path).map_err(|e| fail(format!("cannot read {}: {e}", config_path.display())))?;
+            let text = nereid_common::config::config_text(&bytes).map_err(|e| fail(format!("{config_file}: {e}")))?;
             parse_model_config(&text).map_err(|e| fail(format!("{config_file}: {e}")))?
         }
         None if options.strict_config => {
