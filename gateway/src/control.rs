@@ -204,7 +204,8 @@ impl Control {
     }
 
     /// Statistics of one model (`name`), or of every model (`None`), summed over the reachable
-    /// workers that list it. Fails only when every one of them fails (with the first error).
+    /// workers that list it. Fails when every one of them fails (with the first error), and
+    /// for a model no reachable worker lists (NOT_FOUND when unknown, else UNAVAILABLE).
     pub async fn model_statistics(
         &self,
         name: Option<&str>,
@@ -225,7 +226,8 @@ impl Control {
             .map(|w| w.upstream.clone())
             .collect();
         drop(table);
-        // A model only unreachable workers list: unavailable for now, not an empty answer.
+        // A model known (listed by unreachable workers only, or declared in etcd) that no
+        // reachable worker lists: unavailable for now, not an empty answer.
         if let Some(name) = name
             && workers.is_empty()
         {

@@ -33,8 +33,14 @@ pub const MAX_RANK: usize = 64;
 /// Most entries one `parameters` map (of a request, an input or an output) may have.
 pub const MAX_PARAMETERS: usize = 256;
 
-/// The most bytes typed `contents` may take once converted (see [`raise_contents_limit`]).
-static CONTENTS_LIMIT: AtomicUsize = AtomicUsize::new(usize::MAX);
+/// The most bytes typed `contents` may take once converted (see [`raise_contents_limit`]);
+/// 0: not set, no bound.
+static CONTENTS_LIMIT: AtomicUsize = AtomicUsize::new(0);
+
+/// The parameter of a request the codec refused, in place of the request (see
+/// [`CheckedDecoder`]): its value is why. A server answers such a request with that reason
+/// (INVALID_ARGUMENT) before anything else.
+pub const REFUSED_PARAMETER: &str = "nereid_decode_refused";
 
 /// Raises the bound on what a request's typed `contents` take once converted to raw bytes
 /// (their elements at the least size a datatype gives them, a string its length and 4-byte
@@ -43,8 +49,14 @@ static CONTENTS_LIMIT: AtomicUsize = AtomicUsize::new(usize::MAX);
 /// bytes) first. The codec is shared by every server in the process, so the largest limit
 /// wins; each server's own limit still applies when it converts.
 pub fn raise_contents_limit(limit: usize) {
-    let _ = CONTENTS_LIMIT.compare_exchange(usize::MAX, limit, Ordering::AcqRel, Ordering::Acquire);
     CONTENTS_LIMIT.fetch_max(limit, Ordering::AcqRel);
+}
+
+fn contents_limit() -> usize {
+    match CONTENTS_LIMIT.load(Ordering::Acquire) {
+        0 => usize::MAX,
+        limit => limit,
+    }
 }
 
 /// prost's codec, with [`check_infer_request`] run on each `ModelInferRequest` received.
@@ -76,7 +88,10 @@ where
     }
 }
 
-/// prost's decoder, checking inference requests first.
+/// prost's decoder, checking inference requests first. A request the check refuses is not
+/// decoded: the decoder yields, in its place, a request with only its model name, version and
+/// id and [`REFUSED_PARAMETER`] saying why — so that the refusal is that request's answer,
+/// and a `ModelStreamInfer` stream goes on (a decoding error would end the stream).
 #[derive(Debug, Clone)]
 pub struct CheckedDecoder<U>(ProstDecoder<U>);
 
@@ -88,15 +103,23 @@ impl<U: Message + Default + 'static> Decoder for CheckedDecoder<U> {
         if TypeId::of::<U>() == TypeId::of::<ModelInferRequest>() {
             // tonic holds the whole message in one buffer; a split one is walked from a copy.
             let chunk = buf.chunk();
-            let checked = if chunk.len() == buf.remaining() {
-                check_infer_request(chunk, CONTENTS_LIMIT.load(Ordering::Acquire))
+            let refused = if chunk.len() == buf.remaining() {
+                check_infer_request(chunk, contents_limit()).err().map(|why| refused_request(chunk, why))
             } else {
                 let mut whole = vec![0; buf.remaining()];
                 buf.copy_to_slice(&mut whole);
-                check_infer_request(&whole, CONTENTS_LIMIT.load(Ordering::Acquire))?;
-                return Ok(Some(U::decode(whole.as_slice()).map_err(|e| Status::internal(e.to_string()))?));
+                match check_infer_request(&whole, contents_limit()) {
+                    Ok(()) => {
+                        return Ok(Some(U::decode(whole.as_slice()).map_err(|e| Status::internal(e.to_string()))?));
+                    }
+                    Err(why) => Some(refused_request(&whole, why)),
+                }
             };
-            checked?;
+            if let Some(request) = refused {
+                buf.advance(buf.remaining());
+                let request: Box<dyn std::any::Any> = Box::new(request);
+                return Ok(request.downcast::<U>().ok().map(|u| *u));
+            }
         }
         self.0.decode(buf)
     }
@@ -155,6 +178,37 @@ pub fn check_infer_request(message: &[u8], contents_limit: usize) -> Result<(), 
         }
     }
     Ok(())
+}
+
+/// What stands in for a refused request: its model name, version and id (for the answer
+/// and the statistics), and why.
+fn refused_request(message: &[u8], why: Status) -> ModelInferRequest {
+    let mut request = ModelInferRequest::default();
+    for field in Fields(message) {
+        let Ok((number, Value::Bytes(text))) = field else { continue };
+        let text = || String::from_utf8_lossy(text).into_owned();
+        match number {
+            1 => request.model_name = text(),
+            2 => request.model_version = text(),
+            3 => request.id = text(),
+            _ => {}
+        }
+    }
+    let reason = crate::inference::InferParameter {
+        parameter_choice: Some(crate::inference::infer_parameter::ParameterChoice::StringParam(
+            why.message().to_string(),
+        )),
+    };
+    request.parameters.insert(REFUSED_PARAMETER.to_string(), reason);
+    request
+}
+
+/// Why the codec refused `request` (see [`CheckedDecoder`]), if it did.
+pub fn refusal(request: &ModelInferRequest) -> Option<&str> {
+    match request.parameters.get(REFUSED_PARAMETER)?.parameter_choice.as_ref()? {
+        crate::inference::infer_parameter::ParameterChoice::StringParam(why) => Some(why),
+        _ => Some("refused"),
+    }
 }
 
 fn too_many_parameters() -> String {
@@ -458,6 +512,28 @@ mod tests {
         check_infer_request(&encoded(&two), 4800).unwrap();
         let e = check_infer_request(&encoded(&two), 4799).unwrap_err();
         assert!(e.message().contains("up to inputs[1]"), "{}", e.message());
+    }
+
+    /// What stands in for a refused request carries its name, version and id, and why.
+    #[test]
+    fn a_refused_request_keeps_its_names_and_says_why() {
+        let request = ModelInferRequest {
+            model_name: "m".into(),
+            model_version: "2".into(),
+            id: "r1".into(),
+            inputs: vec![InferInputTensor::default(); 4097],
+            ..Default::default()
+        };
+        let message = encoded(&request);
+        let why = check_infer_request(&message, usize::MAX).unwrap_err();
+        let stand_in = refused_request(&message, why);
+        assert_eq!(
+            (stand_in.model_name.as_str(), stand_in.model_version.as_str(), stand_in.id.as_str()),
+            ("m", "2", "r1")
+        );
+        assert!(stand_in.inputs.is_empty());
+        assert!(refusal(&stand_in).is_some_and(|why| why.contains("at most 4096 inputs")), "{stand_in:?}");
+        assert_eq!(refusal(&request), None);
     }
 
     #[test]

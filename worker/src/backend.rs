@@ -505,14 +505,12 @@ impl InstanceSession {
                         .checked_mul(run_rows)
                         .filter(|&bytes| bytes <= MAX_PADDED_INPUT_BYTES)
                         .ok_or_else(|| {
-                        Status::new(
-                            nereid_common::Code::ResourceExhausted,
-                            format!(
-                                "input '{}': padding the batch to {run_rows} rows (nereid.pad_batch) would take \
-                                     more than {MAX_PADDED_INPUT_BYTES} bytes",
-                                spec.name
-                            ),
-                        )
+                        // The rows' size decides it: no retry would fare better.
+                        Status::invalid(format!(
+                            "input '{}': padding the batch to {run_rows} rows (nereid.pad_batch) would take \
+                                 more than {MAX_PADDED_INPUT_BYTES} bytes",
+                            spec.name
+                        ))
                     })?
                 } else {
                     total

@@ -854,6 +854,33 @@ fn requests_past_the_entry_bounds_are_refused_over_both_protocols() {
     );
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("at most 4096 inputs"), "{body}");
+    // On a stream, a refused request is answered in its place and the stream goes on.
+    let stream = vec![
+        ModelInferRequest {
+            model_name: "identity_fp32".into(),
+            id: "too-many".into(),
+            inputs: vec![InferInputTensor::default(); 5000],
+            ..Default::default()
+        },
+        ModelInferRequest {
+            model_name: "identity_fp32".into(),
+            id: "good".into(),
+            inputs: vec![input(vec![1, 16])],
+            raw_input_contents: vec![vec![0u8; 64].into()],
+            ..Default::default()
+        },
+    ];
+    let replies: Vec<_> = rt.block_on(async {
+        let mut client = GrpcInferenceServiceClient::connect(url.clone()).await.unwrap();
+        let replies = client.model_stream_infer(futures::stream::iter(stream)).await.unwrap().into_inner();
+        futures::StreamExt::collect::<Vec<_>>(replies).await
+    });
+    let replies: Vec<_> = replies.into_iter().map(|r| r.expect("the stream goes on")).collect();
+    assert_eq!(replies.len(), 2, "{replies:?}");
+    assert!(replies[0].error_message.contains("at most 4096 inputs"), "{:?}", replies[0]);
+    assert_eq!(replies[0].infer_response.as_ref().unwrap().id, "too-many");
+    assert_eq!(replies[1].error_message, "");
+    assert_eq!(replies[1].infer_response.as_ref().unwrap().id, "good");
     // Still serving, over both.
     let reply = grpc(vec![input(vec![1, 16])], vec![vec![0; 64]]).expect("a good request after the refused ones");
     assert_eq!(reply.into_inner().raw_output_contents[0].len(), 64);

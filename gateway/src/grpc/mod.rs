@@ -151,11 +151,15 @@ pub async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     let max_request = ingress.max_request_bytes;
     // Every other method carries a few names and settings: held to the small bound HTTP holds
-    // such bodies to, and not inflated (they run with no admission place, on the event loop; a
-    // compressed 64 MiB config request would stall every connection while it inflated).
+    // such bodies to, inflated included (they run with no admission place, on the event loop:
+    // a compressed 64 MiB config request would stall every connection while it inflated).
+    // Compressed ones are accepted: clients that compress on the whole channel say so on every
+    // call.
     let generated = GrpcInferenceServiceServer::new(GatewayGrpc { ingress: ingress.clone() })
         .max_decoding_message_size(nereid_worker::http::SMALL_BODY_BYTES.min(max_request))
-        .max_encoding_message_size(usize::MAX);
+        .max_encoding_message_size(usize::MAX)
+        .accept_compressed(CompressionEncoding::Gzip)
+        .accept_compressed(CompressionEncoding::Deflate);
     // grpc.health.v1 as a worker serves it: SERVING while the gateway is ready (not draining).
     let health = {
         let ingress = ingress.clone();

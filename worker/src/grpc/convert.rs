@@ -41,6 +41,10 @@ pub fn infer_request_from_proto(
     shm: &SharedMemory,
     max_bytes: u64,
 ) -> Result<InferRequest, Status> {
+    // Refused by the codec before it was decoded: what it said is this request's answer.
+    if let Some(why) = nereid_proto::codec::refusal(&req) {
+        return Err(Status::invalid(why));
+    }
     let model_version = parse_version(&req.model_name, &req.model_version)?;
     // The codec refuses these before decoding; a request built in the process is checked here.
     for (what, n) in [("inputs", req.inputs.len()), ("outputs", req.outputs.len())] {

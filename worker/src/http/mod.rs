@@ -13,6 +13,7 @@ pub mod infer;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -133,9 +134,10 @@ const H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(60);
 const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Serves `router` on `listener` (HTTP/1.1 with keep-alive, and HTTP/2) until `shutdown` is
-/// cancelled, then finishes the requests in flight and returns. A connection that sends
-/// nothing, or no whole HTTP/1 request head, within [`HEADER_READ_TIMEOUT`] is closed; an
-/// HTTP/2 one whose peer stops answering pings too.
+/// cancelled, then finishes the requests in flight and returns. A connection whose first
+/// request head has not arrived within [`HEADER_READ_TIMEOUT`] (it sent nothing, or part of
+/// the HTTP/2 preface or of a head) is closed, as is an HTTP/1 one idle that long between
+/// requests, and an HTTP/2 one whose peer stops answering pings.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
@@ -169,8 +171,10 @@ pub async fn serve(
                 ) => continue,
                 Err(e) => {
                     tracing::warn!("accepting an HTTP connection failed: {e}");
-                    tokio::time::sleep(ACCEPT_BACKOFF).await;
-                    continue;
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(ACCEPT_BACKOFF) => continue,
+                    }
                 }
             },
         };
@@ -179,23 +183,29 @@ pub async fn serve(
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!("set_nodelay failed: {e}");
         }
-        let service = TowerToHyperService::new(
-            router.clone().map_request(|request: http::Request<hyper::body::Incoming>| request.map(Body::new)),
-        );
-        // Which protocol a connection speaks is read from its first bytes, with no clock: one
-        // that sends nothing is dropped once the head timeout passes (or at shutdown) before
-        // hyper is given it.
-        let (builder, watcher, stop) = (builder.clone(), connections.watcher(), shutdown.clone());
+        // Until its first request arrives, nothing bounds a connection's wait: hyper reads the
+        // first bytes to pick HTTP/1 or HTTP/2 with no clock, and its head timeout starts only
+        // once HTTP/1 is picked. One that has sent no whole request head when the head timeout
+        // passes (nothing, part of the HTTP/2 preface, part of a head) is dropped; from its
+        // first request on, hyper's own timeouts hold.
+        let spoke = Arc::new(AtomicBool::new(false));
+        let first_request = spoke.clone();
+        let service = TowerToHyperService::new(router.clone().map_request(
+            move |request: http::Request<hyper::body::Incoming>| {
+                first_request.store(true, Ordering::Relaxed);
+                request.map(Body::new)
+            },
+        ));
+        let connection = connections.watch(builder.serve_connection(TokioIo::new(tcp), service).into_owned());
         tokio::spawn(async move {
-            let mut first = [0u8; 1];
-            let spoke = tokio::select! {
-                // (Not `readable()`, which may wake without data.)
-                peeked = tcp.peek(&mut first) => peeked.is_ok_and(|n| n > 0),
-                _ = tokio::time::sleep(HEADER_READ_TIMEOUT) => false,
-                _ = stop.cancelled() => false,
-            };
-            if spoke {
-                watcher.watch(builder.serve_connection(TokioIo::new(tcp), service)).await.ok();
+            tokio::pin!(connection);
+            tokio::select! {
+                _ = &mut connection => return,
+                _ = tokio::time::sleep(HEADER_READ_TIMEOUT) => {}
+            }
+            // Its first request began in time: served on, under hyper's timeouts.
+            if spoke.load(Ordering::Relaxed) {
+                connection.await.ok();
             }
         });
     }
@@ -1164,9 +1174,12 @@ mod tests {
             (String::from_utf8_lossy(&answer).into_owned(), started.elapsed())
         };
         // Silent: not even the first byte (which picks HTTP/1 or HTTP/2).
-        let (answer, waited) = exchange(b"").await;
-        assert!(answer.is_empty(), "{answer}");
-        assert!(waited >= HEADER_READ_TIMEOUT, "{waited:?}");
+        // Silent after part of the HTTP/2 preface, which hyper reads with no clock.
+        for request in [&b""[..], b"PRI * HTTP/2"] {
+            let (answer, waited) = exchange(request).await;
+            assert!(answer.is_empty(), "{answer}");
+            assert!(waited >= HEADER_READ_TIMEOUT, "{waited:?}");
+        }
         let (answer, waited) = exchange(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Le").await;
         assert!(!answer.contains("200 OK"), "{answer}");
         assert!(waited >= HEADER_READ_TIMEOUT, "{waited:?}");
