@@ -591,17 +591,22 @@ mod tests {
         assert!(matches!(e, CallError::Connect(_)), "{e:?}");
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn calls_waiting_on_a_failed_connect_share_its_failure() {
-        // A listener with a backlog of one that never accepts: once one connection fills its
-        // queue, the kernel drops further SYNs, so connecting hangs until the connect timeout
-        // (a worker host that went silent), all on loopback.
+    /// A worker host that went silent, on loopback: a listener with a backlog of one that
+    /// never accepts, its queue filled by one connection, so the kernel drops further SYNs and
+    /// connecting hangs until the connect timeout. Its address, and what keeps it so.
+    fn silent_host() -> (String, (tokio::net::TcpListener, std::net::TcpStream)) {
         let socket = tokio::net::TcpSocket::new_v4().unwrap();
         socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let listener = socket.listen(0).unwrap();
         let address = listener.local_addr().unwrap();
-        let _filler = std::net::TcpStream::connect(address).unwrap();
-        let channel = H2Channel::new(&address.to_string(), settings()).unwrap();
+        let filler = std::net::TcpStream::connect(address).unwrap();
+        (address.to_string(), (listener, filler))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn calls_waiting_on_a_failed_connect_share_its_failure() {
+        let (address, _host) = silent_host();
+        let channel = H2Channel::new(&address, settings()).unwrap();
         let attempts = std::sync::atomic::AtomicUsize::new(0);
         let count = |ok: bool| {
             assert!(!ok);
@@ -628,14 +633,9 @@ mod tests {
 
     #[tokio::test]
     async fn the_connect_timeout_is_the_configured_one() {
-        // A silent host, as above: connecting hangs until the limit.
-        let socket = tokio::net::TcpSocket::new_v4().unwrap();
-        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
-        let listener = socket.listen(0).unwrap();
-        let address = listener.local_addr().unwrap();
-        let _filler = std::net::TcpStream::connect(address).unwrap();
+        let (address, _host) = silent_host();
         let quick = ClientSettings { connect_timeout: Duration::from_millis(50), ..settings() };
-        let channel = H2Channel::new(&address.to_string(), quick).unwrap();
+        let channel = H2Channel::new(&address, quick).unwrap();
         let result = tokio::time::timeout(
             Duration::from_secs(20),
             channel.unary("/s/m", Bytes::from_static(b"x"), Duration::from_secs(30), &|_| {}),
