@@ -641,6 +641,21 @@ async fn malformed_protobuf_is_refused_and_the_gateway_keeps_serving() {
     let huge_name = ModelConfigRequest { name: "m".repeat(100_000), ..Default::default() }.encode_to_vec();
     let e = control("/inference.GRPCInferenceService/ModelConfig", huge_name).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+    // Compressed (a client compressing on the whole channel): accepted, bounded once inflated.
+    let mut gzip = grpc_inference_service_client::GrpcInferenceServiceClient::new(channel.clone())
+        .send_compressed(tonic::codec::CompressionEncoding::Gzip);
+    let name = gzip
+        .model_metadata(ModelMetadataRequest { name: "identity_fp32".into(), ..Default::default() })
+        .await
+        .expect("a compressed control call")
+        .into_inner()
+        .name;
+    assert_eq!(name, "identity_fp32");
+    let e = gzip
+        .model_config(ModelConfigRequest { name: "m".repeat(100_000), ..Default::default() })
+        .await
+        .expect_err("past 64 KiB once inflated");
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
     let metadata = ModelMetadataRequest { name: "identity_fp32".into(), ..Default::default() }.encode_to_vec();
     let answer = control("/inference.GRPCInferenceService/ModelMetadata", metadata).await.unwrap();
     assert_eq!(ModelMetadataResponse::decode(answer.into_inner()).unwrap().name, "identity_fp32");
@@ -678,9 +693,8 @@ async fn a_worker_that_misses_polls_leaves_its_models_unavailable_not_unknown() 
     })
     .await;
     let e = client.model_infer(request()).await.unwrap_err();
-    let stats = client
-        .model_statistics(ModelStatisticsRequest { name: "identity_fp32".into(), ..Default::default() })
-        .await;
+    let stats =
+        client.model_statistics(ModelStatisticsRequest { name: "identity_fp32".into(), ..Default::default() }).await;
     worker.signal("CONT");
     assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
     let e = stats.expect_err("statistics of a model only an unreachable worker lists");

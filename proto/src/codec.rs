@@ -92,6 +92,11 @@ where
 /// decoded: the decoder yields, in its place, a request with only its model name, version and
 /// id and [`REFUSED_PARAMETER`] saying why — so that the refusal is that request's answer,
 /// and a `ModelStreamInfer` stream goes on (a decoding error would end the stream).
+///
+/// A server implementing the generated `GrpcInferenceService` must therefore answer a request
+/// for which [`refusal`] says why with that reason (INVALID_ARGUMENT) before anything else.
+/// The marker cannot come from a client: [`check_infer_request`] refuses a request that
+/// carries the parameter itself.
 #[derive(Debug, Clone)]
 pub struct CheckedDecoder<U>(ProstDecoder<U>);
 
@@ -116,9 +121,11 @@ impl<U: Message + Default + 'static> Decoder for CheckedDecoder<U> {
                 }
             };
             if let Some(request) = refused {
+                // The frame is consumed: tonic reads the next frame's header after it.
                 buf.advance(buf.remaining());
                 let request: Box<dyn std::any::Any> = Box::new(request);
-                return Ok(request.downcast::<U>().ok().map(|u| *u));
+                let request = request.downcast::<U>().expect("U is ModelInferRequest (its TypeId was compared)");
+                return Ok(Some(*request));
             }
         }
         self.0.decode(buf)
@@ -141,7 +148,12 @@ pub fn check_infer_request(message: &[u8], contents_limit: usize) -> Result<(), 
     for field in Fields(message) {
         let Ok((number, value)) = field else { return Ok(()) };
         match (number, value) {
-            (4, Value::Bytes(_)) => parameters += 1,
+            (4, Value::Bytes(entry)) => {
+                parameters += 1;
+                if map_key(entry) == Some(REFUSED_PARAMETER.as_bytes()) {
+                    return refuse(format!("parameter '{REFUSED_PARAMETER}' is reserved"));
+                }
+            }
             (5, Value::Bytes(input)) => {
                 if inputs == MAX_REQUEST_TENSORS {
                     return refuse(format!("a request may list at most {MAX_REQUEST_TENSORS} inputs"));
@@ -180,8 +192,16 @@ pub fn check_infer_request(message: &[u8], contents_limit: usize) -> Result<(), 
     Ok(())
 }
 
-/// What stands in for a refused request: its model name, version and id (for the answer
-/// and the statistics), and why.
+/// The key of an encoded map entry (field 1).
+fn map_key(entry: &[u8]) -> Option<&[u8]> {
+    Fields(entry).find_map(|f| match f {
+        Ok((1, Value::Bytes(key))) => Some(key),
+        _ => None,
+    })
+}
+
+/// What stands in for a refused request: its model name, version and id (for the answer:
+/// a stream's error reply names them), and why.
 fn refused_request(message: &[u8], why: Status) -> ModelInferRequest {
     let mut request = ModelInferRequest::default();
     for field in Fields(message) {
@@ -534,6 +554,13 @@ mod tests {
         assert!(stand_in.inputs.is_empty());
         assert!(refusal(&stand_in).is_some_and(|why| why.contains("at most 4096 inputs")), "{stand_in:?}");
         assert_eq!(refusal(&request), None);
+        // A client cannot send the marker itself: refused, as reserved.
+        let forged = ModelInferRequest {
+            parameters: HashMap::from([(REFUSED_PARAMETER.to_string(), InferParameter::default())]),
+            ..Default::default()
+        };
+        let e = check_infer_request(&encoded(&forged), usize::MAX).unwrap_err();
+        assert!(e.message().contains("is reserved"), "{}", e.message());
     }
 
     #[test]

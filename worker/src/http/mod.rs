@@ -123,6 +123,10 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(300);
 /// client that stalled mid-upload, or a peer that vanished without a FIN, frees its buffer.
 pub const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long a connection closed for silence (see [`serve`]) has to go after it was told to:
+/// an HTTP/2 GOAWAY and the close. Past it the socket is dropped.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
 /// Pause after a failed accept that is not one connection's own failure (out of descriptors):
 /// the loop would otherwise spin on it (and log it) until descriptors are freed.
 const ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
@@ -145,7 +149,6 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
     use hyper_util::server::conn::auto;
-    use hyper_util::server::graceful::GracefulShutdown;
     use hyper_util::service::TowerToHyperService;
     use tower::ServiceExt as _;
 
@@ -156,7 +159,7 @@ pub async fn serve(
         .timer(TokioTimer::new())
         .keep_alive_interval(H2_KEEPALIVE_INTERVAL)
         .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT);
-    let connections = GracefulShutdown::new();
+    let connections = tokio_util::task::TaskTracker::new();
     loop {
         let tcp = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -186,8 +189,10 @@ pub async fn serve(
         // Until its first request arrives, nothing bounds a connection's wait: hyper reads the
         // first bytes to pick HTTP/1 or HTTP/2 with no clock, and its head timeout starts only
         // once HTTP/1 is picked. One that has sent no whole request head when the head timeout
-        // passes (nothing, part of the HTTP/2 preface, part of a head) is dropped; from its
-        // first request on, hyper's own timeouts hold.
+        // passes (nothing, part of the HTTP/2 preface, part of a head; or an HTTP/2 client
+        // that opened a connection and never used it) is closed — gracefully (an HTTP/2 GOAWAY
+        // tells its client no request was taken), then at once if that does not end it within
+        // CLOSE_GRACE; from its first request on, hyper's own timeouts hold.
         let spoke = Arc::new(AtomicBool::new(false));
         let first_request = spoke.clone();
         let service = TowerToHyperService::new(router.clone().map_request(
@@ -196,22 +201,41 @@ pub async fn serve(
                 request.map(Body::new)
             },
         ));
-        let connection = connections.watch(builder.serve_connection(TokioIo::new(tcp), service).into_owned());
-        tokio::spawn(async move {
+        let connection = builder.serve_connection(TokioIo::new(tcp), service).into_owned();
+        let stop = shutdown.clone();
+        connections.spawn(async move {
             tokio::pin!(connection);
-            tokio::select! {
-                _ = &mut connection => return,
-                _ = tokio::time::sleep(HEADER_READ_TIMEOUT) => {}
-            }
-            // Its first request began in time: served on, under hyper's timeouts.
-            if spoke.load(Ordering::Relaxed) {
-                connection.await.ok();
+            let first_request_by = tokio::time::sleep(HEADER_READ_TIMEOUT);
+            tokio::pin!(first_request_by);
+            let (mut waiting_first, mut stopping) = (true, false);
+            // When a connection closed for silence must be gone by.
+            let mut gone_by: Option<tokio::time::Instant> = None;
+            loop {
+                let deadline = gone_by.unwrap_or_else(tokio::time::Instant::now);
+                tokio::select! {
+                    _ = &mut connection => return,
+                    _ = &mut first_request_by, if waiting_first => {
+                        waiting_first = false;
+                        // A first request that began in time is served on, under hyper's timeouts.
+                        if !spoke.load(Ordering::Relaxed) {
+                            connection.as_mut().graceful_shutdown();
+                            gone_by = Some(tokio::time::Instant::now() + CLOSE_GRACE);
+                        }
+                    }
+                    // Shutdown: its requests finish (the caller bounds the wait).
+                    _ = stop.cancelled(), if !stopping => {
+                        stopping = true;
+                        connection.as_mut().graceful_shutdown();
+                    }
+                    _ = tokio::time::sleep_until(deadline), if gone_by.is_some() => return,
+                }
             }
         });
     }
     // No new connections; those open finish their requests (idle ones close at once).
     drop(listener);
-    connections.shutdown().await;
+    connections.close();
+    connections.wait().await;
     Ok(())
 }
 
@@ -1188,6 +1212,18 @@ mod tests {
         assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
         assert!(answer.contains("the upload stalled"), "{answer}");
         assert!(waited >= BODY_IDLE_TIMEOUT, "{waited:?}");
+        // A request that began in time is served past the head timeout: its body trickles in
+        // for 320 s, a byte every 20 s (under the body's idle timeout).
+        let mut tcp = tokio::net::TcpStream::connect(address).await.unwrap();
+        tcp.write_all(b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 16\r\n\r\n").await.unwrap();
+        for _ in 0..16 {
+            tokio::time::sleep(std::time::Duration::from_secs(20)).await;
+            tcp.write_all(b"x").await.unwrap();
+        }
+        let mut answer = Vec::new();
+        tcp.read_to_end(&mut answer).await.unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("\r\n\r\n16"), "{answer}");
         let (answer, _) =
             exchange(b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 3\r\n\r\nabc").await;
         assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("\r\n\r\n3"), "{answer}");
