@@ -325,8 +325,7 @@ impl GrpcInferenceService for GrpcFrontend {
         let server = self.server.clone();
         let run = move |req: ModelInferRequest| -> BoxFuture<'static, ModelStreamInferResponse> {
             let server = server.clone();
-            let label = PanicLabel::of(&req);
-            Box::pin(label.answer_panics(async move { stream_infer_one(&server, req, deadline).await }))
+            Box::pin(async move { stream_infer_one(&server, req, deadline).await })
         };
         let weight_limit = self.server.limits.max_request_bytes.saturating_mul(STREAM_REQUEST_LIMITS);
         let mut stream = InferStream::new(request.into_inner(), run, MAX_STREAM_IN_FLIGHT).weighed(
@@ -547,11 +546,31 @@ async fn stream_infer_one(
     deadline: Option<Instant>,
 ) -> ModelStreamInferResponse {
     let (id, model_name, model_version) = (req.id.clone(), req.model_name.clone(), req.model_version.clone());
-    match infer_one(server, req, deadline).await {
-        Ok(resp) => {
+    stream_answer(infer_one(server, req, deadline), id, model_name, model_version).await
+}
+
+/// The stream reply to one request: its answer, or its error (or its panic's) under its id,
+/// model and version — clients match stream replies to requests by id (perf_analyzer's async
+/// mode waits for each id), so a reply without one would leave its request unanswered.
+async fn stream_answer(
+    answer: impl std::future::Future<Output = Result<ModelInferResponse, Status>>,
+    id: String,
+    model_name: String,
+    model_version: String,
+) -> ModelStreamInferResponse {
+    use futures::FutureExt as _;
+    match std::panic::AssertUnwindSafe(answer).catch_unwind().await {
+        Ok(Ok(resp)) => {
             ModelStreamInferResponse { error_message: String::new(), infer_response: Some(final_response(resp)) }
         }
-        Err(e) => stream_error(e, id, model_name, model_version),
+        Ok(Err(e)) => stream_error(e, id, model_name, model_version),
+        Err(panic) => {
+            let what = crate::scheduler::panic_text(panic.as_ref());
+            tracing::error!(error = %what, model = %model_name, "a stream request panicked; answered with an error message");
+            let mut reply = ModelStreamInferResponse::from(StreamPanic(what));
+            reply.infer_response = Some(ModelInferResponse { model_name, model_version, id, ..Default::default() });
+            reply
+        }
     }
 }
 
@@ -755,56 +774,6 @@ impl From<StreamPanic> for ModelStreamInferResponse {
         ModelStreamInferResponse {
             error_message: format!("the request failed unexpectedly: {}", p.0),
             infer_response: Some(ModelInferResponse::default()),
-        }
-    }
-}
-
-/// Who a stream request was (its id, model and version), for the error reply that answers it
-/// should it panic: clients match stream replies to requests by id (perf_analyzer's async
-/// mode waits for each id), so a reply without one would leave its request unanswered.
-struct PanicLabel {
-    id: String,
-    model_name: String,
-    model_version: String,
-}
-
-impl PanicLabel {
-    /// Bounded copies: a request's own name or id may be megabytes.
-    fn of(request: &ModelInferRequest) -> Self {
-        let cut = |s: &str| {
-            let mut end = s.len().min(1024);
-            while !s.is_char_boundary(end) {
-                end -= 1;
-            }
-            s[..end].to_string()
-        };
-        PanicLabel {
-            id: cut(&request.id),
-            model_name: cut(&request.model_name),
-            model_version: cut(&request.model_version),
-        }
-    }
-
-    /// `reply`, or the error reply for its panic, labelled.
-    async fn answer_panics(
-        self,
-        reply: impl std::future::Future<Output = ModelStreamInferResponse>,
-    ) -> ModelStreamInferResponse {
-        use futures::FutureExt as _;
-        match std::panic::AssertUnwindSafe(reply).catch_unwind().await {
-            Ok(reply) => reply,
-            Err(panic) => {
-                let what = crate::scheduler::panic_text(panic.as_ref());
-                tracing::error!(error = %what, id = %self.id, model = %self.model_name, "a stream request panicked; answered with an error message");
-                let mut reply = ModelStreamInferResponse::from(StreamPanic(what));
-                reply.infer_response = Some(ModelInferResponse {
-                    id: self.id,
-                    model_name: self.model_name,
-                    model_version: self.model_version,
-                    ..Default::default()
-                });
-                reply
-            }
         }
     }
 }
@@ -1176,26 +1145,17 @@ mod tests {
     /// The worker's own stream requests answer a panic with their id, model and version.
     #[tokio::test]
     async fn a_panicking_worker_request_is_answered_under_its_id() {
-        let request = ModelInferRequest {
-            id: "r7".into(),
-            model_name: "m".into(),
-            model_version: "2".into(),
-            ..Default::default()
+        let panics = async {
+            let empty: Vec<ModelInferResponse> = Vec::new();
+            Ok(empty[0].clone())
         };
-        let reply = PanicLabel::of(&request)
-            .answer_panics(async {
-                let empty: Vec<ModelStreamInferResponse> = Vec::new();
-                empty[0].clone()
-            })
-            .await;
+        let reply = stream_answer(panics, "r7".into(), "m".into(), "2".into()).await;
         assert!(reply.error_message.contains("index out of bounds"), "{reply:?}");
         let labelled = reply.infer_response.unwrap();
         assert_eq!(
             (labelled.id.as_str(), labelled.model_name.as_str(), labelled.model_version.as_str()),
             ("r7", "m", "2")
         );
-        let long = ModelInferRequest { id: "é".repeat(2000), ..Default::default() };
-        assert!(PanicLabel::of(&long).id.len() <= 1024);
     }
 
     /// A client that stops reading replies does not stop its requests: they run to the end
