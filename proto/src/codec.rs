@@ -156,7 +156,7 @@ pub fn check_infer_request(message: &[u8], contents_limit: usize) -> Result<(), 
             }
             (5, Value::Bytes(input)) => {
                 if inputs == MAX_REQUEST_TENSORS {
-                    return refuse(format!("a request may list at most {MAX_REQUEST_TENSORS} inputs"));
+                    return refuse(too_many_tensors("inputs"));
                 }
                 contents = contents.saturating_add(check_input(inputs, input)?);
                 if contents > contents_limit {
@@ -169,7 +169,7 @@ pub fn check_infer_request(message: &[u8], contents_limit: usize) -> Result<(), 
             }
             (6, Value::Bytes(output)) => {
                 if outputs == MAX_REQUEST_TENSORS {
-                    return refuse(format!("a request may list at most {MAX_REQUEST_TENSORS} outputs"));
+                    return refuse(too_many_tensors("outputs"));
                 }
                 let entries = Fields(output).filter(|f| matches!(f, Ok((2, Value::Bytes(_))))).count();
                 if entries > MAX_PARAMETERS {
@@ -229,6 +229,12 @@ pub fn refusal(request: &ModelInferRequest) -> Option<&str> {
         crate::inference::infer_parameter::ParameterChoice::StringParam(why) => Some(why),
         _ => Some("refused"),
     }
+}
+
+/// The refusal of a request listing more than [`MAX_REQUEST_TENSORS`] `what` (inputs,
+/// outputs), worded alike over HTTP and gRPC.
+pub fn too_many_tensors(what: &str) -> String {
+    format!("a request may list at most {MAX_REQUEST_TENSORS} {what}")
 }
 
 fn too_many_parameters() -> String {

@@ -237,15 +237,16 @@ impl tower::Service<http::Request<tonic::body::Body>> for InferenceService {
                             // compressed or not, or undecodable): counted as the handler counts
                             // its own refusals.
                             if !received.load(Ordering::Acquire) {
-                                let headers = response.headers();
-                                let code = headers
+                                // Counted under the code the client gets (the server's layer
+                                // remaps tonic's codes too; remapping twice changes nothing).
+                                let response = nereid_worker::grpc::remap_transport_errors(response);
+                                let code = response
+                                    .headers()
                                     .get("grpc-status")
                                     .and_then(|v| v.to_str().ok()?.parse::<i32>().ok())
                                     .map_or(tonic::Code::Unknown, tonic::Code::from_i32);
-                                let message = headers.get("grpc-message").and_then(|v| v.to_str().ok()).unwrap_or("");
-                                let message = message.replace("%20", " ");
-                                let code = nereid_worker::grpc::transport_code(code, &message).unwrap_or(code);
                                 refusals.count(None, code, arrived);
+                                return Ok(response);
                             }
                             Ok(response)
                         }

@@ -49,8 +49,7 @@ pub fn infer_request_from_proto(
     // The codec refuses these before decoding; a request built in the process is checked here.
     for (what, n) in [("inputs", req.inputs.len()), ("outputs", req.outputs.len())] {
         if n > crate::tensor::MAX_REQUEST_TENSORS {
-            let max = crate::tensor::MAX_REQUEST_TENSORS;
-            return Err(Status::invalid(format!("a request may list at most {max} {what}")));
+            return Err(Status::invalid(nereid_proto::codec::too_many_tensors(what)));
         }
     }
 

@@ -221,7 +221,7 @@ pub fn remap_transport_errors<B>(mut response: http::Response<B>) -> http::Respo
 
 /// The code a client should see for tonic's own decoding failure `code` (see
 /// [`remap_transport_errors`]), if it is one.
-pub fn transport_code(code: tonic::Code, message: &str) -> Option<tonic::Code> {
+fn transport_code(code: tonic::Code, message: &str) -> Option<tonic::Code> {
     match code {
         tonic::Code::Internal if message.contains("failed to decode Protobuf message") => {
             Some(tonic::Code::InvalidArgument)

@@ -23,6 +23,7 @@ use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqA
 use serde::ser::{self, Serialize, SerializeMap, SerializeSeq, Serializer};
 use serde_json::{Map, Value};
 
+use nereid_proto::codec::too_many_tensors;
 use nereid_proto::inference::ModelConfig;
 
 use crate::shm::{self, SharedMemory, ShmRef, ShmWritten};
@@ -841,10 +842,6 @@ impl<'de> Visitor<'de> for InputSeed<'_> {
         }
         Ok(input)
     }
-}
-
-fn too_many_tensors(what: &str) -> String {
-    format!("a request may list at most {MAX_REQUEST_TENSORS} {what}")
 }
 
 /// A `parameters` object, read as Triton reads one: each value a boolean, a number or a string
