@@ -250,6 +250,22 @@ async fn a_request_without_room_for_what_forwarding_appends_is_refused_at_the_ga
     let series = format!("nereid_gateway_requests_total{{code=\"{label}\",model=\"_unread\",version=\"\"}} 1");
     let text = gateway.metrics_text().await;
     assert!(text.contains(&series), "{status:?}\n{text}");
+    // Compressed: bounded once inflated (on the blocking pool, not the event loop), refused
+    // as a worker refuses it and counted alike; a compressed request within it is served.
+    let gzip = |request| async {
+        let client = gateway.client().await.send_compressed(tonic::codec::CompressionEncoding::Gzip);
+        client.max_encoding_message_size(usize::MAX).model_infer(request).await
+    };
+    let mut bomb = big("compressed".into());
+    bomb.raw_input_contents[0] = vec![0u8; 2 * MAX].into();
+    let status = gzip(bomb).await.expect_err("past the limit once inflated");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("limit of 1048576 bytes"), "{status:?}");
+    let series = format!("nereid_gateway_requests_total{{code=\"{label}\",model=\"_unread\",version=\"\"}} 2");
+    let text = gateway.metrics_text().await;
+    assert!(text.contains(&series), "{status:?}\n{text}");
+    let served = gzip(big("compressed".into())).await.expect("a compressed request within the limit");
+    assert_eq!(served.into_inner().raw_output_contents[0].len(), ROWS * 64);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -888,3 +888,65 @@ fn requests_past_the_entry_bounds_are_refused_over_both_protocols() {
         worker.http_request(worker.http, "POST", "/v2/models/identity_fp32/infer", INFER_BODY.as_bytes());
     assert_eq!(status, 200, "{body}");
 }
+
+/// Compressed gRPC requests (tritonclient's `compression_algorithm`), unary and on a stream:
+/// answered as plain ones, bounded once inflated (RESOURCE_EXHAUSTED, and the worker serves
+/// on). They inflate off the async threads (`grpc::inflate`, whose unit tests show that).
+#[test]
+fn compressed_grpc_requests_are_served_and_bounded_once_inflated() {
+    use nereid_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+    use nereid_proto::inference::{ModelInferRequest, model_infer_request::InferInputTensor};
+    use tonic::codec::CompressionEncoding;
+    let repo = common::example_models();
+    let worker = WorkerProcess::start(
+        &repo,
+        &["--model-control-mode=explicit", "--load-model=identity_fp32", "--max-request-bytes=1048576"],
+    );
+    // `rows` of 16 distinct values from `first` (64 rows: a few KiB compressed, inflated on the
+    // blocking pool).
+    let values = |rows: usize, first: f32| -> Vec<u8> {
+        (0..rows * 16).flat_map(|i| (first + i as f32).to_le_bytes()).collect()
+    };
+    let request = |id: &str, rows: usize, first: f32| ModelInferRequest {
+        model_name: "identity_fp32".into(),
+        id: id.into(),
+        inputs: vec![InferInputTensor {
+            name: "INPUT0".into(),
+            datatype: "FP32".into(),
+            shape: vec![rows as i64, 16],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![values(rows, first).into()],
+        ..Default::default()
+    };
+    let url = format!("http://127.0.0.1:{}", worker.grpc);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async move {
+        for encoding in [CompressionEncoding::Gzip, CompressionEncoding::Deflate] {
+            let mut client = GrpcInferenceServiceClient::connect(url.clone()).await.unwrap().send_compressed(encoding);
+            let reply = client.model_infer(request("small", 1, 1.5)).await.expect("a compressed request").into_inner();
+            assert_eq!(reply.raw_output_contents[0], values(1, 1.5), "{encoding:?}");
+            // 2 MiB of zeros: a few kilobytes compressed, twice the limit inflated.
+            let mut bomb = request("bomb", 1, 0.0);
+            bomb.raw_input_contents = vec![vec![0u8; 2 << 20].into()];
+            let e = client.model_infer(bomb).await.expect_err("past the limit inflated");
+            assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{encoding:?}: {e:?}");
+            assert!(e.message().contains("limit of 1048576 bytes"), "{e:?}");
+            // On a stream: answered in order, compressed.
+            let stream = vec![request("s1", 1, 2.0), request("s2", 64, 3.0)];
+            let replies = client.model_stream_infer(futures::stream::iter(stream)).await.unwrap().into_inner();
+            let replies: Vec<_> = futures::StreamExt::collect::<Vec<_>>(replies).await;
+            let replies: Vec<_> = replies.into_iter().map(|r| r.expect("a compressed stream request")).collect();
+            assert_eq!(replies.len(), 2, "{replies:?}");
+            for (reply, (id, rows, first)) in replies.iter().zip([("s1", 1, 2.0), ("s2", 64, 3.0)]) {
+                assert_eq!(reply.error_message, "", "{reply:?}");
+                let response = reply.infer_response.as_ref().unwrap();
+                assert_eq!(response.id, id);
+                assert_eq!(response.raw_output_contents[0], values(rows, first));
+            }
+        }
+        // Still serving, plain.
+        let mut plain = GrpcInferenceServiceClient::connect(url).await.unwrap();
+        plain.model_infer(request("after", 1, 0.5)).await.expect("a plain request after the refused ones");
+    });
+}

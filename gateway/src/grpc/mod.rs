@@ -155,8 +155,9 @@ pub async fn serve(
     // a compressed 64 MiB config request would stall every connection while it inflated).
     // Compressed ones are accepted: clients that compress on the whole channel say so on every
     // call.
+    let control_limit = nereid_worker::http::SMALL_BODY_BYTES.min(max_request);
     let generated = GrpcInferenceServiceServer::new(GatewayGrpc { ingress: ingress.clone() })
-        .max_decoding_message_size(nereid_worker::http::SMALL_BODY_BYTES.min(max_request))
+        .max_decoding_message_size(control_limit)
         .max_encoding_message_size(usize::MAX)
         .accept_compressed(CompressionEncoding::Gzip)
         .accept_compressed(CompressionEncoding::Deflate);
@@ -179,6 +180,15 @@ pub async fn serve(
         // tonic's own refusals (undecodable, too large, corrupt compression) get the codes a
         // worker answers them with, so a client sees the same through the gateway.
         .layer(tower::util::MapResponseLayer::new(nereid_worker::grpc::remap_transport_errors))
+        // Compressed messages inflate on the blocking pool, not on the event loop (tonic would
+        // inflate them inline, up to the limit, stalling every connection meanwhile).
+        .layer(tower::util::MapRequestLayer::new(move |request: http::Request<tonic::body::Body>| {
+            let limit = match request.uri().path() {
+                MODEL_INFER_PATH | MODEL_STREAM_INFER_PATH => max_request,
+                _ => control_limit,
+            };
+            nereid_worker::grpc::inflate::inflate_off_loop(request, limit)
+        }))
         .add_service(health)
         .add_service(service)
         .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())

@@ -9,6 +9,7 @@
 //! response stream itself (see [`InferStream`]), so dropping the stream cancels them all.
 
 pub mod convert;
+pub mod inflate;
 
 use nereid_common::fleet::QUEUE_REPORT_HEADER;
 use std::collections::VecDeque;
@@ -144,6 +145,7 @@ pub async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     let ServeOptions { keepalive, restrictions, compress_responses } = options;
     let server_for_health = server.clone();
+    let max_request = server.limits.max_request_bytes;
     let mut service = service_with_shutdown(server, shutdown.clone());
     if compress_responses {
         service = service.send_compressed(CompressionEncoding::Gzip);
@@ -160,6 +162,8 @@ pub async fn serve(
         .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
         .layer(tower::util::MapResponseLayer::new(remap_transport_errors))
         .layer(tower::layer::layer_fn(move |inner| Restricted { inner, rules: restrictions.clone() }))
+        // Compressed messages inflate on the blocking pool, not in tonic's decoder inline.
+        .layer(tower::util::MapRequestLayer::new(move |request| inflate::inflate_off_loop(request, max_request)))
         .add_service(HealthServer::new(Health::new(Arc::new(move || server_for_health.ready()))))
         .add_service(service)
         .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())

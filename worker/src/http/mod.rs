@@ -336,7 +336,7 @@ pub enum Coding {
 }
 
 impl Coding {
-    fn from_name(name: &str) -> Option<Coding> {
+    pub(crate) fn from_name(name: &str) -> Option<Coding> {
         if name.eq_ignore_ascii_case("gzip") || name.eq_ignore_ascii_case("x-gzip") {
             Some(Coding::Gzip)
         } else if name.eq_ignore_ascii_case("deflate") {
@@ -346,7 +346,7 @@ impl Coding {
         }
     }
 
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Coding::Gzip => "gzip",
             Coding::Deflate => "deflate",
@@ -358,7 +358,7 @@ impl Coding {
 /// compressed size (the inflated one is known only after): deflate expands at most ~1032:1, so
 /// a body inflated inline stays near a megabyte — a 62 KB gzip of zeros is 64 MB, too long to
 /// inflate on a thread serving every connection.
-const OFFLOAD_INFLATE_BYTES: usize = 1 << 10;
+pub(crate) const OFFLOAD_INFLATE_BYTES: usize = 1 << 10;
 
 /// The most a request body that is only a few settings may take (repository index and unload,
 /// shared-memory registration, log settings), inflated or not: such a request holds no tensors,
@@ -453,7 +453,7 @@ pub async fn read_body(headers: &HeaderMap, body: Body, max: usize) -> Result<By
 
 /// Sets its flag when dropped.
 #[derive(Default)]
-struct CancelOnDrop(std::sync::Arc<AtomicBool>);
+pub(crate) struct CancelOnDrop(pub(crate) std::sync::Arc<AtomicBool>);
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
@@ -509,19 +509,30 @@ async fn read_raw_body(headers: &HeaderMap, mut body: Body, max: usize) -> Resul
 /// `deflate` is the zlib format; a raw deflate stream (no zlib header, as some clients send)
 /// is accepted too.
 fn inflate(coding: Coding, data: &[u8], max: usize, cancelled: &AtomicBool) -> Result<Vec<u8>, Status> {
-    use flate2::bufread::{DeflateDecoder, MultiGzDecoder, ZlibDecoder};
-    let result = match coding {
-        Coding::Gzip => read_bounded(MultiGzDecoder::new(data), data.len(), max, cancelled),
-        Coding::Deflate if has_zlib_header(data) => read_bounded(ZlibDecoder::new(data), data.len(), max, cancelled),
-        Coding::Deflate => read_bounded(DeflateDecoder::new(data), data.len(), max, cancelled),
-    };
-    match result {
+    match inflate_bounded(coding, data, max, cancelled) {
         Ok(Some(out)) => Ok(out),
         Ok(None) => Err(Status::invalid(format!(
             "decompressed ({}) request body exceeds the limit of {max} bytes",
             coding.name()
         ))),
         Err(e) => Err(Status::invalid(format!("failed to decompress the {} request body: {e}", coding.name()))),
+    }
+}
+
+/// `data` inflated, failing as soon as the output would pass `max` bytes (`None`), and between
+/// two reads of [`INFLATE_CHUNK_BYTES`] once `cancelled` is set. `deflate` is the zlib format; a
+/// raw deflate stream (no zlib header) is accepted too.
+pub(crate) fn inflate_bounded(
+    coding: Coding,
+    data: &[u8],
+    max: usize,
+    cancelled: &AtomicBool,
+) -> std::io::Result<Option<Vec<u8>>> {
+    use flate2::bufread::{DeflateDecoder, MultiGzDecoder, ZlibDecoder};
+    match coding {
+        Coding::Gzip => read_bounded(MultiGzDecoder::new(data), data.len(), max, cancelled),
+        Coding::Deflate if has_zlib_header(data) => read_bounded(ZlibDecoder::new(data), data.len(), max, cancelled),
+        Coding::Deflate => read_bounded(DeflateDecoder::new(data), data.len(), max, cancelled),
     }
 }
 
