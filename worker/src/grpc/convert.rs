@@ -533,13 +533,12 @@ pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
     })
 }
 
-/// The deadline a request's `grpc-timeout` metadata asks for, measured from `now` (the start
-/// of the handler) and brought forward by [`deadline_margin`].
+/// The deadline a request's `grpc-timeout` metadata asks for, measured from `now` (when its
+/// headers arrived) and brought forward by [`deadline_margin`].
 ///
-/// tonic's transport enforces the same timeout itself, timed from when the headers arrived,
-/// by dropping the handler and answering CANCELLED. Starting ours a little earlier lets the
-/// core answer first, with DEADLINE_EXCEEDED (what Triton answers, and what the statistics
-/// should count), in all but pathological cases (a body slower to arrive than the margin).
+/// tonic's transport enforces the same timeout itself, timed from the same moment, by
+/// dropping the handler and answering CANCELLED. Ending ours a little earlier lets the core
+/// answer first, with DEADLINE_EXCEEDED (what Triton answers, and what the statistics count).
 pub fn grpc_deadline(metadata: &tonic::metadata::MetadataMap, now: Instant) -> Option<Instant> {
     grpc_timeout_deadline(metadata.get("grpc-timeout")?.to_str().ok()?, now)
 }

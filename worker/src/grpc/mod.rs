@@ -163,11 +163,30 @@ pub async fn serve(
         .layer(tower::util::MapResponseLayer::new(remap_transport_errors))
         .layer(tower::layer::layer_fn(move |inner| Restricted { inner, rules: restrictions.clone() }))
         // Compressed messages inflate on the blocking pool, not in tonic's decoder inline.
-        .layer(tower::util::MapRequestLayer::new(move |request| inflate::inflate_off_loop(request, max_request)))
+        .layer(tower::util::MapRequestLayer::new(move |request| {
+            inflate::inflate_off_loop(stamped(request), max_request)
+        }))
         .add_service(HealthServer::new(Health::new(Arc::new(move || server_for_health.ready()))))
         .add_service(service)
         .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())
         .await
+}
+
+/// When a call's headers arrived: stamped on it before its message is read, the start of its
+/// `grpc-timeout` as tonic's own timer counts it (a large or slow upload uses up the client's
+/// time too).
+#[derive(Clone, Copy, Debug)]
+pub struct Arrived(pub Instant);
+
+fn stamped<B>(mut request: http::Request<B>) -> http::Request<B> {
+    request.extensions_mut().insert(Arrived(Instant::now()));
+    request
+}
+
+/// When `request`'s headers arrived ([`Arrived`]), or now where it was not stamped (a service
+/// run outside [`serve`]).
+fn arrival<T>(request: &Request<T>) -> Instant {
+    request.extensions().get::<Arrived>().map_or_else(Instant::now, |a| a.0)
 }
 
 /// Refuses calls to APIs restricted by `--grpc-restricted-protocol` that lack the group's
@@ -301,7 +320,7 @@ impl GrpcInferenceService for GrpcFrontend {
     }
 
     async fn model_infer(&self, request: Request<ModelInferRequest>) -> TonicResult<ModelInferResponse> {
-        let deadline = grpc_deadline(request.metadata(), Instant::now());
+        let deadline = grpc_deadline(request.metadata(), arrival(&request));
         // Awaited in place: if the client goes away tonic drops this future, cancelling it.
         // The queue report rides on refusals and errors too: a worker answering mostly those
         // must not look idle to the gateways' balancers once its last success is old.
@@ -325,7 +344,7 @@ impl GrpcInferenceService for GrpcFrontend {
         request: Request<tonic::Streaming<ModelInferRequest>>,
     ) -> TonicResult<BoxStream<ModelStreamInferResponse>> {
         // A stream's grpc-timeout bounds the whole stream, hence every request on it.
-        let deadline = grpc_deadline(request.metadata(), Instant::now());
+        let deadline = grpc_deadline(request.metadata(), arrival(&request));
         let server = self.server.clone();
         let run = move |req: ModelInferRequest| -> BoxFuture<'static, ModelStreamInferResponse> {
             let server = server.clone();
@@ -912,6 +931,19 @@ mod tests {
     use super::*;
     use tokio::sync::mpsc;
     use tokio_stream::wrappers::UnboundedReceiverStream;
+
+    #[test]
+    fn a_calls_deadline_counts_from_when_its_headers_arrived() {
+        let arrived = Instant::now() - Duration::from_millis(400);
+        let mut request = Request::new(());
+        assert!(arrival(&request) > arrived, "unstamped: now");
+        request.extensions_mut().insert(Arrived(arrived));
+        request.metadata_mut().insert("grpc-timeout", "1000m".parse().unwrap());
+        let deadline = grpc_deadline(request.metadata(), arrival(&request)).unwrap();
+        assert_eq!(deadline, arrived + Duration::from_millis(995));
+        let http = stamped(http::Request::new(()));
+        assert!(http.extensions().get::<Arrived>().is_some_and(|a| a.0 > arrived));
+    }
 
     fn req(id: &str) -> ModelInferRequest {
         ModelInferRequest { model_name: "m".into(), id: id.into(), ..Default::default() }
