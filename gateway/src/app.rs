@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admission::AdmissionGate;
 use crate::config::GatewayConfig;
 use crate::control::Control;
-use crate::ingress::Ingress;
+use crate::ingress::{Ingress, IngressState};
 use crate::membership::{EtcdMembership, Membership, StaticMembership};
 use crate::metrics::{GatewayMetrics, Refusals};
 use crate::placement::PlacementController;
@@ -95,7 +95,7 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
 
     let draining = Arc::new(AtomicBool::new(false));
     let admission = AdmissionGate::new(config.admission.max_concurrent_requests);
-    let ingress = Ingress {
+    let ingress = Ingress::new(IngressState {
         infer: infer_stack(&config, &routes, &metrics, &admission),
         control: Control::new(routes.clone()),
         routes: routes.clone(),
@@ -104,7 +104,7 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
         admission,
         refusals: Refusals::new(&metrics, routes.clone()),
         draining: draining.clone(),
-    };
+    });
 
     let intake = CancellationToken::new();
     let mut servers = tokio::task::JoinSet::new();

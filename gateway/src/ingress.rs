@@ -22,9 +22,27 @@ use crate::wire::{InferRequest, InferResponse};
 /// refuses, as too large, a request this gateway let through.
 pub const FORWARD_APPEND_BYTES: usize = 64;
 
-/// What both ingresses share. Cheap to clone.
+/// What both ingresses share. Cloned per request (by each ingress, and by axum's state):
+/// one reference count.
 #[derive(Clone)]
-pub struct Ingress {
+pub struct Ingress(Arc<IngressState>);
+
+impl Ingress {
+    pub fn new(state: IngressState) -> Self {
+        Ingress(Arc::new(state))
+    }
+}
+
+impl std::ops::Deref for Ingress {
+    type Target = IngressState;
+
+    fn deref(&self) -> &IngressState {
+        &self.0
+    }
+}
+
+/// The parts of an [`Ingress`].
+pub struct IngressState {
     pub infer: InferService,
     pub control: Control,
     pub routes: Routes,
@@ -38,7 +56,7 @@ pub struct Ingress {
     pub draining: Arc<AtomicBool>,
 }
 
-impl Ingress {
+impl IngressState {
     pub fn ready(&self) -> bool {
         !self.draining.load(Ordering::Relaxed) && self.routes.snapshot().ready()
     }

@@ -168,7 +168,7 @@ pub async fn serve(
             move || ingress.ready(),
         )))
     };
-    let service = InferenceService { generated, infer: InferHandler { ingress, shutdown: shutdown.clone() } };
+    let service = InferenceService { generated, infer: InferHandler { ingress, shutdown: Arc::new(shutdown.clone()) } };
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(60)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
@@ -235,7 +235,7 @@ impl tower::Service<http::Request<tonic::body::Body>> for InferenceService {
                 let deadline = self.infer.ingress.call_deadline(client, arrived);
                 let received = Arc::new(AtomicBool::new(false));
                 request.extensions_mut().insert(Admitted { permit, deadline, received: received.clone() });
-                let refusals = self.infer.ingress.refusals.clone();
+                let ingress = self.infer.ingress.clone();
                 let handler = self.infer.clone();
                 Box::pin(async move {
                     let mut grpc = bytes_server::<Bytes>(max_request);
@@ -255,7 +255,7 @@ impl tower::Service<http::Request<tonic::body::Body>> for InferenceService {
                                     .get("grpc-status")
                                     .and_then(|v| v.to_str().ok()?.parse::<i32>().ok())
                                     .map_or(tonic::Code::Unknown, tonic::Code::from_i32);
-                                refusals.count(None, code, arrived);
+                                ingress.refusals.count(None, code, arrived);
                                 return Ok(response);
                             }
                             Ok(response)
@@ -267,7 +267,7 @@ impl tower::Service<http::Request<tonic::body::Body>> for InferenceService {
                             if received.load(Ordering::Acquire) {
                                 Ok(call.await)
                             } else {
-                                refusals.count(None, tonic::Code::DeadlineExceeded, arrived);
+                                ingress.refusals.count(None, tonic::Code::DeadlineExceeded, arrived);
                                 let status = tonic::Status::deadline_exceeded(
                                     "the request's deadline passed before its message was received",
                                 );
@@ -305,12 +305,13 @@ struct Admitted {
     received: Arc<AtomicBool>,
 }
 
-/// The two infer methods, on encoded messages.
+/// The two infer methods, on encoded messages. Cloned per call: reference counts only (a
+/// `CancellationToken`'s clone takes a lock).
 #[derive(Clone)]
 struct InferHandler {
     ingress: Ingress,
     /// When cancelled, open streams stop reading requests, finish those in flight and end.
-    shutdown: CancellationToken,
+    shutdown: Arc<CancellationToken>,
 }
 
 /// A request whose top-level framing is broken is refused here, naming the field; so is one
@@ -376,7 +377,7 @@ impl tonic::server::StreamingService<Bytes> for InferHandler {
         // A stream's deadline bounds every request on it.
         let stream_deadline = client_deadline(request.metadata(), Instant::now());
         let ingress = self.ingress.clone();
-        let stop = self.shutdown.clone().cancelled_owned();
+        let stop = CancellationToken::clone(&self.shutdown).cancelled_owned();
         let run = move |bytes: Bytes| -> BoxFuture<'static, StreamReply> {
             let ingress = ingress.clone();
             Box::pin(async move {
