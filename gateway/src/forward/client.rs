@@ -360,21 +360,18 @@ impl H2Channel {
         };
         // Read before the request is queued: the connection task may write it at once.
         let written_before = wire.written();
-        let request = http::Request::builder()
-            .method(http::Method::POST)
-            .uri(
-                http::Uri::builder()
-                    .scheme("http")
-                    .authority(self.authority.clone())
-                    .path_and_query(path)
-                    .build()
-                    .expect("scheme, authority and a static path make a valid URI"),
-            )
-            .header(http::header::CONTENT_TYPE, "application/grpc")
-            .header(http::header::TE, "trailers")
-            .header("grpc-timeout", grpc_timeout(timeout))
-            .body(())
-            .expect("static header names and values");
+        // Made field by field: no header name or URI is parsed per call.
+        let mut request = http::Request::new(());
+        *request.method_mut() = http::Method::POST;
+        let mut uri = http::uri::Parts::default();
+        uri.scheme = Some(http::uri::Scheme::HTTP);
+        uri.authority = Some(self.authority.clone());
+        uri.path_and_query = Some(http::uri::PathAndQuery::from_static(path));
+        *request.uri_mut() = http::Uri::from_parts(uri).expect("scheme, authority and a path make a valid URI");
+        let headers = request.headers_mut();
+        headers.insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/grpc"));
+        headers.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
+        headers.insert(GRPC_TIMEOUT, grpc_timeout_value(timeout));
         // Before the stream opens: a message h2 cannot carry is refused without the worker seeing
         // a stream opened and cancelled.
         let prefix = grpc_prefix(parts.iter().map(Bytes::len).sum()).map_err(CallError::Status)?;
@@ -449,6 +446,13 @@ fn broken(e: h2::Error, before_sending: bool, wire: &Wire) -> CallError {
 }
 
 /// `grpc-timeout`: at most 8 digits, in the finest unit that holds the value.
+const GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
+
+/// [`grpc_timeout`] as a header value.
+fn grpc_timeout_value(timeout: Duration) -> http::HeaderValue {
+    http::HeaderValue::try_from(grpc_timeout(timeout)).expect("digits and a unit letter make a valid header value")
+}
+
 pub fn grpc_timeout(timeout: Duration) -> String {
     let micros = timeout.as_micros();
     let millis = timeout.as_millis();
