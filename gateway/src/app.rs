@@ -160,9 +160,23 @@ pub async fn run(config: GatewayConfig, shutdown_requested: impl Future<Output =
     draining.store(true, Ordering::Relaxed);
     intake.cancel();
     let drain = async { while servers.join_next().await.is_some() {} };
-    if tokio::time::timeout(config.exit_timeout, drain).await.is_err() {
-        tracing::warn!("in-flight requests did not finish within --exit-timeout-secs; exiting anyway");
-    }
+    // Cut short, the drain failed some requests: the exit status says so (as a worker's does).
+    let result = match tokio::time::timeout(config.exit_timeout, drain).await {
+        Ok(()) => result,
+        Err(_) => {
+            let cut = anyhow::anyhow!(
+                "in-flight requests did not finish within --exit-timeout-secs ({} s): exiting with them unanswered",
+                config.exit_timeout.as_secs()
+            );
+            match result {
+                Ok(()) => Err(cut),
+                Err(e) => {
+                    tracing::error!("{cut:#}");
+                    Err(e)
+                }
+            }
+        }
+    };
     background.cancel();
     // Bounded: against a slow etcd, stepping down (resign, revoke) could otherwise hold the
     // exit past a supervisor's kill. Cut short (the tasks aborted), the leadership lapses with

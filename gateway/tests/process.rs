@@ -446,6 +446,23 @@ async fn sigterm_finishes_the_request_in_flight_then_exits() {
     assert_eq!(gateway.wait_exit(Duration::from_secs(15)), Some(0), "{}", gateway.log());
 }
 
+/// The request in flight outlasts --exit-timeout-secs (the worker holds it 3 s): the gateway
+/// exits anyway, with a status that says the drain was cut short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_cut_short_by_the_exit_timeout_exits_non_zero() {
+    let (worker, mut gateway) = held_fleet(&["--exit-timeout-secs", "1"]).await;
+    let mut client = gateway.client().await;
+    let held = tokio::spawn(async move { client.model_infer(fp32_request("held", "", &[1, 16], |i| i as f32)).await });
+    wait_until("the request to be held at the worker", Duration::from_secs(10), || async {
+        pending(&worker).await == Some(1.0)
+    })
+    .await;
+    gateway.terminate();
+    assert_eq!(gateway.wait_exit(Duration::from_secs(15)), Some(1), "{}", gateway.log());
+    assert!(gateway.log().contains("did not finish within --exit-timeout-secs (1 s)"), "{}", gateway.log());
+    held.await.unwrap().expect_err("the gateway left before the worker answered");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serves_on_a_thread_pool_as_on_one_event_loop() {
     let worker = common::start_worker(&common::example_models(), &["identity_fp32"]).await;

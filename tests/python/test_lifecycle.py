@@ -83,3 +83,32 @@ def test_sigterm_drains_in_flight_requests(repo_copy, make_worker):
         assert_fp32_close(np.frombuffer(resp.raw_output_contents[0], dtype=np.float32), x.flatten())
     finally:
         ch.close()
+
+
+def test_a_drain_cut_short_by_the_exit_timeout_exits_non_zero(repo_copy, make_worker):
+    """--exit-timeout-secs passing with a request still in flight: the worker exits anyway, and
+    its exit status says the drain was cut short (tritonserver exits 1), so an orchestrator or
+    a supervisor sees that requests were dropped."""
+    repo = repo_copy("identity_fp32")
+    cfg = repo / "identity_fp32" / "config.pbtxt"
+    text = cfg.read_text()
+    held = text.replace("max_queue_delay_microseconds: 0\n", "max_queue_delay_microseconds: 60000000\n")
+    assert held != text, "the example identity_fp32 config no longer has the queue delay this test raises"
+    cfg.write_text(held)
+    w = make_worker(repo, "--exit-timeout-secs", "1")
+    ch = grpc.insecure_channel(w.grpc_url)
+    req = pb.ModelInferRequest(model_name="identity_fp32")
+    i = req.inputs.add()
+    i.name, i.datatype = "INPUT0", "FP32"
+    i.shape.extend([1, 16])
+    req.raw_input_contents.append(np.zeros(16, dtype=np.float32).tobytes())
+    fut = pbg.GRPCInferenceServiceStub(ch).ModelInfer.future(req, timeout=60)
+    try:
+        wait_until(lambda: _pending(w) == 1, 10, what="the request to be queued")
+        w.proc.send_signal(signal.SIGTERM)
+        rc = w.proc.wait(timeout=30)
+        assert rc == 1, w.log_tail()
+        assert "did not finish within --exit-timeout-secs (1 s)" in w.log_tail(), w.log_tail()
+        assert fut.exception(timeout=30) is not None, "the held request cannot have been answered"
+    finally:
+        ch.close()

@@ -297,8 +297,13 @@ async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
             }
         }
     };
+    // Cut short, the drain failed some requests: the exit status says so (tritonserver exits 1
+    // when its exit timeout expires), after the worker has left the fleet as usual.
     if tokio::time::timeout(Duration::from_secs(args.exit_timeout_secs), drain).await.is_err() {
-        tracing::warn!("in-flight requests did not finish within --exit-timeout-secs; exiting anyway");
+        failed.get_or_insert(anyhow::anyhow!(
+            "in-flight requests did not finish within --exit-timeout-secs ({} s): exiting with them unanswered",
+            args.exit_timeout_secs
+        ));
     }
     metrics_stop.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(1), async { while metrics_server.join_next().await.is_some() {} })
