@@ -445,7 +445,6 @@ fn broken(e: h2::Error, before_sending: bool, wire: &Wire) -> CallError {
     if before_sending { CallError::Connect(std::io::Error::other(e)) } else { CallError::H2(e) }
 }
 
-/// `grpc-timeout`: at most 8 digits, in the finest unit that holds the value.
 const GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
 
 /// [`grpc_timeout`] as a header value.
@@ -453,6 +452,7 @@ fn grpc_timeout_value(timeout: Duration) -> http::HeaderValue {
     http::HeaderValue::try_from(grpc_timeout(timeout)).expect("digits and a unit letter make a valid header value")
 }
 
+/// `grpc-timeout`: at most 8 digits, in the finest unit that holds the value.
 pub fn grpc_timeout(timeout: Duration) -> String {
     let micros = timeout.as_micros();
     let millis = timeout.as_millis();

@@ -21,7 +21,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use http_body::Frame;
 use tokio::task::JoinHandle;
 
-use crate::http::{CancelOnDrop, Coding, OFFLOAD_INFLATE_BYTES, inflate_bounded};
+use crate::http::{CancelOnDrop, Coding, OFFLOAD_INFLATE_BYTES, inflation_permit, read_bounded};
 
 /// gRPC's message prefix: a compressed flag and a big-endian length.
 const PREFIX: usize = 5;
@@ -60,8 +60,9 @@ struct Inflating {
     buf: BytesMut,
     /// Bytes of an uncompressed message still to pass through as they come.
     passthrough: usize,
-    /// A message inflating on the blocking pool; dropping its guard stops it.
-    inflating: Option<(JoinHandle<Result<Bytes, tonic::Status>>, CancelOnDrop)>,
+    /// A message waiting for a place among the inflations running at once, then inflating
+    /// on the blocking pool; dropping it stops the inflating.
+    inflating: Option<futures::future::BoxFuture<'static, Result<Bytes, tonic::Status>>>,
     /// An inflated message waiting behind its prefix.
     queued: Option<Bytes>,
     /// A message header tonic will refuse (a flag other than 0 and 1): from there on every
@@ -106,10 +107,16 @@ impl Inflating {
         if len <= OFFLOAD_INFLATE_BYTES {
             return Some(inflate_message(coding, &data, limit, &AtomicBool::new(false)));
         }
-        let guard = CancelOnDrop::default();
-        let cancelled = guard.0.clone();
-        let task = tokio::task::spawn_blocking(move || inflate_message(coding, &data, limit, &cancelled));
-        self.inflating = Some((task, guard));
+        self.inflating = Some(Box::pin(async move {
+            let permit = inflation_permit().await;
+            let gone = CancelOnDrop::default();
+            let cancelled = gone.0.clone();
+            let task: JoinHandle<_> = tokio::task::spawn_blocking(move || {
+                let _permit = permit;
+                inflate_message(coding, &data, limit, &cancelled)
+            });
+            task.await.unwrap_or_else(|e| Err(tonic::Status::internal(format!("inflating a message failed: {e}"))))
+        }));
         None
     }
 
@@ -133,9 +140,15 @@ impl Inflating {
     }
 }
 
-/// One message inflated to at most `limit` bytes.
+/// One message inflated to at most `limit` bytes, read as tonic reads it: gzip as one member
+/// (what follows it ignored), deflate as the zlib format.
 fn inflate_message(coding: Coding, data: &[u8], limit: usize, cancelled: &AtomicBool) -> Result<Bytes, tonic::Status> {
-    match inflate_bounded(coding, data, limit, cancelled) {
+    use flate2::bufread::{GzDecoder, ZlibDecoder};
+    let inflated = match coding {
+        Coding::Gzip => read_bounded(GzDecoder::new(data), data.len(), limit, cancelled),
+        Coding::Deflate => read_bounded(ZlibDecoder::new(data), data.len(), limit, cancelled),
+    };
+    match inflated {
         Ok(Some(message)) => Ok(Bytes::from(message)),
         Ok(None) => Err(tonic::Status::resource_exhausted(format!(
             "the {} message inflates past the limit of {limit} bytes",
@@ -161,13 +174,12 @@ impl http_body::Body for Inflating {
             if let Some(message) = this.queued.take() {
                 return Poll::Ready(Some(Ok(Frame::data(message))));
             }
-            if let Some((task, _)) = this.inflating.as_mut() {
-                let done = ready!(std::pin::Pin::new(task).poll(cx));
+            if let Some(inflating) = this.inflating.as_mut() {
+                let done = ready!(inflating.as_mut().poll(cx));
                 this.inflating = None;
                 return match done {
-                    Ok(Ok(message)) => this.emit(message),
-                    Ok(Err(status)) => this.fail(status),
-                    Err(e) => this.fail(tonic::Status::internal(format!("inflating a message failed: {e}"))),
+                    Ok(message) => this.emit(message),
+                    Err(status) => this.fail(status),
                 };
             }
             if !this.buf.is_empty() && (this.opaque || this.passthrough > 0) {
@@ -201,9 +213,11 @@ impl http_body::Body for Inflating {
                 }
             }
             if this.ended {
-                // What is left is a partial message: passed on, tonic answers it as truncated.
+                // What is left is a partial message: answered as tonic answers one.
                 if !this.buf.is_empty() {
-                    return Poll::Ready(Some(Ok(Frame::data(this.buf.split().freeze()))));
+                    return this.fail(tonic::Status::internal(
+                        "Unexpected EOF decoding stream: the body ended inside a message",
+                    ));
                 }
                 return Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))));
             }
@@ -369,17 +383,39 @@ mod tests {
             assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
             assert!(e.message().contains("failed to inflate the gzip message"), "{e:?}");
         }
-        // A flag tonic refuses, and a truncated message: passed on as they are, for tonic.
+        // A flag tonic refuses: passed on as it is, for tonic.
         let odd = framed(2, b"xyz");
         assert_eq!(
             read_all(inflate_off_loop(request("gzip", chunked(odd.clone(), 2, None)), 1 << 20)).await.unwrap().0,
             odd
         );
+        // A message cut short by the end of the body, as tonic answers one.
         let cut = framed(1, &compress(Coding::Gzip, b"hello"))[..9].to_vec();
-        assert_eq!(
-            read_all(inflate_off_loop(request("gzip", chunked(cut.clone(), 4, None)), 1 << 20)).await.unwrap().0,
-            cut
-        );
+        let e = read_all(inflate_off_loop(request("gzip", chunked(cut, 4, None)), 1 << 20)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Internal, "{e:?}");
+        assert!(e.message().starts_with("Unexpected EOF"), "{e:?}");
+        // As tonic: a gzip member's trailing bytes are ignored.
+        let mut padded = compress(Coding::Gzip, b"hello");
+        padded.extend_from_slice(b"\0\0\0");
+        let out = read_all(inflate_off_loop(request("gzip", chunked(framed(1, &padded), 3, None)), 1 << 20)).await;
+        assert_eq!(out.unwrap().0, framed(0, b"hello"));
+    }
+
+    /// Inflations on the blocking pool are a few at a time: with every place taken, a large
+    /// message waits (no blocking task started), and inflates once one is given back.
+    #[tokio::test(flavor = "current_thread")]
+    async fn inflations_wait_for_a_place() {
+        let taken: Vec<_> =
+            futures::future::join_all((0..crate::http::inflation_permits()).map(|_| inflation_permit())).await;
+        let wire = framed(1, &compress(Coding::Deflate, &vec![1u8; 4 << 20]));
+        let mut body = inflate_off_loop(request("deflate", chunked(wire, 1 << 30, None)), 64 << 20).into_body();
+        for _ in 0..3 {
+            assert!(futures::poll!(std::pin::pin!(body.frame())).is_pending(), "no place: it must wait");
+            tokio::task::yield_now().await;
+        }
+        drop(taken);
+        let (out, _) = read_all(http::Request::new(body)).await.unwrap();
+        assert_eq!(out.len(), PREFIX + (4 << 20));
     }
 
     /// The point of it all: a large message inflates on the blocking pool, so the thread

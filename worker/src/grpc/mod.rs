@@ -163,14 +163,22 @@ pub async fn serve(
         .layer(tower::util::MapResponseLayer::new(remap_transport_errors))
         .layer(tower::layer::layer_fn(move |inner| Restricted { inner, rules: restrictions.clone() }))
         // Compressed messages inflate on the blocking pool, not in tonic's decoder inline.
-        .layer(tower::util::MapRequestLayer::new(move |request| {
-            inflate::inflate_off_loop(stamped(request), max_request)
+        .layer(tower::util::MapRequestLayer::new(move |request: http::Request<tonic::body::Body>| {
+            // The inference service's limit; the health service's messages are a name.
+            let limit = if request.uri().path().starts_with(INFERENCE_SERVICE_PREFIX) {
+                max_request
+            } else {
+                crate::http::SMALL_BODY_BYTES.min(max_request)
+            };
+            inflate::inflate_off_loop(stamped(request), limit)
         }))
         .add_service(HealthServer::new(Health::new(Arc::new(move || server_for_health.ready()))))
         .add_service(service)
         .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())
         .await
 }
+
+const INFERENCE_SERVICE_PREFIX: &str = "/inference.GRPCInferenceService/";
 
 /// When a call's headers arrived: stamped on it before its message is read, the start of its
 /// `grpc-timeout` as tonic's own timer counts it (a large or slow upload uses up the client's

@@ -442,13 +442,33 @@ pub async fn read_body(headers: &HeaderMap, body: Body, max: usize) -> Result<By
             // inflate up to `max` bytes for nobody.
             let gone = CancelOnDrop::default();
             let cancelled = gone.0.clone();
-            maybe_offload(raw.len() > OFFLOAD_INFLATE_BYTES, move || {
+            let heavy = raw.len() > OFFLOAD_INFLATE_BYTES;
+            // Offloaded inflations are few at a time (each may grow to `max`), the permit
+            // held until the blocking task itself ends.
+            let permit = if heavy { Some(inflation_permit().await) } else { None };
+            maybe_offload(heavy, move || {
+                let _permit = permit;
                 inflate(coding, &raw, max, &cancelled).map(Bytes::from)
             })
             .await
         }
         _ => Ok(raw),
     }
+}
+
+/// A place among the inflations running on the blocking pool at once, HTTP bodies and gRPC
+/// messages together: one per CPU (at least two). Each may grow its output to the request
+/// limit, so without a bound many small compressed uploads at once would take that much
+/// memory each (and hold the pool the conversions and loads also run on).
+pub(crate) async fn inflation_permit() -> tokio::sync::OwnedSemaphorePermit {
+    static PERMITS: std::sync::LazyLock<std::sync::Arc<tokio::sync::Semaphore>> =
+        std::sync::LazyLock::new(|| std::sync::Arc::new(tokio::sync::Semaphore::new(inflation_permits())));
+    PERMITS.clone().acquire_owned().await.expect("the inflation semaphore is never closed")
+}
+
+/// How many inflations run at once (see [`inflation_permit`]).
+pub(crate) fn inflation_permits() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get()).max(2)
 }
 
 /// Sets its flag when dropped.
@@ -522,7 +542,7 @@ fn inflate(coding: Coding, data: &[u8], max: usize, cancelled: &AtomicBool) -> R
 /// `data` inflated, failing as soon as the output would pass `max` bytes (`None`), and between
 /// two reads of [`INFLATE_CHUNK_BYTES`] once `cancelled` is set. `deflate` is the zlib format; a
 /// raw deflate stream (no zlib header) is accepted too.
-pub(crate) fn inflate_bounded(
+fn inflate_bounded(
     coding: Coding,
     data: &[u8],
     max: usize,
@@ -548,7 +568,7 @@ fn has_zlib_header(data: &[u8]) -> bool {
 /// Reads `reader` to its end into a buffer that never grows past `max + 1` bytes; `None` when
 /// there are more than `max` bytes (reading stops there). Reads [`INFLATE_CHUNK_BYTES`] at a
 /// time, and fails between two once `cancelled` is set.
-fn read_bounded(
+pub(crate) fn read_bounded(
     mut reader: impl std::io::Read,
     compressed_len: usize,
     max: usize,
