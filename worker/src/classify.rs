@@ -108,6 +108,10 @@ impl PartialEq for Ranked {
 
 impl Eq for Ranked {}
 
+/// Most classes one classified output may hold (rows × classes asked for): some 40 bytes
+/// apiece while they are chosen and written.
+pub const MAX_CLASSES: usize = 1 << 22;
+
 /// `output` as its top `count` classes per batch row (`batching`: the model's first dimension
 /// is the batch). Fewer classes than asked for give as many as there are. Each row is read
 /// once, keeping only its best `count` classes so far: the memory it takes is that of the
@@ -133,6 +137,14 @@ pub fn classify(
     };
     let per_row = elements.checked_div(rows).unwrap_or(0);
     let k = per_row.min(count as usize);
+    // Each class is a string of its own in the answer (and a heap entry while its row is read).
+    if rows.saturating_mul(k) > MAX_CLASSES {
+        return Err(Status::invalid(format!(
+            "output '{}': {rows} row(s) of {k} classes is more than the {MAX_CLASSES} classes one answer may hold: \
+             ask for fewer (classification)",
+            output.name
+        )));
+    }
     // Serialized as it goes (BYTES: a 4-byte length, then the text), one buffer for all.
     let mut data: Vec<u8> = Vec::with_capacity(rows.saturating_mul(k).saturating_mul(16));
     let mut class = String::new();
@@ -222,6 +234,17 @@ mod tests {
         let c = classify(&fp32(&[1, 2], &[1.0, 2.0]), 5, true, None).unwrap();
         assert_eq!(c.shape, vec![1, 2]);
         assert_eq!(strings(&c), ["2.000000:1", "1.000000:0"]);
+    }
+
+    /// An answer of millions of classes (a huge count on a large output) is refused before any
+    /// row is read; the same count on a small output gives what there is.
+    #[test]
+    fn answers_past_the_class_bound_are_refused() {
+        let wide = tensor(DataType::Uint8, &[2, (MAX_CLASSES / 2 + 1) as i64], vec![0; MAX_CLASSES + 2]);
+        let e = classify(&wide, u32::MAX, true, None).unwrap_err();
+        assert!(e.message.contains("more than the 4194304 classes"), "{}", e.message);
+        assert_eq!(classify(&wide, 3, true, None).unwrap().shape, vec![2, 3]);
+        assert_eq!(classify(&fp32(&[1, 2], &[1.0, 2.0]), u32::MAX, true, None).unwrap().shape, vec![1, 2]);
     }
 
     #[test]

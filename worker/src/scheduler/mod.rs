@@ -475,18 +475,42 @@ pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
 fn run_batch<I: Instance>(session: &mut I, batch: Vec<Job>, dispatched: Instant, shared: &Shared) {
     shared.stats.record_dispatch(batch.len());
     shared.stats.pending_add(-(batch.len() as i64));
+    let result = run_guarded(session, &batch);
+    if result.is_err() && batch.len() > 1 {
+        // One request's values can fail the run of the whole batch (a token id past a
+        // vocabulary, an index out of range): each request runs again on its own, so that only
+        // the one at fault fails and every other caller is answered as if it had run alone.
+        tracing::debug!(requests = batch.len(), "a batch failed; running its requests one at a time");
+        for job in batch {
+            let solo = vec![job];
+            let result = run_guarded(session, &solo);
+            deliver(solo, result, dispatched, shared);
+        }
+    } else {
+        deliver(batch, result, dispatched, shared);
+    }
+}
+
+/// Runs `batch` on `session`. A panic while running (a bug, or a model answering what nothing
+/// expected) fails this batch only: unwound past here it would end the instance thread, and
+/// with it every later batch (and, under preserve_ordering, every later answer).
+fn run_guarded<I: Instance>(session: &mut I, batch: &[Job]) -> Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status> {
     let inputs: Vec<JobInputs<'_>> = batch.iter().map(|j| JobInputs { rows: j.rows, inputs: &j.inputs }).collect();
     let wanted = |j: usize, o: usize| batch[j].wanted.get(o).copied().unwrap_or(false);
-    // A panic while running (a bug, or a model answering what nothing expected) fails this
-    // batch only: unwound past here it would end the instance thread, and with it every later
-    // batch (and, under preserve_ordering, every later answer).
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session.run(&inputs, &wanted)))
-        .unwrap_or_else(|panic| {
-            let what = panic_text(panic.as_ref());
-            tracing::error!(error = %what, "an instance panicked running a batch; the batch fails, the instance goes on");
-            Err(Status::internal(format!("the model's run failed unexpectedly: {what}")))
-        });
-    drop(inputs);
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session.run(&inputs, &wanted))).unwrap_or_else(|panic| {
+        let what = panic_text(panic.as_ref());
+        tracing::error!(error = %what, "an instance panicked running a batch; the batch fails, the instance goes on");
+        Err(Status::internal(format!("the model's run failed unexpectedly: {what}")))
+    })
+}
+
+/// Answers every job of `batch` from the run's `result`.
+fn deliver(
+    batch: Vec<Job>,
+    result: Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status>,
+    dispatched: Instant,
+    shared: &Shared,
+) {
     let rows: usize = batch.iter().map(|j| j.rows).sum();
     match result {
         Ok((outputs, times)) => {
@@ -676,6 +700,62 @@ mod tests {
         scheduler.submit(second).expect("queued");
         assert_eq!(second_rx.blocking_recv().expect("answered").expect("ran").figures.rows, 1);
         assert_eq!(stats.snapshot().execution_count, 1);
+    }
+
+    /// An instance held on its first run (until the test opens the gate), that then fails
+    /// every batch holding a request of two rows (a request whose values the model refuses).
+    struct FailsOnTwoRows {
+        started: std::sync::mpsc::Sender<usize>,
+        gate: Option<std::sync::mpsc::Receiver<()>>,
+    }
+
+    impl Instance for FailsOnTwoRows {
+        fn run(
+            &mut self,
+            jobs: &[JobInputs<'_>],
+            _wanted: &dyn Fn(usize, usize) -> bool,
+        ) -> Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status> {
+            let _ = self.started.send(jobs.len());
+            if let Some(gate) = self.gate.take() {
+                let _ = gate.recv_timeout(GATE_LIMIT);
+            }
+            if jobs.iter().any(|j| j.rows == 2) {
+                return Err(Status::internal("index 70000 is out of bounds of the vocabulary"));
+            }
+            Ok((jobs.iter().map(|_| vec![]).collect(), PhaseTimes::default()))
+        }
+    }
+
+    /// A batch failed by one request's values: its other requests run again, alone, and are
+    /// answered; only the one at fault fails.
+    #[test]
+    fn a_batch_failed_by_one_request_fails_that_request_alone() {
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let (gate, gate_rx) = std::sync::mpsc::channel();
+        let instance = FailsOnTwoRows { started: started_tx, gate: Some(gate_rx) };
+        let mut policy = BatchPolicy::direct();
+        policy.max_batch_size = 8;
+        policy.max_requests = usize::MAX;
+        let stats = crate::metrics::Metrics::new().version("m", 1);
+        let scheduler = Scheduler::start("test", policy, false, vec![instance], stats.clone()).expect("threads start");
+        let submit = |rows: usize| {
+            let (tx, rx) = oneshot::channel();
+            scheduler.submit(Job::new(rows, vec![], vec![], vec![], 0, 0, tx)).expect("queued");
+            rx
+        };
+        let first = submit(1);
+        assert_eq!(started.recv_timeout(GATE_LIMIT), Ok(1), "the first request holds the instance");
+        let (good, bad, also_good) = (submit(1), submit(2), submit(1));
+        gate.send(()).expect("instance waits");
+        assert!(first.blocking_recv().expect("answered").is_ok());
+        assert_eq!(started.recv_timeout(GATE_LIMIT), Ok(3), "the three queued ones batch together");
+        assert_eq!(good.blocking_recv().expect("answered").expect("ran alone").figures.rows, 1);
+        let refused = bad.blocking_recv().expect("answered").expect_err("its own values fail it");
+        assert!(refused.message.contains("out of bounds of the vocabulary"), "{}", refused.message);
+        assert_eq!(also_good.blocking_recv().expect("answered").expect("ran alone").figures.rows, 1);
+        assert_eq!((1..=3).map(|_| started.recv_timeout(GATE_LIMIT)).collect::<Vec<_>>(), vec![Ok(1); 3]);
+        // Executions that answered: the first and the two good ones.
+        assert_eq!(stats.snapshot().execution_count, 3);
     }
 
     /// Callers that went away while every instance is busy do not keep a full queue full: the
