@@ -7,6 +7,7 @@ pub mod fleet;
 pub mod limits;
 pub mod status;
 pub mod telemetry;
+pub mod testing;
 
 pub use dtype::DataType;
 pub use status::{Code, Status};

@@ -40,15 +40,15 @@ async fn before_the_hold<T>(answer: impl std::future::Future<Output = T>) -> T {
         .unwrap_or_else(|_| panic!("no answer within {BOUND:?}: it waited for the hold"))
 }
 
-const PENDING: &str = "nv_inference_pending_request_count{model=\"held\",version=\"1\"}";
 const STUCK_PENDING: &str = "nv_inference_pending_request_count{model=\"stuck\",version=\"1\"}";
 
+/// Runs the binary with `args` (and free ports), bounded: one that fails to refuse its flags
+/// fails the test instead of serving on.
 fn run_cli(args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_nereid-gateway")).args(args).output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout),
-    )
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nereid-gateway"));
+    cmd.args(nereid_common::testing::with_free_ports(args));
+    nereid_common::testing::run_bounded(cmd, &format!("nereid-gateway {args:?}"), Duration::from_secs(60), || {})
+        .code_and_text()
 }
 
 #[test]
@@ -100,10 +100,6 @@ async fn held_fleet(gateway_flags: &[&str]) -> (Proc, Proc) {
     // The worker has loaded the repository: the temporary copy may go.
     drop(repo);
     (worker, gateway)
-}
-
-async fn pending(worker: &Proc) -> Option<f64> {
-    worker.metric(PENDING).await
 }
 
 /// A client that sends its headers and then trickles (here: stops) its body — of an infer
@@ -384,8 +380,15 @@ async fn deadlines_propagate_to_the_worker() {
     // grpc-timeout: the gateway answers DEADLINE_EXCEEDED long before the batcher's 60 s, and
     // the worker sees the forwarded call cancelled (its request leaves the queue).
     let mut req = tonic::Request::new(fp32_request("stuck", "", &[1, 16], |_| 0.0));
-    req.set_timeout(Duration::from_secs(1));
-    let e = before_the_hold(gateway.client().await.model_infer(req)).await.unwrap_err();
+    req.set_timeout(Duration::from_secs(5));
+    let mut client = gateway.client().await;
+    let call = tokio::spawn(async move { client.model_infer(req).await });
+    // The call reached the worker (and waits in its queue) before its deadline passes.
+    wait_until("the request to be queued at the worker", Duration::from_secs(5), || async {
+        worker.metric(STUCK_PENDING).await == Some(1.0)
+    })
+    .await;
+    let e = before_the_hold(call).await.unwrap().unwrap_err();
     // The gateway answers DEADLINE_EXCEEDED a few milliseconds before the client's own timer
     // (set from the same grpc-timeout) fires; on a loaded machine that timer can win the race,
     // and tonic reports it as CANCELLED "Timeout expired". Either way the call ended at the
@@ -425,9 +428,10 @@ async fn deadlines_propagate_to_the_worker() {
 async fn sigterm_finishes_the_request_in_flight_then_exits() {
     let (worker, mut gateway) = held_fleet(&[]).await;
     let mut client = gateway.client().await;
-    let held = tokio::spawn(async move { client.model_infer(fp32_request("held", "", &[1, 16], |i| i as f32)).await });
+    // Held at the worker (60 s) until the test completes its batch, below.
+    let held = tokio::spawn(async move { client.model_infer(fp32_request("stuck", "", &[1, 16], |i| i as f32)).await });
     wait_until("the request to be held at the worker", Duration::from_secs(10), || async {
-        pending(&worker).await == Some(1.0)
+        worker.metric(STUCK_PENDING).await == Some(1.0)
     })
     .await;
     gateway.terminate();
@@ -440,21 +444,26 @@ async fn sigterm_finishes_the_request_in_flight_then_exits() {
     // Prometheus can still scrape the drain...
     let text = gateway.metrics_text().await;
     assert!(text.contains("nereid_gateway_routing_table_age_seconds"), "metrics during the drain: {text:?}");
-    // ...and the request in flight is answered, and then the gateway exits cleanly.
-    let out = held.await.unwrap().expect("the in-flight request must complete").into_inner();
+    assert!(!held.is_finished(), "the request is still in flight through the drain");
+    // ...and the request in flight is answered once the worker runs it (three more rows, sent
+    // to the worker directly, fill its batch), and then the gateway exits cleanly.
+    let mut direct = worker.client().await;
+    let filler = direct.model_infer(fp32_request("stuck", "", &[3, 16], |i| i as f32));
+    before_the_hold(filler).await.expect("the rows that complete the batch");
+    let out = before_the_hold(held).await.unwrap().expect("the in-flight request must complete").into_inner();
     assert_eq!(out.raw_output_contents[0].len(), 64);
     assert_eq!(gateway.wait_exit(Duration::from_secs(15)), Some(0), "{}", gateway.log());
 }
 
-/// The request in flight outlasts --exit-timeout-secs (the worker holds it 3 s): the gateway
+/// The request in flight outlasts --exit-timeout-secs (the worker holds it 60 s): the gateway
 /// exits anyway, with a status that says the drain was cut short.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_cut_short_by_the_exit_timeout_exits_non_zero() {
     let (worker, mut gateway) = held_fleet(&["--exit-timeout-secs", "1"]).await;
     let mut client = gateway.client().await;
-    let held = tokio::spawn(async move { client.model_infer(fp32_request("held", "", &[1, 16], |i| i as f32)).await });
+    let held = tokio::spawn(async move { client.model_infer(fp32_request("stuck", "", &[1, 16], |i| i as f32)).await });
     wait_until("the request to be held at the worker", Duration::from_secs(10), || async {
-        pending(&worker).await == Some(1.0)
+        worker.metric(STUCK_PENDING).await == Some(1.0)
     })
     .await;
     gateway.terminate();

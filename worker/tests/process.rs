@@ -50,12 +50,13 @@ fn worker_command(
     cmd
 }
 
+/// Runs the binary with `args` (and free ports), bounded: one that fails to refuse its flags
+/// fails the test instead of serving on.
 fn run_cli(args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_nereid-worker")).args(args).output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout),
-    )
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nereid-worker"));
+    cmd.args(nereid_common::testing::with_free_ports(args));
+    nereid_common::testing::run_bounded(cmd, &format!("nereid-worker {args:?}"), Duration::from_secs(60), || {})
+        .code_and_text()
 }
 
 #[test]

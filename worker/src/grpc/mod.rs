@@ -1095,8 +1095,9 @@ mod tests {
     }
 
     /// Replies finished behind a slower one and not yet taken weigh too: while they weigh the
-    /// limit, no more requests are read; taking them reads on.
-    #[tokio::test]
+    /// limit, no more requests are read; taking them reads on. (Paused time: the slow request's
+    /// 300 ms pass only as the test's own short waits advance the clock.)
+    #[tokio::test(start_paused = true)]
     async fn unread_replies_count_against_the_weight_limit() {
         let (tx, mut s) = replies_of_ten_limit_twenty_five();
         for id in ["sleep-300", "a", "b", "c"] {
