@@ -47,6 +47,7 @@ use nereid_common::fleet::etcd_client::{
     Client, Compare, CompareOp, DeleteOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchFilterType,
     WatchOptions, WatchStream,
 };
+use nereid_common::fleet::keys::check_name;
 use nereid_common::fleet::records::{self, ModelState, PlacementRecord, StatusRecord, WorkerRecord, WorkerState};
 use nereid_common::fleet::{
     self as fleet, Backoff, CALL_TIMEOUT, ClusterMark, KeptLease, Key, Keys, bounded, history_reset,
@@ -359,7 +360,14 @@ impl Session<'_> {
             tokio::select! {
                 why = &mut lost => return Err(format!("the lease was lost: {why}")),
                 msg = watch.message() => {
-                    let resp = msg.map_err(|e| format!("placement watch: {e}"))?.ok_or("the placement watch closed")?;
+                    let resp = msg.map_err(|e| {
+                        // Resumed from the same revision, the same response would fail again
+                        // for ever: the next session reads the placement whole (paged).
+                        if nereid_common::fleet::too_large(&e) {
+                            self.view.revision = None;
+                        }
+                        format!("placement watch: {e}")
+                    })?.ok_or("the placement watch closed")?;
                     self.view.seen.observe(resp.header());
                     if resp.compact_revision() > 0 {
                         // The revision to resume from is gone: read the placement whole.
@@ -714,6 +722,11 @@ fn model_statuses(
     let status = StatusRecord::new;
     let mut out = BTreeMap::new();
     for e in index {
+        // A name no key can hold (a folder named with a space, loaded by hand): its status
+        // would be refused by every reader, and never cleared by a later process.
+        if check_name("model", &e.name).is_err() {
+            continue;
+        }
         // Serving out its unload grace — the whole model, or versions no longer placed (the
         // end of a roll-over): no new traffic.
         let placed = |v: &i64| placement.get(&e.name).is_some_and(|vs| vs.contains(v));
@@ -1024,6 +1037,15 @@ mod tests {
         assert!(status.reason.len() <= records::MAX_REASON_BYTES && status.reason.ends_with('…'));
         assert!(status.reason.starts_with("éé"));
         records::encode(status).expect("writable");
+    }
+
+    /// A model loaded under a name no key can hold (a folder with a space in it) publishes no
+    /// status: every reader would refuse it, and no later process would clear it.
+    #[test]
+    fn a_model_whose_name_no_key_can_hold_publishes_no_status() {
+        let index = vec![entry("my model", "1", "READY", ""), entry("ok", "1", "READY", "")];
+        let s = model_statuses(&index, &Placement::new(), &HashMap::new(), &BTreeSet::new(), &BTreeMap::new());
+        assert_eq!(s.keys().cloned().collect::<Vec<_>>(), vec![("ok".to_string(), 1)]);
     }
 
     #[test]

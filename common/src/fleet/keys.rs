@@ -58,10 +58,18 @@ pub fn check_name(what: &str, name: &str) -> Result<(), String> {
         let head: String = name.chars().take(32).collect();
         return Err(format!("{what} '{head}…' is longer than 255 bytes"));
     }
-    if let Some(c) = name.chars().find(|c| *c == '/' || c.is_whitespace() || c.is_control()) {
-        return Err(format!("{what} '{name}' contains {c:?}, which a key segment cannot hold"));
+    if let Some(c) = name.chars().find(|c| *c == '/' || c.is_whitespace() || c.is_control() || is_invisible(*c)) {
+        return Err(format!("{what} '{}' contains {c:?}, which a key segment cannot hold", name.escape_debug()));
     }
     Ok(())
+}
+
+/// Characters that print as nothing or reorder text (zero-width and bidirectional controls,
+/// the byte order mark, the soft hyphen): a name holding one looks like another name, or
+/// prints scrambled.
+fn is_invisible(c: char) -> bool {
+    matches!(c, '\u{00AD}' | '\u{061C}' | '\u{180E}' | '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}'
+        | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{206F}' | '\u{FEFF}')
 }
 
 impl Keys {
@@ -210,6 +218,16 @@ fn version(segment: &str) -> Result<i64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_that_print_as_another_are_refused() {
+        for name in ["a\u{200B}b", "\u{FEFF}m", "m\u{202E}gnp", "soft\u{00AD}hyphen"] {
+            let e = check_name("model", name).unwrap_err();
+            assert!(e.contains("which a key segment cannot hold"), "{e}");
+            assert!(!e.contains('\u{202E}'), "the name is shown escaped: {e}");
+        }
+        assert_eq!(check_name("model", "résumé-v2_模型"), Ok(()));
+    }
 
     #[test]
     fn build_and_parse_round_trip() {

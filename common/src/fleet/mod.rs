@@ -67,6 +67,14 @@ pub fn connect_options() -> etcd_client::ConnectOptions {
         .with_require_leader(true)
 }
 
+/// Whether a watch (or read) failed because a response was too large to decode: resuming from
+/// the same revision would fetch the same response and fail the same way for ever, so the
+/// caller reads the prefix anew (paged) instead.
+pub fn too_large(e: &etcd_client::Error) -> bool {
+    matches!(e, etcd_client::Error::GRpcStatus(s)
+        if s.code() == tonic::Code::OutOfRange || s.message().contains("message length too large"))
+}
+
 /// Splits and checks `--etcd-endpoints` (comma-separated `http://host:port`).
 pub fn parse_endpoints(value: &str) -> Result<Vec<String>, String> {
     let endpoints: Vec<String> = value.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
@@ -428,6 +436,16 @@ fn random_unit() -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_watch_response_too_large_to_decode_is_re_read_not_resumed() {
+        let status = |code, message: &str| etcd_client::Error::GRpcStatus(tonic::Status::new(code, message));
+        let tonic_limit = "Error, decoded message length too large: found 70000000 bytes, the limit is: 67108864 bytes";
+        assert!(too_large(&status(tonic::Code::OutOfRange, tonic_limit)));
+        assert!(too_large(&status(tonic::Code::Internal, tonic_limit)));
+        assert!(!too_large(&status(tonic::Code::Unavailable, "connection reset")));
+        assert!(!too_large(&etcd_client::Error::WatchError("the watch stream ended".into())));
+    }
 
     #[test]
     fn endpoints() {

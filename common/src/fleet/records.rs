@@ -73,6 +73,10 @@ pub fn check_label(key: &str, value: &str) -> Result<(), String> {
     if key.is_empty() {
         return Err("the key is empty".into());
     }
+    // A worker's `--label KEY=VALUE` splits at the first '=': no worker could carry such a key.
+    if key.contains('=') {
+        return Err("the key holds '='".into());
+    }
     for (what, part) in [("key", key), ("value", value)] {
         if part.chars().count() > 63 {
             return Err(format!("the {what} is longer than 63 characters"));
@@ -177,6 +181,14 @@ impl Record for WorkerRecord {
         }
         for (k, v) in &self.labels {
             check_label(k, v).map_err(|e| format!("label '{k}': {e}"))?;
+        }
+        for (what, list) in [("device", &self.devices), ("cost class", &self.cost_classes)] {
+            for (i, item) in list.iter().enumerate() {
+                check_name(what, item)?;
+                if list[..i].contains(item) {
+                    return Err(format!("{what} '{item}' is listed twice"));
+                }
+            }
         }
         Ok(())
     }
@@ -353,6 +365,9 @@ impl Record for RouteRecord {
         if self.weights.is_empty() {
             return Err("weights is empty".into());
         }
+        if self.weights.len() > MAX_VERSIONS {
+            return Err(format!("weights names more than {MAX_VERSIONS} versions"));
+        }
         if let Some(v) = self.weights.keys().find(|v| **v < 1) {
             return Err(format!("version {v} is not a positive integer"));
         }
@@ -380,9 +395,22 @@ pub struct DrainRecord {
 }
 
 impl Record for DrainRecord {
+    /// As `nereidctl drain --reason` checks it: it is printed as it is.
     fn validate(&self) -> Result<(), String> {
-        Ok(())
+        check_reason(&self.reason)
     }
+}
+
+/// A drain's reason: at most [`MAX_REASON_BYTES`], no line breaks or terminal escapes (it is
+/// printed as it is by `nereidctl workers`).
+pub fn check_reason(reason: &str) -> Result<(), String> {
+    if reason.len() > MAX_REASON_BYTES {
+        return Err(format!("the reason is longer than {MAX_REASON_BYTES} bytes"));
+    }
+    if let Some(c) = reason.chars().find(|c| c.is_control()) {
+        return Err(format!("the reason contains the control character {c:?}"));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -473,6 +501,30 @@ mod tests {
             crate::fleet::keys::check_name("model", &"m".repeat(256)).unwrap_err().contains("longer than 255 bytes")
         );
         assert!(decode::<StatusRecord>(br#"{"schema":1,"state":"GONE"}"#).is_err());
+    }
+
+    /// What an operator may write by hand but no reader should take: list items that are not
+    /// names (or repeat), label keys no worker can carry, route weights for more versions than
+    /// a model may declare, drain reasons nereidctl would refuse.
+    #[test]
+    fn hand_written_values_nereidctl_would_refuse_are_refused() {
+        let mut w = worker();
+        w.devices = vec!["gpu0".into(), "gpu0".into()];
+        assert!(encode(&w).unwrap_err().to_string().contains("listed twice"));
+        w.devices = vec!["".into()];
+        assert!(encode(&w).unwrap_err().to_string().contains("device is empty"));
+        w.devices = vec![];
+        w.cost_classes = vec!["a b".into()];
+        assert!(encode(&w).unwrap_err().to_string().contains("cost class 'a b'"));
+        assert!(check_label("zone=a", "b").unwrap_err().contains("'='"));
+        let weights: String = (1..=65).map(|v| format!("\"{v}\":1")).collect::<Vec<_>>().join(",");
+        let e = decode::<RouteRecord>(format!(r#"{{"schema":1,"weights":{{{weights}}}}}"#).as_bytes()).unwrap_err();
+        assert!(e.to_string().contains("more than 64 versions"), "{e}");
+        let e = decode::<DrainRecord>(br#"{"schema":1,"reason":"a\u001b[2Jb"}"#).unwrap_err();
+        assert!(e.to_string().contains("control character"), "{e}");
+        let long = format!(r#"{{"schema":1,"reason":"{}"}}"#, "x".repeat(MAX_REASON_BYTES + 1));
+        assert!(decode::<DrainRecord>(long.as_bytes()).unwrap_err().to_string().contains("longer than 4096"));
+        assert!(decode::<DrainRecord>(br#"{"schema":1,"reason":"rack 7 maintenance"}"#).is_ok());
     }
 
     #[test]

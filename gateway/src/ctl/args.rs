@@ -11,9 +11,6 @@ pub const DEFAULT_ENDPOINTS: &str = "http://127.0.0.1:2379";
 
 const GLOBAL: &str = "Global options";
 
-/// Longest `--reason` accepted (a drain reason is shown to operators, not a log).
-pub const MAX_REASON_BYTES: usize = 4096;
-
 /// nereidctl: inspect and steer a Nereid fleet through etcd (models, placement, routes, drains).
 ///
 /// Every write is validated before it is sent. Exit status: 0 done; 1 etcd unreachable or
@@ -192,14 +189,7 @@ fn cost_class(value: &str) -> Result<String, String> {
 }
 
 fn reason(value: &str) -> Result<String, String> {
-    if value.len() > MAX_REASON_BYTES {
-        return Err(format!("longer than {MAX_REASON_BYTES} bytes"));
-    }
-    // Printed as it is by `nereidctl workers`: no line breaks or terminal escapes.
-    if let Some(c) = value.chars().find(|c| c.is_control()) {
-        return Err(format!("contains the control character {c:?}"));
-    }
-    Ok(value.to_string())
+    nereid_common::fleet::records::check_reason(value).map(|()| value.to_string())
 }
 
 /// Parses one `--selector KEY=VALUE`, checked as workers check their `--label`s

@@ -476,11 +476,14 @@ pub fn keys_table(rows: &[KeyRow]) -> String {
     let out: Vec<Vec<String>> = rows
         .iter()
         .map(|r| {
-            let mut value = r.value.clone();
+            // Keys and values as etcd holds them, written by anyone: escapes and line breaks
+            // are shown escaped, not sent to the terminal.
+            let mut value = printable(&r.value).into_owned();
             if let Some(reason) = &r.invalid {
-                value.push_str(&format!("   <- INVALID: {reason}"));
+                value.push_str(&format!("   <- INVALID: {}", printable(reason)));
             }
-            vec![r.key.clone(), if r.lease == 0 { "-".into() } else { format!("{:x}", r.lease) }, value]
+            let lease = if r.lease == 0 { "-".into() } else { format!("{:x}", r.lease) };
+            vec![printable(&r.key).into_owned(), lease, value]
         })
         .collect();
     table(&["KEY", "LEASE", "VALUE"], &out)
@@ -657,6 +660,7 @@ mod tests {
             (b"/n/models/bad", b"{", 0),
             (b"/n/workers/w", br#"{"schema":1,"id":"x","grpc":"a:1","state":"ready"}"#, 0x2a),
             (b"/n/leader/placement/1", b"g1", 0x2b),
+            (b"/n/other\x1b[2J", b"\x1b]0;pwned\x07", 0),
         ];
         let rows = super::keys(&keys, kvs);
         assert_eq!(rows[0].invalid, None);
@@ -666,6 +670,9 @@ mod tests {
         let t = keys_table(&rows);
         assert!(t.lines().any(|l| l.starts_with("/n/models/bad") && l.contains("<- INVALID: not valid JSON")), "{t}");
         assert!(t.lines().any(|l| l.starts_with("/n/workers/w") && l.contains("2a")), "{t}");
+        // Terminal escapes in keys or values written by hand are shown escaped.
+        assert!(!t.contains('\x1b') && !t.contains('\x07'), "{t:?}");
+        assert!(t.contains("/n/other\\u{1b}[2J"), "{t}");
         let j = keys_json(&rows);
         assert_eq!(j[1]["valid"], false);
         assert_eq!(j[0]["valid"], true);

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use nereid_common::fleet::etcd_client::{self, Client, EventType, WatchOptions};
 use nereid_common::fleet::records::{ModelState, WorkerState as RecordState};
-use nereid_common::fleet::{self, Backoff, ClusterMark, FleetState, Keys, bounded, history_reset};
+use nereid_common::fleet::{self, Backoff, ClusterMark, FleetState, Keys, bounded, history_reset, too_large};
 use nereid_proto::inference::repository_index_response::ModelIndex;
 use tokio_util::sync::CancellationToken;
 
@@ -321,11 +321,6 @@ const COALESCED_RESPONSES: usize = 256;
 
 /// Whether a watch failed on a response too large to decode: resuming from the same revision
 /// would receive the same batch and fail again, forever; a re-read (paged) gets past it.
-fn too_large(e: &etcd_client::Error) -> bool {
-    matches!(e, etcd_client::Error::GRpcStatus(s)
-        if s.code() == tonic::Code::OutOfRange || s.message().contains("message length too large"))
-}
-
 /// The revision a watch response proves delivered when it carries no events: a progress
 /// notification's header revision. Not the creation response's: its header is the store's
 /// revision when the watch was made, sent before the history from the start revision arrives,
@@ -369,16 +364,6 @@ impl Membership for EtcdMembership {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_watch_response_too_large_to_decode_is_re_read_not_resumed() {
-        let status = |code, message: &str| etcd_client::Error::GRpcStatus(tonic::Status::new(code, message));
-        let tonic_limit = "Error, decoded message length too large: found 70000000 bytes, the limit is: 67108864 bytes";
-        assert!(too_large(&status(tonic::Code::OutOfRange, tonic_limit)));
-        assert!(too_large(&status(tonic::Code::Internal, tonic_limit)));
-        assert!(!too_large(&status(tonic::Code::Unavailable, "connection reset")));
-        assert!(!too_large(&etcd_client::Error::WatchError("the watch stream ended".into())));
-    }
 
     /// Of two worker records naming one address, only the one created last routes.
     #[tokio::test]
