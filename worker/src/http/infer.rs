@@ -303,7 +303,15 @@ fn parse_json(json: &[u8], max_bytes: usize) -> Result<RawRequest, Status> {
         // the strict parse failed, so well-formed requests pay nothing for it.
         Err(e) => match rewrite_non_finite(json) {
             None => Err(malformed(e)),
-            Some(rewritten) => parse_json_with(&rewritten, max_bytes, true).map_err(malformed),
+            Some(rewritten) => {
+                let raw = parse_json_with(&rewritten, max_bytes, true).map_err(malformed)?;
+                if raw.holds_marker_outside_data() {
+                    return Err(Status::invalid(
+                        "malformed inference request JSON: NaN and Infinity are accepted only as tensor data values",
+                    ));
+                }
+                Ok(raw)
+            }
         },
     }
 }
@@ -638,6 +646,24 @@ struct RawRequest {
     parameters: Option<Map<String, Value>>,
     inputs: Option<Vec<RawInput>>,
     outputs: Option<Vec<RawOutput>>,
+}
+
+impl RawRequest {
+    /// Whether a bare `NaN` / `Infinity` stood anywhere but in a tensor's `data` (an id, a
+    /// name, a parameter): it was read as a marker string there, which must not pass for text.
+    fn holds_marker_outside_data(&self) -> bool {
+        let marker = |s: &str| non_finite_marker(s).is_some();
+        let in_parameters =
+            |p: &Option<Map<String, Value>>| p.iter().flat_map(|m| m.values()).any(|v| v.as_str().is_some_and(marker));
+        self.id.as_deref().is_some_and(marker)
+            || in_parameters(&self.parameters)
+            || self.inputs.iter().flatten().any(|i| {
+                i.name.as_deref().is_some_and(marker)
+                    || i.datatype.as_deref().is_some_and(marker)
+                    || in_parameters(&i.parameters)
+            })
+            || self.outputs.iter().flatten().any(|o| marker(&o.name) || in_parameters(&o.parameters))
+    }
 }
 
 #[derive(Default)]
@@ -2635,6 +2661,22 @@ mod tests {
         // The marker strings themselves mean nothing without the bare tokens.
         let e = one_input("FP32", "[1]", "[\"\u{FDD0}\"]").unwrap_err();
         assert!(e.message.contains("got a string"), "{}", e.message);
+        // A bare token anywhere but in data is not text: refused, not read as a marker.
+        for (id, parameters, name) in
+            [("NaN", "{}", "\"f\""), ("\"a\"", r#"{"priority": NaN}"#, "\"f\""), ("\"a\"", "{}", "Infinity")]
+        {
+            let e = parse(&format!(
+                r#"{{"id":{id},"parameters":{parameters},"inputs":[{{"name":{name},"datatype":"FP32","shape":[1],"data":[NaN]}}]}}"#
+            ))
+            .unwrap_err();
+            assert!(
+                e.message.contains("accepted only as tensor data values"),
+                "{id} {parameters} {name}: {}",
+                e.message
+            );
+        }
+        let ok = parse(r#"{"id":"a","inputs":[{"name":"f","datatype":"FP32","shape":[1],"data":[NaN]}]}"#);
+        assert!(ok.is_ok(), "{:?}", ok.err());
     }
 
     #[test]
