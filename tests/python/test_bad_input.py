@@ -476,12 +476,11 @@ def test_grpc_unknown_model_other_methods(bw, stub, method, request_):
 
 
 def test_grpc_model_ready_unknown_model_is_false(bw, stub):
+    """Like tritonserver (ModelIsReady leaves `ready` false for a model it cannot find and
+    succeeds), ModelReady for an unknown model answers OK with ready = false, not an error."""
     _, s = stub
-    try:
-        resp = s.ModelReady(pb.ModelReadyRequest(name="no_such_model"), timeout=10)
-        assert resp.ready is False
-    except grpc.RpcError as err:
-        assert err.code() == NF
+    resp = s.ModelReady(pb.ModelReadyRequest(name="no_such_model"), timeout=10)
+    assert resp.ready is False, resp
     _good_grpc(bw)
 
 

@@ -214,15 +214,24 @@ def test_exit_on_error(repo_copy, tmp_path):
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--model-control-mode", "sometimes"], "--model-control-mode"),
-        (["--http-port", "notaport"], "--http-port"),
-        (["--no-such-flag"], "--no-such-flag"),
+        (["--model-control-mode", "sometimes"], "invalid value 'sometimes' for '--model-control-mode"),
+        (["--http-port", "notaport"], "invalid value 'notaport' for '--http-port"),
+        (["--no-such-flag"], "unexpected argument '--no-such-flag'"),
     ],
 )
 def test_invalid_flags_exit_nonzero_naming_the_flag(tmp_path, args, needle):
-    proc = subprocess.run([str(WORKER_BIN), "--model-repository", str(EXAMPLE_MODELS), *args], capture_output=True, timeout=60, cwd=tmp_path)
-    assert proc.returncode != 0
-    assert needle in (proc.stdout + proc.stderr).decode(errors="replace")
+    # Every port 0 on loopback (but the flag under test: given twice, a flag is refused for
+    # that), so that a worker which accepted the flag would bind no fixed port; it would then
+    # run, and the bounded wait below fail the test.
+    ports = [a for flag in ("--http-port", "--grpc-port", "--metrics-port") if flag not in args for a in (flag, "0")]
+    proc = subprocess.run(
+        [str(WORKER_BIN), "--model-repository", str(EXAMPLE_MODELS), "--address", "127.0.0.1", *ports,
+         "--onnxruntime-lib", str(ORT_LIB), *args],
+        capture_output=True, timeout=60, cwd=tmp_path,
+    )
+    out = (proc.stdout + proc.stderr).decode(errors="replace")
+    assert proc.returncode != 0, out[-4000:]
+    assert needle in out, out[-4000:]
 
 
 def test_missing_repository_exits_nonzero(tmp_path):

@@ -94,8 +94,18 @@ def test_an_invalid_value_fails_the_load_naming_the_parameter(start_worker, repo
         assert "nereid.denormal_as_zero" in row["reason"] and "sometimes" in row["reason"], row
         client = grpcclient.InferenceServerClient(w.grpc_url)
         try:
-            with pytest.raises(InferenceServerException):
-                client.infer("add_invalid", [grpcclient.InferInput("X", [2, 3], "FP32")])
+            # A valid request (the same one add_default answers): refused only because the
+            # model is not loaded.
+            x = np.ones((2, 3), dtype=np.float32)
+            inputs = [grpcclient.InferInput("X", [2, 3], "FP32"), grpcclient.InferInput("Y", [2, 3], "FP32")]
+            inputs[0].set_data_from_numpy(x)
+            inputs[1].set_data_from_numpy(x)
+            np.testing.assert_array_equal(client.infer("add_default", inputs).as_numpy("Z"), x + x)
+            with pytest.raises(InferenceServerException) as e:
+                client.infer("add_invalid", inputs)
+            assert e.value.status() == "StatusCode.UNAVAILABLE", (e.value.status(), str(e.value))
+            assert "model 'add_invalid' is not ready" in str(e.value), str(e.value)
+            assert "nereid.denormal_as_zero" in str(e.value), str(e.value)
         finally:
             client.close()
     finally:

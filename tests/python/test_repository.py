@@ -382,9 +382,19 @@ def _pending(w, model="identity_fp32"):
     return 0
 
 
+# How long test_unload_and_reload_let_in_flight_requests_finish holds its request (see there).
+HOLD_S = 10
+
+
 def test_unload_and_reload_let_in_flight_requests_finish(repo_copy, make_worker):
     """A request queued when its model is unloaded (or reloaded) still completes, like
-    tritonserver."""
+    tritonserver.
+
+    The request is held by the batcher's queue delay, and nothing else can release it: once its
+    model is unloaded (or replaced) no request reaches the queue it waits in, so no rows can
+    fill its batch. The hold is therefore a time, HOLD_S, far longer than the unload (or
+    reload) and the checks after it; the request is asserted still pending after them, so that
+    the test cannot pass with it answered before the action under test."""
     import grpc
     from tritonclient.grpc import service_pb2 as pb
     from tritonclient.grpc import service_pb2_grpc as pbg
@@ -392,7 +402,7 @@ def test_unload_and_reload_let_in_flight_requests_finish(repo_copy, make_worker)
     repo = repo_copy("identity_fp32")
     cfg = repo / "identity_fp32" / "config.pbtxt"
     text = cfg.read_text()
-    held = text.replace("max_queue_delay_microseconds: 0\n", "max_queue_delay_microseconds: 2000000\n")
+    held = text.replace("max_queue_delay_microseconds: 0\n", f"max_queue_delay_microseconds: {HOLD_S * 1_000_000}\n")
     assert held != text, "the example identity_fp32 config no longer has the queue delay this test raises"
     cfg.write_text(held)
     w = make_worker(repo, "--model-control-mode", "explicit", "--load-model", "identity_fp32")
@@ -408,20 +418,24 @@ def test_unload_and_reload_let_in_flight_requests_finish(repo_copy, make_worker)
         req.raw_input_contents.append(x.tobytes())
 
         # unload
-        fut = stub.ModelInfer.future(req, timeout=30)
+        fut = stub.ModelInfer.future(req, timeout=HOLD_S + 30)
         wait_until(lambda: _pending(w) == 1, 10, what="the request to be queued")
         h.unload_model("identity_fp32")
         assert not h.is_model_ready("identity_fp32")
-        resp = fut.result(timeout=30)
+        assert not fut.done(), "the held request was answered before the unload was checked"
+        resp = fut.result(timeout=HOLD_S + 30)
         assert_fp32_close(np.frombuffer(resp.raw_output_contents[0], dtype=np.float32), x.flatten())
 
-        # reload with a different config
+        # reload with a different config (no queue delay)
         h.load_model("identity_fp32")
-        fut = stub.ModelInfer.future(req, timeout=30)
+        fut = stub.ModelInfer.future(req, timeout=HOLD_S + 30)
         wait_until(lambda: _pending(w) == 1, 10, what="the request to be queued")
         h.load_model("identity_fp32", config=json.dumps({"max_batch_size": 8, "dynamic_batching": {}}))
         assert h.get_model_config("identity_fp32")["max_batch_size"] == 8
-        resp = fut.result(timeout=30)
+        # the new version serves at once while the old one still holds its request
+        _infer_identity(h, httpclient)
+        assert not fut.done(), "the held request was answered before the reload was checked"
+        resp = fut.result(timeout=HOLD_S + 30)
         assert_fp32_close(np.frombuffer(resp.raw_output_contents[0], dtype=np.float32), x.flatten())
         _infer_identity(h, httpclient)
     finally:
@@ -430,14 +444,22 @@ def test_unload_and_reload_let_in_flight_requests_finish(repo_copy, make_worker)
 
 
 def test_load_rejects_path_like_names(repo_copy, make_worker):
+    """A model name is looked up among the repository's entries, never followed as a path:
+    "../repo/identity_fp32" names this very model by a path (`repo_copy`'s folder is "repo"),
+    ".." and "/etc" directories with no model config. Each is refused as no model of that
+    name (NOT_FOUND, the message naming it), not loaded or failed on what the path holds."""
     repo = repo_copy("identity_fp32")
+    assert repo.name == "repo", "the first name below must point into this repository"
     w = make_worker(repo, "--model-control-mode", "explicit")
     h = httpclient.InferenceServerClient(w.http_url)
     g = grpcclient.InferenceServerClient(w.grpc_url)
     try:
         for name in ("../repo/identity_fp32", "..", "identity_fp32/1", "/etc"):
-            with pytest.raises(InferenceServerException):
+            with pytest.raises(InferenceServerException) as e:
                 g.load_model(name)
+            assert e.value.status() == "StatusCode.NOT_FOUND", (name, e.value.status(), str(e.value))
+            assert f"failed to load '{name}': no model directory '{name}' in the model repository" in str(e.value), str(e.value)
+            assert not g.is_model_ready(name)
         assert all(not name.startswith((".", "/")) for name, _ in _grpc_index(g))
         assert h.is_server_ready()
     finally:
