@@ -447,6 +447,15 @@ async fn an_ensemble_whose_composing_model_changed_its_tensors_is_unavailable() 
     assert!(e.message.contains("is not ready") && e.message.contains("no longer fits"), "{e}");
 }
 
+/// Awaits `answer`, failing after 30 s rather than waiting out a batching delay of 600 s (a
+/// bound, not a timing assertion).
+async fn within<T>(what: &str, answer: impl std::future::Future<Output = T>) -> T {
+    match tokio::time::timeout(std::time::Duration::from_secs(30), answer).await {
+        Ok(answer) => answer,
+        Err(_) => panic!("{what}: no answer within 30 s"),
+    }
+}
+
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).unwrap().flatten() {
@@ -473,14 +482,15 @@ ensemble_scheduling { step [
     input_map { key: "INPUT0" value: "mid" } output_map { key: "OUTPUT0" value: "OUT" } } ] }
 "#;
     let dir = ensemble_repo(&[("chain", chain)]);
-    // versioned_scale's version 2 (x3) behind a batcher that holds a lone request 400 ms.
+    // versioned_scale's version 2 (x3) behind a batcher that holds a lone request for 600 s:
+    // until the test completes its batch (16 rows).
     let slow = dir.path().join("slow_scale");
     std::fs::create_dir_all(slow.join("1")).unwrap();
     std::fs::copy(example_onnx("versioned_scale", 2), slow.join("1/model.onnx")).unwrap();
     let config = std::fs::read_to_string(dir.path().join("versioned_scale/config.pbtxt"))
         .unwrap()
         .replace("name: \"versioned_scale\"", "name: \"slow_scale\"")
-        + "dynamic_batching { preferred_batch_size: [ 16 ] max_queue_delay_microseconds: 400000 }\n";
+        + "dynamic_batching { preferred_batch_size: [ 16 ] max_queue_delay_microseconds: 600000000 }\n";
     std::fs::write(slow.join("config.pbtxt"), config).unwrap();
     common::init_ort();
     let metrics = Arc::new(nereid_worker::metrics::Metrics::new());
@@ -500,7 +510,15 @@ ensemble_scheduling { step [
     }
     repo.unload("versioned_scale").await.unwrap();
     assert!(!repo.model_ready("versioned_scale", None));
-    let answer = running.await.unwrap().expect("the request that had begun is answered");
+    // The unload happened while the request was still in its first step.
+    assert_eq!(metrics.version("slow_scale", 1).pending(), 1, "the request left slow_scale's queue before the unload");
+    assert!(!running.is_finished());
+    // Fifteen more rows complete slow_scale's batch: the request goes on to its second step.
+    let rows = request("slow_scale", &[[1.0; 4]; 15], &[]);
+    let filler = within("the rows completing slow_scale's batch", repo.infer(rows)).await.unwrap();
+    assert_eq!(floats(&filler.outputs[0].data), vec![3.0; 60]);
+    let answer =
+        within("the request that had begun", running).await.unwrap().expect("the request that had begun is answered");
     assert_eq!(floats(&answer.outputs[0].data), vec![9.0; 4], "x3 in slow_scale, then x3 in versioned_scale 2");
     let e = repo.infer(request("chain", &[[1.0; 4]], &[])).await.unwrap_err();
     assert_eq!(e.code, Code::Unavailable, "{e}");

@@ -376,13 +376,98 @@ fn hold_in_queue(repo: &std::path::Path, delay_us: u64) -> (std::path::PathBuf, 
     (cfg_path, held)
 }
 
+/// A batching delay that outlasts any test: a request held by it leaves the queue only when
+/// the test completes its batch (`max_batch_size` 16 rows), through [`add_release`].
+const HOLD_US: u64 = 600_000_000;
+
+/// Adds to a `versioned_repo` a way to complete a batch of `scale` that no new request can
+/// reach any more (the model reloaded or unloaded while a request waits in its queue): an
+/// ensemble `release` of two steps, `release_gate` (versioned_scale version 1, x2, holding a
+/// lone request for [`HOLD_US`]) then `scale`. An ensemble request looks its composing models
+/// up as it begins: sent before the change ([`queued_release`]), it waits at the gate and,
+/// once the test completes the gate's batch ([`open_release`]), brings its 15 rows to the
+/// `scale` it began with — a full batch with the held request's one.
+fn add_release(repo: &std::path::Path) {
+    let gate = repo.join("release_gate");
+    std::fs::create_dir_all(gate.join("1")).unwrap();
+    std::fs::copy(example_onnx("versioned_scale", 1), gate.join("1/model.onnx")).unwrap();
+    let gate_config = format!(
+        "name: \"release_gate\"\nmax_batch_size: 16\n\
+         input [ {{ name: \"INPUT0\" data_type: TYPE_FP32 dims: [ 4 ] }} ]\n\
+         output [ {{ name: \"OUTPUT0\" data_type: TYPE_FP32 dims: [ 4 ] }} ]\n\
+         dynamic_batching {{ max_queue_delay_microseconds: {HOLD_US} }}\n"
+    );
+    std::fs::write(gate.join("config.pbtxt"), gate_config).unwrap();
+    let ensemble = r#"name: "release"
+platform: "ensemble"
+max_batch_size: 16
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+ensemble_scheduling { step [
+  { model_name: "release_gate" model_version: -1
+    input_map { key: "INPUT0" value: "INPUT0" } output_map { key: "OUTPUT0" value: "gated" } },
+  { model_name: "scale" model_version: -1
+    input_map { key: "INPUT0" value: "gated" } output_map { key: "OUTPUT0" value: "OUT" } } ] }
+"#;
+    std::fs::create_dir_all(repo.join("release/1")).unwrap();
+    std::fs::write(repo.join("release/config.pbtxt"), ensemble).unwrap();
+}
+
+/// `rows` rows of four 1.0 for `model` (a model of `scale`'s tensors).
+fn ones(model: &str, rows: usize) -> InferRequest {
+    InferRequest {
+        model_name: model.into(),
+        inputs: vec![InputTensor {
+            name: "INPUT0".into(),
+            datatype: DataType::Fp32,
+            shape: vec![rows as i64, 4],
+            data: f32s(&vec![1.0; rows * 4]),
+        }],
+        ..Default::default()
+    }
+}
+
+/// A `release` request of 15 rows sent in the background, once it waits at the gate.
+async fn queued_release(
+    repo: &Arc<Repository>,
+) -> tokio::task::JoinHandle<Result<nereid_worker::tensor::InferResponse, nereid_common::Status>> {
+    let release = {
+        let repo = repo.clone();
+        tokio::spawn(async move { repo.infer(ones("release", 15)).await })
+    };
+    common::eventually("release request at the gate", || {
+        repo.metrics().render().contains("nv_inference_pending_request_count{model=\"release_gate\",version=\"1\"} 1")
+    })
+    .await;
+    release
+}
+
+/// Completes the gate's batch (one row beside the 15 of [`queued_release`]): the release
+/// request goes on to the `scale` it began with.
+async fn open_release(repo: &Repository) {
+    let answer = within("the row completing the gate's batch", repo.infer(ones("release_gate", 1))).await;
+    assert_eq!(floats(&answer.unwrap().outputs[0].data), vec![2.0; 4]);
+}
+
+/// Awaits `answer`, failing after 30 s rather than waiting out a batching delay of
+/// [`HOLD_US`] (a bound, not a timing assertion).
+async fn within<T>(what: &str, answer: impl std::future::Future<Output = T>) -> T {
+    match tokio::time::timeout(std::time::Duration::from_secs(30), answer).await {
+        Ok(answer) => answer,
+        Err(_) => panic!("{what}: no answer within 30 s"),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poll_mode_reloads_changes_without_dropping_in_flight_requests() {
     let dir = versioned_repo("");
-    // A long batching delay keeps a request in the old version's queue across the reload.
-    let (cfg_path, held_cfg) = hold_in_queue(dir.path(), 300_000);
+    // A request held in the old version's queue across the reload, until `release` completes
+    // its batch.
+    let (cfg_path, held_cfg) = hold_in_queue(dir.path(), HOLD_US);
+    add_release(dir.path());
     let repo = repository(dir.path(), ControlMode::Poll, false);
     assert!(repo.load_startup_models().await.is_empty());
+    let release = queued_release(&repo).await;
     let in_flight = queued_scale_request(&repo).await;
 
     // Change the version policy: both versions should serve after the next poll.
@@ -390,7 +475,24 @@ async fn poll_mode_reloads_changes_without_dropping_in_flight_requests() {
         .unwrap();
     repo.poll_once().await;
     assert!(repo.model_ready("scale", Some(1)));
-    assert_eq!(in_flight.await.unwrap().unwrap(), (2, 3.0), "the in-flight request finished on the old model");
+    assert!(!in_flight.is_finished(), "the request was answered before the reload: it did not test it");
+    open_release(&repo).await;
+    let answer = within("the in-flight request", in_flight).await.unwrap();
+    assert_eq!(answer.unwrap(), (2, 3.0), "the in-flight request finished on the old model");
+    let answer = within("the release request", release).await.unwrap().unwrap();
+    assert_eq!(floats(&answer.outputs[0].data), vec![6.0; 60], "x2 at the gate, x3 in the old version 2");
+}
+
+/// POLL mode follows the repository: a broken change keeps the old model serving (and is
+/// forgotten once the good files are back), removed models unload, new ones load, and a
+/// repository that cannot be listed unloads nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poll_mode_follows_the_repository_and_keeps_serving_through_broken_changes() {
+    let dir = versioned_repo("version_policy: { all: { } }");
+    let cfg_path = dir.path().join("scale/config.pbtxt");
+    let repo = repository(dir.path(), ControlMode::Poll, false);
+    assert!(repo.load_startup_models().await.is_empty());
+    assert!(repo.model_ready("scale", Some(1)));
 
     // A broken change keeps the old model serving.
     let good = std::fs::read(&cfg_path).unwrap();
@@ -566,19 +668,31 @@ fn state(repo: &Repository, name: &str) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unloaded_model_shows_unloading_until_its_last_request_finishes() {
     let dir = versioned_repo("");
-    hold_in_queue(dir.path(), 3_000_000);
+    // A request held in `scale`'s queue across the unload, until `release` completes its batch.
+    hold_in_queue(dir.path(), HOLD_US);
+    add_release(dir.path());
     let repo = repository(dir.path(), ControlMode::Explicit, false);
-    repo.load("scale", None).await.unwrap();
+    // The ensemble brings `scale` and the gate with it.
+    repo.load("release", None).await.unwrap();
+    assert!(repo.model_ready("scale", None));
+    let release = queued_release(&repo).await;
     let in_flight = queued_scale_request(&repo).await;
     repo.unload("scale").await.unwrap();
     assert!(!repo.model_ready("scale", None));
     assert_eq!(state(&repo, "scale").as_deref(), Some("UNLOADING"), "{:?}", repo.index(false));
-    assert_eq!(in_flight.await.unwrap().unwrap(), (2, 3.0), "the request in flight finished");
-    common::eventually("UNAVAILABLE once the request is done", || {
+    assert!(!in_flight.is_finished(), "the request was answered before the unload: it did not test it");
+    open_release(&repo).await;
+    let answer = within("the request in flight", in_flight).await.unwrap();
+    assert_eq!(answer.unwrap(), (2, 3.0), "the request in flight finished");
+    let answer = within("the release request", release).await.unwrap().unwrap();
+    assert_eq!(floats(&answer.outputs[0].data), vec![6.0; 60], "x2 at the gate, x3 in the unloaded version 2");
+    common::eventually("UNAVAILABLE once the requests are done", || {
         state(&repo, "scale").as_deref() == Some("UNAVAILABLE")
     })
     .await;
-    assert_eq!(repo.index(false)[0].reason, "unloaded");
+    let index = repo.index(false);
+    let row = index.iter().find(|e| e.name == "scale").unwrap();
+    assert_eq!(row.reason, "unloaded", "{index:?}");
 }
 
 /// Start-up loads run side by side (`--model-load-thread-count`, 4 here): `b_free`, after the
