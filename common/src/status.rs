@@ -93,6 +93,10 @@ pub const LEVEL_QUEUE_FULL_MESSAGE: &str =
 /// How the message of the RESOURCE_EXHAUSTED a model's full request queue answers begins.
 pub const QUEUE_FULL_MESSAGE_PREFIX: &str = "the model's request queue is full";
 
+/// How the message of the RESOURCE_EXHAUSTED begins that a worker answers when the inputs of
+/// the requests it holds (queued or running) would pass `--max-queued-bytes`.
+pub const MEMORY_FULL_MESSAGE_PREFIX: &str = "the worker's request memory is full";
+
 /// The message of an ensemble's failure in one of its steps: earlier steps (and the other
 /// steps of the same wave) may have run.
 pub fn ensemble_step_message(ensemble: &str, step: usize, model: &str, message: &str) -> String {
@@ -117,6 +121,7 @@ pub fn is_queue_refusal(code: Code, message: &str) -> bool {
             message == LEVEL_QUEUE_FULL_MESSAGE
                 || message == LEVEL_QUEUE_FULL_MESSAGE_BEFORE
                 || message.starts_with(QUEUE_FULL_MESSAGE_PREFIX)
+                || message.starts_with(MEMORY_FULL_MESSAGE_PREFIX)
         }
         _ => false,
     }
@@ -278,5 +283,7 @@ mod tests {
         // Both wordings of a full level are refusals (workers of mixed releases).
         assert!(is_queue_refusal(Code::ResourceExhausted, LEVEL_QUEUE_FULL_MESSAGE));
         assert!(is_queue_refusal(Code::ResourceExhausted, LEVEL_QUEUE_FULL_MESSAGE_BEFORE));
+        let memory = format!("{MEMORY_FULL_MESSAGE_PREFIX} (2048 bytes of 4096), retry later");
+        assert!(is_queue_refusal(Code::ResourceExhausted, &memory));
     }
 }

@@ -204,6 +204,13 @@ pub struct Args {
     #[arg(long, default_value_t = 64 << 20, value_parser = clap::value_parser!(u64).range(1024..=(1 << 32)))]
     pub max_request_bytes: u64,
 
+    /// Bytes of input the requests of every model may hold at once, queued or running. Past
+    /// it a request is refused at once with RESOURCE_EXHAUSTED / 429 (a client or gateway
+    /// retries it elsewhere) rather than the queues growing until the process runs out of
+    /// memory. 0: no bound. Default 8 GiB.
+    #[arg(long, default_value_t = 8 << 30, value_name = "BYTES")]
+    pub max_queued_bytes: u64,
+
     /// Response cache, as tritonserver takes it: `local,size=BYTES` (the only cache here). Models
     /// opt in with response_cache { enable: true }; without this flag none is cached.
     #[arg(long = "cache-config", value_name = "CACHE,KEY=VALUE")]

@@ -159,7 +159,8 @@ async fn run(args: Args, parsed: Parsed) -> anyhow::Result<()> {
     let repository = Arc::new(
         Repository::new(options, metrics.clone())
             .with_response_cache(cache_bytes)
-            .with_strict_readiness(args.strict_readiness()),
+            .with_strict_readiness(args.strict_readiness())
+            .with_max_queued_bytes(args.max_queued_bytes),
     );
     let server = Server {
         name: args.id.as_deref().unwrap_or(nereid_worker::server::SERVER_NAME).into(),

@@ -523,3 +523,53 @@ async fn a_request_timeout_is_ignored_without_override() {
     assert_eq!(r.outputs[0].shape, vec![1, 16]);
     assert_eq!(failures(&repo, "REJECTED"), 0.0);
 }
+
+/// `--max-queued-bytes`: while a held request's inputs fill the worker's budget, another
+/// request is refused at once — RESOURCE_EXHAUSTED, with the message the gateway retries
+/// elsewhere; one that fits is taken. Once nothing is held, a request larger than the whole
+/// budget still runs (the request limit, not this budget, bounds a single request).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_memory_budget_a_request_is_refused_at_once() {
+    let dir = repo(&[TestModel {
+        name: "m",
+        source: "identity_fp32",
+        config: Some(&identity_config("dynamic_batching { max_queue_delay_microseconds: 600000000 }")),
+    }]);
+    common::init_ort();
+    let options = common::options(dir.path(), ControlMode::None, false);
+    // Room for three rows of 64 bytes.
+    let repo = Arc::new(
+        Repository::new(options, Arc::new(nereid_worker::metrics::Metrics::new())).with_max_queued_bytes(3 * 64),
+    );
+    assert!(repo.load_startup_models().await.is_empty());
+    let send = |r: InferRequest| {
+        let repo = repo.clone();
+        tokio::spawn(async move { repo.infer(r).await })
+    };
+    let held = send(request_rows(1.0, 2, 0, 0));
+    eventually("the held request queued", || pending(&repo) == 1).await;
+    let e = before_the_delay("a refusal", repo.infer(request_rows(2.0, 2, 0, 0))).await.unwrap_err();
+    assert_eq!(e.code, Code::ResourceExhausted, "{e}");
+    assert!(nereid_common::status::is_queue_refusal(e.code, &e.message), "the gateway retries it elsewhere: {e}");
+    assert!(e.message.contains("--max-queued-bytes 192"), "{e}");
+    assert!(!held.is_finished() && pending(&repo) == 1, "the held request is untouched");
+    // One row fits beside the two held.
+    let fits = send(request_rows(3.0, 1, 0, 0));
+    eventually("the request that fits queued", || pending(&repo) == 2).await;
+    held.abort();
+    fits.abort();
+    // Nothing held once the scheduler has dropped the two: four rows (256 bytes), past the
+    // whole budget, run alone (refused only while the dropped ones still hold their bytes).
+    let mut alone = None;
+    for _ in 0..1000 {
+        match before_the_delay("a request past the budget", repo.infer(request_rows(5.0, 4, 0, 0))).await {
+            Err(e) if e.code == Code::ResourceExhausted => tokio::time::sleep(Duration::from_millis(10)).await,
+            other => {
+                alone = Some(other);
+                break;
+            }
+        }
+    }
+    let alone = alone.expect("the budget was never given back").expect("runs alone");
+    assert_eq!(first_value(&alone), 5.0);
+}

@@ -155,6 +155,8 @@ pub struct Repository {
     builds_started: AtomicU64,
     startup_done: AtomicBool,
     draining: AtomicBool,
+    /// The inputs every model's requests may hold at once (`--max-queued-bytes`).
+    budget: Arc<crate::scheduler::MemoryBudget>,
     /// POLL: the files each model had at its last load attempt, so an unchanged broken model
     /// is not retried every pass.
     attempted: std::sync::Mutex<HashMap<String, Stamp>>,
@@ -237,11 +239,19 @@ impl Repository {
             builds_started: Default::default(),
             startup_done: AtomicBool::new(false),
             draining: AtomicBool::new(false),
+            budget: crate::scheduler::MemoryBudget::new(0),
             attempted: Default::default(),
             cache: None,
             epoch: Default::default(),
             strict_readiness: true,
         }
+    }
+
+    /// Bounds the bytes of input the requests of every model may hold at once, queued or
+    /// running (`--max-queued-bytes`; 0: no bound). Past it a request is RESOURCE_EXHAUSTED.
+    pub fn with_max_queued_bytes(mut self, limit: u64) -> Self {
+        self.budget = crate::scheduler::MemoryBudget::new(limit);
+        self
     }
 
     /// Sets strict readiness (Triton's `--strict-readiness`, default true): with it, the server
@@ -656,7 +666,7 @@ impl Repository {
             });
         }
         let outcome = match &version.executor {
-            Executor::Scheduler(scheduler) => run(&model.spec, scheduler, &mut request).await,
+            Executor::Scheduler(scheduler) => run(&model.spec, scheduler, &self.budget, &mut request).await,
             // Over max_inflight_requests, a request waits for its turn (bounded by its
             // deadline) before its first step.
             Executor::Ensemble { plan, inflight: None } => {
@@ -1704,11 +1714,19 @@ fn ensemble_named_versions<'a>(plans: impl IntoIterator<Item = &'a Plan>, model:
 }
 
 /// Validates and queues one request on `scheduler`.
-async fn run(spec: &ModelSpec, scheduler: &Scheduler, request: &mut InferRequest) -> Result<Answer, Status> {
+async fn run(
+    spec: &ModelSpec,
+    scheduler: &Scheduler,
+    budget: &Arc<crate::scheduler::MemoryBudget>,
+    request: &mut InferRequest,
+) -> Result<Answer, Status> {
     let v = validate(spec, request)?;
+    let bytes = v.inputs.iter().flatten().map(|(_, data)| data.len() as u64).sum();
+    let reserved = budget.reserve(bytes)?;
     let (tx, rx) = oneshot::channel();
     let mut job = Job::new(v.rows, v.shape_key, v.inputs, v.wanted, request.priority, request.timeout_us, tx);
     job.deadline = request.deadline;
+    job.reserved = Some(reserved);
     scheduler.submit(job)?;
     let answer = match request.deadline {
         Some(deadline) => match tokio::time::timeout_at(deadline.into(), rx).await {

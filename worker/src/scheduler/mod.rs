@@ -73,8 +73,69 @@ pub struct Job {
     pub arrived: Instant,
     /// The caller's deadline, if its transport set one.
     pub deadline: Option<Instant>,
+    /// Its inputs' place in the worker's memory budget, given back when the job is done with.
+    pub reserved: Option<Reserved>,
     pub reply: oneshot::Sender<JobResult>,
     seq: u64,
+}
+
+/// The bytes of input the worker's requests may hold at once, queued or running, over every
+/// model (`--max-queued-bytes`): past it a request is refused at once (RESOURCE_EXHAUSTED, so
+/// a client or gateway retries it elsewhere) instead of the queues growing until the process
+/// runs out of memory — each model's queue is bounded by count, and 8192 requests of 64 MiB
+/// would be half a terabyte.
+#[derive(Debug)]
+pub struct MemoryBudget {
+    /// 0: no limit.
+    limit: u64,
+    held: std::sync::atomic::AtomicU64,
+}
+
+impl MemoryBudget {
+    pub fn new(limit: u64) -> Arc<MemoryBudget> {
+        Arc::new(MemoryBudget { limit, held: Default::default() })
+    }
+
+    /// A place for `bytes`, or RESOURCE_EXHAUSTED when they do not fit. A request larger than
+    /// the whole budget still runs when nothing else is held (it was let in by the request
+    /// limit; refusing it would refuse it everywhere, for ever).
+    pub fn reserve(self: &Arc<Self>, bytes: u64) -> Result<Reserved, Status> {
+        use std::sync::atomic::Ordering;
+        if self.limit > 0 {
+            let fits = |held: u64| held == 0 || held.saturating_add(bytes) <= self.limit;
+            if let Err(held) = self.held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                fits(held).then(|| held.saturating_add(bytes))
+            }) {
+                return Err(Status::exhausted(format!(
+                    "{} ({held} bytes of inputs queued or running, {bytes} more would pass --max-queued-bytes \
+                     {}), retry later",
+                    nereid_common::status::MEMORY_FULL_MESSAGE_PREFIX,
+                    self.limit
+                )));
+            }
+        } else {
+            self.held.fetch_add(bytes, Ordering::AcqRel);
+        }
+        Ok(Reserved { budget: self.clone(), bytes })
+    }
+
+    /// Bytes held now.
+    pub fn held(&self) -> u64 {
+        self.held.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+/// A job's bytes in the [`MemoryBudget`], given back when dropped.
+#[derive(Debug)]
+pub struct Reserved {
+    budget: Arc<MemoryBudget>,
+    bytes: u64,
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        self.budget.held.fetch_sub(self.bytes, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 impl Job {
@@ -97,6 +158,7 @@ impl Job {
             timeout_us,
             arrived: Instant::now(),
             deadline: None,
+            reserved: None,
             reply,
             seq: 0,
         }
@@ -700,6 +762,25 @@ mod tests {
         scheduler.submit(second).expect("queued");
         assert_eq!(second_rx.blocking_recv().expect("answered").expect("ran").figures.rows, 1);
         assert_eq!(stats.snapshot().execution_count, 1);
+    }
+
+    #[test]
+    fn the_memory_budget_is_held_until_dropped_and_a_lone_request_always_fits() {
+        let budget = MemoryBudget::new(100);
+        let a = budget.reserve(60).expect("fits");
+        let e = budget.reserve(41).expect_err("60 + 41 > 100");
+        assert_eq!(e.code, Code::ResourceExhausted);
+        assert!(e.message.starts_with(nereid_common::status::MEMORY_FULL_MESSAGE_PREFIX), "{}", e.message);
+        let b = budget.reserve(40).expect("60 + 40 fits");
+        drop(a);
+        assert_eq!(budget.held(), 40);
+        drop(b);
+        assert_eq!(budget.held(), 0);
+        let lone = budget.reserve(1000).expect("nothing held: a request past the whole budget runs");
+        assert!(budget.reserve(1).is_err());
+        drop(lone);
+        let unbounded = MemoryBudget::new(0);
+        let _all = [unbounded.reserve(u64::MAX / 2).unwrap(), unbounded.reserve(u64::MAX / 2).unwrap()];
     }
 
     /// An instance held on its first run (until the test opens the gate), that then fails
