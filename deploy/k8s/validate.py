@@ -61,7 +61,7 @@ BUILTIN_FLAGS = {
         "model-control-mode": (V, ("none", "poll", "explicit")), "load-model": V,
         "repository-poll-secs": V, "strict-model-config": (OPT, BOOL),
         "exit-on-error": (OPT, BOOL), "log-verbose": V, "exit-timeout-secs": V,
-        "onnxruntime-lib": V, "max-request-bytes": V, "intra-op-threads": V, "port-file": V,
+        "onnxruntime-lib": V, "max-request-bytes": V, "max-queued-bytes": V, "intra-op-threads": V, "port-file": V,
         "etcd-endpoints": V, "etcd-prefix": V, "worker-id": V, "advertise-address": V,
         "etcd-lease-ttl-secs": V, "label": V, "memory-capacity-mb": V, "max-models": V,
         "drain-delay-ms": V, "cache-config": V, "allow-client-shm": (OPT, BOOL),
