@@ -403,9 +403,19 @@ struct AlignedBuf {
     len: usize,
 }
 
+/// A batch buffer holding more than this, and more than [`SHRINK_FACTOR`] times what the
+/// batch at hand needs, is given back: one burst of large batches does not keep an instance
+/// holding its largest batch for ever.
+const SHRINK_ABOVE_BYTES: usize = 16 << 20;
+const SHRINK_FACTOR: usize = 4;
+
 impl AlignedBuf {
     fn reset(&mut self, len: usize) -> &mut [u8] {
         let words = len.div_ceil(8);
+        let held = self.words.len() * 8;
+        if held > SHRINK_ABOVE_BYTES && held > len.saturating_mul(SHRINK_FACTOR) {
+            self.words = Vec::new();
+        }
         if self.words.len() < words {
             self.words.resize(words, 0);
         }
@@ -414,6 +424,29 @@ impl AlignedBuf {
     }
     fn bytes(&self) -> &[u8] {
         &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.len]
+    }
+}
+
+#[cfg(test)]
+mod buffer_tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_buffer_grows_is_reused_and_gives_back_a_burst() {
+        let mut b = AlignedBuf::default();
+        b.reset(64 << 20).fill(7);
+        assert_eq!(b.bytes().len(), 64 << 20);
+        // Reused for anything within a quarter of it.
+        b.reset(20 << 20);
+        assert_eq!(b.words.len() * 8, 64 << 20);
+        // Given back for a small batch after the burst.
+        assert_eq!(b.reset(1 << 20).len(), 1 << 20);
+        assert_eq!(b.words.len() * 8, 1 << 20);
+        // Small buffers are never worth shrinking.
+        b.reset(8 << 20);
+        b.reset(8);
+        assert_eq!(b.words.len() * 8, 8 << 20);
+        assert_eq!(b.bytes().len(), 8);
     }
 }
 
