@@ -102,6 +102,21 @@ async fn held_fleet(gateway_flags: &[&str]) -> (Proc, Proc) {
     (worker, gateway)
 }
 
+/// One request for `stuck` sent through the gateway, once the worker holds it (60 s, unless
+/// the test completes its batch of 4 rows or lets it go): where its answer comes.
+async fn held_at_worker(
+    worker: &Proc,
+    gateway: &Proc,
+) -> tokio::task::JoinHandle<Result<tonic::Response<nereid_proto::inference::ModelInferResponse>, tonic::Status>> {
+    let mut client = gateway.client().await;
+    let held = tokio::spawn(async move { client.model_infer(fp32_request("stuck", "", &[1, 16], |i| i as f32)).await });
+    wait_until("the request to be held at the worker", Duration::from_secs(10), || async {
+        worker.metric(STUCK_PENDING).await == Some(1.0)
+    })
+    .await;
+    held
+}
+
 /// A client that sends its headers and then trickles (here: stops) its body — of an infer
 /// request or of the repository index — is answered 504 once the request's deadline passes,
 /// instead of holding its buffer for ever.
@@ -267,13 +282,8 @@ async fn a_request_without_room_for_what_forwarding_appends_is_refused_at_the_ga
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_sheds_at_once_beyond_the_limit() {
     let (worker, gateway) = held_fleet(&["--max-concurrent-requests", "1"]).await;
-    let mut client = gateway.client().await;
     // `stuck` holds its request for 60 s: the only place stays taken until the test lets go.
-    let held = tokio::spawn(async move { client.model_infer(fp32_request("stuck", "", &[1, 16], |i| i as f32)).await });
-    wait_until("the first request to be held at the worker", Duration::from_secs(10), || async {
-        worker.metric(STUCK_PENDING).await == Some(1.0)
-    })
-    .await;
+    let held = held_at_worker(&worker, &gateway).await;
 
     // gRPC: RESOURCE_EXHAUSTED, at once: not after the held request's 60 s.
     let e = before_the_hold(gateway.client().await.model_infer(fp32_request("held", "", &[1, 16], |_| 0.0)))
@@ -427,13 +437,8 @@ async fn deadlines_propagate_to_the_worker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_the_request_in_flight_then_exits() {
     let (worker, mut gateway) = held_fleet(&[]).await;
-    let mut client = gateway.client().await;
-    // Held at the worker (60 s) until the test completes its batch, below.
-    let held = tokio::spawn(async move { client.model_infer(fp32_request("stuck", "", &[1, 16], |i| i as f32)).await });
-    wait_until("the request to be held at the worker", Duration::from_secs(10), || async {
-        worker.metric(STUCK_PENDING).await == Some(1.0)
-    })
-    .await;
+    // Held at the worker until the test completes its batch, below.
+    let held = held_at_worker(&worker, &gateway).await;
     gateway.terminate();
     // New connections are refused once intake stops...
     let url = gateway.http_url("/v2/health/live");
@@ -460,12 +465,7 @@ async fn sigterm_finishes_the_request_in_flight_then_exits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_cut_short_by_the_exit_timeout_exits_non_zero() {
     let (worker, mut gateway) = held_fleet(&["--exit-timeout-secs", "1"]).await;
-    let mut client = gateway.client().await;
-    let held = tokio::spawn(async move { client.model_infer(fp32_request("stuck", "", &[1, 16], |i| i as f32)).await });
-    wait_until("the request to be held at the worker", Duration::from_secs(10), || async {
-        worker.metric(STUCK_PENDING).await == Some(1.0)
-    })
-    .await;
+    let held = held_at_worker(&worker, &gateway).await;
     gateway.terminate();
     assert_eq!(gateway.wait_exit(Duration::from_secs(15)), Some(1), "{}", gateway.log());
     assert!(gateway.log().contains("did not finish within --exit-timeout-secs (1 s)"), "{}", gateway.log());
