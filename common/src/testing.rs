@@ -43,6 +43,7 @@ pub fn run_bounded(mut cmd: Command, what: &str, limit: Duration, mut on_wait: i
         }
         if Instant::now() > deadline {
             let _ = child.kill();
+            let _ = child.wait();
             panic!("{what} ran past {limit:?}");
         }
         on_wait();

@@ -120,7 +120,7 @@ WORKER_RUNTIME_SHUTDOWN_SECS = 2
 INTEGER_FLAGS = {
     "http-port", "grpc-port", "metrics-port", "exit-timeout-secs", "etcd-lease-ttl-secs",
     "memory-capacity-mb", "request-timeout-ms", "max-concurrent-requests", "log-verbose",
-    "repository-poll-secs", "max-request-bytes", "intra-op-threads", "max-models",
+    "repository-poll-secs", "max-request-bytes", "max-queued-bytes", "intra-op-threads", "max-models",
     "drain-delay-ms", "election-ttl-secs", "io-threads", "upstream-connections", "grpc-keepalive-time", "grpc-keepalive-timeout",
     "model-load-thread-count", "metrics-interval-ms", "http-max-input-size", "buffer-manager-thread-count",
     "trace-rate", "trace-log-frequency",

@@ -50,6 +50,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    // A budget below the largest request would let such requests run only on an idle worker.
+    if args.max_queued_bytes != 0 && args.max_queued_bytes < args.max_request_bytes {
+        eprintln!(
+            "nereid-worker: --max-queued-bytes {} is below --max-request-bytes {}: raise it (or 0 for no bound)",
+            args.max_queued_bytes, args.max_request_bytes
+        );
+        return ExitCode::from(2);
+    }
     // Parsed before anything starts, so that a malformed value exits 2 like every other flag
     // error.
     let parsed = nereid_worker::cli::backend_settings(&args.backend_config).and_then(|(backend, warnings)| {

@@ -166,12 +166,12 @@ pub fn validate(spec: &ModelSpec, request: &mut InferRequest) -> Result<Validate
     Ok(Validated { rows: rows.unwrap_or(1), shape_key, inputs, wanted })
 }
 
-/// Fixed-size types: bytes must equal elements × element size (computed without overflow).
 /// Most elements one BYTES input may hold: each becomes a string of its own (ours, then a C
 /// string and ONNX Runtime's), some 60 bytes apiece whatever its length, so a request of 64 MiB
 /// of empty elements (16.7 million) would take a gigabyte or more to run.
 pub const MAX_BYTES_ELEMENTS: u64 = 1 << 22;
 
+/// Fixed-size types: bytes must equal elements × element size (computed without overflow).
 /// BYTES: the serialized elements must parse and number exactly the shape's elements.
 pub fn check_byte_size(name: &str, datatype: DataType, shape: &[i64], data: &[u8]) -> Result<(), Status> {
     let elements = dtype::element_count(shape)

@@ -89,6 +89,24 @@ async fn the_example_ensemble_chains_and_parallels_its_steps() {
     assert_eq!(stats("scale_ensemble", 1).fail.count, 2);
 }
 
+/// Under `--max-queued-bytes`, an ensemble's request holds its own inputs' place and its steps
+/// none: with a budget of exactly one request's inputs, the example ensemble (whose steps fan
+/// one tensor out to two models) runs; a second request while the first is held would not
+/// fit, but steps never count against their own ensemble.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ensembles_steps_take_no_memory_budget_of_their_own() {
+    common::init_ort();
+    let options = common::options(&example_models(), ControlMode::None, false);
+    let rows = [[1.0, 2.0, 3.0, 4.0], [-0.5, 0.0, 0.25, 10.0]];
+    let repo =
+        Arc::new(Repository::new(options, Arc::new(nereid_worker::metrics::Metrics::new())).with_max_queued_bytes(32));
+    assert!(repo.load_startup_models().await.is_empty());
+    for _ in 0..3 {
+        let answer = repo.infer(request("scale_ensemble", &rows, &[])).await.expect("fits: 32 bytes of input");
+        assert_eq!(floats(&answer.outputs[1].data)[..4], [3.0, 6.0, 9.0, 12.0]);
+    }
+}
+
 /// A repository holding `versioned_scale` (versions 1 and 2) and the given ensembles.
 fn ensemble_repo(ensembles: &[(&str, &str)]) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();

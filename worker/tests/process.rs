@@ -141,6 +141,7 @@ fn invalid_flags_exit_non_zero_naming_the_flag() {
             "--grpc-restricted-protocol",
         ),
         (vec!["--model-repository", repo, "--grpc-infer-response-compression-level=max"], "compression-level"),
+        (vec!["--model-repository", repo, "--max-queued-bytes=1048576"], "--max-queued-bytes"),
     ] {
         let (code, output) = run_cli(&args);
         assert_ne!(code, 0, "{args:?} should fail");

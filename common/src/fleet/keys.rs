@@ -64,11 +64,12 @@ pub fn check_name(what: &str, name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Characters that print as nothing or reorder text (zero-width and bidirectional controls,
-/// the byte order mark, the soft hyphen): a name holding one looks like another name, or
-/// prints scrambled.
+/// Characters that print as nothing or reorder text (the zero-width space, bidirectional
+/// embeddings, overrides and isolates, the byte order mark, the soft hyphen): a name holding
+/// one looks like another name, or prints scrambled. The zero-width joiners and the
+/// left-to-right / right-to-left marks stay allowed: Persian, Indic and emoji names need them.
 fn is_invisible(c: char) -> bool {
-    matches!(c, '\u{00AD}' | '\u{061C}' | '\u{180E}' | '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}'
+    matches!(c, '\u{00AD}' | '\u{180E}' | '\u{200B}' | '\u{202A}'..='\u{202E}'
         | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{206F}' | '\u{FEFF}')
 }
 
@@ -227,6 +228,9 @@ mod tests {
             assert!(!e.contains('\u{202E}'), "the name is shown escaped: {e}");
         }
         assert_eq!(check_name("model", "résumé-v2_模型"), Ok(()));
+        // Joiners and direction marks that real names need.
+        assert_eq!(check_name("model", "می\u{200C}خواهم"), Ok(()));
+        assert_eq!(check_name("model", "👩\u{200D}💻"), Ok(()));
     }
 
     #[test]

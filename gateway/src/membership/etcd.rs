@@ -319,8 +319,6 @@ impl EtcdMembership {
 /// Most further watch responses, already received, applied before a table is published.
 const COALESCED_RESPONSES: usize = 256;
 
-/// Whether a watch failed on a response too large to decode: resuming from the same revision
-/// would receive the same batch and fail again, forever; a re-read (paged) gets past it.
 /// The revision a watch response proves delivered when it carries no events: a progress
 /// notification's header revision. Not the creation response's: its header is the store's
 /// revision when the watch was made, sent before the history from the start revision arrives,

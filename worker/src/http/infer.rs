@@ -304,12 +304,8 @@ fn parse_json(json: &[u8], max_bytes: usize) -> Result<RawRequest, Status> {
         Err(e) => match rewrite_non_finite(json) {
             None => Err(malformed(e)),
             Some(rewritten) => {
-                let raw = parse_json_with(&rewritten, max_bytes, true).map_err(malformed)?;
-                if raw.holds_marker_outside_data() {
-                    return Err(Status::invalid(
-                        "malformed inference request JSON: NaN and Infinity are accepted only as tensor data values",
-                    ));
-                }
+                let mut raw = parse_json_with(&rewritten, max_bytes, true).map_err(malformed)?;
+                raw.settle_markers()?;
                 Ok(raw)
             }
         },
@@ -649,20 +645,40 @@ struct RawRequest {
 }
 
 impl RawRequest {
-    /// Whether a bare `NaN` / `Infinity` stood anywhere but in a tensor's `data` (an id, a
-    /// name, a parameter): it was read as a marker string there, which must not pass for text.
-    fn holds_marker_outside_data(&self) -> bool {
+    /// Where a bare `NaN` / `Infinity` stood outside a tensor's `data`, it was read as a marker
+    /// string, which must not pass for text: as a parameter's value it is a number JSON cannot
+    /// hold (null here: no parameter Nereid reads takes a non-finite value; tritonserver keeps
+    /// it as a double); as an id, a name, a datatype or a key, the request is malformed.
+    fn settle_markers(&mut self) -> Result<(), Status> {
         let marker = |s: &str| non_finite_marker(s).is_some();
-        let in_parameters =
-            |p: &Option<Map<String, Value>>| p.iter().flat_map(|m| m.values()).any(|v| v.as_str().is_some_and(marker));
-        self.id.as_deref().is_some_and(marker)
-            || in_parameters(&self.parameters)
-            || self.inputs.iter().flatten().any(|i| {
-                i.name.as_deref().is_some_and(marker)
-                    || i.datatype.as_deref().is_some_and(marker)
-                    || in_parameters(&i.parameters)
-            })
-            || self.outputs.iter().flatten().any(|o| marker(&o.name) || in_parameters(&o.parameters))
+        let settle = |p: &mut Option<Map<String, Value>>| -> bool {
+            let Some(map) = p else { return true };
+            if map.keys().any(|k| marker(k)) {
+                return false;
+            }
+            for value in map.values_mut() {
+                if value.as_str().is_some_and(marker) {
+                    *value = Value::Null;
+                }
+            }
+            true
+        };
+        let mut fine = !self.id.as_deref().is_some_and(marker) && settle(&mut self.parameters);
+        for i in self.inputs.iter_mut().flatten() {
+            fine &= !i.name.as_deref().is_some_and(marker)
+                && !i.datatype.as_deref().is_some_and(marker)
+                && settle(&mut i.parameters);
+        }
+        for o in self.outputs.iter_mut().flatten() {
+            fine &= !marker(&o.name) && settle(&mut o.parameters);
+        }
+        if fine {
+            Ok(())
+        } else {
+            Err(Status::invalid(
+                "malformed inference request JSON: NaN and Infinity are numbers, not names, ids or keys",
+            ))
+        }
     }
 }
 
@@ -2661,21 +2677,20 @@ mod tests {
         // The marker strings themselves mean nothing without the bare tokens.
         let e = one_input("FP32", "[1]", "[\"\u{FDD0}\"]").unwrap_err();
         assert!(e.message.contains("got a string"), "{}", e.message);
-        // A bare token anywhere but in data is not text: refused, not read as a marker.
+        // A bare token where text belongs is not text: refused, not read as a marker.
         for (id, parameters, name) in
-            [("NaN", "{}", "\"f\""), ("\"a\"", r#"{"priority": NaN}"#, "\"f\""), ("\"a\"", "{}", "Infinity")]
+            [("NaN", "{}", "\"f\""), ("\"a\"", r#"{NaN: 1}"#, "\"f\""), ("\"a\"", "{}", "Infinity")]
         {
             let e = parse(&format!(
                 r#"{{"id":{id},"parameters":{parameters},"inputs":[{{"name":{name},"datatype":"FP32","shape":[1],"data":[NaN]}}]}}"#
             ))
             .unwrap_err();
-            assert!(
-                e.message.contains("accepted only as tensor data values"),
-                "{id} {parameters} {name}: {}",
-                e.message
-            );
+            assert!(e.message.contains("not names, ids or keys"), "{id} {parameters} {name}: {}", e.message);
         }
         let ok = parse(r#"{"id":"a","inputs":[{"name":"f","datatype":"FP32","shape":[1],"data":[NaN]}]}"#);
+        assert!(ok.is_ok(), "{:?}", ok.err());
+        // As a parameter's value (Python's json.dumps writes it): a number JSON cannot hold.
+        let ok = parse(r#"{"parameters":{"x":NaN},"inputs":[{"name":"f","datatype":"FP32","shape":[1],"data":[1]}]}"#);
         assert!(ok.is_ok(), "{:?}", ok.err());
     }
 

@@ -665,8 +665,19 @@ impl Repository {
                 stats.record_cache_hit(*lookup, elapsed)
             });
         }
+        // A client's request holds its inputs' place in the memory budget until answered; an
+        // ensemble's steps take none of their own (their tensors are the ensemble's, or its
+        // intermediates): counted per step, a fan-out would count one tensor thrice, and an
+        // ensemble could be refused by its own steps.
+        let ensemble_budget = match &version.executor {
+            Executor::Ensemble { .. } if depth == 0 => Some(self.budget.reserve(request_weight(&request))),
+            _ => None,
+        };
         let outcome = match &version.executor {
-            Executor::Scheduler(scheduler) => run(&model.spec, scheduler, &self.budget, &mut request).await,
+            _ if let Some(Err(refused)) = &ensemble_budget => Err(refused.clone()),
+            Executor::Scheduler(scheduler) => {
+                run(&model.spec, scheduler, (depth == 0).then_some(&self.budget), &mut request).await
+            }
             // Over max_inflight_requests, a request waits for its turn (bounded by its
             // deadline) before its first step.
             Executor::Ensemble { plan, inflight: None } => {
@@ -688,6 +699,7 @@ impl Repository {
                 }
             }
         };
+        drop(ensemble_budget);
         // Counted only if the request succeeds (below); its batch's execution after that, when
         // `_execution` (and the batch's other answers) are dropped.
         let (outcome, figures, _execution) = match outcome {
@@ -1713,20 +1725,46 @@ fn ensemble_named_versions<'a>(plans: impl IntoIterator<Item = &'a Plan>, model:
     out
 }
 
-/// Validates and queues one request on `scheduler`.
+/// What an input takes in memory while its request is held: its bytes, and for BYTES some 64
+/// bytes more per element (each becomes a string of its own to run: ours, a C string, ONNX
+/// Runtime's), whatever its length on the wire.
+fn input_weight(datatype: nereid_common::DataType, shape: &[i64], bytes: usize) -> u64 {
+    let strings = match datatype {
+        // A shape that overflows weighs nothing here: validation refuses it for what it is.
+        nereid_common::DataType::Bytes => nereid_common::dtype::element_count(shape).unwrap_or(0),
+        _ => 0,
+    };
+    (bytes as u64).saturating_add(strings.saturating_mul(64))
+}
+
+/// [`input_weight`] of every input of `request`.
+fn request_weight(request: &InferRequest) -> u64 {
+    request.inputs.iter().map(|i| input_weight(i.datatype, &i.shape, i.data.len())).fold(0, u64::saturating_add)
+}
+
+/// Validates and queues one request on `scheduler` (holding its inputs' place in `budget`,
+/// where one is given, until answered).
 async fn run(
     spec: &ModelSpec,
     scheduler: &Scheduler,
-    budget: &Arc<crate::scheduler::MemoryBudget>,
+    budget: Option<&Arc<crate::scheduler::MemoryBudget>>,
     request: &mut InferRequest,
 ) -> Result<Answer, Status> {
     let v = validate(spec, request)?;
-    let bytes = v.inputs.iter().flatten().map(|(_, data)| data.len() as u64).sum();
-    let reserved = budget.reserve(bytes)?;
+    let reserved = match budget {
+        Some(budget) => {
+            let weights = v.inputs.iter().zip(&spec.inputs).filter_map(|(input, spec)| {
+                let (shape, data) = input.as_ref()?;
+                Some(input_weight(spec.datatype, shape, data.len()))
+            });
+            Some(budget.reserve(weights.fold(0u64, u64::saturating_add))?)
+        }
+        None => None,
+    };
     let (tx, rx) = oneshot::channel();
     let mut job = Job::new(v.rows, v.shape_key, v.inputs, v.wanted, request.priority, request.timeout_us, tx);
     job.deadline = request.deadline;
-    job.reserved = Some(reserved);
+    job.reserved = reserved;
     scheduler.submit(job)?;
     let answer = match request.deadline {
         Some(deadline) => match tokio::time::timeout_at(deadline.into(), rx).await {

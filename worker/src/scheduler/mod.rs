@@ -445,8 +445,11 @@ fn answer_dropped(shared: &Shared, dropped: Vec<(Job, DropReason)>) {
             }
         };
         // Never dispatched, so it holds no place in the answer order (preserve_ordering): as in
-        // Triton, a request leaving the queue without running is answered at once.
-        let _ = job.reply.send(Err(status));
+        // Triton, a request leaving the queue without running is answered at once — its memory
+        // given back first.
+        let Job { reply, reserved, .. } = job;
+        drop(reserved);
+        let _ = reply.send(Err(status));
     }
 }
 
@@ -483,6 +486,7 @@ fn timer_thread(shared: Arc<Shared>) {
 
 fn instance_thread<I: Instance>(mut session: I, shared: Arc<Shared>) {
     session.prepare_thread();
+    let mut isolation = Isolation::default();
     let mut state = shared.lock();
     loop {
         let now = Instant::now();
@@ -503,7 +507,7 @@ fn instance_thread<I: Instance>(mut session: I, shared: Arc<Shared>) {
                     shared.wake.notify_one();
                 }
                 drop(state);
-                run_batch(&mut session, batch, now, &shared);
+                run_batch(&mut session, batch, now, &shared, &mut isolation);
                 state = shared.lock();
             }
             Decision::WaitUntil(t) => {
@@ -534,36 +538,70 @@ pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "(no message)".into())
 }
 
-fn run_batch<I: Instance>(session: &mut I, batch: Vec<Job>, dispatched: Instant, shared: &Shared) {
+/// What an instance remembers of its last failed batch run again one request at a time.
+#[derive(Default)]
+struct Isolation {
+    /// Every request of that round failed on its own too: the model, not one request's values,
+    /// is failing. Until a run succeeds again, failed batches are not run again (a broken model
+    /// would otherwise cost a run per request of every batch).
+    futile: bool,
+}
+
+fn run_batch<I: Instance>(
+    session: &mut I,
+    batch: Vec<Job>,
+    dispatched: Instant,
+    shared: &Shared,
+    isolation: &mut Isolation,
+) {
     shared.stats.record_dispatch(batch.len());
     shared.stats.pending_add(-(batch.len() as i64));
-    let result = run_guarded(session, &batch);
-    if result.is_err() && batch.len() > 1 {
+    let (result, panicked) = run_guarded(session, &batch);
+    if result.is_ok() {
+        isolation.futile = false;
+    }
+    if result.is_err() && batch.len() > 1 && !panicked && !isolation.futile {
         // One request's values can fail the run of the whole batch (a token id past a
         // vocabulary, an index out of range): each request runs again on its own, so that only
         // the one at fault fails and every other caller is answered as if it had run alone.
+        // Not after a panic (a bug, not the data), and not for callers already gone.
         tracing::debug!(requests = batch.len(), "a batch failed; running its requests one at a time");
+        let failed = result.as_ref().err().cloned();
+        let mut succeeded = false;
         for job in batch {
             let solo = vec![job];
-            let result = run_guarded(session, &solo);
+            let gone = solo[0].reply.is_closed() || solo[0].deadline.is_some_and(|d| d <= Instant::now());
+            let result = match &failed {
+                Some(status) if gone => Err(status.clone()),
+                _ => run_guarded(session, &solo).0,
+            };
+            succeeded |= result.is_ok();
             deliver(solo, result, dispatched, shared);
         }
+        isolation.futile = !succeeded;
     } else {
         deliver(batch, result, dispatched, shared);
     }
 }
 
-/// Runs `batch` on `session`. A panic while running (a bug, or a model answering what nothing
-/// expected) fails this batch only: unwound past here it would end the instance thread, and
-/// with it every later batch (and, under preserve_ordering, every later answer).
-fn run_guarded<I: Instance>(session: &mut I, batch: &[Job]) -> Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status> {
+/// Runs `batch` on `session`, saying whether it panicked. A panic while running (a bug, or a
+/// model answering what nothing expected) fails this batch only: unwound past here it would
+/// end the instance thread, and with it every later batch (and, under preserve_ordering, every
+/// later answer).
+fn run_guarded<I: Instance>(
+    session: &mut I,
+    batch: &[Job],
+) -> (Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status>, bool) {
     let inputs: Vec<JobInputs<'_>> = batch.iter().map(|j| JobInputs { rows: j.rows, inputs: &j.inputs }).collect();
     let wanted = |j: usize, o: usize| batch[j].wanted.get(o).copied().unwrap_or(false);
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session.run(&inputs, &wanted))).unwrap_or_else(|panic| {
-        let what = panic_text(panic.as_ref());
-        tracing::error!(error = %what, "an instance panicked running a batch; the batch fails, the instance goes on");
-        Err(Status::internal(format!("the model's run failed unexpectedly: {what}")))
-    })
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session.run(&inputs, &wanted))) {
+        Ok(result) => (result, false),
+        Err(panic) => {
+            let what = panic_text(panic.as_ref());
+            tracing::error!(error = %what, "an instance panicked running a batch; the batch fails, the instance goes on");
+            (Err(Status::internal(format!("the model's run failed unexpectedly: {what}"))), true)
+        }
+    }
 }
 
 /// Answers every job of `batch` from the run's `result`.
@@ -586,7 +624,9 @@ fn deliver(
             // left unanswered would hold every later answer for ever.
             let mut outputs = outputs.into_iter();
             let last = batch.len().saturating_sub(1);
-            for (i, job) in batch.into_iter().enumerate() {
+            for (i, mut job) in batch.into_iter().enumerate() {
+                // Given back before the caller hears: what it sends next finds the room.
+                drop(job.reserved.take());
                 let execution = if i == last { execution.take() } else { execution.clone() };
                 let figures = RunFigures {
                     rows: job.rows,
@@ -603,7 +643,8 @@ fn deliver(
             }
         }
         Err(status) => {
-            for job in batch {
+            for mut job in batch {
+                drop(job.reserved.take());
                 shared.delivery.send(job.seq, job.reply, Err(status.clone()));
             }
         }
@@ -837,6 +878,58 @@ mod tests {
         assert_eq!((1..=3).map(|_| started.recv_timeout(GATE_LIMIT)).collect::<Vec<_>>(), vec![Ok(1); 3]);
         // Executions that answered: the first and the two good ones.
         assert_eq!(stats.snapshot().execution_count, 3);
+    }
+
+    /// Counts its runs; held on its first (until the test opens the gate); fails every run.
+    struct AlwaysFails {
+        runs: Arc<std::sync::atomic::AtomicUsize>,
+        started: std::sync::mpsc::Sender<usize>,
+        gate: Option<std::sync::mpsc::Receiver<()>>,
+    }
+
+    impl Instance for AlwaysFails {
+        fn run(
+            &mut self,
+            jobs: &[JobInputs<'_>],
+            _wanted: &dyn Fn(usize, usize) -> bool,
+        ) -> Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status> {
+            self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let _ = self.started.send(jobs.len());
+            if let Some(gate) = self.gate.take() {
+                let _ = gate.recv_timeout(GATE_LIMIT);
+            }
+            Err(Status::internal("the model is broken"))
+        }
+    }
+
+    /// A model whose every run fails is not run request by request for every batch: once a
+    /// round of solo runs failed throughout, later failed batches are answered as they are.
+    #[test]
+    fn a_model_failing_every_run_is_not_rerun_request_by_request_for_ever() {
+        let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let (gate, gate_rx) = std::sync::mpsc::channel();
+        let instance = AlwaysFails { runs: runs.clone(), started: started_tx, gate: Some(gate_rx) };
+        let mut policy = BatchPolicy::direct();
+        policy.max_batch_size = 3;
+        policy.max_requests = usize::MAX;
+        let stats = crate::metrics::Metrics::new().version("m", 1);
+        let scheduler = Scheduler::start("test", policy, false, vec![instance], stats).expect("threads start");
+        let submit = || {
+            let (tx, rx) = oneshot::channel();
+            scheduler.submit(Job::new(1, vec![], vec![], vec![], 0, 0, tx)).expect("queued");
+            rx
+        };
+        let first = submit();
+        assert_eq!(started.recv_timeout(GATE_LIMIT), Ok(1), "the first request holds the instance");
+        let later: Vec<_> = (0..6).map(|_| submit()).collect();
+        gate.send(()).expect("instance waits");
+        for rx in std::iter::once(first).chain(later) {
+            assert!(rx.blocking_recv().expect("answered").is_err());
+        }
+        // The first alone; the first batch of three, then each of its three alone (all fail);
+        // the second batch of three, not run again.
+        assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1 + 1 + 3 + 1);
     }
 
     /// Callers that went away while every instance is busy do not keep a full queue full: the
