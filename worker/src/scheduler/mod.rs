@@ -588,10 +588,7 @@ fn run_batch<I: Instance>(
 /// model answering what nothing expected) fails this batch only: unwound past here it would
 /// end the instance thread, and with it every later batch (and, under preserve_ordering, every
 /// later answer).
-fn run_guarded<I: Instance>(
-    session: &mut I,
-    batch: &[Job],
-) -> (Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status>, bool) {
+fn run_guarded<I: Instance>(session: &mut I, batch: &[Job]) -> (RunResult, bool) {
     let inputs: Vec<JobInputs<'_>> = batch.iter().map(|j| JobInputs { rows: j.rows, inputs: &j.inputs }).collect();
     let wanted = |j: usize, o: usize| batch[j].wanted.get(o).copied().unwrap_or(false);
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session.run(&inputs, &wanted))) {
@@ -604,13 +601,11 @@ fn run_guarded<I: Instance>(
     }
 }
 
+/// What an instance's run of a batch gives: each job's outputs, and the phases' times.
+type RunResult = Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status>;
+
 /// Answers every job of `batch` from the run's `result`.
-fn deliver(
-    batch: Vec<Job>,
-    result: Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status>,
-    dispatched: Instant,
-    shared: &Shared,
-) {
+fn deliver(batch: Vec<Job>, result: RunResult, dispatched: Instant, shared: &Shared) {
     let rows: usize = batch.iter().map(|j| j.rows).sum();
     match result {
         Ok((outputs, times)) => {
