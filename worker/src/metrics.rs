@@ -388,9 +388,16 @@ pub struct Metrics {
     fleet: std::sync::OnceLock<Arc<FleetCounters>>,
     /// Requests waiting in every model's queue: the load figure reported in-band to gateways.
     pending: Arc<AtomicI64>,
+    /// The bytes of input requests hold (`--max-queued-bytes`), once the repository set it.
+    memory: Mutex<Option<Arc<crate::scheduler::MemoryBudget>>>,
 }
 
 impl Metrics {
+    /// Renders `budget` with the rest (the repository's memory budget).
+    pub fn show_memory_budget(&self, budget: Arc<crate::scheduler::MemoryBudget>) {
+        *self.memory.lock().unwrap_or_else(|e| e.into_inner()) = Some(budget);
+    }
+
     /// Requests queued in every model of this worker, now (never negative).
     pub fn pending_total(&self) -> u64 {
         self.pending.load(Relaxed).max(0) as u64
@@ -527,6 +534,9 @@ impl Metrics {
         }
         if let Some(f) = self.fleet.get() {
             f.render(&mut out);
+        }
+        if let Some(memory) = self.memory.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            memory.render(&mut out);
         }
         for (name, help, pick) in [
             ("nereid_inference_request_latency_us", "End-to-end request latency in microseconds", 0),

@@ -553,6 +553,12 @@ async fn past_the_memory_budget_a_request_is_refused_at_once() {
     assert!(nereid_common::status::is_queue_refusal(e.code, &e.message), "the gateway retries it elsewhere: {e}");
     assert!(e.message.contains("--max-queued-bytes 192"), "{e}");
     assert!(!held.is_finished() && pending(&repo) == 1, "the held request is untouched");
+    let text = repo_metrics(&repo);
+    for series in
+        ["nereid_queued_input_bytes 128", "nereid_queued_input_bytes_limit 192", "nereid_queued_input_refusals_total 1"]
+    {
+        assert!(text.lines().any(|l| l == series), "{series}:\n{text}");
+    }
     // One row fits beside the two held.
     let fits = send(request_rows(3.0, 1, 0, 0));
     eventually("the request that fits queued", || pending(&repo) == 2).await;

@@ -226,6 +226,8 @@ fn panic_message(e: tokio::task::JoinError) -> String {
 impl Repository {
     pub fn new(options: RepositoryOptions, metrics: Arc<Metrics>) -> Self {
         let builds = options.load_threads.max(1);
+        let budget = crate::scheduler::MemoryBudget::new(0);
+        metrics.show_memory_budget(budget.clone());
         Repository {
             options,
             metrics,
@@ -239,7 +241,7 @@ impl Repository {
             builds_started: Default::default(),
             startup_done: AtomicBool::new(false),
             draining: AtomicBool::new(false),
-            budget: crate::scheduler::MemoryBudget::new(0),
+            budget,
             attempted: Default::default(),
             cache: None,
             epoch: Default::default(),
@@ -251,6 +253,7 @@ impl Repository {
     /// running (`--max-queued-bytes`; 0: no bound). Past it a request is RESOURCE_EXHAUSTED.
     pub fn with_max_queued_bytes(mut self, limit: u64) -> Self {
         self.budget = crate::scheduler::MemoryBudget::new(limit);
+        self.metrics.show_memory_budget(self.budget.clone());
         self
     }
 

@@ -89,11 +89,32 @@ pub struct MemoryBudget {
     /// 0: no limit.
     limit: u64,
     held: std::sync::atomic::AtomicU64,
+    /// Requests refused for want of room.
+    refused: std::sync::atomic::AtomicU64,
 }
 
 impl MemoryBudget {
     pub fn new(limit: u64) -> Arc<MemoryBudget> {
-        Arc::new(MemoryBudget { limit, held: Default::default() })
+        Arc::new(MemoryBudget { limit, held: Default::default(), refused: Default::default() })
+    }
+
+    /// The budget as Prometheus series: bytes held, the limit, and the refusals.
+    pub fn render(&self, out: &mut String) {
+        use std::fmt::Write;
+        use std::sync::atomic::Ordering::Relaxed;
+        let series = [
+            ("nereid_queued_input_bytes", "gauge", "Bytes of input held by queued and running requests", self.held()),
+            ("nereid_queued_input_bytes_limit", "gauge", "--max-queued-bytes (0: no bound)", self.limit),
+            (
+                "nereid_queued_input_refusals_total",
+                "counter",
+                "Requests refused because their inputs would pass --max-queued-bytes",
+                self.refused.load(Relaxed),
+            ),
+        ];
+        for (name, kind, help, value) in series {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+        }
     }
 
     /// A place for `bytes`, or RESOURCE_EXHAUSTED when they do not fit. A request larger than
@@ -106,6 +127,7 @@ impl MemoryBudget {
             if let Err(held) = self.held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
                 fits(held).then(|| held.saturating_add(bytes))
             }) {
+                self.refused.fetch_add(1, Ordering::Relaxed);
                 return Err(Status::exhausted(format!(
                     "{} ({held} bytes of inputs queued or running, {bytes} more would pass --max-queued-bytes \
                      {}), retry later",
@@ -815,6 +837,11 @@ mod tests {
         let lone = budget.reserve(1000).expect("nothing held: a request past the whole budget runs");
         assert!(budget.reserve(1).is_err());
         drop(lone);
+        let mut text = String::new();
+        budget.render(&mut text);
+        assert!(text.contains("nereid_queued_input_bytes 0\n"), "{text}");
+        assert!(text.contains("nereid_queued_input_bytes_limit 100\n"), "{text}");
+        assert!(text.contains("nereid_queued_input_refusals_total 2\n"), "{text}");
         let unbounded = MemoryBudget::new(0);
         let _all = [unbounded.reserve(u64::MAX / 2).unwrap(), unbounded.reserve(u64::MAX / 2).unwrap()];
     }
