@@ -582,21 +582,21 @@ fn run_batch<I: Instance>(
     if result.is_ok() {
         isolation.futile = false;
     }
-    if result.is_err() && batch.len() > 1 && !panicked && !isolation.futile {
+    if let Err(failed) = &result
+        && batch.len() > 1
+        && !panicked
+        && !isolation.futile
+    {
         // One request's values can fail the run of the whole batch (a token id past a
         // vocabulary, an index out of range): each request runs again on its own, so that only
         // the one at fault fails and every other caller is answered as if it had run alone.
         // Not after a panic (a bug, not the data), and not for callers already gone.
         tracing::debug!(requests = batch.len(), "a batch failed; running its requests one at a time");
-        let failed = result.as_ref().err().cloned();
         let mut succeeded = false;
         for job in batch {
             let solo = vec![job];
             let gone = solo[0].reply.is_closed() || solo[0].deadline.is_some_and(|d| d <= Instant::now());
-            let result = match &failed {
-                Some(status) if gone => Err(status.clone()),
-                _ => run_guarded(session, &solo).0,
-            };
+            let result = if gone { Err(failed.clone()) } else { run_guarded(session, &solo).0 };
             succeeded |= result.is_ok();
             deliver(solo, result, dispatched, shared);
         }
@@ -846,47 +846,71 @@ mod tests {
         let _all = [unbounded.reserve(u64::MAX / 2).unwrap(), unbounded.reserve(u64::MAX / 2).unwrap()];
     }
 
-    /// An instance held on its first run (until the test opens the gate), that then fails
-    /// every batch holding a request of two rows (a request whose values the model refuses).
-    struct FailsOnTwoRows {
+    /// An instance that counts its runs, is held on its first (until the test opens the gate),
+    /// and fails every batch `fails` picks out.
+    struct HeldThenFails {
+        runs: Arc<std::sync::atomic::AtomicUsize>,
         started: std::sync::mpsc::Sender<usize>,
         gate: Option<std::sync::mpsc::Receiver<()>>,
+        fails: fn(&[JobInputs<'_>]) -> bool,
     }
 
-    impl Instance for FailsOnTwoRows {
+    impl Instance for HeldThenFails {
         fn run(
             &mut self,
             jobs: &[JobInputs<'_>],
             _wanted: &dyn Fn(usize, usize) -> bool,
         ) -> Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status> {
+            self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             let _ = self.started.send(jobs.len());
             if let Some(gate) = self.gate.take() {
                 let _ = gate.recv_timeout(GATE_LIMIT);
             }
-            if jobs.iter().any(|j| j.rows == 2) {
+            if (self.fails)(jobs) {
                 return Err(Status::internal("index 70000 is out of bounds of the vocabulary"));
             }
             Ok((jobs.iter().map(|_| vec![]).collect(), PhaseTimes::default()))
         }
     }
 
+    /// A scheduler over one [`HeldThenFails`] instance, batching up to `max_batch_size` rows:
+    /// the scheduler, its run count, where batch sizes are reported, the gate, the statistics.
+    #[allow(clippy::type_complexity)]
+    fn held_then_failing(
+        fails: fn(&[JobInputs<'_>]) -> bool,
+        max_batch_size: usize,
+    ) -> (
+        Scheduler,
+        Arc<std::sync::atomic::AtomicUsize>,
+        std::sync::mpsc::Receiver<usize>,
+        std::sync::mpsc::Sender<()>,
+        Arc<VersionStats>,
+    ) {
+        let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let (gate, gate_rx) = std::sync::mpsc::channel();
+        let instance = HeldThenFails { runs: runs.clone(), started: started_tx, gate: Some(gate_rx), fails };
+        let mut policy = BatchPolicy::direct();
+        policy.max_batch_size = max_batch_size;
+        policy.max_requests = usize::MAX;
+        let stats = crate::metrics::Metrics::new().version("m", 1);
+        let scheduler = Scheduler::start("test", policy, false, vec![instance], stats.clone()).expect("threads start");
+        (scheduler, runs, started, gate, stats)
+    }
+
+    fn submit_rows(scheduler: &Scheduler, rows: usize) -> oneshot::Receiver<JobResult> {
+        let (tx, rx) = oneshot::channel();
+        scheduler.submit(Job::new(rows, vec![], vec![], vec![], 0, 0, tx)).expect("queued");
+        rx
+    }
+
     /// A batch failed by one request's values: its other requests run again, alone, and are
     /// answered; only the one at fault fails.
     #[test]
     fn a_batch_failed_by_one_request_fails_that_request_alone() {
-        let (started_tx, started) = std::sync::mpsc::channel();
-        let (gate, gate_rx) = std::sync::mpsc::channel();
-        let instance = FailsOnTwoRows { started: started_tx, gate: Some(gate_rx) };
-        let mut policy = BatchPolicy::direct();
-        policy.max_batch_size = 8;
-        policy.max_requests = usize::MAX;
-        let stats = crate::metrics::Metrics::new().version("m", 1);
-        let scheduler = Scheduler::start("test", policy, false, vec![instance], stats.clone()).expect("threads start");
-        let submit = |rows: usize| {
-            let (tx, rx) = oneshot::channel();
-            scheduler.submit(Job::new(rows, vec![], vec![], vec![], 0, 0, tx)).expect("queued");
-            rx
-        };
+        // A request of two rows stands for one whose values the model refuses.
+        let (scheduler, _, started, gate, stats) = held_then_failing(|jobs| jobs.iter().any(|j| j.rows == 2), 8);
+        let submit = |rows: usize| submit_rows(&scheduler, rows);
         let first = submit(1);
         assert_eq!(started.recv_timeout(GATE_LIMIT), Ok(1), "the first request holds the instance");
         let (good, bad, also_good) = (submit(1), submit(2), submit(1));
@@ -902,49 +926,14 @@ mod tests {
         assert_eq!(stats.snapshot().execution_count, 3);
     }
 
-    /// Counts its runs; held on its first (until the test opens the gate); fails every run.
-    struct AlwaysFails {
-        runs: Arc<std::sync::atomic::AtomicUsize>,
-        started: std::sync::mpsc::Sender<usize>,
-        gate: Option<std::sync::mpsc::Receiver<()>>,
-    }
-
-    impl Instance for AlwaysFails {
-        fn run(
-            &mut self,
-            jobs: &[JobInputs<'_>],
-            _wanted: &dyn Fn(usize, usize) -> bool,
-        ) -> Result<(Vec<Vec<OutputTensor>>, PhaseTimes), Status> {
-            self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let _ = self.started.send(jobs.len());
-            if let Some(gate) = self.gate.take() {
-                let _ = gate.recv_timeout(GATE_LIMIT);
-            }
-            Err(Status::internal("the model is broken"))
-        }
-    }
-
     /// A model whose every run fails is not run request by request for every batch: once a
     /// round of solo runs failed throughout, later failed batches are answered as they are.
     #[test]
     fn a_model_failing_every_run_is_not_rerun_request_by_request_for_ever() {
-        let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let (started_tx, started) = std::sync::mpsc::channel();
-        let (gate, gate_rx) = std::sync::mpsc::channel();
-        let instance = AlwaysFails { runs: runs.clone(), started: started_tx, gate: Some(gate_rx) };
-        let mut policy = BatchPolicy::direct();
-        policy.max_batch_size = 3;
-        policy.max_requests = usize::MAX;
-        let stats = crate::metrics::Metrics::new().version("m", 1);
-        let scheduler = Scheduler::start("test", policy, false, vec![instance], stats).expect("threads start");
-        let submit = || {
-            let (tx, rx) = oneshot::channel();
-            scheduler.submit(Job::new(1, vec![], vec![], vec![], 0, 0, tx)).expect("queued");
-            rx
-        };
-        let first = submit();
+        let (scheduler, runs, started, gate, _) = held_then_failing(|_| true, 3);
+        let first = submit_rows(&scheduler, 1);
         assert_eq!(started.recv_timeout(GATE_LIMIT), Ok(1), "the first request holds the instance");
-        let later: Vec<_> = (0..6).map(|_| submit()).collect();
+        let later: Vec<_> = (0..6).map(|_| submit_rows(&scheduler, 1)).collect();
         gate.send(()).expect("instance waits");
         for rx in std::iter::once(first).chain(later) {
             assert!(rx.blocking_recv().expect("answered").is_err());
